@@ -1,0 +1,109 @@
+"""Audit ledger: one row per message field that crossed the wire.
+
+Byte counts in metrics and reports come from this ledger, never from estimates
+(DESIGN.md principle 6). Rows are buffered per round and appended to ``audit.jsonl``
+when the round's checkpoint is written, so a killed run never leaves half a round behind.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from fedfm.core.messages import Message, array_bytes, meta_bytes
+
+
+class AuditLedger:
+    """Records every message field with its shape, dtype and size.
+
+    Args:
+        path: ``audit.jsonl`` of the run, or None to keep rows in memory only.
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self.pending: list[dict] = []
+        self._bytes: dict[tuple[int, str], int] = defaultdict(int)
+
+    def record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
+        """Adds one message's fields to the ledger.
+
+        Args:
+            rnd: Round number (0 for one-off phases before the rounds).
+            client: Client id.
+            direction: ``"down"`` (server to client) or ``"up"``.
+            msg: The message.
+
+        Returns:
+            Bytes recorded for this message.
+        """
+        total = 0
+        for name, arrays in msg.arrays.items():
+            nbytes = array_bytes(arrays)
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in arrays.values()})
+            row = {
+                "round": rnd,
+                "client": client,
+                "kind": msg.kind,
+                "direction": direction,
+                "field": name,
+                "type": "arrays",
+                "tensors": len(arrays),
+                "numel": sum(t.numel() for t in arrays.values()),
+                "dtype": ",".join(dtypes),
+                "bytes": nbytes,
+            }
+            if len(arrays) == 1:
+                row["shape"] = list(next(iter(arrays.values())).shape)
+            self.pending.append(row)
+            total += nbytes
+        for name, value in msg.meta.items():
+            nbytes = meta_bytes(value)
+            self.pending.append(
+                {
+                    "round": rnd,
+                    "client": client,
+                    "kind": msg.kind,
+                    "direction": direction,
+                    "field": name,
+                    "type": "meta",
+                    "bytes": nbytes,
+                }
+            )
+            total += nbytes
+        self._bytes[(rnd, direction)] += total
+        return total
+
+    def round_bytes(self, rnd: int) -> dict[str, int]:
+        """Uplink and downlink bytes recorded for a round."""
+        return {"bytes_up": self._bytes[(rnd, "up")], "bytes_down": self._bytes[(rnd, "down")]}
+
+    def flush(self) -> None:
+        """Appends pending rows to the ledger file."""
+        if self.path is not None and self.pending:
+            with self.path.open("a") as f:
+                for row in self.pending:
+                    f.write(json.dumps(row) + "\n")
+        self.pending.clear()
+
+    def load(self, upto_round: int) -> None:
+        """Reloads a ledger file on resume, dropping rows after ``upto_round``.
+
+        Args:
+            upto_round: Last round whose checkpoint was written.
+        """
+        if self.path is None or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line from a killed write
+                continue
+            if row["round"] <= upto_round:
+                kept.append(row)
+                self._bytes[(row["round"], row["direction"])] += row["bytes"]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
