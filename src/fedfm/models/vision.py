@@ -112,8 +112,8 @@ class MBConvBlock(nn.Module):
             h = F.relu6(self._bn0(self._expand_conv(h)))
         h = F.relu6(self._bn1(self._depthwise_conv(h)))
         h = self._bn2(self._project_conv(h))  # linear bottleneck: no activation
-        # Stochastic depth (drop-connect) from the TF training recipe is omitted: this backbone is
-        # used frozen or lightly fine-tuned, where it has no effect in eval mode.
+        # Stochastic depth (drop-connect), a training-time regulariser of the TF ImageNet recipe,
+        # is omitted: it never acts in eval mode, and this backbone is used frozen or briefly tuned.
         return h + x if self.residual else h
 
 
