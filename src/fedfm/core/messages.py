@@ -18,7 +18,7 @@ from torch import Tensor
 from fedfm.errors import MessageError, UpdateRejectedError
 
 Arrays = dict[str, Tensor]
-MetaValue = bool | int | float | str | list[int] | list[float] | list[str] | None
+MetaValue = bool | int | float | str | list[int] | list[float] | list[str] | dict[str, float] | None
 
 
 @dataclass
@@ -118,7 +118,9 @@ def validate_arrays(
             raise UpdateRejectedError(client, f"{field_name}.{name}", "missing key")
         t = got[name]
         if not isinstance(t, Tensor):
-            raise UpdateRejectedError(client, f"{field_name}.{name}", f"not a tensor ({type(t).__name__})")
+            raise UpdateRejectedError(
+                client, f"{field_name}.{name}", f"not a tensor ({type(t).__name__})"
+            )
         if t.dtype != ref.dtype:
             raise UpdateRejectedError(
                 client, f"{field_name}.{name}", f"dtype {t.dtype}, expected {ref.dtype}"

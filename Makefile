@@ -1,0 +1,26 @@
+# Two entry points do all set-up from nothing:
+#   make quickstart   # federated LoRA fine-tuning of SmolLM2 on the offline instruction suite
+#   make test         # the test suite
+.PHONY: setup quickstart test test-fast lint bench
+
+STAMP := .venv/.fedfm-setup
+$(STAMP): pyproject.toml requirements-assets.txt scripts/setup.sh
+	bash scripts/setup.sh
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+quickstart: $(STAMP)
+	.venv/bin/fedfm run quickstart --overwrite
+
+test: $(STAMP)
+	.venv/bin/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	.venv/bin/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	.venv/bin/ruff check src tests benchmarks
+
+bench: $(STAMP)
+	.venv/bin/python benchmarks/overhead.py

@@ -1,0 +1,3 @@
+"""Algorithms, one file each; importing this package registers them."""
+
+from fedfm.algorithms import fedavg  # noqa: F401

@@ -1,0 +1,112 @@
+"""What an algorithm supplies to the engine, and the algorithm registry.
+
+An algorithm is one file holding its config, its server half and its client half
+(DESIGN.md principle 1). The engine owns the round loop; the algorithm supplies steps:
+``setup`` (one-off phases before round 1), ``round``, ``evaluate`` and ``finish``, plus the
+client handlers, one per message kind. Client handlers may only use their context and the
+message: on the Flower runtime they run in another process, on an instance built from the
+same config.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from fedfm.core.federation import Federation, Handler
+from fedfm.core.messages import MessageKind
+from fedfm.errors import TooFewClientsError
+from fedfm.registry import Registry
+
+if TYPE_CHECKING:
+    from fedfm.config import RunConfig
+    from fedfm.tasks.base import Task
+
+
+class AlgoConfig(BaseModel):
+    """Base of algorithm configs: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Algorithm:
+    """Base of every algorithm: defaults for the optional steps, nothing else.
+
+    Args:
+        cfg: The algorithm's validated config (``Config`` of the subclass).
+        task: The task (data, models, evaluation).
+        run: The run config (seed, local training, client sampling).
+
+    Attributes:
+        Config: The algorithm's config model.
+        messages: The message kinds it uses, with their declared fields.
+        personalised: Whether evaluation is per client (reported as mean and worst client).
+    """
+
+    Config: ClassVar[type[AlgoConfig]] = AlgoConfig
+    messages: ClassVar[tuple[MessageKind, ...]] = ()
+    personalised: ClassVar[bool] = False
+
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.run = run
+
+    # ----- client half -----
+    def handlers(self) -> dict[str, Handler]:
+        """Message kind -> client handler."""
+        raise NotImplementedError
+
+    # ----- server half -----
+    def setup(self, fed: Federation) -> dict[str, float]:
+        """One-off phase before round 1 (round 0). Returns metrics to log."""
+        return {}
+
+    def round(self, fed: Federation) -> dict[str, float]:
+        """One round (``fed.rnd``): talk to clients, update the server state, return metrics."""
+        raise NotImplementedError
+
+    def evaluate(self, fed: Federation) -> dict[str, float]:
+        """Evaluation after a round; may message clients for personalised metrics."""
+        return {}
+
+    def finish(self, fed: Federation) -> dict[str, float]:
+        """One-off phase after the last round. Returns metrics for the summary."""
+        return {}
+
+    # ----- checkpointing -----
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Server state as (tensors, JSON-able metadata)."""
+        return {}, {}
+
+    def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+
+    # ----- helpers for subclasses -----
+    def sample(self, fed: Federation, role: str | None = None) -> list[str]:
+        """Clients for this round, by the run's sampling fraction."""
+        c = self.run.clients
+        return fed.sample(c.fraction, role=role, min_clients=c.min_clients)
+
+    def require(self, fed: Federation, replies: dict[str, Any], asked: int) -> None:
+        """Fails the round when fewer than ``min_clients`` answered.
+
+        Raises:
+            TooFewClientsError: Too few survivors.
+        """
+        need = min(self.run.clients.min_clients, asked)
+        if len(replies) < need:
+            raise TooFewClientsError(
+                f"round {fed.rnd}: only {len(replies)} of {asked} clients answered,"
+                f" min_clients={self.run.clients.min_clients}"
+            )
+
+
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithm")
+
+
+def kinds_of(algo: type[Algorithm]) -> dict[str, MessageKind]:
+    """The algorithm's message kinds by name."""
+    return {k.name: k for k in algo.messages}

@@ -1,0 +1,133 @@
+"""The ``fedfm`` command: run, report, list.
+
+Errors that fedfm raises on purpose print one line and exit with code 2 (bad config or
+input) or 1 (a run that failed, e.g. too few clients survived a round); no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fedfm.errors import ConfigError, FedfmError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+err = Console(stderr=True)
+
+
+def _offline_defaults() -> None:
+    # Offline assets ship inside packages; never let a library reach for a hub by surprise.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@app.command()
+def run(
+    config: Annotated[str, typer.Argument(help="preset name or YAML file")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="continue from the last checkpoint")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="replace an existing run folder")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
+) -> None:
+    """Run an experiment and write runs/<name>/."""
+    from fedfm.config import load_config
+    from fedfm.engine import Engine
+
+    cfg = load_config(config, overrides or [])
+    if resume:
+        cfg = _saved_config(cfg, overrides or [])
+    summary = Engine(cfg, resume=resume, overwrite=overwrite, progress=not quiet).run()
+    final = summary["final"]
+    primary = summary["primary"]
+    folder = Path(cfg.out_dir) / cfg.name
+    msg = f"{cfg.name}: {primary}={final.get(primary, float('nan')):.4f} after {cfg.rounds} rounds"
+    Console().print(f"{msg}  ->  {folder}")
+
+
+def _saved_config(cfg, overrides: list[str]):
+    """On resume, the run's saved config wins; overrides (e.g. more rounds) apply on top."""
+    from fedfm.config import load_config
+
+    saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
+    return load_config(str(saved), overrides) if saved.exists() else cfg
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="run folders")],
+    out: Annotated[Path | None, typer.Option(help="folder for compare.md and compare.png")] = None,
+) -> None:
+    """Compare runs: a markdown table of final metrics and bytes, and a plot."""
+    from fedfm.report import compare
+
+    print(compare(runs, out))
+
+
+@app.command("list")
+def list_() -> None:
+    """Show algorithms, tasks, datasets, partitioners, models and presets."""
+    import fedfm.algorithms
+    import fedfm.tasks  # noqa: F401
+    from fedfm.algorithms.base import ALGORITHMS
+    from fedfm.config import preset_names
+    from fedfm.data.partition import PARTITIONERS
+    from fedfm.data.sources import SOURCES
+    from fedfm.models.registry import MODELS
+    from fedfm.tasks.base import TASKS
+
+    out = Console()
+    for title, reg in [
+        ("algorithms", ALGORITHMS),
+        ("tasks", TASKS),
+        ("datasets", SOURCES),
+        ("partitioners", PARTITIONERS),
+        ("models", MODELS),
+    ]:
+        table = Table(title=title, show_edge=False, title_justify="left")
+        table.add_column("name")
+        table.add_column("description")
+        for name, help_ in reg.describe():
+            table.add_row(name, help_)
+        out.print(table)
+    out.print("[bold]presets[/]: " + ", ".join(preset_names()))
+
+
+def main() -> None:
+    """Entry point: run the app, turning fedfm errors into one line and an exit code."""
+    _offline_defaults()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        app(standalone_mode=False)
+    except ConfigError as e:
+        err.print(f"[red]error[/]: {e}", highlight=False)
+        sys.exit(2)
+    except FedfmError as e:
+        err.print(f"[red]error[/]: {e}", highlight=False)
+        sys.exit(1)
+    except (typer.Exit, SystemExit) as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0))
+        sys.exit(code or 0)
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

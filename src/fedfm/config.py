@@ -1,0 +1,181 @@
+"""Run configuration: pydantic models, YAML presets and ``key=value`` overrides.
+
+Every value is validated when the config is loaded (DESIGN.md principle 8). The algorithm
+and the task each validate their own section (``algo``, ``task``) with their own models,
+so a bad value anywhere gives one line naming the dotted field and the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fedfm.errors import ConfigError
+
+
+class Strict(BaseModel):
+    """Base for config sections: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainConfig(Strict):
+    """Local training shared by every algorithm (see :func:`fedfm.core.train.local_train`).
+
+    Exactly one of ``steps`` and ``epochs`` is used: ``epochs`` wins when set.
+    """
+
+    steps: int = Field(10, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_norm: float | None = Field(None, gt=0)
+    prox_mu: float = Field(0.0, ge=0)
+
+
+class ClientsConfig(Strict):
+    """Client sampling and roles."""
+
+    fraction: float = Field(1.0, gt=0, le=1)
+    min_clients: int = Field(1, ge=1)
+    roles: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("roles")
+    @classmethod
+    def _roles_sum(cls, v: dict[str, float]) -> dict[str, float]:
+        if any(f < 0 or f > 1 for f in v.values()):
+            raise ValueError("each role fraction must lie in [0, 1]")
+        if sum(v.values()) > 1 + 1e-9:
+            raise ValueError("role fractions sum to more than 1")
+        return v
+
+
+class RunConfig(Strict):
+    """One experiment."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = Field(0, ge=0)
+    rounds: int = Field(10, ge=0)
+    algorithm: str = "fedavg"
+    algo: dict[str, Any] = Field(default_factory=dict)
+    task: dict[str, Any] = Field(default_factory=lambda: {"kind": "tabular"})
+    partition: dict[str, Any] = Field(default_factory=dict)
+    clients: ClientsConfig = Field(default_factory=ClientsConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    runtime: Literal["embedded", "flower-sim", "flower"] = "embedded"
+    eval_every: int = Field(1, ge=1)
+    eval_before: bool = True
+    out_dir: str = "runs"
+    threads: int | None = Field(None, ge=1)
+    plots: bool = True
+
+
+def preset_dir() -> Path:
+    """Folder of the presets shipped with fedfm."""
+    return Path(str(resources.files("fedfm") / "presets"))
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets."""
+    return sorted(p.stem for p in preset_dir().glob("*.yaml"))
+
+
+def _load_yaml(source: str) -> dict[str, Any]:
+    path = Path(source)
+    if not path.suffix:
+        candidate = preset_dir() / f"{source}.yaml"
+        if not candidate.exists():
+            raise ConfigError(
+                "preset", f"unknown preset '{source}' (choose from {', '.join(preset_names())})"
+            )
+        path = candidate
+    if not path.exists():
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", f"{path} is not valid YAML ({str(e).splitlines()[0]})") from e
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+_OVERRIDE = re.compile(r"^([A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*)=(.*)$", re.S)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Applies one ``a.b.c=value`` override in place; the value is parsed as YAML.
+
+    Raises:
+        ConfigError: The override is not of the form ``key=value``.
+    """
+    m = _OVERRIDE.match(override)
+    if not m:
+        raise ConfigError("override", f"'{override}' is not of the form key=value")
+    keys, raw = m.group(1).split("."), m.group(2)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for i, k in enumerate(keys[:-1]):
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(".".join(keys[: i + 1]), "is not a section, cannot set a sub-key")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def config_error(err: ValidationError, prefix: str = "") -> ConfigError:
+    """Turns the first pydantic error into a one-line ConfigError with a dotted field."""
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"])
+    field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "config")
+    if e["type"] == "extra_forbidden":
+        return ConfigError(field, "unknown key")
+    if e["type"] == "missing":
+        return ConfigError(field, "required value is missing")
+    got = e.get("input")
+    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    return ConfigError(field, f"{e['msg'].lower()}{got_s}")
+
+
+def validate_section(model: type[BaseModel], data: dict[str, Any], prefix: str) -> BaseModel:
+    """Validates a sub-section (``algo``, ``task``, ``partition``) with its own model."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise config_error(e, prefix) from None
+
+
+def load_config(source: str | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Loads a preset name, YAML path or dict, applies overrides and validates it.
+
+    Args:
+        source: Preset name (e.g. ``"quickstart"``), path to a YAML file, or a mapping.
+        overrides: ``key=value`` strings with dotted keys.
+
+    Returns:
+        The validated run config. Sections owned by the algorithm and the task are checked
+        by :func:`fedfm.engine.resolve` as well, so that all errors surface at load.
+
+    Raises:
+        ConfigError: Anything is wrong, with the field named.
+    """
+    data = dict(source) if isinstance(source, dict) else _load_yaml(source)
+    for ov in overrides or []:
+        apply_override(data, ov)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise config_error(e) from None

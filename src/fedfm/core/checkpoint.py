@@ -1,0 +1,111 @@
+"""Checkpoints after every round: server state, client states, RNG states.
+
+A checkpoint is written into a temporary folder, renamed into place, and only then named in
+``checkpoints/LATEST``; a run killed at any instant therefore resumes from the last complete
+round and never reads half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+KEEP = 2
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds.
+
+    Attributes:
+        rnd: Last completed round (0: after the one-off phases before round 1).
+        server_arrays: The algorithm's server tensors.
+        server_meta: The algorithm's server metadata and the engine's own.
+        client_arrays: Flat ``"cid::key"`` tensors of all client states.
+        client_meta: Client id -> metadata.
+    """
+
+    rnd: int
+    server_arrays: dict[str, Tensor]
+    server_meta: dict[str, Any]
+    client_arrays: dict[str, Tensor]
+    client_meta: dict[str, Any]
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states (torch, numpy, random) as JSON-able values."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restores states saved by :func:`rng_state`."""
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    r = state["random"]
+    random.setstate((r[0], tuple(r[1]), r[2]))
+
+
+def _contig(arrays: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().contiguous() for k, v in arrays.items()}
+
+
+def save_checkpoint(folder: Path, ckpt: Checkpoint) -> Path:
+    """Writes ``ckpt`` atomically under ``folder`` and prunes old ones.
+
+    Returns:
+        The checkpoint's folder.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"round_{ckpt.rnd:04d}"
+    tmp = folder / f".round_{ckpt.rnd:04d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(_contig(ckpt.server_arrays), str(tmp / "server.safetensors"))
+    save_file(_contig(ckpt.client_arrays), str(tmp / "clients.safetensors"))
+    meta = {"round": ckpt.rnd, "server": ckpt.server_meta, "clients": ckpt.client_meta}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    latest_tmp = folder / "LATEST.tmp"
+    latest_tmp.write_text(final.name)
+    latest_tmp.replace(folder / "LATEST")
+    rounds = sorted(p for p in folder.glob("round_*") if p.is_dir())
+    for old in rounds[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The folder named by ``LATEST``, or None when there is no complete checkpoint."""
+    latest = folder / "LATEST"
+    if not latest.exists():
+        return None
+    path = folder / latest.read_text().strip()
+    return path if (path / "meta.json").exists() else None
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Reads a checkpoint folder written by :func:`save_checkpoint`."""
+    meta = json.loads((path / "meta.json").read_text())
+    return Checkpoint(
+        rnd=meta["round"],
+        server_arrays=dict(load_file(str(path / "server.safetensors"))),
+        server_meta=meta["server"],
+        client_arrays=dict(load_file(str(path / "clients.safetensors"))),
+        client_meta=meta["clients"],
+    )

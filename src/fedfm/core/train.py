@@ -1,0 +1,140 @@
+"""The one local-training loop that every algorithm calls.
+
+Steps or epochs, SGD/Adam/AdamW, gradient clipping, FedProx's proximal term
+(Li et al. 2020, "Federated Optimization in Heterogeneous Networks"), SCAFFOLD's gradient
+correction (Karimireddy et al. 2020) and any extra loss (knowledge distillation) live here,
+so algorithms never write their own loops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fedfm.config import TrainConfig
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Any]]
+ExtraLoss = Callable[[nn.Module, Batch, Any], Tensor]
+
+
+@dataclass
+class TrainResult:
+    """What a local training call did.
+
+    Attributes:
+        steps: Optimizer steps taken.
+        loss: Mean training loss (task loss plus extra loss, without the proximal term).
+    """
+
+    steps: int
+    loss: float
+
+
+def num_steps(cfg: TrainConfig, num_examples: int) -> int:
+    """Optimizer steps for a client with ``num_examples`` examples."""
+    if cfg.epochs is not None:
+        return max(1, math.ceil(cfg.epochs * num_examples / cfg.batch_size))
+    return cfg.steps
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Builds the local optimizer named in ``cfg``."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Named parameters that require gradients."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def local_train(
+    model: nn.Module,
+    batches: Iterator[Batch],
+    loss_fn: LossFn,
+    cfg: TrainConfig,
+    steps: int,
+    *,
+    prox_ref: Mapping[str, Tensor] | None = None,
+    extra_loss: ExtraLoss | None = None,
+    grad_correction: Mapping[str, Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> TrainResult:
+    """Trains ``model`` in place for ``steps`` optimizer steps.
+
+    Args:
+        model: The model; only parameters with ``requires_grad`` are trained.
+        batches: An endless iterator of batches.
+        loss_fn: ``(model, batch) -> (loss, outputs)``.
+        cfg: Optimizer, learning rate, clipping and ``prox_mu``.
+        steps: Number of optimizer steps (see :func:`num_steps`).
+        prox_ref: Reference weights by parameter name for the proximal term
+            ``(mu/2)·||w - w_ref||²`` (FedProx); used when ``cfg.prox_mu > 0``.
+        extra_loss: ``(model, batch, outputs) -> loss`` added to the task loss (e.g. KD).
+        grad_correction: Tensors by parameter name added to each gradient before the step
+            (SCAFFOLD's ``c - c_i``).
+        optimizer: An optimizer to reuse (keeps its state across calls); built from ``cfg``
+            when None.
+
+    Returns:
+        Steps taken and the mean loss.
+    """
+    named = trainable(model)
+    params = list(named.values())
+    opt = optimizer or make_optimizer(params, cfg)
+    mu = cfg.prox_mu if prox_ref is not None else 0.0
+    ref = {n: prox_ref[n] for n in named} if mu > 0 and prox_ref is not None else {}
+    was_training = model.training
+    model.train()
+    total = torch.zeros(())
+    for _ in range(steps):
+        batch = next(batches)
+        loss, out = loss_fn(model, batch)
+        if extra_loss is not None:
+            loss = loss + extra_loss(model, batch, out)
+        total += loss.detach()
+        if mu > 0:
+            # Proximal term of FedProx: pulls local weights towards the round's global weights.
+            loss = loss + 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in named.items())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_correction is not None:
+            for n, p in named.items():
+                if p.grad is not None:
+                    p.grad.add_(grad_correction[n])
+        if cfg.clip_norm is not None:
+            nn.utils.clip_grad_norm_(params, cfg.clip_norm)
+        opt.step()
+    model.train(was_training)
+    return TrainResult(steps=steps, loss=float(total) / max(steps, 1))
+
+
+def get_params(model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
+    """Detached CPU copies of a model's floating-point state (parameters and buffers).
+
+    Args:
+        model: The model.
+        names: Only these keys; all floating-point entries when None.
+    """
+    state = model.state_dict()
+    keys = names if names is not None else [k for k, v in state.items() if v.is_floating_point()]
+    return {k: state[k].detach().to("cpu", copy=True) for k in keys}
+
+
+def set_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
+    """Copies ``params`` into the model's matching state entries (others untouched)."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for k, v in params.items():
+            state[k].copy_(v)

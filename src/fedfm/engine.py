@@ -1,0 +1,332 @@
+"""The one owner of the round loop (DESIGN.md principle 4).
+
+The engine builds the task and the algorithm from a validated config, runs the one-off phase
+before the rounds, every round with its evaluation, logging and checkpoint, the phase after
+the rounds, and writes the run folder. Runtimes only supply a :class:`Federation`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+import fedfm.algorithms
+import fedfm.tasks  # noqa: F401  (registers the tasks)
+from fedfm.algorithms.base import ALGORITHMS, Algorithm, kinds_of
+from fedfm.config import RunConfig, load_config, validate_section
+from fedfm.core.audit import AuditLedger
+from fedfm.core.checkpoint import (
+    Checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from fedfm.core.federation import ClientInfo, Federation, derive_seed
+from fedfm.core.state import ClientStateStore
+from fedfm.errors import ConfigError
+from fedfm.tasks.base import TASKS, Task
+
+log = logging.getLogger("fedfm")
+
+
+@dataclass
+class Setup:
+    """A resolved experiment: config, task and algorithm."""
+
+    cfg: RunConfig
+    task: Task
+    algo: Algorithm
+
+
+def resolve(cfg: RunConfig) -> tuple[Any, Any]:
+    """Validates the algorithm's and the task's own config sections.
+
+    Returns:
+        ``(algo_config, task_config)``.
+
+    Raises:
+        ConfigError: Unknown algorithm or task kind, or a bad value in their sections.
+    """
+    algo_cls = ALGORITHMS.get(cfg.algorithm)
+    task_kind = cfg.task.get("kind", "tabular")
+    task_cls = TASKS.get(str(task_kind))
+    algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
+    task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
+    return algo_cfg, task_cfg
+
+
+def build(cfg: RunConfig) -> Setup:
+    """Builds the task and the algorithm of a config (deterministic in the seed)."""
+    algo_cfg, task_cfg = resolve(cfg)
+    task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
+    algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
+    return Setup(cfg, task, algo)
+
+
+def assign_roles(cids: list[str], roles: dict[str, float], seed: int) -> list[ClientInfo]:
+    """Gives each client a role: ``floor(fraction·N)`` clients per named role, seeded.
+
+    Clients not given a named role get ``"default"``.
+    """
+    order = np.random.default_rng(derive_seed(seed, "roles")).permutation(len(cids)).tolist()
+    role_of = {c: "default" for c in cids}
+    start = 0
+    for role, frac in sorted(roles.items()):
+        k = math.floor(frac * len(cids))
+        for i in order[start : start + k]:
+            role_of[cids[i]] = role
+        start += k
+    return [ClientInfo(c, role_of[c]) for c in cids]
+
+
+FederationFactory = Callable[[Setup, ClientStateStore, AuditLedger], Federation]
+
+
+def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
+    """The default runtime: every client in this process."""
+    from fedfm.runtime.embedded import EmbeddedFederation
+
+    cfg = setup.cfg
+    clients = assign_roles(setup.task.client_ids(), cfg.clients.roles, cfg.seed)
+    return EmbeddedFederation(
+        clients,
+        cfg.seed,
+        setup.algo.handlers(),
+        kinds_of(type(setup.algo)),
+        setup.task,
+        store,
+        ledger,
+    )
+
+
+class RunFolder:
+    """Paths and append-only logs of one run folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.metrics = root / "metrics.jsonl"
+        self.audit = root / "audit.jsonl"
+        self.failures = root / "failures.jsonl"
+        self.checkpoints = root / "checkpoints"
+        self.summary = root / "summary.json"
+
+    def append(self, path: Path, rows: list[dict[str, Any]]) -> None:
+        """Appends JSON lines and flushes them to disk."""
+        if rows:
+            with path.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """Rounds logged so far (a torn last line from a killed write is skipped)."""
+        if not self.metrics.exists():
+            return []
+        rows = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+    def truncate(self, path: Path, upto_round: int) -> None:
+        """Drops rows after ``upto_round`` from a JSON-lines log (atomically)."""
+        if not path.exists():
+            return
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row["round"] <= upto_round:
+                rows.append(row)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)
+
+
+def _prepare_folder(cfg: RunConfig, resume: bool, overwrite: bool) -> RunFolder:
+    root = Path(cfg.out_dir) / cfg.name
+    folder = RunFolder(root)
+    has_ckpt = latest_checkpoint(folder.checkpoints) is not None
+    if resume and not has_ckpt:
+        log.info("no checkpoint in %s: starting from the beginning", root)
+    if root.exists() and not resume:
+        if not overwrite:
+            raise ConfigError(
+                "name", f"run folder {root} exists: pass --resume to continue it or --overwrite"
+            )
+        shutil.rmtree(root)
+    if root.exists() and resume and not has_ckpt:
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _write_static(folder: RunFolder, setup: Setup) -> None:
+    cfg_path = folder.root / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(setup.cfg.model_dump(mode="json"), sort_keys=False))
+    (folder.root / "partition.json").write_text(json.dumps(setup.task.stats(), indent=1))
+
+
+def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientStateStore) -> None:
+    arrays, meta = algo.state_dict()
+    snap = store.snapshot()
+    save_checkpoint(
+        folder.checkpoints,
+        Checkpoint(rnd, arrays, {"algo": meta, "rng": rng_state()}, snap["arrays"], snap["meta"]),
+    )
+
+
+def _restore(
+    folder: RunFolder, algo: Algorithm, store: ClientStateStore, ledger: AuditLedger
+) -> int:
+    path = latest_checkpoint(folder.checkpoints)
+    if path is None:
+        return -1
+    ck = load_checkpoint(path)
+    algo.load_state_dict(ck.server_arrays, ck.server_meta["algo"])
+    store.restore(ck.client_arrays, ck.client_meta)
+    set_rng_state(ck.server_meta["rng"])
+    folder.truncate(folder.metrics, ck.rnd)
+    folder.truncate(folder.failures, ck.rnd)
+    ledger.load(ck.rnd)
+    return ck.rnd
+
+
+class Engine:
+    """Runs one experiment end to end.
+
+    Args:
+        cfg: Validated run config.
+        resume: Continue from the run folder's last checkpoint.
+        overwrite: Replace an existing run folder.
+        federation: Runtime factory; the embedded runtime by default.
+        progress: Show a progress bar and a per-round table on the terminal.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        resume: bool = False,
+        overwrite: bool = False,
+        federation: FederationFactory | None = None,
+        progress: bool = True,
+    ) -> None:
+        resolve(cfg)  # every config error surfaces before anything is written
+        self.cfg = cfg
+        self.resume = resume
+        self.overwrite = overwrite
+        self.make_federation = federation or embedded_federation
+        self.progress = progress
+
+    def run(self) -> dict[str, Any]:
+        """Runs all rounds and returns the summary (also written to ``summary.json``)."""
+        import torch
+
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        folder = _prepare_folder(cfg, self.resume, self.overwrite)
+        setup = build(cfg)
+        _write_static(folder, setup)
+        store = ClientStateStore(folder.root / "client_states")
+        ledger = AuditLedger(folder.audit)
+        fed = self.make_federation(setup, store, ledger)
+        last = _restore(folder, setup.algo, store, ledger) if self.resume else -1
+        from fedfm.progress import RoundDisplay
+
+        display = RoundDisplay(cfg, enabled=self.progress, start=max(last, 0))
+        t0 = time.perf_counter()
+        with display:
+            if last < 0:
+                self._step(0, fed, setup, folder, store, ledger, display)
+            for rnd in range(max(last, 0) + 1, cfg.rounds + 1):
+                self._step(rnd, fed, setup, folder, store, ledger, display)
+            fed.rnd = cfg.rounds + 1
+            final = setup.algo.finish(fed)
+        summary = self._summary(folder, setup, final, time.perf_counter() - t0)
+        display.final_table(folder.read_metrics())
+        if cfg.plots:
+            from fedfm.report import plot_run
+
+            plot_run(folder.root)
+        return summary
+
+    def _step(
+        self,
+        rnd: int,
+        fed: Federation,
+        setup: Setup,
+        folder: RunFolder,
+        store: ClientStateStore,
+        ledger: AuditLedger,
+        display: Any,
+    ) -> None:
+        t = time.perf_counter()
+        fed.rnd = rnd
+        nfail = len(fed.failures)
+        row: dict[str, Any] = {"round": rnd}
+        row.update(setup.algo.setup(fed) if rnd == 0 else setup.algo.round(fed))
+        due = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
+        if (rnd == 0 and self.cfg.eval_before) or (rnd > 0 and due):
+            row.update(setup.algo.evaluate(fed))
+        row.update(ledger.round_bytes(rnd))
+        row["failed"] = len(fed.failures) - nfail
+        row["time_s"] = round(time.perf_counter() - t, 4)
+        # Logs first, checkpoint last: on resume, rows after the checkpoint are dropped.
+        folder.append(folder.metrics, [row])
+        folder.append(folder.failures, fed.failures[nfail:])
+        ledger.flush()
+        _checkpoint(folder, rnd, setup.algo, store)
+        display.update(row)
+
+    def _summary(
+        self, folder: RunFolder, setup: Setup, final: dict[str, float], wall: float
+    ) -> dict[str, Any]:
+        rows = folder.read_metrics()
+        task = setup.task
+        evals = [r for r in rows if task.primary in r]
+        last = evals[-1] if evals else {}
+        pick = max if task.higher_is_better else min
+        best = pick(evals, key=lambda r: r[task.primary]) if evals else {}
+        summary = {
+            "name": self.cfg.name,
+            "algorithm": self.cfg.algorithm,
+            "task": self.cfg.task,
+            "rounds": self.cfg.rounds,
+            "primary": task.primary,
+            "final": {k: v for k, v in last.items() if k not in ("time_s",)},
+            "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
+            "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
+            "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+            "failed_clients": sum(r.get("failed", 0) for r in rows),
+            "wall_s_this_session": round(wall, 2),
+            **({"finish": final} if final else {}),
+        }
+        tmp = folder.summary.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.replace(folder.summary)
+        return summary
+
+
+def run(
+    source: str | dict[str, Any] | RunConfig,
+    overrides: list[str] | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """Loads a config (preset, YAML path or mapping) and runs it; see :class:`Engine`."""
+    cfg = source if isinstance(source, RunConfig) else load_config(source, overrides)
+    return Engine(cfg, **kw).run()

@@ -1,0 +1,119 @@
+"""Plots of one run and comparison tables across runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from fedfm.errors import ConfigError
+
+HEADLINE = ("acc", "macro_f1", "rmse", "rougeL", "score", "loss", "train_loss")
+
+
+def read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """Rows of ``metrics.jsonl`` (torn lines skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise ConfigError("run", f"{run_dir} has no metrics.jsonl: not a fedfm run folder")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _numeric_keys(rows: list[dict[str, Any]]) -> list[str]:
+    keys: list[str] = []
+    for r in rows:
+        for k, v in r.items():
+            skip = k in keys or k in ("round", "time_s", "failed", "clients")
+            if not skip and isinstance(v, (int, float)) and not k.startswith("bytes"):
+                keys.append(k)
+    return keys
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Writes ``metrics.png`` (each metric vs round) and ``bytes.png`` into the run folder."""
+    rows = read_rows(run_dir)
+    keys = [k for k in _numeric_keys(rows) if "/" not in k or k.split("/")[0] in ("local", "test")]
+    keys = keys[:12]
+    out = []
+    if keys:
+        n = len(keys)
+        cols = min(3, n)
+        nrows = (n + cols - 1) // cols
+        fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
+        for ax, k in zip(axes.flat, keys, strict=False):
+            pts = [(r["round"], r[k]) for r in rows if k in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
+            ax.set_title(k)
+            ax.set_xlabel("round")
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        fig.tight_layout()
+        out.append(run_dir / "metrics.png")
+        fig.savefig(out[-1], dpi=90)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    rounds = [r["round"] for r in rows]
+    for key in ("bytes_up", "bytes_down"):
+        ax.plot(rounds, [r.get(key, 0) / 2**20 for r in rows], marker="o", ms=3, label=key)
+    ax.set_xlabel("round")
+    ax.set_ylabel("MiB (audit ledger)")
+    ax.legend()
+    fig.tight_layout()
+    out.append(run_dir / "bytes.png")
+    fig.savefig(out[-1], dpi=90)
+    plt.close(fig)
+    return out
+
+
+def compare(run_dirs: list[Path], out: Path | None = None) -> str:
+    """A markdown table of the runs' final metrics and bytes, plus a comparison plot.
+
+    Args:
+        run_dirs: Run folders.
+        out: Where to write ``compare.png`` (and ``compare.md``); no files when None.
+
+    Returns:
+        The markdown table.
+    """
+    summaries = []
+    for d in run_dirs:
+        s = d / "summary.json"
+        if not s.exists():
+            raise ConfigError("run", f"{d} has no summary.json (unfinished or not a run folder)")
+        summaries.append((d, json.loads(s.read_text()), read_rows(d)))
+    cols = [k for k in HEADLINE if any(k in s["final"] for _, s, _ in summaries)]
+    head = ["run", "algorithm", "rounds", *cols, "MiB up", "MiB down"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d, s, _ in summaries:
+        vals = [f"{s['final'][c]:.4f}" if c in s["final"] else "" for c in cols]
+        mib = [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
+        lines.append(
+            "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
+        )
+    table = "\n".join(lines)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(table + "\n")
+        primary = summaries[0][1]["primary"]
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for d, _, rows in summaries:
+            pts = [(r["round"], r[primary]) for r in rows if primary in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=d.name)
+        ax.set_xlabel("round")
+        ax.set_ylabel(primary)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "compare.png", dpi=90)
+        plt.close(fig)
+    return table
