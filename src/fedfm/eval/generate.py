@@ -1,0 +1,131 @@
+"""Batched greedy generation with ``transformers``' ``generate``.
+
+Prompts are complete strings (see :mod:`fedfm.data.prompt`) and are tokenised with
+``add_special_tokens=False``; pre-tokenised prompts (lists of ids) are accepted too. They are sorted
+by length so each batch holds prompts of similar length (less padding), left-padded by hand (the
+tokenizer's ``padding_side`` is never changed), generated greedily, cut at the first stop token and
+returned in the caller's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedfm.data.prompt import PromptConfig, stop_token_ids
+from fedfm.errors import FedfmError
+
+
+def unwrap_bundle(bundle_or_model: Any, tokenizer: Any | None) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)`` from a model plus tokenizer or from an ``LMBundle``-like object."""
+    if not isinstance(bundle_or_model, nn.Module) and hasattr(bundle_or_model, "model"):
+        tokenizer = tokenizer if tokenizer is not None else bundle_or_model.tokenizer
+        bundle_or_model = bundle_or_model.model
+    if tokenizer is None:
+        raise FedfmError("a tokenizer is needed: pass one or an LMBundle")
+    return bundle_or_model, tokenizer
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Puts ``model`` in eval mode and restores its previous training flag afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Device of the model's first parameter (CPU for a parameterless module)."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its eos id (padding is masked, so its value is irrelevant)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise FedfmError("tokenizer has neither pad_token nor eos_token")
+    return int(pad)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pads id lists: ``input_ids`` and ``attention_mask``, both ``(batch, longest)``."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.as_tensor(list(row), dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def generate(
+    bundle_or_model: Any,
+    tokenizer: Any | None,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    batch_size: int = 8,
+    prompt_cfg: PromptConfig | None = None,
+) -> list[str]:
+    """Greedy continuations of ``prompts``, one string per prompt, in the given order.
+
+    Args:
+        bundle_or_model: A causal LM, or an ``LMBundle`` (then ``tokenizer`` may be ``None``).
+        tokenizer: Its tokenizer.
+        prompts: Complete prompt strings, or token id lists.
+        max_new_tokens: Generation budget per prompt.
+        batch_size: Prompts per ``generate`` call.
+        prompt_cfg: Decides the end-of-turn stop token (chat template or not).
+
+    Returns:
+        The decoded new tokens of each prompt, up to (excluding) the first end-of-turn/eos token,
+        special tokens skipped and surrounding whitespace stripped.
+    """
+    model, tokenizer = unwrap_bundle(bundle_or_model, tokenizer)
+    if batch_size < 1 or max_new_tokens < 1:
+        raise FedfmError(
+            f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}"
+        )
+    rows = [
+        list(p)
+        if not isinstance(p, str)
+        else list(tokenizer(p, add_special_tokens=False)["input_ids"])
+        for p in prompts
+    ]
+    if any(not r for r in rows):
+        raise FedfmError("cannot generate from an empty prompt")
+    stops = stop_token_ids(tokenizer, prompt_cfg)
+    pad = pad_id_of(tokenizer)
+    device = model_device(model)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    outputs: list[str] = [""] * len(rows)
+    with eval_mode(model), torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            ids, mask = left_pad([rows[i] for i in idx], pad)
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                eos_token_id=stops,
+                pad_token_id=pad,
+            )
+            new = out[:, ids.shape[1] :].cpu()  # (batch, <= max_new_tokens)
+            for row, i in zip(new.tolist(), idx, strict=True):
+                outputs[i] = _decode_until_stop(tokenizer, row, stops)
+    return outputs
+
+
+def _decode_until_stop(tokenizer: Any, ids: list[int], stops: Sequence[int]) -> str:
+    cut = next((k for k, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(ids[:cut], skip_special_tokens=True).strip()

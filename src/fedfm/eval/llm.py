@@ -1,0 +1,373 @@
+"""Evaluators for instruction-tuned causal language models.
+
+* :func:`lm_nll` — summed negative log-likelihood of the reference responses (response tokens and
+  the end-of-turn token only, as in training) → :func:`fedfm.eval.metrics.perplexity`.
+* :func:`multiple_choice_loglik` — picks the choice whose tokens are most likely after the prompt,
+  the log-likelihood scoring of the LM Evaluation Harness (Gao et al., 2023).
+* :func:`evaluate_instructions` — per-row dispatch on the ``metric`` column of an instruction
+  suite (``rouge`` / ``gsm8k`` / ``choice``), overall and per-domain means.
+* :func:`evaluate_held_out_domain` — zero-shot evaluation on one domain left out of training.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedfm.data.prompt import (
+    IGNORE_INDEX,
+    PromptConfig,
+    collate,
+    encode_dataset,
+    fit_prompt,
+)
+from fedfm.errors import FedfmError
+from fedfm.eval.generate import eval_mode, generate, model_device, pad_id_of, unwrap_bundle
+from fedfm.eval.metrics import (
+    choice_accuracy,
+    gsm8k_correct,
+    perplexity,
+    resolve_answer,
+    rouge_l,
+)
+from fedfm.registry import Registry
+
+LengthNorm = Literal["token", "char", "none"]
+
+
+def _token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Log-probability of each label token given its prefix; 0 where the label is ``-100``.
+
+    Returns:
+        ``(batch, seq - 1)`` float32 tensor aligned with ``labels[:, 1:]``.
+    """
+    device = model_device(model)
+    logits = model(
+        input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
+    ).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
+    labels = batch["labels"][:, 1:].to(device)
+    keep = labels != IGNORE_INDEX
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(keep, picked, torch.zeros_like(picked))
+
+
+def _encoded_rows(tokenizer: Any, dataset: Any, prompt_cfg: PromptConfig) -> list[dict]:
+    if "labels" not in dataset.column_names:
+        dataset = encode_dataset(tokenizer, dataset, prompt_cfg)
+    return [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
+
+
+def lm_nll(
+    model: nn.Module,
+    tokenizer: Any,
+    dataset: Any,
+    prompt_cfg: PromptConfig | None = None,
+    batch_size: int = 8,
+) -> tuple[float, int]:
+    """Summed NLL (natural log) and count of the response tokens of an instruction dataset.
+
+    Args:
+        model: Causal LM.
+        tokenizer: Its tokenizer.
+        dataset: Raw ``instruction, input, output`` rows or rows already encoded (``labels``).
+        prompt_cfg: Formatting and truncation, as in training.
+        batch_size: Rows per forward pass.
+
+    Returns:
+        ``(nll_sum, n_tokens)``; ``perplexity(nll_sum, n_tokens)`` gives the perplexity.
+    """
+    prompt_cfg = prompt_cfg or PromptConfig()
+    rows = _encoded_rows(tokenizer, dataset, prompt_cfg)
+    rows.sort(key=lambda r: len(r["input_ids"]))  # order is irrelevant to a sum; less padding
+    pad = pad_id_of(tokenizer)
+    nll, count = 0.0, 0
+    with eval_mode(model), torch.inference_mode():
+        for start in range(0, len(rows), batch_size):
+            batch = collate(rows[start : start + batch_size], pad)
+            nll -= float(_token_logprobs(model, batch).sum(dtype=torch.float64))
+            count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return nll, count
+
+
+def choice_logliks(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    choices: Sequence[str],
+    batch_size: int = 16,
+) -> list[tuple[float, int]]:
+    """Summed log-likelihood and token count of each choice as the continuation of ``prompt``.
+
+    All choices are scored in right-padded batches of ``batch_size`` sequences
+    ``prompt + choice``; choices are tokenised on their own with ``add_special_tokens=False``.
+    """
+    if not choices:
+        raise FedfmError("multiple choice needs at least one choice")
+    prompt_ids = (
+        list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if isinstance(prompt, str)
+        else list(prompt)
+    )
+    rows = []
+    for choice in choices:
+        ids = list(tokenizer(choice, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise FedfmError(f"choice {choice!r} has no tokens")
+        rows.append(
+            {"input_ids": prompt_ids + ids, "labels": [IGNORE_INDEX] * len(prompt_ids) + ids}
+        )
+    pad = pad_id_of(tokenizer)
+    scores: list[tuple[float, int]] = []
+    with eval_mode(model), torch.inference_mode():
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            lp = _token_logprobs(model, collate(chunk, pad)).sum(-1, dtype=torch.float64)
+            scores += [
+                (float(s), len(r["input_ids"]) - len(prompt_ids))
+                for s, r in zip(lp, chunk, strict=True)
+            ]
+    return scores
+
+
+def multiple_choice_loglik(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    choices: Sequence[str],
+    length_norm: LengthNorm = "token",
+    batch_size: int = 16,
+) -> int:
+    """Index of the choice with the highest log-likelihood after ``prompt``.
+
+    Args:
+        model: Causal LM.
+        tokenizer: Its tokenizer.
+        prompt: Complete prompt string (see :func:`fedfm.data.prompt.format_prompt`) or its ids.
+        choices: Candidate answers.
+        length_norm: ``"token"`` (default) divides each summed log-likelihood by the choice's
+            token count (mean per-token log-likelihood); ``"char"`` divides by its character count
+            (the harness's ``acc_norm``); ``"none"`` compares raw sums, which favour short choices.
+        batch_size: Sequences per forward pass.
+
+    Returns:
+        Index into ``choices`` (the first on ties).
+    """
+    scores = choice_logliks(model, tokenizer, prompt, choices, batch_size)
+    if length_norm == "token":
+        values = [s / n for s, n in scores]
+    elif length_norm == "char":
+        values = [s / max(len(c), 1) for (s, _), c in zip(scores, choices, strict=True)]
+    elif length_norm == "none":
+        values = [s for s, _ in scores]
+    else:
+        raise FedfmError(f"length_norm must be 'token', 'char' or 'none', got {length_norm!r}")
+    return int(np.argmax(values))
+
+
+@dataclass(frozen=True)
+class RowMetric:
+    """How one kind of suite row is scored.
+
+    Attributes:
+        key: Name of the metric in results (``rougeL``, ``gsm8k_acc``, ``acc``).
+        score: ``(generation, row) -> value in [0, 1]``.
+    """
+
+    key: str
+    score: Callable[[str, dict], float]
+
+
+ROW_METRICS: Registry[RowMetric] = Registry("instruction metric", "metric")
+"""Scorers selected by the ``metric`` column of an instruction suite."""
+
+
+def _reference(row: dict) -> Any:
+    # The suite's ``answer`` column holds the short gold answer; ``output`` is the fallback.
+    answer = row.get("answer")
+    return answer if answer not in (None, "") else row["output"]
+
+
+ROW_METRICS.register("rouge", help="ROUGE-L F of the generation vs output")(
+    RowMetric("rougeL", lambda gen, row: rouge_l(gen, row["output"]))
+)
+ROW_METRICS.register("gsm8k", help="final-number accuracy vs answer")(
+    RowMetric("gsm8k_acc", lambda gen, row: float(gsm8k_correct(gen, _reference(row))))
+)
+ROW_METRICS.register("choice", help="accuracy of the choice named by the generation")(
+    RowMetric("acc", lambda gen, row: float(choice_accuracy(gen, row["choices"], _reference(row))))
+)
+
+
+def evaluate_instructions(
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    prompt_cfg: PromptConfig | None = None,
+    max_new_tokens: int = 64,
+    batch_size: int = 8,
+    choice_mode: Literal["generate", "loglik"] = "generate",
+    length_norm: LengthNorm = "token",
+    with_ppl: bool = False,
+) -> dict[str, float]:
+    """Scores a model on an instruction suite, overall and per domain.
+
+    Each row is scored by the metric its ``metric`` column names: ``rouge`` → ROUGE-L F of the
+    greedy generation against ``output``; ``gsm8k`` → whether the generation's final number equals
+    that of ``answer`` (``output`` when ``answer`` is empty); ``choice`` → whether the generation
+    names the right choice (``choice_mode="generate"``) or the right choice has the highest
+    log-likelihood (``"loglik"``, normalised by ``length_norm``).
+
+    Args:
+        model: Causal LM or ``LMBundle`` (then ``tokenizer`` may be ``None``).
+        tokenizer: Its tokenizer.
+        dataset: ``datasets.Dataset`` with ``instruction, output, metric`` and optionally
+            ``input, domain, choices, answer`` columns (a missing ``domain`` counts as ``"all"``).
+        prompt_cfg: Prompt format and truncation (prompts are cut to ``max_prompt_length``).
+        max_new_tokens: Generation budget.
+        batch_size: Generation and scoring batch size.
+        choice_mode: How ``choice`` rows are answered.
+        length_norm: Normalisation of ``loglik`` choice scores.
+        with_ppl: Also compute the perplexity of the reference outputs (``ppl``, ``ppl/<domain>``).
+
+    Returns:
+        ``{key: mean}`` over all rows of each metric kind (``rougeL``, ``gsm8k_acc``, ``acc``),
+        ``{key}/{domain}`` for each domain, ``score/{domain}`` (mean of the domain's row scores:
+        its primary metric when, as in fedfm's suites, a domain uses one metric) and ``score``
+        (mean over domains of ``score/{domain}``, so every domain weighs the same), plus ``n`` and
+        ``n/{domain}`` row counts.
+    """
+    model, tokenizer = unwrap_bundle(model, tokenizer)
+    prompt_cfg = prompt_cfg or PromptConfig()
+    rows = _suite_rows(dataset)
+    prompts = [fit_prompt(tokenizer, r["instruction"], r["input"], prompt_cfg)[1] for r in rows]
+    for r in rows:
+        ROW_METRICS.get(r["metric"])  # unknown metric names fail before any generation
+
+    by_loglik = {
+        i for i, r in enumerate(rows) if r["metric"] == "choice" and choice_mode == "loglik"
+    }
+    to_generate = [i for i in range(len(rows)) if i not in by_loglik]
+    generations = dict(
+        zip(
+            to_generate,
+            generate(
+                model,
+                tokenizer,
+                [prompts[i] for i in to_generate],
+                max_new_tokens,
+                batch_size,
+                prompt_cfg,
+            ),
+            strict=True,
+        )
+    )
+    values: list[tuple[str, str, float]] = []  # (domain, metric key, value)
+    for i, row in enumerate(rows):
+        if i in generations:
+            metric = ROW_METRICS.get(row["metric"])
+            values.append((row["domain"], metric.key, metric.score(generations[i], row)))
+        else:
+            pick = multiple_choice_loglik(
+                model, tokenizer, prompts[i], row["choices"], length_norm, batch_size
+            )
+            gold = resolve_answer(_reference(row), row["choices"])
+            values.append((row["domain"], "acc", float(pick == gold)))
+    results = _aggregate(values)
+    if with_ppl:
+        results.update(_perplexities(model, tokenizer, dataset, rows, prompt_cfg, batch_size))
+    return results
+
+
+def _suite_rows(dataset: Any) -> list[dict]:
+    columns = set(dataset.column_names)
+    missing = {"instruction", "output", "metric"} - columns
+    if missing:
+        raise FedfmError(f"instruction suite lacks column(s) {sorted(missing)}")
+    if len(dataset) == 0:
+        raise FedfmError("instruction suite is empty")
+    rows = []
+    for r in dataset:
+        row = dict(r)
+        row["input"] = row.get("input") or ""
+        row["domain"] = row.get("domain") or "all"
+        if row["metric"] == "choice" and not row.get("choices"):
+            raise FedfmError(f"choice row {row.get('id', '?')!r} has no choices")
+        rows.append(row)
+    return rows
+
+
+def _aggregate(values: list[tuple[str, str, float]]) -> dict[str, float]:
+    by_key: dict[str, list[float]] = defaultdict(list)
+    by_domain: dict[str, list[float]] = defaultdict(list)
+    for domain, key, value in values:
+        by_key[key].append(value)
+        by_key[f"{key}/{domain}"].append(value)
+        by_domain[domain].append(value)
+    results = {k: float(np.mean(v)) for k, v in sorted(by_key.items())}
+    for domain, vals in sorted(by_domain.items()):
+        results[f"score/{domain}"] = float(np.mean(vals))
+        results[f"n/{domain}"] = float(len(vals))
+    results["score"] = float(np.mean([results[f"score/{d}"] for d in by_domain]))
+    results["n"] = float(len(values))
+    return results
+
+
+def _perplexities(
+    model: nn.Module,
+    tokenizer: Any,
+    dataset: Any,
+    rows: list[dict],
+    prompt_cfg: PromptConfig,
+    batch_size: int,
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    totals = [0.0, 0]
+    for domain in sorted({r["domain"] for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r["domain"] == domain]
+        nll, n = lm_nll(model, tokenizer, dataset.select(idx), prompt_cfg, batch_size)
+        if n:
+            out[f"ppl/{domain}"] = perplexity(nll, n)
+        totals[0] += nll
+        totals[1] += n
+    if totals[1]:
+        out["ppl"] = perplexity(totals[0], int(totals[1]))
+    return out
+
+
+def split_held_out_domain(dataset: Any, domain: str) -> tuple[Any, Any]:
+    """``(seen, held_out)``: rows of every other domain and rows of ``domain``.
+
+    Train (federate) on ``seen`` and pass ``held_out`` to :func:`evaluate_instructions`, or call
+    :func:`evaluate_held_out_domain`, for zero-shot transfer to an unseen domain.
+
+    Raises:
+        FedfmError: The dataset has no ``domain`` column or no row of ``domain``.
+    """
+    if "domain" not in dataset.column_names:
+        raise FedfmError("dataset has no 'domain' column to hold a domain out")
+    domains = dataset["domain"]
+    held = [i for i, d in enumerate(domains) if d == domain]
+    if not held:
+        raise FedfmError(f"domain {domain!r} not in dataset (domains: {sorted(set(domains))})")
+    held_set = set(held)
+    seen = [i for i in range(len(domains)) if i not in held_set]
+    return dataset.select(seen), dataset.select(held)
+
+
+def evaluate_held_out_domain(
+    model: Any, tokenizer: Any, dataset: Any, domain: str, **kwargs: Any
+) -> dict[str, float]:
+    """Zero-shot score on one domain: :func:`evaluate_instructions` on that domain's rows only.
+
+    The model is assumed to have been trained without ``domain`` (see
+    :func:`split_held_out_domain`); ``kwargs`` go to :func:`evaluate_instructions`.
+    """
+    _, held_out = split_held_out_domain(dataset, domain)
+    return evaluate_instructions(model, tokenizer, held_out, **kwargs)
