@@ -76,6 +76,20 @@ def report(
     print(compare(runs, out))
 
 
+@app.command()
+def reproduce(
+    study: Annotated[str, typer.Argument(help="study name, e.g. fedekd")],
+    out: Annotated[Path, typer.Option(help="folder for runs")] = Path("runs/reproduce"),
+    quick: Annotated[bool, typer.Option("--quick", help="a small grid for a smoke check")] = False,
+) -> None:
+    """Run a reproduction study and write its markdown report in docs/."""
+    from fedfm.reproduce import STUDIES, load_studies
+
+    load_studies()
+    report = STUDIES.get(study)(out, quick)
+    Console().print(f"report written: {report}")
+
+
 @app.command("list")
 def list_() -> None:
     """Show algorithms, tasks, datasets, partitioners, models and presets."""
