@@ -1,0 +1,299 @@
+"""A multi-domain instruction suite built from the offline sources.
+
+Federated instruction tuning papers train on Dolly-15k or Natural-Instructions split by task or
+category (e.g. FedIT, Zhang et al. 2024; FedSDR's multi-domain clients). Neither ships offline, so
+this suite stands in at CPU scale: six domains, each made from a real data set, each with its own
+evaluation metric:
+
+========  ======================  ========  ===============================================
+domain    source                  metric    item
+========  ======================  ========  ===============================================
+general   alpaca_demo             rouge     Alpaca instruction / input / output as given
+math      gsm8k                   gsm8k     problem -> worked solution ending ``#### N``
+medical   drug_reviews            choice    drug review (+ condition) -> negative/neutral/positive
+movie     rotten_tomatoes         choice    critic snippet -> negative/positive
+qtype     trec                    choice    question -> one of six answer types
+spam      sms_spam                choice    SMS -> ham/spam
+========  ======================  ========  ===============================================
+
+For ``choice`` domains the instruction names the allowed answers and ``output`` is exactly the
+label word (also in ``answer``; ``choices`` lists the label words in label order). The wording of
+each instruction is drawn from a few paraphrases so that clients do not all see one template.
+
+Sampling is per domain with its own generator ``default_rng([seed, domain index])``, so choosing a
+subset of domains leaves the others' items unchanged. Held-out items come from the source's own
+test split when it has one (drug reviews), else from rows disjoint from the training items. Ids
+are ``domain index * 1,000,000 + source id``: stable across seeds and unique across domains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import pandas as pd
+
+from fedfm.data.sources import (
+    LoadedSource,
+    SourceInfo,
+    build_dataset,
+    load_source,
+    register_source,
+    source_info,
+)
+from fedfm.errors import ConfigError
+
+FIELD = "task.source_options"
+ID_STRIDE = 1_000_000
+
+SUITE_FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("int64"),
+        "instruction": datasets.Value("string"),
+        "input": datasets.Value("string"),
+        "output": datasets.Value("string"),
+        "domain": datasets.Value("string"),
+        "metric": datasets.Value("string"),
+        "choices": datasets.List(datasets.Value("string")),
+        "answer": datasets.Value("string"),
+    }
+)
+
+# Columns each builder returns for its sampled rows (the rest are filled in by the suite).
+Items = dict[str, list[str]]
+
+
+@dataclass(frozen=True)
+class Domain:
+    """How one domain is made.
+
+    Attributes:
+        source: Registered source it is built from.
+        metric: ``rouge``, ``gsm8k`` or ``choice``.
+        choices: Label words in label order (choice domains), else empty.
+        templates: Instruction paraphrases; one is drawn per item.
+        make: Turns the sampled source rows into ``instruction``-less items
+            (``input``, ``output``, ``answer``) given the choices.
+    """
+
+    source: str
+    metric: str
+    choices: tuple[str, ...]
+    templates: tuple[str, ...]
+    make: Callable[[pd.DataFrame, tuple[str, ...]], Items]
+
+
+def _general(rows: pd.DataFrame, _: tuple[str, ...]) -> Items:
+    return {
+        "instruction": rows["instruction"].tolist(),
+        "input": rows["input"].tolist(),
+        "output": rows["output"].tolist(),
+        "answer": [""] * len(rows),
+    }
+
+
+def _math(rows: pd.DataFrame, _: tuple[str, ...]) -> Items:
+    return {
+        "input": rows["instruction"].tolist(),  # the gsm8k source keeps the problem there
+        "output": rows["output"].tolist(),
+        "answer": rows["answer"].tolist(),
+    }
+
+
+def _labelled(text: Callable[[pd.Series], str]) -> Callable[[pd.DataFrame, tuple[str, ...]], Items]:
+    def make(rows: pd.DataFrame, choices: tuple[str, ...]) -> Items:
+        words = [choices[int(i)] for i in rows["label"]]
+        return {"input": [text(r) for _, r in rows.iterrows()], "output": words, "answer": words}
+
+    return make
+
+
+def _review_with_condition(row: pd.Series) -> str:
+    if row["condition"] in ("", "unknown"):
+        return f"Review: {row['text']}"
+    return f"Condition: {row['condition']}\nReview: {row['text']}"
+
+
+DOMAINS: dict[str, Domain] = {
+    "general": Domain("alpaca_demo", "rouge", (), (), _general),
+    "math": Domain(
+        "gsm8k",
+        "gsm8k",
+        (),
+        (
+            "Solve this math word problem. Show your reasoning, then give the final answer "
+            "after '####'.",
+            "Work out the answer to the following problem step by step and finish with "
+            "'#### ' followed by the number.",
+            "Answer the math question below. Explain each step and end with '#### <answer>'.",
+        ),
+        _math,
+    ),
+    "medical": Domain(
+        "drug_reviews",
+        "choice",
+        ("negative", "neutral", "positive"),
+        (
+            "Classify the sentiment of this drug review as positive, neutral or negative.",
+            "Read the patient's review of a medication. Was their experience positive, neutral "
+            "or negative? Answer with one word.",
+            "How does this patient feel about the drug they took? Reply with positive, neutral "
+            "or negative.",
+        ),
+        _labelled(_review_with_condition),
+    ),
+    "movie": Domain(
+        "rotten_tomatoes",
+        "choice",
+        ("negative", "positive"),  # label 0 = rotten, 1 = fresh
+        (
+            "Is the sentiment of this movie review positive or negative?",
+            "Classify this film critic's snippet as positive or negative.",
+            "Did the critic like the movie? Answer positive or negative.",
+        ),
+        _labelled(lambda r: str(r["text"])),
+    ),
+    "qtype": Domain(
+        "trec",
+        "choice",
+        ("abbreviation", "description", "entity", "human", "location", "number"),
+        (
+            "What kind of answer does this question ask for? Choose one of: abbreviation, "
+            "description, entity, human, location, number.",
+            "Classify the question by the type of its answer: abbreviation, description, "
+            "entity, human, location or number.",
+            "Which answer type fits this question: abbreviation, description, entity, human, "
+            "location or number? Reply with one word.",
+        ),
+        _labelled(lambda r: str(r["text"])),
+    ),
+    "spam": Domain(
+        "sms_spam",
+        "choice",
+        ("ham", "spam"),
+        (
+            "Is this SMS message spam or ham (a normal message)? Answer spam or ham.",
+            "Decide whether the following text message is spam or ham (legitimate). Reply with "
+            "one word: spam or ham.",
+            "Label this SMS as spam or ham.",
+        ),
+        _labelled(lambda r: str(r["text"])),
+    ),
+}
+DOMAIN_ORDER = tuple(DOMAINS)
+
+
+def _frame(ds: datasets.Dataset) -> pd.DataFrame:
+    return ds.to_pandas()
+
+
+def _sample(
+    src: LoadedSource, n_train: int, n_test: int, rng: np.random.Generator, name: str
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Draws disjoint train and test rows (test from the source's own test split if any)."""
+    train_pool = _frame(src.train)
+    if src.test is not None:
+        test_pool = _frame(src.test)
+        _check_size(name, "per_domain_test", n_test, len(test_pool))
+        _check_size(name, "per_domain_train", n_train, len(train_pool))
+        test = test_pool.iloc[np.sort(rng.permutation(len(test_pool))[:n_test])]
+        train = train_pool.iloc[np.sort(rng.permutation(len(train_pool))[:n_train])]
+        return train, test
+    _check_size(name, "per_domain_train", n_train + n_test, len(train_pool))
+    perm = rng.permutation(len(train_pool))
+    test = train_pool.iloc[np.sort(perm[:n_test])]
+    train = train_pool.iloc[np.sort(perm[n_test : n_test + n_train])]
+    return train, test
+
+
+def _check_size(domain: str, field: str, wanted: int, available: int) -> None:
+    if wanted > available:
+        raise ConfigError(
+            f"{FIELD}.{field}",
+            f"domain '{domain}' has {available} rows, {wanted} requested",
+        )
+
+
+def _items(name: str, rows: pd.DataFrame, rng: np.random.Generator) -> dict[str, list]:
+    dom = DOMAINS[name]
+    items = dom.make(rows, dom.choices)
+    n = len(rows)
+    if "instruction" not in items:
+        picks = rng.integers(0, len(dom.templates), size=n)
+        items["instruction"] = [dom.templates[i] for i in picks]
+    source_ids = rows["id"].to_numpy(dtype=np.int64)
+    if n and int(source_ids.max()) >= ID_STRIDE:
+        raise ValueError(f"{dom.source} ids exceed {ID_STRIDE}; widen ID_STRIDE")
+    return {
+        "id": (DOMAIN_ORDER.index(name) * ID_STRIDE + source_ids).tolist(),
+        "instruction": items["instruction"],
+        "input": items["input"],
+        "output": items["output"],
+        "domain": [name] * n,
+        "metric": [dom.metric] * n,
+        "choices": [list(dom.choices)] * n,
+        "answer": items["answer"],
+    }
+
+
+def _concat(parts: Sequence[dict[str, list]]) -> datasets.Dataset:
+    cols = {k: [v for p in parts for v in p[k]] for k in SUITE_FEATURES}
+    cols["id"] = np.asarray(cols["id"], dtype=np.int64)
+    return build_dataset(cols, SUITE_FEATURES)
+
+
+def build_suite(
+    per_domain_train: int = 200,
+    per_domain_test: int = 40,
+    seed: int = 0,
+    domains: Sequence[str] | None = None,
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Builds the suite's train and held-out test sets (test is ``None`` when ``per_domain_test``
+    is 0).
+
+    Raises:
+        ConfigError: Unknown domain, negative size, or more items than a domain's source holds.
+    """
+    chosen = list(DOMAIN_ORDER if domains is None else domains)
+    unknown = [d for d in chosen if d not in DOMAINS]
+    if unknown or not chosen or len(set(chosen)) != len(chosen):
+        raise ConfigError(
+            f"{FIELD}.domains",
+            f"{chosen} must be distinct names among {', '.join(DOMAIN_ORDER)}",
+        )
+    if per_domain_train < 1:
+        raise ConfigError(f"{FIELD}.per_domain_train", f"must be >= 1, got {per_domain_train}")
+    if per_domain_test < 0:
+        raise ConfigError(f"{FIELD}.per_domain_test", f"must be >= 0, got {per_domain_test}")
+    train_parts, test_parts = [], []
+    for name in sorted(chosen, key=DOMAIN_ORDER.index):
+        rng = np.random.default_rng([seed, DOMAIN_ORDER.index(name)])
+        src = load_source(DOMAINS[name].source)
+        train_rows, test_rows = _sample(src, per_domain_train, per_domain_test, rng, name)
+        train_parts.append(_items(name, train_rows, rng))
+        test_parts.append(_items(name, test_rows, rng))
+    test = _concat(test_parts) if per_domain_test > 0 else None
+    return _concat(train_parts), test
+
+
+@register_source(
+    SourceInfo(
+        "instruct_suite",
+        "instruction",
+        "built from alpaca_demo, gsm8k, drug_reviews, rotten_tomatoes, trec, sms_spam",
+        "the licences of those sources (alpaca content CC BY-NC 4.0)",
+        "Multi-domain instructions (general, math, medical, movie, qtype, spam), 200 train + "
+        "40 test per domain by default; CPU-scale stand-in for Dolly-15k / Natural-Instructions",
+    )
+)
+def instruct_suite(
+    per_domain_train: int = 200,
+    per_domain_test: int = 40,
+    seed: int = 0,
+    domains: list[str] | None = None,
+) -> LoadedSource:
+    """The multi-domain instruction suite as a source (see the module docstring)."""
+    train, test = build_suite(per_domain_train, per_domain_test, seed, domains)
+    return LoadedSource(source_info("instruct_suite"), train, test)
