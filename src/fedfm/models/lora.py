@@ -1,0 +1,308 @@
+"""Several named LoRA adapters on one frozen base model, through peft.
+
+LoRA: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models" (ICLR 2022): a frozen linear
+layer ``W0`` becomes ``W0 x + (alpha / r) B A x`` with trainable ``A`` (r x in) and ``B`` (out x r),
+``B`` initialised to zero so that a new adapter leaves the model unchanged.
+
+Federated methods keep more than one adapter on the same base (a global and a local one in FedSDR,
+a global adapter and its rectified copy, per-client private adapters), with any subset active in
+the forward pass and any subset trainable. peft does all of this; the functions here give it one
+small, strict interface:
+
+- adapters are added, activated and frozen by name (:func:`add_adapters`, :func:`set_active`);
+- adapter states are ``dict[str, Tensor]`` whose keys do not contain the adapter name, so a state
+  taken from adapter ``"global"`` loads into adapter ``"rectified"`` (:func:`get_adapter_state`,
+  :func:`set_adapter_state`);
+- what travels between client and server is only adapter tensors (:func:`trainable_state`); the base
+  model is never saved or sent;
+- adapters are saved in peft's own format: ``PeftModel.from_pretrained(base, folder)`` loads them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import peft
+import pydantic
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
+from torch import Tensor, nn
+
+from fedfm.errors import AssetMissingError, ConfigError, FedfmError, UnknownNameError
+
+
+class AdapterStateError(FedfmError, ValueError):
+    """An adapter state does not fit the adapter: unknown or missing keys, or wrong shapes."""
+
+
+class LoraConfigSpec(pydantic.BaseModel):
+    """LoRA hyper-parameters shared by every adapter of a run.
+
+    Attributes:
+        r: Rank of ``A`` and ``B``.
+        alpha: Scale numerator; the update is scaled by ``alpha / r``.
+        dropout: Dropout on the adapter input, active in train mode only.
+        target_modules: Names of the linear layers to adapt (suffixes of module names).
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    r: int = pydantic.Field(8, gt=0)
+    alpha: float = pydantic.Field(16.0, gt=0)
+    dropout: float = pydantic.Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] = pydantic.Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+
+    def to_peft(self, task_type: str | None = None) -> peft.LoraConfig:
+        """The equivalent ``peft.LoraConfig`` (peft's default init: ``B = 0``)."""
+        return peft.LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            task_type=task_type,
+        )
+
+
+def add_adapters(
+    model: nn.Module, names: list[str], spec: LoraConfigSpec, seed: int | None = None
+) -> peft.PeftModel:
+    """Adds one LoRA adapter per name, all on the same frozen base.
+
+    Args:
+        model: A base model (wrapped in place by peft) or a ``PeftModel`` to extend.
+        names: New adapter names; unique, without dots, not already present.
+        spec: LoRA hyper-parameters of the new adapters.
+        seed: Seeds the random init of the ``A`` matrices without touching the global RNG;
+            ``None`` draws from the global RNG.
+
+    Returns:
+        The ``PeftModel`` (a ``PeftModelForCausalLM`` when ``model`` can generate), with exactly
+        the new adapters active and trainable and every base parameter frozen.
+
+    Raises:
+        ConfigError: ``names`` is empty, repeats a name, has a dotted name or an existing one.
+    """
+    if not names:
+        raise ConfigError("lora.adapters", "at least one adapter name is needed")
+    if len(set(names)) != len(names):
+        raise ConfigError("lora.adapters", f"adapter names repeat: {names}")
+    existing = set(model.peft_config) if isinstance(model, peft.PeftModel) else set()
+    for name in names:
+        if not name or "." in name:
+            raise ConfigError("lora.adapters", f"adapter name {name!r} must be non-empty, no dots")
+        if name in existing:
+            raise ConfigError("lora.adapters", f"adapter '{name}' already exists")
+    can_generate = getattr(model, "can_generate", lambda: False)()
+    config = spec.to_peft("CAUSAL_LM" if can_generate else None)
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        if isinstance(model, peft.PeftModel):
+            peft_model = model
+        else:
+            peft_model = peft.get_peft_model(model, config, adapter_name=names[0])
+        for name in names:
+            if name not in peft_model.peft_config:
+                peft_model.add_adapter(name, config)
+    set_active(peft_model, active=list(names), trainable=list(names))
+    return peft_model
+
+
+def adapter_names(peft_model: peft.PeftModel) -> list[str]:
+    """Names of every adapter on the model, in the order they were added."""
+    return list(peft_model.peft_config)
+
+
+def set_active(peft_model: peft.PeftModel, active: list[str], trainable: list[str]) -> None:
+    """Chooses which adapters take part in the forward pass and which receive gradients.
+
+    Args:
+        peft_model: The model.
+        active: Adapters used in the forward pass (their deltas add up); ``[]`` gives the base.
+        trainable: Adapters whose tensors get ``requires_grad=True``; a subset of ``active``,
+            since an inactive adapter would receive no gradient.
+
+    Raises:
+        UnknownNameError: A name is not an adapter of the model.
+        ConfigError: ``trainable`` is not a subset of ``active``.
+    """
+    for name in [*active, *trainable]:
+        _check_adapter(peft_model, name)
+    if not set(trainable) <= set(active):
+        idle = sorted(set(trainable) - set(active))
+        raise ConfigError("lora.trainable", f"adapters {idle} are trainable but not active")
+    # The outer PeftModel.set_adapter refuses a list; the tuner underneath accepts one. It also
+    # makes every active adapter trainable, so freeze the others afterwards.
+    peft_model.base_model.set_adapter(list(active))
+    frozen = [name for name in active if name not in trainable]
+    if frozen:
+        peft_model.base_model.set_requires_grad(frozen, requires_grad=False)
+    adapter_params = _adapter_param_ids(peft_model)
+    for param in peft_model.parameters():
+        if id(param) not in adapter_params:
+            param.requires_grad_(False)  # the base stays frozen whatever peft did
+
+
+def active_adapters(peft_model: peft.PeftModel) -> list[str]:
+    """Adapters currently used in the forward pass."""
+    active = peft_model.base_model.active_adapter
+    return [active] if isinstance(active, str) else list(active)
+
+
+def get_adapter_state(peft_model: peft.PeftModel, name: str) -> dict[str, Tensor]:
+    """The tensors of one adapter, as detached CPU copies.
+
+    Keys are peft's saved keys, which omit the adapter name
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), so the state loads into
+    any adapter of the same shape.
+
+    Raises:
+        UnknownNameError: ``name`` is not an adapter of the model.
+    """
+    _check_adapter(peft_model, name)
+    state = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
+    return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
+
+
+def set_adapter_state(peft_model: peft.PeftModel, name: str, state: dict[str, Tensor]) -> None:
+    """Writes ``state`` (from :func:`get_adapter_state` of any adapter) into adapter ``name``.
+
+    Values are copied into the existing parameters, so optimizers holding them stay valid.
+
+    Raises:
+        UnknownNameError: ``name`` is not an adapter of the model.
+        AdapterStateError: Keys are missing or unknown, or a shape differs.
+    """
+    _check_adapter(peft_model, name)
+    expected = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
+    _check_state(f"adapter '{name}'", expected, state)
+    result = set_peft_model_state_dict(peft_model, state, adapter_name=name)
+    if result.unexpected_keys:  # cannot happen after the check unless peft renames keys
+        raise AdapterStateError(
+            f"adapter '{name}': peft did not place {result.unexpected_keys[:3]}"
+        )
+
+
+def trainable_state(peft_model: peft.PeftModel) -> dict[str, Tensor]:
+    """The adapter tensors that are trainable now: what a client sends after local training.
+
+    Keys are the model's parameter names, which include the adapter name
+    (``...q_proj.lora_A.local.weight``) so that several trainable adapters never collide.
+    Values are detached CPU copies. Base-model tensors are never included.
+    """
+    adapter_params = _adapter_param_ids(peft_model)
+    return {
+        key: param.detach().to("cpu", copy=True)
+        for key, param in peft_model.named_parameters()
+        if param.requires_grad and id(param) in adapter_params
+    }
+
+
+def set_trainable_state(peft_model: peft.PeftModel, state: dict[str, Tensor]) -> None:
+    """Writes a :func:`trainable_state` back into the model, in place.
+
+    Raises:
+        AdapterStateError: Keys differ from the currently trainable adapter tensors, or a shape
+            differs.
+    """
+    current = dict(peft_model.named_parameters())
+    expected = {key: current[key] for key in trainable_state_keys(peft_model)}
+    _check_state("trainable state", expected, state)
+    with torch.no_grad():
+        for key, value in state.items():
+            expected[key].copy_(value)
+
+
+def trainable_state_keys(peft_model: peft.PeftModel) -> list[str]:
+    """Names of the adapter parameters that are trainable now."""
+    adapter_params = _adapter_param_ids(peft_model)
+    return [
+        key
+        for key, param in peft_model.named_parameters()
+        if param.requires_grad and id(param) in adapter_params
+    ]
+
+
+def save_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> Path:
+    """Saves one adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``).
+
+    The files go directly into ``folder`` (peft itself nests non-default adapters in a
+    sub-folder), so plain peft loads them with ``PeftModel.from_pretrained(base, folder)``.
+
+    Returns:
+        ``folder`` as a ``Path``.
+    """
+    _check_adapter(peft_model, name)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".save-") as tmp:
+        peft_model.save_pretrained(tmp, selected_adapters=[name])
+        written = Path(tmp) / name if name != "default" else Path(tmp)
+        for item in written.iterdir():
+            if item.is_file():
+                shutil.move(str(item), folder / item.name)
+    return folder
+
+
+def load_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> None:
+    """Loads an adapter saved by :func:`save_adapter` (or by plain peft) as adapter ``name``.
+
+    A new ``name`` is added from the folder's config, inactive and frozen; an existing one gets
+    the saved weights (strictly checked) and keeps its activity and trainability. Call
+    :func:`set_active` to change them.
+
+    Raises:
+        AssetMissingError: ``folder`` holds no peft adapter.
+        AdapterStateError: The saved weights do not fit an existing adapter ``name``.
+    """
+    folder = Path(folder)
+    if not (folder / "adapter_config.json").is_file():
+        raise AssetMissingError(f"no peft adapter (adapter_config.json) in {folder}")
+    if name in peft_model.peft_config:
+        set_adapter_state(peft_model, name, load_peft_weights(str(folder), device="cpu"))
+        return
+    if "." in name:
+        raise ConfigError("lora.adapters", f"adapter name {name!r} must not contain dots")
+    training = peft_model.training  # peft's load_adapter switches the model to eval mode
+    peft_model.load_adapter(str(folder), adapter_name=name, is_trainable=False)
+    peft_model.train(training)
+    peft_model.base_model.set_requires_grad([name], requires_grad=False)
+
+
+def _check_adapter(peft_model: peft.PeftModel, name: str) -> None:
+    if not isinstance(peft_model, peft.PeftModel):
+        raise ConfigError("lora", f"expected a peft.PeftModel, got {type(peft_model).__name__}")
+    if name not in peft_model.peft_config:
+        have = ", ".join(peft_model.peft_config) or "none"
+        raise UnknownNameError("lora.adapter", f"unknown adapter '{name}' (have {have})")
+
+
+def _check_state(what: str, expected: dict[str, Tensor], state: dict[str, Tensor]) -> None:
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing or unknown:
+        raise AdapterStateError(
+            f"{what}: {len(missing)} missing keys {missing[:2]}, {len(unknown)} unknown keys "
+            f"{unknown[:2]}"
+        )
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise AdapterStateError(
+                f"{what}: {key} has shape {tuple(value.shape)}, expected "
+                f"{tuple(expected[key].shape)}"
+            )
+
+
+def _adapter_param_ids(peft_model: nn.Module) -> set[int]:
+    """Ids of every parameter that belongs to an adapter (LoRA A/B, embeddings, magnitudes)."""
+    ids: set[int] = set()
+    for module in peft_model.modules():
+        if isinstance(module, BaseTunerLayer):
+            for attr in module.adapter_layer_names:
+                ids.update(id(p) for p in getattr(module, attr).parameters())
+    return ids
