@@ -8,7 +8,7 @@ import torch
 from peft import PeftModel
 
 from fedfm.errors import AssetMissingError, ConfigError, UnknownNameError
-from fedfm.models.causal_lm import tiny_llama
+from fedfm.models.causal_lm import generate_text, small_tokenizer, tiny_llama
 from fedfm.models.lora import (
     AdapterStateError,
     LoraConfigSpec,
@@ -85,6 +85,10 @@ def test_two_active_adapters_add_their_deltas_on_a_layer() -> None:
     second = _logits(model)
     assert not torch.allclose(both, first, atol=1e-4)
     assert not torch.allclose(both, second, atol=1e-4)
+    # peft generates with a list of active adapters.
+    set_active(model, ["first", "second"], [])
+    replies = generate_text(model, small_tokenizer(), ["hi", "hello there"], max_new_tokens=3)
+    assert len(replies) == 2
 
 
 def test_only_the_trainable_adapter_changes_after_a_step() -> None:
