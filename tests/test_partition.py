@@ -33,6 +33,7 @@ def labelled() -> datasets.Dataset:
             "label": datasets.ClassLabel(num_classes=N_CLASSES),
             "site": datasets.Value("string"),
             "y": datasets.Value("float32"),
+            "pair": datasets.List(datasets.Value("int64"), length=2),
         }
     )
     rng = np.random.default_rng(0)
@@ -42,6 +43,7 @@ def labelled() -> datasets.Dataset:
             "label": labels,
             "site": [["north", "east", "west"][i % 3] for i in range(n)],
             "y": rng.normal(size=n).astype(np.float32),
+            "pair": [[i % 2, 0] for i in range(n)],
         },
         features=feats,
     )
@@ -192,6 +194,7 @@ def test_invalid_config_values(values: dict, field: str) -> None:
     ("values", "field", "words"),
     [
         ({"scheme": "dirichlet", "by": "colour"}, "partition.by", "no column 'colour'"),
+        ({"scheme": "natural", "by": "pair", "num_clients": 2}, "partition.by", "not a scalar"),
         ({"scheme": "natural", "by": "site", "num_clients": 4}, "partition.num_clients", "3"),
         ({"scheme": "iid", "num_clients": 5000}, "partition.num_clients", "1200 rows"),
         (

@@ -166,7 +166,8 @@ def _keys(ds: datasets.Dataset, cfg: PartitionConfig, binned: bool) -> datasets.
     if cfg.by not in ds.column_names:
         raise ConfigError(f"{FIELD}.by", f"no column '{cfg.by}' (have {ds.column_names})")
     values = column_array(ds, cfg.by)
-    if values.dtype == object and len(values) and not isinstance(values[0], str | int | float):
+    nested = values.dtype == object and len(values) and not isinstance(values[0], str | int | float)
+    if values.ndim != 1 or nested:
         raise ConfigError(f"{FIELD}.by", f"column '{cfg.by}' is not a scalar column")
     if binned and cfg.bins is not None:
         values = pd.qcut(values, q=cfg.bins, labels=False, duplicates="drop").astype(np.int64)
