@@ -18,7 +18,9 @@ from rich.table import Table
 
 from fedfm.errors import ConfigError, FedfmError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False
+)
 err = Console(stderr=True)
 
 

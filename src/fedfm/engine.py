@@ -119,6 +119,7 @@ class RunFolder:
         self.metrics = root / "metrics.jsonl"
         self.audit = root / "audit.jsonl"
         self.failures = root / "failures.jsonl"
+        self.client_metrics = root / "client_metrics.jsonl"
         self.checkpoints = root / "checkpoints"
         self.summary = root / "summary.json"
 
@@ -202,6 +203,7 @@ def _restore(
     set_rng_state(ck.server_meta["rng"])
     folder.truncate(folder.metrics, ck.rnd)
     folder.truncate(folder.failures, ck.rnd)
+    folder.truncate(folder.client_metrics, ck.rnd)
     ledger.load(ck.rnd)
     return ck.rnd
 
@@ -279,16 +281,21 @@ class Engine:
         fed.rnd = rnd
         nfail = len(fed.failures)
         row: dict[str, Any] = {"round": rnd}
+        per_client = None
         row.update(setup.algo.setup(fed) if rnd == 0 else setup.algo.round(fed))
         due = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
         if (rnd == 0 and self.cfg.eval_before) or (rnd > 0 and due):
-            row.update(setup.algo.evaluate(fed))
+            evals = setup.algo.evaluate(fed)
+            per_client = evals.pop("per_client", None)
+            row.update(evals)
         row.update(ledger.round_bytes(rnd))
         row["failed"] = len(fed.failures) - nfail
         row["time_s"] = round(time.perf_counter() - t, 4)
         # Logs first, checkpoint last: on resume, rows after the checkpoint are dropped.
         folder.append(folder.metrics, [row])
         folder.append(folder.failures, fed.failures[nfail:])
+        if per_client:
+            folder.append(folder.client_metrics, [{"round": rnd, "clients": per_client}])
         ledger.flush()
         _checkpoint(folder, rnd, setup.algo, store)
         display.update(row)

@@ -24,8 +24,8 @@ def _columns(rows: list[dict[str, Any]], limit: int = 9) -> list[str]:
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in SKIP and k not in keys]
-    keys.sort(key=lambda k: ("/" in k, k.startswith("bytes"), keys.index(k)))
-    return keys[:limit]
+    order = {k: i for i, k in enumerate(keys)}
+    return sorted(keys, key=lambda k: ("/" in k, k.startswith("bytes"), order[k]))[:limit]
 
 
 class RoundDisplay:

@@ -69,7 +69,11 @@ class Algorithm:
         raise NotImplementedError
 
     def evaluate(self, fed: Federation) -> dict[str, float]:
-        """Evaluation after a round; may message clients for personalised metrics."""
+        """Evaluation after a round; may message clients for personalised metrics.
+
+        A ``"per_client"`` entry (client id -> metric -> value) is logged by the engine to
+        ``client_metrics.jsonl`` rather than to ``metrics.jsonl``.
+        """
         return {}
 
     def finish(self, fed: Federation) -> dict[str, float]:

@@ -140,6 +140,7 @@ class FedAvg(Algorithm):
             replies = fed.broadcast(Message("evaluate", {"params": self.params}), fed.client_ids())
             per = {c: r.meta["metrics"] for c, r in replies.items()}
             out.update(summarise_client_metrics(per, "local/"))
+            out["per_client"] = per
         return out
 
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -300,6 +301,7 @@ class LocalOnly(FedAvg):
         primary = self.task.primary
         if f"test/{primary}" in out:
             out[primary] = out[f"test/{primary}"]
+        out["per_client"] = per
         return out
 
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -120,15 +120,26 @@ def local_train(
     return TrainResult(steps=steps, loss=float(total) / max(steps, 1))
 
 
+def state_keys(model: nn.Module) -> list[str]:
+    """What travels by default: trainable parameters and floating-point buffers.
+
+    Frozen parameters (an LLM's base weights under LoRA, a frozen backbone) are left out, so
+    only adapters, students and proxies ever leave a client.
+    """
+    train = {n for n, p in model.named_parameters() if p.requires_grad}
+    buffers = {n for n, b in model.named_buffers() if b.is_floating_point()}
+    return [k for k in model.state_dict() if k in train or k in buffers]
+
+
 def get_params(model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
-    """Detached CPU copies of a model's floating-point state (parameters and buffers).
+    """Detached CPU copies of a model's state entries.
 
     Args:
         model: The model.
-        names: Only these keys; all floating-point entries when None.
+        names: Only these keys; :func:`state_keys` when None.
     """
     state = model.state_dict()
-    keys = names if names is not None else [k for k, v in state.items() if v.is_floating_point()]
+    keys = names if names is not None else state_keys(model)
     return {k: state[k].detach().to("cpu", copy=True) for k in keys}
 
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from fedfm.config import validate_section
 from fedfm.core.federation import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
-from fedfm.data.sources import LoadedSource, load_source
+from fedfm.data.sources import LoadedSource, column_array, load_source
 from fedfm.errors import ConfigError
 from fedfm.models.registry import build_model
 from fedfm.tasks.base import TASKS, Task, TaskConfig
@@ -63,7 +63,7 @@ class SupervisedConfig(TaskConfig):
 
 def _to_tensors(src: LoadedSource, ds: Any, image: bool, regression: bool) -> TensorData:
     col = "image" if image else "x"
-    x = torch.from_numpy(np.asarray(ds[col], dtype=np.float32))
+    x = torch.from_numpy(column_array(ds, col).astype(np.float32))
     if image:
         x = (x / 255.0).unsqueeze(1)  # [N, 1, H, W]
     y_np = np.asarray(ds["label"], dtype=np.float32 if regression else np.int64)
