@@ -50,7 +50,9 @@ class Registry(Generic[T]):
         """
         if name not in self._items:
             choices = ", ".join(sorted(self._items)) or "none registered"
-            raise UnknownNameError(self.field, f"unknown {self.kind} '{name}' (choose from {choices})")
+            raise UnknownNameError(
+                self.field, f"unknown {self.kind} '{name}' (choose from {choices})"
+            )
         return self._items[name]
 
     def __contains__(self, name: object) -> bool:
