@@ -24,7 +24,7 @@ from fedfm.data.prompt import (
     IGNORE_INDEX,
     PromptConfig,
     collate,
-    encode_dataset,
+    encode_example,
     fit_prompt,
 )
 from fedfm.errors import FedfmError
@@ -59,9 +59,20 @@ def _token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
 
 
 def _encoded_rows(tokenizer: Any, dataset: Any, prompt_cfg: PromptConfig) -> list[dict]:
-    if "labels" not in dataset.column_names:
-        dataset = encode_dataset(tokenizer, dataset, prompt_cfg)
-    return [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
+    """Encoded rows; raw rows are encoded here (a loop, not ``Dataset.map``: no cache files or
+    progress bars for an evaluation pass). Rows with an empty reference are skipped."""
+    if "labels" in dataset.column_names:
+        return [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
+    if "output" not in dataset.column_names or "instruction" not in dataset.column_names:
+        raise FedfmError("lm_nll needs 'instruction' and 'output' columns (or encoded 'labels')")
+    rows = []
+    for r in dataset:
+        enc = encode_example(
+            tokenizer, r["instruction"], r.get("input") or "", r["output"], prompt_cfg
+        )
+        if enc is not None:
+            rows.append(enc)
+    return rows
 
 
 def lm_nll(
@@ -76,7 +87,8 @@ def lm_nll(
     Args:
         model: Causal LM.
         tokenizer: Its tokenizer.
-        dataset: Raw ``instruction, input, output`` rows or rows already encoded (``labels``).
+        dataset: Raw ``instruction, input, output`` rows (rows with an empty ``output`` are
+            skipped, as in training) or rows already encoded (``labels``).
         prompt_cfg: Formatting and truncation, as in training.
         batch_size: Rows per forward pass.
 

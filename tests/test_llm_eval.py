@@ -1,0 +1,271 @@
+"""Generation and instruction-suite evaluators on tiny Llamas, random or with built weights."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from fedfm.data.prompt import PromptConfig, format_prompt
+from fedfm.errors import FedfmError, UnknownNameError
+from fedfm.eval.generate import generate
+from fedfm.eval.llm import (
+    choice_logliks,
+    evaluate_held_out_domain,
+    evaluate_instructions,
+    lm_nll,
+    multiple_choice_loglik,
+    split_held_out_domain,
+)
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "What is the capital of France? The capital of France is Paris.",
+    "Summarize the following text in one sentence. Answer yes or no.",
+    "A farmer has 12 apples and gives away 5. How many are left? #### 7",
+]
+HIDDEN = 32
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (~350 tokens) with SmolLM2's special tokens and a ChatML template."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=350,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        chat_template=CHATML,
+    )
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, init: float = 0.2) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        initializer_range=init,  # peaked logits, so greedy choices are not float-noise ties
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def _silence_layers(model: LlamaForCausalLM) -> None:
+    """Zero every attention and MLP output: the final hidden state is the current token's
+    embedding, so the logits depend on the current token only."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+
+
+@torch.no_grad()
+def bigram_llama(tok, chain: list[int]) -> LlamaForCausalLM:
+    """A Llama whose greedy continuation after ``chain[0]`` is ``chain[1:]``.
+
+    Token ``chain[k]`` gets embedding ``e_k`` (every other token ``e_{HIDDEN-1}``); RMSNorm maps
+    ``e_k`` to ``sqrt(HIDDEN) e_k``, and ``lm_head[chain[k+1], k] = 1`` makes ``chain[k+1]`` the
+    only non-zero logit (≈5.7) after ``chain[k]``.
+    """
+    model = tiny_llama(len(tok))
+    _silence_layers(model)
+    emb = model.model.embed_tokens.weight
+    emb.zero_()
+    emb[:, HIDDEN - 1] = 1.0
+    model.lm_head.weight.zero_()
+    for k, (cur, nxt) in enumerate(itertools.pairwise(chain)):
+        emb[cur] = 0.0
+        emb[cur, k] = 1.0
+        model.lm_head.weight[nxt, k] = 1.0
+    return model
+
+
+@torch.no_grad()
+def constant_llama(vocab_size: int, logprobs: torch.Tensor) -> LlamaForCausalLM:
+    """A Llama whose next-token log-probabilities are ``logprobs`` at every position."""
+    model = tiny_llama(vocab_size)
+    _silence_layers(model)
+    v = torch.ones(HIDDEN)
+    model.model.embed_tokens.weight.copy_(v.expand(vocab_size, HIDDEN))
+    h = model.model.norm(v)  # the final hidden state of every position
+    model.lm_head.weight.copy_(torch.outer(logprobs, h) / h.dot(h))
+    return model
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def yes7(tok) -> LlamaForCausalLM:
+    """Greedily answers every chat prompt (which ends with "\\n") with "yes 7"."""
+    return bigram_llama(tok, [*_ids(tok, "\n"), *_ids(tok, "yes 7"), tok.eos_token_id])
+
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Answer yes or no.",
+    "A farmer has 12 apples and gives away 5. How many are left? Explain step by step.",
+    "Hi",
+    "Summarize the following text in one sentence.",
+    "Paris",
+]
+
+
+def test_generation_order_and_batching_invariance(tok):
+    model = tiny_llama(len(tok))
+    prompts = [format_prompt(tok, p) for p in PROMPTS]
+    one = generate(model, tok, prompts, max_new_tokens=8, batch_size=1)
+    four = generate(model, tok, prompts, max_new_tokens=8, batch_size=4)
+    # Left padding with a masked attention and positions from the mask gives the same greedy
+    # tokens as unpadded batch-1 generation (weights are drawn peaked to rule out near-ties).
+    assert one == four
+    assert len(one) == len(prompts)
+    assert one[2] == generate(model, tok, [prompts[2]], max_new_tokens=8)[0]
+    assert len(set(one)) > 1  # different prompts, different continuations
+
+
+def test_generation_stops_at_end_of_turn_and_accepts_bundles(tok, yes7):
+    @dataclass
+    class Bundle:
+        model: torch.nn.Module
+        tokenizer: object
+
+    yes7.train()
+    prompts = [format_prompt(tok, p) for p in PROMPTS[:3]]
+    assert generate(Bundle(yes7, tok), None, prompts, max_new_tokens=10) == ["yes 7"] * 3
+    assert yes7.training  # previous mode restored
+    yes7.eval()
+    assert generate(yes7, tok, [_ids(tok, prompts[0])], max_new_tokens=1) == ["yes"]
+    with pytest.raises(FedfmError, match="tokenizer"):
+        generate(yes7, None, prompts)
+
+
+def _suite() -> datasets.Dataset:
+    rows = [
+        ("general", "rouge", "Say yes", "yes 7", [], ""),  # ROUGE-L 1
+        ("general", "rouge", "Say it", "yes no", [], ""),  # LCS 1 of 2 and 2 words: 1/2
+        ("math", "gsm8k", "12 - 5?", "12 - 5 = 7\n#### 7", [], "7"),  # right
+        ("math", "gsm8k", "3 + 5?", "3 + 5 = 8", [], ""),  # answer from output: 8, wrong
+        ("medical", "choice", "Is it?", "yes", ["yes", "no"], "yes"),  # right
+        ("medical", "choice", "Is it not?", "no", ["yes", "no"], "no"),  # wrong
+        ("medical", "choice", "Really?", "yes", ["no", "yes"], "yes"),  # right
+    ]
+    keys = ["domain", "metric", "instruction", "output", "choices", "answer"]
+    data = {k: [r[i] for r in rows] for i, k in enumerate(keys)}
+    data["input"] = [""] * len(rows)
+    data["id"] = [str(i) for i in range(len(rows))]
+    return datasets.Dataset.from_dict(data)
+
+
+@pytest.mark.parametrize("choice_mode", ["generate", "loglik"])
+def test_evaluate_instructions_per_domain(tok, yes7, choice_mode):
+    res = evaluate_instructions(yes7, tok, _suite(), max_new_tokens=6, choice_mode=choice_mode)
+    expected = {
+        "rougeL": 0.75,
+        "rougeL/general": 0.75,
+        "gsm8k_acc": 0.5,
+        "gsm8k_acc/math": 0.5,
+        "acc": 2 / 3,
+        "acc/medical": 2 / 3,
+        "score/general": 0.75,
+        "score/math": 0.5,
+        "score/medical": 2 / 3,
+        "score": (0.75 + 0.5 + 2 / 3) / 3,
+        "n": 7.0,
+        "n/general": 2.0,
+        "n/math": 2.0,
+        "n/medical": 3.0,
+    }
+    assert res == pytest.approx(expected)
+
+
+def test_evaluate_with_perplexity_and_held_out_domain(tok):
+    model = tiny_llama(len(tok))
+    suite = _suite()
+    res = evaluate_instructions(model, tok, suite, max_new_tokens=2, with_ppl=True)
+    assert {"ppl", "ppl/general", "ppl/math", "ppl/medical"} <= set(res)
+    nll, n = lm_nll(model, tok, suite.select([2, 3]))
+    assert res["ppl/math"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+
+    seen, held = split_held_out_domain(suite, "math")
+    assert set(seen["domain"]) == {"general", "medical"} and held["domain"] == ["math"] * 2
+    zero_shot = evaluate_held_out_domain(model, tok, suite, "math", max_new_tokens=2)
+    assert set(zero_shot) == {"gsm8k_acc", "gsm8k_acc/math", "score", "score/math", "n", "n/math"}
+    with pytest.raises(FedfmError, match="not in dataset"):
+        split_held_out_domain(suite, "law")
+
+
+def test_unknown_metric_is_refused_before_generation(tok, yes7):
+    bad = _suite().map(lambda r: {"metric": "bleu" if r["id"] == "0" else r["metric"]})
+    with pytest.raises(UnknownNameError, match="bleu"):
+        evaluate_instructions(yes7, tok, bad)
+
+
+def test_lm_nll_independent_of_batch_size(tok):
+    model = tiny_llama(len(tok), init=0.02)
+    suite = _suite()
+    nll1, n1 = lm_nll(model, tok, suite, PromptConfig(), batch_size=1)
+    nll3, n3 = lm_nll(model, tok, suite, PromptConfig(), batch_size=3)
+    assert n1 == n3
+    assert nll1 == pytest.approx(nll3, rel=1e-5)
+
+
+def test_multiple_choice_loglik_by_construction(tok):
+    vocab = len(tok)
+    a, b = _ids(tok, "yes")[0], _ids(tok, "no")[0]
+    # log p(a) = -1.0, log p(b) = -0.8; the other tokens share the remaining mass equally.
+    rest = math.log((1 - math.exp(-1.0) - math.exp(-0.8)) / (vocab - 2))
+    logprobs = torch.full((vocab,), rest)
+    logprobs[a], logprobs[b] = -1.0, -0.8
+    model = constant_llama(vocab, logprobs)
+    prompt = format_prompt(tok, "Pick one")
+    choices = ["yes", "nono"]  # one token "yes" vs two tokens "no" "no"
+    assert _ids(tok, "nono") == [b, b]
+    scores = choice_logliks(model, tok, prompt, choices)
+    assert [n for _, n in scores] == [1, 2]
+    assert [s for s, _ in scores] == pytest.approx([-1.0, -1.6], abs=1e-4)
+    # Sum: -1.0 > -1.6 picks "yes"; per-token mean: -0.8 > -1.0 picks "nono".
+    assert multiple_choice_loglik(model, tok, prompt, choices, length_norm="none") == 0
+    assert multiple_choice_loglik(model, tok, prompt, choices, length_norm="token") == 1
+    # Per character: -1.0 / 3 > -1.6 / 4.
+    assert multiple_choice_loglik(model, tok, prompt, choices, length_norm="char") == 0
+
+
+def test_multiple_choice_batched_matches_one_by_one_reference(tok):
+    model = tiny_llama(len(tok), init=0.02)
+    prompt = format_prompt(tok, "What is the capital of France?")
+    choices = ["Paris", "The capital of France is Paris.", "no", "12 apples"]
+    batched = choice_logliks(model, tok, prompt, choices, batch_size=3)
+    p = _ids(tok, prompt)
+    for (score, n), choice in zip(batched, choices, strict=True):
+        c = _ids(tok, choice)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + c])).logits[0], -1)
+        ref = sum(float(logp[len(p) - 1 + j, t]) for j, t in enumerate(c))
+        assert n == len(c)
+        assert score == pytest.approx(ref, abs=1e-4)
