@@ -21,7 +21,6 @@ from fedfm.errors import ConfigError, FedfmError
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False
 )
-err = Console(stderr=True)
 
 
 def _offline_defaults() -> None:
@@ -128,10 +127,10 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except ConfigError as e:
-        err.print(f"[red]error[/]: {e}", highlight=False)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except FedfmError as e:
-        err.print(f"[red]error[/]: {e}", highlight=False)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except (typer.Exit, SystemExit) as e:
         code = getattr(e, "exit_code", getattr(e, "code", 0))

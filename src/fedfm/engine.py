@@ -35,6 +35,7 @@ from fedfm.core.checkpoint import (
 )
 from fedfm.core.federation import ClientInfo, Federation, derive_seed
 from fedfm.core.state import ClientStateStore
+from fedfm.data.partition import PartitionConfig
 from fedfm.errors import ConfigError
 from fedfm.tasks.base import TASKS, Task
 
@@ -64,6 +65,7 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     task_cls = TASKS.get(str(task_kind))
     algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
     task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
+    validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")
     return algo_cfg, task_cfg
 
 

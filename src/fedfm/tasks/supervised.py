@@ -165,8 +165,9 @@ class SupervisedTask(Task):
         args = {**self.cfg.model_args, **overrides}
         name = args.pop("name", self.cfg.model)
         torch.manual_seed(seed)
-        if self.cfg.kind == "tabular":
-            return build_model(name, in_dim=self.input_shape()[0], out_dim=self.num_classes, **args)
+        if self.cfg.kind == "tabular" or name == "mlp":  # an MLP flattens images itself
+            in_dim = int(np.prod(self.input_shape()))
+            return build_model(name, in_dim=in_dim, out_dim=self.num_classes, **args)
         c, h, _ = self.input_shape()
         return build_model(name, in_channels=c, num_classes=self.num_classes, image_size=h, **args)
 
