@@ -1,0 +1,435 @@
+"""FedeKD: private and proxy models with energy-gated backward distillation, and its baselines.
+
+Paper: Quang-Huy Nguyen, Jiaqi Wang, Wei-Shinn Ku, "FedeKD: Energy-Based Gating for Robust
+Federated Knowledge Distillation under Heterogeneity", arXiv:2605.05553 (METHODS.md section 2).
+
+Every client k keeps a high-capacity private model f_k that never leaves it (architectures may
+differ per client) and a lightweight proxy g_k whose architecture all clients share. A round
+has the paper's three sequential stages (Sec. 3.2, Algorithm 1):
+
+1. forward distillation: f_k frozen, g_k (initialised from the global proxy) trained on the
+   local data to mimic f_k (KL on softmax for classification, squared error for regression);
+2. proxy aggregation: the server aggregates the proxies into the global proxy g (any server
+   optimizer of :mod:`fedfm.core.optim`; the paper uses FedAvg) and sends it back;
+3. energy-gated backward distillation: f_k is updated with the supervised loss plus
+   λ · Σ w·D(f_k(x), g(x)) / Σ w, where the trust weight w = gate(E(x)) falls as the
+   private-proxy energy E rises (eq. (1) entropy-normalised symmetric KL for classification,
+   eq. (2) half squared error for regression; :mod:`fedfm.core.kd`).
+
+So a round is two exchanges: ``forward`` (global proxy down, local proxy up) and ``backward``
+(new global proxy down, nothing but scalars up). Only proxy tensors ever travel; the audit
+ledger shows it.
+
+Baselines in this file: ``fedkd-ungated`` (the same private/proxy mutual distillation with
+weight 1 for every sample, as in FML, Shen et al. 2020, and FedKD, Wu et al. 2022) and
+``local-private`` (each client trains its own private architecture alone, the local-only
+reference that FedeKD's negative transfer is measured against). FedAvg, FedProx and the
+shared-architecture local-only baseline live in :mod:`fedfm.algorithms.fedavg`.
+
+Choices of ours (the paper does not make them; each is a config option):
+    * The gate: ``sigmoid``, w = sigmoid(−β·z) with z the batch-standardised energy
+      (:func:`fedfm.core.kd.sigmoid_gate`), β = 1, λ = 1; weights are detached.
+    * Distillation temperature T = 1 in both directions (energies always use T = 1, as eq. (1)).
+    * The forward stage is pure distillation (``forward_ce = 0``, as the paper describes it);
+      ``forward_ce > 0`` adds that weight of the supervised loss on labels to the proxy's loss.
+    * Each stage runs the run's local-training budget (``train.steps`` or ``train.epochs``)
+      unless ``forward_steps`` / ``backward_steps`` are set; a fresh local optimizer per stage.
+    * With client sampling, the backward stage goes to the clients whose forward reply was
+      accepted (the paper has every client take part every round, where the two coincide).
+    * Private models are initialised with a seed derived from (run seed, client id) at first
+      use; ``private_archs`` is cycled over the clients in their stable order.
+    * Aggregation weights are the clients' training-set sizes.
+    * Evaluation is personalised: each client's private model on its local test split
+      (``local/``) and on the global test set (``test/``), mean and worst client; the headline
+      metric is the mean client on the global test set (as for the local-only baseline), and
+      the global proxy is reported on the global test set (``proxy/``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator
+from torch import Tensor, nn
+
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.fedavg import summarise_client_metrics, weighted_mean_metric
+from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.kd import (
+    GATES,
+    gated_kd,
+    half_squared_error_energy,
+    kd_kl,
+    kd_mse,
+    symmetric_kl_energy,
+)
+from fedfm.core.messages import Message, MessageKind
+from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.train import get_params, local_train, num_steps, set_params
+
+FORWARD = MessageKind(
+    "forward", down_arrays=("proxy",), up_arrays=("proxy",), up_meta=("num_examples", "loss")
+)
+BACKWARD = MessageKind(
+    "backward",
+    down_arrays=("proxy",),
+    up_meta=("num_examples", "loss", "energy", "gate_min", "gate_max"),
+)
+LOCAL = MessageKind("local", up_meta=("num_examples", "loss"))
+EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+
+
+class FedeKDConfig(AlgoConfig):
+    """FedeKD settings; ``(ours)`` marks defaults the paper does not fix."""
+
+    proxy_arch: dict[str, Any] = Field(
+        default_factory=dict,
+        description="model overrides of the proxy, ONE architecture shared by every client",
+    )
+    private_archs: list[dict[str, Any]] = Field(
+        default_factory=lambda: [{}],
+        min_length=1,
+        description="model overrides of the private models, cycled over clients",
+    )
+    server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    gate: str = Field("sigmoid", description="gate in fedfm.core.kd.GATES (ours: sigmoid)")
+    beta: float = Field(1.0, ge=0, description="gate scale β (ours: 1)")
+    lam: float = Field(1.0, ge=0, description="weight λ of the backward distillation (ours: 1)")
+    temperature: float = Field(1.0, gt=0, description="distillation temperature (ours: 1)")
+    forward_ce: float = Field(0.0, ge=0, description="weight of label CE in the forward stage")
+    forward_steps: int | None = Field(None, ge=1, description="None: the run's local budget")
+    backward_steps: int | None = Field(None, ge=1, description="None: the run's local budget")
+
+    @field_validator("proxy_arch", mode="before")
+    @classmethod
+    def _one_proxy(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            raise ValueError(
+                f"must be one architecture shared by every client (got a list of {len(v)});"
+                " per-client architectures belong in algo.private_archs"
+            )
+        return v
+
+    @field_validator("gate")
+    @classmethod
+    def _known_gate(cls, v: str) -> str:
+        GATES.get(v)  # UnknownNameError names algo.gate and the choices
+        return v
+
+
+class FedKDUngatedConfig(FedeKDConfig):
+    """The ungated baseline: weight 1 for every sample."""
+
+    gate: Literal["ungated"] = "ungated"
+
+
+class FedeKD(Algorithm):
+    """FedeKD (Nguyen, Wang, Ku 2026): forward proxy KD, proxy aggregation, gated backward KD."""
+
+    Config = FedeKDConfig
+    messages = (FORWARD, BACKWARD, EVALUATE)
+    personalised = True
+
+    def __init__(self, cfg: FedeKDConfig, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedeKDConfig = cfg
+        if task.kind not in ("classification", "regression"):
+            raise ValueError(f"FedeKD needs a classification or regression task, not {task.kind}")
+        self._proxy: nn.Module | None = None
+        self._privates: dict[int, nn.Module] = {}
+        self.proxy: dict[str, Tensor] = get_params(self.proxy_model())
+        self.opt = ServerOptimizer(cfg.server_opt)
+        for i in range(len(cfg.private_archs)):  # a bad private architecture fails at build
+            self.private_model(i)
+
+    # ----- models -----
+    def proxy_model(self) -> nn.Module:
+        """The proxy instance reused by this process's server and client halves."""
+        if self._proxy is None:
+            self._proxy = self.task.build_model(seed=self.run.seed, **self.cfg.proxy_arch)
+        return self._proxy
+
+    def private_model(self, arch: int) -> nn.Module:
+        """A reusable instance of private architecture ``arch`` (weights are set per client)."""
+        if arch not in self._privates:
+            self._privates[arch] = self.task.build_model(
+                seed=self.run.seed, **self.cfg.private_archs[arch]
+            )
+        return self._privates[arch]
+
+    def arch_of(self, cid: str) -> int:
+        """Index of the client's private architecture in ``private_archs`` (cycled)."""
+        return self.task.client_ids().index(cid) % len(self.cfg.private_archs)
+
+    def load_private(self, ctx: ClientContext) -> nn.Module:
+        """The client's private model; created with a client-derived seed on first use."""
+        arch = self.arch_of(ctx.cid)
+        own = ctx.state.get_group("private")
+        if own:
+            model = self.private_model(arch)
+            set_params(model, own)
+            return model
+        fresh = self.task.build_model(
+            seed=derive_seed(self.run.seed, "private", ctx.cid) % 2**31,
+            **self.cfg.private_archs[arch],
+        )
+        model = self.private_model(arch)
+        set_params(model, get_params(fresh))
+        return model
+
+    # ----- client half -----
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "forward": self.client_forward,
+            "backward": self.client_backward,
+            "local": self.client_local,
+            "evaluate": self.client_evaluate,
+        }
+
+    def _batches(self, ctx: ClientContext, purpose: str) -> Any:
+        return self.task.batches(ctx.data, self.run.train.batch_size, ctx.rng_seed(purpose))
+
+    def _steps(self, ctx: ClientContext, override: int | None) -> int:
+        return override or num_steps(self.run.train, self.task.num_examples(ctx.data))
+
+    def _divergence(self, student: Tensor, teacher: Tensor) -> Tensor:
+        """Per-sample KD loss D [B]: KL(teacher ‖ student)·T², or squared error."""
+        if self.task.kind == "regression":
+            return kd_mse(student, teacher, reduction="none")
+        return kd_kl(student, teacher, self.cfg.temperature, reduction="none")
+
+    def _energy(self, private_out: Tensor, proxy_out: Tensor) -> Tensor:
+        if self.task.kind == "regression":
+            return half_squared_error_energy(private_out, proxy_out)
+        return symmetric_kl_energy(private_out, proxy_out)
+
+    def client_forward(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 1: the private model (frozen) teaches the proxy on the local data."""
+        teacher = self.load_private(ctx).eval()
+        proxy = self.proxy_model()
+        glob = msg.arrays["proxy"]
+        set_params(proxy, glob)
+        w_ce = self.cfg.forward_ce
+
+        def loss_fn(model: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
+            sup, out = self.task.loss(model, batch)
+            return w_ce * sup, out
+
+        def kd(model: nn.Module, batch: Any, out: Tensor) -> Tensor:
+            with torch.no_grad():
+                t_out = teacher(batch[0])
+            return self._divergence(out, t_out).mean()
+
+        res = local_train(
+            proxy,
+            self._batches(ctx, "forward"),
+            loss_fn,
+            self.run.train,
+            self._steps(ctx, self.cfg.forward_steps),
+            extra_loss=kd,
+        )
+        n = self.task.num_examples(ctx.data)
+        return Message(
+            "forward",
+            {"proxy": get_params(proxy, list(glob))},
+            {"num_examples": n, "loss": res.loss},
+        )
+
+    def client_backward(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 3: supervised loss + λ·energy-gated KD from the global proxy."""
+        private = self.load_private(ctx)
+        proxy = self.proxy_model().eval()
+        set_params(proxy, msg.arrays["proxy"])
+        stats: dict[str, list[float]] = {"energy": [], "w_min": [], "w_max": []}
+
+        def kd(model: nn.Module, batch: Any, out: Tensor) -> Tensor:
+            with torch.no_grad():
+                g_out = proxy(batch[0])
+            energy = self._energy(out, g_out)
+            loss, w = gated_kd(self._divergence(out, g_out), energy, self.cfg.gate, self.cfg.beta)
+            stats["energy"].append(float(energy.detach().mean()))
+            stats["w_min"].append(float(w.min()))
+            stats["w_max"].append(float(w.max()))
+            return self.cfg.lam * loss
+
+        res = local_train(
+            private,
+            self._batches(ctx, "backward"),
+            self.task.loss,
+            self.run.train,
+            self._steps(ctx, self.cfg.backward_steps),
+            extra_loss=kd if self.cfg.lam > 0 else None,
+        )
+        ctx.state.set_group("private", get_params(private))
+        meta: dict[str, Any] = {"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
+        if stats["energy"]:
+            meta["energy"] = sum(stats["energy"]) / len(stats["energy"])
+            meta["gate_min"] = min(stats["w_min"])
+            meta["gate_max"] = max(stats["w_max"])
+        return Message("backward", meta=meta)
+
+    def client_local(self, ctx: ClientContext, msg: Message) -> Message:
+        """Local-only: the private model trained alone (the backward stage without the proxy)."""
+        private = self.load_private(ctx)
+        res = local_train(
+            private,
+            self._batches(ctx, "backward"),
+            self.task.loss,
+            self.run.train,
+            self._steps(ctx, self.cfg.backward_steps),
+        )
+        ctx.state.set_group("private", get_params(private))
+        n = self.task.num_examples(ctx.data)
+        return Message("local", meta={"num_examples": n, "loss": res.loss})
+
+    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
+        """The private model on the global test set (``test/``) and the local split (``local/``)."""
+        model = self.load_private(ctx)
+        glob = self.task.evaluate(model, self.task.test_data())
+        loc = self.task.evaluate(model, self.task.client_test_data(ctx.cid))
+        metrics = {**{f"test/{k}": v for k, v in glob.items()}}
+        metrics.update({f"local/{k}": v for k, v in loc.items()})
+        n = self.task.num_examples(ctx.data)
+        return Message("evaluate", meta={"num_examples": n, "metrics": metrics})
+
+    # ----- server half -----
+    def round(self, fed: Federation) -> dict[str, float]:
+        cids = self.sample(fed)
+        like = {"proxy": self.proxy}
+        fwd = fed.broadcast(Message("forward", {"proxy": self.proxy}), cids, like=like)
+        self.require(fed, fwd, len(cids))
+        rs = list(fwd.values())
+        self.proxy = self.opt.step(
+            self.proxy,
+            [r.arrays["proxy"] for r in rs],
+            [float(r.meta["num_examples"]) for r in rs],
+        )
+        bwd = fed.broadcast(Message("backward", {"proxy": self.proxy}), list(fwd))
+        self.require(fed, bwd, len(fwd))
+        out = {
+            "forward_loss": weighted_mean_metric(fwd, "loss"),
+            "train_loss": weighted_mean_metric(bwd, "loss"),
+            "clients": len(bwd),
+        }
+        gated = {c: r for c, r in bwd.items() if "energy" in r.meta}
+        if gated:
+            out["energy"] = weighted_mean_metric(gated, "energy")
+            out["gate_min"] = min(float(r.meta["gate_min"]) for r in gated.values())
+            out["gate_max"] = max(float(r.meta["gate_max"]) for r in gated.values())
+        return out
+
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
+        replies = fed.broadcast(Message("evaluate"), fed.client_ids())
+        per = {c: r.meta["metrics"] for c, r in replies.items()}
+        out: dict[str, Any] = summarise_client_metrics(per, "")
+        primary = self.task.primary
+        if f"test/{primary}" in out:
+            out[primary] = out[f"test/{primary}"]
+        proxy = self.proxy_model()
+        set_params(proxy, self.proxy)
+        glob = self.task.evaluate(proxy, self.task.test_data())
+        out.update({f"proxy/{k}": v for k, v in glob.items()})
+        out["per_client"] = per
+        return out
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        arrays = {f"proxy/{k}": v for k, v in self.proxy.items()}
+        arrays.update({f"opt/{k}": v for k, v in self.opt.state_dict().items()})
+        return arrays, {}
+
+    def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        self.proxy = {k[6:]: v for k, v in arrays.items() if k.startswith("proxy/")}
+        self.opt.load_state_dict({k[4:]: v for k, v in arrays.items() if k.startswith("opt/")})
+
+
+class FedKDUngated(FedeKD):
+    """Private/proxy mutual distillation with weight 1 for every sample (FML / FedKD style)."""
+
+    Config = FedKDUngatedConfig
+
+
+class LocalPrivate(FedeKD):
+    """Local-only baseline with FedeKD's private architectures: nothing leaves a client.
+
+    Takes FedeKD's config so the same ``algo`` section serves both (the proxy fields are
+    unused); the private models train exactly as FedeKD's backward stage with λ = 0.
+    """
+
+    messages = (LOCAL, EVALUATE)
+
+    def round(self, fed: Federation) -> dict[str, float]:
+        cids = self.sample(fed)
+        replies = fed.broadcast(Message("local"), cids)
+        self.require(fed, replies, len(cids))
+        return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
+
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
+        out = super().evaluate(fed)
+        return {k: v for k, v in out.items() if not k.startswith("proxy/")}
+
+
+# ----------------------------------------------------------------------------- negative transfer
+
+
+def negative_transfer(
+    federated: Mapping[str, float], local: Mapping[str, float], higher_is_better: bool = True
+) -> dict[str, Any]:
+    """Per-client negative transfer, signed so that a negative value means federation hurt.
+
+    NT_k = m_k(federated) − m_k(local-only) for metrics where higher is better (accuracy,
+    macro-F1), and m_k(local-only) − m_k(federated) for errors (RMSE).
+
+    Args:
+        federated: Client id -> metric of the federated method.
+        local: Client id -> metric of the local-only run (same seed and partition).
+        higher_is_better: Direction of the metric.
+
+    Returns:
+        ``{"per_client": {cid: nt}, "mean": float, "worst": float}`` over the clients present
+        in both.
+
+    Raises:
+        ValueError: The two runs share no client.
+    """
+    common = sorted(set(federated) & set(local), key=lambda c: (len(c), c))
+    if not common:
+        raise ValueError("negative transfer: the federated and local-only runs share no client")
+    sign = 1.0 if higher_is_better else -1.0
+    per = {c: sign * (float(federated[c]) - float(local[c])) for c in common}
+    vals = list(per.values())
+    return {"per_client": per, "mean": sum(vals) / len(vals), "worst": min(vals)}
+
+
+def client_metric(run_dir: Path, metric: str, rnd: int | None = None) -> dict[str, float]:
+    """Client id -> ``metric`` from a run's ``client_metrics.jsonl`` (last logged round by default).
+
+    Personalised runs log ``local/<metric>`` (the client's own test split); FedAvg with
+    ``personal_eval`` logs the global model's value on that split as plain ``<metric>``. Both
+    are read as the client's metric on its local test split.
+
+    Raises:
+        FileNotFoundError: The run has no client metrics.
+        KeyError: No row for ``rnd`` or the metric is missing.
+    """
+    rows = [json.loads(x) for x in (run_dir / "client_metrics.jsonl").read_text().splitlines()]
+    row = rows[-1] if rnd is None else next(r for r in rows if r["round"] == rnd)
+    out = {}
+    for cid, m in row["clients"].items():
+        key = f"local/{metric}" if f"local/{metric}" in m else metric
+        out[cid] = float(m[key])
+    return out
+
+
+ALGORITHMS.register("fedekd", "FedeKD: private + proxy models, energy-gated backward distillation")(
+    FedeKD
+)
+ALGORITHMS.register(
+    "fedkd-ungated", "private/proxy mutual distillation without gating (FML/FedKD style)"
+)(FedKDUngated)
+ALGORITHMS.register(
+    "local-private", "local-only baseline with FedeKD's per-client private architectures"
+)(LocalPrivate)
