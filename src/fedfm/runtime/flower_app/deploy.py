@@ -1,0 +1,707 @@
+"""Flower's deployment engine for fedfm: SuperLink, SuperNodes, TLS, node authentication.
+
+``fedfm serve`` (:func:`serve_main`) starts a SuperLink on the server machine, submits the
+run with ``flwr run`` and waits for it: the ServerApp runs the fedfm engine there and writes
+the run folder. ``fedfm client`` (:func:`client_main`) starts one SuperNode per client on
+the client machines, each with its own partition (node config ``partition-id``).
+
+By default a SuperNode runs in Flower's ``process`` isolation with a fedfm *warm worker*
+(:mod:`fedfm.runtime.flower_app.worker`) next to it: one long-lived process that takes the
+SuperNode's ClientApp tasks one after another, so torch, the task and the models are loaded
+once per node rather than once per message (Flower's ``subprocess`` isolation starts a
+``flwr-clientapp`` process for every message, about 2 s and a torch import each; it stays
+available as ``isolation="subprocess"``).
+
+Every process started here runs in its own process group and is stopped with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedfm.errors import ConfigError, FedfmError
+from fedfm.runtime.flower import (
+    PAYLOAD_KEY,
+    FlowerOptions,
+    Payload,
+    flower_env_vars,
+    import_plugins,
+    load_options,
+)
+
+if TYPE_CHECKING:
+    from fedfm.config import RunConfig
+
+log = logging.getLogger("fedfm")
+
+APP_NAME = "fedfm-flower-app"
+CONNECTION = "fedfm"
+
+APP_PYPROJECT = f"""\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{APP_NAME}"
+version = "1.0.0"
+description = "fedfm experiments as a Flower app (ServerApp + ClientApp from the fedfm package)"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "fedfm"
+
+[tool.flwr.app.components]
+serverapp = "fedfm.runtime.flower_app:server_app"
+clientapp = "fedfm.runtime.flower_app:client_app"
+
+[tool.flwr.app.config]
+{PAYLOAD_KEY} = ""
+"""
+
+
+class DeployError(FedfmError):
+    """A Flower process failed to start or a run failed on the deployment engine."""
+
+
+# --------------------------------------------------------------------------- files
+
+
+def write_app(folder: Path) -> Path:
+    """Writes the fedfm Flower app (a ``pyproject.toml`` naming fedfm's apps) into ``folder``.
+
+    The app holds no code: its components are the ServerApp and ClientApp of the installed
+    fedfm package, so every machine runs the fedfm version it has installed.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(APP_PYPROJECT)
+    return folder
+
+
+def write_connection(home: Path, address: str, root_certificates: Path | None) -> None:
+    """Writes ``$FLWR_HOME/config.toml`` with the connection ``fedfm`` to a SuperLink."""
+    home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]"]
+    lines.append(f'address = "{address}"')
+    if root_certificates is None:
+        lines.append("insecure = true")
+    else:
+        lines.append(f'root-certificates = "{root_certificates.resolve()}"')
+    (home / "config.toml").write_text("\n".join(lines) + "\n")
+
+
+def write_run_config(path: Path, payload: Payload) -> Path:
+    """Writes the TOML file passed to ``flwr run --run-config`` (it carries the payload)."""
+    path.write_text(f'{PAYLOAD_KEY} = "{payload.encode()}"\n')
+    return path
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Certificate files for TLS between SuperLink, SuperNodes and the CLI.
+
+    Attributes:
+        ca_cert: The CA certificate (SuperNodes and the CLI trust it).
+        server_cert: The SuperLink's certificate, signed by the CA.
+        server_key: The SuperLink's private key.
+    """
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+def make_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> TlsFiles:
+    """Creates a CA and a SuperLink certificate for ``hosts`` (IP addresses or DNS names).
+
+    For tests and private deployments; a deployment with a real CA uses its files instead.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("fedfm test CA"))
+        .issuer_name(name("fedfm test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name(hosts[0]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=30))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TlsFiles(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    files.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files.server_key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return files
+
+
+def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
+    """Creates a SuperNode's EC key pair for node authentication.
+
+    Returns:
+        ``(private_key_pem, public_key_openssh)``: the SuperNode keeps the first, the
+        SuperLink's operator registers the second with ``flwr supernode register``.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    priv = folder / f"{name}.key"
+    pub = folder / f"{name}.pub"
+    priv.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    pub.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
+    )
+    return priv, pub
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _bin(name: str) -> str:
+    # The Flower commands of this interpreter's environment, found even when it is not on PATH.
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def superlink_command(
+    host: str = "0.0.0.0",
+    port: int = 9092,
+    tls: TlsFiles | None = None,
+    node_auth: bool = False,
+    runtime_port: int | None = None,
+) -> list[str]:
+    """The ``flower-superlink`` command line.
+
+    Args:
+        host: Address the SuperLink listens on.
+        port: Its port (Fleet and Control APIs for SuperNodes and ``flwr``).
+        tls: Certificates; None runs without TLS (``--insecure``).
+        node_auth: Accept only SuperNodes whose public key was registered.
+        runtime_port: Port of the ServerApp's runtime API on 127.0.0.1 (default: Flower's).
+    """
+    cmd = [_bin("flower-superlink"), "--host", host, "--port", str(port)]
+    cmd += ["--disable-runtime-dependency-installation"]
+    if tls is None:
+        cmd += ["--insecure"]
+    else:
+        cmd += ["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.server_cert)]
+        cmd += ["--ssl-keyfile", str(tls.server_key)]
+    if node_auth:
+        cmd += ["--enable-supernode-auth"]
+    del runtime_port  # flwr 1.42 serves every API on one port
+    return cmd
+
+
+def supernode_command(
+    superlink: str,
+    partition_id: int,
+    num_partitions: int,
+    runtime_port: int,
+    root_certificates: Path | None = None,
+    auth_key: Path | None = None,
+    state_dir: Path | None = None,
+    isolation: str = "process",
+) -> list[str]:
+    """The ``flower-supernode`` command line of one fedfm client.
+
+    Args:
+        superlink: The SuperLink's ``host:port``.
+        partition_id: Index of the client this node serves.
+        num_partitions: Number of clients of the run.
+        runtime_port: Port of this node's runtime API on 127.0.0.1 (unique per machine).
+        root_certificates: The CA certificate to trust; None connects without TLS.
+        auth_key: This node's private key, when the SuperLink authenticates nodes.
+        state_dir: Folder for this node's client-state snapshots (resume).
+        isolation: ``"process"`` (a fedfm warm worker serves the ClientApp) or
+            ``"subprocess"`` (Flower starts a ClientApp process per message).
+    """
+    node_config = f"partition-id={partition_id} num-partitions={num_partitions}"
+    if state_dir is not None:
+        node_config += f' state-dir="{state_dir.resolve()}"'
+    cmd = [_bin("flower-supernode"), "--superlink", superlink, "--node-config", node_config]
+    cmd += ["--host", "127.0.0.1", "--port", str(runtime_port), "--isolation", isolation]
+    cmd += (
+        ["--insecure"]
+        if root_certificates is None
+        else ["--root-certificates", str(root_certificates)]
+    )
+    if auth_key is not None:
+        cmd += ["--auth-supernode-private-key", str(auth_key)]
+    return cmd
+
+
+def worker_command(runtime_port: int) -> list[str]:
+    """The command of the fedfm warm worker serving a SuperNode's runtime API."""
+    return [
+        sys.executable,
+        "-m",
+        "fedfm.runtime.flower_app.worker",
+        "--runtime-api-address",
+        f"127.0.0.1:{runtime_port}",
+    ]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Proc:
+    """A started process (in its own process group) and its log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of its log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def process_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Flower process started by fedfm."""
+    env = dict(os.environ)
+    env.update(flower_env_vars(home))
+    # Flower starts its helpers (flower-superexec, flwr-serverapp) by name from PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def start(name: str, cmd: Sequence[str], env: Mapping[str, str], log_dir: Path) -> Proc:
+    """Starts ``cmd`` in a new process group, output to ``log_dir/<name>.log``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{name}.log"
+    with path.open("wb") as out:
+        popen = subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return Proc(name, popen, path)
+
+
+def stop(procs: Iterable[Proc], grace_s: float = 5.0) -> None:
+    """Stops processes and everything they started (SIGTERM to the group, then SIGKILL)."""
+    procs = list(procs)
+    for p in procs:
+        _signal_group(p.popen, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        # Children may outlive a leader that exited; the group id stays valid until they go.
+        _signal_group(p.popen, signal.SIGKILL)
+        try:
+            p.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("process %s (pid %d) did not stop", p.name, p.popen.pid)
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)
+
+
+def wait_port(host: str, port: int, timeout_s: float, proc: Proc | None = None) -> None:
+    """Waits until something listens on ``host:port``.
+
+    Raises:
+        DeployError: Timeout, or ``proc`` exited first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise DeployError(f"{proc.name} exited (code {proc.popen.returncode}):\n{proc.tail()}")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    raise DeployError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
+
+
+def run_flwr(
+    args: Sequence[str],
+    env: Mapping[str, str],
+    timeout_s: float | None,
+    cwd: Path,
+    echo: bool = False,
+) -> str:
+    """Runs a ``flwr`` CLI command and returns its output (also printed when ``echo``).
+
+    Raises:
+        DeployError: It failed or timed out (its process group is killed).
+    """
+    popen = subprocess.Popen(
+        [_bin("flwr"), *args],
+        env=dict(env),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=_pump, args=(popen, lines, echo), daemon=True)
+    reader.start()
+    try:
+        popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(popen, signal.SIGKILL)
+        popen.wait()
+        reader.join(5)
+        out = "".join(lines)[-3000:]
+        raise DeployError(f"`flwr {args[0]}` timed out after {timeout_s:.0f} s:\n{out}") from None
+    finally:
+        _signal_group(popen, signal.SIGKILL)
+    reader.join(5)
+    out = "".join(lines)
+    if popen.returncode != 0:
+        cmd = " ".join(args[:2])
+        raise DeployError(f"`flwr {cmd}` failed ({popen.returncode}):\n{out[-3000:]}")
+    return out
+
+
+def _pump(popen: subprocess.Popen, lines: list[str], echo: bool) -> None:
+    assert popen.stdout is not None
+    for line in popen.stdout:
+        lines.append(line)
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def plugin_pythonpath(imports: Sequence[str]) -> list[str]:
+    """Folders that make the plugin modules importable in child processes."""
+    import importlib.util
+
+    dirs: list[str] = []
+    for name in imports:
+        spec = importlib.util.find_spec(name.split(".")[0])
+        if spec is None or spec.origin is None:
+            continue
+        origin = Path(spec.origin)
+        # A package lives in <root>/<name>/__init__.py, a module in <root>/<name>.py.
+        root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
+        if str(root) not in dirs:
+            dirs.append(str(root))
+    return dirs
+
+
+def _with_pythonpath(env: dict[str, str], dirs: Sequence[str]) -> dict[str, str]:
+    if dirs:
+        parts = [*dirs, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env
+
+
+# --------------------------------------------------------------------------- server side
+
+
+def start_superlink(
+    home: Path,
+    log_dir: Path,
+    host: str = "0.0.0.0",
+    port: int = 9092,
+    tls: TlsFiles | None = None,
+    node_auth: bool = False,
+    env_extra: Mapping[str, str] | None = None,
+    wait_s: float = 60.0,
+) -> Proc:
+    """Starts a SuperLink and waits until it listens.
+
+    Raises:
+        DeployError: It exited or did not listen in time.
+    """
+    env = process_env(home, env_extra)
+    proc = start("superlink", superlink_command(host, port, tls, node_auth), env, log_dir)
+    try:
+        wait_port(_connect_host(host), port, wait_s, proc)
+    except DeployError:
+        stop([proc])
+        raise
+    return proc
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def register_nodes(
+    home: Path, public_keys: Sequence[Path], cwd: Path, env_extra: Mapping[str, str] | None = None
+) -> None:
+    """Registers SuperNode public keys with the SuperLink (node authentication)."""
+    env = process_env(home, env_extra)
+    for key in public_keys:
+        run_flwr(["supernode", "register", str(key.resolve()), CONNECTION], env, 60, cwd)
+
+
+def submit(
+    home: Path,
+    work: Path,
+    payload: Payload,
+    timeout_s: float | None = None,
+    echo: bool = False,
+    env_extra: Mapping[str, str] | None = None,
+) -> str:
+    """Submits a fedfm run to the SuperLink of ``$FLWR_HOME/config.toml`` and waits for it.
+
+    Returns:
+        The streamed log of the run.
+    """
+    app = write_app(work / "app")
+    run_config = write_run_config(work / "run_config.toml", payload)
+    env = process_env(home, env_extra)
+    args = ["run", str(app), CONNECTION, "--run-config", str(run_config), "--stream"]
+    return run_flwr(args, env, timeout_s, work, echo)
+
+
+def serve(
+    cfg: RunConfig,
+    resume: bool = False,
+    overwrite: bool = False,
+    options: FlowerOptions | Mapping[str, Any] | None = None,
+    host: str = "0.0.0.0",
+    port: int = 9092,
+    tls: TlsFiles | None = None,
+    node_keys: Sequence[Path] = (),
+    timeout_s: float | None = None,
+    echo: bool = True,
+    work_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Runs an experiment on the deployment engine: SuperLink here, SuperNodes elsewhere.
+
+    Starts a SuperLink, registers ``node_keys`` when given (node authentication), submits
+    the run and waits for it; the ServerApp writes the run folder on this machine. The
+    SuperNodes (``fedfm client``) may start before or after: the server waits up to
+    ``options.node_wait_s`` for them.
+
+    Args:
+        cfg: Validated run config.
+        resume: Continue from the run folder's last checkpoint.
+        overwrite: Replace an existing run folder.
+        options: Flower options.
+        host: Address the SuperLink listens on.
+        port: Its port.
+        tls: Certificates, or None to run without TLS.
+        node_keys: Public keys of the SuperNodes allowed to connect; empty: no node
+            authentication.
+        timeout_s: Give up on the run after this long (None: no limit).
+        echo: Print the run's log as it streams.
+        work_dir: Folder for the SuperLink's home and logs (default: a temporary one).
+
+    Returns:
+        The run summary.
+
+    Raises:
+        DeployError: A process failed, or the run ended without a summary.
+    """
+    opts = load_options(options)
+    import_plugins(opts.imports)
+    run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
+    # The ServerApp runs in another process: give it an absolute run folder.
+    cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
+    payload = Payload(
+        config=cfg.model_dump(mode="json"),
+        options=opts.model_dump(),
+        resume=resume,
+        overwrite=overwrite,
+    )
+    env_extra = _with_pythonpath({}, plugin_pythonpath(opts.imports))
+    with tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
+        work = work_dir or Path(tmp)
+        home = work / "flwr-home"
+        link = start_superlink(home, work / "logs", host, port, tls, bool(node_keys), env_extra)
+        try:
+            address = f"{_connect_host(host)}:{port}"
+            write_connection(home, address, tls.ca_cert if tls else None)
+            if node_keys:
+                register_nodes(home, node_keys, work, env_extra)
+            out = submit(home, work, payload, timeout_s, echo, env_extra)
+        finally:
+            stop([link])
+        summary = run_dir / "summary.json"
+        if not summary.exists():
+            raise DeployError(f"the run ended without a summary ({summary}):\n{out[-3000:]}")
+        return json.loads(summary.read_text())
+
+
+# --------------------------------------------------------------------------- client side
+
+
+def start_client(
+    superlink: str,
+    partition_id: int,
+    num_partitions: int,
+    home: Path,
+    log_dir: Path,
+    root_certificates: Path | None = None,
+    auth_key: Path | None = None,
+    state_dir: Path | None = None,
+    isolation: str = "process",
+    env_extra: Mapping[str, str] | None = None,
+) -> list[Proc]:
+    """Starts the SuperNode of one client (and its warm worker); returns without waiting.
+
+    Args:
+        superlink: The SuperLink's ``host:port``.
+        partition_id: Index of the client this node serves (``0 .. num_partitions-1``).
+        num_partitions: Number of clients of the run.
+        home: ``FLWR_HOME`` of this node.
+        log_dir: Folder of its logs.
+        root_certificates: CA certificate to trust (TLS); None connects without TLS.
+        auth_key: This node's private key when the SuperLink authenticates nodes.
+        state_dir: Folder for its client-state snapshots (resume); default under ``home``.
+        isolation: ``"process"`` (warm worker) or ``"subprocess"`` (Flower's own).
+        env_extra: Extra environment variables (e.g. ``PYTHONPATH`` for plugins).
+
+    Returns:
+        The started processes (stop them with :func:`stop`).
+    """
+    if isolation not in ("process", "subprocess"):
+        raise ConfigError("isolation", f"'{isolation}' is not 'process' or 'subprocess'")
+    env = process_env(home, env_extra)
+    runtime_port = free_port()
+    state = state_dir or home / "client-states"
+    cmd = supernode_command(
+        superlink,
+        partition_id,
+        num_partitions,
+        runtime_port,
+        root_certificates,
+        auth_key,
+        state,
+        isolation,
+    )
+    node = start(f"supernode-{partition_id}", cmd, env, log_dir)
+    procs = [node]
+    if isolation == "process":
+        wcmd = [*worker_command(runtime_port), "--parent-pid", str(node.popen.pid)]
+        procs.append(start(f"worker-{partition_id}", wcmd, env, log_dir))
+    return procs
+
+
+def client(
+    superlink: str,
+    partition_id: int,
+    num_partitions: int,
+    root_certificates: Path | None = None,
+    auth_key: Path | None = None,
+    state_dir: Path | None = None,
+    isolation: str = "process",
+    work_dir: Path | None = None,
+) -> int:
+    """Runs one client's SuperNode until it exits or is interrupted (``fedfm client``).
+
+    Returns:
+        The SuperNode's exit code.
+    """
+    with tempfile.TemporaryDirectory(prefix="fedfm-client-") as tmp:
+        work = work_dir or Path(tmp)
+        procs = start_client(
+            superlink,
+            partition_id,
+            num_partitions,
+            work / "flwr-home",
+            work / "logs",
+            root_certificates,
+            auth_key,
+            state_dir or Path("fedfm-client-states") / str(partition_id),
+            isolation,
+        )
+        print(
+            f"client {partition_id}: SuperNode connecting to {superlink}; logs in {work / 'logs'}"
+        )
+        try:
+            while all(p.alive() for p in procs):
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop(procs)
+        for p in procs:
+            if p.popen.returncode not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
+                print(p.tail(), file=sys.stderr)
+        return int(procs[0].popen.returncode or 0)

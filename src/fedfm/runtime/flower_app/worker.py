@@ -1,0 +1,174 @@
+"""A warm ClientApp worker for a SuperNode started with ``--isolation process``.
+
+Flower's own executor (``flower-superexec``) starts a fresh ``flwr-clientapp`` process for
+every message a SuperNode receives: the interpreter starts, torch and fedfm are imported and
+the task is rebuilt each time (seconds per message here, and a reload of any frozen base
+model). This worker takes the SuperNode's ClientApp tasks one after another in one
+long-lived process instead, through the same runtime API and the same steps as
+``flwr-clientapp`` (pull the task input, run the ClientApp, push the reply and the updated
+context), so fedfm's per-process caches (task, algorithm, models) stay warm.
+
+It runs only fedfm's ClientApp: a SuperNode paired with it serves fedfm runs. It leans on
+Flower's runtime-API helpers of the pinned flwr version (1.42); ``isolation="subprocess"``
+in :func:`fedfm.runtime.flower_app.deploy.supernode_command` is the stock fallback.
+
+Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fedfm")
+
+
+def _client(
+    address: str, insecure: bool, root_certificates: bytes | None, token: str | None
+) -> Any:
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+    )
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    interceptors: list[Any] = [
+        RuntimeVersionHttpInterceptor(component_name="flwr-clientapp" if token else "SuperExec")
+    ]
+    if token:
+        interceptors.append(RuntimeTokenHttpInterceptor(token))
+    return RuntimeHttpClient.from_server_address(
+        server_address=address,
+        insecure=insecure,
+        root_certificates=root_certificates,
+        interceptors=interceptors,
+        retry_invoker=make_simple_http_retry_invoker(),
+    )
+
+
+def run_task(address: str, token: str, insecure: bool, root_certificates: bytes | None) -> None:
+    """Runs one ClientApp task in this process (the body of ``flwr-clientapp``)."""
+    from flwr.app import Error
+    from flwr.app import Message as FlowerMessage
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supernode.runtime.run_clientapp import (
+        pull_task_input,
+        push_message,
+        push_task_output,
+    )
+
+    from fedfm.runtime.flower_app import client_app
+
+    client = _client(address, insecure, root_certificates, token)
+    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+    heartbeat.start()
+    message = context = reply = None
+    status, details = SubStatus.FAILED, "ClientApp task failed"
+    try:
+        message, context, _run, _fab = pull_task_input(client)
+        reply = client_app(message=message, context=context)
+        status, details = SubStatus.COMPLETED, ""
+    except Exception as e:  # reported to the server as an error reply, as flwr-clientapp does
+        log.exception("ClientApp task failed")
+        details = f"{type(e)}:<'{e}'>"
+        if message is not None:
+            reply = FlowerMessage(
+                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details),
+                reply_to=message,
+            )
+    finally:
+        try:
+            if reply is not None and context is not None:
+                push_message(client, reply, context)
+        finally:
+            push_task_output(client, context, status, details)
+            heartbeat.stop()
+            client.close()
+
+
+def serve(
+    address: str,
+    insecure: bool = True,
+    root_certificates: Path | None = None,
+    poll_s: float = 0.05,
+    parent_pid: int | None = None,
+) -> None:
+    """Takes ClientApp tasks from a SuperNode's runtime API until stopped.
+
+    Args:
+        address: The SuperNode's runtime API (``host:port``).
+        insecure: Connect without TLS (the runtime API listens on 127.0.0.1).
+        root_certificates: CA certificate of the runtime API when it uses TLS.
+        poll_s: Sleep between two polls when there is no task.
+        parent_pid: Exit when this process (the SuperNode) is gone.
+    """
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+
+    certs = root_certificates.read_bytes() if root_certificates else None
+    acquire = _client(address, insecure, certs, None)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    log.info("fedfm worker serving %s", address)
+    while not stop.is_set():
+        if parent_pid is not None and not _alive(parent_pid):
+            break
+        try:
+            res = acquire.AcquireTask(AcquireTaskRequest(supported_task_types=["flwr-clientapp"]))
+        except Exception as e:  # the SuperNode may not be up yet, or restarting
+            log.debug("runtime API not reachable: %s", e)
+            time.sleep(0.5)
+            continue
+        if res.HasField("task") and res.token:
+            run_task(address, res.token, insecure, certs)
+        else:
+            time.sleep(poll_s)
+    acquire.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runtime-api-address", required=True)
+    p.add_argument("--root-certificates", type=Path, default=None)
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--poll-s", type=float, default=0.05)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    # Import the heavy modules while the SuperNode connects, not on the first message.
+    import fedfm.engine
+    import fedfm.runtime.flower_app.client  # noqa: F401
+
+    serve(
+        args.runtime_api_address,
+        insecure=args.root_certificates is None,
+        root_certificates=args.root_certificates,
+        poll_s=args.poll_s,
+        parent_pid=args.parent_pid,
+    )
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

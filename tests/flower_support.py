@@ -1,0 +1,151 @@
+"""Test support for the Flower runtime, importable by ClientApp processes (``imports``).
+
+Registers the toy task and ``test-two-phase``, a multi-exchange algorithm that uses every
+pattern of the federation interface: a phase before round 1, two exchanges per round with
+server-side training between them, client roles, persistent client state, randomness drawn
+from the seeded torch RNG inside handlers, and a phase after the last round.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import toy  # noqa: F401  (registers the toy task)
+from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.core.federation import ClientContext, Federation
+from fedfm.core.messages import Message, MessageKind
+
+
+class TwoPhase(Algorithm):
+    """Round: every sampled client reports its feature mean (and bumps a private counter);
+    the server fits ``w`` to the means by SGD; then "strong" clients take a noisy step on
+    their own data and "weak" clients vote. The server evaluates ``w`` on the test set."""
+
+    messages = (
+        MessageKind("profile", up_meta=("n",)),
+        MessageKind("stats", down_arrays=("w",), up_arrays=("mean",), up_meta=("count", "info")),
+        MessageKind("step", down_arrays=("w",), up_arrays=("w",), roles=("strong",)),
+        MessageKind("vote", down_arrays=("w",), up_meta=("vote",), roles=("weak",)),
+        MessageKind("final", up_meta=("count",)),
+    )
+
+    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.w = torch.zeros(task.cfg.dim)
+        self.profile: dict[str, int] = {}
+
+    def handlers(self):
+        return {
+            "profile": lambda ctx, m: Message(
+                "profile", meta={"n": self.task.num_examples(ctx.data)}
+            ),
+            "stats": self._stats,
+            "step": self._step,
+            "vote": lambda ctx, m: Message("vote", meta={"vote": float(ctx.data[1].mean())}),
+            "final": lambda ctx, m: Message(
+                "final", meta={"count": ctx.state.meta.get("count", 0)}
+            ),
+        }
+
+    def _stats(self, ctx: ClientContext, msg: Message) -> Message:
+        ctx.state.meta["count"] = ctx.state.meta.get("count", 0) + 1
+        ctx.state.set_group("seen", {"w": msg.arrays["w"]["w"]})
+        info = {"rnd": float(ctx.rnd), "norm": float(msg.arrays["w"]["w"].norm())}
+        return Message(
+            "stats",
+            {"mean": {"x": ctx.data[0].mean(0)}},
+            {"count": ctx.state.meta["count"], "info": info},
+        )
+
+    def _step(self, ctx: ClientContext, msg: Message) -> Message:
+        x, y = ctx.data
+        w = msg.arrays["w"]["w"].clone().requires_grad_(True)
+        loss = ((x @ w - y) ** 2).mean()
+        loss.backward()
+        # Noise from the global torch RNG: equal on every runtime only if seeding is.
+        new = w.detach() - 0.05 * w.grad + 0.01 * torch.randn(w.shape)
+        ctx.state.set_group("own", {"w": new})
+        return Message("step", {"w": {"w": new}})
+
+    def setup(self, fed: Federation) -> dict[str, float]:
+        replies = fed.broadcast(Message("profile"), fed.client_ids())
+        self.profile = {c: r.meta["n"] for c, r in replies.items()}
+        return {"profiled": len(replies)}
+
+    def round(self, fed: Federation) -> dict[str, float]:
+        cids = self.sample(fed)
+        r1 = fed.broadcast(
+            Message("stats", {"w": {"w": self.w}}), cids, like={"mean": {"x": self.w}}
+        )
+        self.require(fed, r1, len(cids))
+        means = torch.stack([r.arrays["mean"]["x"] for r in r1.values()])
+        w = self.w.clone().requires_grad_(True)
+        opt = torch.optim.SGD([w], lr=0.3)
+        for _ in range(5):
+            opt.zero_grad()
+            ((w - means.mean(0)) ** 2).sum().backward()
+            opt.step()
+        self.w = w.detach()
+        strong = [c for c in cids if fed.role_of(c) == "strong"]
+        weak = [c for c in cids if fed.role_of(c) == "weak"]
+        r2 = fed.broadcast(Message("step", {"w": {"w": self.w}}), strong, like={"w": {"w": self.w}})
+        if r2:
+            self.w = torch.stack([r.arrays["w"]["w"] for r in r2.values()]).mean(0)
+        r3 = fed.broadcast(Message("vote", {"w": {"w": self.w}}), weak)
+        votes = [r.meta["vote"] for r in r3.values()]
+        return {
+            "stats": len(r1),
+            "stepped": len(r2),
+            "votes": len(r3),
+            "vote_mean": sum(votes) / len(votes) if votes else 0.0,
+            "w0": float(self.w[0]),
+        }
+
+    def evaluate(self, fed: Federation) -> dict[str, float]:
+        x, y = self.task.test_data()
+        mse = float(((x @ self.w - y) ** 2).mean())
+        return {"rmse": mse**0.5, "loss": mse}
+
+    def finish(self, fed: Federation) -> dict[str, float]:
+        replies = fed.broadcast(Message("final"), fed.client_ids())
+        return {c: r.meta["count"] for c, r in replies.items()}
+
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return {"w": self.w}, {"profile": self.profile}
+
+    def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        self.w = arrays["w"]
+        self.profile = meta["profile"]
+
+
+if "test-two-phase" not in ALGORITHMS:
+    ALGORITHMS.register("test-two-phase", "multi-exchange test algorithm")(TwoPhase)
+
+
+def config(out: Path, algorithm: str, **kw: Any) -> dict[str, Any]:
+    """A small toy-task config for runtime comparisons."""
+    base: dict[str, Any] = {
+        "name": kw.pop("name", algorithm),
+        "algorithm": algorithm,
+        "rounds": kw.pop("rounds", 3),
+        "seed": kw.pop("seed", 3),
+        "task": {"kind": "toy", "num_clients": kw.pop("num_clients", 4)},
+        "out_dir": str(out),
+        "plots": False,
+        "train": {"steps": 3, "batch_size": 8, "lr": 0.05},
+    }
+    base.update(kw)
+    return base
+
+
+def read_jsonl(path: Path, drop: tuple[str, ...] = ("time_s",)) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines log without the fields that differ between runs (timings)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [{k: v for k, v in r.items() if k not in drop} for r in rows]

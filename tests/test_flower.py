@@ -1,0 +1,431 @@
+"""The Flower runtime: wire format, ClientApp, FlowerFederation, resume, simulation engine.
+
+Most tests drive the real ServerApp body (``server_main``) and the real ClientApp through an
+in-memory grid that serialises every record with Flower's own protobuf serde, so the whole
+fedfm-on-Flower path runs in-process in seconds. One test runs Flower's simulation engine
+(Ray) end to end. Runs on Flower must equal embedded runs exactly: same metrics, same audit
+ledger, same failures (tolerance 0; the toy models are too small for thread-dependent
+reductions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import flower_support as fs
+from fedfm.algorithms.base import ALGORITHMS
+from fedfm.config import load_config
+from fedfm.core.messages import Message
+from fedfm.engine import Engine
+from fedfm.errors import ConfigError, MessageError, TooFewClientsError
+from fedfm.runtime import flower as F
+from fedfm.runtime.flower_app import make_client_app
+from fedfm.runtime.flower_app.client import Snapshots
+
+flwr_app = pytest.importorskip("flwr.app")
+serde = pytest.importorskip("flwr.common.serde")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Flower's Message constructor reads the process's task identity (set by Flower in a
+    ServerApp process); the in-memory grid runs in the test process, so set one here."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def _wire(rd: Any) -> Any:
+    """A RecordDict after a trip through Flower's protobuf serialisation."""
+    raw = serde.recorddict_to_proto(rd).SerializeToString()
+    proto = type(serde.recorddict_to_proto(flwr_app.RecordDict()))()
+    proto.ParseFromString(raw)
+    return serde.recorddict_from_proto(proto)
+
+
+class FakeGrid:
+    """An in-memory Flower grid: each message is answered by the ClientApp of its node.
+
+    Contents and node states cross Flower's protobuf serde, as on a real deployment.
+
+    Args:
+        payload: The run's payload (the ClientApp reads it as from Flower's run config).
+        num_nodes: SuperNodes; node ``i`` serves partition ``i``.
+        state_dir: Root of the nodes' state folders.
+        dead: Partitions whose node answers the handshake, then nothing.
+        crash_after: Raise (a server crash) after this many pushes.
+        node_config: Extra node-config entries.
+    """
+
+    def __init__(
+        self,
+        payload: F.Payload,
+        num_nodes: int,
+        state_dir: Path,
+        dead: set[int] | None = None,
+        crash_after: int | None = None,
+        node_config: dict[str, Any] | None = None,
+        num_partitions: int | None = None,
+    ) -> None:
+        self.app = make_client_app()
+        self.dead = dead or set()
+        self.crash_after = crash_after
+        self.pushes = 0
+        self.pending: list[Any] = []
+        self.run_config = {F.PAYLOAD_KEY: payload.encode()}
+        self.contexts = {
+            100 + i: flwr_app.Context(
+                run_id=1,
+                node_id=100 + i,
+                node_config={
+                    "partition-id": i,
+                    "num-partitions": num_partitions or num_nodes,
+                    "state-dir": str(state_dir / f"node{i}"),
+                    **(node_config or {}),
+                },
+                state=flwr_app.RecordDict(),
+                run_config=self.run_config,
+            )
+            for i in range(num_nodes)
+        }
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, msgs: list[Any]) -> list[str]:
+        self.pushes += 1
+        if self.crash_after is not None and self.pushes > self.crash_after:
+            raise KeyboardInterrupt("server killed")
+        ids = []
+        for m in msgs:
+            m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self.pending.append(m)
+            ids.append(m.metadata.message_id)
+        return ids
+
+    def pull_messages(self, ids: list[str]) -> list[Any]:
+        out = []
+        for m in list(self.pending):
+            node = m.metadata.dst_node_id
+            if m.metadata.message_id not in ids:
+                continue
+            if node - 100 in self.dead and m.metadata.message_type == F.MESSAGE_TYPE:
+                continue  # answered the handshake, then died
+            self.pending.remove(m)
+            m.content = _wire(m.content)
+            ctx = self.contexts[node]
+            reply = self.app(message=m, context=ctx)
+            ctx.state = _wire(ctx.state)
+            if reply.has_content():
+                reply.content = _wire(reply.content)
+            out.append(reply)
+        return out
+
+
+def _payload(cfg: dict[str, Any], **kw: Any) -> F.Payload:
+    options = {"imports": ["flower_support"], "node_wait_s": 0, "timeout_s": 5, "poll_s": 0.01}
+    options.update(kw.pop("options", {}))
+    return F.Payload(config=cfg, options=options, **kw)
+
+
+def _flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, Any]:
+    grid_kw = {k: kw.pop(k) for k in ("dead", "crash_after", "node_config", "num_nodes") if k in kw}
+    payload = _payload(cfg, **kw)
+    n = grid_kw.pop("num_nodes", cfg["task"]["num_clients"])
+    grid = FakeGrid(payload, n, state_dir, num_partitions=cfg["task"]["num_clients"], **grid_kw)
+    return F.server_main(grid, payload)
+
+
+def _embedded_run(cfg: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return Engine(load_config(cfg), progress=False, **kw).run()
+
+
+def _same_run(a: Path, b: Path) -> None:
+    for log in ("metrics.jsonl", "audit.jsonl", "failures.jsonl", "client_metrics.jsonl"):
+        assert fs.read_jsonl(a / log) == fs.read_jsonl(b / log), log
+
+
+# --------------------------------------------------------------------------- wire format
+
+
+def test_tensors_and_meta_cross_the_wire_exactly():
+    g = torch.Generator().manual_seed(0)
+    arrays = {
+        "f32": torch.randn(3, 4, generator=g),
+        "f64": torch.randn(5, generator=g, dtype=torch.float64),
+        "f16": torch.randn(2, 2, generator=g).half(),
+        "bf16": torch.randn(7, generator=g).bfloat16(),
+        "i64": torch.tensor([-(2**62), 0, 2**62]),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 3),
+        "empty_bf16": torch.zeros(0, dtype=torch.bfloat16),
+        "transposed": torch.arange(6.0).reshape(2, 3).t(),
+    }
+    meta = {
+        "n": 7,
+        "loss": 0.1 + 0.2,
+        "tiny": 1e-300,
+        "flag": True,
+        "name": "client 0",
+        "ints": [1, 2],
+        "mixed": [1, 2.5],
+        "empty": [],
+        "metrics": {"acc": 0.5, "per": {"a": 1}},
+        "none": None,
+        "nan": float("nan"),
+    }
+    msg = Message("select.features", {"p": arrays, "q": {}}, meta)
+    back, head = F.records_to_message(_wire(F.message_to_records(msg, {"round": 4})))
+    assert head["round"] == 4 and back.kind == "select.features"
+    assert list(back.arrays) == ["p", "q"] and back.arrays["q"] == {}
+    assert list(back.arrays["p"]) == list(arrays)
+    for k, t in arrays.items():
+        got = back.arrays["p"][k]
+        assert got.dtype == t.dtype and got.shape == t.shape, k
+        assert torch.equal(got, t), k
+    assert list(back.meta) == list(meta)
+    for k, v in meta.items():
+        if k == "nan":
+            assert math.isnan(back.meta[k])
+        else:
+            assert back.meta[k] == v and type(back.meta[k]) is type(v), k
+    # Audit byte counts depend only on the message: identical after the trip.
+    from fedfm.core.audit import AuditLedger
+
+    a, b = AuditLedger(), AuditLedger()
+    assert a.record(1, "0", "up", msg) == b.record(1, "0", "up", back)
+    assert a.pending == b.pending
+
+
+def test_malformed_records_and_payloads_are_refused():
+    with pytest.raises(MessageError, match="malformed fedfm message"):
+        F.records_to_message(flwr_app.RecordDict())
+    with pytest.raises(ConfigError, match="fedfm-payload: missing from the Flower run config"):
+        F.Payload.from_context({})
+    with pytest.raises(ConfigError, match="not a fedfm payload"):
+        F.Payload.decode("!!!")
+    p = F.Payload({"name": "x"}, {"timeout_s": 3}, resume=True)
+    assert F.Payload.decode(p.encode()) == p
+    with pytest.raises(ConfigError, match=r"flower\.timeout_s"):
+        F.load_options({"timeout_s": -1})
+    with pytest.raises(ConfigError, match="cannot import 'no_such_plugin'"):
+        F.import_plugins(["no_such_plugin"])
+
+
+# --------------------------------------------------------------------------- client side
+
+
+def _context(node_config: dict[str, Any], payload: F.Payload) -> Any:
+    return flwr_app.Context(
+        run_id=1,
+        node_id=5,
+        node_config=node_config,
+        state=flwr_app.RecordDict(),
+        run_config={F.PAYLOAD_KEY: payload.encode()},
+    )
+
+
+def _call(app: Any, ctx: Any, msg: Message, header: dict[str, Any]) -> Any:
+    head = {"run_uid": "u", "session": 0, "lineage": [], "committed": 0, "like": {}, **header}
+    fm = flwr_app.Message(F.message_to_records(msg, head), 5, F.MESSAGE_TYPE)
+    fm.metadata.__dict__["_message_id"] = "m1"
+    return app(message=fm, context=ctx)
+
+
+def test_client_refuses_unknown_kinds_and_wrong_roles_with_named_errors(tmp_path):
+    cfg = fs.config(tmp_path, "test-two-phase", clients={"roles": {"strong": 0.5, "weak": 0.5}})
+    payload = _payload(cfg)
+    app = make_client_app()
+    ctx = _context({"partition-id": 0, "state-dir": str(tmp_path / "s")}, payload)
+    reply = _call(app, ctx, Message("nope"), {"cid": "0", "round": 1})
+    assert reply.has_error() and reply.error.code == F.CLIENT_ERROR_CODE
+    assert reply.error.reason == "client 0: unknown message kind 'nope'"
+    from fedfm.engine import assign_roles
+
+    roles = {
+        c.cid: c.role for c in assign_roles(["0", "1", "2", "3"], {"strong": 0.5, "weak": 0.5}, 3)
+    }
+    weak = next(c for c, r in roles.items() if r == "weak")
+    ctx = _context({"partition-id": int(weak), "state-dir": str(tmp_path / "s")}, payload)
+    w = {"w": {"w": torch.zeros(4)}}
+    reply = _call(app, ctx, Message("step", w), {"cid": weak, "round": 1})
+    assert reply.error.reason == f"client {weak}: role 'weak' does not handle message kind 'step'"
+    # A message addressed to another client is refused too.
+    reply = _call(app, ctx, Message("vote", w), {"cid": "9", "round": 1})
+    assert f"message for client 9 reached client {weak}" in reply.error.reason
+    # Nothing of a refused message reached the client's state.
+    assert "fedfm.state.arrays" not in ctx.state or not ctx.state["fedfm.state.arrays"]
+
+
+def test_client_state_commits_only_on_success(tmp_path):
+    cfg = fs.config(tmp_path, "test-two-phase")
+    payload = _payload(cfg)
+    app = make_client_app()
+    ctx = _context({"partition-id": 1, "state-dir": str(tmp_path / "s")}, payload)
+    w = {"w": {"w": torch.ones(4)}}
+    like = F.like_spec({"mean": {"x": torch.zeros(4)}})
+    ok = _call(app, ctx, Message("stats", w), {"cid": "1", "round": 1, "like": like})
+    assert ok.has_content()
+    msg, _ = F.records_to_message(ok.content)
+    assert msg.meta["count"] == 1 and msg.meta["info"] == {"rnd": 1.0, "norm": 2.0}
+    # The server expects a 3-long mean: the reply is refused and the counter stays at 1.
+    bad = F.like_spec({"mean": {"x": torch.zeros(3)}})
+    err = _call(app, ctx, Message("stats", w), {"cid": "1", "round": 2, "like": bad})
+    assert err.error.reason == "update rejected: client 1: field mean.x: shape (4,), expected (3,)"
+    ok = _call(app, ctx, Message("stats", w), {"cid": "1", "round": 3, "like": like})
+    assert F.records_to_message(ok.content)[0].meta["count"] == 2
+    # Snapshots on disk: round 3 (in progress) and the newest committed one (round 1).
+    snaps = sorted(p.name for p in (tmp_path / "s" / "u" / "1").glob("*.json"))
+    assert snaps == ["s0000-r00001.json", "s0000-r00003.json"]
+
+
+def test_handshake_checks_the_partition(tmp_path):
+    payload = _payload(fs.config(tmp_path, "test-two-phase"))
+    app = make_client_app()
+    hello = flwr_app.Message(flwr_app.RecordDict(), 5, F.HELLO_TYPE)
+    hello.metadata.__dict__["_message_id"] = "h"
+    for conf, reason in [
+        ({"partition-id": 2}, None),
+        ({}, "partition-id: missing from the SuperNode's node config"),
+        ({"partition-id": 4}, "partition-id: 4 is out of range for 4 clients"),
+        ({"partition-id": 0, "num-partitions": 3}, "num-partitions: SuperNode says 3"),
+    ]:
+        reply = app(message=hello, context=_context(conf, payload))
+        if reason is None:
+            assert json.loads(reply.content["fedfm"]["header"]) == {"cid": "2"}
+        else:
+            assert reason in reply.error.reason
+
+
+def test_snapshot_validity_follows_the_session_history(tmp_path):
+    from fedfm.core.federation import ClientState
+
+    s = Snapshots(tmp_path, "run", "0")
+    for sess, rnd in [(0, 1), (0, 2), (0, 3), (1, 3), (1, 4)]:
+        s.save(ClientState(meta={"at": [sess, rnd]}), sess, rnd)
+    # Session 1 resumed from round 2: session 0's round-3 snapshot is stale.
+    assert s.latest(1, [[0, 2]]).meta == {"at": [1, 4]}
+    # Session 2 resumed from round 3 (written by session 1): (1, 3) wins over (0, 3).
+    assert s.latest(2, [[0, 2], [1, 3]]).meta == {"at": [1, 3]}
+    # Session 2 resumed from round 2 after session 1 crashed early: back to (0, 2).
+    assert s.latest(2, [[0, 2], [1, 2]]).meta == {"at": [0, 2]}
+    s.prune(2, [[0, 2], [1, 2]], committed=2)
+    assert sorted(p.name for p in s.folder.glob("*.json")) == ["s0000-r00002.json"]
+    hist = F.run_sessions(tmp_path, -1)
+    assert hist["session"] == 0 and hist["lineage"] == []
+    hist2 = F.run_sessions(tmp_path, 5)
+    assert hist2 == {"run_uid": hist["run_uid"], "session": 1, "lineage": [[0, 5]]}
+    assert F.run_sessions(tmp_path, -1)["run_uid"] != hist["run_uid"]  # a fresh start
+
+
+# --------------------------------------------------------------------------- server side
+
+
+def test_fedavg_over_flower_equals_embedded(tmp_path):
+    cfg = fs.config(tmp_path, "fedavg", name="emb", algo={"personal_eval": True})
+    _embedded_run(cfg)
+    summary = _flower_run({**cfg, "name": "flw", "runtime": "flower"}, tmp_path / "nodes")
+    _same_run(tmp_path / "emb", tmp_path / "flw")
+    assert summary["bytes_up"] > 0 and summary["failed_clients"] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["test-two-phase", "scaffold"])
+def test_stateful_multi_exchange_algorithms_equal_embedded(tmp_path, algorithm):
+    roles = {"roles": {"strong": 0.5, "weak": 0.25}, "fraction": 0.75}
+    cfg = fs.config(tmp_path, algorithm, name="emb", rounds=3, clients=roles)
+    emb = _embedded_run(cfg)
+    flw = _flower_run({**cfg, "name": "flw"}, tmp_path / "nodes")
+    _same_run(tmp_path / "emb", tmp_path / "flw")
+    assert emb.get("finish") == flw.get("finish")
+
+
+def test_failing_clients_fail_as_on_embedded(tmp_path):
+    import test_federation  # noqa: F401  (registers test-crashy in this process)
+
+    assert "test-crashy" in ALGORITHMS
+    cfg = fs.config(tmp_path, "test-crashy", name="emb", rounds=1, num_clients=6)
+    cfg["clients"] = {"min_clients": 2}
+    _embedded_run(cfg)
+    _flower_run(
+        {**cfg, "name": "flw"},
+        tmp_path / "nodes",
+        options={"imports": ["flower_support", "test_federation"]},
+    )
+    _same_run(tmp_path / "emb", tmp_path / "flw")
+    fails = fs.read_jsonl(tmp_path / "flw" / "failures.jsonl")
+    assert {f["client"] for f in fails} == {"1", "2", "3", "4"}
+    # Client 1 crashed: its "touched" flag was never committed on its node.
+    assert not list((tmp_path / "nodes" / "node1").rglob("*.json"))
+    assert list((tmp_path / "nodes" / "node0").rglob("*.json"))
+
+
+def test_dead_and_missing_supernodes_are_failed_clients(tmp_path):
+    cfg = fs.config(tmp_path, "fedavg", name="flw", rounds=2, num_clients=4)
+    _flower_run(cfg, tmp_path / "nodes", dead={1}, num_nodes=3, options={"timeout_s": 0.5})
+    fails = fs.read_jsonl(tmp_path / "flw" / "failures.jsonl")
+    by = {(f["round"], f["client"]): f["error"] for f in fails}
+    assert by[(1, "1")].startswith("client 1: no reply within")
+    assert by[(1, "3")] == "client 3: no SuperNode serves this client"
+    rows = fs.read_jsonl(tmp_path / "flw" / "metrics.jsonl")
+    assert [r.get("clients") for r in rows[1:]] == [2, 2] and rows[2]["failed"] == 2
+    # The dead node's downlink is audited (it was sent), its uplink is not.
+    audit = fs.read_jsonl(tmp_path / "flw" / "audit.jsonl")
+    assert {(a["client"], a["direction"]) for a in audit if a["round"] == 1} == {
+        (c, d) for c in "0123" for d in ("down", "up") if not (c in "13" and d == "up")
+    }
+
+
+def test_too_few_survivors_end_the_run_clearly(tmp_path):
+    cfg = fs.config(tmp_path, "fedavg", name="flw", rounds=1, num_clients=2)
+    cfg["clients"] = {"min_clients": 2}
+    with pytest.raises(TooFewClientsError, match="round 1: only 1 of 2 clients answered"):
+        _flower_run(cfg, tmp_path / "nodes", dead={0}, options={"timeout_s": 0.2})
+
+
+def test_resume_after_a_crash_mid_round_equals_an_uninterrupted_run(tmp_path):
+    roles = {"roles": {"strong": 0.5, "weak": 0.5}}
+    cfg = fs.config(tmp_path, "test-two-phase", name="full", rounds=4, clients=roles)
+    full = _flower_run(cfg, tmp_path / "nodes_full")
+    part = {**cfg, "name": "part"}
+    # Pushes: 1 handshake + 1 profile, then 3 exchanges per round: the crash hits round 3
+    # after its first exchange, once clients have written round-3 state.
+    with pytest.raises(KeyboardInterrupt):
+        _flower_run(part, tmp_path / "nodes", crash_after=2 + 2 * 3 + 1)
+    stale = list((tmp_path / "nodes").rglob("s0000-r00003.json"))
+    assert stale  # clients did change state in the interrupted round
+    resumed = _flower_run(part, tmp_path / "nodes", resume=True)
+    _same_run(tmp_path / "full", tmp_path / "part")
+    assert resumed["finish"] == full["finish"]
+    sessions = json.loads((tmp_path / "part" / "flower_sessions.json").read_text())
+    assert [s["resumed_from"] for s in sessions["sessions"]] == [-1, 2]
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+def test_simulation_engine_equals_embedded(tmp_path):
+    """Flower's simulation engine (Ray actors) end to end, against the embedded runtime."""
+    roles = {"roles": {"strong": 0.5, "weak": 0.5}}
+    cfg = fs.config(tmp_path, "test-two-phase", name="emb", rounds=2, clients=roles)
+    emb = _embedded_run(cfg)
+    sim_cfg = load_config({**cfg, "name": "sim", "runtime": "flower-sim"})
+    sim = F.run(sim_cfg, progress=False, options={"imports": ["flower_support"], "sim_cpus": 2})
+    _same_run(tmp_path / "emb", tmp_path / "sim")
+    assert sim["finish"] == emb["finish"]
+    # Client states were kept per node for resume, inside the run folder.
+    assert list((tmp_path / "sim" / "flower_client_states").rglob("*.safetensors"))
