@@ -1,0 +1,707 @@
+"""FedRD: federated reprogramming knowledge distillation, and its baselines.
+
+Paper: "A Federated Learning and Knowledge Distillation Approach" (FedRD): memory-efficient
+federated fine-tuning with a foundation model kept on the server (METHODS.md section 5).
+
+The server holds a frozen foundation model ``F_t``, a trainable reprogramming module ``φ``
+(residual blocks over ``F_t``'s features), a shared FC head ``g`` and the global student
+``F_s``; clients hold only the student. Each round: (1) broadcast the student; (2) clients
+train it with cross-entropy on their private data; (3) FedAvg weighted by ``n_k``; (4) the
+server co-trains ``φ``, ``g`` and the student on a small public set with
+
+    L = CE(y, z_s) + α·CE(y, z_t) + β·(KL(z_t ‖ z_s) + L_CKA(f_t, f_s)),
+    f_t = φ(F_t(x)), z_t = g(f_t), f_s = F_s.features(x), z_s = g(f_s),
+
+``L_CKA = −CKA`` (linear CKA, :mod:`fedfm.core.cka`; ``f_t`` and ``f_s`` may differ in width).
+
+Registered here:
+
+* ``fedrd``: the method. ``reprogram: false`` gives the federated-KD baseline without
+  reprogramming, also registered as ``fedrd-kd``: the raw features ``F_t(x)`` go to a
+  separate teacher head (trained with ``α·CE`` on the public set) and to CKA directly.
+* ``fedavg-trainable``: FedAvg over the trainable tensors only; with the text task's
+  ``encoder-lora-classifier`` it is federated LoRA on the foundation model (clients hold the
+  frozen encoder, its LoRA adapters and a head, and exchange only adapters and head).
+  The student-only baseline is plain ``fedavg``.
+
+Choices of ours, not made by the paper:
+
+* The shared head ``g`` IS the student's ``head``: it travels with the student, clients
+  train it with their CE, FedAvg averages it, and the server trains it in co-training.
+  So the student's feature width, ``φ``'s output width and ``g``'s input width must agree;
+  this is checked when the server half is built, with both widths named.
+* ``φ`` = ``Linear(D_t, h)`` → ``blocks`` residual blocks ``x + W₂ ReLU(W₁ LN(x))`` →
+  ``ReLU`` → ``Linear(h, d_s)`` → ``ReLU`` (the last ReLU because both students' features
+  are post-ReLU, so ``g`` sees teacher and student features in the same range).
+* Gradients of the KL and CKA terms flow into both sides (the paper's joint
+  back-propagation); ``detach_teacher: true`` makes them distil into the student only.
+* KL uses a temperature ``T`` (default 1, i.e. the paper's plain KL), scaled by ``T²``.
+* The server's optimizer (``server_train``, Adam by default) is rebuilt every round;
+  co-training uses the one local-training loop, :func:`fedfm.core.train.local_train`.
+* ``F_t`` is frozen and there is no augmentation, so its features on the public set (and on
+  the evaluation subset) are computed once, in eval mode, and cached — exact, and it makes
+  CPU runs affordable. The cache is per process and keyed by model, options and sample ids.
+* The public set: ``public_ids`` (explicit source ids), else the task's own public split
+  (text task ``public_size``), else ``public_size`` rows drawn from the source's training
+  rows that no client holds (e.g. rows left out by ``max_train``). It must be disjoint from
+  every client's data and from the test set by sample id, and is refused otherwise. (In a
+  simulation the server can check this because the task holds every partition.)
+* ``F_t`` lives only in the server half, built lazily in :meth:`FedRD.setup`/``round``;
+  client handlers are FedAvg's and never touch it, so clients never load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from sklearn.metrics import f1_score
+from torch import Tensor, nn
+
+from fedfm.algorithms.base import ALGORITHMS
+from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedfm.config import TrainConfig
+from fedfm.core.cka import cka_loss, linear_cka
+from fedfm.core.federation import Federation, derive_seed
+from fedfm.core.train import get_params, local_train, num_steps, set_params
+from fedfm.errors import ConfigError
+from fedfm.registry import Registry
+
+log = logging.getLogger("fedfm")
+
+
+# --------------------------------------------------------------------------- foundation models
+
+
+@dataclass
+class Teacher:
+    """A frozen foundation model seen as a feature extractor.
+
+    Attributes:
+        name: Registry name.
+        module: The model (kept in eval mode, never trained).
+        feature_dim: Width of its features.
+        encode_fn: Task data (``TensorData`` images or ``TextData``) -> features ``[N, D]``.
+        options: Options it was built with (part of the feature-cache key).
+    """
+
+    name: str
+    module: nn.Module
+    feature_dim: int
+    encode_fn: Callable[[Any], Tensor]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @torch.no_grad()
+    def encode(self, data: Any) -> Tensor:
+        """Features ``[N, D]`` of every example of ``data``, in eval mode."""
+        self.module.eval()
+        out = self.encode_fn(data).detach().float().cpu()
+        if out.shape != (len(data), self.feature_dim):
+            raise ConfigError(
+                "algo.teacher",
+                f"'{self.name}' gave features of shape {tuple(out.shape)}, expected "
+                f"({len(data)}, {self.feature_dim})",
+            )
+        return out
+
+
+TEACHERS: Registry[Callable[..., Teacher]] = Registry("foundation model", "algo.teacher")
+
+
+@TEACHERS.register("efficientnet-lite0", "EfficientNet-Lite0 ImageNet, 1280-d pooled features")
+def efficientnet_lite0_teacher(
+    image_size: int = 64, pretrained: bool = True, batch_size: int = 128
+) -> Teacher:
+    """EfficientNet-Lite0 on task images ``[N, C, H, W]`` in [0, 1], resized to ``image_size``.
+
+    64 px rather than the native 224: on 2 CPU cores 224 px costs ~7x more, and a linear
+    probe on 800 Fashion-MNIST images scored 0.744 / 0.800 / 0.830 / 0.812 test accuracy at
+    32 / 48 / 64 / 96 px (docs/fedrd.md).
+    """
+    from fedfm.models.vision import FEATURE_DIM, imagenet_preprocess, load_efficientnet_lite0
+
+    model = load_efficientnet_lite0(pretrained=pretrained)
+
+    def encode(data: Any) -> Tensor:
+        x = data.x
+        chunks = [
+            model.features(imagenet_preprocess(x[s : s + batch_size], size=image_size))
+            for s in range(0, len(x), batch_size)
+        ]
+        return torch.cat(chunks) if chunks else torch.zeros(0, FEATURE_DIM)
+
+    opts = {"image_size": image_size, "pretrained": pretrained}
+    return Teacher("efficientnet-lite0", model, FEATURE_DIM, encode, opts)
+
+
+@TEACHERS.register("minilm", "all-MiniLM-L6-v2 sentence encoder, 384-d normalised embeddings")
+def minilm_teacher(name_or_path: str = "all-MiniLM-L6-v2", batch_size: int = 64) -> Teacher:
+    """A sentence encoder on task texts (``TextData.texts``)."""
+    from fedfm.models.encoder import encode, load_sentence_encoder
+
+    model = load_sentence_encoder(name_or_path)
+    dim = int(model.get_embedding_dimension())
+
+    def run(data: Any) -> Tensor:
+        return torch.from_numpy(encode(model, list(data.texts), batch_size=batch_size))
+
+    return Teacher("minilm", model, dim, run, {"name_or_path": name_or_path})
+
+
+def default_teacher(task: Any) -> str:
+    """The foundation model for a task: MiniLM for text, EfficientNet-Lite0 for images."""
+    if hasattr(task, "public_data") and hasattr(task, "to_data"):
+        return "minilm"
+    if getattr(getattr(task, "cfg", None), "kind", None) == "image":
+        return "efficientnet-lite0"
+    raise ConfigError("algo.teacher", "no default foundation model for this task: name one")
+
+
+_CACHE: OrderedDict[str, Tensor] = OrderedDict()
+_CACHE_SIZE = 16
+
+
+def cached_features(teacher: Callable[[], Teacher], key: dict[str, Any], data: Any) -> Tensor:
+    """``F_t`` features of ``data``, computed once per process for (model, options, ids).
+
+    Args:
+        teacher: Returns the (lazily loaded) teacher; called only on a cache miss.
+        key: Model name and options.
+        data: Examples with stable ``ids``.
+    """
+    digest = hashlib.sha256(data.ids.numpy().tobytes()).hexdigest()
+    k = json.dumps(key, sort_keys=True) + digest
+    if k not in _CACHE:
+        _CACHE[k] = teacher().encode(data)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end(k)
+    return _CACHE[k]
+
+
+def clear_feature_cache() -> None:
+    """Empties the per-process feature cache."""
+    _CACHE.clear()
+
+
+# --------------------------------------------------------------------------- reprogramming
+
+
+class ResidualBlock(nn.Module):
+    """``x + W₂ ReLU(W₁ LayerNorm(x))`` (pre-norm residual MLP block)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(F.relu(self.fc1(self.norm(x))))
+
+
+class Reprogrammer(nn.Module):
+    """φ: foundation-model features ``[B, in_dim]`` -> task features ``[B, out_dim]``.
+
+    Args:
+        in_dim: Width of the foundation model's features.
+        out_dim: Width the shared head ``g`` reads (= the student's feature width).
+        hidden: Width of the residual blocks.
+        blocks: Number of residual blocks.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, hidden: int, blocks: int) -> None:
+        super().__init__()
+        self.in_dim, self.out_dim = in_dim, out_dim
+        self.proj_in = nn.Linear(in_dim, hidden)
+        self.blocks = nn.Sequential(*[ResidualBlock(hidden) for _ in range(blocks)])
+        self.proj_out = nn.Linear(hidden, out_dim)
+
+    def forward(self, f: Tensor) -> Tensor:
+        if f.shape[-1] != self.in_dim:
+            raise ConfigError(
+                "algo.reprogram_in",
+                f"features of width {f.shape[-1]} fed to a reprogrammer built for {self.in_dim}",
+            )
+        return F.relu(self.proj_out(F.relu(self.blocks(self.proj_in(f)))))
+
+
+def head_width(student: nn.Module) -> int:
+    """Input width of the student's head ``g``; checks the student's ``feature_dim`` agrees."""
+    head = getattr(student, "head", None)
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(
+            "task.model", f"{type(student).__name__} has no Linear 'head' to share as g"
+        )
+    width = getattr(student, "feature_dim", head.in_features)
+    if width != head.in_features:
+        raise ConfigError(
+            "task.model",
+            f"student feature width {width} does not match its head's input width "
+            f"{head.in_features}",
+        )
+    return head.in_features
+
+
+def build_reprogrammer(
+    fm_name: str,
+    fm_dim: int,
+    head_in: int,
+    in_dim: int | None = None,
+    out_dim: int | None = None,
+    hidden: int | None = None,
+    blocks: int = 2,
+) -> Reprogrammer:
+    """Builds φ and checks the widths that must agree.
+
+    Args:
+        fm_name: Foundation model name (for messages).
+        fm_dim: Width of its features.
+        head_in: Input width of the shared head ``g``.
+        in_dim: φ's input width; ``None`` takes ``fm_dim``.
+        out_dim: φ's output width; ``None`` takes ``head_in``.
+        hidden: Width of the residual blocks; ``None`` takes the output width.
+        blocks: Residual blocks.
+
+    Raises:
+        ConfigError: ``in_dim`` differs from ``fm_dim`` or ``out_dim`` from ``head_in``.
+    """
+    in_dim = fm_dim if in_dim is None else in_dim
+    out_dim = head_in if out_dim is None else out_dim
+    if in_dim != fm_dim:
+        raise ConfigError(
+            "algo.reprogram_in",
+            f"reprogramming input width {in_dim} does not match the feature width {fm_dim} "
+            f"of foundation model '{fm_name}'",
+        )
+    if out_dim != head_in:
+        raise ConfigError(
+            "algo.reprogram_out",
+            f"reprogramming output width {out_dim} does not match the shared head's input "
+            f"width {head_in} (the student's feature width)",
+        )
+    return Reprogrammer(in_dim, out_dim, hidden or out_dim, blocks)
+
+
+class CoTrainer(nn.Module):
+    """The server's trainable parts: student (with ``head`` = g), φ or a teacher head."""
+
+    def __init__(
+        self, student: nn.Module, phi: Reprogrammer | None, teacher_head: nn.Linear | None
+    ) -> None:
+        super().__init__()
+        self.student = student
+        self.phi = phi
+        self.teacher_head = teacher_head
+
+    def teacher(self, feats: Tensor) -> tuple[Tensor, Tensor]:
+        """Cached ``F_t(x)`` ``[B, D_t]`` -> (``f_t``, ``z_t``)."""
+        if self.phi is not None:
+            f_t = self.phi(feats)
+            return f_t, self.student.head(f_t)
+        assert self.teacher_head is not None
+        return feats, self.teacher_head(feats)
+
+
+# --------------------------------------------------------------------------- public set
+
+
+def _inputs(data: Any, idx: list[int]) -> Any:
+    """Model inputs of rows ``idx`` (text data know how to pad; tensors are indexed)."""
+    return data.inputs(idx) if hasattr(data, "inputs") else data.x[idx]
+
+
+def _subset(data: Any, idx: list[int]) -> Any:
+    return data.subset(torch.as_tensor(idx, dtype=torch.long))
+
+
+def used_ids(task: Any) -> np.ndarray:
+    """Sample ids of every client's training and local-test data."""
+    parts = []
+    for cid in task.client_ids():
+        parts += [task.client_data(cid).ids.numpy(), task.client_test_data(cid).ids.numpy()]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def check_public(public_ids: np.ndarray, task: Any, field_name: str) -> None:
+    """Refuses a public set that shares sample ids with client data or the test set.
+
+    Raises:
+        ConfigError: Shared ids (their number and a few examples are named).
+    """
+    for what, ids in (("client data", used_ids(task)), ("the test set", task.test_data().ids)):
+        shared = np.intersect1d(public_ids, np.asarray(ids))
+        if len(shared):
+            raise ConfigError(
+                field_name,
+                f"public set overlaps {what}: {len(shared)} shared sample ids "
+                f"(e.g. {shared[:5].tolist()})",
+            )
+
+
+def _rows_to_data(task: Any, ds: Any) -> Any:
+    """Source rows as the task's data type (text task, or the supervised image task)."""
+    if hasattr(task, "to_data"):
+        return task.to_data(ds)
+    if getattr(getattr(task, "cfg", None), "kind", None) != "image":
+        raise ConfigError("task.kind", "FedRD runs on image or text tasks")
+    from fedfm.tasks.supervised import TensorData
+
+    # The supervised image task scales pixels to [0, 1] and adds a channel axis, likewise.
+    x = torch.from_numpy(np.asarray(ds["image"], dtype=np.float32)).unsqueeze(1) / 255.0
+    y = torch.from_numpy(np.asarray(ds["label"], dtype=np.int64))
+    return TensorData(x, y, torch.from_numpy(np.asarray(ds["id"], dtype=np.int64)))
+
+
+def public_split(task: Any, size: int, ids: list[int] | None, seed: int) -> tuple[Any, str]:
+    """The public proxy set, checked disjoint from client data and the test set.
+
+    Args:
+        task: The task.
+        size: Rows to draw from the unused training pool (when neither ``ids`` nor the task
+            gives a public set).
+        ids: Explicit sample ids from the source's training rows.
+        seed: Seed of the draw.
+
+    Returns:
+        The data and a short description of where it came from.
+
+    Raises:
+        ConfigError: No public set can be formed, or it overlaps client data or the test set.
+    """
+    src = getattr(task, "src", None)
+    if ids is not None:
+        if src is None:
+            raise ConfigError("algo.public_ids", "this task exposes no source to pick ids from")
+        pool_ids = np.asarray(src.train["id"])
+        missing = np.setdiff1d(np.asarray(ids), pool_ids)
+        if len(missing):
+            raise ConfigError(
+                "algo.public_ids",
+                f"{len(missing)} ids are not training rows of '{src.info.name}' "
+                f"(e.g. {missing[:5].tolist()})",
+            )
+        field_name, origin = "algo.public_ids", "explicit ids"
+        rows = np.flatnonzero(np.isin(pool_ids, np.asarray(ids)))
+        data = _rows_to_data(task, src.train.select(rows.tolist()))
+    elif hasattr(task, "public_data") and len(task.public_data()):
+        field_name, origin = "task.public_size", "the task's public split"
+        data = task.public_data()
+    else:
+        if size <= 0:
+            raise ConfigError("algo.public_size", "FedRD needs a public set: set public_size > 0")
+        if src is None:
+            raise ConfigError("algo.public_size", "this task exposes no training pool")
+        pool_ids = np.asarray(src.train["id"])
+        taken = np.concatenate([used_ids(task), np.asarray(task.test_data().ids)])
+        free = np.flatnonzero(~np.isin(pool_ids, taken))
+        if len(free) < size:
+            raise ConfigError(
+                "algo.public_size",
+                f"only {len(free)} training rows are held by no client, {size} asked "
+                "(lower task.max_train or public_size)",
+            )
+        rng = np.random.default_rng(derive_seed(seed, "fedrd-public"))
+        rows = np.sort(rng.choice(free, size=size, replace=False))
+        field_name, origin = "algo.public_size", "unused training rows"
+        data = _rows_to_data(task, src.train.select(rows.tolist()))
+    check_public(data.ids.numpy(), task, field_name)
+    return data, origin
+
+
+def public_batches(data: Any, feats: Tensor, batch_size: int, seed: int) -> Iterator[Any]:
+    """Endless shuffled ``(inputs, y, F_t features)`` batches; drops a last batch of < 2 rows.
+
+    CKA needs at least two examples, so a trailing single example is skipped.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n = len(data)
+    bs = min(batch_size, n)
+    while True:
+        perm = torch.randperm(n, generator=g).tolist()
+        for s in range(0, n, bs):
+            idx = perm[s : s + bs]
+            if len(idx) < 2:
+                continue
+            yield _inputs(data, idx), data.y[idx], feats[idx]
+
+
+# --------------------------------------------------------------------------- the algorithm
+
+
+def _default_server_train() -> TrainConfig:
+    return TrainConfig(epochs=1.0, batch_size=64, optimizer="adam", lr=1e-3)
+
+
+class FedRDConfig(FedAvgConfig):
+    """FedRD: FedAvg of the student plus server co-training with a frozen foundation model."""
+
+    teacher: str = Field("auto", description="foundation model (TEACHERS), or auto by task")
+    teacher_options: dict[str, Any] = Field(default_factory=dict)
+    reprogram: bool = Field(True, description="false: the KD baseline without reprogramming")
+    reprogram_in: int | None = Field(None, ge=1, description="φ input width (default: F_t's)")
+    reprogram_out: int | None = Field(None, ge=1, description="φ output width (default: g's)")
+    reprogram_hidden: int | None = Field(None, ge=1)
+    reprogram_blocks: int = Field(2, ge=0)
+    alpha: float = Field(1.0, ge=0, description="weight of CE(y, z_t)")
+    beta: float = Field(1.0, ge=0, description="weight of KL(z_t||z_s) + L_CKA(f_t, f_s)")
+    temperature: float = Field(1.0, gt=0)
+    detach_teacher: bool = False
+    server_train: TrainConfig = Field(default_factory=_default_server_train)
+    public_size: int = Field(500, ge=0)
+    public_ids: list[int] | None = None
+    teacher_eval_size: int = Field(0, ge=0, description="test rows to evaluate z_t on (0: off)")
+
+
+@dataclass
+class ServerHalf:
+    """What only the server holds: the foundation model (lazy), public set and features."""
+
+    teacher_name: str
+    teacher_key: dict[str, Any]
+    load_teacher: Callable[[], Teacher]
+    public: Any
+    public_feats: Tensor
+    cotrainer: CoTrainer
+    eval_data: Any = None
+    eval_feats: Tensor | None = None
+
+
+class FedRD(FedAvg):
+    """FedRD (federated reprogramming KD); ``reprogram: false`` is the plain KD baseline."""
+
+    Config = FedRDConfig
+
+    def __init__(self, cfg: FedRDConfig, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedRDConfig = cfg
+        self._srv: ServerHalf | None = None
+        self._teacher: Teacher | None = None
+        self._pending: dict[str, Tensor] = {}
+
+    # ----- server half -----
+    def teacher(self) -> Teacher:
+        """The foundation model, loaded on first use (server side only)."""
+        if self._teacher is None:
+            name = self._teacher_name()
+            self._teacher = TEACHERS.get(name)(**self.cfg.teacher_options)
+            for p in self._teacher.module.parameters():
+                p.requires_grad_(False)
+            self._teacher.module.eval()
+        return self._teacher
+
+    def _teacher_name(self) -> str:
+        return default_teacher(self.task) if self.cfg.teacher == "auto" else self.cfg.teacher
+
+    def server(self) -> ServerHalf:
+        """Builds the server half once: public set, cached features, φ and heads."""
+        if self._srv is not None:
+            return self._srv
+        c = self.cfg
+        name = self._teacher_name()
+        TEACHERS.get(name)  # an unknown name fails here, before any loading
+        key = {"teacher": name, **c.teacher_options}
+        public, origin = public_split(self.task, c.public_size, c.public_ids, self.run.seed)
+        feats = cached_features(self.teacher, key, public)
+        fm_dim = int(feats.shape[1])
+        student = self.task.build_model(seed=self.run.seed)
+        set_params(student, self.params)
+        head_in = head_width(student)
+        phi, thead = None, None
+        torch.manual_seed(derive_seed(self.run.seed, "fedrd-server-init"))
+        if c.reprogram:
+            phi = build_reprogrammer(
+                name, fm_dim, head_in, c.reprogram_in, c.reprogram_out,
+                c.reprogram_hidden, c.reprogram_blocks,
+            )  # fmt: skip
+        else:
+            thead = nn.Linear(fm_dim, int(student.head.out_features))
+        self._srv = ServerHalf(
+            name, key, self.teacher, public, feats, CoTrainer(student, phi, thead)
+        )
+        self._check_student_width(student, public, head_in)
+        if c.teacher_eval_size:
+            test = self.task.test_data()
+            n = min(c.teacher_eval_size, len(test))
+            idx = torch.randperm(len(test), generator=torch.Generator().manual_seed(self.run.seed))
+            self._srv.eval_data = _subset(test, sorted(idx[:n].tolist()))
+            self._srv.eval_feats = cached_features(self.teacher, key, self._srv.eval_data)
+        if self._pending:
+            self._load_server_arrays(self._pending)
+            self._pending = {}
+        log.info("fedrd: public set of %d rows from %s; F_t width %d", len(public), origin, fm_dim)
+        return self._srv
+
+    def _check_student_width(self, student: nn.Module, public: Any, head_in: int) -> None:
+        with torch.no_grad():
+            width = student.features(_inputs(public, [0, 1])).shape[-1]
+        if width != head_in:
+            raise ConfigError(
+                "task.model",
+                f"student features have width {width}, the shared head reads {head_in}",
+            )
+
+    def setup(self, fed: Federation) -> dict[str, float]:
+        t = time.perf_counter()
+        srv = self.server()
+        return {
+            "public_size": len(srv.public),
+            "teacher_dim": int(srv.public_feats.shape[1]),
+            "setup_s": round(time.perf_counter() - t, 3),
+        }
+
+    def round(self, fed: Federation) -> dict[str, float]:
+        metrics = super().round(fed)  # broadcast, local CE, FedAvg of the student
+        metrics.update(self.co_train(fed.rnd))
+        return metrics
+
+    def co_train(self, rnd: int) -> dict[str, float]:
+        """Server step (4): trains φ, g and the student on the public set."""
+        srv = self.server()
+        c = self.cfg
+        model = srv.cotrainer
+        set_params(model.student, self.params)
+        parts: dict[str, list[float]] = {"ce_t": [], "kl": [], "cka": []}
+
+        def student_loss(m: nn.Module, batch: Any) -> tuple[Tensor, Any]:
+            x, y, _ = batch
+            f_s = m.student.features(x)
+            z_s = m.student.head(f_s)
+            return F.cross_entropy(z_s, y), (f_s, z_s)
+
+        def teacher_terms(m: nn.Module, batch: Any, out: Any) -> Tensor:
+            _, y, feats = batch
+            f_s, z_s = out
+            f_t, z_t = m.teacher(feats)
+            ce_t = F.cross_entropy(z_t, y)
+            kd_t, kd_f = (z_t.detach(), f_t.detach()) if c.detach_teacher else (z_t, f_t)
+            t = c.temperature
+            # KL(p_t || p_s) with p = softmax(z / T), times T² (Hinton et al. 2015).
+            kl = F.kl_div(
+                F.log_softmax(z_s / t, -1), F.log_softmax(kd_t / t, -1),
+                log_target=True, reduction="batchmean",
+            ) * t * t  # fmt: skip
+            cka = cka_loss(kd_f, f_s)
+            parts["ce_t"].append(float(ce_t.detach()))
+            parts["kl"].append(float(kl.detach()))
+            parts["cka"].append(float(-cka.detach()))
+            return c.alpha * ce_t + c.beta * (kl + cka)
+
+        cfg = c.server_train
+        seed = derive_seed(self.run.seed, rnd, "fedrd-server")
+        batches = public_batches(srv.public, srv.public_feats, cfg.batch_size, seed)
+        steps = num_steps(cfg, len(srv.public))
+        res = local_train(model, batches, student_loss, cfg, steps, extra_loss=teacher_terms)
+        self.params = get_params(model.student, list(self.params))
+        return {
+            "server_loss": res.loss,
+            "server_steps": res.steps,
+            **{f"server_{k}": float(np.mean(v)) for k, v in parts.items() if v},
+        }
+
+    def evaluate(self, fed: Federation) -> dict[str, float]:
+        out = super().evaluate(fed)
+        srv = self._srv
+        if srv is not None and srv.eval_feats is not None:
+            out.update(self._teacher_metrics(srv))
+        return out
+
+    @torch.no_grad()
+    def _teacher_metrics(self, srv: ServerHalf) -> dict[str, float]:
+        """Accuracy of the (reprogrammed) teacher path ``z_t`` and CKA(f_t, f_s) on test rows."""
+        model = srv.cotrainer
+        set_params(model.student, self.params)
+        was = model.training
+        model.eval()
+        data, feats = srv.eval_data, srv.eval_feats
+        f_t, z_t = model.teacher(feats)
+        f_s = torch.cat(
+            [
+                model.student.features(_inputs(data, list(range(s, min(s + 256, len(data))))))
+                for s in range(0, len(data), 256)
+            ]
+        )
+        model.train(was)
+        pred, y = z_t.argmax(-1), data.y
+        return {
+            "teacher/acc": float((pred == y).float().mean()),
+            "teacher/macro_f1": float(
+                f1_score(y.numpy(), pred.numpy(), average="macro", zero_division=0)
+            ),
+            "cka_test": float(linear_cka(f_t, f_s)),
+        }
+
+    # ----- checkpointing -----
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        arrays, meta = super().state_dict()
+        if self._srv is not None:
+            m = self._srv.cotrainer
+            for prefix, mod in (("phi", m.phi), ("thead", m.teacher_head)):
+                if mod is not None:
+                    arrays.update({f"{prefix}/{k}": v for k, v in get_params(mod).items()})
+        else:
+            arrays.update(self._pending)
+        return arrays, meta
+
+    def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        super().load_state_dict(arrays, meta)
+        mine = {k: v for k, v in arrays.items() if k.startswith(("phi/", "thead/"))}
+        if self._srv is None:
+            self._pending = mine  # applied when the server half is built
+        else:
+            self._load_server_arrays(mine)
+
+    def _load_server_arrays(self, arrays: dict[str, Tensor]) -> None:
+        m = self._srv.cotrainer if self._srv is not None else None
+        if m is None:
+            return
+        for prefix, mod in (("phi", m.phi), ("thead", m.teacher_head)):
+            part = {
+                k[len(prefix) + 1 :]: v for k, v in arrays.items() if k.startswith(prefix + "/")
+            }
+            if mod is not None and part:
+                set_params(mod, part)
+
+
+class FedKDConfig(FedRDConfig):
+    """Federated KD without reprogramming: FedRD's loss with a teacher head on raw features."""
+
+    reprogram: bool = False
+
+
+class FedKD(FedRD):
+    """FedRD without reprogramming (the federated-KD baseline)."""
+
+    Config = FedKDConfig
+
+
+class FedAvgTrainable(FedAvg):
+    """FedAvg that exchanges only the trainable tensors (federated LoRA on a frozen FM).
+
+    With ``encoder-lora-classifier`` the clients hold the frozen encoder, its LoRA adapters
+    and a head; only adapters and head travel and are averaged.
+    """
+
+    def __init__(self, cfg: FedAvgConfig, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        names = [n for n, p in self.model().named_parameters() if p.requires_grad]
+        self.params = get_params(self.model(), names)
+
+
+ALGORITHMS.register("fedrd", "FedRD: student FedAvg + server reprogramming KD with a frozen FM")(
+    FedRD
+)
+ALGORITHMS.register("fedrd-kd", "federated KD baseline: FedRD without reprogramming")(FedKD)
+ALGORITHMS.register(
+    "fedavg-trainable", "FedAvg over trainable tensors only (federated LoRA on a frozen FM)"
+)(FedAvgTrainable)
