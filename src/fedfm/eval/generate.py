@@ -74,8 +74,9 @@ def generate(
     max_new_tokens: int = 64,
     batch_size: int = 8,
     prompt_cfg: PromptConfig | None = None,
+    **generate_kwargs: Any,
 ) -> list[str]:
-    """Greedy continuations of ``prompts``, one string per prompt, in the given order.
+    """Continuations of ``prompts`` (greedy by default), one string per prompt, in order.
 
     Args:
         bundle_or_model: A causal LM, or an ``LMBundle`` (then ``tokenizer`` may be ``None``).
@@ -84,6 +85,8 @@ def generate(
         max_new_tokens: Generation budget per prompt.
         batch_size: Prompts per ``generate`` call.
         prompt_cfg: Decides the end-of-turn stop token (chat template or not).
+        **generate_kwargs: Passed to ``model.generate``, e.g. ``do_sample=True,
+            temperature=0.7`` for sampling (rewriting, synthetic data).
 
     Returns:
         The decoded new tokens of each prompt, up to (excluding) the first end-of-turn/eos token,
@@ -115,10 +118,9 @@ def generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
-                num_beams=1,
                 eos_token_id=stops,
                 pad_token_id=pad,
+                **{"do_sample": False, "num_beams": 1, **generate_kwargs},
             )
             new = out[:, ids.shape[1] :].cpu()  # (batch, <= max_new_tokens)
             for row, i in zip(new.tolist(), idx, strict=True):

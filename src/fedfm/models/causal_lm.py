@@ -420,31 +420,10 @@ def generate_text(
     """
     if batch_size <= 0:
         raise ConfigError("generate.batch_size", f"must be positive, got {batch_size}")
+    from fedfm.eval.generate import generate  # one generation path for the whole package
+
     texts = [format_chat(tokenizer, p, system) for p in prompts] if chat else list(prompts)
-    generate_kwargs.setdefault("do_sample", False)
-    device = next(model.parameters()).device
-    replies: list[str] = []
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # so that every prompt ends where generation starts
-    try:
-        for i in range(0, len(texts), batch_size):
-            batch = tokenizer(
-                texts[i : i + batch_size],
-                return_tensors="pt",
-                padding=True,
-                add_special_tokens=not chat,  # the chat template already holds special tokens
-            ).to(device)
-            out = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                **generate_kwargs,
-            )
-            new = out[:, batch["input_ids"].shape[1] :]  # (batch, <= max_new_tokens)
-            replies.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
-    finally:
-        tokenizer.padding_side = side
-    return replies
+    return generate(model, tokenizer, texts, max_new_tokens, batch_size, **generate_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
