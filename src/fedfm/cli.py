@@ -100,9 +100,10 @@ def list_() -> None:
     from fedfm.config import preset_names
     from fedfm.data.partition import PARTITIONERS
     from fedfm.data.sources import SOURCES
-    from fedfm.models.registry import MODELS
+    from fedfm.models.registry import MODELS, load_builtin_models
     from fedfm.tasks.base import TASKS
 
+    load_builtin_models()
     out = Console()
     for title, reg in [
         ("algorithms", ALGORITHMS),
