@@ -61,7 +61,8 @@ def test_local_only_shares_no_tensors(tmp_path):
     _run(tmp_path, "l", "local", rounds=2, plots=False)
     audit = [json.loads(x) for x in (tmp_path / "l" / "audit.jsonl").read_text().splitlines()]
     assert all(a["type"] == "meta" for a in audit)
-    per = [json.loads(x) for x in (tmp_path / "l" / "client_metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "l" / "client_metrics.jsonl").read_text().splitlines()
+    per = [json.loads(x) for x in lines]
     assert set(per[-1]["clients"]) == {str(i) for i in range(6)}
 
 
