@@ -655,6 +655,7 @@ _ENV_KEYS = (
     "PYTHONPATH",
     "RAY_DEDUP_LOGS",
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO",
+    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL",
 )
 
 
@@ -668,6 +669,8 @@ def flower_env_vars(home: Path) -> dict[str, str]:
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_DEDUP_LOGS": "0",
         "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+        # Flower's executors poll for new ServerApp/ClientApp tasks every second by default.
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
     }
 
 
@@ -762,3 +765,24 @@ def run(
 
         return serve(cfg, resume=resume, overwrite=overwrite, options=options)
     raise ConfigError("runtime", f"'{cfg.runtime}' is not a Flower runtime")
+
+
+def serve_main(*args: Any, **kw: Any) -> dict[str, Any]:
+    """``fedfm serve`` (see :func:`fedfm.runtime.flower_app.deploy.serve_main`)."""
+    from fedfm.runtime.flower_app.deploy import serve_main as main
+
+    return main(*args, **kw)
+
+
+def client_main(*args: Any, **kw: Any) -> int:
+    """``fedfm client`` (see :func:`fedfm.runtime.flower_app.deploy.client_main`)."""
+    from fedfm.runtime.flower_app.deploy import client_main as main
+
+    return main(*args, **kw)
+
+
+def add_commands(app: Any) -> None:
+    """Adds ``fedfm serve``, ``fedfm client`` and ``fedfm flower-certs`` to a typer app."""
+    from fedfm.runtime.flower_app.deploy import add_commands as add
+
+    add(app)

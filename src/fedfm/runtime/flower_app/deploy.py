@@ -202,13 +202,15 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP384R1())
     priv = folder / f"{name}.key"
     pub = folder / f"{name}.pub"
+    # OpenSSH formats, as `ssh-keygen -t ecdsa -b 384` writes them: what Flower parses.
     priv.write_bytes(
         key.private_bytes(
             serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
+            serialization.PrivateFormat.OpenSSH,
             serialization.NoEncryption(),
         )
     )
+    priv.chmod(0o600)
     pub.write_bytes(
         key.public_key().public_bytes(
             serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
@@ -672,36 +674,283 @@ def client(
     state_dir: Path | None = None,
     isolation: str = "process",
     work_dir: Path | None = None,
+    restart: bool = True,
 ) -> int:
-    """Runs one client's SuperNode until it exits or is interrupted (``fedfm client``).
+    """Runs one client's SuperNode until interrupted (``fedfm client``).
+
+    A SuperNode that exits (the SuperLink is not up yet, its key is not registered yet,
+    a network failure) is started again after a growing pause, like a service manager
+    would; with ``restart=False`` the first exit ends the command.
 
     Returns:
-        The SuperNode's exit code.
+        The SuperNode's last exit code (0 after Ctrl-C).
     """
     with tempfile.TemporaryDirectory(prefix="fedfm-client-") as tmp:
         work = work_dir or Path(tmp)
-        procs = start_client(
-            superlink,
-            partition_id,
-            num_partitions,
-            work / "flwr-home",
-            work / "logs",
-            root_certificates,
-            auth_key,
-            state_dir or Path("fedfm-client-states") / str(partition_id),
-            isolation,
-        )
-        print(
-            f"client {partition_id}: SuperNode connecting to {superlink}; logs in {work / 'logs'}"
-        )
+        logs = work / "logs"
+        state = state_dir or Path("fedfm-client-states") / str(partition_id)
+        pause, code = 2.0, 0
+        print(f"client {partition_id}: SuperNode for {superlink}; logs in {logs}", flush=True)
         try:
-            while all(p.alive() for p in procs):
-                time.sleep(1.0)
+            while True:
+                procs = start_client(
+                    superlink,
+                    partition_id,
+                    num_partitions,
+                    work / "flwr-home",
+                    logs,
+                    root_certificates,
+                    auth_key,
+                    state,
+                    isolation,
+                )
+                started = time.monotonic()
+                try:
+                    while all(p.alive() for p in procs):
+                        time.sleep(1.0)
+                finally:
+                    stop(procs)
+                code = int(procs[0].popen.returncode or 0)
+                print(f"client {partition_id}: SuperNode exited ({code}):", file=sys.stderr)
+                print(procs[0].tail(8), file=sys.stderr, flush=True)
+                if not restart:
+                    return code
+                pause = 2.0 if time.monotonic() - started > 60 else min(pause * 2, 60.0)
+                time.sleep(pause)
         except KeyboardInterrupt:
-            pass
-        finally:
-            stop(procs)
-        for p in procs:
-            if p.popen.returncode not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
-                print(p.tail(), file=sys.stderr)
-        return int(procs[0].popen.returncode or 0)
+            return 0
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` strings (values parsed as YAML) as Flower options.
+
+    Raises:
+        ConfigError: A pair is not ``key=value``.
+    """
+    from fedfm.config import apply_override
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        apply_override(out, pair)
+    return out
+
+
+def tls_files(
+    certificates: Path | None = None,
+    ssl_ca_certfile: Path | None = None,
+    ssl_certfile: Path | None = None,
+    ssl_keyfile: Path | None = None,
+    insecure: bool = False,
+) -> TlsFiles | None:
+    """The SuperLink's TLS files from a folder or from the three paths; None if insecure.
+
+    Raises:
+        ConfigError: Neither TLS files nor ``insecure``, both, or a missing file.
+    """
+    given = [ssl_ca_certfile, ssl_certfile, ssl_keyfile]
+    if certificates is not None:
+        given = [certificates / "ca.crt", certificates / "server.pem", certificates / "server.key"]
+    if insecure:
+        if any(given):
+            raise ConfigError("insecure", "TLS files given together with --insecure")
+        return None
+    if not all(given):
+        raise ConfigError(
+            "tls",
+            "give --certificates DIR or all of --ssl-ca-certfile, --ssl-certfile,"
+            " --ssl-keyfile (or --insecure to run without TLS)",
+        )
+    files = TlsFiles(*[Path(p) for p in given])  # type: ignore[arg-type]
+    for p in (files.ca_cert, files.server_cert, files.server_key):
+        if not p.exists():
+            raise ConfigError("tls", f"file not found: {p}")
+    return files
+
+
+def serve_main(
+    config: str,
+    overrides: Sequence[str] = (),
+    resume: bool = False,
+    overwrite: bool = False,
+    host: str = "0.0.0.0",
+    port: int = 9092,
+    certificates: Path | None = None,
+    ssl_ca_certfile: Path | None = None,
+    ssl_certfile: Path | None = None,
+    ssl_keyfile: Path | None = None,
+    insecure: bool = False,
+    node_keys: Sequence[Path] = (),
+    flower: Sequence[str] = (),
+) -> dict[str, Any]:
+    """``fedfm serve``: a run on the deployment engine, served from this machine.
+
+    Args:
+        config: Preset name or YAML file.
+        overrides: ``key=value`` config overrides.
+        resume: Continue the run from its last checkpoint.
+        overwrite: Replace an existing run folder.
+        host: Address the SuperLink listens on.
+        port: Its port.
+        certificates: Folder with ``ca.crt``, ``server.pem``, ``server.key``.
+        ssl_ca_certfile: CA certificate (instead of ``certificates``).
+        ssl_certfile: SuperLink certificate.
+        ssl_keyfile: SuperLink private key.
+        insecure: Run without TLS.
+        node_keys: SuperNode public keys to accept (node authentication).
+        flower: ``key=value`` Flower options (:class:`~fedfm.runtime.flower.FlowerOptions`).
+
+    Returns:
+        The run summary.
+    """
+    from fedfm.config import load_config
+
+    cfg = load_config(config, [*overrides, "runtime=flower"])
+    if resume:
+        saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
+        if saved.exists():
+            cfg = load_config(str(saved), [*overrides, "runtime=flower"])
+    tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
+    for key in node_keys:
+        if not Path(key).exists():
+            raise ConfigError("node-key", f"file not found: {key}")
+    return serve(
+        cfg,
+        resume=resume,
+        overwrite=overwrite,
+        options=parse_options(flower),
+        host=host,
+        port=port,
+        tls=tls,
+        node_keys=[Path(k) for k in node_keys],
+    )
+
+
+def client_main(
+    superlink: str,
+    partition_id: int,
+    num_partitions: int,
+    root_certificates: Path | None = None,
+    insecure: bool = False,
+    auth_key: Path | None = None,
+    state_dir: Path | None = None,
+    isolation: str = "process",
+) -> int:
+    """``fedfm client``: one client's SuperNode, until interrupted.
+
+    Raises:
+        ConfigError: Bad partition, or neither a CA certificate nor ``insecure``.
+    """
+    if not 0 <= partition_id < num_partitions:
+        raise ConfigError("partition-id", f"{partition_id} is not in 0..{num_partitions - 1}")
+    if (root_certificates is None) == (not insecure):
+        raise ConfigError(
+            "tls", "give --root-certificates CA_FILE, or --insecure to connect without TLS"
+        )
+    for name, path in (("root-certificates", root_certificates), ("auth-key", auth_key)):
+        if path is not None and not Path(path).exists():
+            raise ConfigError(name, f"file not found: {path}")
+    return client(
+        superlink,
+        partition_id,
+        num_partitions,
+        root_certificates,
+        auth_key,
+        state_dir,
+        isolation,
+    )
+
+
+def certs_main(
+    out: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), nodes: int = 0
+) -> None:
+    """``fedfm flower-certs``: a CA, a SuperLink certificate and SuperNode key pairs."""
+    tls = make_certificates(out, hosts)
+    print(f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key {tls.server_key}")
+    for i in range(nodes):
+        priv, pub = make_node_key(out, f"node{i}")
+        print(f"SuperNode {i}: private key {priv}, public key {pub}")
+
+
+def add_commands(app: Any) -> None:
+    """Adds ``serve``, ``client`` and ``flower-certs`` to the ``fedfm`` typer app."""
+    from typing import Annotated
+
+    import typer
+
+    @app.command("serve")
+    def serve_cmd(
+        config: Annotated[str, typer.Argument(help="preset name or YAML file")],
+        overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides")] = None,
+        resume: Annotated[bool, typer.Option("--resume")] = False,
+        overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+        host: Annotated[str, typer.Option(help="address the SuperLink listens on")] = "0.0.0.0",
+        port: Annotated[int, typer.Option(help="SuperLink port")] = 9092,
+        certificates: Annotated[
+            Path | None, typer.Option(help="folder with ca.crt, server.pem, server.key")
+        ] = None,
+        ssl_ca_certfile: Annotated[Path | None, typer.Option()] = None,
+        ssl_certfile: Annotated[Path | None, typer.Option()] = None,
+        ssl_keyfile: Annotated[Path | None, typer.Option()] = None,
+        insecure: Annotated[bool, typer.Option("--insecure", help="no TLS")] = False,
+        node_key: Annotated[
+            list[Path] | None, typer.Option(help="SuperNode public key to accept (repeat)")
+        ] = None,
+        flower: Annotated[
+            list[str] | None, typer.Option(help="Flower option key=value (repeat)")
+        ] = None,
+    ) -> None:
+        """Serve a run on Flower's deployment engine (SuperLink here, `fedfm client` there)."""
+        summary = serve_main(
+            config,
+            overrides or [],
+            resume,
+            overwrite,
+            host,
+            port,
+            certificates,
+            ssl_ca_certfile,
+            ssl_certfile,
+            ssl_keyfile,
+            insecure,
+            node_key or [],
+            flower or [],
+        )
+        primary = summary["primary"]
+        print(f"{summary['name']}: {primary}={summary['final'].get(primary)}")
+
+    @app.command("client")
+    def client_cmd(
+        superlink: Annotated[str, typer.Option(help="SuperLink host:port")],
+        partition_id: Annotated[int, typer.Option(help="index of this client")],
+        num_partitions: Annotated[int, typer.Option(help="number of clients")],
+        root_certificates: Annotated[Path | None, typer.Option(help="CA certificate")] = None,
+        insecure: Annotated[bool, typer.Option("--insecure", help="no TLS")] = False,
+        auth_key: Annotated[Path | None, typer.Option(help="node private key")] = None,
+        state_dir: Annotated[Path | None, typer.Option(help="client-state folder")] = None,
+        isolation: Annotated[str, typer.Option(help="process or subprocess")] = "process",
+    ) -> None:
+        """Run one client's SuperNode for `fedfm serve` (until Ctrl-C)."""
+        raise typer.Exit(
+            client_main(
+                superlink,
+                partition_id,
+                num_partitions,
+                root_certificates,
+                insecure,
+                auth_key,
+                state_dir,
+                isolation,
+            )
+        )
+
+    @app.command("flower-certs")
+    def certs_cmd(
+        out: Annotated[Path, typer.Argument(help="output folder")],
+        host: Annotated[list[str] | None, typer.Option(help="SuperLink host name or IP")] = None,
+        nodes: Annotated[int, typer.Option(help="SuperNode key pairs to make")] = 0,
+    ) -> None:
+        """Make a CA, a SuperLink certificate and SuperNode keys (private deployments)."""
+        certs_main(out, host or ["127.0.0.1", "localhost"], nodes)

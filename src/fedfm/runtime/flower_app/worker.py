@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -31,7 +30,11 @@ log = logging.getLogger("fedfm")
 
 
 def _client(
-    address: str, insecure: bool, root_certificates: bytes | None, token: str | None
+    address: str,
+    insecure: bool,
+    root_certificates: bytes | None,
+    token: str | None,
+    max_tries: int | None = None,
 ) -> Any:
     from flwr.supercore.interceptors import (
         RuntimeTokenHttpInterceptor,
@@ -45,12 +48,15 @@ def _client(
     ]
     if token:
         interceptors.append(RuntimeTokenHttpInterceptor(token))
+    retry = make_simple_http_retry_invoker()
+    if max_tries is not None:
+        retry.max_tries = max_tries
     return RuntimeHttpClient.from_server_address(
         server_address=address,
         insecure=insecure,
         root_certificates=root_certificates,
         interceptors=interceptors,
-        retry_invoker=make_simple_http_retry_invoker(),
+        retry_invoker=retry,
     )
 
 
@@ -114,25 +120,41 @@ def serve(
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
 
     certs = root_certificates.read_bytes() if root_certificates else None
-    acquire = _client(address, insecure, certs, None)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if parent_pid is not None:
+        _exit_with(parent_pid)
+    # One try per call: this loop retries itself, without the client's growing back-off,
+    # so the first task is taken as soon as the SuperNode's runtime API is up.
+    acquire = _client(address, insecure, certs, None, max_tries=1)
     log.info("fedfm worker serving %s", address)
-    while not stop.is_set():
-        if parent_pid is not None and not _alive(parent_pid):
-            break
-        try:
-            res = acquire.AcquireTask(AcquireTaskRequest(supported_task_types=["flwr-clientapp"]))
-        except Exception as e:  # the SuperNode may not be up yet, or restarting
-            log.debug("runtime API not reachable: %s", e)
-            time.sleep(0.5)
-            continue
-        if res.HasField("task") and res.token:
-            run_task(address, res.token, insecure, certs)
-        else:
-            time.sleep(poll_s)
-    acquire.close()
+    try:
+        while True:
+            try:
+                res = acquire.AcquireTask(
+                    AcquireTaskRequest(supported_task_types=["flwr-clientapp"])
+                )
+            except Exception as e:  # the SuperNode may not be up yet, or restarting
+                log.debug("runtime API not reachable: %s", e)
+                time.sleep(0.5)
+                continue
+            if res.HasField("task") and res.token:
+                run_task(address, res.token, insecure, certs)
+            else:
+                time.sleep(poll_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        acquire.close()
+
+
+def _exit_with(parent_pid: int) -> None:
+    """Exits this process as soon as the SuperNode it serves is gone."""
+
+    def watch() -> None:
+        while _alive(parent_pid):
+            time.sleep(0.2)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _alive(pid: int) -> bool:
