@@ -436,6 +436,46 @@ def public_batches(data: Any, feats: Tensor, batch_size: int, seed: int) -> Iter
             yield _inputs(data, idx), data.y[idx], feats[idx]
 
 
+def distillation_terms(
+    y: Tensor,
+    z_s: Tensor,
+    f_s: Tensor,
+    z_t: Tensor,
+    f_t: Tensor,
+    alpha: float,
+    beta: float,
+    temperature: float = 1.0,
+    detach_teacher: bool = False,
+) -> tuple[Tensor, dict[str, float]]:
+    """FedRD's loss without the student's CE: ``α·CE(y, z_t) + β·(KL(z_t ‖ z_s) + L_CKA)``.
+
+    Args:
+        y: Labels ``[B]``.
+        z_s: Student logits ``[B, C]``.
+        f_s: Student features ``[B, d_s]``.
+        z_t: Teacher logits ``[B, C]``.
+        f_t: Teacher features ``[B, d_t]`` (``d_t`` may differ from ``d_s``).
+        alpha: Weight of the teacher's CE.
+        beta: Weight of the KL and CKA terms.
+        temperature: KL temperature ``T``; the KL is scaled by ``T²`` (Hinton et al. 2015).
+        detach_teacher: Stop the KL and CKA gradients at the teacher side.
+
+    Returns:
+        The loss and its parts (``ce_t``, ``kl``, ``cka`` = CKA, not the loss) as floats.
+    """
+    ce_t = F.cross_entropy(z_t, y)
+    kd_z, kd_f = (z_t.detach(), f_t.detach()) if detach_teacher else (z_t, f_t)
+    t = temperature
+    # KL(p_t || p_s) with p = softmax(z / T), averaged over the batch.
+    kl = F.kl_div(
+        F.log_softmax(z_s / t, -1), F.log_softmax(kd_z / t, -1), log_target=True,
+        reduction="batchmean",
+    ) * (t * t)  # fmt: skip
+    l_cka = cka_loss(kd_f, f_s)
+    parts = {"ce_t": float(ce_t.detach()), "kl": float(kl.detach()), "cka": -float(l_cka.detach())}
+    return alpha * ce_t + beta * (kl + l_cka), parts
+
+
 # --------------------------------------------------------------------------- the algorithm
 
 
@@ -583,19 +623,12 @@ class FedRD(FedAvg):
             _, y, feats = batch
             f_s, z_s = out
             f_t, z_t = m.teacher(feats)
-            ce_t = F.cross_entropy(z_t, y)
-            kd_t, kd_f = (z_t.detach(), f_t.detach()) if c.detach_teacher else (z_t, f_t)
-            t = c.temperature
-            # KL(p_t || p_s) with p = softmax(z / T), times T² (Hinton et al. 2015).
-            kl = F.kl_div(
-                F.log_softmax(z_s / t, -1), F.log_softmax(kd_t / t, -1),
-                log_target=True, reduction="batchmean",
-            ) * t * t  # fmt: skip
-            cka = cka_loss(kd_f, f_s)
-            parts["ce_t"].append(float(ce_t.detach()))
-            parts["kl"].append(float(kl.detach()))
-            parts["cka"].append(float(-cka.detach()))
-            return c.alpha * ce_t + c.beta * (kl + cka)
+            extra, terms = distillation_terms(
+                y, z_s, f_s, z_t, f_t, c.alpha, c.beta, c.temperature, c.detach_teacher
+            )
+            for k, v in terms.items():
+                parts[k].append(v)
+            return extra
 
         cfg = c.server_train
         seed = derive_seed(self.run.seed, rnd, "fedrd-server")

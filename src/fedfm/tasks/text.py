@@ -171,7 +171,7 @@ class TextTask(Task):
         bags = None
         if self.tokenizer is not None:
             flat, offsets = self.tokenizer.encode(texts)
-            ends = [*offsets[1:].tolist(), flat.numel()]
+            ends = [*offsets[1:].tolist(), flat.numel()] if len(offsets) else []
             bags = [
                 flat[s:e][: self.cfg.max_ngrams]
                 for s, e in zip(offsets.tolist(), ends, strict=True)

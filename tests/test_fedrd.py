@@ -1,0 +1,330 @@
+"""FedRD: loss terms, frozen server-only foundation model, public-set checks, widths, baselines.
+
+Runs on sklearn's 8x8 digits with a tiny random foundation model registered here (a conv
+layer with BatchNorm, so a forward pass in train mode would move its running statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fedfm.tasks.text  # noqa: F401  (registers the text task)
+from fedfm.algorithms.fedavg import FedAvg
+from fedfm.algorithms.fedrd import (
+    TEACHERS,
+    FedAvgTrainable,
+    FedRD,
+    Teacher,
+    clear_feature_cache,
+    distillation_terms,
+    used_ids,
+)
+from fedfm.config import load_config
+from fedfm.core.federation import ClientContext, ClientState
+from fedfm.core.messages import Message
+from fedfm.engine import Engine, build
+from fedfm.errors import ConfigError
+from fedfm.models.registry import MODELS
+from fedfm.models.students import HashingTokenizer, SmallCNN
+
+LOADS: list[int] = []  # one entry per foundation-model load: how many client handlers were open
+BUILT: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []  # (module, state at load time)
+IN_CLIENT = [0]
+
+
+class TinyFM(nn.Module):
+    """Conv + BatchNorm + pooling + Linear: 24-d features of 8x8 grey images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.fc = nn.Linear(24, 24)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(nn.functional.adaptive_avg_pool2d(h, 2).flatten(1))
+
+
+def _record(module: nn.Module) -> None:
+    LOADS.append(IN_CLIENT[0])
+    BUILT.append((module, {k: v.clone() for k, v in module.state_dict().items()}))
+
+
+def _tiny_image_fm() -> Teacher:
+    torch.manual_seed(123)
+    model = TinyFM().eval()
+    _record(model)
+    return Teacher("test-tiny-fm", model, 24, lambda d: model.features(d.x))
+
+
+def _tiny_text_fm() -> Teacher:
+    torch.manual_seed(321)
+    tok = HashingTokenizer(1024)
+    bag = nn.EmbeddingBag(1024, 12, mode="mean")
+    _record(bag)
+    return Teacher("test-tiny-text-fm", bag, 12, lambda d: bag(*tok.encode(list(d.texts))))
+
+
+if "test-tiny-fm" not in TEACHERS:
+    TEACHERS.register("test-tiny-fm")(_tiny_image_fm)
+    TEACHERS.register("test-tiny-text-fm")(_tiny_text_fm)
+
+
+def _frozen_body_cnn(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    model = SmallCNN(in_channels, num_classes, width=4, image_size=image_size, hidden=16)
+    for p in model.conv.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+if "test-frozen-body-cnn" not in MODELS:
+    MODELS.register("test-frozen-body-cnn")(_frozen_body_cnn)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    LOADS.clear()
+    BUILT.clear()
+    clear_feature_cache()
+    orig = FedAvg.client_train
+
+    def counted(self: Any, ctx: ClientContext, msg: Message) -> Message:
+        IN_CLIENT[0] += 1
+        try:
+            return orig(self, ctx, msg)
+        finally:
+            IN_CLIENT[0] -= 1
+
+    monkeypatch.setattr(FedAvg, "client_train", counted)
+
+
+def _cfg(tmp_path: Any, algorithm: str = "fedrd", **algo: Any):
+    return load_config(
+        {
+            "name": algorithm,
+            "algorithm": algorithm,
+            "rounds": 2,
+            "out_dir": str(tmp_path),
+            "plots": False,
+            "threads": 1,
+            "algo": {
+                "teacher": "test-tiny-fm",
+                "public_size": 100,
+                "server_train": {"steps": 3, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
+                **algo,
+            },
+            "task": {
+                "kind": "image",
+                "dataset": "digits",
+                "model": "small-cnn",
+                "model_args": {"width": 4, "hidden": 16},
+                "max_train": 1000,
+            },
+            "partition": {"scheme": "dirichlet", "alpha": 0.5, "num_clients": 4, "min_size": 10},
+            "train": {"steps": 3, "batch_size": 16, "lr": 0.05},
+        }
+    )
+
+
+def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def test_distillation_terms_hand_computed() -> None:
+    # z_s = [0, 0] -> p_s = [1/2, 1/2]; z_t = [ln 3, 0] -> p_t = [3/4, 1/4]; y = 0.
+    # CE(y, z_t) = -ln(3/4) = 0.287682; KL(p_t || p_s) = 3/4 ln(3/2) + 1/4 ln(1/2) = 0.130812.
+    # Two examples with non-constant 1-d features: CKA = squared correlation = 1, L_CKA = -1.
+    y = torch.tensor([0, 0])
+    z_s = torch.zeros(2, 2)
+    z_t = torch.tensor([[math.log(3.0), 0.0]] * 2)
+    f_s, f_t = torch.tensor([[1.0], [2.0]]), torch.tensor([[5.0, 1.0], [3.0, 2.0]])
+    loss, parts = distillation_terms(y, z_s, f_s, z_t, f_t, alpha=0.5, beta=2.0)
+    assert parts["ce_t"] == pytest.approx(0.287682, abs=1e-6)
+    assert parts["kl"] == pytest.approx(0.130812, abs=1e-6)
+    assert parts["cka"] == pytest.approx(1.0, abs=1e-6)
+    assert float(loss) == pytest.approx(0.5 * 0.287682 + 2.0 * (0.130812 - 1.0), abs=1e-5)
+    # temperature 2: p_t = softmax([ln 3 / 2, 0]) = [√3/(√3+1), 1/(√3+1)], KL scaled by 4
+    q = math.sqrt(3) / (math.sqrt(3) + 1)
+    kl2 = (q * math.log(2 * q) + (1 - q) * math.log(2 * (1 - q))) * 4
+    _, parts2 = distillation_terms(y, z_s, f_s, z_t, f_t, 1.0, 1.0, temperature=2.0)
+    assert parts2["kl"] == pytest.approx(kl2, abs=1e-6)
+
+
+def test_kd_gradient_is_zero_when_student_equals_teacher() -> None:
+    z = torch.randn(4, 3)
+    z_s = z.clone().requires_grad_()
+    feats = torch.randn(4, 5)
+    f_s = feats.clone().requires_grad_()
+    loss, parts = distillation_terms(
+        torch.tensor([0, 1, 2, 0]), z_s, f_s, z, feats, alpha=0.0, beta=1.0, detach_teacher=True
+    )
+    loss.backward()
+    assert parts["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert parts["cka"] == pytest.approx(1.0, abs=1e-6)
+    assert z_s.grad.abs().max() < 1e-6 and f_s.grad.abs().max() < 1e-5
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def test_fedrd_run_keeps_fm_frozen_and_out_of_clients(tmp_path: Any) -> None:
+    cfg = _cfg(tmp_path, teacher_eval_size=50)
+    Engine(cfg, progress=False).run()
+    rows = [
+        json.loads(x) for x in (tmp_path / "fedrd" / "metrics.jsonl").read_text().split("\n")[:-1]
+    ]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert rows[0]["public_size"] == 100 and rows[0]["teacher_dim"] == 24
+    for r in rows[1:]:
+        assert 0.0 <= r["server_cka"] <= 1.0 and math.isfinite(r["server_loss"])
+        assert r["server_steps"] == 3 and "teacher/acc" in r and "acc" in r
+        # only the student travels: its bytes, not the foundation model's
+        assert r["bytes_up"] > 0
+    # loaded once, on the server, outside every client handler
+    assert LOADS == [0]
+    module, before = BUILT[0]
+    assert _same_state(module.state_dict(), before)
+    assert not module.training
+
+
+def test_client_handler_never_loads_the_fm(tmp_path: Any) -> None:
+    # What a client process does on Flower: build the algorithm from the config, run handlers.
+    setup = build(_cfg(tmp_path))
+    algo = setup.algo
+    assert isinstance(algo, FedRD)
+    ctx = ClientContext("0", "default", 1, 0, setup.task, ClientState())
+    reply = algo.handlers()["train"](ctx, Message("train", {"params": algo.params}))
+    assert set(reply.arrays["params"]) == set(algo.params)
+    assert LOADS == [] and algo._teacher is None and algo._srv is None
+
+
+def test_co_training_changes_phi_and_student_not_the_fm(tmp_path: Any) -> None:
+    algo = build(_cfg(tmp_path)).algo
+    srv = algo.server()
+    phi0 = {k: v.clone() for k, v in srv.cotrainer.phi.state_dict().items()}
+    params0 = {k: v.clone() for k, v in algo.params.items()}
+    metrics = algo.co_train(1)
+    assert metrics["server_steps"] == 3
+    assert not _same_state(srv.cotrainer.phi.state_dict(), phi0)
+    assert not torch.equal(algo.params["head.weight"], params0["head.weight"])
+    module, before = BUILT[0]
+    assert _same_state(module.state_dict(), before)
+    # the shared head g is the student's head: the teacher path reads it
+    assert srv.cotrainer.teacher_head is None
+
+
+def test_public_set_is_disjoint_and_overlap_is_refused(tmp_path: Any) -> None:
+    setup = build(_cfg(tmp_path))
+    srv = setup.algo.server()
+    clients = set(used_ids(setup.task).tolist())
+    public = set(srv.public.ids.tolist())
+    assert len(public) == 100 and not public & clients
+    assert not public & set(setup.task.test_data().ids.tolist())
+    some_client = sorted(clients)[:3]
+    with pytest.raises(ConfigError, match=r"algo\.public_ids.*overlaps client data: 3 shared"):
+        build(_cfg(tmp_path, public_ids=some_client)).algo.server()
+    test_ids = setup.task.test_data().ids[:2].tolist()
+    with pytest.raises(ConfigError, match="overlaps the test set"):
+        build(_cfg(tmp_path, public_ids=test_ids)).algo.server()
+    with pytest.raises(ConfigError, match="not training rows"):
+        build(_cfg(tmp_path, public_ids=[10**9])).algo.server()
+    with pytest.raises(ConfigError, match="only 437 training rows are held by no client"):
+        build(_cfg(tmp_path, public_size=500)).algo.server()
+    # explicit ids that no client holds are accepted
+    ok = sorted(public)[:20]
+    assert build(_cfg(tmp_path, public_ids=ok)).algo.server().public.ids.tolist() == ok
+
+
+def test_width_mismatch_fails_when_built(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match=r"input width 999 .* feature width 24"):
+        build(_cfg(tmp_path, reprogram_in=999)).algo.server()
+    with pytest.raises(ConfigError, match=r"output width 7 .* input width 16"):
+        build(_cfg(tmp_path, reprogram_out=7)).algo.server()
+
+
+def test_kd_baseline_uses_raw_features_and_cka_across_widths(tmp_path: Any) -> None:
+    algo = build(_cfg(tmp_path, "fedrd-kd")).algo
+    srv = algo.server()
+    m = srv.cotrainer
+    assert m.phi is None and m.teacher_head.in_features == 24
+    assert m.student.head.in_features == 16  # CKA compares 24-d with 16-d features
+    metrics = algo.co_train(1)
+    assert 0.0 <= metrics["server_cka"] <= 1.0
+
+
+def test_checkpoint_and_resume(tmp_path: Any) -> None:
+    algo = build(_cfg(tmp_path)).algo
+    algo.co_train(1)
+    arrays, meta = algo.state_dict()
+    assert any(k.startswith("phi/") for k in arrays)
+    fresh = build(_cfg(tmp_path)).algo
+    fresh.load_state_dict(arrays, meta)
+    phi = fresh.server().cotrainer.phi.state_dict()
+    assert all(torch.equal(phi[k], arrays[f"phi/{k}"]) for k in phi)
+    # a resumed engine run continues from the checkpoint and builds the server half lazily
+    cfg = _cfg(tmp_path)
+    Engine(cfg.model_copy(update={"rounds": 1}), progress=False).run()
+    Engine(cfg, resume=True, progress=False).run()
+    text = (tmp_path / "fedrd" / "metrics.jsonl").read_text()
+    assert [json.loads(x)["round"] for x in text.splitlines()] == [0, 1, 2]
+
+
+def test_fedavg_trainable_exchanges_only_trainable_tensors(tmp_path: Any) -> None:
+    cfg = _cfg(tmp_path, "fedavg-trainable")
+    cfg = cfg.model_copy(
+        update={"algo": {}, "task": {**cfg.task, "model": "test-frozen-body-cnn", "model_args": {}}}
+    )
+    setup = build(cfg)
+    algo = setup.algo
+    assert isinstance(algo, FedAvgTrainable)
+    assert set(algo.params) == {"fc.0.weight", "fc.0.bias", "head.weight", "head.bias"}
+    Engine(cfg, progress=False).run()
+    audit = [json.loads(x) for x in (tmp_path / cfg.name / "audit.jsonl").read_text().splitlines()]
+    ups = [r for r in audit if r["direction"] == "up" and r["field"] == "params"]
+    assert ups and all(r["numel"] == sum(v.numel() for v in algo.params.values()) for r in ups)
+
+
+def test_text_fedrd_uses_the_task_public_split(tmp_path: Any) -> None:
+    cfg = load_config(
+        {
+            "name": "text-fedrd",
+            "algorithm": "fedrd",
+            "rounds": 1,
+            "out_dir": str(tmp_path),
+            "plots": False,
+            "threads": 1,
+            "algo": {
+                "teacher": "test-tiny-text-fm",
+                "server_train": {"steps": 2, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
+                "teacher_eval_size": 40,
+            },
+            "task": {
+                "kind": "text",
+                "dataset": "trec",
+                "vocab_size": 512,
+                "public_size": 60,
+                "max_train": 400,
+                "max_test": 80,
+                "model_args": {"embed_dim": 8, "hidden": 8},
+            },
+            "partition": {"scheme": "iid", "num_clients": 3},
+            "train": {"steps": 2, "batch_size": 16, "lr": 0.5},
+        }
+    )
+    setup = build(cfg)
+    srv = setup.algo.server()
+    assert srv.public.ids.tolist() == setup.task.public_data().ids.tolist()
+    assert srv.public_feats.shape == (60, 12)
+    summary = Engine(cfg, progress=False).run()
+    assert "teacher/acc" in summary["final"] and 0 <= summary["final"]["server_cka"] <= 1
+    assert all(n == 0 for n in LOADS)
