@@ -429,3 +429,54 @@ def test_simulation_engine_equals_embedded(tmp_path):
     assert sim["finish"] == emb["finish"]
     # Client states were kept per node for resume, inside the run folder.
     assert list((tmp_path / "sim" / "flower_client_states").rglob("*.safetensors"))
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def test_commands_check_their_arguments(tmp_path, monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    from fedfm.runtime.flower_app import deploy as D
+
+    app = typer.Typer()
+    F.add_commands(app)
+    runner = CliRunner()
+    for cmd in ("serve", "client", "flower-certs"):
+        assert runner.invoke(app, [cmd, "--help"]).exit_code == 0
+    res = runner.invoke(app, ["serve", "tabular-fedavg"])
+    assert isinstance(res.exception, ConfigError) and "--insecure to run without TLS" in str(
+        res.exception
+    )
+    res = runner.invoke(app, ["client", "--superlink", "h:1", "--partition-id", "2",
+                              "--num-partitions", "2", "--insecure"])  # fmt: skip
+    assert "partition-id: 2 is not in 0..1" in str(res.exception)
+    res = runner.invoke(app, ["client", "--superlink", "h:1", "--partition-id", "0",
+                              "--num-partitions", "2"])  # fmt: skip
+    assert "give --root-certificates CA_FILE, or --insecure" in str(res.exception)
+    # flower-certs writes a CA, a SuperLink certificate valid for the hosts, and node keys.
+    assert runner.invoke(app, ["flower-certs", str(tmp_path), "--nodes", "2"]).exit_code == 0
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["localhost"]
+    assert (tmp_path / "node1.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
+    # serve passes validated options and TLS files through to the deployment engine.
+    seen = {}
+    monkeypatch.setattr(D, "serve", lambda cfg, **kw: seen.update(cfg=cfg, **kw) or {
+        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}})  # fmt: skip
+    res = runner.invoke(app, ["serve", "tabular-fedavg", "rounds=2", "--certificates",
+                              str(tmp_path), "--flower", "timeout_s=30", "--node-key",
+                              str(tmp_path / "node0.pub")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert seen["cfg"].rounds == 2 and seen["cfg"].runtime == "flower"
+    assert seen["options"] == {"timeout_s": 30} and seen["tls"].ca_cert == tmp_path / "ca.crt"
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="node authentication needs TLS"):
+        D.serve(seen["cfg"], node_keys=[tmp_path / "node0.pub"])
+    with pytest.raises(ConfigError, match="runs across machines"):
+        F.run(seen["cfg"])

@@ -96,7 +96,9 @@ def test_fedavg_on_supernodes_equals_embedded_and_a_dying_supernode_fails(tmp_pa
     assert dep[3]["failed"] == 1 and dep[3]["clients"] == 1
     fails = fs.read_jsonl(tmp_path / "runs" / "dep" / "failures.jsonl")
     assert [(f["round"], f["client"]) for f in fails] == [(3, "1")]
-    assert fails[0]["error"].startswith("client 1: no reply within")
+    # Our reply timeout, or the SuperLink's verdict once the node misses its heartbeats.
+    err = fails[0]["error"]
+    assert err.startswith("client 1: no reply within") or "Node Unavailable" in err, err
     assert summary["failed_clients"] == 1
 
 

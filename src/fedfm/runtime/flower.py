@@ -755,15 +755,21 @@ def run(
 ) -> dict[str, Any]:
     """Runs ``cfg`` on the Flower runtime its ``runtime`` field names.
 
-    ``flower-sim`` runs the simulation engine in this process; ``flower`` starts a
-    SuperLink on this machine and waits for SuperNodes (see :func:`serve_main`).
+    ``flower-sim`` runs Flower's simulation engine in this process. ``flower`` (the
+    deployment engine) needs machines and certificates, so it is not started implicitly:
+    it runs with ``fedfm serve`` on the server and ``fedfm client`` on each client.
+
+    Raises:
+        ConfigError: ``runtime`` is ``flower`` or not a Flower runtime.
     """
     if cfg.runtime == "flower-sim":
         return run_flower_sim(cfg, resume, overwrite, progress, options)
     if cfg.runtime == "flower":
-        from fedfm.runtime.flower_app.deploy import serve
-
-        return serve(cfg, resume=resume, overwrite=overwrite, options=options)
+        raise ConfigError(
+            "runtime",
+            "'flower' runs across machines: start `fedfm serve` here and `fedfm client` on"
+            " each client (docs/running-across-machines.md), or use runtime=flower-sim",
+        )
     raise ConfigError("runtime", f"'{cfg.runtime}' is not a Flower runtime")
 
 

@@ -33,7 +33,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
 
 from fedfm.errors import ConfigError, FedfmError
 from fedfm.runtime.flower import (
@@ -346,10 +348,35 @@ def process_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str,
     return env
 
 
-def start(name: str, cmd: Sequence[str], env: Mapping[str, str], log_dir: Path) -> Proc:
-    """Starts ``cmd`` in a new process group, output to ``log_dir/<name>.log``."""
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # Linux: the child gets SIGTERM when the thread that started it ends, so a `fedfm
+    # serve` or `fedfm client` killed with SIGKILL leaves no SuperLink or SuperNode behind.
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def start(
+    name: str,
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    log_dir: Path,
+    die_with_parent: bool = False,
+) -> Proc:
+    """Starts ``cmd`` in a new process group, output to ``log_dir/<name>.log``.
+
+    Args:
+        name: Name of the process (and of its log file).
+        cmd: Command line.
+        env: Environment.
+        log_dir: Folder of the log file.
+        die_with_parent: On Linux, end the process when the calling thread ends (for
+            long-running commands started from the main thread).
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{name}.log"
+    hook = _die_with_parent if die_with_parent and sys.platform == "linux" else None
     with path.open("wb") as out:
         popen = subprocess.Popen(
             list(cmd),
@@ -358,6 +385,7 @@ def start(name: str, cmd: Sequence[str], env: Mapping[str, str], log_dir: Path) 
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=hook,
         )
     return Proc(name, popen, path)
 
@@ -491,6 +519,7 @@ def start_superlink(
     node_auth: bool = False,
     env_extra: Mapping[str, str] | None = None,
     wait_s: float = 60.0,
+    die_with_parent: bool = False,
 ) -> Proc:
     """Starts a SuperLink and waits until it listens.
 
@@ -498,7 +527,8 @@ def start_superlink(
         DeployError: It exited or did not listen in time.
     """
     env = process_env(home, env_extra)
-    proc = start("superlink", superlink_command(host, port, tls, node_auth), env, log_dir)
+    cmd = superlink_command(host, port, tls, node_auth)
+    proc = start("superlink", cmd, env, log_dir, die_with_parent)
     try:
         wait_port(_connect_host(host), port, wait_s, proc)
     except DeployError:
@@ -581,6 +611,8 @@ def serve(
         DeployError: A process failed, or the run ended without a summary.
     """
     opts = load_options(options)
+    if node_keys and tls is None:
+        raise ConfigError("node-key", "node authentication needs TLS (Flower refuses it without)")
     import_plugins(opts.imports)
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     # The ServerApp runs in another process: give it an absolute run folder.
@@ -595,7 +627,9 @@ def serve(
     with tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
         work = work_dir or Path(tmp)
         home = work / "flwr-home"
-        link = start_superlink(home, work / "logs", host, port, tls, bool(node_keys), env_extra)
+        link = start_superlink(
+            home, work / "logs", host, port, tls, bool(node_keys), env_extra, die_with_parent=True
+        )
         try:
             address = f"{_connect_host(host)}:{port}"
             write_connection(home, address, tls.ca_cert if tls else None)
@@ -624,6 +658,8 @@ def start_client(
     state_dir: Path | None = None,
     isolation: str = "process",
     env_extra: Mapping[str, str] | None = None,
+    name: str | None = None,
+    die_with_parent: bool = False,
 ) -> list[Proc]:
     """Starts the SuperNode of one client (and its warm worker); returns without waiting.
 
@@ -638,6 +674,8 @@ def start_client(
         state_dir: Folder for its client-state snapshots (resume); default under ``home``.
         isolation: ``"process"`` (warm worker) or ``"subprocess"`` (Flower's own).
         env_extra: Extra environment variables (e.g. ``PYTHONPATH`` for plugins).
+        name: Name of the node's processes and logs (default ``supernode-<partition>``).
+        die_with_parent: End the processes with the calling thread (see :func:`start`).
 
     Returns:
         The started processes (stop them with :func:`stop`).
@@ -657,11 +695,12 @@ def start_client(
         state,
         isolation,
     )
-    node = start(f"supernode-{partition_id}", cmd, env, log_dir)
+    name = name or f"supernode-{partition_id}"
+    node = start(name, cmd, env, log_dir, die_with_parent)
     procs = [node]
     if isolation == "process":
         wcmd = [*worker_command(runtime_port), "--parent-pid", str(node.popen.pid)]
-        procs.append(start(f"worker-{partition_id}", wcmd, env, log_dir))
+        procs.append(start(f"{name}-worker", wcmd, env, log_dir, die_with_parent))
     return procs
 
 
@@ -703,6 +742,7 @@ def client(
                     auth_key,
                     state,
                     isolation,
+                    die_with_parent=True,
                 )
                 started = time.monotonic()
                 try:
@@ -874,12 +914,34 @@ def certs_main(
         print(f"SuperNode {i}: private key {priv}, public key {pub}")
 
 
+def app_main(
+    out: Path,
+    config: str,
+    overrides: Sequence[str] = (),
+    resume: bool = False,
+    overwrite: bool = False,
+    flower: Sequence[str] = (),
+) -> tuple[Path, Path]:
+    """``fedfm flower-app``: the app folder and run config for ``flwr run`` on any SuperLink.
+
+    Returns:
+        ``(app_folder, run_config_toml)``.
+    """
+    from fedfm.config import load_config
+
+    cfg = load_config(config, [*overrides, "runtime=flower"])
+    run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
+    cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
+    opts = load_options(parse_options(flower))
+    payload = Payload(cfg.model_dump(mode="json"), opts.model_dump(), resume, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    return write_app(out / "app"), write_run_config(out / "run_config.toml", payload)
+
+
 def add_commands(app: Any) -> None:
     """Adds ``serve``, ``client`` and ``flower-certs`` to the ``fedfm`` typer app."""
-    from typing import Annotated
 
-    import typer
-
+    # typer reads the annotations below from this module's globals: import it there.
     @app.command("serve")
     def serve_cmd(
         config: Annotated[str, typer.Argument(help="preset name or YAML file")],
@@ -945,6 +1007,21 @@ def add_commands(app: Any) -> None:
                 isolation,
             )
         )
+
+    @app.command("flower-app")
+    def app_cmd(
+        out: Annotated[Path, typer.Argument(help="output folder")],
+        config: Annotated[str, typer.Argument(help="preset name or YAML file")],
+        overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides")] = None,
+        resume: Annotated[bool, typer.Option("--resume")] = False,
+        overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+        flower: Annotated[
+            list[str] | None, typer.Option(help="Flower option key=value (repeat)")
+        ] = None,
+    ) -> None:
+        """Write a Flower app + run config for `flwr run` on an existing SuperLink."""
+        folder, run_config = app_main(out, config, overrides or [], resume, overwrite, flower or [])
+        print(f"flwr run {folder} <connection> --run-config {run_config} --stream")
 
     @app.command("flower-certs")
     def certs_cmd(
