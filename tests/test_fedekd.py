@@ -120,6 +120,7 @@ def test_personalised_metrics_per_client(fedekd_run):
     final = summary["final"]
     assert {"acc", "local/acc/worst", "proxy/acc", "energy", "gate_min"} <= set(final)
     assert final["local/acc/worst"] <= final["local/acc"]
+    assert final["local/loss/worst"] >= final["local/loss"]  # worst loss is the largest
     assert 0.0 < final["gate_min"] <= final["gate_max"] < 1.0
 
 
@@ -211,8 +212,8 @@ def test_beta_zero_equals_ungated_and_local_private_matches_lambda_zero(tmp_path
     for c in a:
         assert a[c]["local/loss"] == pytest.approx(b[c]["local/loss"], rel=1e-4)
     # Local-only with private architectures = FedeKD's backward stage without distillation.
-    Engine(_cfg(tmp_path, "lam0", rounds=2, algo={"lam": 0.0}), progress=False).run()
-    Engine(_cfg(tmp_path, "lp", algorithm="local-private", rounds=2), progress=False).run()
+    Engine(_cfg(tmp_path, "lam0", rounds=1, algo={"lam": 0.0}), progress=False).run()
+    Engine(_cfg(tmp_path, "lp", algorithm="local-private", rounds=1), progress=False).run()
     a = _jsonl(tmp_path / "lam0" / "client_metrics.jsonl")[-1]["clients"]
     b = _jsonl(tmp_path / "lp" / "client_metrics.jsonl")[-1]["clients"]
     assert a == b
@@ -289,7 +290,30 @@ def test_regression_with_nan_rows_dropped_and_counted(tmp_path, caplog):
     assert task.kind == "regression" and summary["primary"] == "rmse"
     final = summary["final"]
     assert np.isfinite(final["rmse"]) and np.isfinite(final["local/rmse"])
+    assert final["local/rmse/worst"] >= final["local/rmse"]
     assert final["energy"] >= 0  # half squared error energy
+
+
+def test_image_task_with_private_cnns_of_different_widths(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "cnn",
+        rounds=1,
+        algo={
+            "proxy_arch": {"width": 2, "hidden": 8},
+            "private_archs": [{"width": 4, "hidden": 16}, {"width": 6, "hidden": 16}],
+        },
+        task={"kind": "image", "dataset": "digits", "model": "small-cnn", "model_args": {}},
+        partition={"num_clients": 3},
+        train={"steps": 1},
+    )
+    summary = Engine(cfg, progress=False).run()
+    states = _client_states(tmp_path / "cnn")
+    widths = {c: s["private/conv.0.weight"].shape[0] for c, s in states.items()}
+    assert widths == {"0": 4, "1": 6, "2": 4}
+    proxy_rows = [r for r in _jsonl(tmp_path / "cnn" / "audit.jsonl") if r["type"] == "arrays"]
+    assert {r["field"] for r in proxy_rows} == {"proxy"}
+    assert 0.0 <= summary["final"]["proxy/acc"] <= 1.0
 
 
 # ----------------------------------------------------------------------------- presets, study

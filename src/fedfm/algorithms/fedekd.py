@@ -70,6 +70,7 @@ from fedfm.core.kd import (
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.train import get_params, local_train, num_steps, set_params
+from fedfm.errors import ConfigError
 
 FORWARD = MessageKind(
     "forward", down_arrays=("proxy",), up_arrays=("proxy",), up_meta=("num_examples", "loss")
@@ -138,7 +139,9 @@ class FedeKD(Algorithm):
         super().__init__(cfg, task, run)
         self.cfg: FedeKDConfig = cfg
         if task.kind not in ("classification", "regression"):
-            raise ValueError(f"FedeKD needs a classification or regression task, not {task.kind}")
+            raise ConfigError(
+                "algorithm", f"FedeKD needs a classification or regression task, not {task.kind}"
+            )
         self._proxy: nn.Module | None = None
         self._privates: dict[int, nn.Module] = {}
         self.proxy: dict[str, Tensor] = get_params(self.proxy_model())
@@ -325,7 +328,7 @@ class FedeKD(Algorithm):
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         replies = fed.broadcast(Message("evaluate"), fed.client_ids())
         per = {c: r.meta["metrics"] for c, r in replies.items()}
-        out: dict[str, Any] = summarise_client_metrics(per, "")
+        out: dict[str, Any] = summarise_by_prefix(per)
         primary = self.task.primary
         if f"test/{primary}" in out:
             out[primary] = out[f"test/{primary}"]
@@ -370,6 +373,23 @@ class LocalPrivate(FedeKD):
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         out = super().evaluate(fed)
         return {k: v for k, v in out.items() if not k.startswith("proxy/")}
+
+
+def summarise_by_prefix(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Mean and worst client of ``prefix/metric`` values, prefix by prefix.
+
+    Each prefix group goes through :func:`summarise_client_metrics` with the prefix stripped,
+    so that the worst ``local/rmse`` or ``test/loss`` is the largest, not the smallest.
+    """
+    groups: dict[str, dict[str, dict[str, float]]] = {}
+    for cid, metrics in per_client.items():
+        for key, v in metrics.items():
+            prefix, _, name = key.rpartition("/")
+            groups.setdefault(prefix, {}).setdefault(cid, {})[name] = v
+    out: dict[str, float] = {}
+    for prefix, per in groups.items():
+        out.update(summarise_client_metrics(per, f"{prefix}/" if prefix else ""))
+    return out
 
 
 # ----------------------------------------------------------------------------- negative transfer

@@ -22,6 +22,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import resource
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -100,7 +101,7 @@ class Grid:
     alphas: Sequence[float] = (0.5, 5.0)
     seeds: Sequence[int] = (0, 1, 2)
     methods: Sequence[str] = tuple(METHODS)
-    betas: Sequence[float] = (0.0, 0.5, 2.0, 4.0)
+    betas: Sequence[float] = (0.5, 2.0, 4.0)
     ablation_alpha: float = 0.5
     rounds: int | None = None
     train: dict[str, Any] = field(default_factory=dict)
@@ -321,7 +322,7 @@ def _beta_cell(grid: Grid, res: dict[str, Any], preset: str, beta: float) -> Cel
 
 def _ablation_table(grid: Grid, res: dict[str, Any]) -> list[str]:
     betas = _betas(grid)
-    head = ["dataset", "statistic", *[f"β={b:g}" for b in betas], "ungated"]
+    head = ["dataset", "statistic", "ungated (β=0)", *[f"β={b:g}" for b in betas]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for preset in grid.presets:
         kind = res["kinds"].get(preset, "classification")
@@ -331,14 +332,28 @@ def _ablation_table(grid: Grid, res: dict[str, Any]) -> list[str]:
             (f"nt_{m}", f"NT {m} mean"),
             (f"nt_{m}_worst", f"NT {m} worst"),
         ):
-            row = [preset.removeprefix("fedekd-"), label]
+            cell = res["cells"].get((preset, grid.ablation_alpha, "fedkd-ungated", None))
+            row = [
+                preset.removeprefix("fedekd-"),
+                label,
+                _fmt(cell.values.get(stat) if cell else None),
+            ]
             for b in betas:
                 cell = _beta_cell(grid, res, preset, b)
                 row.append(_fmt(cell.values.get(stat) if cell else None))
-            cell = res["cells"].get((preset, grid.ablation_alpha, "fedkd-ungated", None))
-            row.append(_fmt(cell.values.get(stat) if cell else None))
             lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _groups(grid: Grid, res: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """Presets by task kind: classification (accuracy NT) and regression (RMSE NT) get their own
+    panels, since their scales differ by orders of magnitude."""
+    out = []
+    for kind, label in (("classification", "accuracy"), ("regression", "RMSE")):
+        ps = [p for p in grid.presets if res["kinds"].get(p, "classification") == kind]
+        if ps:
+            out.append((label, ps))
+    return out
 
 
 def _figures(grid: Grid, res: dict[str, Any], folder: Path) -> list[Path]:
@@ -349,53 +364,59 @@ def _figures(grid: Grid, res: dict[str, Any], folder: Path) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
+    groups = _groups(grid, res)
     fed = [m for m in grid.methods if METHODS[m].reference is not None]
+    width = 0.8 / max(len(fed), 1)
     fig, axes = plt.subplots(
         len(grid.alphas),
-        1,
-        figsize=(1.6 * len(grid.presets) + 3, 3.2 * len(grid.alphas)),
+        len(groups),
+        figsize=(4.5 * len(groups) + 1, 3.2 * len(grid.alphas)),
         squeeze=False,
+        gridspec_kw={"width_ratios": [len(ps) for _, ps in groups]},
     )
-    width = 0.8 / max(len(fed), 1)
-    for ax, a in zip(axes[:, 0], grid.alphas, strict=True):
-        for j, meth in enumerate(fed):
-            means, worsts = [], []
-            for p in grid.presets:
-                m = _metrics(res["kinds"].get(p, "classification"))[0][0]
-                cell = res["cells"].get((p, a, meth, None))
-                v = cell.values if cell else {}
-                means.append(float(np.mean(v.get(f"nt_{m}", [math.nan]))))
-                worsts.append(float(np.mean(v.get(f"nt_{m}_worst", [math.nan]))))
-            x = np.arange(len(grid.presets)) + (j - (len(fed) - 1) / 2) * width
-            bars = ax.bar(x, means, width, label=METHODS[meth].label)
-            ax.scatter(x, worsts, marker="v", color=bars.patches[0].get_facecolor(), zorder=3)
-        ax.axhline(0, color="k", lw=0.8)
-        ax.set_xticks(np.arange(len(grid.presets)))
-        ax.set_xticklabels([p.removeprefix("fedekd-") for p in grid.presets])
-        ax.set_ylabel("negative transfer")
-        ax.set_title(f"α = {a:g}: bars = mean client, ▼ = worst client (acc; −RMSE change)")
-    axes[0, 0].legend(fontsize=8, ncols=2)
+    for r, a in enumerate(grid.alphas):
+        for c, (label, presets) in enumerate(groups):
+            ax = axes[r, c]
+            for j, meth in enumerate(fed):
+                means, worsts = [], []
+                for p in presets:
+                    m = _metrics(res["kinds"].get(p, "classification"))[0][0]
+                    cell = res["cells"].get((p, a, meth, None))
+                    v = cell.values if cell else {}
+                    means.append(float(np.mean(v.get(f"nt_{m}", [math.nan]))))
+                    worsts.append(float(np.mean(v.get(f"nt_{m}_worst", [math.nan]))))
+                x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
+                bars = ax.bar(x, means, width, label=METHODS[meth].label)
+                ax.scatter(x, worsts, marker="v", color=bars.patches[0].get_facecolor(), zorder=3)
+            ax.axhline(0, color="k", lw=0.8)
+            ax.set_xticks(np.arange(len(presets)))
+            ax.set_xticklabels([p.removeprefix("fedekd-") for p in presets])
+            ax.set_ylabel(f"NT, {label}")
+            ax.set_title(f"α = {a:g}: bar = mean client, ▼ = worst client", fontsize=10)
+    axes[0, 0].legend(fontsize=7, ncols=2)
     fig.tight_layout()
     paths.append(folder / "negative_transfer.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
     betas = _betas(grid)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for p in grid.presets:
-        m = _metrics(res["kinds"].get(p, "classification"))[0][0]
-        for ax, stat in zip(axes, (f"nt_{m}", f"nt_{m}_worst"), strict=True):
-            ys = []
-            for b in betas:
-                cell = _beta_cell(grid, res, p, b)
-                ys.append(float(np.mean(cell.values.get(stat, [math.nan]))) if cell else math.nan)
-            ax.plot(betas, ys, marker="o", label=p.removeprefix("fedekd-"))
-    for ax, t in zip(axes, ("mean client", "worst client"), strict=True):
-        ax.axhline(0, color="k", lw=0.8)
-        ax.set_xlabel("gate scale β (β = 0: uniform weights)")
-        ax.set_ylabel("negative transfer")
-        ax.set_title(f"FedeKD, α = {grid.ablation_alpha:g}: {t}")
-    axes[0].legend(fontsize=8)
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.2 * len(groups)), squeeze=False)
+    for r, (label, presets) in enumerate(groups):
+        for p in presets:
+            m = _metrics(res["kinds"].get(p, "classification"))[0][0]
+            for ax, stat in zip(axes[r], (f"nt_{m}", f"nt_{m}_worst"), strict=True):
+                cells = [res["cells"].get((p, grid.ablation_alpha, "fedkd-ungated", None))]
+                cells += [_beta_cell(grid, res, p, b) for b in betas]
+                ys = [
+                    float(np.mean(c.values.get(stat, [math.nan]))) if c else math.nan for c in cells
+                ]
+                ax.plot([0.0, *betas], ys, marker="o", label=p.removeprefix("fedekd-"))
+        for ax, t in zip(axes[r], ("mean client", "worst client"), strict=True):
+            ax.axhline(0, color="k", lw=0.8)
+            ax.set_xlabel("gate scale β (β = 0: ungated, uniform weights)")
+            ax.set_ylabel(f"NT, {label}")
+            ax.set_title(f"FedeKD, α = {grid.ablation_alpha:g}: {t}", fontsize=10)
+        axes[r, 0].legend(fontsize=8)
     fig.tight_layout()
     paths.append(folder / "beta_ablation.png")
     fig.savefig(paths[-1], dpi=110)
@@ -464,16 +485,77 @@ and a small proxy g_k whose architecture all clients share. A round has two exch
 The gate is pluggable (`algo.gate`, registry `fedfm.core.kd.GATES`). Default (ours; the paper
 only says "batch-normalised"): `w = sigmoid(−β·z)`, z the batch-standardised energy, β = 1,
 λ = 1, weights detached. `fedkd-ungated` uses w = 1 (FML/FedKD style). With β = 0 every weight
-is ½, so after the Σw normalisation β = 0 equals the ungated baseline: the ablation's left
-end. Only the proxy travels: in every run's audit ledger `proxy` is the only array field.
+is ½, so after the Σw normalisation β = 0 is the ungated baseline (the ablation's "ungated"
+column; `tests/test_fedekd.py` checks the two agree). Only the proxy travels: in every run's
+audit ledger `proxy` is the only array field.
 """
+
+
+@dataclass
+class Timing:
+    """How long the grid took: wall clock, CPU of every process, and the machine's load.
+
+    The load averages say how much other work shared the cores: wall time on a busy machine
+    overstates the study's own cost, which the CPU time measures.
+    """
+
+    wall_s: float
+    cpu_s: float
+    load_start: tuple[float, float, float]
+    load_end: tuple[float, float, float]
+
+    def line(self) -> str:
+        """One report line."""
+        ls, le = (f"{x[0]:.1f}" for x in (self.load_start, self.load_end))
+        return (
+            f"- Wall time: {self.wall_s / 60:.1f} min; CPU time of all processes"
+            f" {self.cpu_s / 60:.1f} min; 1-minute load average {ls} at the start, {le} at"
+            f" the end, on {os.cpu_count()} CPU cores ({platform.machine()}, Python"
+            f" {platform.python_version()})."
+        )
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children (the worker processes)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _findings(grid: Grid, res: dict[str, Any]) -> list[str]:
+    """Counts, from the tables, how often FedeKD's negative transfer beats each baseline's."""
+    lines = []
+    for other in ("fedkd-ungated", "fedavg", "fedprox"):
+        if other not in grid.methods or "fedekd" not in grid.methods:
+            continue
+        n = mean_wins = worst_wins = 0
+        for p in grid.presets:
+            m = _metrics(res["kinds"].get(p, "classification"))[0][0]
+            for a in grid.alphas:
+                mine = res["cells"].get((p, a, "fedekd", None))
+                theirs = res["cells"].get((p, a, other, None))
+                if not (
+                    mine and theirs and f"nt_{m}" in mine.values and f"nt_{m}" in theirs.values
+                ):
+                    continue
+                n += 1
+                mean_wins += np.mean(mine.values[f"nt_{m}"]) > np.mean(theirs.values[f"nt_{m}"])
+                worst_wins += np.mean(mine.values[f"nt_{m}_worst"]) > np.mean(
+                    theirs.values[f"nt_{m}_worst"]
+                )
+        if n:
+            lines.append(
+                f"- FedeKD vs {METHODS[other].label}: higher mean-client NT in {mean_wins} of {n}"
+                f" (dataset, α) cells, higher worst-client NT in {worst_wins} of {n}."
+            )
+    return lines
 
 
 def write_report(
     grid: Grid,
     out: Path,
     report: Path,
-    wall_s: float,
+    timing: Timing,
     command: str,
     failed: dict[str, str],
     notes: Sequence[str] = (),
@@ -499,8 +581,7 @@ def write_report(
         " (label skew; for regression over quantile bins of the target).",
         f"- β ablation: FedeKD at α = {grid.ablation_alpha:g}, β ∈"
         f" {{{', '.join(f'{b:g}' for b in _betas(grid))}}}.",
-        f"- Wall time: {wall_s / 60:.1f} min on {os.cpu_count()} CPU cores"
-        f" ({platform.machine()}, Python {platform.python_version()}).",
+        timing.line(),
         *([f"- Rounds overridden to {grid.rounds}."] if grid.rounds else []),
         *([f"- Local training overridden: {grid.train}."] if grid.train else []),
         "",
@@ -523,6 +604,15 @@ def write_report(
     if notes:
         lines += ["**Data notes.** " + "; ".join(notes) + ".", ""]
     lines += ["## Results", ""]
+    findings = _findings(grid, res)
+    if findings:
+        lines += [
+            "Counted from the tables below (first metric of each task; means over seeds, so a"
+            " count says nothing about whether a difference exceeds the spread over seeds):",
+            "",
+            *findings,
+            "",
+        ]
     for preset in grid.presets:
         lines += [f"### {preset.removeprefix('fedekd-')}", "", *_main_table(grid, res, preset), ""]
     if "fedekd" in grid.methods and grid.betas:
@@ -547,12 +637,12 @@ def write_report(
 
 def run_study(grid: Grid, out: Path, report: Path, command: str) -> Path:
     """Runs the grid into ``out`` and writes ``report``; returns its path."""
-    t0 = time.perf_counter()
+    t0, cpu0, load0 = time.perf_counter(), _cpu_seconds(), os.getloadavg()
     notes = _data_notes(grid)  # before the runs: sources log their dropped rows on first load
     cfgs = [job_config(j, grid, out) for j in jobs_of(grid)]
     failed = _run_all(cfgs, grid.workers)
-    wall = time.perf_counter() - t0
-    return write_report(grid, out, report, wall, command, failed, notes)
+    timing = Timing(time.perf_counter() - t0, _cpu_seconds() - cpu0, load0, os.getloadavg())
+    return write_report(grid, out, report, timing, command, failed, notes)
 
 
 @STUDIES.register("fedekd", "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets")
