@@ -35,7 +35,8 @@ Choices of ours, not made by the paper:
   are post-ReLU, so ``g`` sees teacher and student features in the same range).
 * Gradients of the KL and CKA terms flow into both sides (the paper's joint
   back-propagation); ``detach_teacher: true`` makes them distil into the student only.
-* KL uses a temperature ``T`` (default 1, i.e. the paper's plain KL), scaled by ``T²``.
+* KL uses a temperature ``T`` (default 1, i.e. the paper's plain KL), scaled by ``T²``
+  (:func:`fedfm.core.kd.kd_kl`).
 * The server's optimizer (``server_train``, Adam by default) is rebuilt every round;
   co-training uses the one local-training loop, :func:`fedfm.core.train.local_train`.
 * ``F_t`` is frozen and there is no augmentation, so its features on the public set (and on
@@ -68,11 +69,13 @@ from pydantic import Field
 from sklearn.metrics import f1_score
 from torch import Tensor, nn
 
-from fedfm.algorithms.base import ALGORITHMS
+from fedfm.algorithms.base import ALGORITHMS, Algorithm
 from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedfm.config import TrainConfig
 from fedfm.core.cka import cka_loss, linear_cka
 from fedfm.core.federation import Federation, derive_seed
+from fedfm.core.kd import kd_kl
+from fedfm.core.optim import ServerOptimizer
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
@@ -465,12 +468,7 @@ def distillation_terms(
     """
     ce_t = F.cross_entropy(z_t, y)
     kd_z, kd_f = (z_t.detach(), f_t.detach()) if detach_teacher else (z_t, f_t)
-    t = temperature
-    # KL(p_t || p_s) with p = softmax(z / T), averaged over the batch.
-    kl = F.kl_div(
-        F.log_softmax(z_s / t, -1), F.log_softmax(kd_z / t, -1), log_target=True,
-        reduction="batchmean",
-    ) * (t * t)  # fmt: skip
+    kl = kd_kl(z_s, kd_z, temperature)  # KL(p_t || p_s)·T², mean over the batch
     l_cka = cka_loss(kd_f, f_s)
     parts = {"ce_t": float(ce_t.detach()), "kl": float(kl.detach()), "cka": -float(l_cka.detach())}
     return alpha * ce_t + beta * (kl + l_cka), parts
@@ -726,9 +724,14 @@ class FedAvgTrainable(FedAvg):
     """
 
     def __init__(self, cfg: FedAvgConfig, task: Any, run: Any) -> None:
-        super().__init__(cfg, task, run)
+        # FedAvg.__init__ would copy every floating-point tensor, the frozen foundation model
+        # included; only the trainable ones are state here.
+        Algorithm.__init__(self, cfg, task, run)
+        self.cfg = cfg
+        self._model = None
         names = [n for n, p in self.model().named_parameters() if p.requires_grad]
         self.params = get_params(self.model(), names)
+        self.opt = ServerOptimizer(cfg.server_opt)
 
 
 ALGORITHMS.register("fedrd", "FedRD: student FedAvg + server reprogramming KD with a frozen FM")(
