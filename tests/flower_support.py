@@ -143,9 +143,99 @@ def config(out: Path, algorithm: str, **kw: Any) -> dict[str, Any]:
     return base
 
 
-def read_jsonl(path: Path, drop: tuple[str, ...] = ("time_s",)) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines log without the fields that differ between runs (timings)."""
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines log without timings (fields named ``*_s``, e.g. ``time_s``)."""
     if not path.exists():
         return []
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+
+
+# --------------------------------------------------------------------------- every algorithm
+
+
+def _tiny_fm() -> Any:
+    """A tiny frozen image foundation model for FedRD on 8x8 digits (24-d features)."""
+    from torch import nn
+
+    from fedfm.algorithms.fedrd import Teacher
+
+    torch.manual_seed(123)
+    body = nn.Sequential(
+        nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten()
+    ).eval()
+    return Teacher("flower-test-fm", body, 24, lambda d: body(d.x))
+
+
+def _register_teacher() -> None:
+    try:
+        from fedfm.algorithms.fedrd import TEACHERS
+    except ImportError:  # FedRD not installed in this tree
+        return
+    if "flower-test-fm" not in TEACHERS:
+        TEACHERS.register("flower-test-fm", "tiny test foundation model")(_tiny_fm)
+
+
+_register_teacher()
+
+# Modules every process imports for the algorithm configs below (they register themselves).
+ALGORITHM_MODULES = ["fedfm.algorithms.fedekd", "fedfm.algorithms.fedrd"]
+
+
+def import_algorithms() -> None:
+    """Imports the algorithm modules (each registers its algorithms)."""
+    import importlib
+
+    for name in ALGORITHM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+
+
+def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
+    """A small config for each registered algorithm (None: no config known here)."""
+    if algorithm in ("fedavg", "fedprox", "scaffold", "local", "test-two-phase"):
+        return config(out, algorithm, rounds=2)
+    if algorithm in ("fedekd", "fedkd-ungated", "local-private"):
+        import yaml
+
+        from fedfm.config import preset_dir
+
+        cfg = yaml.safe_load((preset_dir() / "fedekd-breast-cancer.yaml").read_text())
+        cfg.update(
+            name=algorithm, algorithm=algorithm, rounds=2, eval_every=1, out_dir=str(out),
+            plots=False,
+        )  # fmt: skip
+        cfg["partition"] = {**cfg["partition"], "num_clients": 4}
+        cfg["clients"] = {"fraction": 0.75, "min_clients": 2}
+        cfg["train"] = {**cfg["train"], "steps": 2}
+        if algorithm == "fedkd-ungated":
+            cfg["algo"] = {**cfg["algo"], "gate": "ungated"}
+        return cfg
+    if algorithm in ("fedrd", "fedrd-kd", "fedavg-trainable"):
+        algo = {
+            "teacher": "flower-test-fm",
+            "public_size": 100,
+            "server_train": {"steps": 3, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
+        }
+        return {
+            "name": algorithm,
+            "algorithm": algorithm,
+            "rounds": 2,
+            "out_dir": str(out),
+            "plots": False,
+            "threads": 1,
+            "algo": algo if algorithm != "fedavg-trainable" else {},
+            "task": {
+                "kind": "image",
+                "dataset": "digits",
+                "model": "small-cnn",
+                "model_args": {"width": 4, "hidden": 16},
+                "max_train": 600,
+            },
+            "partition": {"scheme": "dirichlet", "alpha": 0.5, "num_clients": 3, "min_size": 10},
+            "clients": {"min_clients": 2},
+            "train": {"steps": 3, "batch_size": 16, "lr": 0.05},
+        }
+    return None

@@ -144,8 +144,9 @@ def _payload(cfg: dict[str, Any], **kw: Any) -> F.Payload:
 def _flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, Any]:
     grid_kw = {k: kw.pop(k) for k in ("dead", "crash_after", "node_config", "num_nodes") if k in kw}
     payload = _payload(cfg, **kw)
-    n = grid_kw.pop("num_nodes", cfg["task"]["num_clients"])
-    grid = FakeGrid(payload, n, state_dir, num_partitions=cfg["task"]["num_clients"], **grid_kw)
+    clients = cfg.get("partition", {}).get("num_clients") or cfg["task"]["num_clients"]
+    n = grid_kw.pop("num_nodes", clients)
+    grid = FakeGrid(payload, n, state_dir, num_partitions=clients, **grid_kw)
     return F.server_main(grid, payload)
 
 
@@ -480,3 +481,23 @@ def test_commands_check_their_arguments(tmp_path, monkeypatch):
         D.serve(seen["cfg"], node_keys=[tmp_path / "node0.pub"])
     with pytest.raises(ConfigError, match="runs across machines"):
         F.run(seen["cfg"])
+
+
+# --------------------------------------------------------------------------- every algorithm
+
+
+def _registered() -> list[str]:
+    fs.import_algorithms()
+    return sorted(n for n, _ in ALGORITHMS.describe() if not n.startswith("test-"))
+
+
+@pytest.mark.parametrize("algorithm", _registered())
+def test_every_algorithm_runs_unchanged_on_flower(tmp_path, algorithm):
+    """Each registered algorithm gives the embedded run's metrics, audit and failures."""
+    cfg = fs.algorithm_config(tmp_path, algorithm)
+    assert cfg is not None, f"no Flower test config for '{algorithm}' in flower_support.py"
+    emb = _embedded_run({**cfg, "name": "emb"})
+    imports = {"imports": ["flower_support", *fs.ALGORITHM_MODULES]}
+    flw = _flower_run({**cfg, "name": "flw"}, tmp_path / "nodes", options=imports)
+    _same_run(tmp_path / "emb", tmp_path / "flw")
+    assert emb.get("finish") == flw.get("finish")
