@@ -213,7 +213,7 @@ def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
         if algorithm == "fedkd-ungated":
             cfg["algo"] = {**cfg["algo"], "gate": "ungated"}
         return cfg
-    if algorithm in ("fedrd", "fedrd-kd", "fedavg-trainable"):
+    if algorithm in ("fedrd", "fedrd-kd"):
         algo = {
             "teacher": "flower-test-fm",
             "public_size": 100,
@@ -226,7 +226,7 @@ def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
             "out_dir": str(out),
             "plots": False,
             "threads": 1,
-            "algo": algo if algorithm != "fedavg-trainable" else {},
+            "algo": algo,
             "task": {
                 "kind": "image",
                 "dataset": "digits",

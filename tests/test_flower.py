@@ -79,8 +79,12 @@ class FakeGrid:
         crash_after: int | None = None,
         node_config: dict[str, Any] | None = None,
         num_partitions: int | None = None,
+        events: dict[int, Any] | None = None,
     ) -> None:
         self.app = make_client_app()
+        self.events = dict(events or {})
+        self.state_dir = state_dir
+        self.offline: set[int] = set()
         self.dead = dead or set()
         self.crash_after = crash_after
         self.pushes = 0
@@ -103,9 +107,23 @@ class FakeGrid:
         }
 
     def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
+        return [n for n in self.contexts if n not in self.offline]
+
+    def restart(self, node: int, new_node: int) -> None:
+        """The SuperNode ``node`` comes back as ``new_node``: same node config, empty state."""
+        old = self.contexts[node]
+        self.contexts[new_node] = flwr_app.Context(
+            run_id=1,
+            node_id=new_node,
+            node_config=dict(old.node_config),
+            state=flwr_app.RecordDict(),
+            run_config=self.run_config,
+        )
 
     def push_messages(self, msgs: list[Any]) -> list[str]:
+        rounds = {m.metadata.group_id for m in msgs}
+        for rnd in [r for r in self.events if str(r) in rounds]:
+            self.events.pop(rnd)(self)
         self.pushes += 1
         if self.crash_after is not None and self.pushes > self.crash_after:
             raise KeyboardInterrupt("server killed")
@@ -142,7 +160,8 @@ def _payload(cfg: dict[str, Any], **kw: Any) -> F.Payload:
 
 
 def _flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, Any]:
-    grid_kw = {k: kw.pop(k) for k in ("dead", "crash_after", "node_config", "num_nodes") if k in kw}
+    keys = ("dead", "crash_after", "node_config", "num_nodes", "events")
+    grid_kw = {k: kw.pop(k) for k in keys if k in kw}
     payload = _payload(cfg, **kw)
     clients = cfg.get("partition", {}).get("num_clients") or cfg["task"]["num_clients"]
     n = grid_kw.pop("num_nodes", clients)
@@ -389,6 +408,20 @@ def test_dead_and_missing_supernodes_are_failed_clients(tmp_path):
     assert {(a["client"], a["direction"]) for a in audit if a["round"] == 1} == {
         (c, d) for c in "0123" for d in ("down", "up") if not (c in "13" and d == "up")
     }
+
+
+def test_a_restarted_supernode_serves_its_client_again_with_its_state(tmp_path):
+    cfg = fs.config(tmp_path, "test-two-phase", name="flw", rounds=3, num_clients=3)
+    # Events fire as a round's first message is pushed and act from the next exchange on:
+    # partition 1's SuperNode goes offline after round 1 and is back (a new node) for round 3.
+    events = {1: lambda g: g.offline.add(101), 2: lambda g: g.restart(101, 201)}
+    summary = _flower_run(cfg, tmp_path / "nodes", events=events)
+    fails = fs.read_jsonl(tmp_path / "flw" / "failures.jsonl")
+    assert [(f["round"], f["client"], f["error"]) for f in fails] == [
+        (2, "1", "client 1: no SuperNode serves this client")
+    ]
+    # Client 1 answered in rounds 1 and 3: its counter came back from the node's disk.
+    assert summary["finish"] == {"0": 3, "1": 2, "2": 3}
 
 
 def test_too_few_survivors_end_the_run_clearly(tmp_path):

@@ -125,6 +125,15 @@ def load_options(options: FlowerOptions | Mapping[str, Any] | None) -> FlowerOpt
     return validate_section(FlowerOptions, dict(options or {}), "flower")  # type: ignore[return-value]
 
 
+def run_options(cfg: RunConfig, options: FlowerOptions | Mapping[str, Any] | None) -> FlowerOptions:
+    """Flower options of a run: a ``flower`` section of the run config (if the config has
+    one) overridden by ``options``."""
+    if isinstance(options, FlowerOptions):
+        return options
+    section = getattr(cfg, "flower", None) or {}
+    return load_options({**dict(section), **dict(options or {})})
+
+
 def import_plugins(names: list[str]) -> None:
     """Imports plugin modules (they register tasks, algorithms or models on import).
 
@@ -403,17 +412,20 @@ class FlowerFederation(Federation):
         self._roles = {c.cid: c.role for c in clients}
         self.node_of: dict[str, int] = {}
         self._said_hello: set[int] = set()
+        self._hello_pending: dict[str, int] = {}  # handshake message id -> node
         self.wait_for_nodes()
 
     # ----- nodes -----
     def wait_for_nodes(self) -> None:
         """Maps SuperNodes to client ids, waiting up to ``node_wait_s`` for all of them."""
         deadline = time.monotonic() + self.options.node_wait_s
+        sleep = 0.01
         while True:
             self.discover()
             if len(self.node_of) == len(self._roles) or time.monotonic() >= deadline:
                 break
-            time.sleep(0.5)
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.5)
         missing = [c for c in self._roles if c not in self.node_of]
         if missing:
             log.warning(
@@ -423,42 +435,63 @@ class FlowerFederation(Federation):
             )
 
     def discover(self) -> None:
-        """Asks SuperNodes not seen before which client they serve (their partition)."""
-        nodes = [int(n) for n in self.grid.get_node_ids()]
-        alive = set(nodes)
-        self.node_of = {c: n for c, n in self.node_of.items() if n in alive}
-        new = [n for n in nodes if n not in self._said_hello]
-        if not new:
-            return
+        """Keeps the SuperNode -> client map current, without blocking.
+
+        Nodes the SuperLink no longer lists as online are forgotten (their clients fail
+        at once instead of waiting for a timeout); a node seen for the first time, or back
+        online, gets a handshake asking which client it serves; replies to earlier
+        handshakes are collected. Called before every exchange, so a SuperNode that
+        restarts mid-run serves its client again from the next exchange on.
+        """
         from flwr.app import ConfigRecord, RecordDict
         from flwr.app import Message as FlowerMessage
 
-        msgs = []
-        for n in new:
-            content = RecordDict({HEADER: ConfigRecord({"header": json.dumps(self.session)})})
-            msgs.append(FlowerMessage(content, n, HELLO_TYPE, group_id="hello"))
-        wait = min(self.options.timeout_s, max(self.options.node_wait_s, 30.0))
-        replies, _ = self._exchange(msgs, wait)
-        for n, reply in zip(new, replies, strict=True):
-            if reply is None:
-                continue  # not ready yet: asked again at the next discovery
-            self._said_hello.add(n)
-            if reply.has_error():
-                log.warning("SuperNode %d refused the handshake: %s", n, reply.error.reason)
-                continue
-            cid = str(json.loads(str(reply.content[HEADER]["header"]))["cid"])
-            if cid not in self._roles:
-                log.warning("SuperNode %d serves unknown client '%s': ignored", n, cid)
-            elif cid in self.node_of and self.node_of[cid] != n:
-                log.warning(
-                    "SuperNodes %d and %d both serve client %s: keeping %d",
-                    self.node_of[cid],
+        alive = {int(n) for n in self.grid.get_node_ids()}
+        self.node_of = {c: n for c, n in self.node_of.items() if n in alive}
+        self._said_hello &= alive
+        self._hello_pending = {m: n for m, n in self._hello_pending.items() if n in alive}
+        asking = set(self._hello_pending.values())
+        new = sorted(n for n in alive if n not in self._said_hello and n not in asking)
+        if new:
+            head = json.dumps(self.session)
+            msgs = [
+                FlowerMessage(
+                    RecordDict({HEADER: ConfigRecord({"header": head})}),
                     n,
-                    cid,
-                    self.node_of[cid],
+                    HELLO_TYPE,
+                    group_id="hello",
                 )
-            else:
-                self.node_of[cid] = n
+                for n in new
+            ]
+            pushed = {str(i) for i in self.grid.push_messages(msgs) if i}
+            for m, n in zip(msgs, new, strict=True):
+                if str(m.metadata.message_id) in pushed:
+                    self._hello_pending[str(m.metadata.message_id)] = n
+        if not self._hello_pending:
+            return
+        for reply in self.grid.pull_messages(list(self._hello_pending)):
+            n = self._hello_pending.pop(reply.metadata.reply_to_message_id, None)
+            if n is not None:
+                self._said_hello.add(n)
+                self._map(n, reply)
+
+    def _map(self, node: int, reply: Any) -> None:
+        if reply.has_error():
+            log.warning("SuperNode %d refused the handshake: %s", node, reply.error.reason)
+            return
+        cid = str(json.loads(str(reply.content[HEADER]["header"]))["cid"])
+        if cid not in self._roles:
+            log.warning("SuperNode %d serves unknown client '%s': ignored", node, cid)
+        elif cid in self.node_of and self.node_of[cid] != node:
+            log.warning(
+                "SuperNodes %d and %d both serve client %s: keeping %d",
+                self.node_of[cid],
+                node,
+                cid,
+                self.node_of[cid],
+            )
+        else:
+            self.node_of[cid] = node
 
     # ----- exchanges -----
     def _exchange(self, msgs: list[Any], timeout: float) -> tuple[list[Any], float]:
@@ -507,8 +540,7 @@ class FlowerFederation(Federation):
             if kind is None:
                 raise MessageError(f"message kind '{msg.kind}' is not declared by the algorithm")
             kind.check(msg, "down")
-        if any(c not in self.node_of for c in messages):
-            self.discover()
+        self.discover()
         from flwr.app import Message as FlowerMessage
 
         targets = [c for c in messages if c in self.node_of]
@@ -707,7 +739,7 @@ def run_flower_sim(
     from fedfm.runtime.flower_app import make_client_app, make_server_app
     from fedfm.tasks.base import TASKS
 
-    opts = load_options(options)
+    opts = run_options(cfg, options)
     import_plugins(opts.imports)
     _, task_cfg = resolve(cfg)
     num_clients = len(TASKS.get(task_cfg.kind)(task_cfg, cfg).client_ids())

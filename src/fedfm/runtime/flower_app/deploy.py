@@ -44,7 +44,7 @@ from fedfm.runtime.flower import (
     Payload,
     flower_env_vars,
     import_plugins,
-    load_options,
+    run_options,
 )
 
 if TYPE_CHECKING:
@@ -610,7 +610,7 @@ def serve(
     Raises:
         DeployError: A process failed, or the run ended without a summary.
     """
-    opts = load_options(options)
+    opts = run_options(cfg, options)
     if node_keys and tls is None:
         raise ConfigError("node-key", "node authentication needs TLS (Flower refuses it without)")
     import_plugins(opts.imports)
@@ -932,7 +932,7 @@ def app_main(
     cfg = load_config(config, [*overrides, "runtime=flower"])
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
-    opts = load_options(parse_options(flower))
+    opts = run_options(cfg, parse_options(flower))
     payload = Payload(cfg.model_dump(mode="json"), opts.model_dump(), resume, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     return write_app(out / "app"), write_run_config(out / "run_config.toml", payload)
