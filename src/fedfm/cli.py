@@ -45,12 +45,12 @@ def run(
 ) -> None:
     """Run an experiment and write runs/<name>/."""
     from fedfm.config import load_config
-    from fedfm.engine import Engine
+    from fedfm.engine import run as run_config
 
     cfg = load_config(config, overrides or [])
     if resume:
         cfg = _saved_config(cfg, overrides or [])
-    summary = Engine(cfg, resume=resume, overwrite=overwrite, progress=not quiet).run()
+    summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
     final = summary["final"]
     primary = summary["primary"]
     folder = Path(cfg.out_dir) / cfg.name
@@ -119,6 +119,15 @@ def list_() -> None:
             table.add_row(name, help_)
         out.print(table)
     out.print("[bold]presets[/]: " + ", ".join(preset_names()))
+
+
+def _add_flower_commands() -> None:
+    from fedfm.runtime.flower import add_commands
+
+    add_commands(app)  # fedfm serve, fedfm client, fedfm flower-certs
+
+
+_add_flower_commands()
 
 
 def main() -> None:

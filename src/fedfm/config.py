@@ -71,6 +71,7 @@ class RunConfig(Strict):
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     runtime: Literal["embedded", "flower-sim", "flower"] = "embedded"
+    flower: dict[str, Any] = Field(default_factory=dict)  # Flower runtime options
     eval_every: int = Field(1, ge=1)
     eval_before: bool = True
     out_dir: str = "runs"

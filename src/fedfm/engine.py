@@ -338,4 +338,9 @@ def run(
 ) -> dict[str, Any]:
     """Loads a config (preset, YAML path or mapping) and runs it; see :class:`Engine`."""
     cfg = source if isinstance(source, RunConfig) else load_config(source, overrides)
+    if cfg.runtime != "embedded":
+        # The Flower ServerApp builds its own Engine around a FlowerFederation.
+        from fedfm.runtime import flower
+
+        return flower.run(cfg, **kw)
     return Engine(cfg, **kw).run()

@@ -1,3 +1,3 @@
 """Algorithms, one file each; importing this package registers them."""
 
-from fedfm.algorithms import fedavg  # noqa: F401
+from fedfm.algorithms import fedavg, fedekd, fedrd  # noqa: F401
