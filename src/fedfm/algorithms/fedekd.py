@@ -21,7 +21,10 @@ So a round is two exchanges: ``forward`` (global proxy down, local proxy up) and
 ledger shows it.
 
 Baselines in this file: ``fedkd-ungated`` (the same private/proxy mutual distillation with
-weight 1 for every sample, as in FML, Shen et al. 2020, and FedKD, Wu et al. 2022) and
+weight 1 for every sample, in the style of FML, Shen et al. 2020, "Federated Mutual Learning",
+and FedKD, Wu et al. 2022, "Communication-efficient federated learning via knowledge
+distillation"; their extra terms, such as FedKD's adaptive loss scaling and hidden-state
+distillation, are not included, so the only difference from FedeKD is the gate) and
 ``local-private`` (each client trains its own private architecture alone, the local-only
 reference that FedeKD's negative transfer is measured against). FedAvg, FedProx and the
 shared-architecture local-only baseline live in :mod:`fedfm.algorithms.fedavg`.
