@@ -60,7 +60,8 @@ def summarise_client_metrics(
     names = sorted({k for m in per_client.values() for k in m})
     for name in names:
         vals = [m[name] for m in per_client.values() if name in m]
-        worst = max(vals) if name in ("loss", "rmse") else min(vals)
+        lower_better = name.rsplit("/", 1)[-1] in ("loss", "rmse")
+        worst = max(vals) if lower_better else min(vals)
         out[f"{prefix}{name}"] = sum(vals) / len(vals)
         out[f"{prefix}{name}/worst"] = worst
     return out
@@ -138,8 +139,11 @@ class FedAvg(Algorithm):
         out = self.task.evaluate(model, self.task.test_data())
         if self.cfg.personal_eval:
             replies = fed.broadcast(Message("evaluate", {"params": self.params}), fed.client_ids())
-            per = {c: r.meta["metrics"] for c, r in replies.items()}
-            out.update(summarise_client_metrics(per, "local/"))
+            per = {
+                c: {f"local/{k}": v for k, v in r.meta["metrics"].items()}
+                for c, r in replies.items()
+            }
+            out.update(summarise_client_metrics(per, ""))
             out["per_client"] = per
         return out
 
