@@ -9,7 +9,7 @@ client holds all-MiniLM-L6-v2 with LoRA adapters and a head. Prints one line per
 the ratio FedRD / LoRA last.
 
 Usage:
-    python benchmarks/client_memory.py [--steps N] [--batch-size B] [--json OUT]
+    python benchmarks/client_memory.py [--steps N] [--batch-size B] [--repeats K] [--json OUT]
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import argparse
 import json
 from pathlib import Path
 
-from fedfm.reproduce.fedrd import MEMORY_PAIRS, measure_client_memory
+from fedfm.reproduce.fedrd import memory_table
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=None, help="local steps (default: presets')")
     ap.add_argument("--batch-size", type=int, default=None, help="local batch size")
+    ap.add_argument("--repeats", type=int, default=3, help="measurements per client (median)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
     overrides = []
@@ -32,16 +33,16 @@ def main() -> None:
         overrides.append(f"train.steps={args.steps}")
     if args.batch_size is not None:
         overrides.append(f"train.batch_size={args.batch_size}")
-    results = {}
-    for label, preset in MEMORY_PAIRS.items():
-        m = measure_client_memory(preset, overrides)
-        results[label] = m
+    results = memory_table({"text": overrides, "vision": overrides}, repeats=args.repeats)
+    for label, m in results.items():
+        if "error" in m:
+            print(f"{label:40s} failed: {m['error']}", flush=True)
+            continue
         print(
             f"{label:40s} params {m['params_on_client']:>11,}"
             f"  trainable {m['params_trainable']:>9,}"
-            f"  training {m['train_mb']:7.1f} MB  RSS +{m['rss_increase_mb']:7.1f} MB"
-            f"  process peak {m['peak_mb']:7.1f} MB"
-            f"  ({m['seconds']:.1f} s)",
+            f"  training {m['train_mb']:7.1f} MB [{m['train_mb_min']:.1f}-{m['train_mb_max']:.1f}]"
+            f"  RSS +{m['rss_increase_mb']:7.1f} MB  process peak {m['peak_mb']:7.1f} MB",
             flush=True,
         )
     if args.json is not None:

@@ -18,7 +18,6 @@ import fedfm.tasks.text  # noqa: F401  (registers the text task)
 from fedfm.algorithms.fedavg import FedAvg
 from fedfm.algorithms.fedrd import (
     TEACHERS,
-    FedAvgTrainable,
     FedRD,
     Teacher,
     clear_feature_cache,
@@ -30,8 +29,7 @@ from fedfm.core.federation import ClientContext, ClientState
 from fedfm.core.messages import Message
 from fedfm.engine import Engine, build
 from fedfm.errors import ConfigError
-from fedfm.models.registry import MODELS
-from fedfm.models.students import HashingTokenizer, SmallCNN
+from fedfm.models.students import HashingTokenizer
 
 LOADS: list[int] = []  # one entry per foundation-model load: how many client handlers were open
 BUILT: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []  # (module, state at load time)
@@ -75,17 +73,6 @@ def _tiny_text_fm() -> Teacher:
 if "test-tiny-fm" not in TEACHERS:
     TEACHERS.register("test-tiny-fm")(_tiny_image_fm)
     TEACHERS.register("test-tiny-text-fm")(_tiny_text_fm)
-
-
-def _frozen_body_cnn(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
-    model = SmallCNN(in_channels, num_classes, width=4, image_size=image_size, hidden=16)
-    for p in model.conv.parameters():
-        p.requires_grad_(False)
-    return model
-
-
-if "test-frozen-body-cnn" not in MODELS:
-    MODELS.register("test-frozen-body-cnn")(_frozen_body_cnn)
 
 
 @pytest.fixture(autouse=True)
@@ -277,21 +264,6 @@ def test_checkpoint_and_resume(tmp_path: Any) -> None:
     Engine(cfg, resume=True, progress=False).run()
     text = (tmp_path / "fedrd" / "metrics.jsonl").read_text()
     assert [json.loads(x)["round"] for x in text.splitlines()] == [0, 1, 2]
-
-
-def test_fedavg_trainable_exchanges_only_trainable_tensors(tmp_path: Any) -> None:
-    cfg = _cfg(tmp_path, "fedavg-trainable")
-    cfg = cfg.model_copy(
-        update={"algo": {}, "task": {**cfg.task, "model": "test-frozen-body-cnn", "model_args": {}}}
-    )
-    setup = build(cfg)
-    algo = setup.algo
-    assert isinstance(algo, FedAvgTrainable)
-    assert set(algo.params) == {"fc.0.weight", "fc.0.bias", "head.weight", "head.bias"}
-    Engine(cfg, progress=False).run()
-    audit = [json.loads(x) for x in (tmp_path / cfg.name / "audit.jsonl").read_text().splitlines()]
-    ups = [r for r in audit if r["direction"] == "up" and r["field"] == "params"]
-    assert ups and all(r["numel"] == sum(v.numel() for v in algo.params.values()) for r in ups)
 
 
 def test_text_fedrd_uses_the_task_public_split(tmp_path: Any) -> None:

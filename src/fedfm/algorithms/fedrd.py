@@ -19,10 +19,11 @@ Registered here:
 * ``fedrd``: the method. ``reprogram: false`` gives the federated-KD baseline without
   reprogramming, also registered as ``fedrd-kd``: the raw features ``F_t(x)`` go to a
   separate teacher head (trained with ``α·CE`` on the public set) and to CKA directly.
-* ``fedavg-trainable``: FedAvg over the trainable tensors only; with the text task's
-  ``encoder-lora-classifier`` it is federated LoRA on the foundation model (clients hold the
-  frozen encoder, its LoRA adapters and a head, and exchange only adapters and head).
-  The student-only baseline is plain ``fedavg``.
+
+The other baselines are presets of plain ``fedavg``: the student alone, and federated LoRA on
+the foundation model (the text task's ``encoder-lora-classifier``: clients hold the frozen
+encoder, its LoRA adapters and a head; FedAvg exchanges only trainable tensors, so only
+adapters and head travel).
 
 Choices of ours, not made by the paper:
 
@@ -69,13 +70,12 @@ from pydantic import Field
 from sklearn.metrics import f1_score
 from torch import Tensor, nn
 
-from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.algorithms.base import ALGORITHMS
 from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedfm.config import TrainConfig
 from fedfm.core.cka import cka_loss, linear_cka
 from fedfm.core.federation import Federation, derive_seed
 from fedfm.core.kd import kd_kl
-from fedfm.core.optim import ServerOptimizer
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
@@ -716,28 +716,7 @@ class FedKD(FedRD):
     Config = FedKDConfig
 
 
-class FedAvgTrainable(FedAvg):
-    """FedAvg that exchanges only the trainable tensors (federated LoRA on a frozen FM).
-
-    With ``encoder-lora-classifier`` the clients hold the frozen encoder, its LoRA adapters
-    and a head; only adapters and head travel and are averaged.
-    """
-
-    def __init__(self, cfg: FedAvgConfig, task: Any, run: Any) -> None:
-        # FedAvg.__init__ would copy every floating-point tensor, the frozen foundation model
-        # included; only the trainable ones are state here.
-        Algorithm.__init__(self, cfg, task, run)
-        self.cfg = cfg
-        self._model = None
-        names = [n for n, p in self.model().named_parameters() if p.requires_grad]
-        self.params = get_params(self.model(), names)
-        self.opt = ServerOptimizer(cfg.server_opt)
-
-
 ALGORITHMS.register("fedrd", "FedRD: student FedAvg + server reprogramming KD with a frozen FM")(
     FedRD
 )
 ALGORITHMS.register("fedrd-kd", "federated KD baseline: FedRD without reprogramming")(FedKD)
-ALGORITHMS.register(
-    "fedavg-trainable", "FedAvg over trainable tensors only (federated LoRA on a frozen FM)"
-)(FedAvgTrainable)

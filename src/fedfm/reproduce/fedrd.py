@@ -75,6 +75,7 @@ class Grid:
         eval_every: Evaluate every this many rounds (and after the last).
         overrides: ``key=value`` overrides per modality (e.g. smaller sets for --quick).
         memory: Measure client memory.
+        memory_repeats: Repeats of each memory measurement (medians are reported).
         probe_sizes: EfficientNet-Lite0 input sizes to probe (empty: skip).
         workers: Parallel worker processes (one torch thread each).
     """
@@ -87,24 +88,34 @@ class Grid:
     eval_every: int = 1
     overrides: dict[str, list[str]] = field(default_factory=dict)
     memory: bool = True
+    memory_repeats: int = 3
     probe_sizes: Sequence[int] = (32, 64, 96)
     workers: int = 2
 
 
-FULL = Grid(eval_every=2, overrides={"text": ["eval_every=2"]})
+FULL = Grid(eval_every=5)
 QUICK = Grid(
     rounds=2,
+    eval_every=2,
     overrides={
-        "vision": ["task.max_train=1000", "algo.public_size=200", "algo.teacher_eval_size=200"],
+        "vision": [
+            "task.max_train=1000",
+            "algo.public_size=200",
+            "algo.teacher_eval_size=200",
+            "train.steps=10",
+        ],
         "text": [
             "task.max_train=1200",
             "task.max_test=150",
             "task.public_size=100",
             "algo.teacher_eval_size=150",
             "train.steps=4",
+            "clients.fraction=0.2",
+            "clients.min_clients=2",
         ],
     },
     probe_sizes=(),
+    memory_repeats=1,
 )
 
 
@@ -145,12 +156,22 @@ def job_overrides(job: Job, grid: Grid, out: Path) -> list[str]:
         f"partition.alpha={job.alpha}",
         f"out_dir={out}",
         f"eval_every={grid.eval_every}",
+        "eval_before=false",
         "plots=false",
         "threads=1",
     ]
     if grid.rounds is not None:
         ov.append(f"rounds={grid.rounds}")
-    return ov + list(grid.overrides.get(job.modality, []))
+    return ov + applicable(job.preset, grid.overrides.get(job.modality, []))
+
+
+def applicable(preset: str, overrides: Sequence[str]) -> list[str]:
+    """The overrides that apply to a preset: ``algo.*`` keys only where its algorithm is
+    FedRD or the KD baseline (the others have no public set or teacher)."""
+    from fedfm.config import load_config
+
+    server_kd = load_config(preset).algorithm in ("fedrd", "fedrd-kd")
+    return [o for o in overrides if server_kd or not o.startswith("algo.")]
 
 
 def run_job(args: tuple[str, list[str]]) -> tuple[str, str | None, float]:
@@ -242,8 +263,9 @@ class RssSampler:
 def memory_child(preset: str, overrides: list[str], cid: str = "0") -> dict[str, Any]:
     """One client's local training, measured in this (fresh) process.
 
-    The same libraries are imported in every measurement and the client's data are built
-    before the baseline, so the increase covers what the client's training adds: its model
+    The same libraries are imported in every measurement, torch's lazy one-time set-up is
+    done (:func:`_warm_up`) and the client's data are built before the baseline, so the
+    increase covers what the client's training adds: its model
     (the student, or the foundation model with LoRA), the received parameters, optimizer
     state, activations and gradients of one round of local training.
     """
@@ -269,6 +291,7 @@ def memory_child(preset: str, overrides: list[str], cid: str = "0") -> dict[str,
     algo_cfg, task_cfg = resolve(cfg)
     task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
     n = task.num_examples(task.client_data(cid))
+    _warm_up(cfg.train)
     gc.collect()
     t = time.perf_counter()
     with RssSampler() as mem:
@@ -296,6 +319,30 @@ def memory_child(preset: str, overrides: list[str], cid: str = "0") -> dict[str,
         "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": time.perf_counter() - t,
     }
+
+
+def _warm_up(train: Any) -> None:
+    """One step of a 1-parameter model with the client's optimizer, before the baseline.
+
+    Torch initialises allocator arenas, autograd and optimizer code lazily on first use; this
+    one-time cost is the same for every client (like a GPU's CUDA context), so it is paid
+    before the baseline rather than charged to whichever client trains first.
+    """
+    import torch
+
+    from fedfm.core.train import local_train
+
+    lin = torch.nn.Linear(1, 1)
+
+    def batches() -> Any:
+        while True:
+            yield torch.ones(2, 1), torch.zeros(2, 1)
+
+    def loss(model: Any, batch: Any) -> Any:
+        out = model(batch[0])
+        return ((out - batch[1]) ** 2).mean(), out
+
+    local_train(lin, batches(), loss, train, 1)
 
 
 def measure_client_memory(preset: str, overrides: Sequence[str] = (), cid: str = "0") -> dict:
@@ -326,12 +373,44 @@ MEMORY_PAIRS: dict[str, str] = {
 }
 
 
-def memory_table(overrides: dict[str, list[str]] | None = None) -> dict[str, dict[str, Any]]:
-    """Client memory of each entry of :data:`MEMORY_PAIRS`, each in its own process."""
-    out = {}
-    for label, preset in MEMORY_PAIRS.items():
-        modality = "vision" if "vision" in preset else "text"
-        out[label] = measure_client_memory(preset, (overrides or {}).get(modality, []))
+def memory_table(
+    overrides: dict[str, list[str]] | None = None,
+    modalities: Sequence[str] = ("vision", "text"),
+    repeats: int = 3,
+) -> dict[str, dict[str, Any]]:
+    """Client memory of each entry of :data:`MEMORY_PAIRS`, each run in its own process.
+
+    Measurements are repeated ``repeats`` times, interleaved across clients (machines are
+    noisy); memory figures are medians, with the range of the training memory kept as
+    ``train_mb_min``/``train_mb_max``. A failed measurement gives ``{"error": ...}``.
+    """
+    todo = {
+        label: preset
+        for label, preset in MEMORY_PAIRS.items()
+        if ("vision" if "vision" in preset else "text") in modalities
+    }
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in todo}
+    out: dict[str, dict[str, Any]] = {}
+    for _ in range(max(1, repeats)):
+        for label, preset in todo.items():
+            if label in out:
+                continue
+            mod = "vision" if "vision" in preset else "text"
+            try:
+                ov = applicable(preset, (overrides or {}).get(mod, []))
+                runs[label].append(measure_client_memory(preset, ov))
+            except RuntimeError as e:
+                out[label] = {"error": str(e).splitlines()[0]}
+    for label, rs in runs.items():
+        if label in out or not rs:
+            continue
+        agg = dict(rs[0])
+        for key in ("train_mb", "rss_increase_mb", "peak_mb", "baseline_mb", "seconds"):
+            agg[key] = float(np.median([r[key] for r in rs]))
+        agg["train_mb_min"] = min(r["train_mb"] for r in rs)
+        agg["train_mb_max"] = max(r["train_mb"] for r in rs)
+        agg["repeats"] = len(rs)
+        out[label] = agg
     return out
 
 
@@ -427,7 +506,6 @@ def run_stats(run: Path) -> dict[str, Any] | None:
         "up": float(np.mean([r["bytes_up"] for r in trained])) if trained else 0.0,
         "down": float(np.mean([r["bytes_down"] for r in trained])) if trained else 0.0,
         "clients": float(np.mean(clients)) if clients else 0.0,
-        "curve": [(r["round"], r["acc"]) for r in evals],
         "time_s": float(sum(r.get("time_s", 0.0) for r in rows)),
         "cfg": cfg,
     }
@@ -478,7 +556,7 @@ def _memory_lines(mem: dict[str, Any]) -> list[str]:
         "parameters held",
         "trainable",
         "sent per round",
-        "training memory (MB, anonymous RSS increase)",
+        "training memory (MB, anonymous RSS increase; median [range])",
         "RSS increase (MB)",
         "process peak RSS (MB)",
         "FM loaded",
@@ -490,7 +568,8 @@ def _memory_lines(mem: dict[str, Any]) -> list[str]:
             continue
         lines.append(
             f"| {label} | {m['params_on_client']:,} | {m['params_trainable']:,} |"
-            f" {m['params_sent']:,} | {m['train_mb']:.1f} | {m['rss_increase_mb']:.1f} |"
+            f" {m['params_sent']:,} | {m['train_mb']:.1f} [{m['train_mb_min']:.1f}–"
+            f"{m['train_mb_max']:.1f}] | {m['rss_increase_mb']:.1f} |"
             f" {m['peak_mb']:.1f} |"
             f" {'yes' if m['fm_loaded'] else 'no'} |"
         )
@@ -506,36 +585,50 @@ def memory_ratio(mem: dict[str, Any]) -> float | None:
     return a["train_mb"] / b["train_mb"]
 
 
-def _figures(grid: Grid, stats: dict[str, Any], folder: Path) -> list[Path]:
+def _figures(grid: Grid, stats: dict[str, Any], mem: dict[str, Any], folder: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
+    paths = []
     mods = list(grid.modalities)
-    fig, axes = plt.subplots(
-        len(mods), len(grid.alphas), figsize=(4.2 * len(grid.alphas), 3.2 * len(mods)),
-        squeeze=False,
-    )  # fmt: skip
-    for i, mod in enumerate(mods):
-        for j, a in enumerate(grid.alphas):
-            ax = axes[i, j]
-            for m in grid.methods:
-                s = stats.get(Job(mod, a, m).name) if mod in METHODS[m].presets else None
-                if s:
-                    xs, ys = zip(*s["curve"], strict=True)
-                    ax.plot(xs, ys, marker="o", ms=3, label=METHODS[m].label)
-            ax.set_title(f"{mod}, Dirichlet α = {a:g}")
-            ax.set_xlabel("round")
-            ax.set_ylabel("test accuracy")
-            ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(mods), figsize=(5.5 * len(mods), 3.6), squeeze=False)
+    for ax, mod in zip(axes[0], mods, strict=True):
+        meths = [m for m in grid.methods if mod in METHODS[m].presets]
+        width = 0.8 / max(len(meths), 1)
+        for k, m in enumerate(meths):
+            accs = []
+            for a in grid.alphas:
+                s = stats.get(Job(mod, a, m).name)
+                accs.append(s["acc"] if s else float("nan"))
+            x = np.arange(len(grid.alphas)) + (k - (len(meths) - 1) / 2) * width
+            ax.bar(x, accs, width, label=METHODS[m].label)
+        ax.set_xticks(np.arange(len(grid.alphas)))
+        ax.set_xticklabels([f"Dirichlet α = {a:g}" for a in grid.alphas])
+        ax.set_ylabel("test accuracy (last round)")
+        ax.set_title(mod)
+        ax.set_ylim(0, 1)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = folder / "accuracy.png"
-    fig.savefig(path, dpi=110)
+    paths.append(folder / "accuracy.png")
+    fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
-    return [path]
+    ok = {k: v for k, v in mem.items() if "train_mb" in v}
+    if ok:
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        labels = list(ok)
+        ax.barh(labels, [ok[k]["train_mb"] for k in labels], label="training memory")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB (anonymous RSS increase of one client's local training, log scale)")
+        ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
+        paths.append(folder / "client_memory.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
 
 
 def _preset_lines(grid: Grid) -> list[str]:
@@ -551,7 +644,7 @@ def _preset_lines(grid: Grid) -> list[str]:
             if mod not in METHODS[m].presets:
                 continue
             name = METHODS[m].presets[mod]
-            ov = [o for o in grid.overrides.get(mod, []) if not o.startswith("eval_every")]
+            ov = [o for o in applicable(name, grid.overrides.get(mod, [])) if "eval_every" not in o]
             c = load_config(name, ov + ([f"rounds={grid.rounds}"] if grid.rounds else []))
             t, al, p, tr = c.task, c.algo, c.partition, c.train
             server = "—"
@@ -564,9 +657,11 @@ def _preset_lines(grid: Grid) -> list[str]:
                     f" {srv.get('optimizer')} lr {srv.get('lr')}"
                 )
             data = f"{t['dataset']} (max_train {t.get('max_train')}, max_test {t.get('max_test')})"
+            n = int(p.get("num_clients", 10))
+            per_round = min(n, max(c.clients.min_clients, round(c.clients.fraction * n)))
             lines.append(
                 f"| {name} | {c.algorithm} | {data} | {t.get('model')} {t.get('model_args', {})} |"
-                f" {server} | {c.rounds}, {c.clients.fraction:g} of {p.get('num_clients')} |"
+                f" {server} | {c.rounds}, {per_round} of {n} |"
                 f" {tr.steps} steps, bs {tr.batch_size}, {tr.optimizer} lr {tr.lr} |"
             )
     return lines
@@ -576,8 +671,8 @@ INTRO = """\
 # FedRD: federated reprogramming knowledge distillation — reproduction
 
 Method: METHODS.md section 5 (seed 004), *A Federated Learning and Knowledge Distillation
-Approach* (FedRD). Code: `src/fedfm/algorithms/fedrd.py` (FedRD, the KD baseline
-`fedrd-kd`, the trainable-only FedAvg used for federated LoRA), `src/fedfm/core/cka.py`
+Approach* (FedRD). Code: `src/fedfm/algorithms/fedrd.py` (FedRD and the KD baseline
+`fedrd-kd`; the other baselines are `fedavg` presets), `src/fedfm/core/cka.py`
 (linear CKA), `src/fedfm/tasks/text.py` (text task, MiniLM + LoRA classifier), this study:
 `src/fedfm/reproduce/fedrd.py`, the memory benchmark: `benchmarks/client_memory.py`.
 This page is written by the study; do not edit it by hand.
@@ -617,7 +712,7 @@ def write_report(
     """Writes the markdown report and its figure (in a folder next to it)."""
     stats = {j.name: run_stats(out / j.name) for j in jobs_of(grid)}
     stats = {k: v for k, v in stats.items() if v is not None}
-    figs = _figures(grid, stats, report.parent / report.stem)
+    figs = _figures(grid, stats, mem, report.parent / report.stem)
     ratio = memory_ratio(mem) if mem else None
     lines = [
         INTRO,
@@ -635,7 +730,7 @@ def write_report(
         f" ({platform.machine()}, Python {platform.python_version()}), memory measurements and"
         " the size probe included.",
         f"- Evaluation every {grid.eval_every} round(s) and after the last; metrics are those of"
-        " the last evaluation, on the server's test set (Fashion-MNIST's 10,000 test images;"
+        " the last round, on the server's test set (Fashion-MNIST's 10,000 test images;"
         " 500 TREC questions held out from the source).",
         *([f"- Study overrides: {grid.overrides}."] if grid.overrides else []),
         "",
@@ -655,13 +750,16 @@ def write_report(
     if mem:
         lines += [
             "Peak memory of ONE client's local training (one round: model build, received"
-            " parameters, local steps, reply), each measured in its own fresh process. Memory"
+            " parameters, local steps, reply), each measured in its own fresh process,"
+            " repeated (interleaved) and reported as the median with the range. Memory"
             " is sampled every 2 ms; *training memory* is the peak increase of the anonymous"
             " resident memory (RssAnon: tensors, activations, optimizer state, Python objects)"
             " over its value just before the client's model is built; the RSS increase adds"
             " file-backed pages (library code touched on first use, shared with every torch"
-            " process). The same libraries are imported and the client's data are loaded"
-            " before that point in every measurement. The process peak RSS includes the"
+            " process). The same libraries are imported, one step of a 1-parameter model with"
+            " the client's optimizer initialises torch's lazy one-time state, and the client's"
+            " data are loaded before that point in every measurement. The process peak RSS"
+            " includes the"
             " Python/torch/transformers runtime that both clients share.",
             "",
             *_memory_lines(mem),
@@ -735,14 +833,7 @@ def run_study(grid: Grid, out: Path, report: Path, command: str) -> Path:
                 failed[name] = res
     mem: dict[str, Any] = {}
     if grid.memory and "text" in grid.modalities:
-        for label, preset in MEMORY_PAIRS.items():
-            mod = "vision" if "vision" in preset else "text"
-            if mod not in grid.modalities:
-                continue
-            try:
-                mem[label] = measure_client_memory(preset, grid.overrides.get(mod, []))
-            except RuntimeError as e:
-                mem[label] = {"error": str(e).splitlines()[0]}
+        mem = memory_table(grid.overrides, grid.modalities, grid.memory_repeats)
     wall = time.perf_counter() - t0
     return write_report(grid, out, report, wall, command, failed, mem, probe, times)
 

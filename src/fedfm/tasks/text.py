@@ -321,7 +321,8 @@ class EncoderLoraClassifier(nn.Module):
             r=r, alpha=alpha, dropout=dropout, target_modules=list(target_modules)
         )
         transformer = st[0]
-        transformer.auto_model = add_adapters(transformer.auto_model, ["client"], spec)
+        # ``auto_model`` is a read-only alias of ``model`` in sentence-transformers.
+        transformer.model = add_adapters(transformer.model, ["client"], spec)
         self.encoder = st
         self.feature_dim = int(st.get_embedding_dimension())
         self.head = nn.Linear(self.feature_dim, num_classes)
