@@ -300,3 +300,36 @@ def test_text_fedrd_uses_the_task_public_split(tmp_path: Any) -> None:
     summary = Engine(cfg, progress=False).run()
     assert "teacher/acc" in summary["final"] and 0 <= summary["final"]["server_cka"] <= 1
     assert all(n == 0 for n in LOADS)
+
+
+# ----------------------------------------------------------------------------- presets, study
+
+FEDRD_PRESETS = [
+    "fedrd-vision",
+    "fedrd-vision-kd",
+    "fedrd-vision-fedavg",
+    "fedrd-text",
+    "fedrd-text-kd",
+    "fedrd-text-fedavg",
+    "fedrd-text-lora",
+]
+
+
+@pytest.mark.parametrize("preset", FEDRD_PRESETS)
+def test_presets_validate(preset: str) -> None:
+    from fedfm.engine import resolve
+
+    algo_cfg, task_cfg = resolve(load_config(preset))
+    assert algo_cfg is not None
+    assert task_cfg.kind in ("image", "text")
+
+
+def test_study_grid_and_overrides() -> None:
+    from fedfm.reproduce.fedrd import FULL, applicable, jobs_of
+
+    jobs = jobs_of(FULL)
+    assert len(jobs) == 2 * 3 + 2 * 4  # vision: 3 methods, text: 4, two alphas each
+    assert {j.method for j in jobs[:2]} == {"lora"}  # slowest first
+    ov = ["algo.public_size=10", "task.max_train=100"]
+    assert applicable("fedrd-vision", ov) == ov
+    assert applicable("fedrd-vision-fedavg", ov) == ["task.max_train=100"]
