@@ -1,0 +1,454 @@
+"""Instruction tuning of a causal LM with LoRA: the task behind FedIT and the quickstart.
+
+FedIT (Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning",
+ICASSP 2024) is FedAvg over LoRA adapters (Hu et al., ICLR 2022) of a frozen LLM, each client
+holding instructions of its own kind. Here that is the ordinary FedAvg family of
+:mod:`fedfm.algorithms.fedavg` run on this task: the model the task builds exposes only adapter
+tensors as trainable, so :func:`fedfm.core.train.get_params` (and hence every message) carries
+only the adapter.
+
+Data: any ``instruction`` source (default the offline multi-domain ``instruct_suite``; ``hf``
+for Alpaca/Dolly files or hub ids), split over clients by domain (``natural``, the default) or by
+any scheme of :mod:`fedfm.data.partition` (e.g. Dirichlet over ``domain``). Prompts use the
+model's chat template with the loss on response tokens only (:mod:`fedfm.data.prompt`).
+Evaluation is :func:`fedfm.eval.llm.evaluate_instructions` on held-out items: each domain is
+scored by its own metric (ROUGE-L, GSM8K final-number accuracy, label accuracy) and the headline
+``score`` is the mean over domains of each domain's score, so every domain weighs the same.
+One domain can be held out of training entirely (``heldout_domain``) and is then reported
+separately as ``zeroshot/...``.
+
+Memory: the frozen base model is loaded once per process (keyed by name, dtype and arguments)
+and shared by every simulated client; :meth:`InstructionTask.build_model` returns one cached
+``PeftModel`` around it, so N simulated clients cost one model plus N adapters' worth of state.
+
+Choices of ours (not from a paper): held-out evaluation items are the first
+``max_eval // domains`` test items of each domain (the suite draws them at random already), so
+every domain is represented; batches group rows of similar length (``bucket``, like
+``group_by_length`` in transformers' Trainer) to waste less compute on padding; sources without
+a ``metric`` column are scored with ROUGE-L.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import datasets
+import numpy as np
+import peft
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from fedfm.config import validate_section
+from fedfm.core.federation import derive_seed
+from fedfm.data.partition import PartitionConfig, partition, partition_stats
+from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_dataset
+from fedfm.data.sources import load_source
+from fedfm.errors import ConfigError
+from fedfm.eval.generate import pad_id_of
+from fedfm.eval.llm import evaluate_instructions
+from fedfm.models.causal_lm import LMBundle
+from fedfm.models.lora import LoraConfigSpec, add_adapters, set_active
+from fedfm.models.registry import build_model
+from fedfm.tasks.base import TASKS, Task, TaskConfig
+
+ZEROSHOT = "zeroshot/"
+_ENCODED = ("input_ids", "attention_mask", "labels")
+
+
+class InstructionConfig(TaskConfig):
+    """Config of an instruction-tuning task (``task.kind: instruction``).
+
+    Attributes:
+        dataset: An instruction source (``instruct_suite``, ``alpaca_demo``, ``hf``, ...).
+        source_options: Options of the source (e.g. ``per_domain_train``, ``domains``).
+        model: A causal LM in the model registry (``smollm2-135m-instruct``, ``causal-lm``
+            with ``model_args.name_or_path``, ``tiny-llama`` for tests).
+        model_args: Arguments of the model builder (``vocab``, ``hidden`` for ``tiny-llama``).
+        dtype: Dtype of the frozen base weights. ``bfloat16`` halves their memory; peft keeps
+            the adapter in float32 either way.
+        autocast_bf16: Run forward passes (training and evaluation) under CPU/GPU bfloat16
+            autocast: about 1.4x faster than float32 for SmolLM2 on a CPU with AVX512-BF16.
+        lora: LoRA rank, scale, dropout and target modules.
+        prompt: Chat formatting and length limits.
+        test_fraction: Share of the training rows held out for the server when the source
+            has no test split.
+        local_test_fraction: Share of each client's rows kept for personalised evaluation
+            (``algo.personal_eval``); 0 keeps all for training.
+        max_train: Cap on training rows (a seeded random subset) before partitioning.
+        max_eval: Held-out items evaluated (split evenly over domains); ``None``: all.
+        max_new_tokens: Generation budget of each evaluated item.
+        eval_batch_size: Prompts per generation/scoring batch.
+        choice_mode: Classification items are answered by generation (``generate``: the reply
+            must name the label) or by the most likely label (``loglik``).
+        eval_ppl: Also report the perplexity of the reference responses (``ppl``).
+        heldout_domain: A domain kept out of every client's data and evaluated zero-shot.
+        bucket: Batch rows of similar length together (less padding).
+    """
+
+    kind: Literal["instruction"] = "instruction"
+    dataset: str = "instruct_suite"
+    source_options: dict[str, Any] = Field(default_factory=dict)
+    model: str = "smollm2-135m-instruct"
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    autocast_bf16: bool = False
+    lora: LoraConfigSpec = Field(default_factory=LoraConfigSpec)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    test_fraction: float = Field(0.1, gt=0, lt=1)
+    local_test_fraction: float = Field(0.0, ge=0, lt=1)
+    max_train: int | None = Field(None, ge=1)
+    max_eval: int | None = Field(60, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    eval_batch_size: int = Field(16, ge=1)
+    choice_mode: Literal["generate", "loglik"] = "generate"
+    eval_ppl: bool = True
+    heldout_domain: str | None = None
+    bucket: bool = True
+
+
+@dataclass
+class InstructionData:
+    """Instruction rows of one client (or of the server's held-out set).
+
+    Attributes:
+        rows: Columns ``id, instruction, input, output, domain, metric`` (and, for the suite,
+            ``choices, answer``).
+        heldout: Rows of the zero-shot domain (server test data only), else ``None``.
+        encoded: Token ids, masks and response-only labels, filled on first use and kept, so
+            each client's data is tokenised once per process.
+    """
+
+    rows: datasets.Dataset
+    heldout: datasets.Dataset | None = None
+    encoded: list[dict[str, list[int]]] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared frozen base and the PeftModel around it, one of each per process.
+
+_BASES: dict[str, LMBundle] = {}
+_ADAPTED: dict[str, peft.PeftModel] = {}
+
+
+def _base_key(name: str, dtype: str, args: dict[str, Any]) -> str:
+    return json.dumps([name, dtype, args], sort_keys=True, default=str)
+
+
+def shared_base(name: str, dtype: str = "float32", args: dict[str, Any] | None = None) -> LMBundle:
+    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)``.
+
+    Loaded on first use and then shared by every simulated client and every task of the
+    process. Once :func:`shared_peft_model` has wrapped it, its linear layers carry LoRA
+    adapters (inactive adapters leave it unchanged).
+    """
+    args = dict(args or {})
+    key = _base_key(name, dtype, args)
+    if key not in _BASES:
+        kwargs = dict(args)
+        if name != "tiny-llama":  # tiny test models are float32 by construction
+            kwargs["dtype"] = dtype
+        bundle = build_model(name, **kwargs)
+        if not isinstance(bundle, LMBundle):
+            raise ConfigError("task.model", f"'{name}' is not a causal language model")
+        _BASES[key] = bundle
+    return _BASES[key]
+
+
+def shared_peft_model(
+    name: str,
+    dtype: str,
+    args: dict[str, Any] | None,
+    spec: LoraConfigSpec,
+    adapter: str = "default",
+    seed: int = 0,
+) -> peft.PeftModel:
+    """The process-wide ``PeftModel`` on :func:`shared_base`, with ``adapter`` freshly made.
+
+    ``adapter`` is (re)created from ``spec`` with its ``A`` matrices drawn from ``seed`` and
+    ``B = 0``, then made the only active and trainable adapter. Every call returns the same
+    object, so a second call re-initialises what the first returned: callers that need two
+    live adapters add the second one with :func:`fedfm.models.lora.add_adapters`.
+    """
+    args = dict(args or {})
+    key = _base_key(name, dtype, args)
+    model = _ADAPTED.get(key)
+    if model is None:
+        model = add_adapters(shared_base(name, dtype, args).model, [adapter], spec, seed=seed)
+        _ADAPTED[key] = model
+        return model
+    if adapter in model.peft_config:
+        # Deleting and re-adding gives exactly the initialisation of a first build with this
+        # seed, whatever the adapter's spec was before.
+        model.delete_adapter(adapter)
+    add_adapters(model, [adapter], spec, seed=seed)
+    set_active(model, active=[adapter], trainable=[adapter])
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class InstructionTask(Task):
+    """Federated instruction tuning of a causal LM with LoRA adapters (see the module doc)."""
+
+    Config = InstructionConfig
+    kind = "lm"
+    primary = "score"
+    higher_is_better = True
+
+    def __init__(self, cfg: InstructionConfig, run: Any) -> None:
+        super().__init__(cfg, run)
+        self.cfg: InstructionConfig = cfg
+        src = load_source(cfg.dataset, **cfg.source_options)
+        if src.info.kind != "instruction":
+            raise ConfigError(
+                "task.dataset", f"'{cfg.dataset}' is a {src.info.kind} set, not instructions"
+            )
+        train, test = self._split(_with_eval_columns(src.train), src.test)
+        train, test, zeroshot = self._hold_out(train, test)
+        self.pcfg = validate_section(PartitionConfig, self._partition_section(train), "partition")
+        parts = partition(train, self.pcfg)
+        self._stats = partition_stats(parts, "domain")
+        self._clients: dict[str, InstructionData] = {}
+        self._local_test: dict[str, InstructionData] = {}
+        for i, part in enumerate(parts):
+            n_test = round(cfg.local_test_fraction * len(part))
+            perm = np.random.default_rng(derive_seed(run.seed, "local-test", i)).permutation(
+                len(part)
+            )
+            self._local_test[str(i)] = InstructionData(part.select(np.sort(perm[:n_test])))
+            self._clients[str(i)] = InstructionData(part.select(np.sort(perm[n_test:])))
+        per_domain = self._per_domain_eval(test)
+        self._test = InstructionData(
+            _first_per_domain(test, per_domain),
+            _first_per_domain(zeroshot, per_domain) if zeroshot is not None else None,
+        )
+
+    # ----- construction helpers -----
+    def _split(
+        self, train: datasets.Dataset, test: datasets.Dataset | None
+    ) -> tuple[datasets.Dataset, datasets.Dataset]:
+        if test is None:
+            split = train.train_test_split(test_size=self.cfg.test_fraction, seed=self.run.seed)
+            train, test = split["train"], split["test"]
+        else:
+            test = _with_eval_columns(test)
+        if self.cfg.max_train is not None and len(train) > self.cfg.max_train:
+            train = train.shuffle(seed=self.run.seed).select(range(self.cfg.max_train))
+        return train, test
+
+    def _hold_out(
+        self, train: datasets.Dataset, test: datasets.Dataset
+    ) -> tuple[datasets.Dataset, datasets.Dataset, datasets.Dataset | None]:
+        """``(train, test)`` without the held-out domain, and that domain's test rows."""
+        domain = self.cfg.heldout_domain
+        if domain is None:
+            return train, test, None
+        domains = sorted(set(train["domain"]))
+        if domain not in domains:
+            raise ConfigError(
+                "task.heldout_domain", f"'{domain}' is not a domain of the data ({domains})"
+            )
+        if len(domains) < 2:
+            raise ConfigError("task.heldout_domain", "holding out the only domain leaves no data")
+        seen = train.filter(lambda d: d != domain, input_columns="domain")
+        test_seen = test.filter(lambda d: d != domain, input_columns="domain")
+        zeroshot = test.filter(lambda d: d == domain, input_columns="domain")
+        if len(zeroshot) == 0:
+            raise ConfigError("task.heldout_domain", f"no held-out test items of '{domain}'")
+        return seen, test_seen, zeroshot
+
+    def _partition_section(self, train: datasets.Dataset) -> dict[str, Any]:
+        section = {"seed": self.run.seed, "by": "domain", **self.run.partition}
+        section.setdefault("scheme", "natural")
+        if section["scheme"] == "natural" and "num_clients" not in section:
+            section["num_clients"] = len(set(train[section["by"]]))
+        return section
+
+    def _per_domain_eval(self, test: datasets.Dataset) -> int | None:
+        if self.cfg.max_eval is None:
+            return None
+        n_domains = max(len(set(test["domain"])), 1)
+        return max(1, self.cfg.max_eval // n_domains)
+
+    # ----- the shared model -----
+    @property
+    def bundle(self) -> LMBundle:
+        """The shared frozen base model and its tokenizer (loaded on first use)."""
+        return shared_base(self.cfg.model, self.cfg.dtype, self.cfg.model_args)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.bundle.tokenizer
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bfloat16 autocast when ``autocast_bf16`` is set, else a no-op context."""
+        if not self.cfg.autocast_bf16:
+            return contextlib.nullcontext()
+        device = next(self.bundle.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+    # ----- Task API -----
+    def client_ids(self) -> list[str]:
+        return list(self._clients)
+
+    def client_data(self, cid: str) -> InstructionData:
+        return self._clients[cid]
+
+    def client_test_data(self, cid: str) -> InstructionData:
+        return self._local_test[cid]
+
+    def test_data(self) -> InstructionData:
+        return self._test
+
+    def num_examples(self, data: InstructionData) -> int:
+        return len(data)
+
+    def build_model(self, seed: int = 0, **overrides: Any) -> nn.Module:
+        """The shared ``PeftModel`` with a freshly initialised adapter (only it is trainable).
+
+        Args:
+            seed: Seeds the adapter's ``A`` matrices (``B`` starts at zero: the model equals
+                the base until trained).
+            **overrides: ``adapter`` (name, default ``"default"``) and ``lora`` (a dict of
+                :class:`LoraConfigSpec` fields replacing the task's).
+
+        Returns:
+            The process-wide model; see :func:`shared_peft_model` for what sharing implies.
+        """
+        unknown = set(overrides) - {"adapter", "lora"}
+        if unknown:
+            raise ConfigError("task.model_args", f"unknown model overrides {sorted(unknown)}")
+        spec = self.cfg.lora
+        if overrides.get("lora"):
+            spec = LoraConfigSpec.model_validate({**spec.model_dump(), **overrides["lora"]})
+        return shared_peft_model(
+            self.cfg.model,
+            self.cfg.dtype,
+            self.cfg.model_args,
+            spec,
+            overrides.get("adapter", "default"),
+            seed,
+        )
+
+    def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:
+        """Token ids, attention masks and response-only labels of ``data`` (cached on it)."""
+        if data.encoded is None:
+            if len(data.rows) == 0:
+                data.encoded = []
+            else:
+                enc = encode_dataset(self.tokenizer, data.rows, self.cfg.prompt)
+                cols = enc.select_columns(list(_ENCODED)).to_dict()
+                data.encoded = [
+                    {k: cols[k][i] for k in _ENCODED} for i in range(len(cols["input_ids"]))
+                ]
+        return data.encoded
+
+    def batches(self, data: InstructionData, batch_size: int, seed: int) -> Iterator[Any]:
+        """Endless seeded batches ``{input_ids, attention_mask, labels}``, each ``[B, T]``."""
+        rows = self.encode(data)
+        if not rows:
+            raise ValueError("cannot draw batches from an empty client dataset")
+        epochs = InstructionBatches(
+            rows, batch_size, pad_id_of(self.tokenizer), seed=seed, bucket=self.cfg.bucket
+        )
+        while True:
+            yield from epochs  # each pass is the next epoch, reshuffled
+
+    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
+        """Mean cross-entropy over response tokens (labels are -100 elsewhere)."""
+        device = next(model.parameters()).device
+        with self.autocast():
+            out = model(**{k: v.to(device) for k, v in batch.items()})
+        return out.loss, out
+
+    def evaluate(self, model: nn.Module, data: InstructionData) -> dict[str, float]:
+        """Per-domain and overall metrics on ``data``; ``zeroshot/...`` for the held-out domain.
+
+        Returns:
+            ``score`` (mean over domains), ``score/<domain>``, each metric kind overall and
+            per domain (``rougeL``, ``gsm8k_acc``, ``acc``), ``ppl`` when ``eval_ppl``, counts
+            ``n``; and ``zeroshot/score``, ``zeroshot/<metric>``, ``zeroshot/n`` when a domain
+            is held out.
+        """
+        out: dict[str, float] = {}
+        if len(data.rows):
+            out.update(self._evaluate_rows(model, data.rows))
+        if data.heldout is not None and len(data.heldout):
+            zero = self._evaluate_rows(model, data.heldout)
+            out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items() if "/" not in k})
+        return out
+
+    def _evaluate_rows(self, model: nn.Module, rows: datasets.Dataset) -> dict[str, float]:
+        with self.autocast():
+            return evaluate_instructions(
+                model,
+                self.tokenizer,
+                rows,
+                self.cfg.prompt,
+                max_new_tokens=self.cfg.max_new_tokens,
+                batch_size=self.cfg.eval_batch_size,
+                choice_mode=self.cfg.choice_mode,
+                with_ppl=self.cfg.eval_ppl,
+            )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self._stats,
+            "local_test_sizes": [len(self._local_test[c]) for c in self.client_ids()],
+            "test_size": len(self._test.rows),
+            "test_domains": _domain_counts(self._test.rows),
+            "heldout_domain": self.cfg.heldout_domain,
+            "heldout_test_size": len(self._test.heldout) if self._test.heldout else 0,
+        }
+
+
+def _with_eval_columns(ds: datasets.Dataset) -> datasets.Dataset:
+    """Adds ``domain`` (``general``) and ``metric`` (``rouge``) columns when a source lacks them."""
+    if "domain" not in ds.column_names:
+        ds = ds.add_column("domain", ["general"] * len(ds))
+    if "metric" not in ds.column_names:
+        ds = ds.add_column("metric", ["rouge"] * len(ds))
+    return ds
+
+
+def _first_per_domain(ds: datasets.Dataset, k: int | None) -> datasets.Dataset:
+    """The first ``k`` rows of each domain, in the dataset's order (all rows when ``k`` is None)."""
+    if k is None:
+        return ds
+    seen: dict[str, int] = {}
+    keep = []
+    for i, domain in enumerate(ds["domain"]):
+        if seen.get(domain, 0) < k:
+            seen[domain] = seen.get(domain, 0) + 1
+            keep.append(i)
+    return ds.select(keep)
+
+
+def _domain_counts(ds: datasets.Dataset) -> dict[str, int]:
+    domains, counts = np.unique(np.asarray(list(ds["domain"]), dtype=object), return_counts=True)
+    return {str(d): int(c) for d, c in zip(domains, counts, strict=True)}
+
+
+def adapter_bytes(model: nn.Module) -> int:
+    """Bytes of the trainable tensors of ``model`` (what one FedAvg message carries)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def tokens_in(batch: dict[str, Tensor]) -> int:
+    """Non-padding tokens of a batch (for throughput figures)."""
+    return int(batch["attention_mask"].sum())
+
+
+TASKS.register("instruction", "instruction tuning of a causal LM with LoRA (FedIT, quickstart)")(
+    InstructionTask
+)
