@@ -618,17 +618,36 @@ def _figures(grid: Grid, stats: dict[str, Any], mem: dict[str, Any], folder: Pat
     plt.close(fig)
     ok = {k: v for k, v in mem.items() if "train_mb" in v}
     if ok:
-        fig, ax = plt.subplots(figsize=(7, 2.8))
+        fig, ax = plt.subplots(figsize=(8, 2.8))
         labels = list(ok)
         ax.barh(labels, [ok[k]["train_mb"] for k in labels], label="training memory")
         ax.set_xscale("log")
-        ax.set_xlabel("MB (anonymous RSS increase of one client's local training, log scale)")
+        ax.set_xlabel("training memory of one client (MB, anonymous RSS increase; log scale)")
         ax.grid(axis="x", alpha=0.3)
         fig.tight_layout()
         paths.append(folder / "client_memory.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def _observations(grid: Grid, stats: dict[str, Any]) -> list[str]:
+    """Accuracy differences between FedRD and each baseline, per modality and α."""
+    lines = []
+    for mod in grid.modalities:
+        for a in grid.alphas:
+            mine = stats.get(Job(mod, a, "fedrd").name)
+            if mine is None:
+                continue
+            parts = []
+            for m in grid.methods:
+                other = stats.get(Job(mod, a, m).name) if m != "fedrd" else None
+                if other is not None:
+                    d_acc = mine["acc"] - other["acc"]
+                    d_f1 = mine["macro_f1"] - other["macro_f1"]
+                    parts.append(f"vs {METHODS[m].label} {d_acc:+.3f} acc / {d_f1:+.3f} F1")
+            lines.append(f"- {mod}, α = {a:g}: FedRD " + "; ".join(parts) + ".")
+    return lines
 
 
 def _preset_lines(grid: Grid) -> list[str]:
@@ -656,7 +675,8 @@ def _preset_lines(grid: Grid) -> list[str]:
                     f" α={al.get('alpha')}, β={al.get('beta')}, {srv.get('epochs')} epochs"
                     f" {srv.get('optimizer')} lr {srv.get('lr')}"
                 )
-            data = f"{t['dataset']} (max_train {t.get('max_train')}, max_test {t.get('max_test')})"
+            sizes = [f"{k} {t[k]}" for k in ("max_train", "max_test", "public_size") if t.get(k)]
+            data = f"{t['dataset']} ({', '.join(sizes)})" if sizes else t["dataset"]
             n = int(p.get("num_clients", 10))
             per_round = min(n, max(c.clients.min_clients, round(c.clients.fraction * n)))
             lines.append(
@@ -746,6 +766,13 @@ def write_report(
     ]
     for mod in grid.modalities:
         lines += [f"### {mod}", "", *_results_table(grid, stats, mod), ""]
+    lines += [
+        "**Differences** (computed from the tables; one seed per cell, so a difference of a"
+        " point or two is not a ranking):",
+        "",
+        *_observations(grid, stats),
+        "",
+    ]
     lines += ["## Client memory", ""]
     if mem:
         lines += [
