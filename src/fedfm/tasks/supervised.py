@@ -106,8 +106,13 @@ class SupervisedTask(Task):
         self._test = _to_tensors(src, test, image, reg)
         self._clients: dict[str, TensorData] = {}
         self._local_test: dict[str, TensorData] = {}
+        # Convert the pool once and index it: converting each partition's Arrow view separately
+        # costs seconds on image sets.
+        pool = _to_tensors(src, train, image, reg)
+        row_of = {int(j): k for k, j in enumerate(pool.ids.tolist())}
         for i, p in enumerate(parts):
-            data = _to_tensors(src, p, image, reg)
+            rows = [row_of[int(j)] for j in column_array(p, "id")]
+            data = pool.subset(torch.tensor(rows, dtype=torch.long))
             n_test = round(cfg.local_test_fraction * len(data))
             g = torch.Generator().manual_seed(derive_seed(run.seed, "local-test", i))
             perm = torch.randperm(len(data), generator=g)
