@@ -206,6 +206,44 @@ def test_other_fedavg_family_members_run_on_lora(tmp_path, algorithm, algo) -> N
     assert rows[-1]["train_loss"] > 0 and "score" in rows[-1]
 
 
+def test_bfloat16_base_keeps_a_float32_adapter_and_trains_under_autocast(tmp_path) -> None:
+    cfg = _cfg(
+        tmp_path,
+        name="bf16",
+        rounds=1,
+        eval_before=False,
+        task={"dtype": "bfloat16", "autocast_bf16": True, "model_args": {**TINY, "seed": 1}},
+    )
+    task = build(cfg).task
+    model = task.build_model(seed=0)
+    base_dtypes = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert base_dtypes == {torch.bfloat16}
+    assert {v.dtype for v in get_params(model).values()} == {torch.float32}  # what travels
+    Engine(cfg, progress=False).run()
+    rows = _jsonl(tmp_path / "bf16" / "metrics.jsonl")
+    assert rows[-1]["failed"] == 0 and rows[-1]["train_loss"] > 0
+    assert rows[-1]["bytes_down"] == 3 * lm.adapter_bytes(model)
+
+
+def test_local_alpaca_file_without_domains_or_metrics(tmp_path) -> None:
+    rows = [
+        {"instruction": f"Repeat the number {i}.", "input": "", "output": f"{i}"} for i in range(20)
+    ]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(rows))
+    cfg = _cfg(
+        tmp_path,
+        task={"dataset": "hf", "source_options": {"path": str(path)}, "test_fraction": 0.2},
+        partition={"scheme": "iid", "num_clients": 2},
+    )
+    task = build(cfg).task
+    assert [len(task.client_data(c)) for c in task.client_ids()] == [8, 8]
+    test = task.test_data().rows
+    assert len(test) == 4 and set(test["metric"]) == {"rouge"}
+    out = task.evaluate(task.build_model(seed=0), task.test_data())
+    assert {"score", "rougeL", "score/general", "ppl"} <= set(out)
+
+
 def test_bad_config_values_name_the_field(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"task\.heldout_domain"):
         build(_cfg(tmp_path, task={"heldout_domain": "poetry"}))

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from fedfm.config import validate_section
 from fedfm.core.federation import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
-from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_dataset
+from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
 from fedfm.data.sources import load_source
 from fedfm.errors import ConfigError
 from fedfm.eval.generate import pad_id_of
@@ -57,7 +57,6 @@ from fedfm.models.registry import build_model
 from fedfm.tasks.base import TASKS, Task, TaskConfig
 
 ZEROSHOT = "zeroshot/"
-_ENCODED = ("input_ids", "attention_mask", "labels")
 
 
 class InstructionConfig(TaskConfig):
@@ -153,11 +152,12 @@ def shared_base(name: str, dtype: str = "float32", args: dict[str, Any] | None =
     key = _base_key(name, dtype, args)
     if key not in _BASES:
         kwargs = dict(args)
-        if name != "tiny-llama":  # tiny test models are float32 by construction
+        if name != "tiny-llama":  # the tiny test model is built in float32, then cast below
             kwargs["dtype"] = dtype
         bundle = build_model(name, **kwargs)
         if not isinstance(bundle, LMBundle):
             raise ConfigError("task.model", f"'{name}' is not a causal language model")
+        bundle.model.to(getattr(torch, dtype))
         _BASES[key] = bundle
     return _BASES[key]
 
@@ -259,9 +259,9 @@ class InstructionTask(Task):
             )
         if len(domains) < 2:
             raise ConfigError("task.heldout_domain", "holding out the only domain leaves no data")
-        seen = train.filter(lambda d: d != domain, input_columns="domain")
-        test_seen = test.filter(lambda d: d != domain, input_columns="domain")
-        zeroshot = test.filter(lambda d: d == domain, input_columns="domain")
+        seen = _rows_where(train, domain, keep=False)
+        test_seen = _rows_where(test, domain, keep=False)
+        zeroshot = _rows_where(test, domain, keep=True)
         if len(zeroshot) == 0:
             raise ConfigError("task.heldout_domain", f"no held-out test items of '{domain}'")
         return seen, test_seen, zeroshot
@@ -343,14 +343,14 @@ class InstructionTask(Task):
     def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:
         """Token ids, attention masks and response-only labels of ``data`` (cached on it)."""
         if data.encoded is None:
-            if len(data.rows) == 0:
-                data.encoded = []
-            else:
-                enc = encode_dataset(self.tokenizer, data.rows, self.cfg.prompt)
-                cols = enc.select_columns(list(_ENCODED)).to_dict()
-                data.encoded = [
-                    {k: cols[k][i] for k in _ENCODED} for i in range(len(cols["input_ids"]))
-                ]
+            # A plain loop rather than Dataset.map: no cache files or progress bars per client.
+            rows = data.rows
+            inputs = rows["input"] if "input" in rows.column_names else [""] * len(rows)
+            encoded = (
+                encode_example(self.tokenizer, inst, inp or "", out, self.cfg.prompt)
+                for inst, inp, out in zip(rows["instruction"], inputs, rows["output"], strict=True)
+            )
+            data.encoded = [row for row in encoded if row is not None]  # empty replies dropped
         return data.encoded
 
     def batches(self, data: InstructionData, batch_size: int, seed: int) -> Iterator[Any]:
@@ -419,6 +419,11 @@ def _with_eval_columns(ds: datasets.Dataset) -> datasets.Dataset:
     if "metric" not in ds.column_names:
         ds = ds.add_column("metric", ["rouge"] * len(ds))
     return ds
+
+
+def _rows_where(ds: datasets.Dataset, domain: str, keep: bool) -> datasets.Dataset:
+    """Rows whose domain is (``keep``) or is not ``domain``, in order."""
+    return ds.select([i for i, d in enumerate(ds["domain"]) if (d == domain) == keep])
 
 
 def _first_per_domain(ds: datasets.Dataset, k: int | None) -> datasets.Dataset:
