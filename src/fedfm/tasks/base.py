@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+from sklearn.metrics import f1_score
 from torch import Tensor, nn
 
 from fedfm.registry import Registry
@@ -85,6 +86,16 @@ class Task(ABC):
     def stats(self) -> dict[str, Any]:
         """Partition statistics saved in the run folder (sizes, label histograms)."""
         return {}
+
+
+def classification_metrics(logits: Tensor, y: Tensor) -> dict[str, float]:
+    """Accuracy, macro-F1 and cross-entropy of logits ``[N, C]`` against labels ``[N]``."""
+    pred = logits.argmax(-1)
+    return {
+        "acc": float((pred == y).float().mean()),
+        "macro_f1": float(f1_score(y.numpy(), pred.numpy(), average="macro", zero_division=0)),
+        "loss": float(nn.functional.cross_entropy(logits, y)),
+    }
 
 
 TASKS: Registry[type[Task]] = Registry("task", "task.kind")

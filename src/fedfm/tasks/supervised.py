@@ -13,7 +13,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from pydantic import Field
-from sklearn.metrics import f1_score
 from torch import Tensor, nn
 
 from fedfm.config import validate_section
@@ -22,7 +21,7 @@ from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.sources import LoadedSource, column_array, load_source
 from fedfm.errors import ConfigError
 from fedfm.models.registry import build_model
-from fedfm.tasks.base import TASKS, Task, TaskConfig
+from fedfm.tasks.base import TASKS, Task, TaskConfig, classification_metrics
 
 
 @dataclass
@@ -213,14 +212,7 @@ class SupervisedTask(Task):
         if self.kind == "regression":
             mse = nn.functional.mse_loss(out, data.y)
             return {"rmse": float(mse.sqrt()) * self.y_std, "loss": float(mse)}
-        pred = out.argmax(-1)
-        return {
-            "acc": float((pred == data.y).float().mean()),
-            "macro_f1": float(
-                f1_score(data.y.numpy(), pred.numpy(), average="macro", zero_division=0)
-            ),
-            "loss": float(nn.functional.cross_entropy(out, data.y)),
-        }
+        return classification_metrics(out, data.y)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -24,7 +24,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from pydantic import Field
-from sklearn.metrics import f1_score
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
@@ -35,7 +34,7 @@ from fedfm.data.sources import LoadedSource, load_source
 from fedfm.errors import ConfigError
 from fedfm.models.registry import MODELS, build_model
 from fedfm.models.students import PAD_ID, HashingTokenizer
-from fedfm.tasks.base import TASKS, Task, TaskConfig
+from fedfm.tasks.base import TASKS, Task, TaskConfig, classification_metrics
 
 # Models fed hashed n-gram ids; every other model is fed the raw texts.
 HASHED_MODELS = ("text-classifier",)
@@ -247,14 +246,7 @@ class TextTask(Task):
         if len(data) == 0:
             return {}
         out = self.predict(model, data)
-        pred = out.argmax(-1)
-        return {
-            "acc": float((pred == data.y).float().mean()),
-            "macro_f1": float(
-                f1_score(data.y.numpy(), pred.numpy(), average="macro", zero_division=0)
-            ),
-            "loss": float(nn.functional.cross_entropy(out, data.y)),
-        }
+        return classification_metrics(out, data.y)
 
     def stats(self) -> dict[str, Any]:
         return {
