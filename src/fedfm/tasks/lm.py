@@ -269,7 +269,8 @@ class InstructionTask(Task):
     def _partition_section(self, train: datasets.Dataset) -> dict[str, Any]:
         section = {"seed": self.run.seed, "by": "domain", **self.run.partition}
         section.setdefault("scheme", "natural")
-        if section["scheme"] == "natural" and "num_clients" not in section:
+        natural = section["scheme"] == "natural" and "num_clients" not in section
+        if natural and section["by"] in train.column_names:  # one client per distinct value
             section["num_clients"] = len(set(train[section["by"]]))
         return section
 
