@@ -269,6 +269,20 @@ def test_presets_load_and_validate() -> None:
 
 
 @pytest.mark.slow
+def test_fedit_on_flower_simulation_equals_embedded(tmp_path) -> None:
+    from fedfm.runtime.flower import run as flower_run
+
+    Engine(_cfg(tmp_path, name="embedded"), progress=False).run()
+    flower_run(_cfg(tmp_path, name="flower", runtime="flower-sim"), progress=False)
+    embedded = _jsonl(tmp_path / "embedded" / "metrics.jsonl")
+    flower = _jsonl(tmp_path / "flower" / "metrics.jsonl")
+    skip = {"time_s"}
+    assert [{k: v for k, v in r.items() if k not in skip} for r in flower] == [
+        {k: v for k, v in r.items() if k not in skip} for r in embedded
+    ]
+
+
+@pytest.mark.slow
 def test_one_fedit_round_on_real_smollm2(tmp_path) -> None:
     cfg = _cfg(
         tmp_path,
