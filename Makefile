@@ -24,3 +24,5 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	.venv/bin/python benchmarks/overhead.py
+	.venv/bin/python benchmarks/memory.py
+	.venv/bin/python benchmarks/throughput.py
