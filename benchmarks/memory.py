@@ -53,13 +53,11 @@ def child(clients: int, steps: int, threads: int | None) -> None:
     """Runs the federation and prints one JSON line with the peak RSS."""
     import fedfm.tasks.lm  # noqa: F401  (registers the instruction task)
     from fedfm.config import load_config
-    from fedfm.engine import Engine
+    from fedfm.runtime import run
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        summary = Engine(
-            load_config(run_config(out, clients, steps, threads)), progress=False
-        ).run()
+        summary = run(load_config(run_config(out, clients, steps, threads)), progress=False)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     print(
         json.dumps(

@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 from fedfm.config import load_config
-from fedfm.engine import Engine
+from fedfm.runtime import run
 from fedfm.runtime.flower import run_flower_sim
 from fedfm.runtime.flower_app import deploy as D
 
@@ -63,7 +63,7 @@ def config(out: str, steps: int, name: str, clients: int = 10) -> dict:
 
 def embedded(cfg: dict) -> float:
     t0 = time.perf_counter()
-    Engine(load_config(cfg), overwrite=True, progress=False).run()
+    run(load_config(cfg), overwrite=True, progress=False)
     return time.perf_counter() - t0
 
 

@@ -27,9 +27,10 @@ from fedfm.algorithms.fedrd import (
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, ClientState
 from fedfm.core.messages import Message
-from fedfm.engine import Engine, build
+from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.models.students import HashingTokenizer
+from fedfm.runtime import run
 
 LOADS: list[int] = []  # one entry per foundation-model load: how many client handlers were open
 BUILT: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []  # (module, state at load time)
@@ -166,7 +167,7 @@ def test_kd_gradient_is_zero_when_student_equals_teacher() -> None:
 
 def test_fedrd_run_keeps_fm_frozen_and_out_of_clients(tmp_path: Any) -> None:
     cfg = _cfg(tmp_path, teacher_eval_size=50)
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     rows = [
         json.loads(x) for x in (tmp_path / "fedrd" / "metrics.jsonl").read_text().split("\n")[:-1]
     ]
@@ -260,8 +261,8 @@ def test_checkpoint_and_resume(tmp_path: Any) -> None:
     assert all(torch.equal(phi[k], arrays[f"phi/{k}"]) for k in phi)
     # a resumed engine run continues from the checkpoint and builds the server half lazily
     cfg = _cfg(tmp_path)
-    Engine(cfg.model_copy(update={"rounds": 1}), progress=False).run()
-    Engine(cfg, resume=True, progress=False).run()
+    run(cfg.model_copy(update={"rounds": 1}), progress=False)
+    run(cfg, resume=True, progress=False)
     text = (tmp_path / "fedrd" / "metrics.jsonl").read_text()
     assert [json.loads(x)["round"] for x in text.splitlines()] == [0, 1, 2]
 
@@ -297,7 +298,7 @@ def test_text_fedrd_uses_the_task_public_split(tmp_path: Any) -> None:
     srv = setup.algo.server()
     assert srv.public.ids.tolist() == setup.task.public_data().ids.tolist()
     assert srv.public_feats.shape == (60, 12)
-    summary = Engine(cfg, progress=False).run()
+    summary = run(cfg, progress=False)
     assert "teacher/acc" in summary["final"] and 0 <= summary["final"]["server_cka"] <= 1
     assert all(n == 0 for n in LOADS)
 

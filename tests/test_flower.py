@@ -23,9 +23,9 @@ import flower_support as fs
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.config import load_config
 from fedfm.core.messages import Message
-from fedfm.engine import Engine
 from fedfm.errors import ConfigError, MessageError, TooFewClientsError
 from fedfm.runtime import flower as F
+from fedfm.runtime import run
 from fedfm.runtime.flower_app import make_client_app
 from fedfm.runtime.flower_app.client import Snapshots
 
@@ -170,7 +170,7 @@ def _flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, An
 
 
 def _embedded_run(cfg: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    return Engine(load_config(cfg), progress=False, **kw).run()
+    return run(load_config(cfg), progress=False, **kw)
 
 
 def _same_run(a: Path, b: Path) -> None:
@@ -275,7 +275,7 @@ def test_client_refuses_unknown_kinds_and_wrong_roles_with_named_errors(tmp_path
     reply = _call(app, ctx, Message("nope"), {"cid": "0", "round": 1})
     assert reply.has_error() and reply.error.code == F.CLIENT_ERROR_CODE
     assert reply.error.reason == "client 0: unknown message kind 'nope'"
-    from fedfm.engine import assign_roles
+    from fedfm.core.federation import assign_roles
 
     roles = {
         c.cid: c.role for c in assign_roles(["0", "1", "2", "3"], {"strong": 0.5, "weak": 0.5}, 3)
@@ -458,7 +458,7 @@ def test_simulation_engine_equals_embedded(tmp_path):
     cfg = fs.config(tmp_path, "test-two-phase", name="emb", rounds=2, clients=roles)
     emb = _embedded_run(cfg)
     sim_cfg = load_config({**cfg, "name": "sim", "runtime": "flower-sim"})
-    sim = F.run(sim_cfg, progress=False, options={"imports": ["flower_support"], "sim_cpus": 2})
+    sim = run(sim_cfg, progress=False, options={"imports": ["flower_support"], "sim_cpus": 2})
     _same_run(tmp_path / "emb", tmp_path / "sim")
     assert sim["finish"] == emb["finish"]
     # Client states were kept per node for resume, inside the run folder.
@@ -513,7 +513,7 @@ def test_commands_check_their_arguments(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="node authentication needs TLS"):
         D.serve(seen["cfg"], node_keys=[tmp_path / "node0.pub"])
     with pytest.raises(ConfigError, match="runs across machines"):
-        F.run(seen["cfg"])
+        run(seen["cfg"])
 
 
 # --------------------------------------------------------------------------- every algorithm

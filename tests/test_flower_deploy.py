@@ -20,7 +20,7 @@ import pytest
 
 import flower_support as fs
 from fedfm.config import load_config
-from fedfm.engine import Engine
+from fedfm.runtime import run
 from fedfm.runtime.flower import Payload
 from fedfm.runtime.flower_app import deploy as D
 
@@ -45,7 +45,7 @@ def stopping(procs: list[D.Proc]) -> Iterator[list[D.Proc]]:
 
 
 def _embedded(cfg: dict) -> dict:
-    return Engine(load_config(cfg), progress=False).run()
+    return run(load_config(cfg), progress=False)
 
 
 def _kill_when(path: Path, rnd: int, victims: list[D.Proc], stop: threading.Event) -> None:

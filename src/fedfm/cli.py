@@ -45,7 +45,7 @@ def run(
 ) -> None:
     """Run an experiment and write runs/<name>/."""
     from fedfm.config import load_config
-    from fedfm.engine import run as run_config
+    from fedfm.runtime import run as run_config
 
     cfg = load_config(config, overrides or [])
     if resume:

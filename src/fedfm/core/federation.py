@@ -9,16 +9,20 @@ Runtimes (embedded, Flower) implement :class:`Federation`; algorithms are writte
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
-from fedfm.core.messages import Arrays, Message
+from fedfm.core.messages import Arrays, Message, MessageKind
+from fedfm.errors import MessageError
 
 if TYPE_CHECKING:
     from fedfm.tasks.base import Task
@@ -58,6 +62,14 @@ class ClientState:
             del self.arrays[k]
         for k, v in arrays.items():
             self.arrays[p + k] = v.detach().to("cpu", copy=True)
+
+    def copy(self) -> ClientState:
+        """A copy a handler may change freely without touching this state.
+
+        Handlers replace tensors rather than edit them in place, so the tensor dict is copied
+        shallowly (no tensor data is copied) and the metadata deeply.
+        """
+        return ClientState(arrays=dict(self.arrays), meta=copy.deepcopy(self.meta))
 
 
 @dataclass
@@ -99,6 +111,71 @@ class ClientInfo:
 
     cid: str
     role: str = "default"
+
+
+def assign_roles(cids: list[str], roles: Mapping[str, float], seed: int) -> list[ClientInfo]:
+    """Gives each client a role: ``floor(fraction·N)`` clients per named role, seeded.
+
+    Every process of a run (the server, each Flower client) computes the same roles from the
+    run seed. Clients not given a named role get ``"default"``.
+
+    Args:
+        cids: Client ids in their stable order.
+        roles: Role name -> fraction of the clients.
+        seed: Run seed.
+
+    Returns:
+        One :class:`ClientInfo` per client, in the order of ``cids``.
+    """
+    order = np.random.default_rng(derive_seed(seed, "roles")).permutation(len(cids)).tolist()
+    role_of = {c: "default" for c in cids}
+    start = 0
+    for role, frac in sorted(roles.items()):
+        k = math.floor(frac * len(cids))
+        for i in order[start : start + k]:
+            role_of[cids[i]] = role
+        start += k
+    return [ClientInfo(c, role_of[c]) for c in cids]
+
+
+def dispatch(
+    handlers: Mapping[str, Handler],
+    kinds: Mapping[str, MessageKind],
+    ctx: ClientContext,
+    msg: Message,
+) -> Message:
+    """Runs one message through the client handler of its kind, checking both directions.
+
+    Unknown kinds and kinds the client's role does not handle are refused. The global torch
+    RNG is seeded from (run seed, round, client, kind) first, so dropout and any other
+    implicit randomness is the same on every runtime and after resume.
+
+    Args:
+        handlers: Message kind -> client handler.
+        kinds: Message kind -> declaration.
+        ctx: The client's context.
+        msg: The message from the server.
+
+    Returns:
+        The handler's reply.
+
+    Raises:
+        MessageError: The kind is unknown, not for this client's role, or a field is undeclared.
+    """
+    kind = kinds.get(msg.kind)
+    if kind is None or msg.kind not in handlers:
+        raise MessageError(f"client {ctx.cid}: unknown message kind '{msg.kind}'")
+    if kind.roles and ctx.role not in kind.roles:
+        raise MessageError(
+            f"client {ctx.cid}: role '{ctx.role}' does not handle message kind '{msg.kind}'"
+        )
+    kind.check(msg, "down")
+    # The default generator directly: torch.manual_seed also records CUDA seeding state,
+    # which costs milliseconds per call on a CPU-only build.
+    torch.default_generator.manual_seed(derive_seed(ctx.seed, ctx.rnd, ctx.cid, msg.kind))
+    reply = handlers[msg.kind](ctx, msg)
+    kind.check(reply, "up")
+    return reply
 
 
 class Federation(ABC):

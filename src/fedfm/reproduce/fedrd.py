@@ -181,13 +181,13 @@ def run_job(args: tuple[str, list[str]]) -> tuple[str, str | None, float]:
     import fedfm.algorithms.fedrd
     import fedfm.tasks.text  # noqa: F401  (registers the text task)
     from fedfm.config import load_config
-    from fedfm.engine import Engine
+    from fedfm.runtime import run
 
     preset, overrides = args
     t = time.perf_counter()
     cfg = load_config(preset, overrides)
     try:
-        Engine(cfg, overwrite=True, progress=False).run()
+        run(cfg, overwrite=True, progress=False)
         return cfg.name, None, time.perf_counter() - t
     except Exception as e:  # a failed run is reported in the study, not fatal to it
         return cfg.name, f"{type(e).__name__}: {e}", time.perf_counter() - t

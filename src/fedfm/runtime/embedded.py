@@ -13,9 +13,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from fedfm.algorithms.base import kinds_of
+from fedfm.config import RunConfig
 from fedfm.core.audit import AuditLedger
 from fedfm.core.federation import (
     ClientContext,
@@ -23,43 +24,15 @@ from fedfm.core.federation import (
     ClientState,
     Federation,
     Handler,
-    derive_seed,
+    assign_roles,
+    dispatch,
 )
 from fedfm.core.messages import Message, MessageKind, validate_arrays
 from fedfm.core.state import ClientStateStore
-from fedfm.errors import FedfmError, MessageError
+from fedfm.engine import Engine, Setup
+from fedfm.errors import ConfigError, FedfmError, MessageError
 
 log = logging.getLogger("fedfm")
-
-
-def dispatch(
-    handlers: Mapping[str, Handler],
-    kinds: Mapping[str, MessageKind],
-    ctx: ClientContext,
-    msg: Message,
-) -> Message:
-    """Client-side dispatch shared by the runtimes: refuse unknown kinds, check both ways.
-
-    The global torch RNG is seeded from (run seed, round, client, kind) first, so dropout and
-    any other implicit randomness is the same on every runtime and after resume.
-
-    Raises:
-        MessageError: The kind is unknown, not for this client's role, or a field is undeclared.
-    """
-    kind = kinds.get(msg.kind)
-    if kind is None or msg.kind not in handlers:
-        raise MessageError(f"client {ctx.cid}: unknown message kind '{msg.kind}'")
-    if kind.roles and ctx.role not in kind.roles:
-        raise MessageError(
-            f"client {ctx.cid}: role '{ctx.role}' does not handle message kind '{msg.kind}'"
-        )
-    kind.check(msg, "down")
-    # The default generator directly: torch.manual_seed also records CUDA seeding state,
-    # which costs milliseconds per call on a CPU-only build.
-    torch.default_generator.manual_seed(derive_seed(ctx.seed, ctx.rnd, ctx.cid, msg.kind))
-    reply = handlers[msg.kind](ctx, msg)
-    kind.check(reply, "up")
-    return reply
 
 
 class EmbeddedFederation(Federation):
@@ -136,3 +109,35 @@ class EmbeddedFederation(Federation):
         reason = str(err) if isinstance(err, FedfmError) else f"{type(err).__name__}: {err}"
         self.failures.append({"round": self.rnd, "client": cid, "kind": kind, "error": reason})
         log.warning("round %d: client %s failed on '%s': %s", self.rnd, cid, kind, reason)
+
+
+def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
+    """The engine's federation factory for the embedded runtime: every client in this process."""
+    cfg = setup.cfg
+    clients = assign_roles(setup.task.client_ids(), cfg.clients.roles, cfg.seed)
+    return EmbeddedFederation(
+        clients,
+        cfg.seed,
+        setup.algo.handlers(),
+        kinds_of(type(setup.algo)),
+        setup.task,
+        store,
+        ledger,
+    )
+
+
+def run_embedded(
+    cfg: RunConfig,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Runs an experiment on the embedded runtime; returns the run summary.
+
+    Raises:
+        ConfigError: ``options`` are given (the embedded runtime has none).
+    """
+    if options:
+        raise ConfigError("runtime", "the embedded runtime takes no runtime options")
+    return Engine(cfg, embedded_federation, resume, overwrite, progress).run()

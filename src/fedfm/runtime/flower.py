@@ -618,7 +618,7 @@ def flower_federation_factory(
     """An engine federation factory that talks to the clients over ``grid``."""
     from fedfm.algorithms.base import kinds_of
     from fedfm.core.checkpoint import latest_checkpoint
-    from fedfm.engine import assign_roles
+    from fedfm.core.federation import assign_roles
 
     def make(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
         cfg = setup.cfg
@@ -778,31 +778,24 @@ def run_flower_sim(
     return sink["summary"]
 
 
-def run(
+def refuse_deployment(
     cfg: RunConfig,
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
-    options: FlowerOptions | Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Runs ``cfg`` on the Flower runtime its ``runtime`` field names.
-
-    ``flower-sim`` runs Flower's simulation engine in this process. ``flower`` (the
-    deployment engine) needs machines and certificates, so it is not started implicitly:
-    it runs with ``fedfm serve`` on the server and ``fedfm client`` on each client.
+    """The ``flower`` runtime as :func:`fedfm.runtime.run` sees it: it is never started
+    implicitly, since the deployment engine needs machines and certificates.
 
     Raises:
-        ConfigError: ``runtime`` is ``flower`` or not a Flower runtime.
+        ConfigError: Always, naming the commands that run it.
     """
-    if cfg.runtime == "flower-sim":
-        return run_flower_sim(cfg, resume, overwrite, progress, options)
-    if cfg.runtime == "flower":
-        raise ConfigError(
-            "runtime",
-            "'flower' runs across machines: start `fedfm serve` here and `fedfm client` on"
-            " each client (docs/running-across-machines.md), or use runtime=flower-sim",
-        )
-    raise ConfigError("runtime", f"'{cfg.runtime}' is not a Flower runtime")
+    raise ConfigError(
+        "runtime",
+        "'flower' runs across machines: start `fedfm serve` here and `fedfm client` on"
+        " each client (docs/running-across-machines.md), or use runtime=flower-sim",
+    )
 
 
 def serve_main(*args: Any, **kw: Any) -> dict[str, Any]:

@@ -63,7 +63,8 @@ class ClientRuntime:
         import torch
 
         from fedfm.algorithms.base import kinds_of
-        from fedfm.engine import assign_roles, build
+        from fedfm.core.federation import assign_roles
+        from fedfm.engine import build
 
         self.payload = payload
         self.cfg = payload.run_config()
@@ -266,7 +267,7 @@ def handle_message(
     """
     from flwr.app import Message as FlowerMessage
 
-    from fedfm.runtime.embedded import dispatch
+    from fedfm.core.federation import dispatch
 
     try:
         rt = runtime_for(_payload(context, payload))
