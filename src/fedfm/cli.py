@@ -44,26 +44,16 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
 ) -> None:
     """Run an experiment and write runs/<name>/."""
-    from fedfm.config import load_config
+    from fedfm.config import load_run_config
     from fedfm.runtime import run as run_config
 
-    cfg = load_config(config, overrides or [])
-    if resume:
-        cfg = _saved_config(cfg, overrides or [])
+    cfg = load_run_config(config, overrides or [], resume)
     summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
     final = summary["final"]
     primary = summary["primary"]
     folder = Path(cfg.out_dir) / cfg.name
     msg = f"{cfg.name}: {primary}={final.get(primary, float('nan')):.4f} after {cfg.rounds} rounds"
     Console().print(f"{msg}  ->  {folder}")
-
-
-def _saved_config(cfg, overrides: list[str]):
-    """On resume, the run's saved config wins; overrides (e.g. more rounds) apply on top."""
-    from fedfm.config import load_config
-
-    saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
-    return load_config(str(saved), overrides) if saved.exists() else cfg
 
 
 @app.command()

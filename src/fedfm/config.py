@@ -180,3 +180,29 @@ def load_config(source: str | dict[str, Any], overrides: list[str] | None = None
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise config_error(e) from None
+
+
+def load_run_config(
+    source: str | dict[str, Any], overrides: list[str] | None = None, resume: bool = False
+) -> RunConfig:
+    """Loads a config to run; on resume, the run folder's saved config wins.
+
+    A resumed run continues the experiment it started, so its saved ``config.yaml`` is used
+    with ``overrides`` applied on top (e.g. more rounds); the config named on the command
+    line only locates the run folder. A run folder without a saved config starts afresh
+    from ``source``.
+
+    Args:
+        source: Preset name, YAML path or mapping.
+        overrides: ``key=value`` strings.
+        resume: Whether the run resumes.
+
+    Raises:
+        ConfigError: Anything is wrong, with the field named.
+    """
+    cfg = load_config(source, overrides)
+    if resume:
+        saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
+        if saved.exists():
+            cfg = load_config(str(saved), overrides)
+    return cfg

@@ -22,7 +22,7 @@ import yaml
 
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
-from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, Algorithm, kinds_of
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.audit import AuditLedger
 from fedfm.core.checkpoint import (
@@ -33,7 +33,8 @@ from fedfm.core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from fedfm.core.federation import Federation
+from fedfm.core.federation import ClientInfo, ClientRunner, Federation, assign_roles
+from fedfm.core.messages import MessageKind
 from fedfm.core.state import ClientStateStore
 from fedfm.data.partition import PartitionConfig
 from fedfm.errors import ConfigError
@@ -49,6 +50,19 @@ class Setup:
     cfg: RunConfig
     task: Task
     algo: Algorithm
+
+    def clients(self) -> list[ClientInfo]:
+        """Every client with its role (every process of the run computes the same)."""
+        return assign_roles(self.task.client_ids(), self.cfg.clients.roles, self.cfg.seed)
+
+    def kinds(self) -> dict[str, MessageKind]:
+        """The algorithm's message kinds by name."""
+        return kinds_of(type(self.algo))
+
+    def client_runner(self) -> ClientRunner:
+        """The algorithm's client half, ready to serve any client of the run."""
+        roles = {c.cid: c.role for c in self.clients()}
+        return ClientRunner(self.algo.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
 
 
 def resolve(cfg: RunConfig) -> tuple[Any, Any]:
@@ -298,4 +312,3 @@ class Engine:
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(folder.summary)
         return summary
-

@@ -49,8 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from fedfm.core.audit import AuditLedger
-from fedfm.core.federation import ClientInfo, Federation
-from fedfm.core.messages import Message, MessageKind, MetaValue, validate_arrays
+from fedfm.core.federation import ClientInfo, Federation, Templates, check_reply
+from fedfm.core.messages import Message, MessageKind, MetaValue
 from fedfm.errors import ConfigError, FedfmError, MessageError
 
 if TYPE_CHECKING:
@@ -329,11 +329,6 @@ def like_templates(spec: Mapping[str, Any]) -> dict[str, dict[str, Tensor]]:
     }
 
 
-def error_reason(err: BaseException) -> str:
-    """A client failure as one line, worded exactly as the embedded runtime words it."""
-    return str(err) if isinstance(err, FedfmError) else f"{type(err).__name__}: {err}"
-
-
 # --------------------------------------------------------------------------- sessions
 
 
@@ -378,10 +373,11 @@ class FlowerFederation(Federation):
     """The federation interface over a Flower ``Grid`` (server side).
 
     Each exchange pushes one Flower message per client and polls for the replies until all
-    have arrived or ``timeout_s`` has passed. Replies are checked as on the embedded runtime
-    (declared fields, ``like`` templates); an error reply, a missing reply or an invalid one
-    is logged in :attr:`failures` and left out. Messages are recorded in the audit ledger in
-    the embedded runtime's order (per client: down, then up).
+    have arrived or ``timeout_s`` has passed. Replies are handed on in the order of the
+    messages, each as soon as it and those before it are in: one that comes early waits
+    (still encoded) for those before it, and is decoded only when its turn comes. Replies
+    are checked as on the embedded runtime (declared fields, ``like`` templates); an error
+    reply, a missing reply or an invalid one is logged in :attr:`failures` and left out.
 
     Args:
         clients: Client ids and roles.
@@ -403,13 +399,11 @@ class FlowerFederation(Federation):
         session: Mapping[str, Any],
         options: FlowerOptions,
     ) -> None:
-        super().__init__(clients, seed)
+        super().__init__(clients, seed, kinds, ledger)
+        self.kinds: Mapping[str, MessageKind] = kinds
         self.grid = grid
-        self.kinds = kinds
-        self.ledger = ledger
         self.session = dict(session)
         self.options = options
-        self._roles = {c.cid: c.role for c in clients}
         self.node_of: dict[str, int] = {}
         self._said_hello: set[int] = set()
         self._hello_pending: dict[str, int] = {}  # handshake message id -> node
@@ -494,31 +488,43 @@ class FlowerFederation(Federation):
             self.node_of[cid] = node
 
     # ----- exchanges -----
-    def _exchange(self, msgs: list[Any], timeout: float) -> tuple[list[Any], float]:
-        """Pushes messages and polls for their replies; None where none came in time.
+    def _exchange(
+        self, messages: dict[str, Message], like: Templates | None
+    ) -> Iterator[tuple[str, Message | Exception]]:
+        from flwr.app import Message as FlowerMessage
 
-        Flower's own ``send_and_receive`` polls every 3 s; polling from 10 ms up to
-        ``poll_s`` keeps short exchanges short.
-        """
-        pushed = {str(i) for i in self.grid.push_messages(msgs) if i}
-        ids = [str(m.metadata.message_id) for m in msgs]
-        pending = {i for i in ids if i in pushed}
-        got: dict[str, Any] = {}
-        start = time.monotonic()
-        sleep = 0.01
-        while pending:
-            for reply in self.grid.pull_messages(list(pending)):
-                rid = reply.metadata.reply_to_message_id
-                if rid in pending:
-                    got[rid] = reply
-                    pending.discard(rid)
-            if not pending or time.monotonic() - start >= timeout:
-                break
-            time.sleep(sleep)
-            sleep = min(sleep * 2, self.options.poll_s)
-        return [got.get(i) for i in ids], time.monotonic() - start
+        self.discover()
+        flower_msgs = {
+            cid: FlowerMessage(
+                message_to_records(msg, self._header(cid, like)),
+                self.node_of[cid],
+                MESSAGE_TYPE,
+                group_id=str(self.rnd),
+            )
+            for cid, msg in messages.items()
+            if cid in self.node_of
+        }
+        pushed = {str(i) for i in self.grid.push_messages(list(flower_msgs.values())) if i}
+        id_of = {c: str(m.metadata.message_id) for c, m in flower_msgs.items()}
+        inbox = _Inbox(self.grid, {i for i in id_of.values() if i in pushed}, self.options)
+        for cid, msg in messages.items():
+            if cid not in id_of:
+                yield cid, ClientLost(f"client {cid}: no SuperNode serves this client")
+                continue
+            raw = inbox.take(id_of[cid])
+            if raw is None:
+                waited = inbox.waited()
+                yield (
+                    cid,
+                    ClientLost(f"client {cid}: no reply within {waited:.0f} s (SuperNode lost?)"),
+                )
+                continue
+            try:
+                yield cid, self._decode(cid, msg, raw, like)
+            except Exception as e:  # a failed client is logged and left out of the round
+                yield cid, e
 
-    def _header(self, cid: str, like: Mapping[str, Mapping[str, Tensor]] | None) -> dict:
+    def _header(self, cid: str, like: Templates | None) -> dict:
         return {
             **self.session,
             "cid": cid,
@@ -528,77 +534,51 @@ class FlowerFederation(Federation):
             "like": like_spec(like),
         }
 
-    def send(
-        self,
-        messages: Mapping[str, Message],
-        like: Mapping[str, Mapping[str, Tensor]] | None = None,
-    ) -> dict[str, Message]:
-        for cid, msg in messages.items():
-            if cid not in self._roles:
-                raise MessageError(f"no client with id '{cid}'")
-            kind = self.kinds.get(msg.kind)
-            if kind is None:
-                raise MessageError(f"message kind '{msg.kind}' is not declared by the algorithm")
-            kind.check(msg, "down")
-        self.discover()
-        from flwr.app import Message as FlowerMessage
-
-        targets = [c for c in messages if c in self.node_of]
-        flower_msgs = [
-            FlowerMessage(
-                message_to_records(messages[c], self._header(c, like)),
-                self.node_of[c],
-                MESSAGE_TYPE,
-                group_id=str(self.rnd),
-            )
-            for c in targets
-        ]
-        got, waited = self._exchange(flower_msgs, self.options.timeout_s) if targets else ([], 0.0)
-        raw = dict(zip(targets, got, strict=True))
-        replies: dict[str, Message] = {}
-        for cid, msg in messages.items():
-            self.ledger.record(self.rnd, cid, "down", msg)
-            try:
-                reply = self._check(cid, msg, raw, like, waited)
-            except Exception as e:  # a failed client is logged and left out of the round
-                self._fail(cid, msg.kind, e)
-                continue
-            self.ledger.record(self.rnd, cid, "up", reply)
-            replies[cid] = reply
-        return replies
-
-    def _check(
-        self,
-        cid: str,
-        sent: Message,
-        raw: Mapping[str, Any],
-        like: Mapping[str, Mapping[str, Tensor]] | None,
-        waited: float,
-    ) -> Message:
-        if cid not in self.node_of:
-            raise ClientLost(f"client {cid}: no SuperNode serves this client")
-        reply = raw.get(cid)
-        if reply is None:
-            raise ClientLost(f"client {cid}: no reply within {waited:.0f} s (SuperNode lost?)")
-        if reply.has_error():
-            err = reply.error
+    def _decode(self, cid: str, sent: Message, raw: Any, like: Templates | None) -> Message:
+        if raw.has_error():
+            err = raw.error
             if err.code == CLIENT_ERROR_CODE:
                 raise ClientFailed(err.reason or "")
             raise ClientFailed(f"client {cid}: Flower error {err.code}: {err.reason}")
-        msg, _ = records_to_message(reply.content)
-        if msg.kind != sent.kind:
-            raise MessageError(f"client {cid}: reply of kind '{msg.kind}' to '{sent.kind}'")
-        # Never trust the client: the declared fields are checked again on this side.
-        self.kinds[msg.kind].check(msg, "up")
-        for name, template in (like or {}).items():
-            if name in msg.arrays:
-                validate_arrays(cid, name, msg.arrays[name], template)
-        return msg
+        reply, _ = records_to_message(raw.content)
+        check_reply(self.kinds, cid, sent, reply, like)
+        return reply
 
-    def _fail(self, cid: str, kind: str, err: Exception) -> None:
-        reason = error_reason(err)
-        self.failures.append({"round": self.rnd, "client": cid, "kind": kind, "error": reason})
-        log.warning("round %d: client %s failed on '%s': %s", self.rnd, cid, kind, reason)
+
+class _Inbox:
+    """Replies of one exchange, pulled from the grid as they come in.
+
+    Flower's own ``send_and_receive`` polls every 3 s; polling from 10 ms up to ``poll_s``
+    keeps short exchanges short. The wait for all replies of an exchange ends ``timeout_s``
+    after the messages were pushed.
+    """
+
+    def __init__(self, grid: Grid, pending: set[str], options: FlowerOptions) -> None:
+        self.grid = grid
+        self.pending = pending
+        self.got: dict[str, Any] = {}
+        self.start = time.monotonic()
+        self.deadline = self.start + options.timeout_s
+        self.poll_s = options.poll_s
+        self._sleep = 0.01
+
+    def waited(self) -> float:
+        """Seconds since the messages were pushed."""
+        return time.monotonic() - self.start
+
+    def take(self, message_id: str) -> Any:
+        """The reply to ``message_id`` (removed from the inbox), or None if none came in time."""
+        while message_id not in self.got and message_id in self.pending:
+            for reply in self.grid.pull_messages(list(self.pending)):
+                rid = reply.metadata.reply_to_message_id
+                if rid in self.pending:
+                    self.got[rid] = reply
+                    self.pending.discard(rid)
+            if message_id in self.got or time.monotonic() >= self.deadline:
+                break
+            time.sleep(self._sleep)
+            self._sleep = min(self._sleep * 2, self.poll_s)
+        return self.got.pop(message_id, None)
 
 
 class ClientFailed(FedfmError):
@@ -616,9 +596,7 @@ def flower_federation_factory(
     grid: Grid, payload: Payload
 ) -> Callable[[Setup, ClientStateStore, AuditLedger], Federation]:
     """An engine federation factory that talks to the clients over ``grid``."""
-    from fedfm.algorithms.base import kinds_of
     from fedfm.core.checkpoint import latest_checkpoint
-    from fedfm.core.federation import assign_roles
 
     def make(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
         cfg = setup.cfg
@@ -628,9 +606,8 @@ def flower_federation_factory(
         if ck is not None:
             resumed_from = int(json.loads((ck / "meta.json").read_text())["round"])
         session = run_sessions(run_dir, resumed_from)
-        clients = assign_roles(setup.task.client_ids(), cfg.clients.roles, cfg.seed)
         return FlowerFederation(
-            clients, cfg.seed, grid, kinds_of(type(setup.algo)), ledger, session, payload.flower()
+            setup.clients(), cfg.seed, grid, setup.kinds(), ledger, session, payload.flower()
         )
 
     return make

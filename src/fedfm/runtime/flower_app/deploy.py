@@ -845,13 +845,9 @@ def serve_main(
     Returns:
         The run summary.
     """
-    from fedfm.config import load_config
+    from fedfm.config import load_run_config
 
-    cfg = load_config(config, [*overrides, "runtime=flower"])
-    if resume:
-        saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
-        if saved.exists():
-            cfg = load_config(str(saved), [*overrides, "runtime=flower"])
+    cfg = load_run_config(config, [*overrides, "runtime=flower"], resume)
     tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
     for key in node_keys:
         if not Path(key).exists():
@@ -927,9 +923,9 @@ def app_main(
     Returns:
         ``(app_folder, run_config_toml)``.
     """
-    from fedfm.config import load_config
+    from fedfm.config import load_run_config
 
-    cfg = load_config(config, [*overrides, "runtime=flower"])
+    cfg = load_run_config(config, [*overrides, "runtime=flower"], resume)
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
     opts = run_options(cfg, parse_options(flower))
