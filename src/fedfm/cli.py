@@ -1,4 +1,4 @@
-"""The ``fedfm`` command: run, report, list.
+"""The ``fedfm`` command: run, report, reproduce, list, and the Flower commands.
 
 Errors that fedfm raises on purpose print one line and exit with code 2 (bad config or
 input) or 1 (a run that failed, e.g. too few clients survived a round); no traceback.
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedfm.errors import ConfigError, FedfmError
+from fedfm.runtime.flower import commands as flower_commands
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False
@@ -111,13 +112,10 @@ def list_() -> None:
     out.print("[bold]presets[/]: " + ", ".join(preset_names()))
 
 
-def _add_flower_commands() -> None:
-    from fedfm.runtime.flower import add_commands
-
-    add_commands(app)  # fedfm serve, fedfm client, fedfm flower-certs
-
-
-_add_flower_commands()
+app.command("serve")(flower_commands.serve)
+app.command("client")(flower_commands.client)
+app.command("flower-app")(flower_commands.flower_app)
+app.command("flower-certs")(flower_commands.flower_certs)
 
 
 def main() -> None:

@@ -4,21 +4,31 @@ A runtime is a function ``(cfg, resume, overwrite, progress, options) -> summary
 in :data:`RUNTIMES` under the name a run config's ``runtime`` field takes. Each builds the
 engine (:class:`fedfm.engine.Engine`) with its own federation factory; the engine never
 imports a runtime. :func:`run` picks the runtime from the registry.
+
+The built-in runtimes are registered by module path and imported when first run, so that
+importing this package (as the ``fedfm`` command does) stays cheap.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from fedfm.config import RunConfig, load_config
 from fedfm.registry import Registry
-from fedfm.runtime.embedded import run_embedded
-from fedfm.runtime.flower import refuse_deployment, run_flower_sim
 
 
 class Runtime(Protocol):
-    """Runs one experiment and returns its summary (``summary.json``)."""
+    """Runs one experiment and returns its summary (what ``summary.json`` holds).
+
+    Args:
+        cfg: Validated run config.
+        resume: Continue from the run folder's last checkpoint.
+        overwrite: Replace an existing run folder.
+        progress: Show the progress display.
+        options: Runtime options (the Flower options of the Flower runtimes).
+    """
 
     def __call__(
         self,
@@ -31,10 +41,25 @@ class Runtime(Protocol):
 
 
 RUNTIMES: Registry[Runtime] = Registry("runtime", "runtime")
-RUNTIMES.register("embedded", "every client in this process (default)")(run_embedded)
-RUNTIMES.register("flower-sim", "Flower's simulation engine in this process")(run_flower_sim)
+
+
+def _lazy(module: str, name: str) -> Runtime:
+    """A runtime that imports ``module`` and calls its ``name`` when first run."""
+
+    def runtime(cfg: RunConfig, *args: Any, **kw: Any) -> dict[str, Any]:
+        return getattr(importlib.import_module(module), name)(cfg, *args, **kw)
+
+    return runtime
+
+
+RUNTIMES.register("embedded", "every client in this process (default)")(
+    _lazy("fedfm.runtime.embedded", "run_embedded")
+)
+RUNTIMES.register("flower-sim", "Flower's simulation engine in this process")(
+    _lazy("fedfm.runtime.flower.simulation", "run_flower_sim")
+)
 RUNTIMES.register("flower", "Flower's deployment engine: `fedfm serve` + `fedfm client`")(
-    refuse_deployment
+    _lazy("fedfm.runtime.flower.deploy", "refuse_deployment")
 )
 
 

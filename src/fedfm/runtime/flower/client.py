@@ -21,10 +21,13 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from fedfm.core.federation import ClientState, error_reason
 from fedfm.core.state import load_state, save_state
+from fedfm.engine import build
 from fedfm.errors import ConfigError, MessageError
-from fedfm.runtime.flower import (
+from fedfm.runtime.flower.wire import (
     CLIENT_ERROR_CODE,
     HEADER,
     Payload,
@@ -55,9 +58,6 @@ class ClientRuntime:
     """
 
     def __init__(self, payload: Payload) -> None:
-        import torch
-
-        from fedfm.engine import build
 
         self.payload = payload
         self.cfg = payload.run_config()
