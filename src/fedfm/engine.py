@@ -72,7 +72,8 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
         ``(algo_config, task_config)``.
 
     Raises:
-        ConfigError: Unknown algorithm or task kind, or a bad value in their sections.
+        ConfigError: Unknown algorithm or task kind, a bad value in their sections, or a task
+            without a capability the algorithm needs.
     """
     algo_cls = ALGORITHMS.get(cfg.algorithm)
     task_kind = cfg.task.get("kind", "tabular")
@@ -80,6 +81,7 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
     task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
     validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")
+    algo_cls.check_task(algo_cfg, task_cls, task_cfg)  # optional task capabilities
     return algo_cfg, task_cfg
 
 

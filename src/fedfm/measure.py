@@ -103,9 +103,9 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
     import torch
     import transformers  # noqa: F401
 
-    import fedfm.algorithms.fedrd
     import fedfm.tasks.text  # noqa: F401
     from fedfm.algorithms.base import ALGORITHMS
+    from fedfm.algorithms.fedrd import FedRD
     from fedfm.config import load_config
     from fedfm.core.federation import ClientContext, ClientState
     from fedfm.core.messages import Message
@@ -137,7 +137,7 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
         "params_on_client": sum(p.numel() for p in params),
         "params_trainable": sum(p.numel() for p in params if p.requires_grad),
         "params_sent": sum(v.numel() for v in reply.arrays["params"].values()),
-        "fm_loaded": getattr(algo, "_teacher", None) is not None,
+        "fm_loaded": isinstance(algo, FedRD) and algo.teacher_loaded,
         "baseline_mb": base / 2**20,
         "peak_mb": mem.peak / 2**20,
         "rss_increase_mb": (mem.peak - base) / 2**20,

@@ -22,7 +22,7 @@ from fedfm.registry import Registry
 
 if TYPE_CHECKING:
     from fedfm.config import RunConfig
-    from fedfm.tasks.base import Task
+    from fedfm.tasks.base import Task, TaskConfig
 
 
 class AlgoConfig(BaseModel):
@@ -53,6 +53,17 @@ class Algorithm:
         self.cfg = cfg
         self.task = task
         self.run = run
+
+    @classmethod
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        """Refuses a task that lacks an optional capability this algorithm needs with ``cfg``.
+
+        Called when the config is loaded, before any data is read; use
+        :func:`fedfm.tasks.base.require` for each capability needed.
+
+        Raises:
+            ConfigError: A capability is missing, naming the config field that needs it.
+        """
 
     # ----- client half -----
     def handlers(self) -> dict[str, Handler]:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from fedfm.core.audit import AuditLedger
+from fedfm.core.groups import get_group
 from fedfm.core.messages import Arrays, Message, MessageKind, validate_arrays
 from fedfm.errors import FedfmError, MessageError
 
@@ -56,8 +57,7 @@ class ClientState:
 
     def get_group(self, prefix: str) -> Arrays:
         """Returns the tensors stored under ``prefix/`` with the prefix removed."""
-        p = prefix + "/"
-        return {k[len(p) :]: v for k, v in self.arrays.items() if k.startswith(p)}
+        return get_group(self.arrays, prefix)
 
     def set_group(self, prefix: str, arrays: Mapping[str, Tensor]) -> None:
         """Replaces the tensors under ``prefix/`` with detached CPU copies of ``arrays``."""
