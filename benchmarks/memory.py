@@ -5,7 +5,8 @@ q,k,v,o) of SmolLM2-135M-Instruct, every client training a few steps on its shar
 instruction suite (the same 300 rows split IID over the clients, so the data is the same in
 every run and only the number of clients changes), then one small evaluation. The child reports
 its peak resident set size (``ru_maxrss``) and the audit ledger's bytes. The embedded runtime
-shares one frozen base model between all clients, so the target is a ratio 100/1 <= 1.3,
+shares one frozen base model between all clients and folds each client's adapters into a
+running sum as they arrive (no reply is kept), so the target is a ratio 100/1 <= 1.05,
 printed last.
 
 Usage: .venv/bin/python benchmarks/memory.py [--clients 1 10 100] [--steps 2] [--threads 1]

@@ -155,6 +155,18 @@ class FakeGrid:
         return out
 
 
+class ReversedGrid(FakeGrid):
+    """Answers one fedfm message per pull, the last one pushed first: replies come reversed."""
+
+    def pull_messages(self, ids: list[str]) -> list[Any]:
+        queries = [
+            m.metadata.message_id
+            for m in self.pending
+            if m.metadata.message_id in ids and m.metadata.message_type == W.MESSAGE_TYPE
+        ]
+        return super().pull_messages(queries[-1:] or ids)
+
+
 def _payload(cfg: dict[str, Any], **kw: Any) -> W.Payload:
     options = {"imports": ["flower_support"], "node_wait_s": 0, "timeout_s": 5, "poll_s": 0.01}
     options.update(kw.pop("options", {}))
@@ -164,10 +176,11 @@ def _payload(cfg: dict[str, Any], **kw: Any) -> W.Payload:
 def _flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, Any]:
     keys = ("dead", "crash_after", "node_config", "num_nodes", "events")
     grid_kw = {k: kw.pop(k) for k in keys if k in kw}
+    grid_cls = kw.pop("grid_cls", FakeGrid)
     payload = _payload(cfg, **kw)
     clients = cfg.get("partition", {}).get("num_clients") or cfg["task"]["num_clients"]
     n = grid_kw.pop("num_nodes", clients)
-    grid = FakeGrid(payload, n, state_dir, num_partitions=clients, **grid_kw)
+    grid = grid_cls(payload, n, state_dir, num_partitions=clients, **grid_kw)
     return S.server_main(grid, payload)
 
 
@@ -364,6 +377,16 @@ def test_fedavg_over_flower_equals_embedded(tmp_path):
     summary = _flower_run({**cfg, "name": "flw", "runtime": "flower"}, tmp_path / "nodes")
     _same_run(tmp_path / "emb", tmp_path / "flw")
     assert summary["bytes_up"] > 0 and summary["failed_clients"] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_replies_arriving_out_of_order_aggregate_as_on_embedded(tmp_path, algorithm):
+    """Replies are folded in as they come, yet in the order of the messages on every runtime."""
+    algo = {"server_opt": {"name": "fedadam", "lr": 0.05}} if algorithm == "fedavg" else {}
+    cfg = fs.config(tmp_path, algorithm, name="emb", rounds=2, num_clients=5, algo=algo)
+    _embedded_run(cfg)
+    _flower_run({**cfg, "name": "flw"}, tmp_path / "nodes", grid_cls=ReversedGrid)
+    _same_run(tmp_path / "emb", tmp_path / "flw")
 
 
 @pytest.mark.parametrize("algorithm", ["test-two-phase", "scaffold"])

@@ -10,6 +10,7 @@ same config.
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -105,16 +106,22 @@ class Algorithm:
         c = self.run.clients
         return fed.sample(c.fraction, role=role, min_clients=c.min_clients)
 
-    def require(self, fed: Federation, replies: dict[str, Any], asked: int) -> None:
+    def require(self, fed: Federation, replies: Sized | int, asked: int) -> None:
         """Fails the round when fewer than ``min_clients`` answered.
+
+        Args:
+            fed: The federation.
+            replies: The valid replies (or their number).
+            asked: How many clients were asked.
 
         Raises:
             TooFewClientsError: Too few survivors.
         """
+        got = replies if isinstance(replies, int) else len(replies)
         need = min(self.run.clients.min_clients, asked)
-        if len(replies) < need:
+        if got < need:
             raise TooFewClientsError(
-                f"round {fed.rnd}: only {len(replies)} of {asked} clients answered,"
+                f"round {fed.rnd}: only {got} of {asked} clients answered,"
                 f" min_clients={self.run.clients.min_clients}"
             )
 

@@ -22,6 +22,7 @@ FedAvg's two halves are functions (:func:`fit`, :func:`evaluate_locally`, :func:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field
@@ -29,12 +30,22 @@ from torch import Tensor, nn
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig, TrainConfig
+from fedfm.core.aggregate import Aggregator, mean_delta
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import Message, MessageKind
-from fedfm.core.optim import ServerOptConfig, ServerOptimizer, scaffold_client_control
-from fedfm.core.optim import scaffold_server_update as scaffold_update
-from fedfm.core.replies import meta_number, summarise_client_metrics, weighted_mean_metric
+from fedfm.core.optim import (
+    ScaffoldSums,
+    ServerOptConfig,
+    ServerOptimizer,
+    scaffold_client_control,
+)
+from fedfm.core.replies import (
+    MetricMean,
+    meta_number,
+    summarise_client_metrics,
+    weighted_mean_metric,
+)
 from fedfm.core.train import get_params, local_round, set_params
 from fedfm.tasks.base import Task
 
@@ -89,15 +100,25 @@ def evaluate_locally(ctx: ClientContext, model: nn.Module, msg: Message) -> Mess
 
 
 def fedavg_round(
-    algo: Algorithm, fed: Federation, params: dict[str, Tensor], opt: ServerOptimizer
+    algo: Algorithm,
+    fed: Federation,
+    params: dict[str, Tensor],
+    opt: ServerOptimizer,
+    aggregator: Callable[[dict[str, Tensor]], Aggregator] = mean_delta,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Server half of a FedAvg round: send ``params`` to the sampled clients, aggregate.
+
+    Replies are folded into the aggregate as they arrive (:meth:`Federation.stream`), so
+    the server holds one client's parameters at a time, not every client's.
 
     Args:
         algo: The algorithm (its client sampling and ``min_clients``).
         fed: The federation.
         params: The global parameters θ.
-        opt: The server optimizer; Δ is the example-weighted mean of θ_k − θ.
+        opt: The server optimizer, applied to the aggregate Δ.
+        aggregator: Builds the aggregate of θ_k − θ from θ; the example-weighted mean by
+            default (:func:`~fedfm.core.aggregate.mean_delta`); one that needs every update
+            at once can be a :class:`~fedfm.core.aggregate.Buffered`.
 
     Returns:
         The new parameters and the round's metrics (``train_loss``, ``clients``).
@@ -106,12 +127,14 @@ def fedavg_round(
         TooFewClientsError: Fewer than ``min_clients`` valid replies.
     """
     cids = algo.sample(fed)
-    replies = fed.broadcast(Message("train", {"params": params}), cids, like={"params": params})
-    algo.require(fed, replies, len(cids))
-    updates = [r.arrays["params"] for r in replies.values()]
-    weights = [meta_number(r, "num_examples") for r in replies.values()]
-    new = opt.step(params, updates, weights)
-    return new, {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
+    msg = Message("train", {"params": params})
+    delta, loss = aggregator(params), MetricMean("loss")
+    for _, r in fed.stream({c: msg for c in cids}, like={"params": params}):
+        delta.add(r.arrays["params"], meta_number(r, "num_examples"))
+        loss.add(r)
+    algo.require(fed, loss.count, len(cids))
+    new = opt.apply_delta(params, delta.result())
+    return new, {"train_loss": loss.mean("loss"), "clients": loss.count}
 
 
 def evaluate_global(
@@ -126,9 +149,7 @@ def evaluate_global(
     out: dict[str, Any] = dict(task.evaluate(model, task.test_data()))
     if personal:
         replies = fed.broadcast(Message("evaluate", {"params": params}), fed.client_ids())
-        per = {
-            c: {f"local/{k}": v for k, v in _metrics(r).items()} for c, r in replies.items()
-        }
+        per = {c: {f"local/{k}": v for k, v in _metrics(r).items()} for c, r in replies.items()}
         out.update(summarise_client_metrics(per, ""))
         out["per_client"] = per
     return out
@@ -280,19 +301,14 @@ class Scaffold(Algorithm):
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         msg = Message("train", {"params": self.params, "control": self.control})
-        replies = fed.broadcast(msg, cids, like={"delta_y": self.params, "delta_c": self.control})
-        self.require(fed, replies, len(cids))
-        rs = list(replies.values())
-        self.params, self.control = scaffold_update(
-            self.params,
-            self.control,
-            [r.arrays["delta_y"] for r in rs],
-            [r.arrays["delta_c"] for r in rs],
-            [meta_number(r, "num_examples") for r in rs],
-            len(fed.client_ids()),
-            self.cfg.lr_global,
-        )
-        return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
+        like = {"delta_y": self.params, "delta_c": self.control}
+        sums, loss = ScaffoldSums(self.params, self.control), MetricMean("loss")
+        for _, r in fed.stream({c: msg for c in cids}, like=like):
+            sums.add(r.arrays["delta_y"], r.arrays["delta_c"], meta_number(r, "num_examples"))
+            loss.add(r)
+        self.require(fed, loss.count, len(cids))
+        self.params, self.control = sums.apply(len(fed.client_ids()), self.cfg.lr_global)
+        return {"train_loss": loss.mean("loss"), "clients": loss.count}
 
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)

@@ -61,6 +61,7 @@ from torch import Tensor, nn
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
+from fedfm.core.aggregate import mean_delta
 from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.kd import (
@@ -73,7 +74,7 @@ from fedfm.core.kd import (
 )
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
-from fedfm.core.replies import meta_number, summarise_by_prefix, weighted_mean_metric
+from fedfm.core.replies import MetricMean, meta_number, summarise_by_prefix, weighted_mean_metric
 from fedfm.core.train import get_params, local_round, set_params
 from fedfm.errors import ConfigError
 from fedfm.tasks.base import Task
@@ -324,19 +325,18 @@ class FedeKD(Algorithm):
     # ----- server half -----
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
-        like = {"proxy": self.proxy}
-        fwd = fed.broadcast(Message("forward", {"proxy": self.proxy}), cids, like=like)
-        self.require(fed, fwd, len(cids))
-        rs = list(fwd.values())
-        self.proxy = self.opt.step(
-            self.proxy,
-            [r.arrays["proxy"] for r in rs],
-            [meta_number(r, "num_examples") for r in rs],
-        )
-        bwd = fed.broadcast(Message("backward", {"proxy": self.proxy}), list(fwd))
-        self.require(fed, bwd, len(fwd))
+        msg = Message("forward", {"proxy": self.proxy})
+        delta, fwd_loss, answered = mean_delta(self.proxy), MetricMean("loss"), []
+        for cid, r in fed.stream({c: msg for c in cids}, like={"proxy": self.proxy}):
+            delta.add(r.arrays["proxy"], meta_number(r, "num_examples"))
+            fwd_loss.add(r)
+            answered.append(cid)
+        self.require(fed, answered, len(cids))
+        self.proxy = self.opt.apply_delta(self.proxy, delta.result())
+        bwd = fed.broadcast(Message("backward", {"proxy": self.proxy}), answered)
+        self.require(fed, bwd, len(answered))
         out = {
-            "forward_loss": weighted_mean_metric(fwd, "loss"),
+            "forward_loss": fwd_loss.mean("loss"),
             "train_loss": weighted_mean_metric(bwd, "loss"),
             "clients": len(bwd),
         }

@@ -1,4 +1,4 @@
-"""Aggregation and server optimizers as pure functions over named tensors.
+"""Server optimizers as pure functions over named tensors (aggregation: :mod:`.aggregate`).
 
 Every function here takes ``dict[str, Tensor]`` values and returns new ones; inputs are never
 modified (DESIGN.md principle 2). :class:`ServerOptimizer` is the only stateful object and it
@@ -50,6 +50,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from fedfm.core.aggregate import (
+    RunningMean,
+    check_keys,
+    check_shape,
+    check_weights,
+    compute_dtype,
+    pseudo_gradient,
+)
 from fedfm.core.messages import Arrays
 from fedfm.registry import Registry
 
@@ -111,145 +119,6 @@ StepFn = Callable[
 SERVER_OPTIMIZERS: Registry[StepFn] = Registry("server optimizer", "algo.server_opt")
 
 
-# ----------------------------------------------------------------------------- checks
-
-
-def _names(keys: Sequence[str] | set[str], limit: int = 5) -> str:
-    keys = sorted(keys)
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(repr(k) for k in keys[:limit]) + more
-
-
-def _check_keys(expected: Mapping[str, Tensor], got: Mapping[str, Tensor], what: str) -> None:
-    """Refuses ``got`` unless it has exactly the keys of ``expected``."""
-    missing = set(expected) - set(got)
-    extra = set(got) - set(expected)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {_names(missing)}")
-        if extra:
-            parts.append(f"unexpected {_names(extra)}")
-        raise ValueError(f"{what}: tensor names do not match ({'; '.join(parts)})")
-
-
-def _check_shape(ref: Tensor, t: Tensor, what: str) -> None:
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.shape != ref.shape:
-        raise ValueError(f"{what}: shape {tuple(t.shape)} does not match {tuple(ref.shape)}")
-
-
-def _check_weights(weights: Sequence[float], count: int, what: str) -> list[float]:
-    """Returns the weights as floats after refusing bad ones."""
-    ws = [float(w) for w in weights]
-    if len(ws) != count:
-        raise ValueError(f"{what}: {len(ws)} weights for {count} updates")
-    for i, w in enumerate(ws):
-        if not math.isfinite(w) or w < 0:
-            raise ValueError(f"{what}: weight {i} is {w}; weights must be finite and >= 0")
-    if sum(ws) <= 0:
-        raise ValueError(f"{what}: total weight is {sum(ws)}; it must be positive")
-    return ws
-
-
-def _compute_dtype(name: str, t: Tensor) -> torch.dtype:
-    """float32 for half/bfloat16/float32 tensors, float64 for float64 ones."""
-    if not t.is_floating_point():
-        raise ValueError(
-            f"'{name}' has dtype {t.dtype}; server optimizers need floating tensors"
-            " (average integer buffers with weighted_mean)"
-        )
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-# ----------------------------------------------------------------------------- aggregation
-
-
-def weighted_mean(
-    updates: Sequence[Mapping[str, Tensor]], weights: Sequence[float]
-) -> dict[str, Tensor]:
-    """Example-weighted mean Σ_k w_k·u_k / Σ_k w_k of named tensors.
-
-    Floating tensors are averaged in float32 (float64 for float64) and cast back to the dtype of
-    the first update; integer tensors (e.g. BatchNorm's ``num_batches_tracked``) are averaged in
-    float64 and rounded.
-
-    Args:
-        updates: One ``name -> tensor`` mapping per client, all with the same names and shapes.
-        weights: One non-negative weight per update (usually its example count n_k).
-
-    Returns:
-        A new ``name -> tensor`` dict on the device of the first update.
-
-    Raises:
-        ValueError: No updates, bad weights (negative, non-finite, total not positive, wrong
-            count), or names/shapes that differ between updates.
-    """
-    if len(updates) == 0:
-        raise ValueError("weighted_mean: no updates to aggregate")
-    ws = _check_weights(weights, len(updates), "weighted_mean")
-    total = sum(ws)
-    first = updates[0]
-    for k, u in enumerate(updates[1:], start=1):
-        _check_keys(first, u, f"weighted_mean: update {k} vs update 0")
-    out: dict[str, Tensor] = {}
-    for name, ref in first.items():
-        cd = (
-            torch.promote_types(ref.dtype, torch.float32)
-            if ref.is_floating_point()
-            else (torch.float64)
-        )
-        acc = torch.zeros(ref.shape, dtype=cd, device=ref.device)
-        for k, (u, w) in enumerate(zip(updates, ws, strict=True)):
-            t = u[name]
-            _check_shape(ref, t, f"weighted_mean: update {k} '{name}'")
-            acc += t.to(device=ref.device, dtype=cd) * (w / total)
-        if not ref.is_floating_point():
-            acc = acc.round()
-        out[name] = acc.to(ref.dtype)
-    return out
-
-
-def pseudo_gradient(
-    params: Mapping[str, Tensor],
-    updates: Sequence[Mapping[str, Tensor]],
-    weights: Sequence[float],
-) -> dict[str, Tensor]:
-    """Pseudo-gradient Δ = Σ_k (n_k/n)(θ_k − θ) (Reddi et al. 2021, Algorithm 1).
-
-    Differences are taken before averaging, which keeps small changes of large float32
-    weights exact.
-
-    Args:
-        params: Current global parameters θ.
-        updates: Client parameters θ_k after local training, same names and shapes as ``params``.
-        weights: Example counts n_k (or any non-negative weights).
-
-    Returns:
-        Δ per name, in float32 (float64 for float64 parameters) on each parameter's device.
-
-    Raises:
-        ValueError: No updates, bad weights, integer parameters, or mismatched names/shapes.
-    """
-    if len(updates) == 0:
-        raise ValueError("pseudo_gradient: no updates to aggregate")
-    ws = _check_weights(weights, len(updates), "pseudo_gradient")
-    total = sum(ws)
-    for k, u in enumerate(updates):
-        _check_keys(params, u, f"pseudo_gradient: update {k} vs params")
-    delta: dict[str, Tensor] = {}
-    for name, p in params.items():
-        cd = _compute_dtype(name, p)
-        base = p.to(dtype=cd)
-        acc = torch.zeros(p.shape, dtype=cd, device=p.device)
-        for k, (u, w) in enumerate(zip(updates, ws, strict=True)):
-            _check_shape(p, u[name], f"pseudo_gradient: update {k} '{name}'")
-            acc += (u[name].to(device=p.device, dtype=cd) - base) * (w / total)
-        delta[name] = acc
-    return delta
-
-
 # ----------------------------------------------------------------------------- step helpers
 
 
@@ -260,17 +129,17 @@ def _check_step_inputs(
     optimizer: str,
 ) -> None:
     """Refuses a delta or a state that does not belong to ``params`` and ``optimizer``."""
-    _check_keys(params, delta, f"{optimizer}: delta vs params")
+    check_keys(params, delta, f"{optimizer}: delta vs params")
     for name, p in params.items():
-        _compute_dtype(name, p)
-        _check_shape(p, delta[name], f"{optimizer}: delta '{name}'")
+        compute_dtype(name, p)
+        check_shape(p, delta[name], f"{optimizer}: delta '{name}'")
     prefixes = _STATE_PREFIXES[optimizer]
     for key, t in state.items():
         prefix, _, name = key.partition("/")
         if prefix not in prefixes or name not in params:
             allowed = ", ".join(f"'{p}/<param>'" for p in prefixes) or "no state"
             raise ValueError(f"{optimizer}: unexpected state entry '{key}' (keeps {allowed})")
-        _check_shape(params[name], t, f"{optimizer}: state '{key}'")
+        check_shape(params[name], t, f"{optimizer}: state '{key}'")
 
 
 def _get(t: Tensor, p: Tensor, cd: torch.dtype) -> Tensor:
@@ -317,7 +186,7 @@ def fedavg_step(
     lr = cfg.resolved_lr
     new = {}
     for name, p in params.items():
-        cd = _compute_dtype(name, p)
+        cd = compute_dtype(name, p)
         new[name] = _add(p, lr * _get(delta[name], p, cd))
     return new, {}
 
@@ -348,7 +217,7 @@ def fedavgm_step(
     lr, beta = cfg.resolved_lr, cfg.momentum
     new, new_state = {}, {}
     for name, p in params.items():
-        cd = _compute_dtype(name, p)
+        cd = compute_dtype(name, p)
         d = _get(delta[name], p, cd)
         key = f"m/{name}"
         if cfg.momentum_dampening:
@@ -376,7 +245,7 @@ def _adaptive_step(
     lr, b1, tau = cfg.resolved_lr, cfg.beta1, cfg.tau
     new, new_state = {}, {}
     for name, p in params.items():
-        cd = _compute_dtype(name, p)
+        cd = compute_dtype(name, p)
         d = _get(delta[name], p, cd)
         m = b1 * _state_or(state, f"m/{name}", p, cd, 0.0) + (1 - b1) * d
         v = second_moment(_state_or(state, f"v/{name}", p, cd, tau**2), d * d, cfg)
@@ -557,7 +426,7 @@ def scaffold_server_update(
     The paper averages Δy_i uniformly (1/|S|); we weight by example counts n_i like FedAvg
     (ours; pass equal weights for the paper's form). Δc is averaged uniformly as in the paper,
     since c estimates the mean of the N clients' gradients, which the |S|/N factor keeps unbiased
-    under client sampling.
+    under client sampling. The same update from running means: :class:`ScaffoldSums`.
 
     Args:
         params: Global model x.
@@ -579,26 +448,62 @@ def scaffold_server_update(
         raise ValueError("scaffold_server_update: no client updates")
     if len(delta_c) != s:
         raise ValueError(f"scaffold_server_update: {s} delta_y but {len(delta_c)} delta_c")
-    if num_clients_total < s:
-        raise ValueError(
-            f"scaffold_server_update: num_clients_total={num_clients_total} is below the"
-            f" {s} clients that replied"
-        )
-    if not (math.isfinite(lr_global) and lr_global > 0):
-        raise ValueError(f"scaffold_server_update: lr_global={lr_global} must be > 0")
-    _check_weights(weights, s, "scaffold_server_update")
+    check_weights(weights, s, "scaffold_server_update")
     for k in range(s):
-        _check_keys(params, delta_y[k], f"scaffold_server_update: delta_y {k} vs params")
-        _check_keys(c_global, delta_c[k], f"scaffold_server_update: delta_c {k} vs c_global")
-    # Zero-based "pseudo-gradients": Σ w_i (Δy_i − 0) keeps the averaging in one function.
-    zeros_x = {n: torch.zeros_like(p) for n, p in params.items()}
-    zeros_c = {n: torch.zeros_like(c) for n, c in c_global.items()}
-    dx = pseudo_gradient(zeros_x, delta_y, weights)
-    dc = pseudo_gradient(zeros_c, delta_c, [1.0] * s)
-    new_x = {n: _add(p, lr_global * _get(dx[n], p, dx[n].dtype)) for n, p in params.items()}
-    frac = s / num_clients_total
-    new_c = {n: _add(c, frac * _get(dc[n], c, dc[n].dtype)) for n, c in c_global.items()}
-    return new_x, new_c
+        check_keys(params, delta_y[k], f"scaffold_server_update: delta_y {k} vs params")
+        check_keys(c_global, delta_c[k], f"scaffold_server_update: delta_c {k} vs c_global")
+    sums = ScaffoldSums(params, c_global)
+    for dy, dc, w in zip(delta_y, delta_c, weights, strict=True):
+        sums.add(dy, dc, w)
+    return sums.apply(num_clients_total, lr_global)
+
+
+class ScaffoldSums:
+    """Running means of SCAFFOLD's client changes: Σ n_i·Δy_i / n and Σ Δc_i / |S|.
+
+    Fed one client at a time as replies arrive; :meth:`apply` is the server update of
+    :func:`scaffold_server_update`.
+
+    Args:
+        params: Global model x (names, shapes, dtypes of Δy).
+        c_global: Server control variate c (names, shapes, dtypes of Δc).
+    """
+
+    def __init__(self, params: Mapping[str, Tensor], c_global: Mapping[str, Tensor]) -> None:
+        self.params = params
+        self.c_global = c_global
+        # Zero-based pseudo-gradients: Σ w_i·(Δy_i − 0), in the compute dtype.
+        self.dy = RunningMean("scaffold_server_update (delta_y)", params, keep_dtype=False)
+        self.dc = RunningMean("scaffold_server_update (delta_c)", c_global, keep_dtype=False)
+
+    def add(self, delta_y: Mapping[str, Tensor], delta_c: Mapping[str, Tensor], w: float) -> None:
+        """Adds one client's Δy_i (weight ``w``) and Δc_i (weight 1)."""
+        self.dy.add(delta_y, w)
+        self.dc.add(delta_c, 1.0)
+
+    def apply(self, num_clients_total: int, lr_global: float = 1.0) -> tuple[Arrays, Arrays]:
+        """``(new_params, new_c_global)`` from the clients added so far.
+
+        Raises:
+            ValueError: No clients, |S| > N, η_g ≤ 0.
+        """
+        s = self.dy.count
+        if s == 0:
+            raise ValueError("scaffold_server_update: no client updates")
+        if num_clients_total < s:
+            raise ValueError(
+                f"scaffold_server_update: num_clients_total={num_clients_total} is below the"
+                f" {s} clients that replied"
+            )
+        if not (math.isfinite(lr_global) and lr_global > 0):
+            raise ValueError(f"scaffold_server_update: lr_global={lr_global} must be > 0")
+        dx, dc = self.dy.result(), self.dc.result()
+        new_x = {
+            n: _add(p, lr_global * _get(dx[n], p, dx[n].dtype)) for n, p in self.params.items()
+        }
+        frac = s / num_clients_total
+        new_c = {n: _add(c, frac * _get(dc[n], c, dc[n].dtype)) for n, c in self.c_global.items()}
+        return new_x, new_c
 
 
 def scaffold_client_control(
@@ -631,15 +536,15 @@ def scaffold_client_control(
         raise ValueError(f"scaffold_client_control: steps={steps!r} must be an integer >= 1")
     if not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"scaffold_client_control: lr={lr} must be > 0")
-    _check_keys(c_local, c_global, "scaffold_client_control: c_global vs c_local")
-    _check_keys(c_local, params_global, "scaffold_client_control: params_global vs c_local")
-    _check_keys(c_local, params_local, "scaffold_client_control: params_local vs c_local")
+    check_keys(c_local, c_global, "scaffold_client_control: c_global vs c_local")
+    check_keys(c_local, params_global, "scaffold_client_control: params_global vs c_local")
+    check_keys(c_local, params_local, "scaffold_client_control: params_local vs c_local")
     scale = 1.0 / (steps * lr)
     out: dict[str, Tensor] = {}
     for name, ci in c_local.items():
-        cd = _compute_dtype(name, ci)
+        cd = compute_dtype(name, ci)
         for what, src in (("c_global", c_global), ("x", params_global), ("y", params_local)):
-            _check_shape(ci, src[name], f"scaffold_client_control: {what} '{name}'")
+            check_shape(ci, src[name], f"scaffold_client_control: {what} '{name}'")
         x, y = _get(params_global[name], ci, cd), _get(params_local[name], ci, cd)
         new = ci.to(cd) - _get(c_global[name], ci, cd) + (x - y) * scale
         out[name] = new.to(ci.dtype)
