@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import Field
 from torch import Tensor, nn
+from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig, TrainConfig
@@ -186,6 +187,7 @@ class FedAvg(Algorithm):
         return self.run.train
 
     # ----- client half -----
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {"train": self.client_train, "evaluate": self.client_evaluate}
 
@@ -198,16 +200,20 @@ class FedAvg(Algorithm):
         return evaluate_locally(ctx, self._model, msg)
 
     # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
         return metrics
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
 
+    @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         return join_groups({"params": self.params, "opt": self.opt.state_dict()}), {}
 
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.params = get_group(arrays, "params")
         self.opt.load_state_dict(get_group(arrays, "opt"))
@@ -228,6 +234,7 @@ class FedProx(FedAvg):
         super().__init__(cfg, task, run)
         self.prox = run.train.model_copy(update={"prox_mu": cfg.mu})
 
+    @override
     def train_cfg(self) -> TrainConfig:
         return self.prox
 
@@ -269,6 +276,7 @@ class Scaffold(Algorithm):
         return self._model
 
     # ----- client half -----
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {
             "train": self.client_train,
@@ -298,6 +306,7 @@ class Scaffold(Algorithm):
         )
 
     # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         msg = Message("train", {"params": self.params, "control": self.control})
@@ -310,12 +319,15 @@ class Scaffold(Algorithm):
         self.params, self.control = sums.apply(len(fed.client_ids()), self.cfg.lr_global)
         return {"train_loss": loss.mean("loss"), "clients": loss.count}
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
 
+    @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         return join_groups({"params": self.params, "control": self.control}), {}
 
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.params = get_group(arrays, "params")
         self.control = get_group(arrays, "control")
@@ -345,6 +357,7 @@ class LocalOnly(Algorithm):
         return self._model
 
     # ----- client half -----
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {"train": self.client_train, "evaluate": self.client_evaluate}
 
@@ -368,12 +381,14 @@ class LocalOnly(Algorithm):
         )
 
     # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         replies = fed.broadcast(Message("train"), cids)
         self.require(fed, replies, len(cids))
         return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         replies = fed.broadcast(Message("evaluate"), fed.client_ids())
         per = {c: _metrics(r) for c, r in replies.items()}

@@ -58,6 +58,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, field_validator
 from torch import Tensor, nn
+from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
@@ -91,6 +92,10 @@ LOCAL = MessageKind("local", up_meta=("num_examples", "loss"))
 EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
 
 
+def _one_default_arch() -> list[dict[str, Any]]:
+    return [{}]
+
+
 class FedeKDConfig(AlgoConfig):
     """FedeKD settings; ``(ours)`` marks defaults the paper does not fix."""
 
@@ -99,7 +104,7 @@ class FedeKDConfig(AlgoConfig):
         description="model overrides of the proxy, ONE architecture shared by every client",
     )
     private_archs: list[dict[str, Any]] = Field(
-        default_factory=lambda: [{}],
+        default_factory=_one_default_arch,
         min_length=1,
         description="model overrides of the private models, cycled over clients",
     )
@@ -238,6 +243,7 @@ class FedeKD(Algorithm):
         return self.privates.instances[arch]
 
     # ----- client half -----
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {
             "forward": self.client_forward,
@@ -323,6 +329,7 @@ class FedeKD(Algorithm):
         return Message("backward", meta=meta)
 
     # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         msg = Message("forward", {"proxy": self.proxy})
@@ -347,6 +354,7 @@ class FedeKD(Algorithm):
             out["gate_max"] = max(meta_number(r, "gate_max") for r in gated.values())
         return out
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         out = summarise_privates(self.task, fed)
         set_params(self._proxy, self.proxy)
@@ -354,9 +362,11 @@ class FedeKD(Algorithm):
         out.update({f"proxy/{k}": v for k, v in glob.items()})
         return out
 
+    @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         return join_groups({"proxy": self.proxy, "opt": self.opt.state_dict()}), {}
 
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.proxy = get_group(arrays, "proxy")
         self.opt.load_state_dict(get_group(arrays, "opt"))
@@ -384,6 +394,7 @@ class LocalPrivate(Algorithm):
         self.cfg: FedeKDConfig = cfg
         self.privates = PrivateModels(task, run.seed, cfg.private_archs)
 
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {
             "local": self.client_local,
@@ -400,12 +411,14 @@ class LocalPrivate(Algorithm):
         n = self.task.num_examples(ctx.data)
         return Message("local", meta={"num_examples": n, "loss": res.loss})
 
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         replies = fed.broadcast(Message("local"), cids)
         self.require(fed, replies, len(cids))
         return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return summarise_privates(self.task, fed)
 

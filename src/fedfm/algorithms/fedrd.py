@@ -61,7 +61,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from sklearn.metrics import f1_score
 from torch import Tensor, nn
+from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.algorithms.fedavg import (
@@ -201,7 +202,9 @@ def minilm_teacher(name_or_path: str = "all-MiniLM-L6-v2", batch_size: int = 64)
     from fedfm.models.encoder import encode, load_sentence_encoder
 
     model = load_sentence_encoder(name_or_path)
-    dim = int(model.get_embedding_dimension())
+    dim = model.get_embedding_dimension()
+    if dim is None:
+        raise ConfigError("algo.teacher_options", f"'{name_or_path}' has no embedding width")
 
     def run(texts: list[str]) -> Tensor:
         return torch.from_numpy(encode(model, list(texts), batch_size=batch_size))
@@ -275,6 +278,7 @@ class ResidualBlock(nn.Module):
         self.fc1 = nn.Linear(dim, dim)
         self.fc2 = nn.Linear(dim, dim)
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         return x + self.fc2(F.relu(self.fc1(self.norm(x))))
 
@@ -296,6 +300,7 @@ class Reprogrammer(nn.Module):
         self.blocks = nn.Sequential(*[ResidualBlock(hidden) for _ in range(blocks)])
         self.proj_out = nn.Linear(hidden, out_dim)
 
+    @override
     def forward(self, f: Tensor) -> Tensor:
         if f.shape[-1] != self.in_dim:
             raise ConfigError(
@@ -303,6 +308,25 @@ class Reprogrammer(nn.Module):
                 f"features of width {f.shape[-1]} fed to a reprogrammer built for {self.in_dim}",
             )
         return F.relu(self.proj_out(F.relu(self.blocks(self.proj_in(f)))))
+
+
+class Student(Protocol):
+    """What FedRD asks of the task's model (the student).
+
+    Features ``f_s = features(x)`` ``[B, d_s]`` and a Linear ``head`` (the shared head g)
+    over them; :func:`head_width` checks the head when the server half is built.
+    """
+
+    head: nn.Linear
+
+    def features(self, x: Any) -> Tensor:
+        """Features ``[B, d_s]`` of a batch of inputs."""
+        ...
+
+
+def as_student(model: nn.Module) -> Student:
+    """``model`` seen as a :class:`Student` (checked when the server half is built)."""
+    return cast(Student, model)
 
 
 def head_width(student: nn.Module) -> int:
@@ -377,7 +401,7 @@ class CoTrainer(nn.Module):
         """Cached ``F_t(x)`` ``[B, D_t]`` -> (``f_t``, ``z_t``)."""
         if self.phi is not None:
             f_t = self.phi(feats)
-            return f_t, self.student.head(f_t)
+            return f_t, as_student(self.student).head(f_t)
         assert self.teacher_head is not None
         return feats, self.teacher_head(feats)
 
@@ -605,6 +629,7 @@ class FedRD(Algorithm):
         return self._model
 
     # ----- client half (FedAvg's) -----
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {"train": self.client_train, "evaluate": self.client_evaluate}
 
@@ -662,7 +687,7 @@ class FedRD(Algorithm):
                 c.reprogram_hidden, c.reprogram_blocks,
             )  # fmt: skip
         else:
-            thead = nn.Linear(fm_dim, int(student.head.out_features))
+            thead = nn.Linear(fm_dim, as_student(student).head.out_features)
         self._srv = ServerHalf(
             name, key, self.teacher, public, feats, CoTrainer(student, phi, thead)
         )
@@ -681,13 +706,14 @@ class FedRD(Algorithm):
 
     def _check_student_width(self, student: nn.Module, public: Any, head_in: int) -> None:
         with torch.no_grad():
-            width = student.features(self.task.inputs(public, [0, 1])).shape[-1]
+            width = as_student(student).features(self.task.inputs(public, [0, 1])).shape[-1]
         if width != head_in:
             raise ConfigError(
                 "task.model",
                 f"student features have width {width}, the shared head reads {head_in}",
             )
 
+    @override
     def setup(self, fed: Federation) -> dict[str, float]:
         t = time.perf_counter()
         srv = self.server()
@@ -697,6 +723,7 @@ class FedRD(Algorithm):
             "setup_s": round(time.perf_counter() - t, 3),
         }
 
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         # (1)-(3): broadcast, local CE, FedAvg of the student; then (4) server co-training.
         self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
@@ -713,14 +740,15 @@ class FedRD(Algorithm):
 
         def student_loss(m: nn.Module, batch: Any) -> tuple[Tensor, Any]:
             x, y, _ = batch
-            f_s = m.student.features(x)
-            z_s = m.student.head(f_s)
+            student = as_student(model.student)
+            f_s = student.features(x)
+            z_s = student.head(f_s)
             return F.cross_entropy(z_s, y), (f_s, z_s)
 
         def teacher_terms(m: nn.Module, batch: Any, out: Any) -> Tensor:
             _, y, feats = batch
             f_s, z_s = out
-            f_t, z_t = m.teacher(feats)
+            f_t, z_t = model.teacher(feats)
             extra, terms = distillation_terms(
                 y, z_s, f_s, z_t, f_t, c.alpha, c.beta, c.temperature, c.detach_teacher
             )
@@ -740,6 +768,7 @@ class FedRD(Algorithm):
             **{f"server_{k}": float(np.mean(v)) for k, v in parts.items() if v},
         }
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         out = evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
         srv = self._srv
@@ -755,10 +784,12 @@ class FedRD(Algorithm):
         was = model.training
         model.eval()
         data, feats = srv.eval_data, srv.eval_feats
+        assert feats is not None
         f_t, z_t = model.teacher(feats)
+        student = as_student(model.student)
         f_s = torch.cat(
             [
-                model.student.features(self.task.inputs(data, range(s, min(s + 256, len(data)))))
+                student.features(self.task.inputs(data, range(s, min(s + 256, len(data)))))
                 for s in range(0, len(data), 256)
             ]
         )
@@ -780,10 +811,12 @@ class FedRD(Algorithm):
         mods = {"phi": m.phi, "thead": m.teacher_head}
         return {g: get_params(mod) for g, mod in mods.items() if mod is not None}
 
+    @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         groups = {"params": self.params, "opt": self.opt.state_dict(), **self._server_groups()}
         return join_groups(groups), {}
 
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.params = get_group(arrays, "params")
         self.opt.load_state_dict(get_group(arrays, "opt"))

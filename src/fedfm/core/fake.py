@@ -16,6 +16,7 @@ in the order of the messages, and the audit ledger (in memory) records every fie
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from fedfm.core.federation import (
     ClientInfo,
@@ -69,7 +70,7 @@ class FakeFederation(Federation):
     def _answer(self, cid: str, msg: Message) -> Message:
         if callable(self.replies):
             return self.replies(cid, msg)
-        canned: Mapping[object, Message] = self.replies
+        canned: Mapping[Any, Message] = self.replies
         for key in ((cid, msg.kind), cid):
             if key in canned:
                 return canned[key]

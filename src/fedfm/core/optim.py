@@ -157,7 +157,7 @@ def _state_or(
 
 
 def _add(p: Tensor, step: Tensor) -> Tensor:
-    """p + step computed in step's dtype, returned as a new tensor in p's dtype."""
+    """P + step computed in step's dtype, returned as a new tensor in p's dtype."""
     return (p.to(dtype=step.dtype) + step).to(p.dtype)
 
 

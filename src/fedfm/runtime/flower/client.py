@@ -181,9 +181,11 @@ def context_state(
     """This client's state: Flower's context state if it belongs to this session, else the
     newest valid snapshot on disk (a resumed run, or a SuperNode that restarted)."""
     st = context.state
-    if STATE_MARK in st and str(st[STATE_MARK]["mark"]) == _mark(head, cid):
-        arrays = record_to_arrays(st[STATE_ARRAYS]) if STATE_ARRAYS in st else {}
-        meta = json.loads(str(st[STATE_META]["json"])) if STATE_META in st else {}
+    configs = st.config_records
+    if STATE_MARK in configs and str(configs[STATE_MARK]["mark"]) == _mark(head, cid):
+        records = st.array_records
+        arrays = record_to_arrays(records[STATE_ARRAYS]) if STATE_ARRAYS in records else {}
+        meta = json.loads(str(configs[STATE_META]["json"])) if STATE_META in configs else {}
         return ClientState(arrays=arrays, meta=meta)
     found = snaps.latest(head["session"], head.get("lineage", []))
     state = found or ClientState()

@@ -172,8 +172,9 @@ class FlowerFederation(Federation):
         if not self._hello_pending:
             return
         for reply in self.grid.pull_messages(list(self._hello_pending)):
-            n = self._hello_pending.pop(reply.metadata.reply_to_message_id, None)
-            if n is not None:
+            rid = reply.metadata.reply_to_message_id
+            if rid in self._hello_pending:
+                n = self._hello_pending.pop(rid)
                 self._said_hello.add(n)
                 self._map(n, reply)
 

@@ -40,6 +40,7 @@ from fedfm.runtime.flower.options import FlowerOptions, import_plugins, load_opt
 
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord, RecordDict
+    from flwr.app.typing import ConfigRecordValues
 
 
 MESSAGE_TYPE = "query.fedfm"
@@ -164,9 +165,8 @@ def record_to_arrays(record: ArrayRecord) -> dict[str, Tensor]:
     return {k: array_to_tensor(v) for k, v in record.items()}
 
 
-def _native(value: Any) -> bool:
-    # Scalars a ConfigRecord holds exactly; everything else travels as JSON.
-    return isinstance(value, bool | int | float | str)
+# Scalars a ConfigRecord holds exactly; every other meta value travels as JSON.
+_NATIVE = (bool, int, float, str)
 
 
 def message_to_records(msg: Message, header: Mapping[str, Any]) -> RecordDict:
@@ -182,8 +182,12 @@ def message_to_records(msg: Message, header: Mapping[str, Any]) -> RecordDict:
     rd = RecordDict({HEADER: ConfigRecord({"header": json.dumps(head)})})
     for name, arrays in msg.arrays.items():
         rd[ARRAYS_PREFIX + name] = arrays_to_record(arrays)
-    native = {k: v for k, v in msg.meta.items() if _native(v)}
-    other = {k: json.dumps(v) for k, v in msg.meta.items() if not _native(v)}
+    native: dict[str, ConfigRecordValues] = {
+        k: v for k, v in msg.meta.items() if isinstance(v, _NATIVE)
+    }
+    other: dict[str, ConfigRecordValues] = {
+        k: json.dumps(v) for k, v in msg.meta.items() if not isinstance(v, _NATIVE)
+    }
     rd[META] = ConfigRecord(native)
     rd[META_JSON] = ConfigRecord(other)
     return rd
@@ -196,12 +200,20 @@ def records_to_message(rd: RecordDict) -> tuple[Message, dict[str, Any]]:
         MessageError: The records are not a fedfm message.
     """
     try:
-        head = json.loads(str(rd[HEADER]["header"]))
-        native, other = rd[META], rd[META_JSON]
+        configs = rd.config_records
+        head = json.loads(str(configs[HEADER]["header"]))
+        native, other = configs[META], configs[META_JSON]
         meta: dict[str, MetaValue] = {}
         for name in head["meta"]:
-            meta[name] = native[name] if name in native else json.loads(str(other[name]))
-        arrays = {name: record_to_arrays(rd[ARRAYS_PREFIX + name]) for name in head["arrays"]}
+            if name not in native:
+                meta[name] = json.loads(str(other[name]))
+                continue
+            value = native[name]
+            if not isinstance(value, _NATIVE):  # only scalars travel natively
+                raise TypeError(f"meta field '{name}' is a {type(value).__name__}")
+            meta[name] = value
+        records = rd.array_records
+        arrays = {name: record_to_arrays(records[ARRAYS_PREFIX + name]) for name in head["arrays"]}
         return Message(str(head["kind"]), arrays, meta), head
     except (KeyError, TypeError, ValueError) as e:
         raise MessageError(f"malformed fedfm message ({type(e).__name__}: {e})") from None
