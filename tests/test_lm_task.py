@@ -259,6 +259,19 @@ def test_bad_config_values_name_the_field(tmp_path) -> None:
         task.build_model(seed=0, hidden=128)
 
 
+def test_padding_to_a_multiple_leaves_the_loss_unchanged(tmp_path) -> None:
+    plain = build(_cfg(tmp_path)).task
+    padded = build(_cfg(tmp_path, task={"pad_to_multiple_of": 32})).task
+    data = plain.client_data(plain.client_ids()[0])
+    a = next(plain.batches(data, 4, seed=1))
+    b = next(padded.batches(padded.client_data(plain.client_ids()[0]), 4, seed=1))
+    assert b["input_ids"].shape[1] % 32 == 0 and b["input_ids"].shape[1] >= a["input_ids"].shape[1]
+    model = plain.build_model(seed=0)
+    with torch.no_grad():
+        la, lb = plain.loss(model, a)[0], padded.loss(model, b)[0]
+    assert float(la) == pytest.approx(float(lb), rel=1e-5)
+
+
 def test_presets_load_and_validate() -> None:
     from fedfm.engine import resolve
 
