@@ -60,13 +60,19 @@ class Proc:
 
 
 def process_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a Flower process started by fedfm."""
+    """The environment of a Flower process started by fedfm.
+
+    ``extra`` overrides this process's variables, except ``PYTHONPATH``: its folders come
+    first and this process's follow, so the child still imports what this process imports.
+    """
     env = dict(os.environ)
     env.update(flower_env_vars(home))
     # Flower starts its helpers (flower-superexec, flwr-serverapp) by name from PATH.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.update(extra or {})
-    return env
+    extra = dict(extra or {})
+    dirs = [p for p in extra.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(extra)
+    return with_pythonpath(env, dirs)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -221,6 +227,7 @@ def plugin_pythonpath(imports: Sequence[str]) -> list[str]:
 
 
 def with_pythonpath(env: dict[str, str], dirs: Sequence[str]) -> dict[str, str]:
+    """Puts ``dirs`` first on ``env``'s ``PYTHONPATH`` (in place; also returned)."""
     if dirs:
         parts = [*dirs, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
