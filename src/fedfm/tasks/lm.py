@@ -31,7 +31,6 @@ a ``metric`` column are scored with ROUGE-L.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,7 +38,6 @@ from typing import Any, Literal
 import datasets
 import numpy as np
 import peft
-import torch
 from pydantic import Field
 from torch import Tensor, nn
 
@@ -51,9 +49,9 @@ from fedfm.data.sources import load_source
 from fedfm.errors import ConfigError
 from fedfm.eval.generate import pad_id_of
 from fedfm.eval.llm import evaluate_instructions
+from fedfm.fm import FoundationModel, shared_base
 from fedfm.models.causal_lm import LMBundle
-from fedfm.models.lora import LoraConfigSpec, add_adapters, set_active
-from fedfm.models.registry import build_model
+from fedfm.models.lora import LoraConfigSpec
 from fedfm.tasks.base import TASKS, Task, TaskConfig
 
 ZEROSHOT = "zeroshot/"
@@ -131,35 +129,7 @@ class InstructionData:
 
 
 # ---------------------------------------------------------------------------------------------
-# The shared frozen base and the PeftModel around it, one of each per process.
-
-_BASES: dict[str, LMBundle] = {}
-_ADAPTED: dict[str, peft.PeftModel] = {}
-
-
-def _base_key(name: str, dtype: str, args: dict[str, Any]) -> str:
-    return json.dumps([name, dtype, args], sort_keys=True, default=str)
-
-
-def shared_base(name: str, dtype: str = "float32", args: dict[str, Any] | None = None) -> LMBundle:
-    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)``.
-
-    Loaded on first use and then shared by every simulated client and every task of the
-    process. Once :func:`shared_peft_model` has wrapped it, its linear layers carry LoRA
-    adapters (inactive adapters leave it unchanged).
-    """
-    args = dict(args or {})
-    key = _base_key(name, dtype, args)
-    if key not in _BASES:
-        kwargs = dict(args)
-        if name != "tiny-llama":  # the tiny test model is built in float32, then cast below
-            kwargs["dtype"] = dtype
-        bundle = build_model(name, **kwargs)
-        if not isinstance(bundle, LMBundle):
-            raise ConfigError("task.model", f"'{name}' is not a causal language model")
-        bundle.model.to(getattr(torch, dtype))
-        _BASES[key] = bundle
-    return _BASES[key]
+# The shared frozen base and the PeftModel around it live in fedfm.fm, one of each per process.
 
 
 def shared_peft_model(
@@ -173,24 +143,15 @@ def shared_peft_model(
     """The process-wide ``PeftModel`` on :func:`shared_base`, with ``adapter`` freshly made.
 
     ``adapter`` is (re)created from ``spec`` with its ``A`` matrices drawn from ``seed`` and
-    ``B = 0``, then made the only active and trainable adapter. Every call returns the same
-    object, so a second call re-initialises what the first returned: callers that need two
-    live adapters add the second one with :func:`fedfm.models.lora.add_adapters`.
+    ``B = 0``, then made the only active and trainable adapter; other adapters keep their
+    tensors. Every call returns the same object, so a second call re-initialises what the
+    first returned: callers that need several live adapters use
+    :class:`fedfm.fm.FoundationModel`.
     """
-    args = dict(args or {})
-    key = _base_key(name, dtype, args)
-    model = _ADAPTED.get(key)
-    if model is None:
-        model = add_adapters(shared_base(name, dtype, args).model, [adapter], spec, seed=seed)
-        _ADAPTED[key] = model
-        return model
-    if adapter in model.peft_config:
-        # Deleting and re-adding gives exactly the initialisation of a first build with this
-        # seed, whatever the adapter's spec was before.
-        model.delete_adapter(adapter)
-    add_adapters(model, [adapter], spec, seed=seed)
-    set_active(model, active=[adapter], trainable=[adapter])
-    return model
+    fm = FoundationModel(name, dtype, args, lora=spec)
+    fm.reset_adapter(adapter, seed, spec)
+    fm.set_active([adapter], [adapter])
+    return fm.model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,6 +168,7 @@ class InstructionTask(Task):
     def __init__(self, cfg: InstructionConfig, run: Any) -> None:
         super().__init__(cfg, run)
         self.cfg: InstructionConfig = cfg
+        self._fm: FoundationModel | None = None
         src = load_source(cfg.dataset, **cfg.source_options)
         if src.info.kind != "instruction":
             raise ConfigError(
@@ -281,6 +243,19 @@ class InstructionTask(Task):
         return max(1, self.cfg.max_eval // n_domains)
 
     # ----- the shared model -----
+    def foundation_model(self) -> FoundationModel:
+        """The handle on the shared base and its adapters that LLM algorithms use."""
+        if self._fm is None:
+            self._fm = FoundationModel(
+                self.cfg.model,
+                self.cfg.dtype,
+                self.cfg.model_args,
+                lora=self.cfg.lora,
+                prompt=self.cfg.prompt,
+                autocast_bf16=self.cfg.autocast_bf16,
+            )
+        return self._fm
+
     @property
     def bundle(self) -> LMBundle:
         """The shared frozen base model and its tokenizer (loaded on first use)."""
@@ -293,10 +268,7 @@ class InstructionTask(Task):
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bfloat16 autocast when ``autocast_bf16`` is set, else a no-op context."""
-        if not self.cfg.autocast_bf16:
-            return contextlib.nullcontext()
-        device = next(self.bundle.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        return self.foundation_model().autocast()
 
     # ----- Task API -----
     def client_ids(self) -> list[str]:

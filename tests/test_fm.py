@@ -1,0 +1,189 @@
+"""The foundation-model handle: named live adapters on one shared tiny Llama."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+import fedfm.fm as fmod
+from fedfm.config import load_config
+from fedfm.core.train import local_train
+from fedfm.engine import build
+from fedfm.errors import ConfigError, UnknownNameError
+from fedfm.fm import FoundationModel
+from fedfm.models.lora import LoraConfigSpec
+
+SPEC = LoraConfigSpec(r=4, alpha=8, dropout=0.0)
+_bases = itertools.count(100)
+
+
+def tiny_fm(**kw: Any) -> FoundationModel:
+    """A handle on a base of its own (the base seed makes the process-wide key unique)."""
+    args = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": next(_bases)}
+    return FoundationModel("tiny-llama", "float32", args, lora=SPEC, **kw)
+
+
+def randomize(fm: FoundationModel, name: str, seed: int, scale: float = 0.1) -> None:
+    """Gives adapter ``name`` random non-zero tensors so that it changes the output."""
+    gen = torch.Generator().manual_seed(seed)
+    state = fm.get_adapter(name)
+    fm.set_adapter(name, {k: scale * torch.randn(v.shape, generator=gen) for k, v in state.items()})
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(3, 800, (2, 7), generator=torch.Generator().manual_seed(1))  # (2, 7)
+
+
+def test_two_active_adapters_compute_the_hand_built_sum() -> None:
+    fm = tiny_fm()
+    fm.add_adapter("rect", seed=1)
+    fm.add_adapter("self", seed=2, lora=LoraConfigSpec(r=2, alpha=6, dropout=0.0))
+    randomize(fm, "rect", 3)
+    randomize(fm, "self", 4)
+    layer = fm.model.base_model.model.model.layers[1].self_attn.v_proj
+    seen: dict[str, torch.Tensor] = {}
+
+    def grab(module: Any, args: Any, out: torch.Tensor) -> None:
+        seen["h"], seen["out"] = args[0].detach(), out.detach()
+
+    handle = layer.register_forward_hook(grab)
+    try:
+        with fm.use(["rect", "self"]) as model, torch.no_grad():
+            model(input_ids=_ids())
+    finally:
+        handle.remove()
+    h = seen["h"]  # (2, 7, 32): the layer's input inside the full forward pass
+    a_r, b_r = layer.lora_A["rect"].weight, layer.lora_B["rect"].weight  # (4, 32), (out, 4)
+    a_s, b_s = layer.lora_A["self"].weight, layer.lora_B["self"].weight  # (2, 32), (out, 2)
+    expected = h @ layer.base_layer.weight.T  # W0·h
+    expected = expected + (8 / 4) * (h @ a_r.T @ b_r.T)  # + s_r·B_r·A_r·h
+    expected = expected + (6 / 2) * (h @ a_s.T @ b_s.T)  # + s_s·B_s·A_s·h
+    assert torch.allclose(seen["out"], expected, atol=1e-6)
+    # Each alone differs from both: the forward pass really uses the two.
+    with torch.no_grad():
+        with fm.use(["rect", "self"]) as model:
+            both = model(input_ids=_ids()).logits
+        with fm.use(["rect"]) as model:
+            only_r = model(input_ids=_ids()).logits
+        with fm.use([]) as model:
+            base = model(input_ids=_ids()).logits
+    assert not torch.allclose(both, only_r, atol=1e-5)
+    assert not torch.allclose(only_r, base, atol=1e-5)
+
+
+def test_new_adapters_never_change_existing_ones_and_start_inactive() -> None:
+    fm = tiny_fm()
+    fm.add_adapter("client-0", seed=1)
+    randomize(fm, "client-0", 5)
+    fm.set_active(["client-0"], ["client-0"])
+    before = fm.get_adapter("client-0")
+    fm.add_adapter("client-1", seed=2)
+    assert fm.ensure_adapter("client-1", seed=9) is False  # exists: untouched
+    assert fm.ensure_adapter("client-2", seed=3) is True
+    fm.reset_adapter("client-1", seed=4)
+    fm.load_adapter("client-3", None, seed=6)
+    after = fm.get_adapter("client-0")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # A new adapter starts inactive and frozen; the previous choice is kept.
+    assert fm.active == ["client-0"] and fm.trainable == ["client-0"]
+    assert sorted(fm.adapters()) == ["client-0", "client-1", "client-2", "client-3"]
+
+
+def test_seeded_init_is_reproducible_and_b_starts_at_zero() -> None:
+    fm = tiny_fm()
+    fm.add_adapter("a", seed=7)
+    fm.add_adapter("b", seed=7)
+    fm.add_adapter("c", seed=8)
+    a, b, c = (fm.get_adapter(n) for n in "abc")
+    assert sorted(a) == sorted(b) == sorted(c)  # keys never name the adapter
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if "lora_A" in k)
+    assert all(float(v.abs().sum()) == 0 for k, v in a.items() if "lora_B" in k)
+    randomize(fm, "a", 1)
+    fm.reset_adapter("a", seed=7)
+    assert all(torch.equal(fm.get_adapter("a")[k], b[k]) for k in b)
+    # A client with no stored adapter gets the seeded init, not what the slot held before.
+    randomize(fm, "b", 2)
+    fm.load_adapter("b", {}, seed=7)
+    assert all(torch.equal(fm.get_adapter("b")[k], a[k]) for k in a)
+    fm.load_adapter("b", fm.get_adapter("c"), seed=0)
+    assert all(torch.equal(fm.get_adapter("b")[k], c[k]) for k in c)
+
+
+def test_use_switches_and_restores_and_trains_only_the_trainable_adapter() -> None:
+    fm = tiny_fm()
+    fm.add_adapter("global", seed=1)
+    fm.add_adapter("private", seed=2)
+    randomize(fm, "global", 3)
+    fm.set_active(["global"], [])
+    g0, p0 = fm.get_adapter("global"), fm.get_adapter("private")
+    batch = {"input_ids": _ids(), "labels": _ids()}
+    cfg = load_config({}).train.model_copy(update={"optimizer": "adamw", "lr": 1e-2})
+
+    def loss(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        out = model(**b)
+        return out.loss, out
+
+    with fm.use(["global", "private"], trainable=["private"]) as model:
+        assert fm.active == ["global", "private"] and fm.trainable == ["private"]
+        local_train(model, itertools.repeat(batch), loss, cfg, steps=3)
+    assert fm.active == ["global"] and fm.trainable == []  # restored
+    g1, p1 = fm.get_adapter("global"), fm.get_adapter("private")
+    assert all(torch.equal(g0[k], g1[k]) for k in g0)
+    assert any(not torch.equal(p0[k], p1[k]) for k in p0)
+    assert set(fm.get_adapters(["global", "private"])) == {"global", "private"}
+
+
+def test_base_loaded_once_and_shared_by_every_handle_and_the_fedit_model(tmp_path) -> None:
+    cfg = load_config(
+        {
+            "name": "fm",
+            "out_dir": str(tmp_path),
+            "algorithm": "fedavg",
+            "task": {
+                "kind": "instruction",
+                "model": "tiny-llama",
+                "model_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 9},
+                "source_options": {"per_domain_train": 4, "per_domain_test": 2},
+                "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+            },
+        }
+    )
+    task = build(cfg).task
+    fm = task.foundation_model()
+    assert fm is task.foundation_model()
+    n_bases = len(fmod._BASES)
+    other = build(cfg).task.foundation_model()
+    assert other.bundle is fm.bundle and len(fmod._BASES) == n_bases
+    fm.add_adapter("private", seed=1)
+    randomize(fm, "private", 2)
+    kept = fm.get_adapter("private")
+    model = task.build_model(seed=0)  # FedIT's path: re-initialises only "default"
+    assert model is fm.model and other.has_adapter("private")
+    assert fm.active == ["default"] and fm.trainable == ["default"]
+    assert all(torch.equal(kept[k], fm.get_adapter("private")[k]) for k in kept)
+
+
+def test_bad_adapter_names_and_tasks_without_an_llm_name_the_field(tmp_path) -> None:
+    fm = tiny_fm()
+    with pytest.raises(UnknownNameError, match=r"lora\.adapter.*'nope'"):
+        fm.get_adapter("nope")
+    fm.add_adapter("a", seed=0)
+    with (
+        pytest.raises(UnknownNameError, match=r"lora\.adapter.*'nope' \(have a\)"),
+        fm.use(["a", "nope"]),
+    ):
+        pass
+    assert fm.active == []  # a refused choice changes nothing
+    with pytest.raises(ConfigError, match=r"lora\.trainable"):
+        fm.set_active([], ["a"])
+    with pytest.raises(ConfigError, match=r"lora\.adapters"):
+        fm.add_adapter("a", seed=0)
+    import toy  # noqa: F401
+
+    task = build(load_config({"task": {"kind": "toy"}, "out_dir": str(tmp_path)})).task
+    with pytest.raises(ConfigError, match=r"task\.kind: task 'toy' has no foundation model"):
+        task.foundation_model()
