@@ -11,9 +11,11 @@ import torch
 import fedfm.fm as fmod
 from fedfm.config import load_config
 from fedfm.core.train import local_train
+from fedfm.data.prompt import PromptConfig
 from fedfm.engine import build
 from fedfm.errors import ConfigError, UnknownNameError
 from fedfm.fm import FoundationModel
+from fedfm.models.causal_lm import small_tokenizer
 from fedfm.models.lora import LoraConfigSpec
 
 SPEC = LoraConfigSpec(r=4, alpha=8, dropout=0.0)
@@ -187,3 +189,84 @@ def test_bad_adapter_names_and_tasks_without_an_llm_name_the_field(tmp_path) -> 
     task = build(load_config({"task": {"kind": "toy"}, "out_dir": str(tmp_path)})).task
     with pytest.raises(ConfigError, match=r"task\.kind: task 'toy' has no foundation model"):
         task.foundation_model()
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Hi",
+    "A farmer has 12 apples and gives away 5. How many are left? Explain step by step.",
+    "Summarize the following text in one sentence.",
+    "Name a planet.",
+]
+
+
+def test_greedy_generation_equals_bare_generate_and_is_batch_invariant() -> None:
+    fm = tiny_fm()
+    fm.add_adapter("global", seed=1)
+    randomize(fm, "global", 2, scale=0.5)
+    prompts = [fm.instruction_prompt(p) for p in PROMPTS]
+    batched = fm.generate(prompts, ["global"], seed=0, max_new_tokens=6, batch_size=4)
+    single = fm.generate(prompts, ["global"], seed=0, max_new_tokens=6, batch_size=1)
+    assert batched == single and len(set(batched)) > 1
+    base = fm.generate(prompts, [], seed=0, max_new_tokens=6)
+    assert base != batched  # the adapter set is honoured
+    # The same text as a bare transformers generate call on one prompt with the adapter on.
+    tok = fm.tokenizer
+    ids = torch.tensor([tok(prompts[2], add_special_tokens=False)["input_ids"]])
+    with fm.use(["global"]) as model, torch.no_grad():
+        mask = torch.ones_like(ids)  # pad = eos = <|im_end|> also closes the system turn
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert batched[2] == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_sampling_is_seeded_without_the_global_rng() -> None:
+    fm = tiny_fm()
+    prompts = [fm.instruction_prompt(p) for p in PROMPTS]
+    kw = {"do_sample": True, "temperature": 1.0, "top_p": 0.95, "max_new_tokens": 8}
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    first = fm.generate(prompts, [], seed=11, **kw)
+    assert torch.equal(torch.get_rng_state(), state)  # neither used nor advanced
+    torch.manual_seed(2)  # a different global history changes nothing
+    assert fm.generate(prompts, [], seed=11, **kw) == first
+    other = fm.generate(prompts, [], seed=12, **kw)
+    assert other != first
+    assert fm.generate(prompts, [], seed=11, max_new_tokens=8) != first  # greedy is not sampled
+
+
+def test_each_row_stops_at_its_own_end_of_turn() -> None:
+    from fedfm.eval.generate import generate
+    from test_llm_eval import bigram_llama
+
+    tok = small_tokenizer()
+    ids = tok("\nyes 7", add_special_tokens=False)["input_ids"]
+    model = bigram_llama(tok, [*ids, tok.eos_token_id])  # "\n" -> "yes" -> " 7" -> eos
+    # One prompt ends right before " 7" and stops after one token; the other needs three.
+    rows = [[5, ids[-2]], [5, ids[0]]]
+    assert generate(model, tok, rows, max_new_tokens=8, batch_size=2) == ["7", "yes 7"]
+
+
+def test_prompt_template_keeps_its_tail_and_cuts_the_reference_in_the_middle() -> None:
+    fm = tiny_fm(prompt=PromptConfig(max_prompt_length=160))
+    template = (
+        "### Instruction:\n{instruction}\n\n### Reference Answer:\n{reference}\n\n### Response:\n"
+    )
+    reference = " ".join(f"word{i}" for i in range(200))
+    fields = {"instruction": "Add two and three.", "reference": reference}
+    system = "Using the reference answer as a guide, write your own response."
+    text = fm.prompt(template, fields, system=system, cut=("reference", "instruction"))
+    ids = fm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert 150 <= len(ids) <= 160
+    assert text.endswith("### Response:\n<|im_end|>\n<|im_start|>assistant\n")
+    assert "Add two and three." in text  # the instruction was not needed to fit
+    assert "word0 word1 word2" in text and "word198 word199" in text  # head and tail
+    assert text.count(" ... ") == 1 and "word100 " not in text  # the middle is gone
+    short = fm.prompt(template, {"instruction": "Hi", "reference": "Hello"}, system=system)
+    assert "### Reference Answer:\nHello\n\n### Response:\n" in short
+    with pytest.raises(ConfigError, match=r"prompt\.max_prompt_length"):
+        fm.prompt(template, {**fields, "instruction": reference}, cut=("reference",))
+    with pytest.raises(ConfigError, match=r"generate\.temperature"):
+        fm.generate(["x"], [], seed=0, temperature=0)

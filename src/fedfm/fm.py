@@ -40,8 +40,10 @@ import peft
 import torch
 from torch import Tensor
 
-from fedfm.data.prompt import PromptConfig
+from fedfm.config import validate_section
+from fedfm.data.prompt import PromptConfig, fit_prompt, fit_template
 from fedfm.errors import ConfigError, UnknownNameError
+from fedfm.eval.generate import GenerationConfig, generate
 from fedfm.models.causal_lm import LMBundle
 from fedfm.models.lora import (
     LoraConfigSpec,
@@ -320,6 +322,67 @@ class FoundationModel:
             self.set_adapter(name, state)
         else:
             self.reset_adapter(name, seed, lora)
+
+    # ----- prompts and generation -----
+    def prompt(
+        self,
+        template: str,
+        fields: Mapping[str, str] | None = None,
+        *,
+        system: str | None = None,
+        cut: Sequence[str] = (),
+    ) -> str:
+        """A chat prompt whose user turn is ``template.format(**fields)``, ready for the reply.
+
+        Too long for ``prompt.max_prompt_length``, it loses tokens from the middle of the
+        fields named in ``cut`` (in that order), never from the template's text or its end
+        (see :func:`fedfm.data.prompt.fit_template`). ``system=None`` uses the prompt
+        config's system message, else the chat template's default.
+        """
+        return fit_template(self.tokenizer, template, fields or {}, self.prompt_cfg, system, cut)[0]
+
+    def instruction_prompt(self, instruction: str, input: str = "") -> str:
+        """The prompt of an instruction row exactly as in training and evaluation."""
+        return fit_prompt(self.tokenizer, instruction, input, self.prompt_cfg)[0]
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        adapters: Sequence[str],
+        *,
+        seed: int,
+        cfg: GenerationConfig | None = None,
+        **overrides: Any,
+    ) -> list[str]:
+        """Replies to complete prompts with the ``adapters`` active, batched, under autocast.
+
+        Args:
+            prompts: Complete prompt strings (from :meth:`prompt` or
+                :meth:`instruction_prompt`) or token id lists.
+            adapters: Adapters active while generating (``[]``: the base model).
+            seed: Seeds sampling without touching the global RNG; derive it with
+                :func:`fedfm.core.federation.derive_seed` (e.g. ``ctx.rng_seed("rewrite")``).
+                The same prompts, seed and batch size give the same text.
+            cfg: Decoding settings; greedy, 64 new tokens, batches of 16 by default.
+            **overrides: Fields of ``cfg`` to change for this call (``do_sample=True``, ...).
+
+        Returns:
+            One reply per prompt, in order: the new tokens up to the first end-of-turn token,
+            special tokens removed, whitespace stripped.
+        """
+        base = (cfg or GenerationConfig()).model_dump()
+        cfg = validate_section(GenerationConfig, {**base, **overrides}, "generate")
+        with self.use(adapters) as model, self.autocast():
+            return generate(
+                model,
+                self.tokenizer,
+                prompts,
+                cfg.max_new_tokens,
+                cfg.batch_size,
+                self.prompt_cfg,
+                seed=seed,
+                **cfg.generate_kwargs(),
+            )
 
     def _peft(self, names: Sequence[str]) -> peft.PeftModel:
         """The shared PeftModel; an unknown adapter name is one line naming the field."""
