@@ -270,3 +270,78 @@ def test_prompt_template_keeps_its_tail_and_cuts_the_reference_in_the_middle() -
         fm.prompt(template, {**fields, "instruction": reference}, cut=("reference",))
     with pytest.raises(ConfigError, match=r"generate\.temperature"):
         fm.generate(["x"], [], seed=0, temperature=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# All-layer features
+
+TEXTS = ["Hi", "What is the capital of France?", "one two three four five six seven", "x y"]
+
+
+def test_all_layer_features_match_the_full_model_and_batch_size_one() -> None:
+    fm = tiny_fm()
+    fm.add_adapter("global", seed=1)
+    randomize(fm, "global", 2, scale=0.5)
+    feats = fm.features(TEXTS, ["global"], batch_size=3)  # two padded batches
+    assert feats.shape == (4, fm.num_layers + 1, fm.hidden_size) == (4, 3, 32)
+    assert feats.dtype == torch.float32
+    one = torch.cat([fm.features([t], ["global"], batch_size=1) for t in TEXTS])
+    assert torch.allclose(feats, one, atol=1e-3)
+    # Each row's last token in the full model's hidden states (embeddings first, final norm last).
+    ids = fm.tokenizer(TEXTS[1], add_special_tokens=False)["input_ids"]
+    with fm.use(["global"]) as model, torch.no_grad():
+        states = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    expected = torch.stack([s[0, -1] for s in states])  # (3, 32)
+    assert torch.allclose(feats[1], expected, atol=1e-5)
+    # The adapter set is honoured; layers can be chosen, negative from the end.
+    base = fm.features(TEXTS, [])
+    assert torch.allclose(base[:, 0], feats[:, 0])  # embeddings carry no LoRA here
+    assert not torch.allclose(base[:, 2], feats[:, 2], atol=1e-4)
+    picked = fm.features(TEXTS, ["global"], layers=[0, -1])
+    assert torch.allclose(picked, feats[:, [0, 2]], atol=1e-6)
+    mean = fm.features(TEXTS[1:2], [], layers=[1], pool="mean")
+    with torch.no_grad():
+        full = fm.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert torch.allclose(mean[0, 0], full[1][0].mean(0), atol=1e-5)
+
+
+def test_features_never_compute_the_lm_head_and_check_layer_indices() -> None:
+    fm = tiny_fm()
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("the LM head was computed")
+
+    handle = fm.bundle.model.lm_head.register_forward_pre_hook(refuse)
+    try:
+        assert fm.features(TEXTS, []).shape == (4, 3, 32)
+    finally:
+        handle.remove()
+    for bad in ([3], [-4]):
+        with pytest.raises(ConfigError, match=r"features\.layers: layer -?\d is out of range"):
+            fm.features(TEXTS, [], layers=bad)
+
+
+def test_a_separate_small_feature_model_has_the_same_interface() -> None:
+    from fedfm.models.features import load_feature_model
+
+    small = load_feature_model("tiny-llama", hidden=16, layers=3, heads=2, seed=3)
+    fm = tiny_fm()
+    for model in (small, fm.feature_view([])):
+        feats = model.features(TEXTS, batch_size=2)
+        assert feats.shape == (len(TEXTS), model.num_layers + 1, model.hidden_size)
+    assert small.features(TEXTS).shape == (4, 4, 16)
+
+
+@pytest.mark.slow
+def test_minilm_all_layer_features() -> None:
+    from fedfm.models.features import load_feature_model
+
+    minilm = load_feature_model("all-minilm-l6-v2")
+    feats = minilm.features(TEXTS, batch_size=3, pool="mean")
+    assert feats.shape == (4, 7, 384)
+    one = torch.cat([minilm.features([t], pool="mean") for t in TEXTS])
+    assert torch.allclose(feats, one, atol=1e-3)
+    last = minilm.features(TEXTS, layers=[-1], batch_size=4)
+    assert torch.allclose(
+        last, torch.cat([minilm.features([t], layers=[6]) for t in TEXTS]), atol=1e-3
+    )

@@ -45,6 +45,7 @@ from fedfm.data.prompt import PromptConfig, fit_prompt, fit_template
 from fedfm.errors import ConfigError, UnknownNameError
 from fedfm.eval.generate import GenerationConfig, generate
 from fedfm.models.causal_lm import LMBundle
+from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
 from fedfm.models.lora import (
     LoraConfigSpec,
     active_adapters,
@@ -384,6 +385,43 @@ class FoundationModel:
                 **cfg.generate_kwargs(),
             )
 
+    # ----- features -----
+    def features(
+        self,
+        texts: Sequence[str] | Sequence[Sequence[int]],
+        adapters: Sequence[str],
+        *,
+        layers: Sequence[int] | None = None,
+        batch_size: int = 16,
+        pool: Pool = "last",
+        max_length: int | None = None,
+    ) -> Tensor:
+        """Hidden states of every layer (embedding output first) with ``adapters`` active.
+
+        Args:
+            texts: Complete texts (tokenised without added special tokens) or token ids.
+            adapters: Adapters active in the forward pass (``[]``: the base model).
+            layers: Hidden states to keep, ``0..num_layers`` (negative from the end); all
+                ``num_layers + 1`` when ``None``.
+            batch_size: Texts per forward pass (right-padded; results equal batch size 1).
+            pool: ``"last"`` non-padding token (FedHDS) or ``"mean"`` over tokens.
+            max_length: Keep only each text's last ``max_length`` tokens.
+
+        Returns:
+            ``(len(texts), len(layers), hidden_size)`` float32 CPU tensor. The LM head is not
+            computed; the last hidden state is taken after the final norm, as in transformers.
+
+        Raises:
+            ConfigError: A layer index is out of range (field ``features.layers``).
+        """
+        return self.feature_view(adapters, max_length).features(texts, layers, batch_size, pool)
+
+    def feature_view(self, adapters: Sequence[str], max_length: int | None = None) -> LayerFeatures:
+        """This model with ``adapters`` active, behind the interface of every feature model
+        (:class:`fedfm.models.features.LayerFeatures`), so that code written for a separate
+        small feature model (FedHDS-Turbo) runs on the LLM unchanged."""
+        return _AdapterFeatures(self, list(adapters), max_length)
+
     def _peft(self, names: Sequence[str]) -> peft.PeftModel:
         """The shared PeftModel; an unknown adapter name is one line naming the field."""
         model = _ADAPTED.get(self.key)
@@ -395,3 +433,29 @@ class FoundationModel:
         if model is None:
             raise ConfigError("lora.adapter", "the model has no adapters yet")
         return model
+
+
+class _AdapterFeatures:
+    """A :class:`FoundationModel` with a fixed adapter set as a ``LayerFeatures``."""
+
+    def __init__(self, fm: FoundationModel, adapters: list[str], max_length: int | None) -> None:
+        self.fm, self.adapters, self.max_length = fm, adapters, max_length
+
+    @property
+    def num_layers(self) -> int:
+        return self.fm.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fm.hidden_size
+
+    def features(
+        self,
+        texts: Sequence[str] | Sequence[Sequence[int]],
+        layers: Sequence[int] | None = None,
+        batch_size: int = 16,
+        pool: Pool = "last",
+    ) -> Tensor:
+        with self.fm.use(self.adapters) as model:
+            view = CausalLMFeatures(model, self.fm.tokenizer, self.max_length, self.fm.autocast)
+            return view.features(texts, layers, batch_size, pool)
