@@ -13,7 +13,7 @@ from fedfm.config import load_config
 from fedfm.core.train import local_train
 from fedfm.data.prompt import PromptConfig
 from fedfm.engine import build
-from fedfm.errors import ConfigError, UnknownNameError
+from fedfm.errors import ConfigError, FedfmError, UnknownNameError
 from fedfm.fm import FoundationModel
 from fedfm.models.causal_lm import small_tokenizer
 from fedfm.models.lora import LoraConfigSpec
@@ -345,3 +345,88 @@ def test_minilm_all_layer_features() -> None:
     assert torch.allclose(
         last, torch.cat([minilm.features([t], layers=[6]) for t in TEXTS]), atol=1e-3
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Instruction data helpers and per-item evaluation
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cfg = load_config(
+        {
+            "name": "items",
+            "out_dir": str(tmp_path_factory.mktemp("items")),
+            "task": {
+                "kind": "instruction",
+                "model": "tiny-llama",
+                "model_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 5},
+                "source_options": {
+                    "per_domain_train": 6,
+                    "per_domain_test": 2,
+                    "domains": ["general", "math", "spam"],
+                },
+                "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+                "max_new_tokens": 3,
+                "eval_ppl": False,
+            },
+        }
+    )
+    return build(cfg).task
+
+
+def test_subset_by_id_and_replaced_outputs_keep_the_raw_ones(task) -> None:
+    data = task.client_data("0")
+    ids = data.ids()
+    sub = data.subset([str(ids[3]), ids[1]])
+    assert sub.ids() == [ids[1], ids[3]]  # the data's order, ints or strings alike
+    with pytest.raises(FedfmError, match=r"ids \['-1'\] are not rows"):
+        data.subset([-1])
+    rewritten = data.with_outputs({ids[0]: "A new answer.", str(ids[2]): "Another one."})
+    assert rewritten.rows["output"][0] == "A new answer."
+    assert rewritten.rows["output"][1] == data.rows["output"][1]  # not named: unchanged
+    assert rewritten.rows["output_raw"] == data.rows["output"]
+    again = rewritten.with_outputs({ids[0]: "Third."})
+    assert again.rows["output_raw"] == data.rows["output"]  # still the source's answers
+    assert data.rows["output"][0] != "A new answer."  # the client's own data is untouched
+    # Training batches use the new answers: the response labels decode to them.
+    row = task.encode(rewritten)[0]
+    labels = [t for t in row["labels"] if t != -100]
+    assert task.tokenizer.decode(labels).startswith("A new answer.")
+
+
+def test_evaluation_items_carry_prompt_reference_answer_and_score(task) -> None:
+    model = task.build_model(seed=0)
+    metrics, items = task.evaluate_items(model, task.test_data())
+    assert metrics == task.evaluate(model, task.test_data())
+    assert len(items) == metrics["n"] == len(task.test_data())
+    keys = {"id", "domain", "metric", "prompt", "reference", "answer", "score", "zeroshot"}
+    assert all(set(item) == keys for item in items)
+    for domain in ("general", "math", "spam"):
+        scores = [i["score"] for i in items if i["domain"] == domain]
+        assert metrics[f"score/{domain}"] == pytest.approx(sum(scores) / len(scores))
+    math = next(i for i in items if i["domain"] == "math")
+    assert math["metric"] == "gsm8k_acc" and math["reference"].strip().isdigit()
+    assert math["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_head_to_head_win_rate_by_hand() -> None:
+    from fedfm.eval.llm import head_to_head
+
+    a = [
+        {"id": 1, "domain": "x", "score": 1.0},
+        {"id": 2, "domain": "x", "score": 0.5},
+        {"id": 3, "domain": "y", "score": 0.2},
+        {"id": 4, "domain": "y", "score": 0.9},  # not in b: ignored
+    ]
+    b = [
+        {"id": 1, "domain": "x", "score": 0.0},  # win
+        {"id": 2, "domain": "x", "score": 0.5},  # tie
+        {"id": 3, "domain": "y", "score": 0.7},  # loss
+    ]
+    out = head_to_head(a, b)
+    assert (out["wins"], out["ties"], out["losses"], out["n"]) == (1, 1, 1, 3)
+    assert out["win_rate"] == pytest.approx(0.5)
+    assert out["win_rate/x"] == pytest.approx(0.75) and out["win_rate/y"] == 0.0
+    assert head_to_head(a, a)["win_rate"] == 0.5
+    assert head_to_head(a, b, tie=0.6)["ties"] == 2  # |0.2 - 0.7| <= 0.6; |1 - 0| is not

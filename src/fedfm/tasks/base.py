@@ -90,6 +90,17 @@ class Task(ABC):
         return {}
 
     # ----- capabilities: tasks that have one override these -----
+    def evaluate_items(
+        self, model: nn.Module, data: Any
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:meth:`evaluate` plus one record per evaluated item (``id``, ``domain``, ``prompt``,
+        ``reference``, ``answer``, ``score``), for win rates and distribution analyses.
+
+        Raises:
+            ConfigError: The task keeps no per-item results (field ``task.kind``).
+        """
+        raise ConfigError("task.kind", f"task '{self.cfg.kind}' keeps no per-item results")
+
     def foundation_model(self) -> FoundationModel:
         """The handle on the task's LLM (shared frozen base, named adapters, generation,
         features, DP-SGD); see :mod:`fedfm.fm`.

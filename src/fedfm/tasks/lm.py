@@ -31,7 +31,7 @@ a ``metric`` column are scored with ROUGE-L.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,9 +46,9 @@ from fedfm.core.federation import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
 from fedfm.data.sources import load_source
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, FedfmError
 from fedfm.eval.generate import pad_id_of
-from fedfm.eval.llm import evaluate_instructions
+from fedfm.eval.llm import evaluate_instruction_items
 from fedfm.fm import FoundationModel, shared_base
 from fedfm.models.causal_lm import LMBundle
 from fedfm.models.lora import LoraConfigSpec
@@ -126,6 +126,54 @@ class InstructionData:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def ids(self) -> list[int]:
+        """The row ids, in order.
+
+        Raises:
+            FedfmError: The rows have no ``id`` column.
+        """
+        if "id" not in self.rows.column_names:
+            raise FedfmError("these instruction rows have no 'id' column")
+        return [int(i) for i in self.rows["id"]]
+
+    def subset(self, ids: Iterable[int | str]) -> InstructionData:
+        """The rows whose ``id`` is in ``ids``, in this data's order (coresets, selections).
+
+        Ids may be given as ints or as their strings (as JSON client state keeps them).
+
+        Raises:
+            FedfmError: An id is not a row of this data.
+        """
+        wanted = {str(i) for i in ids}
+        have = [str(i) for i in self.ids()]
+        missing = sorted(wanted - set(have))
+        if missing:
+            raise FedfmError(f"ids {missing[:5]} are not rows of this data ({len(have)} rows)")
+        return InstructionData(self.rows.select([k for k, i in enumerate(have) if i in wanted]))
+
+    def with_outputs(self, outputs: Mapping[int | str, str]) -> InstructionData:
+        """A copy whose rows named in ``outputs`` (by id) answer with the given text.
+
+        The answers the rows had before go to an ``output_raw`` column (kept as is when the
+        data was already rewritten, so it always holds the source's answers); rows not named
+        keep their output. The copy is re-encoded on first use. This is FedSD's distilled set
+        (rewritten answers) next to the raw one.
+
+        Raises:
+            FedfmError: An id is not a row of this data.
+        """
+        new = {str(k): str(v) for k, v in outputs.items()}
+        ids = [str(i) for i in self.ids()]
+        missing = sorted(set(new) - set(ids))
+        if missing:
+            raise FedfmError(f"ids {missing[:5]} are not rows of this data ({len(ids)} rows)")
+        rows = self.rows
+        if "output_raw" not in rows.column_names:
+            rows = rows.add_column("output_raw", list(rows["output"]))
+        replaced = [new.get(i, out) for i, out in zip(ids, rows["output"], strict=True)]
+        rows = rows.remove_columns("output").add_column("output", replaced)
+        return InstructionData(rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,17 +401,31 @@ class InstructionTask(Task):
             ``n``; and ``zeroshot/score``, ``zeroshot/<metric>``, ``zeroshot/n`` when a domain
             is held out.
         """
-        out: dict[str, float] = {}
-        if len(data.rows):
-            out.update(self._evaluate_rows(model, data.rows))
-        if data.heldout is not None and len(data.heldout):
-            zero = self._evaluate_rows(model, data.heldout)
-            out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items() if "/" not in k})
-        return out
+        return self.evaluate_items(model, data)[0]
 
-    def _evaluate_rows(self, model: nn.Module, rows: datasets.Dataset) -> dict[str, float]:
+    def evaluate_items(
+        self, model: nn.Module, data: InstructionData
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:meth:`evaluate` plus every evaluated item (see
+        :func:`fedfm.eval.llm.evaluate_instruction_items`): ``id, domain, metric, prompt,
+        reference, answer, score`` and ``zeroshot`` (whether it is of the held-out domain)."""
+        out: dict[str, float] = {}
+        items: list[dict[str, Any]] = []
+        if len(data.rows):
+            metrics, seen = self._evaluate_rows(model, data.rows)
+            out.update(metrics)
+            items += [{**item, "zeroshot": False} for item in seen]
+        if data.heldout is not None and len(data.heldout):
+            zero, unseen = self._evaluate_rows(model, data.heldout)
+            out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items() if "/" not in k})
+            items += [{**item, "zeroshot": True} for item in unseen]
+        return out, items
+
+    def _evaluate_rows(
+        self, model: nn.Module, rows: datasets.Dataset
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         with self.autocast():
-            return evaluate_instructions(
+            return evaluate_instruction_items(
                 model,
                 self.tokenizer,
                 rows,
