@@ -33,17 +33,17 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import peft
 import torch
 from torch import Tensor
 
-from fedfm.config import validate_section
-from fedfm.data.prompt import PromptConfig, fit_prompt, fit_template
+from fedfm.config import TrainConfig, validate_section
+from fedfm.data.prompt import PromptConfig, encode_example, fit_prompt, fit_template
 from fedfm.errors import ConfigError, UnknownNameError
-from fedfm.eval.generate import GenerationConfig, generate
+from fedfm.eval.generate import GenerationConfig, generate, pad_id_of
 from fedfm.models.causal_lm import LMBundle
 from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
 from fedfm.models.lora import (
@@ -57,6 +57,10 @@ from fedfm.models.lora import (
     trainable_adapters,
 )
 from fedfm.models.registry import build_model
+
+if TYPE_CHECKING:
+    from fedfm.core.dp import DPResult, DPSGDConfig
+    from fedfm.core.federation import ClientState
 
 Arrays = dict[str, Tensor]
 
@@ -421,6 +425,66 @@ class FoundationModel:
         (:class:`fedfm.models.features.LayerFeatures`), so that code written for a separate
         small feature model (FedHDS-Turbo) runs on the LLM unchanged."""
         return _AdapterFeatures(self, list(adapters), max_length)
+
+    # ----- training data and DP-SGD -----
+    def encode(self, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, list[int]]]:
+        """Token ids, masks and response-only labels of ``instruction, input, output`` rows,
+        exactly as in training (rows with an empty ``output`` are dropped)."""
+        return [
+            enc
+            for row in rows
+            if (
+                enc := encode_example(
+                    self.tokenizer,
+                    row["instruction"],
+                    row.get("input") or "",
+                    row["output"],
+                    self.prompt_cfg,
+                )
+            )
+            is not None
+        ]
+
+    def dp_train(
+        self,
+        rows: Sequence[Mapping[str, Sequence[int]]],
+        state: ClientState,
+        adapters: Sequence[str],
+        trainable: Sequence[str],
+        *,
+        train: TrainConfig,
+        dp: DPSGDConfig,
+        delta: float,
+        steps: int,
+        planned_steps: int,
+        seed: int,
+        key: str = "dp",
+        field: str = "algo.dp",
+    ) -> DPResult:
+        """DP-SGD on the ``trainable`` adapters with ``adapters`` active (see
+        :func:`fedfm.core.dp.dp_train` for every argument and the accounting).
+
+        The shared model is left without Opacus hooks or attributes, and with the previous
+        active and trainable adapters, whatever happens.
+        """
+        from fedfm.core.dp import dp_train  # Opacus is imported only by runs that use it
+
+        with self.use(adapters, trainable) as model:
+            return dp_train(
+                model,
+                rows,
+                state,
+                train=train,
+                dp=dp,
+                delta=delta,
+                steps=steps,
+                planned_steps=planned_steps,
+                seed=seed,
+                pad_id=pad_id_of(self.tokenizer),
+                autocast=self.autocast,
+                key=key,
+                field=field,
+            )
 
     def _peft(self, names: Sequence[str]) -> peft.PeftModel:
         """The shared PeftModel; an unknown adapter name is one line naming the field."""
