@@ -124,6 +124,7 @@ class RunFolder:
         self.client_metrics = root / "client_metrics.jsonl"
         self.checkpoints = root / "checkpoints"
         self.summary = root / "summary.json"
+        self.privacy = root / "privacy.json"
 
     def append(self, path: Path, rows: list[dict[str, Any]]) -> None:
         """Appends JSON lines and flushes them to disk."""
@@ -187,10 +188,16 @@ def _write_static(folder: RunFolder, setup: Setup) -> None:
 def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientStateStore) -> None:
     arrays, meta = algo.state_dict()
     snap = store.snapshot()
+    server = {"algo": meta, "rng": rng_state(), "privacy": algo.privacy.state()}
     save_checkpoint(
-        folder.checkpoints,
-        Checkpoint(rnd, arrays, {"algo": meta, "rng": rng_state()}, snap["arrays"], snap["meta"]),
+        folder.checkpoints, Checkpoint(rnd, arrays, server, snap["arrays"], snap["meta"])
     )
+
+
+def _publish(folder: RunFolder, algo: Algorithm) -> None:
+    """Writes what the algorithm leaves in the run folder: ``privacy.json`` when DP was used."""
+    if len(algo.privacy):
+        algo.privacy.write(folder.privacy)
 
 
 def _restore(
@@ -201,6 +208,7 @@ def _restore(
         return -1
     ck = load_checkpoint(path)
     algo.load_state_dict(ck.server_arrays, ck.server_meta["algo"])
+    algo.privacy.load_state(ck.server_meta.get("privacy", []))
     store.restore(ck.client_arrays, ck.client_meta)
     set_rng_state(ck.server_meta["rng"])
     folder.truncate(folder.metrics, ck.rnd)
@@ -261,8 +269,9 @@ class Engine:
                 self._step(rnd, fed, setup, folder, store, ledger, display)
             fed.rnd = cfg.rounds + 1
             final = setup.algo.finish(fed)
+        _publish(folder, setup.algo)
         summary = self._summary(folder, setup, final, time.perf_counter() - t0)
-        display.final_table(folder.read_metrics())
+        display.final_table(folder.read_metrics(), summary.get("privacy"))
         if cfg.plots:
             from fedfm.report import plot_run
 
@@ -299,6 +308,7 @@ class Engine:
         if per_client:
             folder.append(folder.client_metrics, [{"round": rnd, "clients": per_client}])
         ledger.flush()
+        _publish(folder, setup.algo)
         _checkpoint(folder, rnd, setup.algo, store)
         display.update(row)
 
@@ -322,6 +332,7 @@ class Engine:
             "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
             "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
             "failed_clients": sum(r.get("failed", 0) for r in rows),
+            **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
             "wall_s_this_session": round(wall, 2),
             **({"finish": final} if final else {}),
         }
