@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ class NoisyMeans(Algorithm):
     """Each round, sampled clients send a noisy mean of their targets (analytic Gaussian)."""
 
     messages = (MessageKind("mean", up_arrays=("mean",), up_meta=("n",)),)
+    stray = False
 
     def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
         super().__init__(cfg, task, run)
@@ -44,6 +46,15 @@ class NoisyMeans(Algorithm):
         for cid in replies:
             self.privacy.add_gaussian(cid, self.sigma, 8.0 / self.n, name="mean", analytic=True)
         self.total += sum(float(r.arrays["mean"]["y"]) for r in replies.values())
+        # Artefacts: a log that grows, a file rewritten each round, one written once.
+        self.artefacts.append_jsonl(
+            "log/means.jsonl", [{"round": fed.rnd, "clients": list(replies)}]
+        )
+        self.artefacts.write_json("latest.json", {"round": fed.rnd, "total": self.total})
+        if fed.rnd == 3:
+            self.artefacts.write_text("third.txt", f"{self.total:.6f}\n")
+        if self.stray and fed.rnd == 3:  # in a process that dies before round 3's checkpoint
+            self.artefacts.write_text("stray.txt", "from a round that never completed\n")
         return {"total": self.total}
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -108,3 +119,79 @@ def test_the_ledger_is_checkpointed_and_resumed(tmp_path: Path) -> None:
     assert _json(tmp_path / "resumed" / "privacy.json") == straight
     a = _json(tmp_path / "straight" / "summary.json")["privacy"]
     assert _json(tmp_path / "resumed" / "summary.json")["privacy"] == a
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    folder = run / "artefacts"
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_artefacts_are_published_listed_and_survive_a_crash_before_the_checkpoint(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import hashlib
+
+    import fedfm.engine as engine
+
+    summary = Engine(_cfg(tmp_path, "straight"), progress=False).run()
+    straight = _files(tmp_path / "straight")
+    assert set(straight) == {"index.json", "log/means.jsonl", "latest.json", "third.txt"}
+    log = [json.loads(x) for x in straight["log/means.jsonl"].decode().splitlines()]
+    assert [r["round"] for r in log] == [1, 2, 3, 4]
+    assert json.loads(straight["index.json"])["files"] == [
+        "latest.json",
+        "log/means.jsonl",
+        "third.txt",
+    ]
+    listed = summary["artefacts"]
+    assert set(listed) == {
+        "artefacts/latest.json",
+        "artefacts/log/means.jsonl",
+        "artefacts/third.txt",
+        "privacy.json",
+    }
+    for rel, info in listed.items():
+        data = (tmp_path / "straight" / rel).read_bytes()
+        assert info == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    # A run that dies after publishing round 3 but before checkpointing it.
+    real = engine._checkpoint
+
+    def dies_at_round_3(folder: Any, rnd: int, *args: Any) -> None:
+        if rnd == 3:
+            raise KeyboardInterrupt
+        real(folder, rnd, *args)
+
+    monkeypatch.setattr(engine, "_checkpoint", dies_at_round_3)
+    monkeypatch.setattr(NoisyMeans, "stray", True)
+    with contextlib.suppress(KeyboardInterrupt):
+        Engine(_cfg(tmp_path, "crashed"), progress=False).run()
+    crashed = tmp_path / "crashed"
+    assert {"stray.txt", "third.txt"} <= set(_files(crashed))  # round 3 was published
+    (crashed / "artefacts" / "notes.txt").write_text("the user's own file\n")
+    monkeypatch.setattr(engine, "_checkpoint", real)
+    monkeypatch.setattr(NoisyMeans, "stray", False)
+    resumed = Engine(_cfg(tmp_path, "crashed"), resume=True, progress=False).run()
+    files = _files(crashed)
+    assert files.pop("notes.txt") == b"the user's own file\n"  # never written by fedfm: kept
+    assert files == straight  # stray.txt removed, the log holds each round once
+    assert resumed["artefacts"] == summary["artefacts"]
+
+
+def test_artefact_names_are_checked_and_contents_readable() -> None:
+    from fedfm.core.artefacts import Artefacts
+    from fedfm.errors import FedfmError
+
+    art = Artefacts()
+    for bad in ("../x", "/etc/passwd", ".hidden", "index.json", "a//b", "", "a b"):
+        try:
+            art.write_text(bad, "x")
+        except FedfmError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
+    art.append_jsonl("sel/c0.jsonl", [{"a": 1}])
+    art.append_jsonl("sel/c0.jsonl", [{"a": 2}])
+    assert art.read_bytes("sel/c0.jsonl") == b'{"a": 1}\n{"a": 2}\n'
+    art.write_json("x.json", {"k": [1, 2]})
+    assert art.read_json("x.json") == {"k": [1, 2]} and art.names() == ["sel/c0.jsonl", "x.json"]
+    assert "x.json" in art and "y" not in art

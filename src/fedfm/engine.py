@@ -7,6 +7,7 @@ the rounds, and writes the run folder. Runtimes only supply a :class:`Federation
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
 from fedfm.algorithms.base import ALGORITHMS, Algorithm, kinds_of
 from fedfm.config import RunConfig, load_config, validate_section
+from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
 from fedfm.core.checkpoint import (
     Checkpoint,
@@ -187,6 +189,7 @@ def _write_static(folder: RunFolder, setup: Setup) -> None:
 
 def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientStateStore) -> None:
     arrays, meta = algo.state_dict()
+    arrays = {**arrays, **algo.artefacts.state()}
     snap = store.snapshot()
     server = {"algo": meta, "rng": rng_state(), "privacy": algo.privacy.state()}
     save_checkpoint(
@@ -195,7 +198,9 @@ def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientState
 
 
 def _publish(folder: RunFolder, algo: Algorithm) -> None:
-    """Writes what the algorithm leaves in the run folder: ``privacy.json`` when DP was used."""
+    """Writes what the algorithm leaves in the run folder: its artefacts, and ``privacy.json``
+    when it used DP (see :mod:`fedfm.core.artefacts`)."""
+    algo.artefacts.publish(folder.root)
     if len(algo.privacy):
         algo.privacy.write(folder.privacy)
 
@@ -207,8 +212,10 @@ def _restore(
     if path is None:
         return -1
     ck = load_checkpoint(path)
-    algo.load_state_dict(ck.server_arrays, ck.server_meta["algo"])
+    own, artefacts = split_state(ck.server_arrays)
+    algo.load_state_dict(own, ck.server_meta["algo"])
     algo.privacy.load_state(ck.server_meta.get("privacy", []))
+    algo.artefacts.restore(folder.root, artefacts)
     store.restore(ck.client_arrays, ck.client_meta)
     set_rng_state(ck.server_meta["rng"])
     folder.truncate(folder.metrics, ck.rnd)
@@ -333,6 +340,7 @@ class Engine:
             "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
             "failed_clients": sum(r.get("failed", 0) for r in rows),
             **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
+            "artefacts": _artefact_list(folder, setup.algo),
             "wall_s_this_session": round(wall, 2),
             **({"finish": final} if final else {}),
         }
@@ -340,6 +348,18 @@ class Engine:
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(folder.summary)
         return summary
+
+
+def _artefact_list(folder: RunFolder, algo: Algorithm) -> dict[str, dict[str, Any]]:
+    """Files the algorithm left in the run folder, with sizes and SHA-256."""
+    files = algo.artefacts.manifest()
+    if folder.privacy.exists() and len(algo.privacy):
+        data = folder.privacy.read_bytes()
+        files[folder.privacy.name] = {
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    return files
 
 
 def run(
