@@ -195,3 +195,23 @@ def test_artefact_names_are_checked_and_contents_readable() -> None:
     art.write_json("x.json", {"k": [1, 2]})
     assert art.read_json("x.json") == {"k": [1, 2]} and art.names() == ["sel/c0.jsonl", "x.json"]
     assert "x.json" in art and "y" not in art
+
+
+def test_bytes_are_split_into_arrays_and_meta(tmp_path: Path) -> None:
+    summary = Engine(_cfg(tmp_path, "bytes", rounds=2), progress=False).run()
+    rows = [json.loads(x) for x in (tmp_path / "bytes" / "metrics.jsonl").read_text().splitlines()]
+    audit = [json.loads(x) for x in (tmp_path / "bytes" / "audit.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        # Two sampled clients each send one float32 tensor and {"n": 24} (2 bytes of JSON).
+        assert (row["bytes_up_arrays"], row["bytes_up_meta"]) == (2 * 4, 2 * 2)
+        assert row["bytes_up"] == row["bytes_up_arrays"] + row["bytes_up_meta"]
+        assert (row["bytes_down"], row["bytes_down_arrays"], row["bytes_down_meta"]) == (0, 0, 0)
+        for kind in ("arrays", "meta"):
+            ledger = sum(
+                a["bytes"]
+                for a in audit
+                if a["round"] == row["round"] and a["direction"] == "up" and a["type"] == kind
+            )
+            assert row[f"bytes_up_{kind}"] == ledger
+    for key in ("bytes_up", "bytes_up_arrays", "bytes_up_meta", "bytes_down_meta"):
+        assert summary[key] == sum(r[key] for r in rows)

@@ -43,6 +43,8 @@ from fedfm.tasks.base import TASKS, Task
 
 log = logging.getLogger("fedfm")
 
+BYTE_KEYS = tuple(f"bytes_{d}{part}" for d in ("up", "down") for part in ("", "_arrays", "_meta"))
+
 
 @dataclass
 class Setup:
@@ -336,8 +338,7 @@ class Engine:
             "primary": task.primary,
             "final": {k: v for k, v in last.items() if k not in ("time_s",)},
             "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
-            "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
-            "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+            **{key: sum(r.get(key, 0) for r in rows) for key in BYTE_KEYS},
             "failed_clients": sum(r.get("failed", 0) for r in rows),
             **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
             "artefacts": _artefact_list(folder, setup.algo),
