@@ -233,3 +233,17 @@ def test_dp_train_on_the_raw_function_without_trainable_tensors_fails_clearly(fm
             fm.model, fm.encode(ROWS), ClientState(), train=SGD, dp=DPSGDConfig(),
             delta=1e-5, steps=1, planned_steps=1, seed=0, pad_id=0,
         )  # fmt: skip
+
+
+def test_a_dp_plan_is_checked_for_every_client_before_the_run() -> None:
+    from fedfm.core.dp import plan_dp_sgd
+
+    dp = DPSGDConfig(epsilon=4.0)
+    sigmas = plan_dp_sgd(dp, 1e-3, {"0": 400, "1": 400, "2": 200}, 8, planned_steps=100)
+    assert sigmas["0"] == sigmas["1"] == calibrate_noise(4.0, 1e-3, 8 / 400, 100)
+    assert sigmas["2"] > sigmas["0"]  # a smaller client is sampled at a higher rate
+    with pytest.raises(ConfigError, match=r"algo\.dp\.delta: client 2: delta=0\.005 must be below"):
+        plan_dp_sgd(dp, 5e-3, {"0": 100, "2": 400}, 8, planned_steps=100)  # 1/400 < 0.005
+    with pytest.raises(ConfigError, match=r"algo\.dp\.epsilon: client 0: epsilon=0\.1"):
+        plan_dp_sgd(DPSGDConfig(epsilon=0.1), 1e-5, {"0": 400}, 8, planned_steps=100)
+    assert plan_dp_sgd(DPSGDConfig(noise_multiplier=1.5), 1e-5, {"0": 400}, 8, 10) == {"0": 1.5}

@@ -154,6 +154,48 @@ def calibrate_noise(
         ) from None
 
 
+def plan_dp_sgd(
+    dp: DPSGDConfig,
+    delta: float,
+    sizes: Mapping[str, int],
+    batch_size: int,
+    planned_steps: int,
+    field: str = "algo.dp",
+) -> dict[str, float]:
+    """Checks a DP-SGD plan for every client before the run starts (call it at config load).
+
+    Args:
+        dp: DP-SGD settings.
+        delta: The δ in use (``dp.delta`` or the run's ``privacy.delta``).
+        sizes: Client id -> number of encoded training rows.
+        batch_size: Expected Poisson batch size.
+        planned_steps: Steps a client may take in the whole run.
+        field: Config field named in errors.
+
+    Returns:
+        Client id -> the noise multiplier its first :func:`dp_train` call will choose.
+
+    Raises:
+        ConfigError: A client's ``delta >= 1/n`` (``<field>.delta``) or an unreachable ε
+            (``<field>.epsilon``), naming the client.
+    """
+    sigmas: dict[str, float] = {}
+    by_rate: dict[float, float] = {}
+    for cid, n in sizes.items():
+        try:
+            check_delta(delta, n, f"{field}.delta")
+            rate = sample_rate(batch_size, n)
+            if dp.noise_multiplier is not None:
+                sigmas[cid] = dp.noise_multiplier
+                continue
+            if rate not in by_rate:
+                by_rate[rate] = calibrate_noise(dp.epsilon, delta, rate, planned_steps, field)
+            sigmas[cid] = by_rate[rate]
+        except ConfigError as err:
+            raise ConfigError(err.field, f"client {cid}: {err.reason}") from None
+    return sigmas
+
+
 @dataclass
 class DPAccount:
     """One client's DP-SGD accounting, kept in its persistent state.
