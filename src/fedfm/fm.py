@@ -150,7 +150,8 @@ class FoundationModel:
 
         Adapters are as last chosen; prefer :meth:`use` to choose them for a block of code.
         """
-        return _ADAPTED.get(self.key) or self.bundle.model
+        model = _ADAPTED.get(self.key)
+        return model if model is not None else self.bundle.model
 
     @property
     def num_layers(self) -> int:
