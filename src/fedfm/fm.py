@@ -500,19 +500,13 @@ class FoundationModel:
         return model
 
 
-class _AdapterFeatures:
-    """A :class:`FoundationModel` with a fixed adapter set as a ``LayerFeatures``."""
+class _AdapterFeatures(CausalLMFeatures):
+    """A :class:`FoundationModel` with a fixed adapter set, as a ``LayerFeatures``."""
 
     def __init__(self, fm: FoundationModel, adapters: list[str], max_length: int | None) -> None:
-        self.fm, self.adapters, self.max_length = fm, adapters, max_length
-
-    @property
-    def num_layers(self) -> int:
-        return self.fm.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.fm.hidden_size
+        # The backbone object stays the same when peft wraps the base: LoRA layers go inside.
+        super().__init__(fm.model, fm.tokenizer, max_length, fm.autocast)
+        self.fm, self.adapters = fm, adapters
 
     def features(
         self,
@@ -521,6 +515,5 @@ class _AdapterFeatures:
         batch_size: int = 16,
         pool: Pool = "last",
     ) -> Tensor:
-        with self.fm.use(self.adapters) as model:
-            view = CausalLMFeatures(model, self.fm.tokenizer, self.max_length, self.fm.autocast)
-            return view.features(texts, layers, batch_size, pool)
+        with self.fm.use(self.adapters):
+            return super().features(texts, layers, batch_size, pool)

@@ -176,7 +176,60 @@ def causal_backbone(model: nn.Module) -> nn.Module:
     return backbone
 
 
-class CausalLMFeatures:
+class BackboneFeatures:
+    """The :class:`LayerFeatures` of a transformer backbone; subclasses say how texts become
+    token ids (:meth:`rows`).
+
+    Args:
+        backbone: The transformer without its head.
+        tokenizer: Its tokenizer (for the pad id and in :meth:`rows`).
+        autocast: Context for each forward pass.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        tokenizer: Any,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.autocast = autocast
+        self._layers = int(backbone.config.num_hidden_layers)
+        self._hidden = int(backbone.config.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return self._layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden
+
+    def rows(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Token ids of each text (token id lists are taken as they are)."""
+        raise NotImplementedError
+
+    def features(
+        self,
+        texts: Sequence[str] | Sequence[Sequence[int]],
+        layers: Sequence[int] | None = None,
+        batch_size: int = 16,
+        pool: Pool = "last",
+    ) -> Tensor:
+        return layer_features(
+            self.backbone,
+            self.rows(texts),
+            self._layers,
+            pad_id_of(self.tokenizer),
+            layers,
+            batch_size,
+            pool,
+            self.autocast,
+        )
+
+
+class CausalLMFeatures(BackboneFeatures):
     """All-layer features from a causal LM (e.g. a small separate model for FedHDS-Turbo).
 
     Args:
@@ -195,21 +248,8 @@ class CausalLMFeatures:
         max_length: int | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
+        super().__init__(causal_backbone(model), tokenizer, autocast)
         self.max_length = max_length
-        self.autocast = autocast
-        config = causal_backbone(model).config
-        self._layers = int(config.num_hidden_layers)
-        self._hidden = int(config.hidden_size)
-
-    @property
-    def num_layers(self) -> int:
-        return self._layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self._hidden
 
     def rows(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
         """Token ids of each text, cut to the last ``max_length`` tokens."""
@@ -221,26 +261,8 @@ class CausalLMFeatures:
         ]
         return [r[-self.max_length :] for r in rows] if self.max_length else rows
 
-    def features(
-        self,
-        texts: Sequence[str] | Sequence[Sequence[int]],
-        layers: Sequence[int] | None = None,
-        batch_size: int = 16,
-        pool: Pool = "last",
-    ) -> Tensor:
-        return layer_features(
-            causal_backbone(self.model),
-            self.rows(texts),
-            self._layers,
-            pad_id_of(self.tokenizer),
-            layers,
-            batch_size,
-            pool,
-            self.autocast,
-        )
 
-
-class EncoderFeatures:
+class EncoderFeatures(BackboneFeatures):
     """All-layer features from a sentence-transformers encoder (e.g. all-MiniLM-L6-v2).
 
     Texts are tokenised by the encoder's tokenizer with its special tokens (``[CLS] ... [SEP]``
@@ -253,36 +275,17 @@ class EncoderFeatures:
 
     def __init__(self, encoder: Any) -> None:
         first = encoder[0]
-        self.backbone: nn.Module = first.auto_model
-        self.tokenizer = encoder.tokenizer
+        super().__init__(first.auto_model, encoder.tokenizer)
         self.max_length = int(getattr(first, "max_seq_length", None) or 512)
-        self._layers = int(self.backbone.config.num_hidden_layers)
-        self._hidden = int(self.backbone.config.hidden_size)
 
-    @property
-    def num_layers(self) -> int:
-        return self._layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self._hidden
-
-    def features(
-        self,
-        texts: Sequence[str] | Sequence[Sequence[int]],
-        layers: Sequence[int] | None = None,
-        batch_size: int = 16,
-        pool: Pool = "last",
-    ) -> Tensor:
-        rows = [
+    def rows(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Token ids of each text with the encoder's special tokens, cut to its length."""
+        return [
             list(self.tokenizer(t, truncation=True, max_length=self.max_length)["input_ids"])
             if isinstance(t, str)
             else list(t)
             for t in texts
         ]
-        return layer_features(
-            self.backbone, rows, self._layers, pad_id_of(self.tokenizer), layers, batch_size, pool
-        )
 
 
 def load_feature_model(name: str, **args: Any) -> LayerFeatures:
