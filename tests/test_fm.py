@@ -430,3 +430,15 @@ def test_head_to_head_win_rate_by_hand() -> None:
     assert out["win_rate/x"] == pytest.approx(0.75) and out["win_rate/y"] == 0.0
     assert head_to_head(a, a)["win_rate"] == 0.5
     assert head_to_head(a, b, tie=0.6)["ties"] == 2  # |0.2 - 0.7| <= 0.6; |1 - 0| is not
+
+
+def test_adapters_made_inside_a_no_grad_handler_can_be_trained_later() -> None:
+    fm = tiny_fm()
+    with torch.inference_mode():  # what a MessageKind(no_grad=True) handler runs under
+        fm.load_adapter("global", None, seed=0)
+        fm.set_adapter("global", {k: v + 0.1 for k, v in fm.get_adapter("global").items()})
+    with fm.use(["global"], ["global"]) as model:
+        model(input_ids=_ids(), labels=_ids()).loss.backward()
+        grads = [p.grad for n, p in model.named_parameters() if ".global." in n]
+        assert grads and all(g is not None for g in grads)
+        model.zero_grad(set_to_none=True)

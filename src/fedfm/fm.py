@@ -206,14 +206,17 @@ class FoundationModel:
         """
         spec = lora or self.lora
         model = _ADAPTED.get(self.key)
-        if model is None:
-            _ADAPTED[self.key] = add_adapters(self.bundle.model, [name], spec, seed=seed)
-            set_active(_ADAPTED[self.key], [], [])
-            return
-        keep = (self.active, self.trainable)
-        add_adapters(model, [name], spec, seed=seed)
-        # peft re-enables gradients of every active adapter when it adds one: restore the choice.
-        set_active(model, *keep)
+        # Ordinary tensors even inside a no-grad handler (inference mode), or training the
+        # adapter later would fail.
+        with torch.inference_mode(False):
+            if model is None:
+                _ADAPTED[self.key] = add_adapters(self.bundle.model, [name], spec, seed=seed)
+                set_active(_ADAPTED[self.key], [], [])
+                return
+            keep = (self.active, self.trainable)
+            add_adapters(model, [name], spec, seed=seed)
+            # peft re-enables gradients of every active adapter it adds one to: restore them.
+            set_active(model, *keep)
 
     def ensure_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> bool:
         """Creates adapter ``name`` (see :meth:`add_adapter`) unless it exists.
