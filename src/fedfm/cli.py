@@ -55,6 +55,10 @@ def run(
     primary = summary["primary"]
     folder = Path(cfg.out_dir) / cfg.name
     msg = f"{cfg.name}: {primary}={final.get(primary, float('nan')):.4f} after {cfg.rounds} rounds"
+    if "privacy" in summary:
+        msg += (
+            f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"
+        )
     Console().print(f"{msg}  ->  {folder}")
 
 

@@ -58,6 +58,20 @@ class ClientsConfig(Strict):
         return v
 
 
+class PrivacyConfig(Strict):
+    """How the run's privacy ledger reports (see :mod:`fedfm.core.privacy`).
+
+    Attributes:
+        delta: The run's δ: every ε is reported at it, and DP-SGD calibrates to it unless its
+            own ``delta`` is set. Must be below ``1/n`` for a client with ``n`` records.
+        accountant: ``rdp`` (Rényi DP at Opacus's orders) or ``pld`` (privacy loss
+            distributions, tighter and slower).
+    """
+
+    delta: float = Field(1e-5, gt=0, lt=1)
+    accountant: Literal["rdp", "pld"] = "rdp"
+
+
 class RunConfig(Strict):
     """One experiment."""
 
@@ -70,6 +84,7 @@ class RunConfig(Strict):
     partition: dict[str, Any] = Field(default_factory=dict)
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     runtime: Literal["embedded", "flower-sim", "flower"] = "embedded"
     flower: dict[str, Any] = Field(default_factory=dict)  # Flower runtime options
     eval_every: int = Field(1, ge=1)

@@ -7,6 +7,7 @@ the rounds, and writes the run folder. Runtimes only supply a :class:`Federation
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
 from fedfm.algorithms.base import ALGORITHMS, Algorithm, kinds_of
 from fedfm.config import RunConfig, load_config, validate_section
+from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
 from fedfm.core.checkpoint import (
     Checkpoint,
@@ -40,6 +42,8 @@ from fedfm.errors import ConfigError
 from fedfm.tasks.base import TASKS, Task
 
 log = logging.getLogger("fedfm")
+
+BYTE_KEYS = tuple(f"bytes_{d}{part}" for d in ("up", "down") for part in ("", "_arrays", "_meta"))
 
 
 @dataclass
@@ -124,6 +128,7 @@ class RunFolder:
         self.client_metrics = root / "client_metrics.jsonl"
         self.checkpoints = root / "checkpoints"
         self.summary = root / "summary.json"
+        self.privacy = root / "privacy.json"
 
     def append(self, path: Path, rows: list[dict[str, Any]]) -> None:
         """Appends JSON lines and flushes them to disk."""
@@ -186,11 +191,20 @@ def _write_static(folder: RunFolder, setup: Setup) -> None:
 
 def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientStateStore) -> None:
     arrays, meta = algo.state_dict()
+    arrays = {**arrays, **algo.artefacts.state()}
     snap = store.snapshot()
+    server = {"algo": meta, "rng": rng_state(), "privacy": algo.privacy.state()}
     save_checkpoint(
-        folder.checkpoints,
-        Checkpoint(rnd, arrays, {"algo": meta, "rng": rng_state()}, snap["arrays"], snap["meta"]),
+        folder.checkpoints, Checkpoint(rnd, arrays, server, snap["arrays"], snap["meta"])
     )
+
+
+def _publish(folder: RunFolder, algo: Algorithm) -> None:
+    """Writes what the algorithm leaves in the run folder: its artefacts, and ``privacy.json``
+    when it used DP (see :mod:`fedfm.core.artefacts`)."""
+    algo.artefacts.publish(folder.root)
+    if len(algo.privacy):
+        algo.privacy.write(folder.privacy)
 
 
 def _restore(
@@ -200,7 +214,10 @@ def _restore(
     if path is None:
         return -1
     ck = load_checkpoint(path)
-    algo.load_state_dict(ck.server_arrays, ck.server_meta["algo"])
+    own, artefacts = split_state(ck.server_arrays)
+    algo.load_state_dict(own, ck.server_meta["algo"])
+    algo.privacy.load_state(ck.server_meta.get("privacy", []))
+    algo.artefacts.restore(folder.root, artefacts)
     store.restore(ck.client_arrays, ck.client_meta)
     set_rng_state(ck.server_meta["rng"])
     folder.truncate(folder.metrics, ck.rnd)
@@ -261,8 +278,9 @@ class Engine:
                 self._step(rnd, fed, setup, folder, store, ledger, display)
             fed.rnd = cfg.rounds + 1
             final = setup.algo.finish(fed)
+        _publish(folder, setup.algo)
         summary = self._summary(folder, setup, final, time.perf_counter() - t0)
-        display.final_table(folder.read_metrics())
+        display.final_table(folder.read_metrics(), summary.get("privacy"))
         if cfg.plots:
             from fedfm.report import plot_run
 
@@ -299,6 +317,7 @@ class Engine:
         if per_client:
             folder.append(folder.client_metrics, [{"round": rnd, "clients": per_client}])
         ledger.flush()
+        _publish(folder, setup.algo)
         _checkpoint(folder, rnd, setup.algo, store)
         display.update(row)
 
@@ -319,9 +338,10 @@ class Engine:
             "primary": task.primary,
             "final": {k: v for k, v in last.items() if k not in ("time_s",)},
             "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
-            "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
-            "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+            **{key: sum(r.get(key, 0) for r in rows) for key in BYTE_KEYS},
             "failed_clients": sum(r.get("failed", 0) for r in rows),
+            **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
+            "artefacts": _artefact_list(folder, setup.algo),
             "wall_s_this_session": round(wall, 2),
             **({"finish": final} if final else {}),
         }
@@ -329,6 +349,18 @@ class Engine:
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(folder.summary)
         return summary
+
+
+def _artefact_list(folder: RunFolder, algo: Algorithm) -> dict[str, dict[str, Any]]:
+    """Files the algorithm left in the run folder, with sizes and SHA-256."""
+    files = algo.artefacts.manifest()
+    if folder.privacy.exists() and len(algo.privacy):
+        data = folder.privacy.read_bytes()
+        files[folder.privacy.name] = {
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    return files
 
 
 def run(

@@ -68,8 +68,10 @@ class RoundDisplay:
         if row["round"] > 0:
             self.progress.advance(self.task_id)
 
-    def final_table(self, rows: list[dict[str, Any]]) -> None:
-        """Prints all rounds as one table."""
+    def final_table(
+        self, rows: list[dict[str, Any]], privacy: dict[str, Any] | None = None
+    ) -> None:
+        """Prints all rounds as one table, then the run's privacy guarantee when DP was used."""
         if not self.enabled or not rows:
             return
         cols = _columns(rows)
@@ -79,3 +81,8 @@ class RoundDisplay:
         for r in rows:
             table.add_row(str(r["round"]), *(_fmt(r.get(c, "")) for c in cols))
         self.console.print(table)
+        if privacy:
+            self.console.print(
+                f"privacy: epsilon = {privacy['epsilon']:.4g} at delta = {privacy['delta']:g}"
+                f" (worst client, {privacy['accountant']} accountant; see privacy.json)"
+            )

@@ -93,11 +93,16 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
             raise ConfigError("run", f"{d} has no summary.json (unfinished or not a run folder)")
         summaries.append((d, json.loads(s.read_text()), read_rows(d)))
     cols = [k for k in HEADLINE if any(k in s["final"] for _, s, _ in summaries)]
+    private = any("privacy" in s for _, s, _ in summaries)
     head = ["run", "algorithm", "rounds", *cols, "MiB up", "MiB down"]
+    head += ["epsilon (delta)"] if private else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, s, _ in summaries:
         vals = [f"{s['final'][c]:.4f}" if c in s["final"] else "" for c in cols]
         mib = [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
+        if private:  # the run's epsilon from its privacy ledger; blank for a non-DP run
+            p = s.get("privacy")
+            mib.append(f"{p['epsilon']:.3g} ({p['delta']:g})" if p else "")
         lines.append(
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )

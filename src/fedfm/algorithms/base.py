@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from fedfm.core.artefacts import Artefacts
 from fedfm.core.federation import Federation, Handler
 from fedfm.core.messages import MessageKind
+from fedfm.core.privacy import PrivacyLedger
 from fedfm.errors import TooFewClientsError
 from fedfm.registry import Registry
 
@@ -43,6 +45,10 @@ class Algorithm:
         Config: The algorithm's config model.
         messages: The message kinds it uses, with their declared fields.
         personalised: Whether evaluation is per client (reported as mean and worst client).
+        privacy: The run's privacy ledger: register every DP mechanism the algorithm runs
+            (the engine checkpoints it and writes ``privacy.json``).
+        artefacts: Files for the run folder (distilled sets, selection logs, synthetic data);
+            the engine publishes, checkpoints and lists them.
     """
 
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
@@ -53,6 +59,8 @@ class Algorithm:
         self.cfg = cfg
         self.task = task
         self.run = run
+        self.privacy = PrivacyLedger(run.privacy.delta, run.privacy.accountant)
+        self.artefacts = Artefacts()
 
     # ----- client half -----
     def handlers(self) -> dict[str, Handler]:

@@ -47,6 +47,10 @@ class MessageKind:
         up_arrays: Array fields the client may send back.
         up_meta: Meta fields the client may send back.
         roles: Client roles that handle this kind; empty means every role.
+        no_grad: Its handler computes no gradients (a weak client that cannot backpropagate:
+            voting, feature extraction, generation). The runtime runs it under
+            ``torch.inference_mode()``: a ``backward()`` inside fails, and no autograd graph
+            or activation is kept.
     """
 
     name: str
@@ -55,6 +59,7 @@ class MessageKind:
     up_arrays: tuple[str, ...] = ()
     up_meta: tuple[str, ...] = ()
     roles: tuple[str, ...] = ()
+    no_grad: bool = False
 
     def check(self, msg: Message, direction: str) -> None:
         """Refuses a message that carries an undeclared field.

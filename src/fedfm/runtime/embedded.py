@@ -8,6 +8,7 @@ that crashes mid-round leaves its state as it was.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Mapping
@@ -41,7 +42,9 @@ def dispatch(
     """Client-side dispatch shared by the runtimes: refuse unknown kinds, check both ways.
 
     The global torch RNG is seeded from (run seed, round, client, kind) first, so dropout and
-    any other implicit randomness is the same on every runtime and after resume.
+    any other implicit randomness is the same on every runtime and after resume. A kind
+    declared ``no_grad`` runs under ``torch.inference_mode()`` (a ``backward()`` in its handler
+    fails), and the tensors it returns or stores are made ordinary tensors afterwards.
 
     Raises:
         MessageError: The kind is unknown, not for this client's role, or a field is undeclared.
@@ -57,9 +60,21 @@ def dispatch(
     # The default generator directly: torch.manual_seed also records CUDA seeding state,
     # which costs milliseconds per call on a CPU-only build.
     torch.default_generator.manual_seed(derive_seed(ctx.seed, ctx.rnd, ctx.cid, msg.kind))
-    reply = handlers[msg.kind](ctx, msg)
+    with torch.inference_mode() if kind.no_grad else contextlib.nullcontext():
+        reply = handlers[msg.kind](ctx, msg)
+    if kind.no_grad:
+        _plain_tensors(reply, ctx.state)
     kind.check(reply, "up")
     return reply
+
+
+def _plain_tensors(reply: Message, state: ClientState) -> None:
+    """Replaces inference-mode tensors of a no-grad handler by ordinary copies: the server and
+    later handlers may update them in place, which inference tensors refuse."""
+    for arrays in [*reply.arrays.values(), state.arrays]:
+        for key, value in arrays.items():
+            if isinstance(value, Tensor) and value.is_inference():
+                arrays[key] = value.clone()
 
 
 class EmbeddedFederation(Federation):

@@ -15,10 +15,12 @@ from pydantic import BaseModel, ConfigDict
 from sklearn.metrics import f1_score
 from torch import Tensor, nn
 
+from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 
 if TYPE_CHECKING:
     from fedfm.config import RunConfig
+    from fedfm.fm import FoundationModel
 
 
 class TaskConfig(BaseModel):
@@ -86,6 +88,32 @@ class Task(ABC):
     def stats(self) -> dict[str, Any]:
         """Partition statistics saved in the run folder (sizes, label histograms)."""
         return {}
+
+    # ----- capabilities: tasks that have one override these -----
+    def evaluate_items(
+        self, model: nn.Module, data: Any
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:meth:`evaluate` plus one record per evaluated item (``id``, ``domain``, ``prompt``,
+        ``reference``, ``answer``, ``score``), for win rates and distribution analyses.
+
+        Raises:
+            ConfigError: The task keeps no per-item results (field ``task.kind``).
+        """
+        raise ConfigError("task.kind", f"task '{self.cfg.kind}' keeps no per-item results")
+
+    def foundation_model(self) -> FoundationModel:
+        """The handle on the task's LLM (shared frozen base, named adapters, generation,
+        features, DP-SGD); see :mod:`fedfm.fm`.
+
+        Raises:
+            ConfigError: The task has no foundation model (field ``task.kind``); an LLM
+                algorithm asks for it when it is built, so this surfaces at config load.
+        """
+        raise ConfigError(
+            "task.kind",
+            f"task '{self.cfg.kind}' has no foundation model (LLM algorithms need e.g. "
+            "kind: instruction)",
+        )
 
 
 def classification_metrics(logits: Tensor, y: Tensor) -> dict[str, float]:
