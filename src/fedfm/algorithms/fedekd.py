@@ -73,7 +73,7 @@ from fedfm.core.kd import (
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.train import get_params, local_train, num_steps, set_params
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, config_fields
 
 FORWARD = MessageKind(
     "forward", down_arrays=("proxy",), up_arrays=("proxy",), up_meta=("num_examples", "loss")
@@ -85,6 +85,11 @@ BACKWARD = MessageKind(
 )
 LOCAL = MessageKind("local", up_meta=("num_examples", "loss"))
 EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+
+
+def arch_fields(path: str, arch: dict[str, Any]) -> dict[str, str]:
+    """Config paths of the model arguments an architecture override sets (for errors)."""
+    return {f"model.{k}": f"{path}.{k}" for k in arch}
 
 
 class FedeKDConfig(AlgoConfig):
@@ -156,15 +161,17 @@ class FedeKD(Algorithm):
     def proxy_model(self) -> nn.Module:
         """The proxy instance reused by this process's server and client halves."""
         if self._proxy is None:
-            self._proxy = self.task.build_model(seed=self.run.seed, **self.cfg.proxy_arch)
+            arch = self.cfg.proxy_arch
+            with config_fields(arch_fields("algo.proxy_arch", arch)):
+                self._proxy = self.task.build_model(seed=self.run.seed, **arch)
         return self._proxy
 
     def private_model(self, arch: int) -> nn.Module:
         """A reusable instance of private architecture ``arch`` (weights are set per client)."""
         if arch not in self._privates:
-            self._privates[arch] = self.task.build_model(
-                seed=self.run.seed, **self.cfg.private_archs[arch]
-            )
+            over = self.cfg.private_archs[arch]
+            with config_fields(arch_fields(f"algo.private_archs.{arch}", over)):
+                self._privates[arch] = self.task.build_model(seed=self.run.seed, **over)
         return self._privates[arch]
 
     def arch_of(self, cid: str) -> int:

@@ -87,7 +87,7 @@ class ServerOptConfig(BaseModel):
         tau: Adaptivity τ: added to √v and, squared, the initial v.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: OptimizerName = "fedavg"
     lr: float | None = Field(default=None, gt=0, allow_inf_nan=False)
