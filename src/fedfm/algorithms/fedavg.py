@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.core.federation import ClientContext, Federation, Handler
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer, scaffold_client_control
 from fedfm.core.optim import scaffold_server_update as scaffold_update
 from fedfm.core.train import get_params, local_train, num_steps, set_params
@@ -34,7 +34,12 @@ from fedfm.core.train import get_params, local_train, num_steps, set_params
 TRAIN = MessageKind(
     "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
 )
-EVALUATE = MessageKind("evaluate", down_arrays=("params",), up_meta=("num_examples", "metrics"))
+EVALUATE = MessageKind(
+    "evaluate",
+    down_arrays=("params",),
+    up_meta=("num_examples", "metrics"),
+    meta_specs={"num_examples": EVAL_EXAMPLES},  # a local test split may be empty
+)
 
 
 class FedAvgConfig(AlgoConfig):
@@ -251,7 +256,9 @@ class Scaffold(FedAvg):
 
 
 LOCAL_TRAIN = MessageKind("train", up_meta=("num_examples", "loss"))
-LOCAL_EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+LOCAL_EVALUATE = MessageKind(
+    "evaluate", up_meta=("num_examples", "metrics"), meta_specs={"num_examples": EVAL_EXAMPLES}
+)
 
 
 class LocalOnly(FedAvg):

@@ -70,7 +70,7 @@ from fedfm.core.kd import (
     kd_mse,
     symmetric_kl_energy,
 )
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 from fedfm.errors import ConfigError, config_fields
@@ -82,9 +82,17 @@ BACKWARD = MessageKind(
     "backward",
     down_arrays=("proxy",),
     up_meta=("num_examples", "loss", "energy", "gate_min", "gate_max"),
+    # Sent only when the backward stage distils (λ > 0); gate weights are non-negative.
+    meta_specs={
+        "energy": MetaSpec("float"),
+        "gate_min": MetaSpec("float", ge=0),
+        "gate_max": MetaSpec("float", ge=0),
+    },
 )
 LOCAL = MessageKind("local", up_meta=("num_examples", "loss"))
-EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+EVALUATE = MessageKind(
+    "evaluate", up_meta=("num_examples", "metrics"), meta_specs={"num_examples": EVAL_EXAMPLES}
+)
 
 
 def arch_fields(path: str, arch: dict[str, Any]) -> dict[str, str]:
