@@ -41,7 +41,8 @@ Choices of ours (the paper does not make them; each is a config option):
       accepted (the paper has every client take part every round, where the two coincide).
     * Private models are initialised with a seed derived from (run seed, client id) at first
       use; ``private_archs`` is cycled over the clients in their stable order.
-    * Aggregation weights are the clients' training-set sizes.
+    * Aggregation weights are the clients' training-set sizes; ``aggregator`` may replace the
+      weighted mean of the proxy updates by a robust rule (:mod:`fedfm.core.robust`).
     * Evaluation is personalised: each client's private model on its local test split
       (``local/``) and on the global test set (``test/``), mean and worst client; the headline
       metric is the mean client on the global test set (as for the local-only baseline), and
@@ -72,6 +73,7 @@ from fedfm.core.kd import (
 )
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 from fedfm.errors import ConfigError, config_fields
 
@@ -113,6 +115,9 @@ class FedeKDConfig(AlgoConfig):
         description="model overrides of the private models, cycled over clients",
     )
     server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    aggregator: AggregatorConfig = Field(
+        default_factory=AggregatorConfig, description="how proxy updates are combined"
+    )
     gate: str = Field("sigmoid", description="gate in fedfm.core.kd.GATES (ours: sigmoid)")
     beta: float = Field(1.0, ge=0, description="gate scale β (ours: 1)")
     lam: float = Field(1.0, ge=0, description="weight λ of the backward distillation (ours: 1)")
@@ -161,7 +166,7 @@ class FedeKD(Algorithm):
         self._proxy: nn.Module | None = None
         self._privates: dict[int, nn.Module] = {}
         self.proxy: dict[str, Tensor] = get_params(self.proxy_model())
-        self.opt = ServerOptimizer(cfg.server_opt)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         for i in range(len(cfg.private_archs)):  # a bad private architecture fails at build
             self.private_model(i)
 
