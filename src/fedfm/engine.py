@@ -228,7 +228,9 @@ class Engine:
             last = _restore(folder, setup.algo, store, ledger) if lease.resume else -1
             _write_static(folder, setup)
             fed = self.make_federation(setup, store, ledger)
-            display = RoundDisplay(cfg, enabled=self.progress, start=max(last, 0))
+            display = RoundDisplay(
+                cfg, enabled=self.progress, start=max(last, 0), primary=setup.task.primary
+            )
             t0 = time.perf_counter()
             with display:
                 if last < 0:
