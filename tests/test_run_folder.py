@@ -11,12 +11,17 @@ from typing import Any
 
 import pytest
 
+import flower_support as fs
 import toy  # noqa: F401  (registers the toy task)
 from fedfm import cli
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.algorithms.fedavg import FedAvg
 from fedfm.config import load_config
 from fedfm.engine import Engine
+from fedfm.errors import ConfigError
+
+# The in-memory Flower grid; its autouse fixture sets the task identity Flower needs.
+from test_flower import _flower_run, _same_run, task_identity  # noqa: F401
 
 BASE = ["run", "tabular-fedavg", "rounds=1", "plots=false", "-q"]
 
@@ -292,3 +297,37 @@ def test_yaml_configs_that_are_empty_or_not_utf8_are_refused(tmp_path, monkeypat
     code, err = _cli(["run", str(latin)], monkeypatch, capsys)
     assert code == 2 and f"{latin} is not UTF-8" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_flower_resume_uses_the_checkpoint_the_engine_fell_back_to(tmp_path):
+    """The Flower runtime reads its resume point (for the clients' state history) after the
+    engine chose it, so a lost LATEST resumes the clients' states too."""
+    roles = {"roles": {"strong": 0.5, "weak": 0.5}}
+    cfg = fs.config(tmp_path, "test-two-phase", name="full", rounds=4, clients=roles)
+    _flower_run(cfg, tmp_path / "nodes_full")
+    part = {**cfg, "name": "part", "rounds": 2}
+    _flower_run(part, tmp_path / "nodes")
+    (tmp_path / "part" / "checkpoints" / "LATEST").unlink()
+    _flower_run({**part, "rounds": 4}, tmp_path / "nodes", resume=True)
+    _same_run(tmp_path / "full", tmp_path / "part")
+    sessions = json.loads((tmp_path / "part" / "flower_sessions.json").read_text())
+    assert [s["resumed_from"] for s in sessions["sessions"]] == [-1, 2]
+
+
+def test_report_names_a_damaged_file(tmp_path, monkeypatch, capsys):
+    _run(tmp_path, "a", rounds=1)
+    summary = (tmp_path / "a" / "summary.json").read_text()
+    (tmp_path / "a" / "summary.json").write_text('{"final": ')
+    code, err = _cli(["report", str(tmp_path / "a")], monkeypatch, capsys)
+    assert code == 2 and "summary.json: not valid JSON" in err and "Traceback" not in err
+    (tmp_path / "a" / "summary.json").write_text(summary)
+    (tmp_path / "a" / "metrics.jsonl").write_bytes(b'{"round": 0}\n\xff\n{"round": 1}\n')
+    code, err = _cli(["report", str(tmp_path / "a")], monkeypatch, capsys)
+    assert code == 2 and "metrics.jsonl: not UTF-8" in err
+
+
+def test_a_file_where_the_run_folder_would_be_is_refused(tmp_path):
+    (tmp_path / "r").write_text("not a run")
+    with pytest.raises(ConfigError, match="exists and is not a folder"):
+        _run(tmp_path, overwrite=True)
+    assert (tmp_path / "r").read_text() == "not a run"

@@ -128,9 +128,9 @@ def test_final_table_fits_80_columns_without_truncation():
     assert max(len(line) for line in lines) <= 80
     assert "…" not in buf.getvalue()
     header = next(line for line in lines if "round" in line and "acc" in line)
-    for col in ("acc", "loss", "train_loss", "clients", "failed", "MB up", "MB down"):
+    for col in ("acc", "loss", "train_loss", "clients", "failed", "MiB up", "MiB down"):
         assert col in header
-    assert "1475" in lines[-1] and "2949" in lines[-1]  # bytes shown as MB, in full
+    assert "1406" in lines[-1] and "2813" in lines[-1]  # bytes shown as MiB, in full
 
 
 def test_round_lines_fit_80_columns():
@@ -138,4 +138,4 @@ def test_round_lines_fit_80_columns():
     with display:
         display.update(ROWS[1])
     line = buf.getvalue().strip().splitlines()[0]
-    assert len(line) <= 80 and "acc=0.7632" in line and "MB 1475/2949" in line
+    assert len(line) <= 80 and "acc=0.7632" in line and "MiB 1406/2813" in line

@@ -173,7 +173,7 @@ def _restore(
             continue
         if damaged:
             log.warning("%s does not load; resuming from %s", "; ".join(damaged), path.name)
-            mark_latest(folder.checkpoints, path)
+        mark_latest(folder.checkpoints, path)  # what a runtime reads as the resume point
         for p in (folder.metrics, folder.failures, folder.client_metrics):
             folder.truncate(p, ck.rnd)
         ledger.load(ck.rnd)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from fedfm.config import RunConfig
 
-MB = 1e6  # bytes per MB in the display (the ledger counts bytes)
+MIB = 2**20  # bytes per MiB, as in reports and plots (the ledger counts bytes)
 
 
 def _fmt(v: Any) -> str:
@@ -26,20 +26,20 @@ def _fmt(v: Any) -> str:
 def _mb(v: Any) -> str:
     if not isinstance(v, int | float):
         return ""
-    mb = v / MB
+    mb = v / MIB
     return f"{mb:.3f}" if mb < 10 else f"{mb:.1f}" if mb < 1000 else f"{mb:.0f}"
 
 
 def _columns(rows: list[dict[str, Any]], primary: str) -> list[tuple[str, str]]:
     """``(header, metric key)`` pairs that fit 80 columns: the headline metric, test and train
-    loss, clients answering and failing, and MB up and down. Everything else stays in
+    loss, clients answering and failing, and MiB up and down. Everything else stays in
     metrics.jsonl."""
     keys = {k for r in rows for k in r}
     cols = [(primary, primary)] if primary in keys else []
     cols += [(k, k) for k in ("loss", "train_loss", "clients") if k in keys and k != primary]
     if any(r.get("failed") for r in rows):
         cols.append(("failed", "failed"))
-    cols += [("MB up", "bytes_up"), ("MB down", "bytes_down")]
+    cols += [("MiB up", "bytes_up"), ("MiB down", "bytes_down")]
     return cols
 
 
@@ -106,7 +106,7 @@ class RoundDisplay:
             return
         cols = [k for _, k in _columns([row], self.primary) if not k.startswith("bytes")]
         text = " ".join(f"{k}={_cell(row, k)}" for k in cols if k in row)
-        mb = f"MB {_cell(row, 'bytes_up')}/{_cell(row, 'bytes_down')}"
+        mb = f"MiB {_cell(row, 'bytes_up')}/{_cell(row, 'bytes_down')}"
         self.progress.console.print(f"{row['round']:>4}  {text}  {mb}  {row['time_s']:.2f}s")
         if row["round"] > 0:
             self.progress.advance(self.task_id)

@@ -99,6 +99,20 @@ def read_jsonl(path: Path, need_round: bool = True) -> list[dict[str, Any]]:
     return rows
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file written by fedfm (``summary.json``, ``meta.json``).
+
+    Raises:
+        RunFolderError: The file is not UTF-8 or not valid JSON, naming it.
+    """
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RunFolderError(path, f"not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise RunFolderError(path, f"not valid JSON ({e.msg}, line {e.lineno})") from None
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Replaces a JSON-lines file atomically."""
     tmp = path.with_suffix(".tmp")
@@ -169,6 +183,8 @@ class RunFolderLease:
         self.done = False
         if resume and not root.exists():
             log.info("no run folder %s to resume: starting from the beginning", root)
+        if root.exists() and not root.is_dir():
+            raise ConfigError("name", f"{root} exists and is not a folder")
         if root.exists() and not resume and not overwrite:
             raise ConfigError(
                 "name", f"run folder {root} exists: pass --resume to continue it or --overwrite"
