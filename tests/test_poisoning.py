@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+import toy  # noqa: F401  (registers the toy task)
 from fedfm.config import load_config
 from fedfm.core.attacks import poison_handlers, scale_update
 from fedfm.engine import Engine, embedded_federation
@@ -87,3 +88,36 @@ def test_robust_aggregators_stay_near_the_clean_run(tmp_path, clean, overrides, 
     got = _run(tmp_path, factor, overrides)
     assert got["failed"] == 0  # no honest client was driven to NaN and rejected
     assert got["acc"] >= clean - 0.06
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "scaffold", "fedekd", "fedkd-ungated"])
+def test_every_aggregating_algorithm_takes_the_aggregator(tmp_path, algorithm):
+    """The same attack breaks the plain mean and not the median, whatever the algorithm."""
+
+    def run(name: str, agg: dict[str, Any]) -> dict[str, Any]:
+        cfg = load_config(
+            {
+                "name": name,
+                "algorithm": algorithm,
+                "algo": {"aggregator": agg},
+                "rounds": 2,  # the poisoned mean of round 1 turns every round-2 reply NaN
+                "task": {"kind": "toy"},
+                "out_dir": str(tmp_path),
+                "plots": False,
+                "train": {"steps": 5, "batch_size": 8, "lr": 0.05},
+            }
+        )
+
+        def make(setup: Any, store: Any, ledger: Any) -> Any:
+            fed = embedded_federation(setup, store, ledger)
+            fed.handlers = poison_handlers(fed.handlers, {"0"}, 1e30)
+            return fed
+
+        return Engine(cfg, progress=False, federation=make).run()
+
+    try:
+        plain = run("plain", {})["failed_clients"]
+    except TooFewClientsError:
+        plain = -1  # every client was driven to NaN
+    assert plain != 0
+    assert run("median", {"name": "median"})["failed_clients"] == 0

@@ -169,7 +169,8 @@ def _restore(
             store.restore(ck.client_arrays, ck.client_meta)
             set_rng_state(ck.server_meta["rng"])
         except Exception as e:  # a damaged checkpoint: try the one before
-            damaged.append(f"{path.name}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            first = (str(e).splitlines() or [""])[0][:80]
+            damaged.append(f"{path.name}: {type(e).__name__}: {first}")
             continue
         if damaged:
             log.warning("%s does not load; resuming from %s", "; ".join(damaged), path.name)
