@@ -62,7 +62,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor
 
 from fedfm.registry import Registry
@@ -86,7 +86,7 @@ class AggregatorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    name: Literal["mean", "median", "trimmed_mean", "krum", "multikrum"] = "mean"
+    name: str = Field("mean", description="the rule, one of AGGREGATORS")
     clip_norm: float | Literal["median"] | None = Field(
         None, description="bound on each update's norm: a number, median, or null (off)"
     )
@@ -99,6 +99,12 @@ class AggregatorConfig(BaseModel):
     max_share: float | None = Field(
         None, gt=0, le=1, description="largest share of the total weight of one client"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _known_rule(cls, v: str) -> str:
+        AGGREGATORS.get(v)  # UnknownNameError names algo.aggregator.name and the choices
+        return v
 
     @model_validator(mode="after")
     def _positive_bound(self) -> AggregatorConfig:
