@@ -109,12 +109,10 @@ def _non_finite(value: Any) -> str | None:
     """Where a nested meta value holds a NaN or infinite number, if anywhere."""
     if isinstance(value, float) and not math.isfinite(value):
         return f"holds a non-finite number ({value})"
-    items = value.values() if isinstance(value, Mapping) else value
-    if isinstance(value, Mapping | list | tuple):
-        for v in items:
-            bad = _non_finite(v)
-            if bad:
-                return bad
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return next((bad for v in value if (bad := _non_finite(v))), None)
     return None
 
 
