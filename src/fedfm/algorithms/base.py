@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class AlgoConfig(BaseModel):
     """Base of algorithm configs: unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Algorithm:

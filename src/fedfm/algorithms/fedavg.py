@@ -15,6 +15,8 @@ Papers:
 Choices of ours: aggregation weights are the clients' training-set sizes; parameters and
 floating-point buffers (e.g. BatchNorm statistics) are averaged alike; the local-only
 baseline trains each client's own model for the same local budget per round.
+``algo.aggregator`` replaces the weighted mean by a robust rule (clipping, median, trimmed
+mean, Krum; :mod:`fedfm.core.robust`) before the server optimizer; default: the mean.
 """
 
 from __future__ import annotations
@@ -26,21 +28,28 @@ from torch import Tensor, nn
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.core.federation import ClientContext, Federation, Handler
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer, scaffold_client_control
 from fedfm.core.optim import scaffold_server_update as scaffold_update
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 
 TRAIN = MessageKind(
     "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
 )
-EVALUATE = MessageKind("evaluate", down_arrays=("params",), up_meta=("num_examples", "metrics"))
+EVALUATE = MessageKind(
+    "evaluate",
+    down_arrays=("params",),
+    up_meta=("num_examples", "metrics"),
+    meta_specs={"num_examples": EVAL_EXAMPLES},  # a local test split may be empty
+)
 
 
 class FedAvgConfig(AlgoConfig):
-    """FedAvg with a choice of server optimizer."""
+    """FedAvg with a choice of server optimizer and of (robust) aggregation."""
 
     server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     personal_eval: bool = Field(
         False, description="also evaluate the global model on each client's local test split"
     )
@@ -78,7 +87,7 @@ class FedAvg(Algorithm):
         self.cfg: FedAvgConfig = cfg
         self._model: nn.Module | None = None
         self.params: dict[str, Tensor] = get_params(self.model())
-        self.opt = ServerOptimizer(cfg.server_opt)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
 
     def model(self) -> nn.Module:
         """A model instance reused by this process's server and client halves."""
@@ -184,6 +193,7 @@ class ScaffoldConfig(AlgoConfig):
     """SCAFFOLD with a global step size."""
 
     lr_global: float = Field(1.0, gt=0)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     personal_eval: bool = False
 
 
@@ -237,6 +247,7 @@ class Scaffold(FedAvg):
             [float(r.meta["num_examples"]) for r in rs],
             len(fed.client_ids()),
             self.cfg.lr_global,
+            self.cfg.aggregator,
         )
         return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
 
@@ -251,7 +262,9 @@ class Scaffold(FedAvg):
 
 
 LOCAL_TRAIN = MessageKind("train", up_meta=("num_examples", "loss"))
-LOCAL_EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+LOCAL_EVALUATE = MessageKind(
+    "evaluate", up_meta=("num_examples", "metrics"), meta_specs={"num_examples": EVAL_EXAMPLES}
+)
 
 
 class LocalOnly(FedAvg):

@@ -41,7 +41,8 @@ Choices of ours (the paper does not make them; each is a config option):
       accepted (the paper has every client take part every round, where the two coincide).
     * Private models are initialised with a seed derived from (run seed, client id) at first
       use; ``private_archs`` is cycled over the clients in their stable order.
-    * Aggregation weights are the clients' training-set sizes.
+    * Aggregation weights are the clients' training-set sizes; ``aggregator`` may replace the
+      weighted mean of the proxy updates by a robust rule (:mod:`fedfm.core.robust`).
     * Evaluation is personalised: each client's private model on its local test split
       (``local/``) and on the global test set (``test/``), mean and worst client; the headline
       metric is the mean client on the global test set (as for the local-only baseline), and
@@ -70,10 +71,11 @@ from fedfm.core.kd import (
     kd_mse,
     symmetric_kl_energy,
 )
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_train, num_steps, set_params
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, config_fields
 
 FORWARD = MessageKind(
     "forward", down_arrays=("proxy",), up_arrays=("proxy",), up_meta=("num_examples", "loss")
@@ -82,9 +84,22 @@ BACKWARD = MessageKind(
     "backward",
     down_arrays=("proxy",),
     up_meta=("num_examples", "loss", "energy", "gate_min", "gate_max"),
+    # Sent only when the backward stage distils (λ > 0); gate weights are non-negative.
+    meta_specs={
+        "energy": MetaSpec("float"),
+        "gate_min": MetaSpec("float", ge=0),
+        "gate_max": MetaSpec("float", ge=0),
+    },
 )
 LOCAL = MessageKind("local", up_meta=("num_examples", "loss"))
-EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+EVALUATE = MessageKind(
+    "evaluate", up_meta=("num_examples", "metrics"), meta_specs={"num_examples": EVAL_EXAMPLES}
+)
+
+
+def arch_fields(path: str, arch: dict[str, Any]) -> dict[str, str]:
+    """Config paths of the model arguments an architecture override sets (for errors)."""
+    return {f"model.{k}": f"{path}.{k}" for k in arch}
 
 
 class FedeKDConfig(AlgoConfig):
@@ -100,6 +115,9 @@ class FedeKDConfig(AlgoConfig):
         description="model overrides of the private models, cycled over clients",
     )
     server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    aggregator: AggregatorConfig = Field(
+        default_factory=AggregatorConfig, description="how proxy updates are combined"
+    )
     gate: str = Field("sigmoid", description="gate in fedfm.core.kd.GATES (ours: sigmoid)")
     beta: float = Field(1.0, ge=0, description="gate scale β (ours: 1)")
     lam: float = Field(1.0, ge=0, description="weight λ of the backward distillation (ours: 1)")
@@ -148,7 +166,7 @@ class FedeKD(Algorithm):
         self._proxy: nn.Module | None = None
         self._privates: dict[int, nn.Module] = {}
         self.proxy: dict[str, Tensor] = get_params(self.proxy_model())
-        self.opt = ServerOptimizer(cfg.server_opt)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         for i in range(len(cfg.private_archs)):  # a bad private architecture fails at build
             self.private_model(i)
 
@@ -156,15 +174,17 @@ class FedeKD(Algorithm):
     def proxy_model(self) -> nn.Module:
         """The proxy instance reused by this process's server and client halves."""
         if self._proxy is None:
-            self._proxy = self.task.build_model(seed=self.run.seed, **self.cfg.proxy_arch)
+            arch = self.cfg.proxy_arch
+            with config_fields(arch_fields("algo.proxy_arch", arch)):
+                self._proxy = self.task.build_model(seed=self.run.seed, **arch)
         return self._proxy
 
     def private_model(self, arch: int) -> nn.Module:
         """A reusable instance of private architecture ``arch`` (weights are set per client)."""
         if arch not in self._privates:
-            self._privates[arch] = self.task.build_model(
-                seed=self.run.seed, **self.cfg.private_archs[arch]
-            )
+            over = self.cfg.private_archs[arch]
+            with config_fields(arch_fields(f"algo.private_archs.{arch}", over)):
+                self._privates[arch] = self.task.build_model(seed=self.run.seed, **over)
         return self._privates[arch]
 
     def arch_of(self, cid: str) -> int:

@@ -17,7 +17,8 @@ Sources:
       η = 1e-3, τ = 1e-3, β1 = 0.9, β2 = 0.99, v initialised to τ².
 
 Update rules (Δ is the pseudo-gradient, η the server learning rate):
-    * pseudo-gradient  Δ = Σ_k (n_k/n)(θ_k − θ)                        (example-weighted)
+    * pseudo-gradient  Δ = Σ_k (n_k/n)(θ_k − θ)                        (example-weighted;
+                       a robust rule of :mod:`fedfm.core.robust` when one is configured)
     * FedAvg           θ ← θ + η·Δ                                     (η defaults to 1)
     * FedAvgM          m ← β·m + Δ;  θ ← θ + η·m                       (η defaults to 1)
     * adaptive         m ← β1·m + (1−β1)·Δ;  θ ← θ + η·m / (√v + τ)    with
@@ -38,10 +39,14 @@ Choices, marked where the references differ:
     * Arithmetic runs in float32 (float64 when the parameter is float64) and the new parameter is
       cast back to its own dtype; state tensors stay in that compute dtype so that v ≈ τ² = 1e-6
       keeps its precision for bfloat16 parameters.
+    * (ours) :class:`ServerOptimizer` skips a step that would make a parameter NaN or infinite
+      (e.g. huge but finite poisoned updates overflowing float32) and keeps the last good model
+      and optimizer state; the step functions themselves stay pure.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -51,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from fedfm.core.messages import Arrays
+from fedfm.core.robust import AggregatorConfig, robust_pseudo_gradient
 from fedfm.registry import Registry
 
 OptimizerName = Literal["fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi"]
@@ -87,7 +93,7 @@ class ServerOptConfig(BaseModel):
         tau: Adaptivity τ: added to √v and, squared, the initial v.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: OptimizerName = "fedavg"
     lr: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -108,7 +114,8 @@ StepFn = Callable[
     tuple[Arrays, Arrays],
 ]
 
-SERVER_OPTIMIZERS: Registry[StepFn] = Registry("server optimizer", "algo.server_opt")
+SERVER_OPTIMIZERS: Registry[StepFn] = Registry("server optimizer", "algo.server_opt.name")
+log = logging.getLogger("fedfm")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -470,10 +477,15 @@ class ServerOptimizer:
 
     Args:
         cfg: Settings; defaults to plain FedAvg.
+        aggregator: How client updates become Δ (:mod:`fedfm.core.robust`); defaults to the
+            example-weighted mean of :func:`pseudo_gradient`.
     """
 
-    def __init__(self, cfg: ServerOptConfig | None = None) -> None:
+    def __init__(
+        self, cfg: ServerOptConfig | None = None, aggregator: AggregatorConfig | None = None
+    ) -> None:
         self.cfg = cfg if cfg is not None else ServerOptConfig()
+        self.aggregator = aggregator if aggregator is not None else AggregatorConfig()
         self._step_fn = SERVER_OPTIMIZERS.get(self.cfg.name)
         self._state: Arrays = {}
 
@@ -483,7 +495,7 @@ class ServerOptimizer:
         updates: Sequence[Mapping[str, Tensor]],
         weights: Sequence[float],
     ) -> dict[str, Tensor]:
-        """One round: Δ from the client parameters, then the optimizer step.
+        """One round: Δ from the client parameters by the aggregator, then the optimizer step.
 
         Args:
             params: Current global parameters θ (not modified).
@@ -493,7 +505,14 @@ class ServerOptimizer:
         Returns:
             The new global parameters.
         """
-        return self.apply_delta(params, pseudo_gradient(params, updates, weights))
+        if self.aggregator.plain:
+            delta = pseudo_gradient(params, updates, weights)
+        else:
+            _check_weights(weights, len(updates), "robust aggregation")
+            for k, u in enumerate(updates):
+                _check_keys(params, u, f"robust aggregation: update {k} vs params")
+            delta = robust_pseudo_gradient(params, updates, weights, self.aggregator)
+        return self.apply_delta(params, delta)
 
     def apply_delta(
         self, params: Mapping[str, Tensor], delta: Mapping[str, Tensor]
@@ -510,7 +529,18 @@ class ServerOptimizer:
         Returns:
             The new global parameters.
         """
-        new_params, self._state = self._step_fn(params, delta, self._state, self.cfg)
+        new_params, new_state = self._step_fn(params, delta, self._state, self.cfg)
+        bad = [k for k, t in new_params.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            # Applying it would leave no model to train from: every client's next reply
+            # would be NaN and rejected. Keep the last good model and optimizer state.
+            log.warning(
+                "server step skipped: it makes %d tensor(s) non-finite (e.g. '%s')",
+                len(bad),
+                bad[0],
+            )
+            return dict(params)
+        self._state = new_state
         return new_params
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -548,6 +578,7 @@ def scaffold_server_update(
     weights: Sequence[float],
     num_clients_total: int,
     lr_global: float = 1.0,
+    aggregator: AggregatorConfig | None = None,
 ) -> tuple[Arrays, Arrays]:
     """SCAFFOLD server update (Karimireddy et al. 2020, eq. (5); Algorithm 1 lines 16-17).
 
@@ -558,6 +589,11 @@ def scaffold_server_update(
     (ours; pass equal weights for the paper's form). Δc is averaged uniformly as in the paper,
     since c estimates the mean of the N clients' gradients, which the |S|/N factor keeps unbiased
     under client sampling.
+
+    With a robust ``aggregator`` (ours), both means become its rule: Δy with the weights n_i,
+    Δc with equal weights. Δc is in gradient units, not parameter units, so a fixed
+    ``clip_norm`` bounds Δy only and Δc is clipped to ``clip_scale`` × its median norm
+    whenever clipping is on.
 
     Args:
         params: Global model x.
@@ -593,8 +629,15 @@ def scaffold_server_update(
     # Zero-based "pseudo-gradients": Σ w_i (Δy_i − 0) keeps the averaging in one function.
     zeros_x = {n: torch.zeros_like(p) for n, p in params.items()}
     zeros_c = {n: torch.zeros_like(c) for n, c in c_global.items()}
-    dx = pseudo_gradient(zeros_x, delta_y, weights)
-    dc = pseudo_gradient(zeros_c, delta_c, [1.0] * s)
+    if aggregator is None or aggregator.plain:
+        dx = pseudo_gradient(zeros_x, delta_y, weights)
+        dc = pseudo_gradient(zeros_c, delta_c, [1.0] * s)
+    else:
+        c_agg = aggregator
+        if aggregator.clip_norm is not None:
+            c_agg = aggregator.model_copy(update={"clip_norm": "median"})
+        dx = robust_pseudo_gradient(zeros_x, delta_y, weights, aggregator)
+        dc = robust_pseudo_gradient(zeros_c, delta_c, [1.0] * s, c_agg)
     new_x = {n: _add(p, lr_global * _get(dx[n], p, dx[n].dtype)) for n, p in params.items()}
     frac = s / num_clients_total
     new_c = {n: _add(c, frac * _get(dc[n], c, dc[n].dtype)) for n, c in c_global.items()}

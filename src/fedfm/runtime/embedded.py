@@ -26,7 +26,7 @@ from fedfm.core.federation import (
     Handler,
     derive_seed,
 )
-from fedfm.core.messages import Message, MessageKind, validate_arrays
+from fedfm.core.messages import Message, MessageKind, validate_reply
 from fedfm.core.state import ClientStateStore
 from fedfm.errors import FedfmError, MessageError
 
@@ -137,9 +137,7 @@ class EmbeddedFederation(Federation):
         ctx = ClientContext(cid, self._roles[cid], self.rnd, self.seed, self.task, state)
         try:
             reply = dispatch(self.handlers, self.kinds, ctx, msg)
-            for name, template in (like or {}).items():
-                if name in reply.arrays:
-                    validate_arrays(cid, name, reply.arrays[name], template)
+            validate_reply(cid, reply, like)
         except Exception as e:  # a crashed client is logged and left out of the round
             self._fail(cid, msg.kind, e)
             return None

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from fedfm.core.audit import AuditLedger
 from fedfm.core.federation import ClientInfo, Federation
-from fedfm.core.messages import Message, MessageKind, MetaValue, validate_arrays
+from fedfm.core.messages import Message, MessageKind, MetaValue, validate_reply
 from fedfm.errors import ConfigError, FedfmError, MessageError
 
 if TYPE_CHECKING:
@@ -590,9 +590,7 @@ class FlowerFederation(Federation):
             raise MessageError(f"client {cid}: reply of kind '{msg.kind}' to '{sent.kind}'")
         # Never trust the client: the declared fields are checked again on this side.
         self.kinds[msg.kind].check(msg, "up")
-        for name, template in (like or {}).items():
-            if name in msg.arrays:
-                validate_arrays(cid, name, msg.arrays[name], template)
+        validate_reply(cid, msg, like)
         return msg
 
     def _fail(self, cid: str, kind: str, err: Exception) -> None:

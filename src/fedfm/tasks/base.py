@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class TaskConfig(BaseModel):
     """Base of task configs: unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: str
 
 

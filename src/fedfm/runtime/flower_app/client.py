@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors.torch import load_file, save_file
 
 from fedfm.core.federation import ClientContext, ClientState
-from fedfm.core.messages import validate_arrays
+from fedfm.core.messages import validate_reply
 from fedfm.errors import ConfigError, MessageError
 from fedfm.runtime.flower import (
     CLIENT_ERROR_CODE,
@@ -282,9 +282,7 @@ def handle_message(
         reply = dispatch(rt.handlers, rt.kinds, ctx, msg)
         # The server checks the reply too; checking here first keeps a reply the server
         # would reject from committing the state, as on the embedded runtime.
-        for name, template in like_templates(head.get("like", {})).items():
-            if name in reply.arrays:
-                validate_arrays(cid, name, reply.arrays[name], template)
+        validate_reply(cid, reply, like_templates(head.get("like", {})))
         content = message_to_records(reply, {})
         if _changed(saved, state):
             snaps.save(state, int(head["session"]), rnd)
