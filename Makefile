@@ -29,3 +29,5 @@ bench: $(STAMP)
 	.venv/bin/python benchmarks/overhead.py
 	.venv/bin/python benchmarks/memory.py
 	.venv/bin/python benchmarks/throughput.py
+	.venv/bin/python benchmarks/generate.py
+	.venv/bin/python benchmarks/dp_overhead.py

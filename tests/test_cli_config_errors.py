@@ -44,6 +44,14 @@ CASES = [
     (["partition.by=colour"], "partition"),
     (["train.lr.x=1"], "train.lr: is not a section"),
     (["rounds"], "override: 'rounds' is not of the form key=value"),
+    (["name=."], "name: must be one plain folder name"),
+    (["name=.."], "name: must be one plain folder name"),
+    (["train.lr=.inf"], "train.lr: must be a finite number (got inf)"),
+    (["train.lr=inf"], "train.lr: input should be a finite number"),
+    (["algo.server_opt.lr=.nan"], "algo.server_opt.lr: must be a finite number (got nan)"),
+    (["task.model_args={hidden: [64, .inf]}"], "task.model_args.hidden.1: must be a finite"),
+    (["partition.alpha=-.inf"], "partition.alpha: must be a finite number"),
+    (["clients.min_clients=11"], "clients.min_clients: 11 is more than the 10 clients"),
 ]
 
 

@@ -53,7 +53,14 @@ def test_audit_counts_bytes_per_direction(tmp_path):
     )
     assert led.record(1, "0", "down", msg) == 3 * 4 * 4 + 5 * 2
     led.record(1, "0", "up", Message("train", meta={"n": 12}))  # json "12" is 2 bytes
-    assert led.round_bytes(1) == {"bytes_up": 2, "bytes_down": 58}
+    assert led.round_bytes(1) == {
+        "bytes_up": 2,
+        "bytes_up_arrays": 0,
+        "bytes_up_meta": 2,
+        "bytes_down": 58,
+        "bytes_down_arrays": 58,
+        "bytes_down_meta": 0,
+    }
     led.flush()
     rows = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert rows[0]["field"] == "params" and rows[0]["tensors"] == 2 and rows[0]["numel"] == 17

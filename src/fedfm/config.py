@@ -7,7 +7,11 @@ so a bad value anywhere gives one line naming the dotted field and the reason.
 
 from __future__ import annotations
 
+import copy
+import logging
+import math
 import re
+from collections.abc import Callable, Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -17,11 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fedfm.errors import ConfigError
 
+log = logging.getLogger("fedfm")
+
 
 class Strict(BaseModel):
     """Base for config sections: unknown keys are errors, values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TrainConfig(Strict):
@@ -58,10 +64,24 @@ class ClientsConfig(Strict):
         return v
 
 
+class PrivacyConfig(Strict):
+    """How the run's privacy ledger reports (see :mod:`fedfm.core.privacy`).
+
+    Attributes:
+        delta: The run's δ: every ε is reported at it, and DP-SGD calibrates to it unless its
+            own ``delta`` is set. Must be below ``1/n`` for a client with ``n`` records.
+        accountant: ``rdp`` (Rényi DP at Opacus's orders) or ``pld`` (privacy loss
+            distributions, tighter and slower).
+    """
+
+    delta: float = Field(1e-5, gt=0, lt=1)
+    accountant: Literal["rdp", "pld"] = "rdp"
+
+
 class RunConfig(Strict):
     """One experiment."""
 
-    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]+$")
+    name: str = Field("run", description="the run folder's name: one plain path component")
     seed: int = Field(0, ge=0)
     rounds: int = Field(10, ge=0)
     algorithm: str = "fedavg"
@@ -70,6 +90,7 @@ class RunConfig(Strict):
     partition: dict[str, Any] = Field(default_factory=dict)
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     runtime: Literal["embedded", "flower-sim", "flower"] = "embedded"
     flower: dict[str, Any] = Field(default_factory=dict)  # Flower runtime options
     eval_every: int = Field(1, ge=1)
@@ -77,6 +98,18 @@ class RunConfig(Strict):
     out_dir: str = "runs"
     threads: int | None = Field(None, ge=1)
     plots: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, v: str) -> str:
+        # The run folder is out_dir/name: a name that climbs, nests or hides would put the
+        # run (and --overwrite) somewhere the user did not mean.
+        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", v):
+            raise ValueError(
+                "must be one plain folder name: letters, digits, '.', '_' or '-',"
+                " not starting with '.'"
+            )
+        return v
 
 
 def preset_dir() -> Path:
@@ -101,9 +134,13 @@ def _load_yaml(source: str) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError("config", f"file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", f"{path} is not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         raise ConfigError("config", f"{path} is not valid YAML ({str(e).splitlines()[0]})") from e
+    if data is None:
+        raise ConfigError("config", f"{path} is empty")
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping, got {type(data).__name__}")
     return data
@@ -148,7 +185,10 @@ def config_error(err: ValidationError, prefix: str = "") -> ConfigError:
         return ConfigError(field, "required value is missing")
     got = e.get("input")
     got_s = "" if isinstance(got, dict) else f" (got {got!r})"
-    return ConfigError(field, f"{e['msg'].lower()}{got_s}")
+    msg = e["msg"]
+    # A validator's own reason reads as written; pydantic's own messages in lower case.
+    msg = msg[len("Value error, ") :] if msg.startswith("Value error, ") else msg.lower()
+    return ConfigError(field, f"{msg}{got_s}")
 
 
 def validate_section(model: type[BaseModel], data: dict[str, Any], prefix: str) -> BaseModel:
@@ -159,12 +199,73 @@ def validate_section(model: type[BaseModel], data: dict[str, Any], prefix: str) 
         raise config_error(e, prefix) from None
 
 
-def load_config(source: str | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+def check_finite(data: Any, path: str = "") -> None:
+    """Refuses NaN and infinite numbers anywhere in a config, free-form sections included.
+
+    Raises:
+        ConfigError: Naming the dotted path of the first non-finite value.
+    """
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ConfigError(path or "config", f"must be a finite number (got {data})")
+    if isinstance(data, dict):
+        for k, v in data.items():
+            check_finite(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(data, list | tuple):
+        for i, v in enumerate(data):
+            check_finite(v, f"{path}.{i}")
+
+
+def _override_keys(overrides: list[str]) -> set[str]:
+    return {m.group(1) for ov in overrides if (m := _OVERRIDE.match(ov))}
+
+
+AlgoKeys = Callable[[str], Collection[str] | None]
+"""Keys of the ``algo`` section an algorithm takes, None for an unknown algorithm
+(:func:`fedfm.algorithms.algo_keys`)."""
+
+
+def drop_foreign_algo_keys(data: dict[str, Any], explicit: set[str], algo_keys: AlgoKeys) -> None:
+    """After ``algorithm=`` switched the algorithm, drops ``algo`` keys it does not take.
+
+    A preset's ``algo`` section belongs to the preset's algorithm. Keys set on the command
+    line (in ``explicit``) are kept, so a typo there is still an error. One notice names
+    what was dropped and what the new algorithm accepts.
+
+    Args:
+        data: The raw config (changed in place).
+        explicit: Keys set by overrides.
+        algo_keys: The keys each algorithm's section takes.
+    """
+    algo, name = data.get("algo"), data.get("algorithm")
+    fields = algo_keys(name) if isinstance(name, str) else None
+    if not isinstance(algo, dict) or fields is None:
+        return
+    mine = {k.split(".")[1] for k in explicit if k.startswith("algo.") and k.count(".") >= 1}
+    dropped = [k for k in algo if k not in fields and k not in mine]
+    for k in dropped:
+        del algo[k]
+    if dropped:
+        log.warning(
+            "algorithm=%s: dropped %s from the config's algo section (%s takes %s)",
+            name,
+            ", ".join(f"algo.{k}" for k in dropped),
+            name,
+            ", ".join(fields) or "no options",
+        )
+
+
+def load_config(
+    source: str | dict[str, Any],
+    overrides: list[str] | None = None,
+    algo_keys: AlgoKeys | None = None,
+) -> RunConfig:
     """Loads a preset name, YAML path or dict, applies overrides and validates it.
 
     Args:
         source: Preset name (e.g. ``"quickstart"``), path to a YAML file, or a mapping.
         overrides: ``key=value`` strings with dotted keys.
+        algo_keys: With it, an ``algorithm=`` override that switches the algorithm drops the
+            ``algo`` keys the new one does not take (:func:`drop_foreign_algo_keys`).
 
     Returns:
         The validated run config. Sections owned by the algorithm and the task are checked
@@ -173,9 +274,14 @@ def load_config(source: str | dict[str, Any], overrides: list[str] | None = None
     Raises:
         ConfigError: Anything is wrong, with the field named.
     """
-    data = dict(source) if isinstance(source, dict) else _load_yaml(source)
+    data = copy.deepcopy(source) if isinstance(source, dict) else _load_yaml(source)
+    before = data.get("algorithm", "fedavg")
     for ov in overrides or []:
         apply_override(data, ov)
+    explicit = _override_keys(overrides or [])
+    if algo_keys is not None and "algorithm" in explicit and data.get("algorithm") != before:
+        drop_foreign_algo_keys(data, explicit, algo_keys)
+    check_finite(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
@@ -183,7 +289,10 @@ def load_config(source: str | dict[str, Any], overrides: list[str] | None = None
 
 
 def load_run_config(
-    source: str | dict[str, Any], overrides: list[str] | None = None, resume: bool = False
+    source: str | dict[str, Any],
+    overrides: list[str] | None = None,
+    resume: bool = False,
+    algo_keys: AlgoKeys | None = None,
 ) -> RunConfig:
     """Loads a config to run; on resume, the run folder's saved config wins.
 
@@ -196,13 +305,14 @@ def load_run_config(
         source: Preset name, YAML path or mapping.
         overrides: ``key=value`` strings.
         resume: Whether the run resumes.
+        algo_keys: See :func:`load_config`.
 
     Raises:
         ConfigError: Anything is wrong, with the field named.
     """
-    cfg = load_config(source, overrides)
+    cfg = load_config(source, overrides, algo_keys)
     if resume:
         saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
         if saved.exists():
-            cfg = load_config(str(saved), overrides)
+            cfg = load_config(str(saved), overrides, algo_keys)
     return cfg

@@ -9,9 +9,9 @@ the runtime a config names.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,23 +24,28 @@ import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
 from fedfm.algorithms.base import ALGORITHMS, Algorithm, kinds_of
 from fedfm.config import RunConfig, validate_section
+from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
 from fedfm.core.checkpoint import (
     Checkpoint,
-    latest_checkpoint,
+    checkpoints_newest_first,
     load_checkpoint,
+    mark_latest,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from fedfm.core.federation import ClientInfo, ClientRunner, Federation, assign_roles
 from fedfm.core.messages import MessageKind
+from fedfm.core.runfolder import RunFolder, RunFolderError, RunFolderLease, read_jsonl
 from fedfm.core.state import ClientStateStore
 from fedfm.data.partition import PartitionConfig
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, config_fields
 from fedfm.tasks.base import TASKS, Task
 
 log = logging.getLogger("fedfm")
+
+BYTE_KEYS = tuple(f"bytes_{d}{part}" for d in ("up", "down") for part in ("", "_arrays", "_meta"))
 
 
 @dataclass
@@ -85,81 +90,32 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     return algo_cfg, task_cfg
 
 
+# Model builders name their own arguments; in a run, those come from the task's section.
+BUILD_FIELDS = {"model": "task.model_args", "model.name": "task.model"}
+
+
 def build(cfg: RunConfig) -> Setup:
-    """Builds the task and the algorithm of a config (deterministic in the seed)."""
+    """Builds the task and the algorithm of a config (deterministic in the seed).
+
+    Raises:
+        ConfigError: Anything the task or the algorithm refuses while being built, named by
+            its config path (``task.model_args.hidden``), or more ``clients.min_clients``
+            than there are clients.
+    """
     algo_cfg, task_cfg = resolve(cfg)
-    task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
-    algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
+    with config_fields(BUILD_FIELDS):
+        task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
+        algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
+    n = len(task.client_ids())
+    if cfg.clients.min_clients > n:
+        raise ConfigError(
+            "clients.min_clients", f"{cfg.clients.min_clients} is more than the {n} clients"
+        )
     return Setup(cfg, task, algo)
 
 
 FederationFactory = Callable[[Setup, ClientStateStore, AuditLedger], Federation]
 """Builds a runtime's federation for a resolved experiment, its client-state store and ledger."""
-
-
-class RunFolder:
-    """Paths and append-only logs of one run folder."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.metrics = root / "metrics.jsonl"
-        self.audit = root / "audit.jsonl"
-        self.failures = root / "failures.jsonl"
-        self.client_metrics = root / "client_metrics.jsonl"
-        self.checkpoints = root / "checkpoints"
-        self.summary = root / "summary.json"
-
-    def append(self, path: Path, rows: list[dict[str, Any]]) -> None:
-        """Appends JSON lines and flushes them to disk."""
-        if rows:
-            with path.open("a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-
-    def read_metrics(self) -> list[dict[str, Any]]:
-        """Rounds logged so far (a torn last line from a killed write is skipped)."""
-        if not self.metrics.exists():
-            return []
-        rows = []
-        for line in self.metrics.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows
-
-    def truncate(self, path: Path, upto_round: int) -> None:
-        """Drops rows after ``upto_round`` from a JSON-lines log (atomically)."""
-        if not path.exists():
-            return
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row["round"] <= upto_round:
-                rows.append(row)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
-
-
-def _prepare_folder(cfg: RunConfig, resume: bool, overwrite: bool) -> RunFolder:
-    root = Path(cfg.out_dir) / cfg.name
-    folder = RunFolder(root)
-    has_ckpt = latest_checkpoint(folder.checkpoints) is not None
-    if resume and not has_ckpt:
-        log.info("no checkpoint in %s: starting from the beginning", root)
-    if root.exists() and not resume:
-        if not overwrite:
-            raise ConfigError(
-                "name", f"run folder {root} exists: pass --resume to continue it or --overwrite"
-            )
-        shutil.rmtree(root)
-    if root.exists() and resume and not has_ckpt:
-        shutil.rmtree(root)
-    root.mkdir(parents=True, exist_ok=True)
-    return folder
 
 
 def _write_static(folder: RunFolder, setup: Setup) -> None:
@@ -170,28 +126,64 @@ def _write_static(folder: RunFolder, setup: Setup) -> None:
 
 def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientStateStore) -> None:
     arrays, meta = algo.state_dict()
+    arrays = {**arrays, **algo.artefacts.state()}
     snap = store.snapshot()
+    server = {"algo": meta, "rng": rng_state(), "privacy": algo.privacy.state()}
     save_checkpoint(
-        folder.checkpoints,
-        Checkpoint(rnd, arrays, {"algo": meta, "rng": rng_state()}, snap["arrays"], snap["meta"]),
+        folder.checkpoints, Checkpoint(rnd, arrays, server, snap["arrays"], snap["meta"])
     )
+
+
+def _publish(folder: RunFolder, algo: Algorithm) -> None:
+    """Writes what the algorithm leaves in the run folder: its artefacts, and ``privacy.json``
+    when it used DP (see :mod:`fedfm.core.artefacts`)."""
+    algo.artefacts.publish(folder.root)
+    if len(algo.privacy):
+        algo.privacy.write(folder.privacy)
 
 
 def _restore(
     folder: RunFolder, algo: Algorithm, store: ClientStateStore, ledger: AuditLedger
 ) -> int:
-    path = latest_checkpoint(folder.checkpoints)
-    if path is None:
-        return -1
-    ck = load_checkpoint(path)
-    algo.load_state_dict(ck.server_arrays, ck.server_meta["algo"])
-    store.restore(ck.client_arrays, ck.client_meta)
-    set_rng_state(ck.server_meta["rng"])
-    folder.truncate(folder.metrics, ck.rnd)
-    folder.truncate(folder.failures, ck.rnd)
-    folder.truncate(folder.client_metrics, ck.rnd)
-    ledger.load(ck.rnd)
-    return ck.rnd
+    """Loads the newest checkpoint that loads, then cuts the logs back to its round.
+
+    Nothing on disk changes until a checkpoint has loaded: damaged logs or no loadable
+    checkpoint stop the resume with one line.
+
+    Returns:
+        The round of the checkpoint.
+
+    Raises:
+        RunFolderError: A log is damaged, or no checkpoint loads.
+    """
+    for path in folder.logs:
+        read_jsonl(path)
+    damaged: list[str] = []
+    for path in checkpoints_newest_first(folder.checkpoints):
+        try:
+            ck = load_checkpoint(path)
+            own, artefacts = split_state(ck.server_arrays)
+            algo.load_state_dict(own, ck.server_meta["algo"])
+            algo.privacy.load_state(ck.server_meta.get("privacy", []))
+            store.restore(ck.client_arrays, ck.client_meta)
+            set_rng_state(ck.server_meta["rng"])
+        except Exception as e:  # a damaged checkpoint: try the one before
+            first = (str(e).splitlines() or [""])[0][:80]
+            damaged.append(f"{path.name}: {type(e).__name__}: {first}")
+            continue
+        if damaged:
+            log.warning("%s does not load; resuming from %s", "; ".join(damaged), path.name)
+        algo.artefacts.restore(folder.root, artefacts)
+        mark_latest(folder.checkpoints, path)  # what a runtime reads as the resume point
+        for p in (folder.metrics, folder.failures, folder.client_metrics):
+            folder.truncate(p, ck.rnd)
+        ledger.load(ck.rnd)
+        return ck.rnd
+    why = f" ({'; '.join(damaged)})" if damaged else ""
+    raise RunFolderError(
+        folder.checkpoints,
+        f"no checkpoint loads{why}: nothing was changed; pass --overwrite to start again",
+    )
 
 
 class Engine:
@@ -214,7 +206,7 @@ class Engine:
         overwrite: bool = False,
         progress: bool = True,
     ) -> None:
-        resolve(cfg)  # every config error surfaces before anything is written
+        resolve(cfg)  # config errors surface at once; build() finds the rest
         self.cfg = cfg
         self.resume = resume
         self.overwrite = overwrite
@@ -228,26 +220,31 @@ class Engine:
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        folder = _prepare_folder(cfg, self.resume, self.overwrite)
-        setup = build(cfg)
-        _write_static(folder, setup)
-        store = ClientStateStore(folder.root / "client_states")
-        ledger = AuditLedger(folder.audit)
-        fed = self.make_federation(setup, store, ledger)
-        last = _restore(folder, setup.algo, store, ledger) if self.resume else -1
+        lease = RunFolderLease(Path(cfg.out_dir) / cfg.name, self.resume, self.overwrite)
+        setup = build(cfg)  # everything is validated before the disk is touched
         from fedfm.progress import RoundDisplay
 
-        display = RoundDisplay(cfg, enabled=self.progress, start=max(last, 0))
-        t0 = time.perf_counter()
-        with display:
-            if last < 0:
-                self._step(0, fed, setup, folder, store, ledger, display)
-            for rnd in range(max(last, 0) + 1, cfg.rounds + 1):
-                self._step(rnd, fed, setup, folder, store, ledger, display)
-            fed.rnd = cfg.rounds + 1
-            final = setup.algo.finish(fed)
+        with lease as folder:
+            store = ClientStateStore(folder.root / "client_states")
+            ledger = AuditLedger(folder.audit)
+            last = _restore(folder, setup.algo, store, ledger) if lease.resume else -1
+            _write_static(folder, setup)
+            fed = self.make_federation(setup, store, ledger)
+            display = RoundDisplay(
+                cfg, enabled=self.progress, start=max(last, 0), primary=setup.task.primary
+            )
+            t0 = time.perf_counter()
+            with display:
+                if last < 0:
+                    self._step(0, fed, setup, folder, store, ledger, display)
+                lease.started()  # --overwrite: the old run goes only now
+                for rnd in range(max(last, 0) + 1, cfg.rounds + 1):
+                    self._step(rnd, fed, setup, folder, store, ledger, display)
+                fed.rnd = cfg.rounds + 1
+                final = setup.algo.finish(fed)
+            _publish(folder, setup.algo)
         summary = self._summary(folder, setup, final, time.perf_counter() - t0)
-        display.final_table(folder.read_metrics())
+        display.final_table(folder.read_metrics(), summary.get("privacy"))
         if cfg.plots:
             from fedfm.report import plot_run
 
@@ -269,7 +266,12 @@ class Engine:
         nfail = len(fed.failures)
         row: dict[str, Any] = {"round": rnd}
         per_client = None
-        row.update(setup.algo.setup(fed) if rnd == 0 else setup.algo.round(fed))
+        try:
+            row.update(setup.algo.setup(fed) if rnd == 0 else setup.algo.round(fed))
+        except BaseException:
+            # The failures that stopped the run (e.g. too few survivors) are kept.
+            folder.append(folder.failures, fed.failures[nfail:])
+            raise
         due = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
         if (rnd == 0 and self.cfg.eval_before) or (rnd > 0 and due):
             evals = setup.algo.evaluate(fed)
@@ -284,6 +286,7 @@ class Engine:
         if per_client:
             folder.append(folder.client_metrics, [{"round": rnd, "clients": per_client}])
         ledger.flush()
+        _publish(folder, setup.algo)
         _checkpoint(folder, rnd, setup.algo, store)
         display.update(row)
 
@@ -304,9 +307,10 @@ class Engine:
             "primary": task.primary,
             "final": {k: v for k, v in last.items() if k not in ("time_s",)},
             "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
-            "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
-            "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
+            **{key: sum(r.get(key, 0) for r in rows) for key in BYTE_KEYS},
             "failed_clients": sum(r.get("failed", 0) for r in rows),
+            **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
+            "artefacts": _artefact_list(folder, setup.algo),
             "wall_s_this_session": round(wall, 2),
             **({"finish": final} if final else {}),
         }
@@ -314,3 +318,16 @@ class Engine:
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(folder.summary)
         return summary
+
+
+def _artefact_list(folder: RunFolder, algo: Algorithm) -> dict[str, dict[str, Any]]:
+    """Files the algorithm left in the run folder, with sizes and SHA-256."""
+    files = algo.artefacts.manifest()
+    if folder.privacy.exists() and len(algo.privacy):
+        data = folder.privacy.read_bytes()
+        files[folder.privacy.name] = {
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    return files
+

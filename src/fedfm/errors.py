@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
 
 class FedfmError(Exception):
     """Base class of every error fedfm raises on purpose."""
@@ -19,6 +22,47 @@ class ConfigError(FedfmError):
         self.field = field
         self.reason = reason
         super().__init__(f"config error: {field}: {reason}")
+
+    def renamed(self, prefixes: Mapping[str, str]) -> ConfigError:
+        """The same error with its field moved under the config path that supplied it.
+
+        Args:
+            prefixes: Field prefix -> replacement, e.g. ``{"model": "task.model_args"}``
+                turns ``model.hidden`` into ``task.model_args.hidden``. Prefixes match whole
+                dotted components; the longest match wins.
+
+        Returns:
+            ``self`` when no prefix matches, else a new error of the same class.
+        """
+        parts = self.field.split(".")
+        for n in range(len(parts), 0, -1):
+            head = ".".join(parts[:n])
+            if head in prefixes:
+                field = ".".join([prefixes[head], *parts[n:]])
+                err = type(self).__new__(type(self))
+                ConfigError.__init__(err, field, self.reason)
+                return err
+        return self
+
+
+@contextmanager
+def config_fields(prefixes: Mapping[str, str]) -> Iterator[None]:
+    """Names config errors raised inside by the config path of the offending value.
+
+    Builders (models, data sources) name their own arguments (``model.hidden``); the code
+    that calls them with a config section knows where the values came from and wraps the
+    call, so the user reads ``task.model_args.hidden``.
+
+    Args:
+        prefixes: See :meth:`ConfigError.renamed`.
+    """
+    try:
+        yield
+    except ConfigError as e:
+        renamed = e.renamed(prefixes)
+        if renamed is e:
+            raise
+        raise renamed from None
 
 
 class UnknownNameError(ConfigError):

@@ -1,4 +1,8 @@
-"""Terminal display of a run: a progress bar over rounds and a per-round table."""
+"""Terminal display of a run: a progress bar over rounds and a per-round table.
+
+The display shows a few columns that fit an 80-column terminal; every metric of every round
+is in the run's ``metrics.jsonl``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from rich.table import Table
 
 from fedfm.config import RunConfig
 
-SKIP = {"round", "time_s"}
+MIB = 2**20  # bytes per MiB, as in reports and plots (the ledger counts bytes)
 
 
 def _fmt(v: Any) -> str:
@@ -19,13 +23,41 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _columns(rows: list[dict[str, Any]], limit: int = 9) -> list[str]:
-    """Columns worth showing: headline metrics first, per-client detail last."""
-    keys: list[str] = []
+def _mb(v: Any) -> str:
+    if not isinstance(v, int | float):
+        return ""
+    mb = v / MIB
+    return f"{mb:.3f}" if mb < 10 else f"{mb:.1f}" if mb < 1000 else f"{mb:.0f}"
+
+
+def _columns(rows: list[dict[str, Any]], primary: str) -> list[tuple[str, str]]:
+    """``(header, metric key)`` pairs that fit 80 columns: the headline metric, test and train
+    loss, clients answering and failing, and MiB up and down. Everything else stays in
+    metrics.jsonl."""
+    keys = {k for r in rows for k in r}
+    cols = [(primary, primary)] if primary in keys else []
+    cols += [(k, k) for k in ("loss", "train_loss", "clients") if k in keys and k != primary]
+    if any(r.get("failed") for r in rows):
+        cols.append(("failed", "failed"))
+    cols += [("MiB up", "bytes_up"), ("MiB down", "bytes_down")]
+    return cols
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    if key not in row:
+        return ""
+    return _mb(row[key]) if key.startswith("bytes") else _fmt(row[key])
+
+
+def round_table(rows: list[dict[str, Any]], primary: str) -> Table:
+    """All rounds as one table (see :func:`_columns` for the columns)."""
+    cols = _columns(rows, primary)
+    table = Table(title="rounds", show_edge=False)
+    for header, _ in [("round", "round"), *cols]:
+        table.add_column(header, justify="right", no_wrap=True)
     for r in rows:
-        keys += [k for k in r if k not in SKIP and k not in keys]
-    order = {k: i for i, k in enumerate(keys)}
-    return sorted(keys, key=lambda k: ("/" in k, k.startswith("bytes"), order[k]))[:limit]
+        table.add_row(str(r["round"]), *(_cell(r, k) for _, k in cols))
+    return table
 
 
 class RoundDisplay:
@@ -35,11 +67,21 @@ class RoundDisplay:
         cfg: The run config (name, rounds).
         enabled: Print nothing when False.
         start: Round the run starts (or resumes) from.
+        primary: The task's headline metric, shown first.
+        console: Where to print (default: the terminal's stderr).
     """
 
-    def __init__(self, cfg: RunConfig, enabled: bool = True, start: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        enabled: bool = True,
+        start: int = 0,
+        primary: str = "acc",
+        console: Console | None = None,
+    ) -> None:
         self.enabled = enabled
-        self.console = Console(stderr=True)
+        self.primary = primary
+        self.console = console or Console(stderr=True)
         self.progress = Progress(
             TextColumn(f"[bold]{cfg.name}[/] {cfg.algorithm}"),
             BarColumn(),
@@ -62,20 +104,23 @@ class RoundDisplay:
         """Prints one round's metrics and advances the bar."""
         if not self.enabled:
             return
-        cols = _columns([row])
-        text = "  ".join(f"{k}={_fmt(row[k])}" for k in cols)
-        self.progress.console.print(f"round {row['round']:>3}  {text}  ({row['time_s']:.2f}s)")
+        cols = [k for _, k in _columns([row], self.primary) if not k.startswith("bytes")]
+        text = " ".join(f"{k}={_cell(row, k)}" for k in cols if k in row)
+        mb = f"MiB {_cell(row, 'bytes_up')}/{_cell(row, 'bytes_down')}"
+        self.progress.console.print(f"{row['round']:>4}  {text}  {mb}  {row['time_s']:.2f}s")
         if row["round"] > 0:
             self.progress.advance(self.task_id)
 
-    def final_table(self, rows: list[dict[str, Any]]) -> None:
-        """Prints all rounds as one table."""
+    def final_table(
+        self, rows: list[dict[str, Any]], privacy: dict[str, Any] | None = None
+    ) -> None:
+        """Prints all rounds as one table that fits 80 columns, then the run's privacy
+        guarantee when DP was used."""
         if not self.enabled or not rows:
             return
-        cols = _columns(rows)
-        table = Table(title="rounds", show_edge=False)
-        for c in ["round", *cols]:
-            table.add_column(c, justify="right")
-        for r in rows:
-            table.add_row(str(r["round"]), *(_fmt(r.get(c, "")) for c in cols))
-        self.console.print(table)
+        self.console.print(round_table(rows, self.primary))
+        if privacy:
+            self.console.print(
+                f"privacy: epsilon = {privacy['epsilon']:.4g} at delta = {privacy['delta']:g}"
+                f" (worst client, {privacy['accountant']} accountant; see privacy.json)"
+            )

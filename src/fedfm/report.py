@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,23 +10,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 
 HEADLINE = ("acc", "macro_f1", "rmse", "rougeL", "score", "loss", "train_loss")
 
 
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """Rows of ``metrics.jsonl`` (torn lines skipped)."""
+    """Rows of ``metrics.jsonl`` (a torn last line skipped; damage is one error naming it)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise ConfigError("run", f"{run_dir} has no metrics.jsonl: not a fedfm run folder")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return read_jsonl(path)
 
 
 def _numeric_keys(rows: list[dict[str, Any]]) -> list[str]:
@@ -91,13 +85,18 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         s = d / "summary.json"
         if not s.exists():
             raise ConfigError("run", f"{d} has no summary.json (unfinished or not a run folder)")
-        summaries.append((d, json.loads(s.read_text()), read_rows(d)))
+        summaries.append((d, read_json(s), read_rows(d)))
     cols = [k for k in HEADLINE if any(k in s["final"] for _, s, _ in summaries)]
+    private = any("privacy" in s for _, s, _ in summaries)
     head = ["run", "algorithm", "rounds", *cols, "MiB up", "MiB down"]
+    head += ["epsilon (delta)"] if private else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, s, _ in summaries:
         vals = [f"{s['final'][c]:.4f}" if c in s["final"] else "" for c in cols]
         mib = [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
+        if private:  # the run's epsilon from its privacy ledger; blank for a non-DP run
+            p = s.get("privacy")
+            mib.append(f"{p['epsilon']:.3g} ({p['delta']:g})" if p else "")
         lines.append(
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from fedfm.core.artefacts import Artefacts
 from fedfm.core.federation import Federation, Handler
 from fedfm.core.messages import MessageKind
+from fedfm.core.privacy import PrivacyLedger
 from fedfm.errors import TooFewClientsError
 from fedfm.registry import Registry
 
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 class AlgoConfig(BaseModel):
     """Base of algorithm configs: unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Algorithm:
@@ -44,6 +46,10 @@ class Algorithm:
         Config: The algorithm's config model.
         messages: The message kinds it uses, with their declared fields.
         personalised: Whether evaluation is per client (reported as mean and worst client).
+        privacy: The run's privacy ledger: register every DP mechanism the algorithm runs
+            (the engine checkpoints it and writes ``privacy.json``).
+        artefacts: Files for the run folder (distilled sets, selection logs, synthetic data);
+            the engine publishes, checkpoints and lists them.
     """
 
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
@@ -54,6 +60,8 @@ class Algorithm:
         self.cfg = cfg
         self.task = task
         self.run = run
+        self.privacy = PrivacyLedger(run.privacy.delta, run.privacy.accountant)
+        self.artefacts = Artefacts()
 
     @classmethod
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:

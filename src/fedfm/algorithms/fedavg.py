@@ -18,11 +18,12 @@ baseline trains each client's own model for the same local budget per round.
 
 FedAvg's two halves are functions (:func:`fit`, :func:`evaluate_locally`, :func:`fedavg_round`,
 :func:`evaluate_global`) that other algorithms running FedAvg rounds (FedRD) call as well.
+``algo.aggregator`` replaces the weighted mean by a robust rule (clipping, median, trimmed
+mean, Krum; :mod:`fedfm.core.robust`) before the server optimizer; default: the mean.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import Field
@@ -31,10 +32,9 @@ from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig, TrainConfig
-from fedfm.core.aggregate import Aggregator, mean_delta
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
 from fedfm.core.optim import (
     ScaffoldSums,
     ServerOptConfig,
@@ -47,19 +47,26 @@ from fedfm.core.replies import (
     summarise_client_metrics,
     weighted_mean_metric,
 )
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_round, set_params
 from fedfm.tasks.base import Task
 
 TRAIN = MessageKind(
     "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
 )
-EVALUATE = MessageKind("evaluate", down_arrays=("params",), up_meta=("num_examples", "metrics"))
+EVALUATE = MessageKind(
+    "evaluate",
+    down_arrays=("params",),
+    up_meta=("num_examples", "metrics"),
+    meta_specs={"num_examples": EVAL_EXAMPLES},  # a local test split may be empty
+)
 
 
 class FedAvgConfig(AlgoConfig):
-    """FedAvg with a choice of server optimizer."""
+    """FedAvg with a choice of server optimizer and of (robust) aggregation."""
 
     server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     personal_eval: bool = Field(
         False, description="also evaluate the global model on each client's local test split"
     )
@@ -105,21 +112,19 @@ def fedavg_round(
     fed: Federation,
     params: dict[str, Tensor],
     opt: ServerOptimizer,
-    aggregator: Callable[[dict[str, Tensor]], Aggregator] = mean_delta,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Server half of a FedAvg round: send ``params`` to the sampled clients, aggregate.
 
-    Replies are folded into the aggregate as they arrive (:meth:`Federation.stream`), so
-    the server holds one client's parameters at a time, not every client's.
+    Replies are folded into the aggregate as they arrive (:meth:`Federation.stream`): with
+    the example-weighted mean the server holds one client's parameters at a time, not every
+    client's; a robust rule (``algo.aggregator``) keeps them all, as it must
+    (:meth:`ServerOptimizer.accumulator`).
 
     Args:
         algo: The algorithm (its client sampling and ``min_clients``).
         fed: The federation.
         params: The global parameters θ.
-        opt: The server optimizer, applied to the aggregate Δ.
-        aggregator: Builds the aggregate of θ_k − θ from θ; the example-weighted mean by
-            default (:func:`~fedfm.core.aggregate.mean_delta`); one that needs every update
-            at once can be a :class:`~fedfm.core.aggregate.Buffered`.
+        opt: The server optimizer (with its aggregator), applied to the aggregate Δ.
 
     Returns:
         The new parameters and the round's metrics (``train_loss``, ``clients``).
@@ -129,7 +134,7 @@ def fedavg_round(
     """
     cids = algo.sample(fed)
     msg = Message("train", {"params": params})
-    delta, loss = aggregator(params), MetricMean("loss")
+    delta, loss = opt.accumulator(params), MetricMean("loss")
     for _, r in fed.stream({c: msg for c in cids}, like={"params": params}):
         delta.add(r.arrays["params"], meta_number(r, "num_examples"))
         loss.add(r)
@@ -176,7 +181,7 @@ class FedAvg(Algorithm):
         self.cfg: FedAvgConfig = cfg
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
-        self.opt = ServerOptimizer(cfg.server_opt)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
 
     def model(self) -> nn.Module:
         """The model instance this process's server and client halves share."""
@@ -251,6 +256,7 @@ class ScaffoldConfig(AlgoConfig):
     """SCAFFOLD with a global step size."""
 
     lr_global: float = Field(1.0, gt=0)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     personal_eval: bool = False
 
 
@@ -311,7 +317,8 @@ class Scaffold(Algorithm):
         cids = self.sample(fed)
         msg = Message("train", {"params": self.params, "control": self.control})
         like = {"delta_y": self.params, "delta_c": self.control}
-        sums, loss = ScaffoldSums(self.params, self.control), MetricMean("loss")
+        sums = ScaffoldSums(self.params, self.control, self.cfg.aggregator)
+        loss = MetricMean("loss")
         for _, r in fed.stream({c: msg for c in cids}, like=like):
             sums.add(r.arrays["delta_y"], r.arrays["delta_c"], meta_number(r, "num_examples"))
             loss.add(r)
@@ -334,7 +341,9 @@ class Scaffold(Algorithm):
 
 
 LOCAL_TRAIN = MessageKind("train", up_meta=("num_examples", "loss"))
-LOCAL_EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+LOCAL_EVALUATE = MessageKind(
+    "evaluate", up_meta=("num_examples", "metrics"), meta_specs={"num_examples": EVAL_EXAMPLES}
+)
 
 
 class LocalOnly(Algorithm):

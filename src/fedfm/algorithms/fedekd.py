@@ -41,7 +41,8 @@ Choices of ours (the paper does not make them; each is a config option):
       accepted (the paper has every client take part every round, where the two coincide).
     * Private models are initialised with a seed derived from (run seed, client id) at first
       use; ``private_archs`` is cycled over the clients in their stable order.
-    * Aggregation weights are the clients' training-set sizes.
+    * Aggregation weights are the clients' training-set sizes; ``aggregator`` may replace the
+      weighted mean of the proxy updates by a robust rule (:mod:`fedfm.core.robust`).
     * Evaluation is personalised: each client's private model on its local test split
       (``local/``) and on the global test set (``test/``), mean and worst client; the headline
       metric is the mean client on the global test set (as for the local-only baseline), and
@@ -62,7 +63,6 @@ from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
-from fedfm.core.aggregate import mean_delta
 from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.kd import (
@@ -73,11 +73,12 @@ from fedfm.core.kd import (
     kd_mse,
     symmetric_kl_energy,
 )
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.replies import MetricMean, meta_number, summarise_by_prefix, weighted_mean_metric
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_round, set_params
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, config_fields
 from fedfm.tasks.base import Task
 
 FORWARD = MessageKind(
@@ -87,9 +88,22 @@ BACKWARD = MessageKind(
     "backward",
     down_arrays=("proxy",),
     up_meta=("num_examples", "loss", "energy", "gate_min", "gate_max"),
+    # Sent only when the backward stage distils (λ > 0); gate weights are non-negative.
+    meta_specs={
+        "energy": MetaSpec("float"),
+        "gate_min": MetaSpec("float", ge=0),
+        "gate_max": MetaSpec("float", ge=0),
+    },
 )
 LOCAL = MessageKind("local", up_meta=("num_examples", "loss"))
-EVALUATE = MessageKind("evaluate", up_meta=("num_examples", "metrics"))
+EVALUATE = MessageKind(
+    "evaluate", up_meta=("num_examples", "metrics"), meta_specs={"num_examples": EVAL_EXAMPLES}
+)
+
+
+def arch_fields(path: str, arch: dict[str, Any]) -> dict[str, str]:
+    """Config paths of the model arguments an architecture override sets (for errors)."""
+    return {f"model.{k}": f"{path}.{k}" for k in arch}
 
 
 def _one_default_arch() -> list[dict[str, Any]]:
@@ -109,6 +123,9 @@ class FedeKDConfig(AlgoConfig):
         description="model overrides of the private models, cycled over clients",
     )
     server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    aggregator: AggregatorConfig = Field(
+        default_factory=AggregatorConfig, description="how proxy updates are combined"
+    )
     gate: str = Field("sigmoid", description="gate in fedfm.core.kd.GATES (ours: sigmoid)")
     beta: float = Field(1.0, ge=0, description="gate scale β (ours: 1)")
     lam: float = Field(1.0, ge=0, description="weight λ of the backward distillation (ours: 1)")
@@ -157,8 +174,11 @@ class PrivateModels:
         self.task = task
         self.seed = seed
         self.archs = archs
-        # A bad private architecture fails when the algorithm is built.
-        self.instances = [task.build_model(seed=seed, **arch) for arch in archs]
+        # A bad private architecture fails when the algorithm is built, naming its field.
+        self.instances = []
+        for i, arch in enumerate(archs):
+            with config_fields(arch_fields(f"algo.private_archs.{i}", arch)):
+                self.instances.append(task.build_model(seed=seed, **arch))
 
     def arch_of(self, cid: str) -> int:
         """Index of the client's private architecture in ``archs`` (cycled)."""
@@ -228,9 +248,10 @@ class FedeKD(Algorithm):
             raise ConfigError(
                 "algorithm", f"FedeKD needs a classification or regression task, not {task.kind}"
             )
-        self._proxy = task.build_model(seed=run.seed, **cfg.proxy_arch)
+        with config_fields(arch_fields("algo.proxy_arch", cfg.proxy_arch)):
+            self._proxy = task.build_model(seed=run.seed, **cfg.proxy_arch)
         self.proxy: dict[str, Tensor] = get_params(self._proxy)
-        self.opt = ServerOptimizer(cfg.server_opt)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.privates = PrivateModels(task, run.seed, cfg.private_archs)
 
     # ----- models -----
@@ -333,7 +354,7 @@ class FedeKD(Algorithm):
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         msg = Message("forward", {"proxy": self.proxy})
-        delta, fwd_loss, answered = mean_delta(self.proxy), MetricMean("loss"), []
+        delta, fwd_loss, answered = self.opt.accumulator(self.proxy), MetricMean("loss"), []
         for cid, r in fed.stream({c: msg for c in cids}, like={"proxy": self.proxy}):
             delta.add(r.arrays["proxy"], meta_number(r, "num_examples"))
             fwd_loss.add(r)

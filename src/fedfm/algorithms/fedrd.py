@@ -619,7 +619,7 @@ class FedRD(Algorithm):
         self.cfg: FedRDConfig = cfg
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
-        self.opt = ServerOptimizer(cfg.server_opt)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self._srv: ServerHalf | None = None
         self._teacher: Teacher | None = None
         self._pending: dict[str, dict[str, Tensor]] = {}

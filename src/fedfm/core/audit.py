@@ -24,7 +24,7 @@ class AuditLedger:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self.pending: list[dict] = []
-        self._bytes: dict[tuple[int, str], int] = defaultdict(int)
+        self._bytes: dict[tuple[int, str, str], int] = defaultdict(int)  # (round, dir, type)
 
     def record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
         """Adds one message's fields to the ledger.
@@ -57,6 +57,7 @@ class AuditLedger:
             if len(arrays) == 1:
                 row["shape"] = list(next(iter(arrays.values())).shape)
             self.pending.append(row)
+            self._bytes[(rnd, direction, "arrays")] += nbytes
             total += nbytes
         for name, value in msg.meta.items():
             nbytes = meta_bytes(value)
@@ -71,13 +72,25 @@ class AuditLedger:
                     "bytes": nbytes,
                 }
             )
+            self._bytes[(rnd, direction, "meta")] += nbytes
             total += nbytes
-        self._bytes[(rnd, direction)] += total
         return total
 
     def round_bytes(self, rnd: int) -> dict[str, int]:
-        """Uplink and downlink bytes recorded for a round."""
-        return {"bytes_up": self._bytes[(rnd, "up")], "bytes_down": self._bytes[(rnd, "down")]}
+        """Bytes recorded for a round, in all and split into tensors and meta values.
+
+        ``bytes_up``/``bytes_down`` in all, and split into tensor data (``..._arrays``) and
+        JSON meta values (``..._meta``), so that uplinks of methods that send different
+        metadata compare exactly.
+        """
+        out = {}
+        for direction in ("up", "down"):
+            arrays = self._bytes[(rnd, direction, "arrays")]
+            meta = self._bytes[(rnd, direction, "meta")]
+            out[f"bytes_{direction}"] = arrays + meta
+            out[f"bytes_{direction}_arrays"] = arrays
+            out[f"bytes_{direction}_meta"] = meta
+        return out
 
     def flush(self) -> None:
         """Appends pending rows to the ledger file."""
@@ -103,7 +116,7 @@ class AuditLedger:
                 continue
             if row["round"] <= upto_round:
                 kept.append(row)
-                self._bytes[(row["round"], row["direction"])] += row["bytes"]
+                self._bytes[(row["round"], row["direction"], row["type"])] += row["bytes"]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.path)

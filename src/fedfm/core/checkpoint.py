@@ -82,13 +82,48 @@ def save_checkpoint(folder: Path, ckpt: Checkpoint) -> Path:
     (tmp / "meta.json").write_text(json.dumps(meta))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    latest_tmp = folder / "LATEST.tmp"
-    latest_tmp.write_text(final.name)
-    latest_tmp.replace(folder / "LATEST")
+    mark_latest(folder, final)
     rounds = sorted(p for p in folder.glob("round_*") if p.is_dir())
     for old in rounds[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def mark_latest(folder: Path, path: Path) -> None:
+    """Names checkpoint ``path`` in ``folder/LATEST`` (atomically)."""
+    latest_tmp = folder / "LATEST.tmp"
+    latest_tmp.write_text(path.name)
+    latest_tmp.replace(folder / "LATEST")
+
+
+def _round_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("round_"))
+    except ValueError:
+        return -1
+
+
+def checkpoints_newest_first(folder: Path) -> list[Path]:
+    """Checkpoint folders to try on resume, best first.
+
+    The one named by ``LATEST`` comes first, then older ones by round. Without a readable
+    ``LATEST``, every ``round_*`` folder counts, newest first (each was renamed into place
+    only once complete). Whether one actually loads is for the caller to find out.
+    """
+    if not folder.is_dir():
+        return []
+    rounds = sorted(
+        (p for p in folder.glob("round_*") if p.is_dir() and _round_of(p) >= 0),
+        key=_round_of,
+        reverse=True,
+    )
+    try:
+        named = folder / (folder / "LATEST").read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return rounds
+    if named not in rounds:
+        return rounds
+    return [named, *(p for p in rounds if _round_of(p) < _round_of(named))]
 
 
 def latest_checkpoint(folder: Path) -> Path | None:

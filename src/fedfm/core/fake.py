@@ -18,14 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from fedfm.core.federation import (
-    ClientInfo,
-    Federation,
-    Templates,
-    check_reply,
-    validate_reply,
-)
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.federation import ClientInfo, Federation, Templates, check_reply
+from fedfm.core.messages import Message, MessageKind, validate_reply
 from fedfm.errors import FedfmError
 
 ReplyFn = Callable[[str, Message], Message]

@@ -9,6 +9,7 @@ Runtimes (embedded, Flower) implement :class:`Federation`; algorithms are writte
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from fedfm.core.audit import AuditLedger
 from fedfm.core.groups import get_group
-from fedfm.core.messages import Arrays, Message, MessageKind, validate_arrays
+from fedfm.core.messages import Arrays, Message, MessageKind, validate_reply
 from fedfm.errors import FedfmError, MessageError
 
 if TYPE_CHECKING:
@@ -152,7 +153,9 @@ def dispatch(
 
     Unknown kinds and kinds the client's role does not handle are refused. The global torch
     RNG is seeded from (run seed, round, client, kind) first, so dropout and any other
-    implicit randomness is the same on every runtime and after resume.
+    implicit randomness is the same on every runtime and after resume. A kind declared
+    ``no_grad`` runs under ``torch.inference_mode()`` (a ``backward()`` in its handler fails),
+    and the tensors it returns or stores are made ordinary tensors afterwards.
 
     Args:
         handlers: Message kind -> client handler.
@@ -177,9 +180,23 @@ def dispatch(
     # The default generator directly: torch.manual_seed also records CUDA seeding state,
     # which costs milliseconds per call on a CPU-only build.
     torch.default_generator.manual_seed(derive_seed(ctx.seed, ctx.rnd, ctx.cid, msg.kind))
-    reply = handlers[msg.kind](ctx, msg)
+    with torch.inference_mode() if kind.no_grad else contextlib.nullcontext():
+        reply = handlers[msg.kind](ctx, msg)
+    if kind.no_grad:
+        _plain_tensors(reply, ctx.state)
     kind.check(reply, "up")
     return reply
+
+
+def _plain_tensors(reply: Message, state: ClientState) -> None:
+    """Replaces the inference-mode tensors a no-grad handler made by ordinary copies.
+
+    The server and later handlers may update them in place, which inference tensors refuse.
+    """
+    for arrays in [*reply.arrays.values(), state.arrays]:
+        for key, value in arrays.items():
+            if isinstance(value, Tensor) and value.is_inference():
+                arrays[key] = value.clone()
 
 
 Templates = Mapping[str, Mapping[str, Tensor]]
@@ -189,17 +206,6 @@ Templates = Mapping[str, Mapping[str, Tensor]]
 def error_reason(err: BaseException) -> str:
     """A client failure as the one line logged in ``failures.jsonl`` on every runtime."""
     return str(err) if isinstance(err, FedfmError) else f"{type(err).__name__}: {err}"
-
-
-def validate_reply(cid: str, reply: Message, like: Templates | None) -> None:
-    """Checks a reply's array fields named in ``like`` (keys, shapes, dtypes, finite values).
-
-    Raises:
-        UpdateRejectedError: A field does not match its template.
-    """
-    for name, template in (like or {}).items():
-        if name in reply.arrays:
-            validate_arrays(cid, name, reply.arrays[name], template)
 
 
 def check_reply(

@@ -4,13 +4,20 @@ A message carries named *array fields* (each a flat ``dict[str, Tensor]``, e.g. 
 parameters) and named *meta fields* (small JSON-able values, e.g. ``num_examples``). Each
 message kind declares the fields it may carry in each direction; anything else is refused
 (DESIGN.md principle 6), and every message is recorded in the audit ledger.
+
+A reply is checked in full before an algorithm sees it: every meta field against its
+:class:`MetaSpec` (type, finiteness, range; well-known names such as ``num_examples`` have a
+standard spec) and every array field the server expects against its template. A reply that
+fails is the sending client's failure only: it is logged and left out of the round.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -36,6 +43,89 @@ class Message:
     meta: dict[str, MetaValue] = field(default_factory=dict)
 
 
+# Largest example count a client may claim: far beyond any real client (2^40 ≈ 1.1e12 rows),
+# small enough that a weight stays exact in float64 (ours).
+MAX_EXAMPLES = 2**40
+
+
+@dataclass(frozen=True)
+class MetaSpec:
+    """Type and range of one meta field.
+
+    Attributes:
+        type: ``"int"`` (an integer, not a bool), ``"float"`` (a finite real number),
+            ``"metrics"`` (a dict of names to finite real numbers), ``"bool"``, ``"str"``, or
+            ``"any"`` (any meta value; numbers anywhere in it must be finite).
+        ge: Smallest allowed value (numbers only).
+        le: Largest allowed value (numbers only).
+        required: A reply must carry the field.
+    """
+
+    type: Literal["int", "float", "metrics", "bool", "str", "any"] = "any"
+    ge: float | None = None
+    le: float | None = None
+    required: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` does not fit this spec, or None when it does."""
+        if self.type == "int":
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                return f"must be an integer, got {_show(value)}"
+            return self._range(int(value))
+        if self.type == "float":
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                return f"must be a number, got {_show(value)}"
+            if not math.isfinite(float(value)):
+                return f"must be finite, got {value}"
+            return self._range(float(value))
+        if self.type == "metrics":
+            if not isinstance(value, Mapping):
+                return f"must be a mapping of names to numbers, got {_show(value)}"
+            for k, v in value.items():
+                bad = MetaSpec("float").problem(v) if isinstance(k, str) else "key is not a str"
+                if bad:
+                    return f"entry {k!r} {bad}"
+            return None
+        if self.type == "bool":
+            return None if isinstance(value, bool) else f"must be a bool, got {_show(value)}"
+        if self.type == "str":
+            return None if isinstance(value, str) else f"must be a string, got {_show(value)}"
+        return _non_finite(value)
+
+    def _range(self, x: float) -> str | None:
+        if self.ge is not None and x < self.ge:
+            return f"{x:g} is below {self.ge:g}"
+        if self.le is not None and x > self.le:
+            return f"{x:g} is above {self.le:g}"
+        return None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'…' if len(text) > 40 else ''}"
+
+
+def _non_finite(value: Any) -> str | None:
+    """Where a nested meta value holds a NaN or infinite number, if anywhere."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"holds a non-finite number ({value})"
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return next((bad for v in value if (bad := _non_finite(v))), None)
+    return None
+
+
+#: Specs of meta fields with a common meaning; a kind may override them (``meta_specs``).
+STANDARD_META: dict[str, MetaSpec] = {
+    "num_examples": MetaSpec("int", ge=1, le=MAX_EXAMPLES, required=True),
+    "loss": MetaSpec("float", required=True),
+    "metrics": MetaSpec("metrics", required=True),
+}
+#: ``num_examples`` of an evaluation reply: a client's local test split may be empty.
+EVAL_EXAMPLES = MetaSpec("int", ge=0, le=MAX_EXAMPLES, required=True)
+
+
 @dataclass(frozen=True)
 class MessageKind:
     """Declares which fields a message kind may carry in each direction.
@@ -47,6 +137,12 @@ class MessageKind:
         up_arrays: Array fields the client may send back.
         up_meta: Meta fields the client may send back.
         roles: Client roles that handle this kind; empty means every role.
+        no_grad: Its handler computes no gradients (a weak client that cannot backpropagate:
+            voting, feature extraction, generation). The runtime runs it under
+            ``torch.inference_mode()``: a ``backward()`` inside fails, and no autograd graph
+            or activation is kept.
+        meta_specs: Specs of meta fields (either direction) that differ from
+            :data:`STANDARD_META`; a field with neither is any meta value with finite numbers.
     """
 
     name: str
@@ -55,16 +151,23 @@ class MessageKind:
     up_arrays: tuple[str, ...] = ()
     up_meta: tuple[str, ...] = ()
     roles: tuple[str, ...] = ()
+    no_grad: bool = False
+    meta_specs: Mapping[str, MetaSpec] = field(default_factory=dict, hash=False)
+
+    def spec(self, name: str) -> MetaSpec:
+        """The spec of meta field ``name``."""
+        return self.meta_specs.get(name) or STANDARD_META.get(name) or MetaSpec()
 
     def check(self, msg: Message, direction: str) -> None:
-        """Refuses a message that carries an undeclared field.
+        """Refuses a message with an undeclared field, or a meta field that fails its spec.
 
         Args:
             msg: The message.
             direction: ``"down"`` (server to client) or ``"up"``.
 
         Raises:
-            MessageError: A field is not declared for this kind and direction.
+            MessageError: A field is not declared for this kind and direction, a required meta
+                field is missing, or a meta value has the wrong type or is out of range.
         """
         if msg.kind != self.name:
             raise MessageError(f"message of kind '{msg.kind}' checked against '{self.name}'")
@@ -82,6 +185,19 @@ class MessageKind:
                     f"message '{self.name}' ({direction}): undeclared meta field '{name}'"
                     f" (declared: {', '.join(meta) or 'none'})"
                 )
+        for name in meta:
+            spec = self.spec(name)
+            if name not in msg.meta:
+                if spec.required:
+                    raise MessageError(
+                        f"message '{self.name}' ({direction}): meta field '{name}' is missing"
+                    )
+                continue
+            bad = spec.problem(msg.meta[name])
+            if bad:
+                raise MessageError(
+                    f"message '{self.name}' ({direction}): meta field '{name}' {bad}"
+                )
 
 
 def array_bytes(arrays: Mapping[str, Tensor]) -> int:
@@ -94,6 +210,25 @@ def meta_bytes(value: Any) -> int:
     import json
 
     return len(json.dumps(value, separators=(",", ":")).encode())
+
+
+def validate_reply(
+    client: str, reply: Message, like: Mapping[str, Mapping[str, Tensor]] | None
+) -> None:
+    """Checks a reply's array fields against the templates the server expects.
+
+    Args:
+        client: Client id, for the error message.
+        reply: The reply (its declared fields already checked by :meth:`MessageKind.check`).
+        like: Array field -> template; each named field must be present and match.
+
+    Raises:
+        UpdateRejectedError: A templated field is missing or fails :func:`validate_arrays`.
+    """
+    for name, template in (like or {}).items():
+        if name not in reply.arrays:
+            raise UpdateRejectedError(client, name, "missing array field")
+        validate_arrays(client, name, reply.arrays[name], template)
 
 
 def validate_arrays(

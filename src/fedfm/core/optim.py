@@ -17,7 +17,8 @@ Sources:
       η = 1e-3, τ = 1e-3, β1 = 0.9, β2 = 0.99, v initialised to τ².
 
 Update rules (Δ is the pseudo-gradient, η the server learning rate):
-    * pseudo-gradient  Δ = Σ_k (n_k/n)(θ_k − θ)                        (example-weighted)
+    * pseudo-gradient  Δ = Σ_k (n_k/n)(θ_k − θ)                        (example-weighted;
+                       a robust rule of :mod:`fedfm.core.robust` when one is configured)
     * FedAvg           θ ← θ + η·Δ                                     (η defaults to 1)
     * FedAvgM          m ← β·m + Δ;  θ ← θ + η·m                       (η defaults to 1)
     * adaptive         m ← β1·m + (1−β1)·Δ;  θ ← θ + η·m / (√v + τ)    with
@@ -38,27 +39,35 @@ Choices, marked where the references differ:
     * Arithmetic runs in float32 (float64 when the parameter is float64) and the new parameter is
       cast back to its own dtype; state tensors stay in that compute dtype so that v ≈ τ² = 1e-6
       keeps its precision for bfloat16 parameters.
+    * (ours) :class:`ServerOptimizer` skips a step that would make a parameter NaN or infinite
+      (e.g. huge but finite poisoned updates overflowing float32) and keeps the last good model
+      and optimizer state; the step functions themselves stay pure.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from fedfm.core.aggregate import (
+    Aggregator,
+    Buffered,
     RunningMean,
     check_keys,
     check_shape,
     check_weights,
     compute_dtype,
+    mean_delta,
     pseudo_gradient,
 )
 from fedfm.core.messages import Arrays
+from fedfm.core.robust import AggregatorConfig, robust_pseudo_gradient
 from fedfm.registry import Registry
 
 OptimizerName = Literal["fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi"]
@@ -95,7 +104,7 @@ class ServerOptConfig(BaseModel):
         tau: Adaptivity τ: added to √v and, squared, the initial v.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: OptimizerName = "fedavg"
     lr: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -116,7 +125,8 @@ StepFn = Callable[
     tuple[Arrays, Arrays],
 ]
 
-SERVER_OPTIMIZERS: Registry[StepFn] = Registry("server optimizer", "algo.server_opt")
+SERVER_OPTIMIZERS: Registry[StepFn] = Registry("server optimizer", "algo.server_opt.name")
+log = logging.getLogger("fedfm")
 
 
 # ----------------------------------------------------------------------------- step helpers
@@ -339,10 +349,15 @@ class ServerOptimizer:
 
     Args:
         cfg: Settings; defaults to plain FedAvg.
+        aggregator: How client updates become Δ (:mod:`fedfm.core.robust`); defaults to the
+            example-weighted mean of :func:`pseudo_gradient`.
     """
 
-    def __init__(self, cfg: ServerOptConfig | None = None) -> None:
+    def __init__(
+        self, cfg: ServerOptConfig | None = None, aggregator: AggregatorConfig | None = None
+    ) -> None:
         self.cfg = cfg if cfg is not None else ServerOptConfig()
+        self.aggregator = aggregator if aggregator is not None else AggregatorConfig()
         self._step_fn = SERVER_OPTIMIZERS.get(self.cfg.name)
         self._state: Arrays = {}
 
@@ -352,7 +367,7 @@ class ServerOptimizer:
         updates: Sequence[Mapping[str, Tensor]],
         weights: Sequence[float],
     ) -> dict[str, Tensor]:
-        """One round: Δ from the client parameters, then the optimizer step.
+        """One round: Δ from the client parameters by the aggregator, then the optimizer step.
 
         Args:
             params: Current global parameters θ (not modified).
@@ -362,7 +377,30 @@ class ServerOptimizer:
         Returns:
             The new global parameters.
         """
-        return self.apply_delta(params, pseudo_gradient(params, updates, weights))
+        if self.aggregator.plain:
+            delta = pseudo_gradient(params, updates, weights)
+        else:
+            delta = self._robust(params, updates, weights)
+        return self.apply_delta(params, delta)
+
+    def accumulator(self, params: Mapping[str, Tensor]) -> Aggregator:
+        """Takes client parameters θ_k as replies arrive; its result is Δ for :meth:`apply_delta`.
+
+        The example-weighted mean streams (one running sum, :func:`mean_delta`); a robust rule
+        needs every update at once and keeps them (:class:`Buffered`). Both give the numbers
+        :meth:`step` gives for the same updates.
+        """
+        if self.aggregator.plain:
+            return mean_delta(params)
+        return Buffered(params, self._robust)
+
+    def _robust(
+        self, params: Mapping[str, Tensor], updates: Sequence[Mapping[str, Tensor]], weights: Any
+    ) -> Arrays:
+        check_weights(weights, len(updates), "robust aggregation")
+        for k, u in enumerate(updates):
+            check_keys(params, u, f"robust aggregation: update {k} vs params")
+        return robust_pseudo_gradient(params, updates, weights, self.aggregator)
 
     def apply_delta(
         self, params: Mapping[str, Tensor], delta: Mapping[str, Tensor]
@@ -379,7 +417,18 @@ class ServerOptimizer:
         Returns:
             The new global parameters.
         """
-        new_params, self._state = self._step_fn(params, delta, self._state, self.cfg)
+        new_params, new_state = self._step_fn(params, delta, self._state, self.cfg)
+        bad = [k for k, t in new_params.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            # Applying it would leave no model to train from: every client's next reply
+            # would be NaN and rejected. Keep the last good model and optimizer state.
+            log.warning(
+                "server step skipped: it makes %d tensor(s) non-finite (e.g. '%s')",
+                len(bad),
+                bad[0],
+            )
+            return dict(params)
+        self._state = new_state
         return new_params
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -417,6 +466,7 @@ def scaffold_server_update(
     weights: Sequence[float],
     num_clients_total: int,
     lr_global: float = 1.0,
+    aggregator: AggregatorConfig | None = None,
 ) -> tuple[Arrays, Arrays]:
     """SCAFFOLD server update (Karimireddy et al. 2020, eq. (5); Algorithm 1 lines 16-17).
 
@@ -428,6 +478,11 @@ def scaffold_server_update(
     since c estimates the mean of the N clients' gradients, which the |S|/N factor keeps unbiased
     under client sampling. The same update from running means: :class:`ScaffoldSums`.
 
+    With a robust ``aggregator`` (ours), both means become its rule: Δy with the weights n_i,
+    Δc with equal weights. Δc is in gradient units, not parameter units, so a fixed
+    ``clip_norm`` bounds Δy only and Δc is clipped to ``clip_scale`` × its median norm
+    whenever clipping is on.
+
     Args:
         params: Global model x.
         c_global: Server control variate c.
@@ -436,6 +491,7 @@ def scaffold_server_update(
         weights: Per sampled client, the weight of its Δy_i (example count).
         num_clients_total: N, the number of clients in the federation.
         lr_global: Global step size η_g.
+        aggregator: A robust rule for both means (:mod:`fedfm.core.robust`); None: the means.
 
     Returns:
         ``(new_params, new_c_global)``, each tensor in its input's dtype.
@@ -452,10 +508,20 @@ def scaffold_server_update(
     for k in range(s):
         check_keys(params, delta_y[k], f"scaffold_server_update: delta_y {k} vs params")
         check_keys(c_global, delta_c[k], f"scaffold_server_update: delta_c {k} vs c_global")
-    sums = ScaffoldSums(params, c_global)
+    sums = ScaffoldSums(params, c_global, aggregator)
     for dy, dc, w in zip(delta_y, delta_c, weights, strict=True):
         sums.add(dy, dc, w)
     return sums.apply(num_clients_total, lr_global)
+
+
+def _zeros(arrays: Mapping[str, Tensor]) -> Arrays:
+    return {n: torch.zeros_like(t) for n, t in arrays.items()}
+
+
+def _rule(
+    cfg: AggregatorConfig,
+) -> Callable[[Mapping[str, Tensor], list[Mapping[str, Tensor]], list[float]], Arrays]:
+    return lambda base, updates, weights: robust_pseudo_gradient(base, updates, weights, cfg)
 
 
 class ScaffoldSums:
@@ -464,22 +530,43 @@ class ScaffoldSums:
     Fed one client at a time as replies arrive; :meth:`apply` is the server update of
     :func:`scaffold_server_update`.
 
+    With a robust ``aggregator`` the changes are kept and combined by its rule at the end
+    (see :func:`scaffold_server_update`).
+
     Args:
         params: Global model x (names, shapes, dtypes of Δy).
         c_global: Server control variate c (names, shapes, dtypes of Δc).
+        aggregator: A robust rule, or None (or the plain mean) for the running means.
     """
 
-    def __init__(self, params: Mapping[str, Tensor], c_global: Mapping[str, Tensor]) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, Tensor],
+        c_global: Mapping[str, Tensor],
+        aggregator: AggregatorConfig | None = None,
+    ) -> None:
         self.params = params
         self.c_global = c_global
-        # Zero-based pseudo-gradients: Σ w_i·(Δy_i − 0), in the compute dtype.
-        self.dy = RunningMean("scaffold_server_update (delta_y)", params, keep_dtype=False)
-        self.dc = RunningMean("scaffold_server_update (delta_c)", c_global, keep_dtype=False)
+        self.dy: Aggregator
+        self.dc: Aggregator
+        if aggregator is None or aggregator.plain:
+            # Zero-based pseudo-gradients: Σ w_i·(Δy_i − 0), in the compute dtype.
+            self.dy = RunningMean("scaffold_server_update (delta_y)", params, keep_dtype=False)
+            self.dc = RunningMean("scaffold_server_update (delta_c)", c_global, keep_dtype=False)
+        else:
+            # Δc is in gradient units, not parameter units: a fixed bound clips Δy only.
+            c_agg = aggregator
+            if aggregator.clip_norm is not None:
+                c_agg = aggregator.model_copy(update={"clip_norm": "median"})
+            self.dy = Buffered(_zeros(params), _rule(aggregator))
+            self.dc = Buffered(_zeros(c_global), _rule(c_agg))
+        self.count = 0
 
     def add(self, delta_y: Mapping[str, Tensor], delta_c: Mapping[str, Tensor], w: float) -> None:
         """Adds one client's Δy_i (weight ``w``) and Δc_i (weight 1)."""
         self.dy.add(delta_y, w)
         self.dc.add(delta_c, 1.0)
+        self.count += 1
 
     def apply(self, num_clients_total: int, lr_global: float = 1.0) -> tuple[Arrays, Arrays]:
         """``(new_params, new_c_global)`` from the clients added so far.
@@ -487,7 +574,7 @@ class ScaffoldSums:
         Raises:
             ValueError: No clients, |S| > N, η_g ≤ 0.
         """
-        s = self.dy.count
+        s = self.count
         if s == 0:
             raise ValueError("scaffold_server_update: no client updates")
         if num_clients_total < s:

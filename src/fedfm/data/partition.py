@@ -61,7 +61,7 @@ class PartitionConfig(pydantic.BaseModel):
         seed: Seed of every random draw.
     """
 
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
 
     scheme: Literal["iid", "dirichlet", "pathological", "natural", "quantity"] = "iid"
     num_clients: int = pydantic.Field(10, ge=1)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pydantic
@@ -204,6 +204,86 @@ def fit_prompt(
     return text, ids
 
 
+def chat_prompt(tokenizer: Any, user: str, system: str | None, cfg: PromptConfig) -> str:
+    """One user turn (after an optional system turn) rendered so that the reply comes next.
+
+    With a chat template: the template with ``add_generation_prompt=True``; ``system=None``
+    falls back to ``cfg.system`` and then to the template's own default. Without one:
+    ``system``, a blank line and ``user``.
+    """
+    system = system if system is not None else cfg.system
+    if uses_chat_template(tokenizer, cfg):
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": user})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    bos = tokenizer.bos_token if getattr(tokenizer, "add_bos_token", False) else None
+    return f"{bos or ''}{system}\n\n{user}" if system else f"{bos or ''}{user}"
+
+
+MIDDLE_CUT = " ... "
+"""What replaces the tokens :func:`fit_template` removes from the middle of a field."""
+
+
+def fit_template(
+    tokenizer: Any,
+    template: str,
+    fields: Mapping[str, str],
+    cfg: PromptConfig,
+    system: str | None = None,
+    cut: Sequence[str] = (),
+) -> tuple[str, list[int]]:
+    """A prompt from a user-turn template, cut to ``cfg.max_prompt_length`` tokens in the middle.
+
+    ``template.format(**fields)`` is the user turn, rendered by :func:`chat_prompt`. When it is
+    too long, tokens are removed from the **middle** of the fields named in ``cut``, one field
+    after the other in that order (a field is emptied before the next is touched), and the
+    removed span is marked with :data:`MIDDLE_CUT`. The template's own text, the chat
+    template's tokens and every field not named in ``cut`` are never cut, so a marker that
+    ends the template (FedSDR's ``"### Response:\n"``) always survives, as do the head and
+    the tail of a cut field. FedSDR's rewrite prompt cuts ``("reference", "instruction")``:
+    the reference answer first, the instruction only if that is not enough.
+
+    Returns:
+        The prompt string and its token ids (the exact tokenisation of the string).
+
+    Raises:
+        ConfigError: The prompt cannot fit even with every ``cut`` field emptied (field
+            ``prompt.max_prompt_length``), or ``cut`` names a field not in ``fields``.
+    """
+    unknown = [name for name in cut if name not in fields]
+    if unknown:
+        raise ConfigError("prompt.cut", f"fields {unknown} are not template fields")
+    current = {name: str(value) for name, value in fields.items()}
+    field_ids = {name: _ids(tokenizer, current[name]) for name in cut}
+    removed = dict.fromkeys(cut, 0)
+    text = chat_prompt(tokenizer, template.format(**current), system, cfg)
+    ids = _ids(tokenizer, text)
+    # Re-tokenising cut text can merge differently at the cut, so shave until it fits.
+    while len(ids) > cfg.max_prompt_length:
+        name = next((n for n in cut if removed[n] < len(field_ids[n])), None)
+        if name is None:
+            raise ConfigError(
+                "prompt.max_prompt_length",
+                f"{cfg.max_prompt_length} tokens cannot hold the template without its cut fields",
+            )
+        removed[name] = min(len(field_ids[name]), removed[name] + len(ids) - cfg.max_prompt_length)
+        current[name] = _cut_middle(tokenizer, field_ids[name], removed[name])
+        text = chat_prompt(tokenizer, template.format(**current), system, cfg)
+        ids = _ids(tokenizer, text)
+    return text, ids
+
+
+def _cut_middle(tokenizer: Any, ids: list[int], drop: int) -> str:
+    """The text of ``ids`` without ``drop`` tokens from its middle (head kept one longer)."""
+    keep = len(ids) - drop
+    if keep <= 0:
+        return ""
+    if drop == 0:
+        return tokenizer.decode(ids)
+    head, tail = (keep + 1) // 2, keep // 2
+    return tokenizer.decode(ids[:head]) + MIDDLE_CUT + tokenizer.decode(ids[len(ids) - tail :])
+
+
 def encode_example(
     tokenizer: Any,
     instruction: str,
@@ -284,7 +364,7 @@ def encode_dataset(tokenizer: Any, dataset: Any, cfg: PromptConfig | None = None
 
 
 def collate(
-    batch: Sequence[dict[str, Sequence[int]]], pad_id: int, multiple: int = 1
+    batch: Sequence[Mapping[str, Sequence[int]]], pad_id: int, multiple: int = 1
 ) -> dict[str, Tensor]:
     """Right-pads encoded rows into tensors for training.
 

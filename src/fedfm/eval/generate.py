@@ -1,23 +1,57 @@
-"""Batched greedy generation with ``transformers``' ``generate``.
+"""Batched generation with ``transformers``' ``generate``: the one generation path of fedfm.
 
 Prompts are complete strings (see :mod:`fedfm.data.prompt`) and are tokenised with
 ``add_special_tokens=False``; pre-tokenised prompts (lists of ids) are accepted too. They are sorted
 by length so each batch holds prompts of similar length (less padding), left-padded by hand (the
-tokenizer's ``padding_side`` is never changed), generated greedily, cut at the first stop token and
-returned in the caller's order.
+tokenizer's ``padding_side`` is never changed), generated (greedy by default), cut at the first stop
+token and returned in the caller's order. Each row stops at its own end-of-turn token: finished
+rows are padded while the others go on, and a batch ends when every row has stopped.
+
+Sampling with a ``seed`` draws from a fork of the torch RNG seeded per batch with
+``derive_seed(seed, "generate", first row)``: the same prompts, seed and batch size give the same
+text, and the global RNG is neither used nor advanced.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import pydantic
 import torch
 from torch import nn
 
+from fedfm.core.federation import derive_seed
 from fedfm.data.prompt import PromptConfig, stop_token_ids
 from fedfm.errors import FedfmError
+
+
+class GenerationConfig(pydantic.BaseModel):
+    """How text is decoded (a config section algorithms embed, e.g. ``algo.rewrite``).
+
+    Attributes:
+        max_new_tokens: Length limit of each reply.
+        do_sample: Sample (``True``) or decode greedily (``False``, the default).
+        temperature: Softmax temperature when sampling.
+        top_p: Nucleus sampling mass when sampling (1 keeps every token); top-k is off.
+        batch_size: Prompts per ``generate`` call.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    max_new_tokens: int = pydantic.Field(64, ge=1)
+    do_sample: bool = False
+    temperature: float = pydantic.Field(1.0, gt=0)
+    top_p: float = pydantic.Field(1.0, gt=0, le=1)
+    batch_size: int = pydantic.Field(16, ge=1)
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Decoding arguments of ``model.generate`` (the model's own defaults overridden)."""
+        if not self.do_sample:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
 
 
 def unwrap_bundle(bundle_or_model: Any, tokenizer: Any | None) -> tuple[nn.Module, Any]:
@@ -74,6 +108,7 @@ def generate(
     max_new_tokens: int = 64,
     batch_size: int = 8,
     prompt_cfg: PromptConfig | None = None,
+    seed: int | None = None,
     **generate_kwargs: Any,
 ) -> list[str]:
     """Continuations of ``prompts`` (greedy by default), one string per prompt, in order.
@@ -85,6 +120,8 @@ def generate(
         max_new_tokens: Generation budget per prompt.
         batch_size: Prompts per ``generate`` call.
         prompt_cfg: Decides the end-of-turn stop token (chat template or not).
+        seed: Seeds sampling on a fork of the RNG (see the module doc); ``None`` samples from
+            the global RNG. Greedy decoding ignores it.
         **generate_kwargs: Passed to ``model.generate``, e.g. ``do_sample=True,
             temperature=0.7`` for sampling (rewriting, synthetic data).
 
@@ -114,18 +151,40 @@ def generate(
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             ids, mask = left_pad([rows[i] for i in idx], pad)
-            out = model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=max_new_tokens,
-                eos_token_id=stops,
-                pad_token_id=pad,
-                **{"do_sample": False, "num_beams": 1, **generate_kwargs},
-            )
+            with _seeded(seed, start, device):
+                out = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=stops,
+                    pad_token_id=pad,
+                    **{"do_sample": False, "num_beams": 1, **generate_kwargs},
+                )
             new = out[:, ids.shape[1] :].cpu()  # (batch, <= max_new_tokens)
             for row, i in zip(new.tolist(), idx, strict=True):
                 outputs[i] = _decode_until_stop(tokenizer, row, stops)
     return outputs
+
+
+def _seeded(
+    seed: int | None, start: int, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
+    """A fork of the CPU (and the model's CUDA) RNG seeded for the batch starting at ``start``."""
+    if seed is None:
+        return contextlib.nullcontext()
+    cuda = [device.index or 0] if device.type == "cuda" else []
+
+    @contextmanager
+    def fork() -> Iterator[None]:
+        with torch.random.fork_rng(devices=cuda):
+            batch_seed = derive_seed(seed, "generate", start)
+            torch.default_generator.manual_seed(batch_seed)
+            if cuda:
+                with torch.cuda.device(cuda[0]):
+                    torch.cuda.manual_seed(batch_seed)
+            yield
+
+    return fork()
 
 
 def _decode_until_stop(tokenizer: Any, ids: list[int], stops: Sequence[int]) -> str:

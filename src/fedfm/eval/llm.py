@@ -5,14 +5,16 @@
 * :func:`multiple_choice_loglik` — picks the choice whose tokens are most likely after the prompt,
   the log-likelihood scoring of the LM Evaluation Harness (Gao et al., 2023).
 * :func:`evaluate_instructions` — per-row dispatch on the ``metric`` column of an instruction
-  suite (``rouge`` / ``gsm8k`` / ``choice``), overall and per-domain means.
+  suite (``rouge`` / ``gsm8k`` / ``choice``), overall and per-domain means;
+  :func:`evaluate_instruction_items` also returns every item (prompt, reference, answer, score).
+* :func:`head_to_head` — win rate of one model's items over another's.
 * :func:`evaluate_held_out_domain` — zero-shot evaluation on one domain left out of training.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -230,6 +232,34 @@ def evaluate_instructions(
 ) -> dict[str, float]:
     """Scores a model on an instruction suite, overall and per domain.
 
+    The means of :func:`evaluate_instruction_items`; see there for the arguments.
+    """
+    return evaluate_instruction_items(
+        model,
+        tokenizer,
+        dataset,
+        prompt_cfg,
+        max_new_tokens,
+        batch_size,
+        choice_mode,
+        length_norm,
+        with_ppl,
+    )[0]
+
+
+def evaluate_instruction_items(
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    prompt_cfg: PromptConfig | None = None,
+    max_new_tokens: int = 64,
+    batch_size: int = 8,
+    choice_mode: Literal["generate", "loglik"] = "generate",
+    length_norm: LengthNorm = "token",
+    with_ppl: bool = False,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Scores a model on an instruction suite: the means and every item.
+
     Each row is scored by the metric its ``metric`` column names: ``rouge`` → ROUGE-L F of the
     greedy generation against ``output``; ``gsm8k`` → whether the generation's final number equals
     that of ``answer`` (``output`` when ``answer`` is empty); ``choice`` → whether the generation
@@ -249,16 +279,22 @@ def evaluate_instructions(
         with_ppl: Also compute the perplexity of the reference outputs (``ppl``, ``ppl/<domain>``).
 
     Returns:
-        ``{key: mean}`` over all rows of each metric kind (``rougeL``, ``gsm8k_acc``, ``acc``),
-        ``{key}/{domain}`` for each domain, ``score/{domain}`` (mean of the domain's row scores:
-        its primary metric when, as in fedfm's suites, a domain uses one metric) and ``score``
-        (mean over domains of ``score/{domain}``, so every domain weighs the same), plus ``n`` and
-        ``n/{domain}`` row counts.
+        ``(metrics, items)``. ``metrics``: ``{key: mean}`` over all rows of each metric kind
+        (``rougeL``, ``gsm8k_acc``, ``acc``), ``{key}/{domain}`` for each domain,
+        ``score/{domain}`` (mean of the domain's row scores: its primary metric when, as in
+        fedfm's suites, a domain uses one metric) and ``score`` (mean over domains of
+        ``score/{domain}``, so every domain weighs the same), plus ``n`` and ``n/{domain}`` row
+        counts. ``items``: one dict per row, in order, with ``id`` (the row's ``id``, else its
+        index), ``domain``, ``metric`` (the key it counts towards), ``prompt``, ``reference``
+        (what the answer was scored against), ``answer`` (the generation, or the picked
+        choice under ``loglik``) and ``score`` in [0, 1]: what head-to-head win rates
+        (:func:`head_to_head`) and distribution analyses need.
     """
     model, tokenizer = unwrap_bundle(model, tokenizer)
     prompt_cfg = prompt_cfg or PromptConfig()
     rows = _suite_rows(dataset)
-    prompts = [fit_prompt(tokenizer, r["instruction"], r["input"], prompt_cfg)[1] for r in rows]
+    fitted = [fit_prompt(tokenizer, r["instruction"], r["input"], prompt_cfg) for r in rows]
+    prompts = [ids for _, ids in fitted]
     for r in rows:
         ROW_METRICS.get(r["metric"])  # unknown metric names fail before any generation
 
@@ -281,20 +317,74 @@ def evaluate_instructions(
         )
     )
     values: list[tuple[str, str, float]] = []  # (domain, metric key, value)
+    items: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
         if i in generations:
             metric = ROW_METRICS.get(row["metric"])
-            values.append((row["domain"], metric.key, metric.score(generations[i], row)))
+            key, answer, score = metric.key, generations[i], metric.score(generations[i], row)
         else:
             pick = multiple_choice_loglik(
                 model, tokenizer, prompts[i], row["choices"], length_norm, batch_size
             )
             gold = resolve_answer(_reference(row), row["choices"])
-            values.append((row["domain"], "acc", float(pick == gold)))
+            key, answer, score = "acc", row["choices"][pick], float(pick == gold)
+        values.append((row["domain"], key, score))
+        reference = row["output"] if row["metric"] == "rouge" else _reference(row)
+        items.append(
+            {
+                "id": row.get("id", i),
+                "domain": row["domain"],
+                "metric": key,
+                "prompt": fitted[i][0],
+                "reference": reference,
+                "answer": answer,
+                "score": score,
+            }
+        )
     results = _aggregate(values)
     if with_ppl:
         results.update(_perplexities(model, tokenizer, dataset, rows, prompt_cfg, batch_size))
-    return results
+    return results, items
+
+
+def head_to_head(
+    a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], tie: float = 0.0
+) -> dict[str, float]:
+    """Win rate of evaluation ``a`` over ``b`` on the items both scored (matched by ``id``).
+
+    An item is a win when ``a``'s score exceeds ``b``'s by more than ``tie``, a loss in the
+    opposite case and a tie otherwise; ``win_rate = (wins + ties / 2) / n``, so two equal
+    models score 0.5.
+
+    Args:
+        a: Items of :func:`evaluate_instruction_items` for the first model.
+        b: Items for the second model.
+        tie: Score differences up to this count as ties.
+
+    Returns:
+        ``wins``, ``ties``, ``losses``, ``n``, ``win_rate`` overall and ``win_rate/<domain>``.
+
+    Raises:
+        FedfmError: The two evaluations share no item.
+    """
+    scores_b = {item["id"]: item["score"] for item in b}
+    outcome: dict[str, list[float]] = defaultdict(list)  # domain -> 1 win, 0.5 tie, 0 loss
+    for item in a:
+        if item["id"] in scores_b:
+            diff = float(item["score"]) - float(scores_b[item["id"]])
+            outcome[item["domain"]].append(1.0 if diff > tie else 0.0 if diff < -tie else 0.5)
+    every = [v for values in outcome.values() for v in values]
+    if not every:
+        raise FedfmError("head_to_head: the two evaluations share no item id")
+    out = {
+        "wins": float(every.count(1.0)),
+        "ties": float(every.count(0.5)),
+        "losses": float(every.count(0.0)),
+        "n": float(len(every)),
+        "win_rate": float(np.mean(every)),
+    }
+    out.update({f"win_rate/{d}": float(np.mean(v)) for d, v in sorted(outcome.items())})
+    return out
 
 
 def _suite_rows(dataset: Any) -> list[dict]:

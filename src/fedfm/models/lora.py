@@ -154,6 +154,19 @@ def active_adapters(peft_model: peft.PeftModel) -> list[str]:
     return [active] if isinstance(active, str) else list(active)
 
 
+def trainable_adapters(peft_model: peft.PeftModel) -> list[str]:
+    """Adapters with at least one tensor that receives gradients, in creation order."""
+    names: set[str] = set()
+    for module in peft_model.modules():
+        if isinstance(module, BaseTunerLayer):
+            for attr in module.adapter_layer_names:
+                for name, sub in getattr(module, attr).items():
+                    params = sub.parameters() if isinstance(sub, nn.Module) else [sub]
+                    if any(p.requires_grad for p in params):
+                        names.add(name)
+    return [name for name in adapter_names(peft_model) if name in names]
+
+
 def get_adapter_state(peft_model: peft.PeftModel, name: str) -> dict[str, Tensor]:
     """The tensors of one adapter, as detached CPU copies.
 

@@ -87,5 +87,8 @@ def run(
     Raises:
         ConfigError: A bad config, or a runtime that cannot run from here.
     """
-    cfg = source if isinstance(source, RunConfig) else load_config(source, overrides)
-    return RUNTIMES.get(cfg.runtime)(cfg, resume, overwrite, progress, options)
+    if not isinstance(source, RunConfig):
+        from fedfm.algorithms import algo_keys  # an algorithm= override drops foreign keys
+
+        source = load_config(source, overrides, algo_keys)
+    return RUNTIMES.get(source.runtime)(source, resume, overwrite, progress, options)

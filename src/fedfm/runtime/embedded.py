@@ -55,6 +55,15 @@ class EmbeddedFederation(Federation):
         self.runner = ClientRunner(handlers, kinds, self._roles, task, seed)
         self.store = store
 
+    @property
+    def handlers(self) -> Mapping[str, Handler]:
+        """The client handlers (replaceable, e.g. to simulate an attacking client)."""
+        return self.runner.handlers
+
+    @handlers.setter
+    def handlers(self, value: Mapping[str, Handler]) -> None:
+        self.runner.handlers = value
+
     def _exchange(
         self, messages: dict[str, Message], like: Templates | None
     ) -> Iterator[tuple[str, Message | Exception]]:

@@ -27,12 +27,13 @@ from fedfm.registry import Registry
 
 if TYPE_CHECKING:
     from fedfm.config import RunConfig
+    from fedfm.fm import FoundationModel
 
 
 class TaskConfig(BaseModel):
     """Base of task configs: unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: str
 
 
@@ -41,6 +42,8 @@ SOURCE_ROWS = "source_rows"
 SPLIT_INPUTS = "split_inputs"
 IMAGE_VIEW = "image_view"
 TEXT_VIEW = "text_view"
+FOUNDATION_MODEL = "foundation_model"
+ITEM_RESULTS = "item_results"
 
 CAPABILITIES: dict[str, str] = {
     PUBLIC_SPLIT: "public_data(): a public proxy split that no client holds",
@@ -48,6 +51,8 @@ CAPABILITIES: dict[str, str] = {
     SPLIT_INPUTS: "inputs(data, idx): model inputs of some rows of a labelled split",
     IMAGE_VIEW: "images(data): a split's images as one tensor [N, C, H, W] in [0, 1]",
     TEXT_VIEW: "texts(data): a split's raw texts",
+    FOUNDATION_MODEL: "foundation_model(): the handle on the task's LLM (fedfm.fm)",
+    ITEM_RESULTS: "evaluate_items(model, data): one evaluation record per item",
 }
 """Optional task capabilities: name -> the methods that provide it."""
 
@@ -171,6 +176,31 @@ class Task(ABC):
 
     def _missing(self, capability: str) -> ConfigError:
         return ConfigError("task.kind", f"'{self.cfg.kind}' does not provide {capability}")
+
+    def evaluate_items(
+        self, model: nn.Module, data: Any
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:meth:`evaluate` plus one record per evaluated item (``id``, ``domain``, ``prompt``,
+        ``reference``, ``answer``, ``score``), for win rates and distribution analyses.
+
+        Raises:
+            ConfigError: The task keeps no per-item results (field ``task.kind``).
+        """
+        raise ConfigError("task.kind", f"task '{self.cfg.kind}' keeps no per-item results")
+
+    def foundation_model(self) -> FoundationModel:
+        """The handle on the task's LLM (shared frozen base, named adapters, generation,
+        features, DP-SGD); see :mod:`fedfm.fm`.
+
+        Raises:
+            ConfigError: The task has no foundation model (field ``task.kind``); an LLM
+                algorithm asks for it when it is built, so this surfaces at config load.
+        """
+        raise ConfigError(
+            "task.kind",
+            f"task '{self.cfg.kind}' has no foundation model (LLM algorithms need e.g. "
+            "kind: instruction)",
+        )
 
 
 def require(

@@ -31,15 +31,13 @@ a ``metric`` column are scored with ROUGE-L.
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import datasets
 import numpy as np
 import peft
-import torch
 from pydantic import Field
 from torch import Tensor, nn
 
@@ -48,13 +46,13 @@ from fedfm.core.federation import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
 from fedfm.data.sources import load_source
-from fedfm.errors import ConfigError
+from fedfm.errors import ConfigError, FedfmError
 from fedfm.eval.generate import pad_id_of
-from fedfm.eval.llm import evaluate_instructions
+from fedfm.eval.llm import evaluate_instruction_items
+from fedfm.fm import FoundationModel, shared_base
 from fedfm.models.causal_lm import LMBundle
-from fedfm.models.lora import LoraConfigSpec, add_adapters, set_active
-from fedfm.models.registry import build_model
-from fedfm.tasks.base import TASKS, Task, TaskConfig
+from fedfm.models.lora import LoraConfigSpec
+from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, TASKS, Task, TaskConfig
 
 ZEROSHOT = "zeroshot/"
 
@@ -133,37 +131,57 @@ class InstructionData:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def ids(self) -> list[int]:
+        """The row ids, in order.
+
+        Raises:
+            FedfmError: The rows have no ``id`` column.
+        """
+        if "id" not in self.rows.column_names:
+            raise FedfmError("these instruction rows have no 'id' column")
+        return [int(i) for i in self.rows["id"]]
+
+    def subset(self, ids: Iterable[int | str]) -> InstructionData:
+        """The rows whose ``id`` is in ``ids``, in this data's order (coresets, selections).
+
+        Ids may be given as ints or as their strings (as JSON client state keeps them).
+
+        Raises:
+            FedfmError: An id is not a row of this data.
+        """
+        wanted = {str(i) for i in ids}
+        have = [str(i) for i in self.ids()]
+        missing = sorted(wanted - set(have))
+        if missing:
+            raise FedfmError(f"ids {missing[:5]} are not rows of this data ({len(have)} rows)")
+        return InstructionData(self.rows.select([k for k, i in enumerate(have) if i in wanted]))
+
+    def with_outputs(self, outputs: Mapping[int | str, str]) -> InstructionData:
+        """A copy whose rows named in ``outputs`` (by id) answer with the given text.
+
+        The answers the rows had before go to an ``output_raw`` column (kept as is when the
+        data was already rewritten, so it always holds the source's answers); rows not named
+        keep their output. The copy is re-encoded on first use. This is FedSD's distilled set
+        (rewritten answers) next to the raw one.
+
+        Raises:
+            FedfmError: An id is not a row of this data.
+        """
+        new = {str(k): str(v) for k, v in outputs.items()}
+        ids = [str(i) for i in self.ids()]
+        missing = sorted(set(new) - set(ids))
+        if missing:
+            raise FedfmError(f"ids {missing[:5]} are not rows of this data ({len(ids)} rows)")
+        rows = self.rows
+        if "output_raw" not in rows.column_names:
+            rows = rows.add_column("output_raw", list(rows["output"]))
+        replaced = [new.get(i, out) for i, out in zip(ids, rows["output"], strict=True)]
+        rows = rows.remove_columns("output").add_column("output", replaced)
+        return InstructionData(rows)
+
 
 # ---------------------------------------------------------------------------------------------
-# The shared frozen base and the PeftModel around it, one of each per process.
-
-_BASES: dict[str, LMBundle] = {}
-_ADAPTED: dict[str, peft.PeftModel] = {}
-
-
-def _base_key(name: str, dtype: str, args: dict[str, Any]) -> str:
-    return json.dumps([name, dtype, args], sort_keys=True, default=str)
-
-
-def shared_base(name: str, dtype: str = "float32", args: dict[str, Any] | None = None) -> LMBundle:
-    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)``.
-
-    Loaded on first use and then shared by every simulated client and every task of the
-    process. Once :func:`shared_peft_model` has wrapped it, its linear layers carry LoRA
-    adapters (inactive adapters leave it unchanged).
-    """
-    args = dict(args or {})
-    key = _base_key(name, dtype, args)
-    if key not in _BASES:
-        kwargs = dict(args)
-        if name != "tiny-llama":  # the tiny test model is built in float32, then cast below
-            kwargs["dtype"] = dtype
-        bundle = build_model(name, **kwargs)
-        if not isinstance(bundle, LMBundle):
-            raise ConfigError("task.model", f"'{name}' is not a causal language model")
-        bundle.model.to(getattr(torch, dtype))
-        _BASES[key] = bundle
-    return _BASES[key]
+# The shared frozen base and the PeftModel around it live in fedfm.fm, one of each per process.
 
 
 def shared_peft_model(
@@ -177,24 +195,15 @@ def shared_peft_model(
     """The process-wide ``PeftModel`` on :func:`shared_base`, with ``adapter`` freshly made.
 
     ``adapter`` is (re)created from ``spec`` with its ``A`` matrices drawn from ``seed`` and
-    ``B = 0``, then made the only active and trainable adapter. Every call returns the same
-    object, so a second call re-initialises what the first returned: callers that need two
-    live adapters add the second one with :func:`fedfm.models.lora.add_adapters`.
+    ``B = 0``, then made the only active and trainable adapter; other adapters keep their
+    tensors. Every call returns the same object, so a second call re-initialises what the
+    first returned: callers that need several live adapters use
+    :class:`fedfm.fm.FoundationModel`.
     """
-    args = dict(args or {})
-    key = _base_key(name, dtype, args)
-    model = _ADAPTED.get(key)
-    if model is None:
-        model = add_adapters(shared_base(name, dtype, args).model, [adapter], spec, seed=seed)
-        _ADAPTED[key] = model
-        return model
-    if adapter in model.peft_config:
-        # Deleting and re-adding gives exactly the initialisation of a first build with this
-        # seed, whatever the adapter's spec was before.
-        model.delete_adapter(adapter)
-    add_adapters(model, [adapter], spec, seed=seed)
-    set_active(model, active=[adapter], trainable=[adapter])
-    return model
+    fm = FoundationModel(name, dtype, args, lora=spec)
+    fm.reset_adapter(adapter, seed, spec)
+    fm.set_active([adapter], [adapter])
+    return fm.model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +220,7 @@ class InstructionTask(Task):
     def __init__(self, cfg: InstructionConfig, run: Any) -> None:
         super().__init__(cfg, run)
         self.cfg: InstructionConfig = cfg
+        self._fm: FoundationModel | None = None
         src = load_source(cfg.dataset, **cfg.source_options)
         if src.info.kind != "instruction":
             raise ConfigError(
@@ -285,6 +295,23 @@ class InstructionTask(Task):
         return max(1, self.cfg.max_eval // n_domains)
 
     # ----- the shared model -----
+    @classmethod
+    def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        return frozenset({FOUNDATION_MODEL, ITEM_RESULTS})
+
+    def foundation_model(self) -> FoundationModel:
+        """The handle on the shared base and its adapters that LLM algorithms use."""
+        if self._fm is None:
+            self._fm = FoundationModel(
+                self.cfg.model,
+                self.cfg.dtype,
+                self.cfg.model_args,
+                lora=self.cfg.lora,
+                prompt=self.cfg.prompt,
+                autocast_bf16=self.cfg.autocast_bf16,
+            )
+        return self._fm
+
     @property
     def bundle(self) -> LMBundle:
         """The shared frozen base model and its tokenizer (loaded on first use)."""
@@ -297,10 +324,7 @@ class InstructionTask(Task):
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bfloat16 autocast when ``autocast_bf16`` is set, else a no-op context."""
-        if not self.cfg.autocast_bf16:
-            return contextlib.nullcontext()
-        device = next(self.bundle.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        return self.foundation_model().autocast()
 
     # ----- Task API -----
     def client_ids(self) -> list[str]:
@@ -390,17 +414,31 @@ class InstructionTask(Task):
             ``n``; and ``zeroshot/score``, ``zeroshot/<metric>``, ``zeroshot/n`` when a domain
             is held out.
         """
-        out: dict[str, float] = {}
-        if len(data.rows):
-            out.update(self._evaluate_rows(model, data.rows))
-        if data.heldout is not None and len(data.heldout):
-            zero = self._evaluate_rows(model, data.heldout)
-            out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items() if "/" not in k})
-        return out
+        return self.evaluate_items(model, data)[0]
 
-    def _evaluate_rows(self, model: nn.Module, rows: datasets.Dataset) -> dict[str, float]:
+    def evaluate_items(
+        self, model: nn.Module, data: InstructionData
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:meth:`evaluate` plus every evaluated item (see
+        :func:`fedfm.eval.llm.evaluate_instruction_items`): ``id, domain, metric, prompt,
+        reference, answer, score`` and ``zeroshot`` (whether it is of the held-out domain)."""
+        out: dict[str, float] = {}
+        items: list[dict[str, Any]] = []
+        if len(data.rows):
+            metrics, seen = self._evaluate_rows(model, data.rows)
+            out.update(metrics)
+            items += [{**item, "zeroshot": False} for item in seen]
+        if data.heldout is not None and len(data.heldout):
+            zero, unseen = self._evaluate_rows(model, data.heldout)
+            out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items() if "/" not in k})
+            items += [{**item, "zeroshot": True} for item in unseen]
+        return out, items
+
+    def _evaluate_rows(
+        self, model: nn.Module, rows: datasets.Dataset
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         with self.autocast():
-            return evaluate_instructions(
+            return evaluate_instruction_items(
                 model,
                 self.tokenizer,
                 rows,

@@ -36,6 +36,13 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def algo_keys(name: str) -> list[str] | None:
+    """:func:`fedfm.algorithms.algo_keys`, imported only when a config is loaded."""
+    from fedfm.algorithms import algo_keys as keys
+
+    return keys(name)
+
+
 def _existing(name: str, path: Path | None) -> Path | None:
     if path is not None and not Path(path).exists():
         raise ConfigError(name, f"file not found: {path}")
@@ -62,7 +69,7 @@ def serve(
     flower: FlowerPairs = None,
 ) -> None:
     """Serve a run on Flower's deployment engine (SuperLink here, `fedfm client` there)."""
-    cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume)
+    cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
     tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
     keys = [Path(k) for k in node_key or []]
     for key in keys:
@@ -119,7 +126,7 @@ def flower_app(
     flower: FlowerPairs = None,
 ) -> None:
     """Write a Flower app + run config for `flwr run` on an existing SuperLink."""
-    cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume)
+    cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
     # The ServerApp runs wherever the SuperLink starts it: give it an absolute run folder.
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})

@@ -1,0 +1,522 @@
+"""The foundation-model handle: the one way an algorithm uses an LLM (DESIGN.md principle 11).
+
+A task that has a causal LM hands out a :class:`FoundationModel` from
+:meth:`fedfm.tasks.base.Task.foundation_model`; algorithms call only its methods, never task
+internals. What it offers:
+
+* **Adapters as named, live objects.** The frozen base is loaded once per process and wrapped
+  once by peft; every handle on the same base (model name, dtype, arguments) sees the same
+  ``PeftModel`` and so the same adapters. Adapters are created on demand with a seeded init
+  (``A`` drawn from the seed without touching the global RNG, ``B = 0``, so a new adapter leaves
+  the model unchanged); creating, resetting or deleting one never changes another. A new
+  adapter starts inactive and frozen. :meth:`FoundationModel.use` chooses which adapters take
+  part in the forward pass (their deltas add up: ``W0·h + s·B_r·A_r·h + s·B_s·A_s·h``) and which
+  receive gradients, and restores the previous choice on exit.
+* **Adapter tensors** (:meth:`FoundationModel.get_adapter`, :meth:`FoundationModel.set_adapter`):
+  keys never name the adapter, so a client's ``global`` state loads into the server's copy or
+  into any adapter of the same shape. A message carries exactly the adapters put in it, one
+  array field per adapter.
+* **Batched, seeded generation** with a chosen adapter set (:meth:`FoundationModel.generate`),
+  prompts that keep their tail (:meth:`FoundationModel.prompt`), **all-layer features**
+  (:meth:`FoundationModel.features`) and **DP-SGD on adapters**
+  (:meth:`FoundationModel.dp_train`).
+
+Per-client adapters. In the embedded runtime one process holds one slot per adapter name,
+shared by every simulated client. A client's own adapter (FedSDR's ``LoRA-S``) lives in its
+:class:`~fedfm.core.federation.ClientState` and is put into the slot at the start of each
+handler with :meth:`FoundationModel.load_adapter`, which re-initialises the slot (seeded) for a
+client that has no state yet instead of leaving the previous client's tensors there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import peft
+import torch
+from torch import Tensor
+
+from fedfm.config import TrainConfig, validate_section
+from fedfm.data.prompt import PromptConfig, encode_example, fit_prompt, fit_template
+from fedfm.errors import ConfigError, UnknownNameError
+from fedfm.eval.generate import GenerationConfig, generate, pad_id_of
+from fedfm.models.causal_lm import LMBundle
+from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
+from fedfm.models.lora import (
+    LoraConfigSpec,
+    active_adapters,
+    adapter_names,
+    add_adapters,
+    get_adapter_state,
+    set_active,
+    set_adapter_state,
+    trainable_adapters,
+)
+from fedfm.models.registry import build_model
+
+if TYPE_CHECKING:
+    from fedfm.core.dp import DPResult, DPSGDConfig
+    from fedfm.core.federation import ClientState
+
+Arrays = dict[str, Tensor]
+
+# The shared frozen bases and the PeftModel around each, one of each per process and key.
+_BASES: dict[str, LMBundle] = {}
+_ADAPTED: dict[str, peft.PeftModel] = {}
+
+
+def base_key(name: str, dtype: str = "float32", args: Mapping[str, Any] | None = None) -> str:
+    """The key under which a base model is shared in this process."""
+    return json.dumps([name, dtype, dict(args or {})], sort_keys=True, default=str)
+
+
+def shared_base(name: str, dtype: str = "float32", args: dict[str, Any] | None = None) -> LMBundle:
+    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)``.
+
+    Loaded on first use and then shared by every simulated client and every task of the
+    process. Once an adapter exists, its linear layers carry LoRA wrappers (inactive adapters
+    leave its outputs unchanged).
+
+    Raises:
+        ConfigError: ``name`` is not a causal language model (field ``task.model``).
+    """
+    args = dict(args or {})
+    key = base_key(name, dtype, args)
+    if key not in _BASES:
+        kwargs = dict(args)
+        if name != "tiny-llama":  # the tiny test model is built in float32, then cast below
+            kwargs["dtype"] = dtype
+        bundle = build_model(name, **kwargs)
+        if not isinstance(bundle, LMBundle):
+            raise ConfigError("task.model", f"'{name}' is not a causal language model")
+        bundle.model.to(getattr(torch, dtype))
+        _BASES[key] = bundle
+    return _BASES[key]
+
+
+class FoundationModel:
+    """A handle on a shared frozen causal LM with named LoRA adapters.
+
+    Cheap to build: the base is loaded on first use. Handles on the same base share its
+    adapters; ``lora``, ``prompt`` and ``autocast_bf16`` are this handle's defaults for new
+    adapters, prompt fitting and forward passes.
+
+    Args:
+        name: A causal LM of the model registry (``smollm2-135m-instruct``, ``tiny-llama``, ...).
+        dtype: Dtype of the frozen base weights.
+        args: Arguments of the model builder.
+        lora: LoRA hyper-parameters of adapters created without their own spec.
+        prompt: Prompt formatting and length limits.
+        autocast_bf16: Run forward passes (generation, features, DP-SGD) under bfloat16
+            autocast.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        dtype: str = "float32",
+        args: Mapping[str, Any] | None = None,
+        *,
+        lora: LoraConfigSpec | None = None,
+        prompt: PromptConfig | None = None,
+        autocast_bf16: bool = False,
+    ) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.args = dict(args or {})
+        self.lora = lora or LoraConfigSpec()
+        self.prompt_cfg = prompt or PromptConfig()
+        self.autocast_bf16 = autocast_bf16
+        self.key = base_key(name, dtype, self.args)
+
+    # ----- the shared model -----
+    @property
+    def bundle(self) -> LMBundle:
+        """The frozen base model and its tokenizer (loaded on first use)."""
+        return shared_base(self.name, self.dtype, self.args)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (right padding, a pad token set)."""
+        return self.bundle.tokenizer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The shared ``PeftModel``, or the bare base while no adapter exists yet.
+
+        Adapters are as last chosen; prefer :meth:`use` to choose them for a block of code.
+        """
+        model = _ADAPTED.get(self.key)
+        return model if model is not None else self.bundle.model
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the base (features have ``num_layers + 1`` entries)."""
+        return int(self.bundle.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden states."""
+        return int(self.bundle.model.config.hidden_size)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bfloat16 autocast on the model's device when ``autocast_bf16``, else a no-op."""
+        if not self.autocast_bf16:
+            return contextlib.nullcontext()
+        device = next(self.bundle.model.parameters()).device.type
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+    # ----- adapters -----
+    def adapters(self) -> list[str]:
+        """Every adapter on the shared model, in creation order (a reset one moves last)."""
+        model = _ADAPTED.get(self.key)
+        return adapter_names(model) if model is not None else []
+
+    def has_adapter(self, name: str) -> bool:
+        """Whether adapter ``name`` exists."""
+        return name in self.adapters()
+
+    @property
+    def active(self) -> list[str]:
+        """Adapters used in the forward pass now."""
+        model = _ADAPTED.get(self.key)
+        return active_adapters(model) if model is not None else []
+
+    @property
+    def trainable(self) -> list[str]:
+        """Adapters whose tensors receive gradients now."""
+        model = _ADAPTED.get(self.key)
+        return trainable_adapters(model) if model is not None else []
+
+    def add_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> None:
+        """Creates adapter ``name``, inactive and frozen, leaving every other adapter as it was.
+
+        Args:
+            name: New adapter name (no dots).
+            seed: Seeds the ``A`` matrices (``B = 0``); the global RNG is left untouched.
+            lora: Its LoRA hyper-parameters; the handle's ``lora`` when ``None``.
+
+        Raises:
+            ConfigError: ``name`` exists already or is not a valid name (field
+                ``lora.adapters``).
+        """
+        spec = lora or self.lora
+        model = _ADAPTED.get(self.key)
+        # Ordinary tensors even inside a no-grad handler (inference mode), or training the
+        # adapter later would fail.
+        with torch.inference_mode(False):
+            if model is None:
+                _ADAPTED[self.key] = add_adapters(self.bundle.model, [name], spec, seed=seed)
+                set_active(_ADAPTED[self.key], [], [])
+                return
+            keep = (self.active, self.trainable)
+            add_adapters(model, [name], spec, seed=seed)
+            # peft re-enables gradients of every active adapter it adds one to: restore them.
+            set_active(model, *keep)
+
+    def ensure_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> bool:
+        """Creates adapter ``name`` (see :meth:`add_adapter`) unless it exists.
+
+        Returns:
+            Whether it was created.
+        """
+        if self.has_adapter(name):
+            return False
+        self.add_adapter(name, seed, lora)
+        return True
+
+    def reset_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> None:
+        """Gives adapter ``name`` a fresh seeded init (created when missing).
+
+        The result equals a first :meth:`add_adapter` with this seed and spec. Whether it is
+        active or trainable is kept.
+        """
+        if not self.has_adapter(name):
+            self.add_adapter(name, seed, lora)
+            return
+        active, trainable = self.active, self.trainable
+        self.delete_adapter(name)
+        self.add_adapter(name, seed, lora)
+        self.set_active(active, trainable)
+
+    def delete_adapter(self, name: str) -> None:
+        """Removes adapter ``name``; the others keep their tensors and status.
+
+        Raises:
+            UnknownNameError: No such adapter (field ``lora.adapter``).
+        """
+        model = self._peft([name])
+        active = [a for a in self.active if a != name]
+        trainable = [a for a in self.trainable if a != name]
+        with warnings.catch_warnings():  # peft warns that it picks a new active adapter; we do
+            warnings.simplefilter("ignore", UserWarning)
+            model.delete_adapter(name)
+        if adapter_names(model):
+            set_active(model, active, trainable)
+
+    def set_active(self, active: Sequence[str], trainable: Sequence[str] = ()) -> None:
+        """Chooses the adapters of the forward pass and those that receive gradients.
+
+        Args:
+            active: Adapters whose deltas are added in the forward pass; ``[]``: the base.
+            trainable: A subset of ``active``; every other parameter is frozen.
+
+        Raises:
+            UnknownNameError: A name is not an adapter (field ``lora.adapter``).
+            ConfigError: ``trainable`` is not a subset of ``active`` (field ``lora.trainable``).
+        """
+        active, trainable = list(active), list(trainable)
+        if not active and not trainable and _ADAPTED.get(self.key) is None:
+            return  # the bare base is already what was asked for
+        set_active(self._peft([*active, *trainable]), active, trainable)
+
+    @contextlib.contextmanager
+    def use(
+        self, active: Sequence[str], trainable: Sequence[str] = ()
+    ) -> Iterator[torch.nn.Module]:
+        """Within the block, ``active`` adapters are used and ``trainable`` ones get gradients.
+
+        Yields:
+            The model to call (train it with :func:`fedfm.core.train.local_train`); the
+            previous choice of active and trainable adapters is restored on exit.
+        """
+        before = (self.active, self.trainable)
+        self.set_active(active, trainable)
+        try:
+            yield self.model
+        finally:
+            if _ADAPTED.get(self.key) is not None:
+                self.set_active(*before)
+
+    def get_adapter(self, name: str) -> Arrays:
+        """Detached CPU copies of adapter ``name``'s tensors; keys do not name the adapter.
+
+        Raises:
+            UnknownNameError: No such adapter (field ``lora.adapter``).
+        """
+        return get_adapter_state(self._peft([name]), name)
+
+    def set_adapter(self, name: str, state: Mapping[str, Tensor]) -> None:
+        """Copies ``state`` (from :meth:`get_adapter` of any same-shaped adapter) into ``name``.
+
+        Raises:
+            UnknownNameError: No such adapter (field ``lora.adapter``).
+            AdapterStateError: Keys or shapes differ.
+        """
+        set_adapter_state(self._peft([name]), name, dict(state))
+
+    def get_adapters(self, names: Sequence[str]) -> dict[str, Arrays]:
+        """``{name: get_adapter(name)}``: one message array field per adapter."""
+        return {name: self.get_adapter(name) for name in names}
+
+    def load_adapter(
+        self,
+        name: str,
+        state: Mapping[str, Tensor] | None,
+        seed: int,
+        lora: LoraConfigSpec | None = None,
+    ) -> None:
+        """Puts ``state`` into adapter ``name``, or a fresh seeded init when ``state`` is empty.
+
+        The way to restore a client's own adapter from its persistent state: a client seen for
+        the first time gets ``reset_adapter(name, seed)``, never the tensors another client
+        left in the shared slot. The adapter is created when missing.
+        """
+        if state:
+            self.ensure_adapter(name, seed, lora)
+            self.set_adapter(name, state)
+        else:
+            self.reset_adapter(name, seed, lora)
+
+    # ----- prompts and generation -----
+    def prompt(
+        self,
+        template: str,
+        fields: Mapping[str, str] | None = None,
+        *,
+        system: str | None = None,
+        cut: Sequence[str] = (),
+    ) -> str:
+        """A chat prompt whose user turn is ``template.format(**fields)``, ready for the reply.
+
+        Too long for ``prompt.max_prompt_length``, it loses tokens from the middle of the
+        fields named in ``cut`` (in that order), never from the template's text or its end
+        (see :func:`fedfm.data.prompt.fit_template`). ``system=None`` uses the prompt
+        config's system message, else the chat template's default.
+        """
+        return fit_template(self.tokenizer, template, fields or {}, self.prompt_cfg, system, cut)[0]
+
+    def instruction_prompt(self, instruction: str, input: str = "") -> str:
+        """The prompt of an instruction row exactly as in training and evaluation."""
+        return fit_prompt(self.tokenizer, instruction, input, self.prompt_cfg)[0]
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        adapters: Sequence[str],
+        *,
+        seed: int,
+        cfg: GenerationConfig | None = None,
+        **overrides: Any,
+    ) -> list[str]:
+        """Replies to complete prompts with the ``adapters`` active, batched, under autocast.
+
+        Args:
+            prompts: Complete prompt strings (from :meth:`prompt` or
+                :meth:`instruction_prompt`) or token id lists.
+            adapters: Adapters active while generating (``[]``: the base model).
+            seed: Seeds sampling without touching the global RNG; derive it with
+                :func:`fedfm.core.federation.derive_seed` (e.g. ``ctx.rng_seed("rewrite")``).
+                The same prompts, seed and batch size give the same text.
+            cfg: Decoding settings; greedy, 64 new tokens, batches of 16 by default.
+            **overrides: Fields of ``cfg`` to change for this call (``do_sample=True``, ...).
+
+        Returns:
+            One reply per prompt, in order: the new tokens up to the first end-of-turn token,
+            special tokens removed, whitespace stripped.
+        """
+        base = (cfg or GenerationConfig()).model_dump()
+        cfg = validate_section(GenerationConfig, {**base, **overrides}, "generate")
+        with self.use(adapters) as model, self.autocast():
+            return generate(
+                model,
+                self.tokenizer,
+                prompts,
+                cfg.max_new_tokens,
+                cfg.batch_size,
+                self.prompt_cfg,
+                seed=seed,
+                **cfg.generate_kwargs(),
+            )
+
+    # ----- features -----
+    def features(
+        self,
+        texts: Sequence[str] | Sequence[Sequence[int]],
+        adapters: Sequence[str],
+        *,
+        layers: Sequence[int] | None = None,
+        batch_size: int = 16,
+        pool: Pool = "last",
+        max_length: int | None = None,
+    ) -> Tensor:
+        """Hidden states of every layer (embedding output first) with ``adapters`` active.
+
+        Args:
+            texts: Complete texts (tokenised without added special tokens) or token ids.
+            adapters: Adapters active in the forward pass (``[]``: the base model).
+            layers: Hidden states to keep, ``0..num_layers`` (negative from the end); all
+                ``num_layers + 1`` when ``None``.
+            batch_size: Texts per forward pass (right-padded; results equal batch size 1).
+            pool: ``"last"`` non-padding token (FedHDS) or ``"mean"`` over tokens.
+            max_length: Keep only each text's last ``max_length`` tokens.
+
+        Returns:
+            ``(len(texts), len(layers), hidden_size)`` float32 CPU tensor. The LM head is not
+            computed; the last hidden state is taken after the final norm, as in transformers.
+
+        Raises:
+            ConfigError: A layer index is out of range (field ``features.layers``).
+        """
+        return self.feature_view(adapters, max_length).features(texts, layers, batch_size, pool)
+
+    def feature_view(self, adapters: Sequence[str], max_length: int | None = None) -> LayerFeatures:
+        """This model with ``adapters`` active, behind the interface of every feature model
+        (:class:`fedfm.models.features.LayerFeatures`), so that code written for a separate
+        small feature model (FedHDS-Turbo) runs on the LLM unchanged."""
+        return _AdapterFeatures(self, list(adapters), max_length)
+
+    # ----- training data and DP-SGD -----
+    def encode(self, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, list[int]]]:
+        """Token ids, masks and response-only labels of ``instruction, input, output`` rows,
+        exactly as in training (rows with an empty ``output`` are dropped)."""
+        return [
+            enc
+            for row in rows
+            if (
+                enc := encode_example(
+                    self.tokenizer,
+                    row["instruction"],
+                    row.get("input") or "",
+                    row["output"],
+                    self.prompt_cfg,
+                )
+            )
+            is not None
+        ]
+
+    def dp_train(
+        self,
+        rows: Sequence[Mapping[str, Sequence[int]]],
+        state: ClientState,
+        adapters: Sequence[str],
+        trainable: Sequence[str],
+        *,
+        train: TrainConfig,
+        dp: DPSGDConfig,
+        delta: float,
+        steps: int,
+        planned_steps: int,
+        seed: int,
+        key: str = "dp",
+        field: str = "algo.dp",
+    ) -> DPResult:
+        """DP-SGD on the ``trainable`` adapters with ``adapters`` active (see
+        :func:`fedfm.core.dp.dp_train` for every argument and the accounting).
+
+        The shared model is left without Opacus hooks or attributes, and with the previous
+        active and trainable adapters, whatever happens.
+        """
+        from fedfm.core.dp import dp_train  # Opacus is imported only by runs that use it
+
+        with self.use(adapters, trainable) as model:
+            return dp_train(
+                model,
+                rows,
+                state,
+                train=train,
+                dp=dp,
+                delta=delta,
+                steps=steps,
+                planned_steps=planned_steps,
+                seed=seed,
+                pad_id=pad_id_of(self.tokenizer),
+                autocast=self.autocast,
+                key=key,
+                field=field,
+            )
+
+    def _peft(self, names: Sequence[str]) -> peft.PeftModel:
+        """The shared PeftModel; an unknown adapter name is one line naming the field."""
+        model = _ADAPTED.get(self.key)
+        have = adapter_names(model) if model is not None else []
+        for name in names:
+            if name not in have:
+                listed = ", ".join(have) or "none"
+                raise UnknownNameError("lora.adapter", f"unknown adapter '{name}' (have {listed})")
+        if model is None:
+            raise ConfigError("lora.adapter", "the model has no adapters yet")
+        return model
+
+
+class _AdapterFeatures(CausalLMFeatures):
+    """A :class:`FoundationModel` with a fixed adapter set, as a ``LayerFeatures``."""
+
+    def __init__(self, fm: FoundationModel, adapters: list[str], max_length: int | None) -> None:
+        # The backbone object stays the same when peft wraps the base: LoRA layers go inside.
+        super().__init__(fm.model, fm.tokenizer, max_length, fm.autocast)
+        self.fm, self.adapters = fm, adapters
+
+    def features(
+        self,
+        texts: Sequence[str] | Sequence[Sequence[int]],
+        layers: Sequence[int] | None = None,
+        batch_size: int = 16,
+        pool: Pool = "last",
+    ) -> Tensor:
+        with self.fm.use(self.adapters):
+            return super().features(texts, layers, batch_size, pool)
