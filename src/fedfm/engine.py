@@ -330,4 +330,3 @@ def _artefact_list(folder: RunFolder, algo: Algorithm) -> dict[str, dict[str, An
             "sha256": hashlib.sha256(data).hexdigest(),
         }
     return files
-
