@@ -13,7 +13,9 @@ setup: $(STAMP)
 quickstart: $(STAMP)
 	.venv/bin/fedfm run quickstart --overwrite
 
-test: $(STAMP)
+# Static checks first (ruff with docstring rules for core/ and algorithms/, mypy on core/,
+# algorithms/ and runtime/; settings in pyproject.toml), then the tests.
+test: $(STAMP) lint
 	.venv/bin/python -m pytest -q -ra
 
 test-fast: $(STAMP)
@@ -21,6 +23,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	.venv/bin/ruff check src tests benchmarks
+	.venv/bin/python -m mypy
 
 bench: $(STAMP)
 	.venv/bin/python benchmarks/overhead.py

@@ -18,7 +18,15 @@ import argparse
 import json
 from pathlib import Path
 
-from fedfm.reproduce.fedrd import memory_table
+from fedfm.measure import memory_table
+
+# What is compared: a FedRD client holds only the student; a federated-LoRA client holds the
+# foundation model (MiniLM) with LoRA adapters and a head.
+CLIENTS = {
+    "FedRD client (text student)": "fedrd-text",
+    "federated LoRA client (MiniLM + LoRA)": "fedrd-text-lora",
+    "FedRD client (vision student)": "fedrd-vision",
+}
 
 
 def main() -> None:
@@ -33,7 +41,9 @@ def main() -> None:
         overrides.append(f"train.steps={args.steps}")
     if args.batch_size is not None:
         overrides.append(f"train.batch_size={args.batch_size}")
-    results = memory_table({"text": overrides, "vision": overrides}, repeats=args.repeats)
+    results = memory_table(
+        {label: (preset, overrides) for label, preset in CLIENTS.items()}, repeats=args.repeats
+    )
     for label, m in results.items():
         if "error" in m:
             print(f"{label:40s} failed: {m['error']}", flush=True)

@@ -25,7 +25,8 @@ import torch
 
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, ClientState, derive_seed
-from fedfm.engine import Engine, build
+from fedfm.engine import build
+from fedfm.runtime import run
 
 
 def config(out: str, steps: int) -> dict:
@@ -93,7 +94,7 @@ def fedfm_fedavg(cfg_dict: dict) -> tuple[float, float]:
     """The same through the engine; returns seconds in all and seconds of the rounds."""
     t0 = time.perf_counter()
     cfg = load_config(cfg_dict)
-    Engine(cfg, overwrite=True, progress=False).run()
+    run(cfg, overwrite=True, progress=False)
     total = time.perf_counter() - t0
     metrics = Path(cfg.out_dir) / cfg.name / "metrics.jsonl"
     rounds = [json.loads(x) for x in metrics.read_text().splitlines()]

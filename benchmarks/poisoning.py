@@ -32,8 +32,9 @@ import torch
 
 from fedfm.config import load_config
 from fedfm.core.attacks import poison_handlers
-from fedfm.engine import Engine, embedded_federation
+from fedfm.engine import Engine
 from fedfm.errors import TooFewClientsError
+from fedfm.runtime.embedded import embedded_federation
 
 ATTACKER = "0"
 ATTACKS: dict[str, float | None] = {"clean": None, "scaled x1e30": 1e30, "sign flip x-10": -10.0}

@@ -31,9 +31,10 @@ from pathlib import Path
 import psutil
 
 from fedfm.config import load_config
-from fedfm.engine import Engine
-from fedfm.runtime.flower import run_flower_sim
-from fedfm.runtime.flower_app import deploy as D
+from fedfm.runtime import run
+from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import processes as P
+from fedfm.runtime.flower.simulation import run_flower_sim
 
 
 def config(out: str, steps: int, name: str, clients: int = 10) -> dict:
@@ -63,7 +64,7 @@ def config(out: str, steps: int, name: str, clients: int = 10) -> dict:
 
 def embedded(cfg: dict) -> float:
     t0 = time.perf_counter()
-    Engine(load_config(cfg), overwrite=True, progress=False).run()
+    run(load_config(cfg), overwrite=True, progress=False)
     return time.perf_counter() - t0
 
 
@@ -131,8 +132,8 @@ class PeakRss:
 def deployment(out: str, steps: int, clients: int, isolation: str) -> tuple[float, PeakRss]:
     """The workload on SuperLink + SuperNodes on loopback; (seconds, memory samples)."""
     work = Path(out) / "deploy"
-    port = D.free_port()
-    procs: list[D.Proc] = []
+    port = P.free_port()
+    procs: list[P.Proc] = []
     groups: dict[str, list[int]] = {}
     try:
         for i in range(clients):
@@ -161,7 +162,7 @@ def deployment(out: str, steps: int, clients: int, isolation: str) -> tuple[floa
             wall = time.perf_counter() - t0
         return wall, mem
     finally:
-        D.stop(procs)
+        P.stop(procs)
 
 
 def main() -> None:

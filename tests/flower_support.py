@@ -164,16 +164,18 @@ def _tiny_fm() -> Any:
     body = nn.Sequential(
         nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten()
     ).eval()
-    return Teacher("flower-test-fm", body, 24, lambda d: body(d.x))
+    return Teacher("flower-test-fm", body, 24, body)
 
 
 def _register_teacher() -> None:
     try:
-        from fedfm.algorithms.fedrd import TEACHERS
+        from fedfm.algorithms.fedrd import TEACHERS, register_teacher
     except ImportError:  # FedRD not installed in this tree
         return
+    from fedfm.tasks.base import IMAGE_VIEW
+
     if "flower-test-fm" not in TEACHERS:
-        TEACHERS.register("flower-test-fm", "tiny test foundation model")(_tiny_fm)
+        register_teacher("flower-test-fm", IMAGE_VIEW, "tiny test foundation model")(_tiny_fm)
 
 
 _register_teacher()

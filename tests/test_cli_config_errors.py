@@ -31,6 +31,8 @@ CASES = [
     (["algo.foo=1"], "algo.foo: unknown key"),
     (["algo.server_opt.name=sgd"], "algo.server_opt.name"),
     (["algo.server_opt.beta1=1.5"], "algo.server_opt.beta1"),
+    (["algorithm=fedrd"], "algo.teacher: no default foundation model for a task without images"),
+    (["algorithm=fedrd", "algo.teacher=minilm"], "algo.teacher: 'minilm' needs texts(data)"),
     (["task.kind=nope"], "task.kind: unknown task 'nope'"),
     (["task.dataset=nope"], "task.dataset: unknown dataset 'nope'"),
     (["task.test_fraction=1.5"], "task.test_fraction"),

@@ -10,8 +10,8 @@ import pytest
 import toy  # noqa: F401
 from fedfm import cli
 from fedfm.config import load_config
-from fedfm.engine import Engine
 from fedfm.report import compare
+from fedfm.runtime import run
 
 
 def _run(tmp_path, name, algorithm, algo=None, rounds=6, **kw):
@@ -25,7 +25,7 @@ def _run(tmp_path, name, algorithm, algo=None, rounds=6, **kw):
         "train": {"steps": 10, "batch_size": 8, "lr": 0.05},
         **kw,
     }
-    return Engine(load_config(cfg), progress=False).run()
+    return run(load_config(cfg), progress=False)
 
 
 @pytest.mark.parametrize(

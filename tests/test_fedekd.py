@@ -28,6 +28,8 @@ from fedfm.data.sources import (
 )
 from fedfm.engine import Engine, build
 from fedfm.errors import ConfigError
+from fedfm.runtime import run as run_experiment
+from fedfm.runtime.embedded import embedded_federation
 
 PRIVATE = [{"hidden": [32, 32]}, {"hidden": [48]}]
 PROXY = {"hidden": [8]}
@@ -72,7 +74,7 @@ def _numel_bytes(arrays: dict[str, torch.Tensor]) -> int:
 @pytest.fixture(scope="module")
 def fedekd_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedekd")
-    summary = Engine(_cfg(tmp, "run"), progress=False).run()
+    summary = run_experiment(_cfg(tmp, "run"), progress=False)
     return tmp / "run", summary
 
 
@@ -128,11 +130,11 @@ def test_personalised_metrics_per_client(fedekd_run):
 
 
 def test_resume_with_private_state_equals_uninterrupted_run(tmp_path):
-    Engine(_cfg(tmp_path, "straight", rounds=4), progress=False).run()
-    Engine(_cfg(tmp_path, "cut", rounds=2), progress=False).run()
+    run_experiment(_cfg(tmp_path, "straight", rounds=4), progress=False)
+    run_experiment(_cfg(tmp_path, "cut", rounds=2), progress=False)
     assert latest_checkpoint(tmp_path / "cut" / "checkpoints").name.endswith("0002")
     assert any(k.startswith("private/") for k in _client_states(tmp_path / "cut")["1"])
-    Engine(_cfg(tmp_path, "cut", rounds=4), resume=True, progress=False).run()
+    run_experiment(_cfg(tmp_path, "cut", rounds=4), resume=True, progress=False)
     a = _jsonl(tmp_path / "straight" / "client_metrics.jsonl")
     b = _jsonl(tmp_path / "cut" / "client_metrics.jsonl")
     assert [r["round"] for r in b] == [0, 1, 2, 3, 4]
@@ -167,7 +169,7 @@ if "test-fedekd-mismatch" not in ALGORITHMS:
 
 def test_mismatched_proxy_is_refused_by_name(tmp_path):
     cfg = _cfg(tmp_path, "mismatch", algorithm="test-fedekd-mismatch", rounds=1)
-    Engine(cfg, progress=False).run()
+    run_experiment(cfg, progress=False)
     fails = _jsonl(tmp_path / "mismatch" / "failures.jsonl")
     assert [(f["client"], f["kind"]) for f in fails] == [("1", "forward")]
     assert (
@@ -187,17 +189,19 @@ def test_config_refuses_per_client_proxy_architectures(tmp_path):
     with pytest.raises(
         ConfigError, match=r"algo\.proxy_arch: .*one architecture shared by every client"
     ):
-        Engine(cfg, progress=False)
+        Engine(cfg, embedded_federation, progress=False)
 
 
 def test_config_refuses_unknown_gate_and_bad_beta(tmp_path):
     with pytest.raises(ConfigError, match=r"algo\.gate: unknown gate 'hard'"):
-        Engine(_cfg(tmp_path, "x", algo={"gate": "hard"}), progress=False)
+        Engine(_cfg(tmp_path, "x", algo={"gate": "hard"}), embedded_federation, progress=False)
     with pytest.raises(ConfigError, match=r"algo\.beta"):
-        Engine(_cfg(tmp_path, "x", algo={"beta": -1}), progress=False)
+        Engine(_cfg(tmp_path, "x", algo={"beta": -1}), embedded_federation, progress=False)
     with pytest.raises(ConfigError, match=r"algo\.gate"):
         Engine(
-            _cfg(tmp_path, "x", algorithm="fedkd-ungated", algo={"gate": "sigmoid"}), progress=False
+            _cfg(tmp_path, "x", algorithm="fedkd-ungated", algo={"gate": "sigmoid"}),
+            embedded_federation,
+            progress=False,
         )
 
 
@@ -205,15 +209,15 @@ def test_config_refuses_unknown_gate_and_bad_beta(tmp_path):
 
 
 def test_beta_zero_equals_ungated_and_local_private_matches_lambda_zero(tmp_path):
-    Engine(_cfg(tmp_path, "b0", rounds=1, algo={"beta": 0.0}), progress=False).run()
-    Engine(_cfg(tmp_path, "ung", algorithm="fedkd-ungated", rounds=1), progress=False).run()
+    run_experiment(_cfg(tmp_path, "b0", rounds=1, algo={"beta": 0.0}), progress=False)
+    run_experiment(_cfg(tmp_path, "ung", algorithm="fedkd-ungated", rounds=1), progress=False)
     a = _jsonl(tmp_path / "b0" / "client_metrics.jsonl")[-1]["clients"]
     b = _jsonl(tmp_path / "ung" / "client_metrics.jsonl")[-1]["clients"]
     for c in a:
         assert a[c]["local/loss"] == pytest.approx(b[c]["local/loss"], rel=1e-4)
     # Local-only with private architectures = FedeKD's backward stage without distillation.
-    Engine(_cfg(tmp_path, "lam0", rounds=1, algo={"lam": 0.0}), progress=False).run()
-    Engine(_cfg(tmp_path, "lp", algorithm="local-private", rounds=1), progress=False).run()
+    run_experiment(_cfg(tmp_path, "lam0", rounds=1, algo={"lam": 0.0}), progress=False)
+    run_experiment(_cfg(tmp_path, "lp", algorithm="local-private", rounds=1), progress=False)
     a = _jsonl(tmp_path / "lam0" / "client_metrics.jsonl")[-1]["clients"]
     b = _jsonl(tmp_path / "lp" / "client_metrics.jsonl")[-1]["clients"]
     assert a == b
@@ -235,7 +239,7 @@ def test_negative_transfer_sign_convention():
 
 def test_negative_transfer_from_run_folders(fedekd_run, tmp_path):
     run, _ = fedekd_run
-    Engine(_cfg(tmp_path, "lp", algorithm="local-private"), progress=False).run()
+    run_experiment(_cfg(tmp_path, "lp", algorithm="local-private"), progress=False)
     mine = fedekd.client_metric(run, "acc")
     ref = fedekd.client_metric(tmp_path / "lp", "acc")
     nt = fedekd.negative_transfer(mine, ref)
@@ -275,7 +279,7 @@ def test_regression_with_nan_rows_dropped_and_counted(tmp_path, caplog):
         task={"dataset": NAN_SOURCE, "test_fraction": 0.25},
         partition={"scheme": "quantity", "alpha": 1.0, "num_clients": 3, "min_size": 5},
     )
-    summary = Engine(cfg, progress=False).run()
+    summary = run_experiment(cfg, progress=False)
     assert f"{NAN_SOURCE}: dropped 10 of 120 rows with a missing numeric feature or target" in (
         caplog.text
     )
@@ -307,7 +311,7 @@ def test_image_task_with_private_cnns_of_different_widths(tmp_path):
         partition={"num_clients": 3},
         train={"steps": 1},
     )
-    summary = Engine(cfg, progress=False).run()
+    summary = run_experiment(cfg, progress=False)
     states = _client_states(tmp_path / "cnn")
     widths = {c: s["private/conv.0.weight"].shape[0] for c, s in states.items()}
     assert widths == {"0": 4, "1": 6, "2": 4}

@@ -12,10 +12,10 @@ from torch import Tensor
 import toy  # noqa: F401  (registers the toy task)
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import load_config
-from fedfm.core.federation import ClientContext, Federation
+from fedfm.core.federation import ClientContext, Federation, assign_roles
 from fedfm.core.messages import Message, MessageKind
-from fedfm.engine import Engine, assign_roles
 from fedfm.errors import TooFewClientsError
+from fedfm.runtime import run
 
 
 def _cfg(tmp_path, algorithm: str, **kw: Any):
@@ -123,7 +123,7 @@ ALGORITHMS.register("test-patterns")(Patterns)
 @pytest.fixture
 def patterns_run(tmp_path):
     cfg = _cfg(tmp_path, "test-patterns", rounds=4, clients={"roles": {"strong": 0.5, "weak": 0.5}})
-    summary = Engine(cfg, progress=False).run()
+    summary = run(cfg, progress=False)
     return tmp_path, summary
 
 
@@ -167,7 +167,7 @@ def test_roles_split_and_are_enforced(tmp_path):
     cfg = _cfg(
         tmp_path, "test-wrong-role", rounds=1, clients={"roles": {"strong": 0.5, "weak": 0.5}}
     )
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     row = _rows(tmp_path, "test-wrong-role")[1]
     assert row["answered"] == 0 and row["failed"] == 3
     fails = [
@@ -235,7 +235,7 @@ ALGORITHMS.register("test-crashy")(Crashy)
 
 def test_faulty_clients_are_logged_and_left_out(tmp_path):
     cfg = _cfg(tmp_path, "test-crashy", rounds=1, clients={"min_clients": 2})
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     row = _rows(tmp_path, "test-crashy")[1]
     assert row["ok"] == 2 and row["failed"] == 4
     fails = {
@@ -260,12 +260,12 @@ def test_too_few_survivors_fail_the_round_clearly(tmp_path):
     with pytest.raises(
         TooFewClientsError, match="round 1: only 2 of 6 clients answered, min_clients=3"
     ):
-        Engine(cfg, progress=False).run()
+        run(cfg, progress=False)
 
 
 def test_state_persists_across_resume(tmp_path):
     cfg = _cfg(tmp_path, "test-patterns", rounds=4, clients={"roles": {"strong": 0.5, "weak": 0.5}})
-    full = Engine(cfg, progress=False).run()
+    full = run(cfg, progress=False)
     cfg2 = _cfg(
         tmp_path,
         "test-patterns",
@@ -273,7 +273,7 @@ def test_state_persists_across_resume(tmp_path):
         rounds=2,
         clients={"roles": {"strong": 0.5, "weak": 0.5}},
     )
-    Engine(cfg2, progress=False).run()
+    run(cfg2, progress=False)
     cfg3 = _cfg(
         tmp_path,
         "test-patterns",
@@ -281,6 +281,6 @@ def test_state_persists_across_resume(tmp_path):
         rounds=4,
         clients={"roles": {"strong": 0.5, "weak": 0.5}},
     )
-    resumed = Engine(cfg3, resume=True, progress=False).run()
+    resumed = run(cfg3, resume=True, progress=False)
     assert resumed["finish"] == full["finish"]  # per-client counters survived the restart
     assert _rows(tmp_path, "part")[-1]["w0"] == _rows(tmp_path, "test-patterns")[-1]["w0"]

@@ -15,21 +15,23 @@ import torch
 from torch import nn
 
 import fedfm.tasks.text  # noqa: F401  (registers the text task)
-from fedfm.algorithms.fedavg import FedAvg
 from fedfm.algorithms.fedrd import (
     TEACHERS,
     FedRD,
     Teacher,
     clear_feature_cache,
     distillation_terms,
+    register_teacher,
     used_ids,
 )
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, ClientState
 from fedfm.core.messages import Message
-from fedfm.engine import Engine, build
+from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.models.students import HashingTokenizer
+from fedfm.runtime import run
+from fedfm.tasks.base import IMAGE_VIEW, TEXT_VIEW
 
 LOADS: list[int] = []  # one entry per foundation-model load: how many client handlers were open
 BUILT: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []  # (module, state at load time)
@@ -59,7 +61,7 @@ def _tiny_image_fm() -> Teacher:
     torch.manual_seed(123)
     model = TinyFM().eval()
     _record(model)
-    return Teacher("test-tiny-fm", model, 24, lambda d: model.features(d.x))
+    return Teacher("test-tiny-fm", model, 24, model.features)
 
 
 def _tiny_text_fm() -> Teacher:
@@ -67,12 +69,12 @@ def _tiny_text_fm() -> Teacher:
     tok = HashingTokenizer(1024)
     bag = nn.EmbeddingBag(1024, 12, mode="mean")
     _record(bag)
-    return Teacher("test-tiny-text-fm", bag, 12, lambda d: bag(*tok.encode(list(d.texts))))
+    return Teacher("test-tiny-text-fm", bag, 12, lambda texts: bag(*tok.encode(texts)))
 
 
 if "test-tiny-fm" not in TEACHERS:
-    TEACHERS.register("test-tiny-fm")(_tiny_image_fm)
-    TEACHERS.register("test-tiny-text-fm")(_tiny_text_fm)
+    register_teacher("test-tiny-fm", IMAGE_VIEW)(_tiny_image_fm)
+    register_teacher("test-tiny-text-fm", TEXT_VIEW)(_tiny_text_fm)
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +82,7 @@ def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     LOADS.clear()
     BUILT.clear()
     clear_feature_cache()
-    orig = FedAvg.client_train
+    orig = FedRD.client_train
 
     def counted(self: Any, ctx: ClientContext, msg: Message) -> Message:
         IN_CLIENT[0] += 1
@@ -89,7 +91,7 @@ def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             IN_CLIENT[0] -= 1
 
-    monkeypatch.setattr(FedAvg, "client_train", counted)
+    monkeypatch.setattr(FedRD, "client_train", counted)
 
 
 def _cfg(tmp_path: Any, algorithm: str = "fedrd", **algo: Any):
@@ -166,7 +168,7 @@ def test_kd_gradient_is_zero_when_student_equals_teacher() -> None:
 
 def test_fedrd_run_keeps_fm_frozen_and_out_of_clients(tmp_path: Any) -> None:
     cfg = _cfg(tmp_path, teacher_eval_size=50)
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     rows = [
         json.loads(x) for x in (tmp_path / "fedrd" / "metrics.jsonl").read_text().split("\n")[:-1]
     ]
@@ -260,8 +262,8 @@ def test_checkpoint_and_resume(tmp_path: Any) -> None:
     assert all(torch.equal(phi[k], arrays[f"phi/{k}"]) for k in phi)
     # a resumed engine run continues from the checkpoint and builds the server half lazily
     cfg = _cfg(tmp_path)
-    Engine(cfg.model_copy(update={"rounds": 1}), progress=False).run()
-    Engine(cfg, resume=True, progress=False).run()
+    run(cfg.model_copy(update={"rounds": 1}), progress=False)
+    run(cfg, resume=True, progress=False)
     text = (tmp_path / "fedrd" / "metrics.jsonl").read_text()
     assert [json.loads(x)["round"] for x in text.splitlines()] == [0, 1, 2]
 
@@ -297,7 +299,7 @@ def test_text_fedrd_uses_the_task_public_split(tmp_path: Any) -> None:
     srv = setup.algo.server()
     assert srv.public.ids.tolist() == setup.task.public_data().ids.tolist()
     assert srv.public_feats.shape == (60, 12)
-    summary = Engine(cfg, progress=False).run()
+    summary = run(cfg, progress=False)
     assert "teacher/acc" in summary["final"] and 0 <= summary["final"]["server_cka"] <= 1
     assert all(n == 0 for n in LOADS)
 
@@ -333,3 +335,91 @@ def test_study_grid_and_overrides() -> None:
     ov = ["algo.public_size=10", "task.max_train=100"]
     assert applicable("fedrd-vision", ov) == ov
     assert applicable("fedrd-vision-fedavg", ov) == ["task.max_train=100"]
+
+
+# ----------------------------------------------------------------------------- server half alone
+
+
+def test_fedrd_round_against_a_fake_federation_by_hand(tmp_path: Any) -> None:
+    from fedfm.core.fake import FakeFederation
+
+    algo = build(_cfg(tmp_path)).algo
+    glob = {k: v.clone() for k, v in algo.params.items()}
+    shift = {"0": (1.0, 10), "1": (2.0, 30)}  # client -> (change of every tensor, examples)
+
+    def reply(cid: str, msg: Message) -> Message:
+        if cid not in shift:
+            raise RuntimeError("offline")
+        d, n = shift[cid]
+        params = {k: v + d for k, v in msg.arrays["params"].items()}
+        return Message("train", {"params": params}, {"num_examples": n, "loss": d})
+
+    aggregated: dict[str, torch.Tensor] = {}
+    co_train = algo.co_train
+
+    def spy(rnd: int) -> dict[str, float]:
+        aggregated.update({k: v.clone() for k, v in algo.params.items()})
+        return co_train(rnd)
+
+    algo.co_train = spy  # type: ignore[method-assign]
+    fed = FakeFederation(["0", "1", "2", "3"], reply, kinds=algo.messages)
+    metrics = algo.round(fed)
+    # FedAvg step: every tensor moves by (10·1 + 30·2) / 40 = 1.75, then co-training starts.
+    for k, v in glob.items():
+        torch.testing.assert_close(aggregated[k], v + 1.75)
+    assert metrics["train_loss"] == pytest.approx(1.75) and metrics["clients"] == 2
+    assert metrics["server_steps"] == 3 and math.isfinite(metrics["server_loss"])
+    assert not torch.equal(algo.params["head.weight"], aggregated["head.weight"])
+    assert LOADS == [0]  # the foundation model was loaded once, by the server half
+
+
+# ----------------------------------------------------------------------------- capabilities
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"task": {"kind": "toy"}, "algo": {"teacher": "auto"}}, "algo.teacher: no default"),
+        ({"algo": {"teacher": "test-tiny-text-fm"}}, r"algo\.teacher: 'test-tiny-text-fm' needs"),
+        ({"task": {"kind": "toy"}}, r"algo\.teacher: 'test-tiny-fm' needs images\(data\)"),
+        ({"algo": {"public_size": 0}}, r"algo\.public_size: FedRD needs a public set"),
+        ({"algo": {"teacher": "nope"}}, "algo.teacher: unknown foundation model 'nope'"),
+    ],
+)
+def test_missing_task_capabilities_fail_at_config_load(tmp_path, changes, message) -> None:
+    import toy  # noqa: F401  (registers the toy task)
+    from fedfm.engine import resolve
+
+    cfg = _cfg(tmp_path).model_dump()
+    for section, values in changes.items():
+        cfg[section] = values if section == "task" else {**cfg[section], **values}
+    if cfg["task"]["kind"] == "toy":
+        cfg["partition"] = {}
+    with pytest.raises(ConfigError, match=message):
+        resolve(load_config(cfg))
+
+
+def test_task_rows_are_prepared_as_client_data(tmp_path: Any) -> None:
+    from fedfm.tasks.base import PUBLIC_SPLIT, SOURCE_ROWS, SPLIT_INPUTS
+
+    task = build(_cfg(tmp_path)).task
+    assert {SOURCE_ROWS, SPLIT_INPUTS, IMAGE_VIEW} <= task.provides(task.cfg)
+    assert PUBLIC_SPLIT not in task.provides(task.cfg)
+    data = task.client_data("1")
+    order = torch.argsort(data.ids)
+    rows = task.rows(data.ids.tolist())  # in the source's order
+    pos = {int(i): k for k, i in enumerate(task.pool_ids().tolist())}
+    assert [pos[int(i)] for i in rows.ids] == sorted(pos[int(i)] for i in rows.ids)
+    same = torch.argsort(rows.ids)
+    assert torch.equal(rows.x[same], data.x[order]) and torch.equal(rows.y[same], data.y[order])
+    assert torch.equal(task.images(rows), rows.x) and task.inputs(rows, [0, 2]).shape[0] == 2
+    # Tabular rows are standardised with the clients' statistics, as client data are.
+    tab = build(
+        load_config({"task": {"kind": "tabular"}, "partition": {"num_clients": 3}})
+    ).task  # fmt: skip
+    part = tab.client_data("0")
+    back = tab.rows(part.ids.tolist())
+    o1, o2 = torch.argsort(part.ids), torch.argsort(back.ids)
+    torch.testing.assert_close(back.x[o2], part.x[o1])
+    with pytest.raises(ConfigError, match=r"task\.kind: .tabular. does not provide image_view"):
+        tab.images(back)

@@ -23,11 +23,13 @@ import flower_support as fs
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.config import load_config
 from fedfm.core.messages import Message
-from fedfm.engine import Engine
 from fedfm.errors import ConfigError, MessageError, TooFewClientsError
-from fedfm.runtime import flower as F
+from fedfm.runtime import run
+from fedfm.runtime.flower import options as Opt
+from fedfm.runtime.flower import server as S
+from fedfm.runtime.flower import wire as W
+from fedfm.runtime.flower.client import Snapshots
 from fedfm.runtime.flower_app import make_client_app
-from fedfm.runtime.flower_app.client import Snapshots
 
 flwr_app = pytest.importorskip("flwr.app")
 serde = pytest.importorskip("flwr.common.serde")
@@ -72,7 +74,7 @@ class FakeGrid:
 
     def __init__(
         self,
-        payload: F.Payload,
+        payload: W.Payload,
         num_nodes: int,
         state_dir: Path,
         dead: set[int] | None = None,
@@ -89,7 +91,7 @@ class FakeGrid:
         self.crash_after = crash_after
         self.pushes = 0
         self.pending: list[Any] = []
-        self.run_config = {F.PAYLOAD_KEY: payload.encode()}
+        self.run_config = {W.PAYLOAD_KEY: payload.encode()}
         self.contexts = {
             100 + i: flwr_app.Context(
                 run_id=1,
@@ -140,7 +142,7 @@ class FakeGrid:
             node = m.metadata.dst_node_id
             if m.metadata.message_id not in ids:
                 continue
-            if node - 100 in self.dead and m.metadata.message_type == F.MESSAGE_TYPE:
+            if node - 100 in self.dead and m.metadata.message_type == W.MESSAGE_TYPE:
                 continue  # answered the handshake, then died
             self.pending.remove(m)
             m.content = _wire(m.content)
@@ -153,24 +155,37 @@ class FakeGrid:
         return out
 
 
-def _payload(cfg: dict[str, Any], **kw: Any) -> F.Payload:
+class ReversedGrid(FakeGrid):
+    """Answers one fedfm message per pull, the last one pushed first: replies come reversed."""
+
+    def pull_messages(self, ids: list[str]) -> list[Any]:
+        queries = [
+            m.metadata.message_id
+            for m in self.pending
+            if m.metadata.message_id in ids and m.metadata.message_type == W.MESSAGE_TYPE
+        ]
+        return super().pull_messages(queries[-1:] or ids)
+
+
+def _payload(cfg: dict[str, Any], **kw: Any) -> W.Payload:
     options = {"imports": ["flower_support"], "node_wait_s": 0, "timeout_s": 5, "poll_s": 0.01}
     options.update(kw.pop("options", {}))
-    return F.Payload(config=cfg, options=options, **kw)
+    return W.Payload(config=cfg, options=options, **kw)
 
 
 def _flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, Any]:
     keys = ("dead", "crash_after", "node_config", "num_nodes", "events")
     grid_kw = {k: kw.pop(k) for k in keys if k in kw}
+    grid_cls = kw.pop("grid_cls", FakeGrid)
     payload = _payload(cfg, **kw)
     clients = cfg.get("partition", {}).get("num_clients") or cfg["task"]["num_clients"]
     n = grid_kw.pop("num_nodes", clients)
-    grid = FakeGrid(payload, n, state_dir, num_partitions=clients, **grid_kw)
-    return F.server_main(grid, payload)
+    grid = grid_cls(payload, n, state_dir, num_partitions=clients, **grid_kw)
+    return S.server_main(grid, payload)
 
 
 def _embedded_run(cfg: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    return Engine(load_config(cfg), progress=False, **kw).run()
+    return run(load_config(cfg), progress=False, **kw)
 
 
 def _same_run(a: Path, b: Path) -> None:
@@ -210,7 +225,7 @@ def test_tensors_and_meta_cross_the_wire_exactly():
         "nan": float("nan"),
     }
     msg = Message("select.features", {"p": arrays, "q": {}}, meta)
-    back, head = F.records_to_message(_wire(F.message_to_records(msg, {"round": 4})))
+    back, head = W.records_to_message(_wire(W.message_to_records(msg, {"round": 4})))
     assert head["round"] == 4 and back.kind == "select.features"
     assert list(back.arrays) == ["p", "q"] and back.arrays["q"] == {}
     assert list(back.arrays["p"]) == list(arrays)
@@ -234,35 +249,35 @@ def test_tensors_and_meta_cross_the_wire_exactly():
 
 def test_malformed_records_and_payloads_are_refused():
     with pytest.raises(MessageError, match="malformed fedfm message"):
-        F.records_to_message(flwr_app.RecordDict())
+        W.records_to_message(flwr_app.RecordDict())
     with pytest.raises(ConfigError, match="fedfm-payload: missing from the Flower run config"):
-        F.Payload.from_context({})
+        W.Payload.from_context({})
     with pytest.raises(ConfigError, match="not a fedfm payload"):
-        F.Payload.decode("!!!")
-    p = F.Payload({"name": "x"}, {"timeout_s": 3}, resume=True)
-    assert F.Payload.decode(p.encode()) == p
+        W.Payload.decode("!!!")
+    p = W.Payload({"name": "x"}, {"timeout_s": 3}, resume=True)
+    assert W.Payload.decode(p.encode()) == p
     with pytest.raises(ConfigError, match=r"flower\.timeout_s"):
-        F.load_options({"timeout_s": -1})
+        Opt.load_options({"timeout_s": -1})
     with pytest.raises(ConfigError, match="cannot import 'no_such_plugin'"):
-        F.import_plugins(["no_such_plugin"])
+        Opt.import_plugins(["no_such_plugin"])
 
 
 # --------------------------------------------------------------------------- client side
 
 
-def _context(node_config: dict[str, Any], payload: F.Payload) -> Any:
+def _context(node_config: dict[str, Any], payload: W.Payload) -> Any:
     return flwr_app.Context(
         run_id=1,
         node_id=5,
         node_config=node_config,
         state=flwr_app.RecordDict(),
-        run_config={F.PAYLOAD_KEY: payload.encode()},
+        run_config={W.PAYLOAD_KEY: payload.encode()},
     )
 
 
 def _call(app: Any, ctx: Any, msg: Message, header: dict[str, Any]) -> Any:
     head = {"run_uid": "u", "session": 0, "lineage": [], "committed": 0, "like": {}, **header}
-    fm = flwr_app.Message(F.message_to_records(msg, head), 5, F.MESSAGE_TYPE)
+    fm = flwr_app.Message(W.message_to_records(msg, head), 5, W.MESSAGE_TYPE)
     fm.metadata.__dict__["_message_id"] = "m1"
     return app(message=fm, context=ctx)
 
@@ -273,9 +288,9 @@ def test_client_refuses_unknown_kinds_and_wrong_roles_with_named_errors(tmp_path
     app = make_client_app()
     ctx = _context({"partition-id": 0, "state-dir": str(tmp_path / "s")}, payload)
     reply = _call(app, ctx, Message("nope"), {"cid": "0", "round": 1})
-    assert reply.has_error() and reply.error.code == F.CLIENT_ERROR_CODE
+    assert reply.has_error() and reply.error.code == W.CLIENT_ERROR_CODE
     assert reply.error.reason == "client 0: unknown message kind 'nope'"
-    from fedfm.engine import assign_roles
+    from fedfm.core.federation import assign_roles
 
     roles = {
         c.cid: c.role for c in assign_roles(["0", "1", "2", "3"], {"strong": 0.5, "weak": 0.5}, 3)
@@ -298,17 +313,17 @@ def test_client_state_commits_only_on_success(tmp_path):
     app = make_client_app()
     ctx = _context({"partition-id": 1, "state-dir": str(tmp_path / "s")}, payload)
     w = {"w": {"w": torch.ones(4)}}
-    like = F.like_spec({"mean": {"x": torch.zeros(4)}})
+    like = W.like_spec({"mean": {"x": torch.zeros(4)}})
     ok = _call(app, ctx, Message("stats", w), {"cid": "1", "round": 1, "like": like})
     assert ok.has_content()
-    msg, _ = F.records_to_message(ok.content)
+    msg, _ = W.records_to_message(ok.content)
     assert msg.meta["count"] == 1 and msg.meta["info"] == {"rnd": 1.0, "norm": 2.0}
     # The server expects a 3-long mean: the reply is refused and the counter stays at 1.
-    bad = F.like_spec({"mean": {"x": torch.zeros(3)}})
+    bad = W.like_spec({"mean": {"x": torch.zeros(3)}})
     err = _call(app, ctx, Message("stats", w), {"cid": "1", "round": 2, "like": bad})
     assert err.error.reason == "update rejected: client 1: field mean.x: shape (4,), expected (3,)"
     ok = _call(app, ctx, Message("stats", w), {"cid": "1", "round": 3, "like": like})
-    assert F.records_to_message(ok.content)[0].meta["count"] == 2
+    assert W.records_to_message(ok.content)[0].meta["count"] == 2
     # Snapshots on disk: round 3 (in progress) and the newest committed one (round 1).
     snaps = sorted(p.name for p in (tmp_path / "s" / "u" / "1").glob("*.json"))
     assert snaps == ["s0000-r00001.json", "s0000-r00003.json"]
@@ -317,7 +332,7 @@ def test_client_state_commits_only_on_success(tmp_path):
 def test_handshake_checks_the_partition(tmp_path):
     payload = _payload(fs.config(tmp_path, "test-two-phase"))
     app = make_client_app()
-    hello = flwr_app.Message(flwr_app.RecordDict(), 5, F.HELLO_TYPE)
+    hello = flwr_app.Message(flwr_app.RecordDict(), 5, W.HELLO_TYPE)
     hello.metadata.__dict__["_message_id"] = "h"
     for conf, reason in [
         ({"partition-id": 2}, None),
@@ -346,11 +361,11 @@ def test_snapshot_validity_follows_the_session_history(tmp_path):
     assert s.latest(2, [[0, 2], [1, 2]]).meta == {"at": [0, 2]}
     s.prune(2, [[0, 2], [1, 2]], committed=2)
     assert sorted(p.name for p in s.folder.glob("*.json")) == ["s0000-r00002.json"]
-    hist = F.run_sessions(tmp_path, -1)
+    hist = S.run_sessions(tmp_path, -1)
     assert hist["session"] == 0 and hist["lineage"] == []
-    hist2 = F.run_sessions(tmp_path, 5)
+    hist2 = S.run_sessions(tmp_path, 5)
     assert hist2 == {"run_uid": hist["run_uid"], "session": 1, "lineage": [[0, 5]]}
-    assert F.run_sessions(tmp_path, -1)["run_uid"] != hist["run_uid"]  # a fresh start
+    assert S.run_sessions(tmp_path, -1)["run_uid"] != hist["run_uid"]  # a fresh start
 
 
 # --------------------------------------------------------------------------- server side
@@ -362,6 +377,16 @@ def test_fedavg_over_flower_equals_embedded(tmp_path):
     summary = _flower_run({**cfg, "name": "flw", "runtime": "flower"}, tmp_path / "nodes")
     _same_run(tmp_path / "emb", tmp_path / "flw")
     assert summary["bytes_up"] > 0 and summary["failed_clients"] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_replies_arriving_out_of_order_aggregate_as_on_embedded(tmp_path, algorithm):
+    """Replies are folded in as they come, yet in the order of the messages on every runtime."""
+    algo = {"server_opt": {"name": "fedadam", "lr": 0.05}} if algorithm == "fedavg" else {}
+    cfg = fs.config(tmp_path, algorithm, name="emb", rounds=2, num_clients=5, algo=algo)
+    _embedded_run(cfg)
+    _flower_run({**cfg, "name": "flw"}, tmp_path / "nodes", grid_cls=ReversedGrid)
+    _same_run(tmp_path / "emb", tmp_path / "flw")
 
 
 @pytest.mark.parametrize("algorithm", ["test-two-phase", "scaffold"])
@@ -458,7 +483,7 @@ def test_simulation_engine_equals_embedded(tmp_path):
     cfg = fs.config(tmp_path, "test-two-phase", name="emb", rounds=2, clients=roles)
     emb = _embedded_run(cfg)
     sim_cfg = load_config({**cfg, "name": "sim", "runtime": "flower-sim"})
-    sim = F.run(sim_cfg, progress=False, options={"imports": ["flower_support"], "sim_cpus": 2})
+    sim = run(sim_cfg, progress=False, options={"imports": ["flower_support"], "sim_cpus": 2})
     _same_run(tmp_path / "emb", tmp_path / "sim")
     assert sim["finish"] == emb["finish"]
     # Client states were kept per node for resume, inside the run folder.
@@ -469,13 +494,11 @@ def test_simulation_engine_equals_embedded(tmp_path):
 
 
 def test_commands_check_their_arguments(tmp_path, monkeypatch):
-    import typer
     from typer.testing import CliRunner
 
-    from fedfm.runtime.flower_app import deploy as D
+    from fedfm.cli import app
+    from fedfm.runtime.flower import deploy as D
 
-    app = typer.Typer()
-    F.add_commands(app)
     runner = CliRunner()
     for cmd in ("serve", "client", "flower-certs"):
         assert runner.invoke(app, [cmd, "--help"]).exit_code == 0
@@ -513,7 +536,7 @@ def test_commands_check_their_arguments(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="node authentication needs TLS"):
         D.serve(seen["cfg"], node_keys=[tmp_path / "node0.pub"])
     with pytest.raises(ConfigError, match="runs across machines"):
-        F.run(seen["cfg"])
+        run(seen["cfg"])
 
 
 # --------------------------------------------------------------------------- every algorithm

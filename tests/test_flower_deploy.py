@@ -20,9 +20,11 @@ import pytest
 
 import flower_support as fs
 from fedfm.config import load_config
-from fedfm.engine import Engine
-from fedfm.runtime.flower import Payload
-from fedfm.runtime.flower_app import deploy as D
+from fedfm.runtime import run
+from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import processes as P
+from fedfm.runtime.flower import tls as T
+from fedfm.runtime.flower.wire import Payload
 
 pytestmark = pytest.mark.slow  # several processes, about a minute each
 
@@ -32,12 +34,12 @@ RUN_TIMEOUT_S = 240
 
 
 @contextmanager
-def stopping(procs: list[D.Proc]) -> Iterator[list[D.Proc]]:
+def stopping(procs: list[P.Proc]) -> Iterator[list[P.Proc]]:
     """Stops every process in ``procs`` (appended to inside the block) on exit."""
     try:
         yield procs
     finally:
-        D.stop(procs)
+        P.stop(procs)
         for p in procs:
             assert not p.alive(), f"{p.name} still running"
             with pytest.raises(ProcessLookupError):
@@ -45,14 +47,14 @@ def stopping(procs: list[D.Proc]) -> Iterator[list[D.Proc]]:
 
 
 def _embedded(cfg: dict) -> dict:
-    return Engine(load_config(cfg), progress=False).run()
+    return run(load_config(cfg), progress=False)
 
 
-def _kill_when(path: Path, rnd: int, victims: list[D.Proc], stop: threading.Event) -> None:
+def _kill_when(path: Path, rnd: int, victims: list[P.Proc], stop: threading.Event) -> None:
     """Kills ``victims`` once ``path`` (metrics.jsonl) has logged round ``rnd``."""
     while not stop.is_set():
         if any(r["round"] >= rnd for r in fs.read_jsonl(path)):
-            D.stop(victims, grace_s=0)
+            P.stop(victims, grace_s=0)
             return
         time.sleep(0.05)
 
@@ -62,7 +64,7 @@ def test_fedavg_on_supernodes_equals_embedded_and_a_dying_supernode_fails(tmp_pa
     embedded run while both nodes live; a node killed mid-run is a failed client."""
     cfg = fs.config(tmp_path / "runs", "fedavg", name="emb", rounds=3, num_clients=2)
     _embedded(cfg)
-    port = D.free_port()
+    port = P.free_port()
     with stopping([]) as procs:
         for i in range(2):
             procs += D.start_client(
@@ -110,9 +112,9 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
     cfg = fs.config(tmp_path / "runs", "test-two-phase", name="emb", rounds=2, num_clients=2)
     cfg["clients"] = roles
     emb = _embedded(cfg)
-    tls = D.make_certificates(tmp_path / "certs")
-    keys = [D.make_node_key(tmp_path / "keys", f"node{i}") for i in range(3)]
-    port = D.free_port()
+    tls = T.make_certificates(tmp_path / "certs")
+    keys = [T.make_node_key(tmp_path / "keys", f"node{i}") for i in range(3)]
+    port = P.free_port()
     home = tmp_path / "serve-home"
     with stopping([]) as procs:
         procs.append(D.start_superlink(home, tmp_path / "logs", "127.0.0.1", port, tls, True, ENV))

@@ -14,7 +14,7 @@ from fedfm.config import load_config
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptimizer
 from fedfm.core.train import local_train
-from fedfm.engine import Engine
+from fedfm.runtime import run as run_experiment
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 
@@ -56,7 +56,7 @@ def test_the_documented_llm_algorithm_runs(tmp_path: Path) -> None:
             "train": {"steps": 2, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
         }
     )
-    summary = Engine(cfg, progress=False).run()
+    summary = run_experiment(cfg, progress=False)
     run = tmp_path / "dual"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["clients"] for r in rows[1:]] == [2, 2] and rows[-1]["failed"] == 0

@@ -12,10 +12,11 @@ import fedfm.tasks.lm as lm
 from fedfm.config import load_config
 from fedfm.core.train import get_params, local_train
 from fedfm.data.prompt import IGNORE_INDEX
-from fedfm.engine import Engine, build
+from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.eval.llm import lm_nll
 from fedfm.models.lora import trainable_state
+from fedfm.runtime import run
 
 DOMAINS = ["general", "movie", "spam"]
 TINY = {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 0}
@@ -151,7 +152,7 @@ def test_evaluate_reports_each_domain_and_the_zero_shot_domain(task) -> None:
 
 def test_fedavg_over_lora_sends_only_adapter_tensors(tmp_path) -> None:
     cfg = _cfg(tmp_path, name="fedit")
-    summary = Engine(cfg, progress=False).run()
+    summary = run(cfg, progress=False)
     model = lm.shared_peft_model(
         "tiny-llama", "float32", TINY, lm.LoraConfigSpec(r=4, alpha=8, dropout=0.0)
     )
@@ -200,7 +201,7 @@ def test_other_fedavg_family_members_run_on_lora(tmp_path, algorithm, algo) -> N
         eval_before=False,
         partition={"scheme": "dirichlet", "num_clients": 2, "alpha": 1.0, "min_size": 3},
     )
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     rows = _jsonl(tmp_path / algorithm / "metrics.jsonl")
     assert rows[-1]["failed"] == 0 and rows[-1]["clients"] == 2
     assert rows[-1]["train_loss"] > 0 and "score" in rows[-1]
@@ -219,7 +220,7 @@ def test_bfloat16_base_keeps_a_float32_adapter_and_trains_under_autocast(tmp_pat
     base_dtypes = {p.dtype for p in model.parameters() if not p.requires_grad}
     assert base_dtypes == {torch.bfloat16}
     assert {v.dtype for v in get_params(model).values()} == {torch.float32}  # what travels
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     rows = _jsonl(tmp_path / "bf16" / "metrics.jsonl")
     assert rows[-1]["failed"] == 0 and rows[-1]["train_loss"] > 0
     assert rows[-1]["bytes_down"] == 3 * lm.adapter_bytes(model)
@@ -258,6 +259,19 @@ def test_bad_config_values_name_the_field(tmp_path) -> None:
         task.build_model(seed=0, hidden=128)
 
 
+def test_padding_to_a_multiple_leaves_the_loss_unchanged(tmp_path) -> None:
+    plain = build(_cfg(tmp_path)).task
+    padded = build(_cfg(tmp_path, task={"pad_to_multiple_of": 32})).task
+    data = plain.client_data(plain.client_ids()[0])
+    a = next(plain.batches(data, 4, seed=1))
+    b = next(padded.batches(padded.client_data(plain.client_ids()[0]), 4, seed=1))
+    assert b["input_ids"].shape[1] % 32 == 0 and b["input_ids"].shape[1] >= a["input_ids"].shape[1]
+    model = plain.build_model(seed=0)
+    with torch.no_grad():
+        la, lb = plain.loss(model, a)[0], padded.loss(model, b)[0]
+    assert float(la) == pytest.approx(float(lb), rel=1e-5)
+
+
 def test_presets_load_and_validate() -> None:
     from fedfm.engine import resolve
 
@@ -270,10 +284,8 @@ def test_presets_load_and_validate() -> None:
 
 @pytest.mark.slow
 def test_fedit_on_flower_simulation_equals_embedded(tmp_path) -> None:
-    from fedfm.runtime.flower import run as flower_run
-
-    Engine(_cfg(tmp_path, name="embedded"), progress=False).run()
-    flower_run(_cfg(tmp_path, name="flower", runtime="flower-sim"), progress=False)
+    run(_cfg(tmp_path, name="embedded"), progress=False)
+    run(_cfg(tmp_path, name="flower", runtime="flower-sim"), progress=False)
     embedded = _jsonl(tmp_path / "embedded" / "metrics.jsonl")
     flower = _jsonl(tmp_path / "flower" / "metrics.jsonl")
     skip = {"time_s"}
@@ -301,7 +313,7 @@ def test_one_fedit_round_on_real_smollm2(tmp_path) -> None:
         },
         train={"steps": 1, "batch_size": 2, "optimizer": "adamw", "lr": 1e-4},
     )
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     rows = _jsonl(tmp_path / "smollm2" / "metrics.jsonl")
     assert rows[-1]["failed"] == 0 and rows[-1]["clients"] == 3
     # r=4 LoRA on q,k,v,o of 30 layers: (576·4 + 4·576) q, o; (576·4 + 4·192) k, v; float32.

@@ -13,7 +13,7 @@ from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
-from fedfm.engine import Engine
+from fedfm.runtime import run
 
 BACKWARD_CALLS: list[str] = []
 LOG: dict[str, Any] = {}  # what the algorithm saw, read by the test
@@ -113,7 +113,7 @@ def test_weak_clients_never_backpropagate(tmp_path: Any, monkeypatch: pytest.Mon
         }
     )
     LOG.clear()
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     log = LOG
     assert log["backward_in_weak"] == 0  # the monitor saw no backward from the weak handlers
     assert log["vote_requires_grad"] == [False, False]  # their forward passes built no graph

@@ -11,6 +11,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
 
+from fedfm.core.aggregate import pseudo_gradient, weighted_mean
 from fedfm.core.optim import (
     SERVER_OPTIMIZERS,
     ServerOptConfig,
@@ -20,10 +21,8 @@ from fedfm.core.optim import (
     fedavg_step,
     fedavgm_step,
     fedyogi_step,
-    pseudo_gradient,
     scaffold_client_control,
     scaffold_server_update,
-    weighted_mean,
 )
 from fedfm.errors import UnknownNameError
 

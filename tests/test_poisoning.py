@@ -15,8 +15,9 @@ import torch
 import toy  # noqa: F401  (registers the toy task)
 from fedfm.config import load_config
 from fedfm.core.attacks import poison_handlers, scale_update
-from fedfm.engine import Engine, embedded_federation
+from fedfm.engine import Engine
 from fedfm.errors import TooFewClientsError
+from fedfm.runtime.embedded import embedded_federation
 
 ROBUST = [
     ["algo.aggregator.clip_norm=median"],

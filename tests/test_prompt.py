@@ -190,6 +190,10 @@ def test_collate_right_pads_with_ignored_labels():
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert out["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
     assert all(t.dtype == torch.long for t in out.values())
+    # Rounded up to a multiple of 4: one more column of padding, ignored by labels and mask.
+    out4 = collate(batch, pad_id=2, multiple=4)
+    assert out4["input_ids"].tolist() == [[5, 6, 7, 2], [8, 2, 2, 2]]
+    assert out4["labels"][:, 3].tolist() == [-100, -100] and out4["attention_mask"][:, 3].sum() == 0
 
 
 def _encoded(n: int) -> datasets.Dataset:

@@ -16,8 +16,8 @@ from fedfm.algorithms.base import ALGORITHMS
 from fedfm.algorithms.fedavg import EVALUATE, TRAIN, FedAvg
 from fedfm.config import load_config
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
-from fedfm.engine import Engine
 from fedfm.errors import MessageError, TooFewClientsError
+from fedfm.runtime import run
 
 # The in-memory Flower grid; its autouse fixture sets the task identity Flower needs.
 from test_flower import _flower_run, _same_run, task_identity  # noqa: F401
@@ -136,7 +136,7 @@ def _failures(root: Path) -> list[dict[str, Any]]:
 
 
 def test_malformed_replies_are_logged_and_left_out(tmp_path):
-    summary = Engine(load_config(_cfg(tmp_path, min_clients=2)), progress=False).run()
+    summary = run(load_config(_cfg(tmp_path, min_clients=2)), progress=False)
     rows = [json.loads(x) for x in (tmp_path / "bad" / "metrics.jsonl").read_text().splitlines()]
     assert [r["clients"] for r in rows[1:]] == [2, 2, 2] and [r["failed"] for r in rows] == [
         0,
@@ -153,14 +153,14 @@ def test_malformed_replies_are_logged_and_left_out(tmp_path):
 
 def test_failures_of_the_round_that_stops_the_run_are_logged(tmp_path):
     with pytest.raises(TooFewClientsError, match="round 1: only 2 of 8 clients answered"):
-        Engine(load_config(_cfg(tmp_path, min_clients=3)), progress=False).run()
+        run(load_config(_cfg(tmp_path, min_clients=3)), progress=False)
     fails = _failures(tmp_path / "bad")
     assert sorted(f["client"] for f in fails) == ["0", "1", "2", "3", "4", "5"]
     assert {f["round"] for f in fails} == {1}
 
 
 def test_flower_runtime_rejects_the_same_replies_the_same_way(tmp_path):
-    Engine(load_config(_cfg(tmp_path, min_clients=2, rounds=2)), progress=False).run()
+    run(load_config(_cfg(tmp_path, min_clients=2, rounds=2)), progress=False)
     flw = {**_cfg(tmp_path, min_clients=2, rounds=2), "name": "flw"}
     _flower_run(flw, tmp_path / "nodes", options={"imports": ["flower_support", __name__]})
     _same_run(tmp_path / "bad", tmp_path / "flw")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from fedfm.config import load_config
-from fedfm.engine import Engine
+from fedfm.runtime import run
 
 TESTS = Path(__file__).parent
 
@@ -42,15 +42,15 @@ def _metrics(folder: Path) -> list[dict]:
 def test_kill_9_then_resume_is_bit_identical(tmp_path):
     import toy  # noqa: F401
 
-    Engine(load_config(_cfg(tmp_path, "straight")), progress=False).run()
+    run(load_config(_cfg(tmp_path, "straight")), progress=False)
 
     script = textwrap.dedent(
         f"""
         import sys; sys.path.insert(0, {str(TESTS)!r})
         import toy
         from fedfm.config import load_config
-        from fedfm.engine import Engine
-        Engine(load_config({_cfg(tmp_path, "killed")!r}), progress=False).run()
+        from fedfm.runtime import run
+        run(load_config({_cfg(tmp_path, "killed")!r}), progress=False)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
@@ -71,7 +71,7 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path):
     done = len(_metrics(tmp_path / "killed"))
     assert 4 <= done < 13
 
-    Engine(load_config(_cfg(tmp_path, "killed")), resume=True, progress=False).run()
+    run(load_config(_cfg(tmp_path, "killed")), resume=True, progress=False)
     straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "killed")
     assert straight == resumed  # every round, every metric, exactly
     a = json.loads((tmp_path / "straight" / "summary.json").read_text())["final"]

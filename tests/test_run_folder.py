@@ -17,8 +17,8 @@ from fedfm import cli
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.algorithms.fedavg import FedAvg
 from fedfm.config import load_config
-from fedfm.engine import Engine
 from fedfm.errors import ConfigError
+from fedfm.runtime import run
 
 # The in-memory Flower grid; its autouse fixture sets the task identity Flower needs.
 from test_flower import _flower_run, _same_run, task_identity  # noqa: F401
@@ -59,7 +59,7 @@ def _toy(tmp_path: Path, name: str = "r", **kw: Any) -> dict[str, Any]:
 
 def _run(tmp_path: Path, name: str = "r", resume: bool = False, overwrite: bool = False, **kw):
     cfg = load_config(_toy(tmp_path, name, **kw))
-    return Engine(cfg, resume=resume, overwrite=overwrite, progress=False).run()
+    return run(cfg, resume=resume, overwrite=overwrite, progress=False)
 
 
 @pytest.fixture

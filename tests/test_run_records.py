@@ -15,8 +15,8 @@ from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.privacy import analytic_gaussian_sigma
-from fedfm.engine import Engine
 from fedfm.report import compare
+from fedfm.runtime import run
 
 
 class NoisyMeans(Algorithm):
@@ -88,7 +88,7 @@ def _json(path: Path) -> Any:
 
 
 def test_privacy_json_summary_and_report(tmp_path: Path) -> None:
-    summary = Engine(_cfg(tmp_path, "dp"), progress=False).run()
+    summary = run(_cfg(tmp_path, "dp"), progress=False)
     report = _json(tmp_path / "dp" / "privacy.json")
     assert report["delta"] == 1e-5 and report["accountant"] == "rdp"
     counts = {c: 0 for c in "0123"}
@@ -103,7 +103,7 @@ def test_privacy_json_summary_and_report(tmp_path: Path) -> None:
         "delta": 1e-5,
         "accountant": "rdp",
     }
-    Engine(_cfg(tmp_path, "tight", privacy={"accountant": "pld"}), progress=False).run()
+    run(_cfg(tmp_path, "tight", privacy={"accountant": "pld"}), progress=False)
     tight = _json(tmp_path / "tight" / "privacy.json")
     assert tight["run"]["epsilon"] < report["run"]["epsilon"]
     table = compare([tmp_path / "dp", tmp_path / "tight"])
@@ -112,9 +112,9 @@ def test_privacy_json_summary_and_report(tmp_path: Path) -> None:
 
 
 def test_the_ledger_is_checkpointed_and_resumed(tmp_path: Path) -> None:
-    Engine(_cfg(tmp_path, "straight", rounds=5), progress=False).run()
-    Engine(_cfg(tmp_path, "resumed", rounds=2), progress=False).run()
-    Engine(_cfg(tmp_path, "resumed", rounds=5), resume=True, progress=False).run()
+    run(_cfg(tmp_path, "straight", rounds=5), progress=False)
+    run(_cfg(tmp_path, "resumed", rounds=2), progress=False)
+    run(_cfg(tmp_path, "resumed", rounds=5), resume=True, progress=False)
     straight = _json(tmp_path / "straight" / "privacy.json")
     assert _json(tmp_path / "resumed" / "privacy.json") == straight
     a = _json(tmp_path / "straight" / "summary.json")["privacy"]
@@ -133,7 +133,7 @@ def test_artefacts_are_published_listed_and_survive_a_crash_before_the_checkpoin
 
     import fedfm.engine as engine
 
-    summary = Engine(_cfg(tmp_path, "straight"), progress=False).run()
+    summary = run(_cfg(tmp_path, "straight"), progress=False)
     straight = _files(tmp_path / "straight")
     assert set(straight) == {"index.json", "log/means.jsonl", "latest.json", "third.txt"}
     log = [json.loads(x) for x in straight["log/means.jsonl"].decode().splitlines()]
@@ -165,13 +165,13 @@ def test_artefacts_are_published_listed_and_survive_a_crash_before_the_checkpoin
     monkeypatch.setattr(engine, "_checkpoint", dies_at_round_3)
     monkeypatch.setattr(NoisyMeans, "stray", True)
     with contextlib.suppress(KeyboardInterrupt):
-        Engine(_cfg(tmp_path, "crashed"), progress=False).run()
+        run(_cfg(tmp_path, "crashed"), progress=False)
     crashed = tmp_path / "crashed"
     assert {"stray.txt", "third.txt"} <= set(_files(crashed))  # round 3 was published
     (crashed / "artefacts" / "notes.txt").write_text("the user's own file\n")
     monkeypatch.setattr(engine, "_checkpoint", real)
     monkeypatch.setattr(NoisyMeans, "stray", False)
-    resumed = Engine(_cfg(tmp_path, "crashed"), resume=True, progress=False).run()
+    resumed = run(_cfg(tmp_path, "crashed"), resume=True, progress=False)
     files = _files(crashed)
     assert files.pop("notes.txt") == b"the user's own file\n"  # never written by fedfm: kept
     assert files == straight  # stray.txt removed, the log holds each round once
@@ -198,7 +198,7 @@ def test_artefact_names_are_checked_and_contents_readable() -> None:
 
 
 def test_bytes_are_split_into_arrays_and_meta(tmp_path: Path) -> None:
-    summary = Engine(_cfg(tmp_path, "bytes", rounds=2), progress=False).run()
+    summary = run(_cfg(tmp_path, "bytes", rounds=2), progress=False)
     rows = [json.loads(x) for x in (tmp_path / "bytes" / "metrics.jsonl").read_text().splitlines()]
     audit = [json.loads(x) for x in (tmp_path / "bytes" / "audit.jsonl").read_text().splitlines()]
     for row in rows[1:]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fedfm.engine import run
+from fedfm.runtime import run
 
 
 def test_tabular_fedavg_beats_local_only(tmp_path):

@@ -10,9 +10,10 @@ import torch
 
 import fedfm.tasks.text  # noqa: F401  (registers the text task until fedfm.tasks imports it)
 from fedfm.config import load_config
-from fedfm.engine import Engine, build
+from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.models.students import PAD_ID
+from fedfm.runtime import run
 from fedfm.tasks.text import TextConfig, TextData, TextTask, check_disjoint
 
 
@@ -118,7 +119,7 @@ def test_fedavg_runs_on_the_text_task(tmp_path: Any) -> None:
         }
     )
     assert isinstance(build(cfg).task, TextTask)
-    Engine(cfg, progress=False).run()
+    run(cfg, progress=False)
     rows = [
         json.loads(x) for x in (tmp_path / "text-fedavg" / "metrics.jsonl").read_text().splitlines()
     ]

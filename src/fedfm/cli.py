@@ -1,4 +1,4 @@
-"""The ``fedfm`` command: run, report, list.
+"""The ``fedfm`` command: run, report, reproduce, list, and the Flower commands.
 
 Errors that fedfm raises on purpose print one line and exit with code 2 (bad config or
 input) or 1 (a run that failed, e.g. too few clients survived a round); no traceback.
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedfm.errors import ConfigError, FedfmError
+from fedfm.runtime.flower import commands as flower_commands
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False
@@ -44,12 +45,11 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
 ) -> None:
     """Run an experiment and write runs/<name>/."""
-    from fedfm.config import load_config
-    from fedfm.engine import run as run_config
+    from fedfm.algorithms import algo_keys
+    from fedfm.config import load_run_config
+    from fedfm.runtime import run as run_config
 
-    cfg = load_config(config, overrides or [])
-    if resume:
-        cfg = _saved_config(cfg, overrides or [])
+    cfg = load_run_config(config, overrides or [], resume, algo_keys)
     summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
     final = summary["final"]
     primary = summary["primary"]
@@ -60,14 +60,6 @@ def run(
             f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"
         )
     Console().print(f"{msg}  ->  {folder}")
-
-
-def _saved_config(cfg, overrides: list[str]):
-    """On resume, the run's saved config wins; overrides (e.g. more rounds) apply on top."""
-    from fedfm.config import load_config
-
-    saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
-    return load_config(str(saved), overrides) if saved.exists() else cfg
 
 
 @app.command()
@@ -154,13 +146,10 @@ def _aggregating(field: str) -> list[str]:
     return out
 
 
-def _add_flower_commands() -> None:
-    from fedfm.runtime.flower import add_commands
-
-    add_commands(app)  # fedfm serve, fedfm client, fedfm flower-certs
-
-
-_add_flower_commands()
+app.command("serve")(flower_commands.serve)
+app.command("client")(flower_commands.client)
+app.command("flower-app")(flower_commands.flower_app)
+app.command("flower-certs")(flower_commands.flower_certs)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import copy
 import logging
 import math
 import re
+from collections.abc import Callable, Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -218,20 +219,27 @@ def _override_keys(overrides: list[str]) -> set[str]:
     return {m.group(1) for ov in overrides if (m := _OVERRIDE.match(ov))}
 
 
-def drop_foreign_algo_keys(data: dict[str, Any], explicit: set[str]) -> None:
+AlgoKeys = Callable[[str], Collection[str] | None]
+"""Keys of the ``algo`` section an algorithm takes, None for an unknown algorithm
+(:func:`fedfm.algorithms.algo_keys`)."""
+
+
+def drop_foreign_algo_keys(data: dict[str, Any], explicit: set[str], algo_keys: AlgoKeys) -> None:
     """After ``algorithm=`` switched the algorithm, drops ``algo`` keys it does not take.
 
     A preset's ``algo`` section belongs to the preset's algorithm. Keys set on the command
     line (in ``explicit``) are kept, so a typo there is still an error. One notice names
     what was dropped and what the new algorithm accepts.
-    """
-    import fedfm.algorithms  # noqa: F401  (registers the algorithms)
-    from fedfm.algorithms.base import ALGORITHMS
 
+    Args:
+        data: The raw config (changed in place).
+        explicit: Keys set by overrides.
+        algo_keys: The keys each algorithm's section takes.
+    """
     algo, name = data.get("algo"), data.get("algorithm")
-    if not isinstance(algo, dict) or not isinstance(name, str) or name not in ALGORITHMS:
+    fields = algo_keys(name) if isinstance(name, str) else None
+    if not isinstance(algo, dict) or fields is None:
         return
-    fields = ALGORITHMS.get(name).Config.model_fields
     mine = {k.split(".")[1] for k in explicit if k.startswith("algo.") and k.count(".") >= 1}
     dropped = [k for k in algo if k not in fields and k not in mine]
     for k in dropped:
@@ -246,12 +254,18 @@ def drop_foreign_algo_keys(data: dict[str, Any], explicit: set[str]) -> None:
         )
 
 
-def load_config(source: str | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+def load_config(
+    source: str | dict[str, Any],
+    overrides: list[str] | None = None,
+    algo_keys: AlgoKeys | None = None,
+) -> RunConfig:
     """Loads a preset name, YAML path or dict, applies overrides and validates it.
 
     Args:
         source: Preset name (e.g. ``"quickstart"``), path to a YAML file, or a mapping.
         overrides: ``key=value`` strings with dotted keys.
+        algo_keys: With it, an ``algorithm=`` override that switches the algorithm drops the
+            ``algo`` keys the new one does not take (:func:`drop_foreign_algo_keys`).
 
     Returns:
         The validated run config. Sections owned by the algorithm and the task are checked
@@ -265,10 +279,40 @@ def load_config(source: str | dict[str, Any], overrides: list[str] | None = None
     for ov in overrides or []:
         apply_override(data, ov)
     explicit = _override_keys(overrides or [])
-    if "algorithm" in explicit and data.get("algorithm") != before:
-        drop_foreign_algo_keys(data, explicit)
+    if algo_keys is not None and "algorithm" in explicit and data.get("algorithm") != before:
+        drop_foreign_algo_keys(data, explicit, algo_keys)
     check_finite(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise config_error(e) from None
+
+
+def load_run_config(
+    source: str | dict[str, Any],
+    overrides: list[str] | None = None,
+    resume: bool = False,
+    algo_keys: AlgoKeys | None = None,
+) -> RunConfig:
+    """Loads a config to run; on resume, the run folder's saved config wins.
+
+    A resumed run continues the experiment it started, so its saved ``config.yaml`` is used
+    with ``overrides`` applied on top (e.g. more rounds); the config named on the command
+    line only locates the run folder. A run folder without a saved config starts afresh
+    from ``source``.
+
+    Args:
+        source: Preset name, YAML path or mapping.
+        overrides: ``key=value`` strings.
+        resume: Whether the run resumes.
+        algo_keys: See :func:`load_config`.
+
+    Raises:
+        ConfigError: Anything is wrong, with the field named.
+    """
+    cfg = load_config(source, overrides, algo_keys)
+    if resume:
+        saved = Path(cfg.out_dir) / cfg.name / "config.yaml"
+        if saved.exists():
+            cfg = load_config(str(saved), overrides, algo_keys)
+    return cfg

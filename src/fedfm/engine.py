@@ -2,7 +2,9 @@
 
 The engine builds the task and the algorithm from a validated config, runs the one-off phase
 before the rounds, every round with its evaluation, logging and checkpoint, the phase after
-the rounds, and writes the run folder. Runtimes only supply a :class:`Federation`.
+the rounds, and writes the run folder. It imports no runtime: a runtime
+(:mod:`fedfm.runtime`) gives it a federation factory, and :func:`fedfm.runtime.run` picks
+the runtime a config names.
 """
 
 from __future__ import annotations
@@ -10,20 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
 from fedfm.algorithms.base import ALGORITHMS, Algorithm, kinds_of
-from fedfm.config import RunConfig, load_config, validate_section
+from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
 from fedfm.core.checkpoint import (
@@ -35,7 +35,8 @@ from fedfm.core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from fedfm.core.federation import ClientInfo, Federation, derive_seed
+from fedfm.core.federation import ClientInfo, ClientRunner, Federation, assign_roles
+from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import RunFolder, RunFolderError, RunFolderLease, read_jsonl
 from fedfm.core.state import ClientStateStore
 from fedfm.data.partition import PartitionConfig
@@ -55,6 +56,19 @@ class Setup:
     task: Task
     algo: Algorithm
 
+    def clients(self) -> list[ClientInfo]:
+        """Every client with its role (every process of the run computes the same)."""
+        return assign_roles(self.task.client_ids(), self.cfg.clients.roles, self.cfg.seed)
+
+    def kinds(self) -> dict[str, MessageKind]:
+        """The algorithm's message kinds by name."""
+        return kinds_of(type(self.algo))
+
+    def client_runner(self) -> ClientRunner:
+        """The algorithm's client half, ready to serve any client of the run."""
+        roles = {c.cid: c.role for c in self.clients()}
+        return ClientRunner(self.algo.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
+
 
 def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     """Validates the algorithm's and the task's own config sections.
@@ -63,7 +77,8 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
         ``(algo_config, task_config)``.
 
     Raises:
-        ConfigError: Unknown algorithm or task kind, or a bad value in their sections.
+        ConfigError: Unknown algorithm or task kind, a bad value in their sections, or a task
+            without a capability the algorithm needs.
     """
     algo_cls = ALGORITHMS.get(cfg.algorithm)
     task_kind = cfg.task.get("kind", "tabular")
@@ -71,6 +86,7 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
     task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
     validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")
+    algo_cls.check_task(algo_cfg, task_cls, task_cfg)  # optional task capabilities
     return algo_cfg, task_cfg
 
 
@@ -98,40 +114,8 @@ def build(cfg: RunConfig) -> Setup:
     return Setup(cfg, task, algo)
 
 
-def assign_roles(cids: list[str], roles: dict[str, float], seed: int) -> list[ClientInfo]:
-    """Gives each client a role: ``floor(fraction·N)`` clients per named role, seeded.
-
-    Clients not given a named role get ``"default"``.
-    """
-    order = np.random.default_rng(derive_seed(seed, "roles")).permutation(len(cids)).tolist()
-    role_of = {c: "default" for c in cids}
-    start = 0
-    for role, frac in sorted(roles.items()):
-        k = math.floor(frac * len(cids))
-        for i in order[start : start + k]:
-            role_of[cids[i]] = role
-        start += k
-    return [ClientInfo(c, role_of[c]) for c in cids]
-
-
 FederationFactory = Callable[[Setup, ClientStateStore, AuditLedger], Federation]
-
-
-def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
-    """The default runtime: every client in this process."""
-    from fedfm.runtime.embedded import EmbeddedFederation
-
-    cfg = setup.cfg
-    clients = assign_roles(setup.task.client_ids(), cfg.clients.roles, cfg.seed)
-    return EmbeddedFederation(
-        clients,
-        cfg.seed,
-        setup.algo.handlers(),
-        kinds_of(type(setup.algo)),
-        setup.task,
-        store,
-        ledger,
-    )
+"""Builds a runtime's federation for a resolved experiment, its client-state store and ledger."""
 
 
 def _write_static(folder: RunFolder, setup: Setup) -> None:
@@ -207,25 +191,26 @@ class Engine:
 
     Args:
         cfg: Validated run config.
+        federation: The runtime's federation factory (e.g.
+            :func:`fedfm.runtime.embedded.embedded_federation`).
         resume: Continue from the run folder's last checkpoint.
         overwrite: Replace an existing run folder.
-        federation: Runtime factory; the embedded runtime by default.
         progress: Show a progress bar and a per-round table on the terminal.
     """
 
     def __init__(
         self,
         cfg: RunConfig,
+        federation: FederationFactory,
         resume: bool = False,
         overwrite: bool = False,
-        federation: FederationFactory | None = None,
         progress: bool = True,
     ) -> None:
         resolve(cfg)  # config errors surface at once; build() finds the rest
         self.cfg = cfg
         self.resume = resume
         self.overwrite = overwrite
-        self.make_federation = federation or embedded_federation
+        self.make_federation = federation
         self.progress = progress
 
     def run(self) -> dict[str, Any]:
@@ -345,18 +330,3 @@ def _artefact_list(folder: RunFolder, algo: Algorithm) -> dict[str, dict[str, An
             "sha256": hashlib.sha256(data).hexdigest(),
         }
     return files
-
-
-def run(
-    source: str | dict[str, Any] | RunConfig,
-    overrides: list[str] | None = None,
-    **kw: Any,
-) -> dict[str, Any]:
-    """Loads a config (preset, YAML path or mapping) and runs it; see :class:`Engine`."""
-    cfg = source if isinstance(source, RunConfig) else load_config(source, overrides)
-    if cfg.runtime != "embedded":
-        # The Flower ServerApp builds its own Engine around a FlowerFederation.
-        from fedfm.runtime import flower
-
-        return flower.run(cfg, **kw)
-    return Engine(cfg, **kw).run()

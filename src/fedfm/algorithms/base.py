@@ -10,6 +10,7 @@ same config.
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -24,7 +25,7 @@ from fedfm.registry import Registry
 
 if TYPE_CHECKING:
     from fedfm.config import RunConfig
-    from fedfm.tasks.base import Task
+    from fedfm.tasks.base import Task, TaskConfig
 
 
 class AlgoConfig(BaseModel):
@@ -61,6 +62,17 @@ class Algorithm:
         self.run = run
         self.privacy = PrivacyLedger(run.privacy.delta, run.privacy.accountant)
         self.artefacts = Artefacts()
+
+    @classmethod
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        """Refuses a task that lacks an optional capability this algorithm needs with ``cfg``.
+
+        Called when the config is loaded, before any data is read; use
+        :func:`fedfm.tasks.base.require` for each capability needed.
+
+        Raises:
+            ConfigError: A capability is missing, naming the config field that needs it.
+        """
 
     # ----- client half -----
     def handlers(self) -> dict[str, Handler]:
@@ -102,16 +114,22 @@ class Algorithm:
         c = self.run.clients
         return fed.sample(c.fraction, role=role, min_clients=c.min_clients)
 
-    def require(self, fed: Federation, replies: dict[str, Any], asked: int) -> None:
+    def require(self, fed: Federation, replies: Sized | int, asked: int) -> None:
         """Fails the round when fewer than ``min_clients`` answered.
+
+        Args:
+            fed: The federation.
+            replies: The valid replies (or their number).
+            asked: How many clients were asked.
 
         Raises:
             TooFewClientsError: Too few survivors.
         """
+        got = replies if isinstance(replies, int) else len(replies)
         need = min(self.run.clients.min_clients, asked)
-        if len(replies) < need:
+        if got < need:
             raise TooFewClientsError(
-                f"round {fed.rnd}: only {len(replies)} of {asked} clients answered,"
+                f"round {fed.rnd}: only {got} of {asked} clients answered,"
                 f" min_clients={self.run.clients.min_clients}"
             )
 

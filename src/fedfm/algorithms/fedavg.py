@@ -15,6 +15,9 @@ Papers:
 Choices of ours: aggregation weights are the clients' training-set sizes; parameters and
 floating-point buffers (e.g. BatchNorm statistics) are averaged alike; the local-only
 baseline trains each client's own model for the same local budget per round.
+
+FedAvg's two halves are functions (:func:`fit`, :func:`evaluate_locally`, :func:`fedavg_round`,
+:func:`evaluate_global`) that other algorithms running FedAvg rounds (FedRD) call as well.
 ``algo.aggregator`` replaces the weighted mean by a robust rule (clipping, median, trimmed
 mean, Krum; :mod:`fedfm.core.robust`) before the server optimizer; default: the mean.
 """
@@ -25,14 +28,28 @@ from typing import Any
 
 from pydantic import Field
 from torch import Tensor, nn
+from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
+from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
-from fedfm.core.optim import ServerOptConfig, ServerOptimizer, scaffold_client_control
-from fedfm.core.optim import scaffold_server_update as scaffold_update
+from fedfm.core.optim import (
+    ScaffoldSums,
+    ServerOptConfig,
+    ServerOptimizer,
+    scaffold_client_control,
+)
+from fedfm.core.replies import (
+    MetricMean,
+    meta_number,
+    summarise_client_metrics,
+    weighted_mean_metric,
+)
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.train import get_params, local_train, num_steps, set_params
+from fedfm.core.train import get_params, local_round, set_params
+from fedfm.tasks.base import Task
 
 TRAIN = MessageKind(
     "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
@@ -55,25 +72,102 @@ class FedAvgConfig(AlgoConfig):
     )
 
 
-def weighted_mean_metric(replies: dict[str, Message], key: str) -> float:
-    """Example-weighted mean of a numeric meta field over replies."""
-    n = sum(float(r.meta["num_examples"]) for r in replies.values())
-    return sum(float(r.meta[key]) * float(r.meta["num_examples"]) for r in replies.values()) / n
+# ----------------------------------------------------------------------------- FedAvg's halves
 
 
-def summarise_client_metrics(
-    per_client: dict[str, dict[str, float]], prefix: str
-) -> dict[str, float]:
-    """Mean and worst client of each metric (worst = min, or max for losses and errors)."""
-    out: dict[str, float] = {}
-    names = sorted({k for m in per_client.values() for k in m})
-    for name in names:
-        vals = [m[name] for m in per_client.values() if name in m]
-        lower_better = name.rsplit("/", 1)[-1] in ("loss", "rmse")
-        worst = max(vals) if lower_better else min(vals)
-        out[f"{prefix}{name}"] = sum(vals) / len(vals)
-        out[f"{prefix}{name}/worst"] = worst
+def fit(ctx: ClientContext, model: nn.Module, msg: Message, cfg: TrainConfig) -> Message:
+    """Client half of a FedAvg round: the received parameters, trained locally, sent back.
+
+    Args:
+        ctx: The client's context.
+        model: A model instance to load the received parameters into (trained in place).
+        msg: A ``train`` message with the global ``params``.
+        cfg: Local-training settings (FedProx's ``prox_mu`` pulls towards the received ones).
+
+    Returns:
+        The ``train`` reply: the trained tensors of the received keys, the client's number
+        of examples and its mean training loss.
+    """
+    glob = msg.arrays["params"]
+    set_params(model, glob)
+    res = local_round(ctx, model, cfg, prox_ref=glob)
+    n = ctx.task.num_examples(ctx.data)
+    return Message(
+        "train", {"params": get_params(model, list(glob))}, {"num_examples": n, "loss": res.loss}
+    )
+
+
+def evaluate_locally(ctx: ClientContext, model: nn.Module, msg: Message) -> Message:
+    """Client half of personal evaluation: the received parameters on the local test split."""
+    set_params(model, msg.arrays["params"])
+    data = ctx.task.client_test_data(ctx.cid)
+    metrics = ctx.task.evaluate(model, data)
+    return Message(
+        "evaluate", meta={"num_examples": ctx.task.num_examples(data), "metrics": metrics}
+    )
+
+
+def fedavg_round(
+    algo: Algorithm,
+    fed: Federation,
+    params: dict[str, Tensor],
+    opt: ServerOptimizer,
+) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Server half of a FedAvg round: send ``params`` to the sampled clients, aggregate.
+
+    Replies are folded into the aggregate as they arrive (:meth:`Federation.stream`): with
+    the example-weighted mean the server holds one client's parameters at a time, not every
+    client's; a robust rule (``algo.aggregator``) keeps them all, as it must
+    (:meth:`ServerOptimizer.accumulator`).
+
+    Args:
+        algo: The algorithm (its client sampling and ``min_clients``).
+        fed: The federation.
+        params: The global parameters θ.
+        opt: The server optimizer (with its aggregator), applied to the aggregate Δ.
+
+    Returns:
+        The new parameters and the round's metrics (``train_loss``, ``clients``).
+
+    Raises:
+        TooFewClientsError: Fewer than ``min_clients`` valid replies.
+    """
+    cids = algo.sample(fed)
+    msg = Message("train", {"params": params})
+    delta, loss = opt.accumulator(params), MetricMean("loss")
+    for _, r in fed.stream({c: msg for c in cids}, like={"params": params}):
+        delta.add(r.arrays["params"], meta_number(r, "num_examples"))
+        loss.add(r)
+    algo.require(fed, loss.count, len(cids))
+    new = opt.apply_delta(params, delta.result())
+    return new, {"train_loss": loss.mean("loss"), "clients": loss.count}
+
+
+def evaluate_global(
+    task: Task, fed: Federation, model: nn.Module, params: dict[str, Tensor], personal: bool
+) -> dict[str, Any]:
+    """The global model on the global test set and, if ``personal``, on every client's split.
+
+    Per-client values of the personal evaluation are ``local/<metric>``, summarised as mean
+    and worst client and logged per client (``per_client``).
+    """
+    set_params(model, params)
+    out: dict[str, Any] = dict(task.evaluate(model, task.test_data()))
+    if personal:
+        replies = fed.broadcast(Message("evaluate", {"params": params}), fed.client_ids())
+        per = {c: {f"local/{k}": v for k, v in _metrics(r).items()} for c, r in replies.items()}
+        out.update(summarise_client_metrics(per, ""))
+        out["per_client"] = per
     return out
+
+
+def _metrics(reply: Message) -> dict[str, float]:
+    metrics = reply.meta["metrics"]
+    assert isinstance(metrics, dict)
+    return metrics
+
+
+# ----------------------------------------------------------------------------- algorithms
 
 
 class FedAvg(Algorithm):
@@ -82,88 +176,52 @@ class FedAvg(Algorithm):
     Config = FedAvgConfig
     messages = (TRAIN, EVALUATE)
 
-    def __init__(self, cfg: FedAvgConfig, task: Any, run: Any) -> None:
+    def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedAvgConfig = cfg
-        self._model: nn.Module | None = None
-        self.params: dict[str, Tensor] = get_params(self.model())
+        self._model = task.build_model(seed=run.seed)
+        self.params: dict[str, Tensor] = get_params(self._model)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
 
     def model(self) -> nn.Module:
-        """A model instance reused by this process's server and client halves."""
-        if self._model is None:
-            self._model = self.task.build_model(seed=self.run.seed)
+        """The model instance this process's server and client halves share."""
         return self._model
 
+    def train_cfg(self) -> TrainConfig:
+        """Local-training settings (FedProx sets the proximal weight)."""
+        return self.run.train
+
     # ----- client half -----
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {"train": self.client_train, "evaluate": self.client_evaluate}
 
-    def local_round(self, ctx: ClientContext, model: nn.Module, **kw: Any) -> Any:
-        """Trains ``model`` on the client's data with the run's local-training settings."""
-        data = ctx.data
-        steps = num_steps(self.run.train, self.task.num_examples(data))
-        batches = self.task.batches(data, self.run.train.batch_size, ctx.rng_seed("batches"))
-        return local_train(model, batches, self.task.loss, self.train_cfg(), steps, **kw)
-
-    def train_cfg(self) -> Any:
-        """Local-training settings (FedProx overrides the proximal weight)."""
-        return self.run.train
-
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        model = self.model()
-        glob = msg.arrays["params"]
-        set_params(model, glob)
-        res = self.local_round(ctx, model, prox_ref=glob)
-        n = self.task.num_examples(ctx.data)
-        return Message(
-            "train",
-            {"params": get_params(model, list(glob))},
-            {"num_examples": n, "loss": res.loss},
-        )
+        """See :func:`fit`."""
+        return fit(ctx, self._model, msg, self.train_cfg())
 
     def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
-        model = self.model()
-        set_params(model, msg.arrays["params"])
-        data = self.task.client_test_data(ctx.cid)
-        metrics = self.task.evaluate(model, data)
-        return Message(
-            "evaluate", meta={"num_examples": self.task.num_examples(data), "metrics": metrics}
-        )
+        """See :func:`evaluate_locally`."""
+        return evaluate_locally(ctx, self._model, msg)
 
     # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
-        cids = self.sample(fed)
-        msg = Message("train", {"params": self.params})
-        replies = fed.broadcast(msg, cids, like={"params": self.params})
-        self.require(fed, replies, len(cids))
-        updates = [r.arrays["params"] for r in replies.values()]
-        weights = [float(r.meta["num_examples"]) for r in replies.values()]
-        self.params = self.opt.step(self.params, updates, weights)
-        return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
+        self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
+        return metrics
 
-    def evaluate(self, fed: Federation) -> dict[str, float]:
-        model = self.model()
-        set_params(model, self.params)
-        out = self.task.evaluate(model, self.task.test_data())
-        if self.cfg.personal_eval:
-            replies = fed.broadcast(Message("evaluate", {"params": self.params}), fed.client_ids())
-            per = {
-                c: {f"local/{k}": v for k, v in r.meta["metrics"].items()}
-                for c, r in replies.items()
-            }
-            out.update(summarise_client_metrics(per, ""))
-            out["per_client"] = per
-        return out
+    @override
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
+        return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
 
+    @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        arrays = {f"params/{k}": v for k, v in self.params.items()}
-        arrays.update({f"opt/{k}": v for k, v in self.opt.state_dict().items()})
-        return arrays, {}
+        return join_groups({"params": self.params, "opt": self.opt.state_dict()}), {}
 
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        self.params = {k[7:]: v for k, v in arrays.items() if k.startswith("params/")}
-        self.opt.load_state_dict({k[4:]: v for k, v in arrays.items() if k.startswith("opt/")})
+        self.params = get_group(arrays, "params")
+        self.opt.load_state_dict(get_group(arrays, "opt"))
 
 
 class FedProxConfig(FedAvgConfig):
@@ -177,8 +235,13 @@ class FedProx(FedAvg):
 
     Config = FedProxConfig
 
-    def train_cfg(self) -> Any:
-        return self.run.train.model_copy(update={"prox_mu": self.cfg.mu})  # type: ignore[attr-defined]
+    def __init__(self, cfg: FedProxConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.prox = run.train.model_copy(update={"prox_mu": cfg.mu})
+
+    @override
+    def train_cfg(self) -> TrainConfig:
+        return self.prox
 
 
 SCAFFOLD_TRAIN = MessageKind(
@@ -197,29 +260,44 @@ class ScaffoldConfig(AlgoConfig):
     personal_eval: bool = False
 
 
-class Scaffold(FedAvg):
+class Scaffold(Algorithm):
     """SCAFFOLD (Karimireddy et al. 2020), option II control variates.
 
     Clients keep their control variate ``c_i`` in their persistent state; local steps use
     SGD with the gradient corrected by ``c − c_i``.
     """
 
-    Config = ScaffoldConfig  # type: ignore[assignment]
+    Config = ScaffoldConfig
     messages = (SCAFFOLD_TRAIN, EVALUATE)
 
-    def __init__(self, cfg: ScaffoldConfig, task: Any, run: Any) -> None:
-        super().__init__(FedAvgConfig(personal_eval=cfg.personal_eval), task, run)
-        self.cfg = cfg  # type: ignore[assignment]
-        self.control = {k: v.zero_() for k, v in get_params(self.model()).items()}
+    def __init__(self, cfg: ScaffoldConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: ScaffoldConfig = cfg
+        self._model = task.build_model(seed=run.seed)
+        self.params: dict[str, Tensor] = get_params(self._model)
+        self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
+
+    def model(self) -> nn.Module:
+        """The model instance this process's server and client halves share."""
+        return self._model
+
+    # ----- client half -----
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "train": self.client_train,
+            "evaluate": lambda ctx, msg: evaluate_locally(ctx, self._model, msg),
+        }
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        model = self.model()
+        """Local SGD corrected by ``c − c_i``; replies ``y_i − x`` and ``c_i⁺ − c_i``."""
+        model = self._model
         glob, c = msg.arrays["params"], msg.arrays["control"]
         c_i = ctx.state.get_group("control") or {k: v.new_zeros(v.shape) for k, v in c.items()}
         set_params(model, glob)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         corr = {n: c[n] - c_i[n] for n in names}
-        res = self.local_round(ctx, model, grad_correction=corr)
+        res = local_round(ctx, model, self.run.train, grad_correction=corr)
         local = get_params(model, list(glob))
         c_new = scaffold_client_control(c_i, c, glob, local, res.steps, self.run.train.lr)
         ctx.state.set_group("control", c_new)
@@ -233,32 +311,33 @@ class Scaffold(FedAvg):
             {"num_examples": n, "loss": res.loss},
         )
 
+    # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         msg = Message("train", {"params": self.params, "control": self.control})
-        replies = fed.broadcast(msg, cids, like={"delta_y": self.params, "delta_c": self.control})
-        self.require(fed, replies, len(cids))
-        rs = list(replies.values())
-        self.params, self.control = scaffold_update(
-            self.params,
-            self.control,
-            [r.arrays["delta_y"] for r in rs],
-            [r.arrays["delta_c"] for r in rs],
-            [float(r.meta["num_examples"]) for r in rs],
-            len(fed.client_ids()),
-            self.cfg.lr_global,
-            self.cfg.aggregator,
-        )
-        return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
+        like = {"delta_y": self.params, "delta_c": self.control}
+        sums = ScaffoldSums(self.params, self.control, self.cfg.aggregator)
+        loss = MetricMean("loss")
+        for _, r in fed.stream({c: msg for c in cids}, like=like):
+            sums.add(r.arrays["delta_y"], r.arrays["delta_c"], meta_number(r, "num_examples"))
+            loss.add(r)
+        self.require(fed, loss.count, len(cids))
+        self.params, self.control = sums.apply(len(fed.client_ids()), self.cfg.lr_global)
+        return {"train_loss": loss.mean("loss"), "clients": loss.count}
 
+    @override
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
+        return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
+
+    @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        arrays, meta = super().state_dict()
-        arrays.update({f"control/{k}": v for k, v in self.control.items()})
-        return arrays, meta
+        return join_groups({"params": self.params, "control": self.control}), {}
 
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        super().load_state_dict(arrays, meta)
-        self.control = {k[8:]: v for k, v in arrays.items() if k.startswith("control/")}
+        self.params = get_group(arrays, "params")
+        self.control = get_group(arrays, "control")
 
 
 LOCAL_TRAIN = MessageKind("train", up_meta=("num_examples", "loss"))
@@ -267,35 +346,41 @@ LOCAL_EVALUATE = MessageKind(
 )
 
 
-class LocalOnly(FedAvg):
+class LocalOnly(Algorithm):
     """Local-only baseline: each client trains its own model and shares nothing.
 
     Each client's model lives in its persistent state; evaluation reports each client's model
     on the global test set (``test/``) and on its own local test split (``local/``).
     """
 
-    Config = AlgoConfig  # type: ignore[assignment]
     messages = (LOCAL_TRAIN, LOCAL_EVALUATE)
     personalised = True
 
-    def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
-        super().__init__(FedAvgConfig(), task, run)
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self._model = task.build_model(seed=run.seed)
+        self.init = get_params(self._model)  # every client starts from the same weights
 
     def _load_own(self, ctx: ClientContext) -> nn.Module:
-        model = self.model()
-        own = ctx.state.get_group("model")
-        set_params(model, own or self.params)  # every client starts from the same init
-        return model
+        set_params(self._model, ctx.state.get_group("model") or self.init)
+        return self._model
+
+    # ----- client half -----
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {"train": self.client_train, "evaluate": self.client_evaluate}
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+        """The client's own model, trained for the run's local budget."""
         model = self._load_own(ctx)
-        res = self.local_round(ctx, model)
+        res = local_round(ctx, model, self.run.train)
         ctx.state.set_group("model", get_params(model))
         return Message(
             "train", meta={"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
         )
 
     def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
+        """The client's own model on the global test set and on its local test split."""
         model = self._load_own(ctx)
         glob = {f"test/{k}": v for k, v in self.task.evaluate(model, self.task.test_data()).items()}
         loc = self.task.evaluate(model, self.task.client_test_data(ctx.cid))
@@ -304,28 +389,25 @@ class LocalOnly(FedAvg):
             "evaluate", meta={"num_examples": self.task.num_examples(ctx.data), "metrics": metrics}
         )
 
+    # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         replies = fed.broadcast(Message("train"), cids)
         self.require(fed, replies, len(cids))
         return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
 
-    def evaluate(self, fed: Federation) -> dict[str, float]:
+    @override
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
         replies = fed.broadcast(Message("evaluate"), fed.client_ids())
-        per = {c: r.meta["metrics"] for c, r in replies.items()}
-        out = summarise_client_metrics(per, "")
+        per = {c: _metrics(r) for c, r in replies.items()}
+        out: dict[str, Any] = summarise_client_metrics(per, "")
         # The headline metric of a local-only run is the mean client on the global test set.
         primary = self.task.primary
         if f"test/{primary}" in out:
             out[primary] = out[f"test/{primary}"]
         out["per_client"] = per
         return out
-
-    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        return {}, {}
-
-    def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        pass
 
 
 ALGORITHMS.register("fedavg", "FedAvg with any server optimizer (fedavg, fedavgm, fedadam, ...)")(

@@ -59,10 +59,12 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, field_validator
 from torch import Tensor, nn
+from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
-from fedfm.algorithms.fedavg import summarise_client_metrics, weighted_mean_metric
+from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.groups import get_group, join_groups
 from fedfm.core.kd import (
     GATES,
     gated_kd,
@@ -73,9 +75,11 @@ from fedfm.core.kd import (
 )
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.replies import MetricMean, meta_number, summarise_by_prefix, weighted_mean_metric
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.train import get_params, local_train, num_steps, set_params
+from fedfm.core.train import get_params, local_round, set_params
 from fedfm.errors import ConfigError, config_fields
+from fedfm.tasks.base import Task
 
 FORWARD = MessageKind(
     "forward", down_arrays=("proxy",), up_arrays=("proxy",), up_meta=("num_examples", "loss")
@@ -102,6 +106,10 @@ def arch_fields(path: str, arch: dict[str, Any]) -> dict[str, str]:
     return {f"model.{k}": f"{path}.{k}" for k in arch}
 
 
+def _one_default_arch() -> list[dict[str, Any]]:
+    return [{}]
+
+
 class FedeKDConfig(AlgoConfig):
     """FedeKD settings; ``(ours)`` marks defaults the paper does not fix."""
 
@@ -110,7 +118,7 @@ class FedeKDConfig(AlgoConfig):
         description="model overrides of the proxy, ONE architecture shared by every client",
     )
     private_archs: list[dict[str, Any]] = Field(
-        default_factory=lambda: [{}],
+        default_factory=_one_default_arch,
         min_length=1,
         description="model overrides of the private models, cycled over clients",
     )
@@ -149,6 +157,83 @@ class FedKDUngatedConfig(FedeKDConfig):
     gate: Literal["ungated"] = "ungated"
 
 
+class PrivateModels:
+    """Every client's private model: its architecture, its weights in the client's state.
+
+    One instance per architecture is kept per process and loaded with the weights of the
+    client being served. A client without weights yet starts from a seed derived from
+    (run seed, client id); ``archs`` is cycled over the clients in their stable order.
+
+    Args:
+        task: The task (model builder, client ids).
+        seed: Run seed.
+        archs: Model overrides of each private architecture.
+    """
+
+    def __init__(self, task: Task, seed: int, archs: list[dict[str, Any]]) -> None:
+        self.task = task
+        self.seed = seed
+        self.archs = archs
+        # A bad private architecture fails when the algorithm is built, naming its field.
+        self.instances = []
+        for i, arch in enumerate(archs):
+            with config_fields(arch_fields(f"algo.private_archs.{i}", arch)):
+                self.instances.append(task.build_model(seed=seed, **arch))
+
+    def arch_of(self, cid: str) -> int:
+        """Index of the client's private architecture in ``archs`` (cycled)."""
+        return self.task.client_ids().index(cid) % len(self.archs)
+
+    def load(self, ctx: ClientContext) -> nn.Module:
+        """The client's private model with its weights (fresh ones on first use)."""
+        arch = self.arch_of(ctx.cid)
+        model = self.instances[arch]
+        own = ctx.state.get_group("private")
+        if not own:
+            fresh = self.task.build_model(
+                seed=derive_seed(self.seed, "private", ctx.cid) % 2**31, **self.archs[arch]
+            )
+            own = get_params(fresh)
+        set_params(model, own)
+        return model
+
+    @staticmethod
+    def save(ctx: ClientContext, model: nn.Module) -> None:
+        """Keeps the private model's weights in the client's state."""
+        ctx.state.set_group("private", get_params(model))
+
+
+def evaluate_privates(
+    task: Task, privates: PrivateModels, ctx: ClientContext, msg: Message
+) -> Message:
+    """The private model on the global test set (``test/``) and the local split (``local/``)."""
+    model = privates.load(ctx)
+    glob = task.evaluate(model, task.test_data())
+    loc = task.evaluate(model, task.client_test_data(ctx.cid))
+    metrics = {**{f"test/{k}": v for k, v in glob.items()}}
+    metrics.update({f"local/{k}": v for k, v in loc.items()})
+    n = task.num_examples(ctx.data)
+    return Message("evaluate", meta={"num_examples": n, "metrics": metrics})
+
+
+def summarise_privates(task: Task, fed: Federation) -> dict[str, Any]:
+    """Server half of personalised evaluation: every client's private-model metrics.
+
+    The headline metric is the mean client on the global test set.
+    """
+    replies = fed.broadcast(Message("evaluate"), fed.client_ids())
+    per: dict[str, dict[str, float]] = {}
+    for c, r in replies.items():
+        metrics = r.meta["metrics"]
+        assert isinstance(metrics, dict)
+        per[c] = metrics
+    out: dict[str, Any] = summarise_by_prefix(per)
+    if f"test/{task.primary}" in out:
+        out[task.primary] = out[f"test/{task.primary}"]
+    out["per_client"] = per
+    return out
+
+
 class FedeKD(Algorithm):
     """FedeKD (Nguyen, Wang, Ku 2026): forward proxy KD, proxy aggregation, gated backward KD."""
 
@@ -156,71 +241,36 @@ class FedeKD(Algorithm):
     messages = (FORWARD, BACKWARD, EVALUATE)
     personalised = True
 
-    def __init__(self, cfg: FedeKDConfig, task: Any, run: Any) -> None:
+    def __init__(self, cfg: FedeKDConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedeKDConfig = cfg
         if task.kind not in ("classification", "regression"):
             raise ConfigError(
                 "algorithm", f"FedeKD needs a classification or regression task, not {task.kind}"
             )
-        self._proxy: nn.Module | None = None
-        self._privates: dict[int, nn.Module] = {}
-        self.proxy: dict[str, Tensor] = get_params(self.proxy_model())
+        with config_fields(arch_fields("algo.proxy_arch", cfg.proxy_arch)):
+            self._proxy = task.build_model(seed=run.seed, **cfg.proxy_arch)
+        self.proxy: dict[str, Tensor] = get_params(self._proxy)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
-        for i in range(len(cfg.private_archs)):  # a bad private architecture fails at build
-            self.private_model(i)
+        self.privates = PrivateModels(task, run.seed, cfg.private_archs)
 
     # ----- models -----
     def proxy_model(self) -> nn.Module:
         """The proxy instance reused by this process's server and client halves."""
-        if self._proxy is None:
-            arch = self.cfg.proxy_arch
-            with config_fields(arch_fields("algo.proxy_arch", arch)):
-                self._proxy = self.task.build_model(seed=self.run.seed, **arch)
         return self._proxy
 
     def private_model(self, arch: int) -> nn.Module:
-        """A reusable instance of private architecture ``arch`` (weights are set per client)."""
-        if arch not in self._privates:
-            over = self.cfg.private_archs[arch]
-            with config_fields(arch_fields(f"algo.private_archs.{arch}", over)):
-                self._privates[arch] = self.task.build_model(seed=self.run.seed, **over)
-        return self._privates[arch]
-
-    def arch_of(self, cid: str) -> int:
-        """Index of the client's private architecture in ``private_archs`` (cycled)."""
-        return self.task.client_ids().index(cid) % len(self.cfg.private_archs)
-
-    def load_private(self, ctx: ClientContext) -> nn.Module:
-        """The client's private model; created with a client-derived seed on first use."""
-        arch = self.arch_of(ctx.cid)
-        own = ctx.state.get_group("private")
-        if own:
-            model = self.private_model(arch)
-            set_params(model, own)
-            return model
-        fresh = self.task.build_model(
-            seed=derive_seed(self.run.seed, "private", ctx.cid) % 2**31,
-            **self.cfg.private_archs[arch],
-        )
-        model = self.private_model(arch)
-        set_params(model, get_params(fresh))
-        return model
+        """The instance of private architecture ``arch`` (weights are set per client)."""
+        return self.privates.instances[arch]
 
     # ----- client half -----
+    @override
     def handlers(self) -> dict[str, Handler]:
         return {
             "forward": self.client_forward,
             "backward": self.client_backward,
-            "local": self.client_local,
-            "evaluate": self.client_evaluate,
+            "evaluate": lambda ctx, msg: evaluate_privates(self.task, self.privates, ctx, msg),
         }
-
-    def _batches(self, ctx: ClientContext, purpose: str) -> Any:
-        return self.task.batches(ctx.data, self.run.train.batch_size, ctx.rng_seed(purpose))
-
-    def _steps(self, ctx: ClientContext, override: int | None) -> int:
-        return override or num_steps(self.run.train, self.task.num_examples(ctx.data))
 
     def _divergence(self, student: Tensor, teacher: Tensor) -> Tensor:
         """Per-sample KD loss D [B]: KL(teacher ‖ student)·T², or squared error."""
@@ -235,8 +285,8 @@ class FedeKD(Algorithm):
 
     def client_forward(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 1: the private model (frozen) teaches the proxy on the local data."""
-        teacher = self.load_private(ctx).eval()
-        proxy = self.proxy_model()
+        teacher = self.privates.load(ctx).eval()
+        proxy = self._proxy
         glob = msg.arrays["proxy"]
         set_params(proxy, glob)
         w_ce = self.cfg.forward_ce
@@ -250,12 +300,13 @@ class FedeKD(Algorithm):
                 t_out = teacher(batch[0])
             return self._divergence(out, t_out).mean()
 
-        res = local_train(
+        res = local_round(
+            ctx,
             proxy,
-            self._batches(ctx, "forward"),
-            loss_fn,
             self.run.train,
-            self._steps(ctx, self.cfg.forward_steps),
+            steps=self.cfg.forward_steps,
+            purpose="forward",
+            loss_fn=loss_fn,
             extra_loss=kd,
         )
         n = self.task.num_examples(ctx.data)
@@ -267,8 +318,8 @@ class FedeKD(Algorithm):
 
     def client_backward(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 3: supervised loss + λ·energy-gated KD from the global proxy."""
-        private = self.load_private(ctx)
-        proxy = self.proxy_model().eval()
+        private = self.privates.load(ctx)
+        proxy = self._proxy.eval()
         set_params(proxy, msg.arrays["proxy"])
         stats: dict[str, list[float]] = {"energy": [], "w_min": [], "w_max": []}
 
@@ -282,15 +333,15 @@ class FedeKD(Algorithm):
             stats["w_max"].append(float(w.max()))
             return self.cfg.lam * loss
 
-        res = local_train(
+        res = local_round(
+            ctx,
             private,
-            self._batches(ctx, "backward"),
-            self.task.loss,
             self.run.train,
-            self._steps(ctx, self.cfg.backward_steps),
+            steps=self.cfg.backward_steps,
+            purpose="backward",
             extra_loss=kd if self.cfg.lam > 0 else None,
         )
-        ctx.state.set_group("private", get_params(private))
+        self.privates.save(ctx, private)
         meta: dict[str, Any] = {"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
         if stats["energy"]:
             meta["energy"] = sum(stats["energy"]) / len(stats["energy"])
@@ -298,78 +349,48 @@ class FedeKD(Algorithm):
             meta["gate_max"] = max(stats["w_max"])
         return Message("backward", meta=meta)
 
-    def client_local(self, ctx: ClientContext, msg: Message) -> Message:
-        """Local-only: the private model trained alone (the backward stage without the proxy)."""
-        private = self.load_private(ctx)
-        res = local_train(
-            private,
-            self._batches(ctx, "backward"),
-            self.task.loss,
-            self.run.train,
-            self._steps(ctx, self.cfg.backward_steps),
-        )
-        ctx.state.set_group("private", get_params(private))
-        n = self.task.num_examples(ctx.data)
-        return Message("local", meta={"num_examples": n, "loss": res.loss})
-
-    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
-        """The private model on the global test set (``test/``) and the local split (``local/``)."""
-        model = self.load_private(ctx)
-        glob = self.task.evaluate(model, self.task.test_data())
-        loc = self.task.evaluate(model, self.task.client_test_data(ctx.cid))
-        metrics = {**{f"test/{k}": v for k, v in glob.items()}}
-        metrics.update({f"local/{k}": v for k, v in loc.items()})
-        n = self.task.num_examples(ctx.data)
-        return Message("evaluate", meta={"num_examples": n, "metrics": metrics})
-
     # ----- server half -----
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
-        like = {"proxy": self.proxy}
-        fwd = fed.broadcast(Message("forward", {"proxy": self.proxy}), cids, like=like)
-        self.require(fed, fwd, len(cids))
-        rs = list(fwd.values())
-        self.proxy = self.opt.step(
-            self.proxy,
-            [r.arrays["proxy"] for r in rs],
-            [float(r.meta["num_examples"]) for r in rs],
-        )
-        bwd = fed.broadcast(Message("backward", {"proxy": self.proxy}), list(fwd))
-        self.require(fed, bwd, len(fwd))
+        msg = Message("forward", {"proxy": self.proxy})
+        delta, fwd_loss, answered = self.opt.accumulator(self.proxy), MetricMean("loss"), []
+        for cid, r in fed.stream({c: msg for c in cids}, like={"proxy": self.proxy}):
+            delta.add(r.arrays["proxy"], meta_number(r, "num_examples"))
+            fwd_loss.add(r)
+            answered.append(cid)
+        self.require(fed, answered, len(cids))
+        self.proxy = self.opt.apply_delta(self.proxy, delta.result())
+        bwd = fed.broadcast(Message("backward", {"proxy": self.proxy}), answered)
+        self.require(fed, bwd, len(answered))
         out = {
-            "forward_loss": weighted_mean_metric(fwd, "loss"),
+            "forward_loss": fwd_loss.mean("loss"),
             "train_loss": weighted_mean_metric(bwd, "loss"),
             "clients": len(bwd),
         }
         gated = {c: r for c, r in bwd.items() if "energy" in r.meta}
         if gated:
             out["energy"] = weighted_mean_metric(gated, "energy")
-            out["gate_min"] = min(float(r.meta["gate_min"]) for r in gated.values())
-            out["gate_max"] = max(float(r.meta["gate_max"]) for r in gated.values())
+            out["gate_min"] = min(meta_number(r, "gate_min") for r in gated.values())
+            out["gate_max"] = max(meta_number(r, "gate_max") for r in gated.values())
         return out
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
-        replies = fed.broadcast(Message("evaluate"), fed.client_ids())
-        per = {c: r.meta["metrics"] for c, r in replies.items()}
-        out: dict[str, Any] = summarise_by_prefix(per)
-        primary = self.task.primary
-        if f"test/{primary}" in out:
-            out[primary] = out[f"test/{primary}"]
-        proxy = self.proxy_model()
-        set_params(proxy, self.proxy)
-        glob = self.task.evaluate(proxy, self.task.test_data())
+        out = summarise_privates(self.task, fed)
+        set_params(self._proxy, self.proxy)
+        glob = self.task.evaluate(self._proxy, self.task.test_data())
         out.update({f"proxy/{k}": v for k, v in glob.items()})
-        out["per_client"] = per
         return out
 
+    @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        arrays = {f"proxy/{k}": v for k, v in self.proxy.items()}
-        arrays.update({f"opt/{k}": v for k, v in self.opt.state_dict().items()})
-        return arrays, {}
+        return join_groups({"proxy": self.proxy, "opt": self.opt.state_dict()}), {}
 
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        self.proxy = {k[6:]: v for k, v in arrays.items() if k.startswith("proxy/")}
-        self.opt.load_state_dict({k[4:]: v for k, v in arrays.items() if k.startswith("opt/")})
+        self.proxy = get_group(arrays, "proxy")
+        self.opt.load_state_dict(get_group(arrays, "opt"))
 
 
 class FedKDUngated(FedeKD):
@@ -378,41 +399,49 @@ class FedKDUngated(FedeKD):
     Config = FedKDUngatedConfig
 
 
-class LocalPrivate(FedeKD):
+class LocalPrivate(Algorithm):
     """Local-only baseline with FedeKD's private architectures: nothing leaves a client.
 
     Takes FedeKD's config so the same ``algo`` section serves both (the proxy fields are
     unused); the private models train exactly as FedeKD's backward stage with λ = 0.
     """
 
+    Config = FedeKDConfig
     messages = (LOCAL, EVALUATE)
+    personalised = True
 
+    def __init__(self, cfg: FedeKDConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedeKDConfig = cfg
+        self.privates = PrivateModels(task, run.seed, cfg.private_archs)
+
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "local": self.client_local,
+            "evaluate": lambda ctx, msg: evaluate_privates(self.task, self.privates, ctx, msg),
+        }
+
+    def client_local(self, ctx: ClientContext, msg: Message) -> Message:
+        """The private model trained alone (FedeKD's backward stage without the proxy)."""
+        private = self.privates.load(ctx)
+        res = local_round(
+            ctx, private, self.run.train, steps=self.cfg.backward_steps, purpose="backward"
+        )
+        self.privates.save(ctx, private)
+        n = self.task.num_examples(ctx.data)
+        return Message("local", meta={"num_examples": n, "loss": res.loss})
+
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
         replies = fed.broadcast(Message("local"), cids)
         self.require(fed, replies, len(cids))
         return {"train_loss": weighted_mean_metric(replies, "loss"), "clients": len(replies)}
 
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
-        out = super().evaluate(fed)
-        return {k: v for k, v in out.items() if not k.startswith("proxy/")}
-
-
-def summarise_by_prefix(per_client: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """Mean and worst client of ``prefix/metric`` values, prefix by prefix.
-
-    Each prefix group goes through :func:`summarise_client_metrics` with the prefix stripped,
-    so that the worst ``local/rmse`` or ``test/loss`` is the largest, not the smallest.
-    """
-    groups: dict[str, dict[str, dict[str, float]]] = {}
-    for cid, metrics in per_client.items():
-        for key, v in metrics.items():
-            prefix, _, name = key.rpartition("/")
-            groups.setdefault(prefix, {}).setdefault(cid, {})[name] = v
-    out: dict[str, float] = {}
-    for prefix, per in groups.items():
-        out.update(summarise_client_metrics(per, f"{prefix}/" if prefix else ""))
-    return out
+        return summarise_privates(self.task, fed)
 
 
 # ----------------------------------------------------------------------------- negative transfer

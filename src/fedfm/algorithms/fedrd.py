@@ -61,7 +61,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -69,16 +69,38 @@ import torch.nn.functional as F
 from pydantic import Field
 from sklearn.metrics import f1_score
 from torch import Tensor, nn
+from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS
-from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedfm.config import TrainConfig
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.fedavg import (
+    EVALUATE,
+    TRAIN,
+    FedAvgConfig,
+    evaluate_global,
+    evaluate_locally,
+    fedavg_round,
+    fit,
+)
+from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.cka import cka_loss, linear_cka
-from fedfm.core.federation import Federation, derive_seed
+from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.groups import get_group, join_groups
 from fedfm.core.kd import kd_kl
+from fedfm.core.messages import Message
+from fedfm.core.optim import ServerOptimizer
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
+from fedfm.tasks.base import (
+    IMAGE_VIEW,
+    PUBLIC_SPLIT,
+    SOURCE_ROWS,
+    SPLIT_INPUTS,
+    TEXT_VIEW,
+    Task,
+    TaskConfig,
+    require,
+)
 
 log = logging.getLogger("fedfm")
 
@@ -94,7 +116,9 @@ class Teacher:
         name: Registry name.
         module: The model (kept in eval mode, never trained).
         feature_dim: Width of its features.
-        encode_fn: Task data (``TensorData`` images or ``TextData``) -> features ``[N, D]``.
+        encode_fn: The examples, as the view of a split the model reads (its
+            :data:`TEACHER_READS` entry: images ``[N, C, H, W]`` or a list of texts) ->
+            features ``[N, D]``.
         options: Options it was built with (part of the feature-cache key).
     """
 
@@ -105,23 +129,47 @@ class Teacher:
     options: dict[str, Any] = field(default_factory=dict)
 
     @torch.no_grad()
-    def encode(self, data: Any) -> Tensor:
-        """Features ``[N, D]`` of every example of ``data``, in eval mode."""
+    def encode(self, inputs: Any) -> Tensor:
+        """Features ``[N, D]`` of every example of ``inputs`` (a view of a split), in eval mode."""
         self.module.eval()
-        out = self.encode_fn(data).detach().float().cpu()
-        if out.shape != (len(data), self.feature_dim):
+        out = self.encode_fn(inputs).detach().float().cpu()
+        if out.shape != (len(inputs), self.feature_dim):
             raise ConfigError(
                 "algo.teacher",
                 f"'{self.name}' gave features of shape {tuple(out.shape)}, expected "
-                f"({len(data)}, {self.feature_dim})",
+                f"({len(inputs)}, {self.feature_dim})",
             )
         return out
 
 
 TEACHERS: Registry[Callable[..., Teacher]] = Registry("foundation model", "algo.teacher")
+TEACHER_READS: dict[str, str] = {}
+"""Foundation model -> the view of a split it reads (a task capability, e.g. ``image_view``)."""
 
 
-@TEACHERS.register("efficientnet-lite0", "EfficientNet-Lite0 ImageNet, 1280-d pooled features")
+def register_teacher(
+    name: str, reads: str, help: str = ""
+) -> Callable[[Callable[..., Teacher]], Callable[..., Teacher]]:
+    """Registers a foundation-model builder and the view of a split it reads.
+
+    Args:
+        name: Registry name (``algo.teacher``).
+        reads: :data:`~fedfm.tasks.base.IMAGE_VIEW` or :data:`~fedfm.tasks.base.TEXT_VIEW`;
+            a task must provide it for FedRD to run with this model (checked at config load).
+        help: One-line description.
+    """
+
+    def deco(builder: Callable[..., Teacher]) -> Callable[..., Teacher]:
+        TEACHERS.register(name, help)(builder)
+        TEACHER_READS[name] = reads
+        return builder
+
+    return deco
+
+
+@register_teacher(
+    "efficientnet-lite0", IMAGE_VIEW, "EfficientNet-Lite0 ImageNet, 1280-d pooled features"
+)
 def efficientnet_lite0_teacher(
     image_size: int = 64, pretrained: bool = True, batch_size: int = 128
 ) -> Teacher:
@@ -135,8 +183,7 @@ def efficientnet_lite0_teacher(
 
     model = load_efficientnet_lite0(pretrained=pretrained)
 
-    def encode(data: Any) -> Tensor:
-        x = data.x
+    def encode(x: Tensor) -> Tensor:
         chunks = [
             model.features(imagenet_preprocess(x[s : s + batch_size], size=image_size))
             for s in range(0, len(x), batch_size)
@@ -147,45 +194,67 @@ def efficientnet_lite0_teacher(
     return Teacher("efficientnet-lite0", model, FEATURE_DIM, encode, opts)
 
 
-@TEACHERS.register("minilm", "all-MiniLM-L6-v2 sentence encoder, 384-d normalised embeddings")
+@register_teacher(
+    "minilm", TEXT_VIEW, "all-MiniLM-L6-v2 sentence encoder, 384-d normalised embeddings"
+)
 def minilm_teacher(name_or_path: str = "all-MiniLM-L6-v2", batch_size: int = 64) -> Teacher:
-    """A sentence encoder on task texts (``TextData.texts``)."""
+    """A sentence encoder on a split's raw texts."""
     from fedfm.models.encoder import encode, load_sentence_encoder
 
     model = load_sentence_encoder(name_or_path)
-    dim = int(model.get_embedding_dimension())
+    dim = model.get_embedding_dimension()
+    if dim is None:
+        raise ConfigError("algo.teacher_options", f"'{name_or_path}' has no embedding width")
 
-    def run(data: Any) -> Tensor:
-        return torch.from_numpy(encode(model, list(data.texts), batch_size=batch_size))
+    def run(texts: list[str]) -> Tensor:
+        return torch.from_numpy(encode(model, list(texts), batch_size=batch_size))
 
     return Teacher("minilm", model, dim, run, {"name_or_path": name_or_path})
 
 
-def default_teacher(task: Any) -> str:
-    """The foundation model for a task: MiniLM for text, EfficientNet-Lite0 for images."""
-    if hasattr(task, "public_data") and hasattr(task, "to_data"):
-        return "minilm"
-    if getattr(getattr(task, "cfg", None), "kind", None) == "image":
-        return "efficientnet-lite0"
-    raise ConfigError("algo.teacher", "no default foundation model for this task: name one")
+DEFAULT_TEACHERS = {IMAGE_VIEW: "efficientnet-lite0", TEXT_VIEW: "minilm"}
+"""The foundation model of ``teacher: auto``, by the view of its data a task provides."""
+
+
+def teacher_name(teacher: str, provided: frozenset[str]) -> str:
+    """The foundation model a config names, resolving ``auto`` by what the task provides.
+
+    Args:
+        teacher: ``algo.teacher``.
+        provided: The task's capabilities.
+
+    Raises:
+        ConfigError: ``auto`` on a task with neither images nor texts.
+    """
+    if teacher != "auto":
+        return teacher
+    for view, name in DEFAULT_TEACHERS.items():
+        if view in provided:
+            return name
+    raise ConfigError(
+        "algo.teacher", "no default foundation model for a task without images or texts: name one"
+    )
 
 
 _CACHE: OrderedDict[str, Tensor] = OrderedDict()
 _CACHE_SIZE = 16
 
 
-def cached_features(teacher: Callable[[], Teacher], key: dict[str, Any], data: Any) -> Tensor:
+def cached_features(
+    teacher: Callable[[], Teacher], key: dict[str, Any], data: Any, inputs: Callable[[], Any]
+) -> Tensor:
     """``F_t`` features of ``data``, computed once per process for (model, options, ids).
 
     Args:
         teacher: Returns the (lazily loaded) teacher; called only on a cache miss.
         key: Model name and options.
         data: Examples with stable ``ids``.
+        inputs: Returns ``data`` as the view the teacher reads; called only on a cache miss.
     """
     digest = hashlib.sha256(data.ids.numpy().tobytes()).hexdigest()
     k = json.dumps(key, sort_keys=True) + digest
     if k not in _CACHE:
-        _CACHE[k] = teacher().encode(data)
+        _CACHE[k] = teacher().encode(inputs())
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     _CACHE.move_to_end(k)
@@ -209,6 +278,7 @@ class ResidualBlock(nn.Module):
         self.fc1 = nn.Linear(dim, dim)
         self.fc2 = nn.Linear(dim, dim)
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         return x + self.fc2(F.relu(self.fc1(self.norm(x))))
 
@@ -230,6 +300,7 @@ class Reprogrammer(nn.Module):
         self.blocks = nn.Sequential(*[ResidualBlock(hidden) for _ in range(blocks)])
         self.proj_out = nn.Linear(hidden, out_dim)
 
+    @override
     def forward(self, f: Tensor) -> Tensor:
         if f.shape[-1] != self.in_dim:
             raise ConfigError(
@@ -237,6 +308,25 @@ class Reprogrammer(nn.Module):
                 f"features of width {f.shape[-1]} fed to a reprogrammer built for {self.in_dim}",
             )
         return F.relu(self.proj_out(F.relu(self.blocks(self.proj_in(f)))))
+
+
+class Student(Protocol):
+    """What FedRD asks of the task's model (the student).
+
+    Features ``f_s = features(x)`` ``[B, d_s]`` and a Linear ``head`` (the shared head g)
+    over them; :func:`head_width` checks the head when the server half is built.
+    """
+
+    head: nn.Linear
+
+    def features(self, x: Any) -> Tensor:
+        """Features ``[B, d_s]`` of a batch of inputs."""
+        ...
+
+
+def as_student(model: nn.Module) -> Student:
+    """``model`` seen as a :class:`Student` (checked when the server half is built)."""
+    return cast(Student, model)
 
 
 def head_width(student: nn.Module) -> int:
@@ -311,21 +401,12 @@ class CoTrainer(nn.Module):
         """Cached ``F_t(x)`` ``[B, D_t]`` -> (``f_t``, ``z_t``)."""
         if self.phi is not None:
             f_t = self.phi(feats)
-            return f_t, self.student.head(f_t)
+            return f_t, as_student(self.student).head(f_t)
         assert self.teacher_head is not None
         return feats, self.teacher_head(feats)
 
 
 # --------------------------------------------------------------------------- public set
-
-
-def _inputs(data: Any, idx: list[int]) -> Any:
-    """Model inputs of rows ``idx`` (text data know how to pad; tensors are indexed)."""
-    return data.inputs(idx) if hasattr(data, "inputs") else data.x[idx]
-
-
-def _subset(data: Any, idx: list[int]) -> Any:
-    return data.subset(torch.as_tensor(idx, dtype=torch.long))
 
 
 def used_ids(task: Any) -> np.ndarray:
@@ -352,22 +433,13 @@ def check_public(public_ids: np.ndarray, task: Any, field_name: str) -> None:
             )
 
 
-def _rows_to_data(task: Any, ds: Any) -> Any:
-    """Source rows as the task's data type (text task, or the supervised image task)."""
-    if hasattr(task, "to_data"):
-        return task.to_data(ds)
-    if getattr(getattr(task, "cfg", None), "kind", None) != "image":
-        raise ConfigError("task.kind", "FedRD runs on image or text tasks")
-    from fedfm.tasks.supervised import TensorData
-
-    # The supervised image task scales pixels to [0, 1] and adds a channel axis, likewise.
-    x = torch.from_numpy(np.asarray(ds["image"], dtype=np.float32)).unsqueeze(1) / 255.0
-    y = torch.from_numpy(np.asarray(ds["label"], dtype=np.int64))
-    return TensorData(x, y, torch.from_numpy(np.asarray(ds["id"], dtype=np.int64)))
-
-
-def public_split(task: Any, size: int, ids: list[int] | None, seed: int) -> tuple[Any, str]:
+def public_split(task: Task, size: int, ids: list[int] | None, seed: int) -> tuple[Any, str]:
     """The public proxy set, checked disjoint from client data and the test set.
+
+    Explicit ``ids`` are rows of the source (:data:`~fedfm.tasks.base.SOURCE_ROWS`); else the
+    task's public split (:data:`~fedfm.tasks.base.PUBLIC_SPLIT`); else ``size`` rows drawn
+    from the source's training rows that no client holds. :meth:`FedRD.check_task` has made
+    sure the task provides what the config asks for.
 
     Args:
         task: The task.
@@ -382,30 +454,21 @@ def public_split(task: Any, size: int, ids: list[int] | None, seed: int) -> tupl
     Raises:
         ConfigError: No public set can be formed, or it overlaps client data or the test set.
     """
-    src = getattr(task, "src", None)
     if ids is not None:
-        if src is None:
-            raise ConfigError("algo.public_ids", "this task exposes no source to pick ids from")
-        pool_ids = np.asarray(src.train["id"])
-        missing = np.setdiff1d(np.asarray(ids), pool_ids)
+        missing = np.setdiff1d(np.asarray(ids), task.pool_ids())
         if len(missing):
             raise ConfigError(
                 "algo.public_ids",
-                f"{len(missing)} ids are not training rows of '{src.info.name}' "
-                f"(e.g. {missing[:5].tolist()})",
+                f"{len(missing)} ids are not training rows of the task's source"
+                f" (e.g. {missing[:5].tolist()})",
             )
         field_name, origin = "algo.public_ids", "explicit ids"
-        rows = np.flatnonzero(np.isin(pool_ids, np.asarray(ids)))
-        data = _rows_to_data(task, src.train.select(rows.tolist()))
-    elif hasattr(task, "public_data") and len(task.public_data()):
+        data = task.rows(ids)
+    elif PUBLIC_SPLIT in task.provides(task.cfg):
         field_name, origin = "task.public_size", "the task's public split"
         data = task.public_data()
     else:
-        if size <= 0:
-            raise ConfigError("algo.public_size", "FedRD needs a public set: set public_size > 0")
-        if src is None:
-            raise ConfigError("algo.public_size", "this task exposes no training pool")
-        pool_ids = np.asarray(src.train["id"])
+        pool_ids = task.pool_ids()
         taken = np.concatenate([used_ids(task), np.asarray(task.test_data().ids)])
         free = np.flatnonzero(~np.isin(pool_ids, taken))
         if len(free) < size:
@@ -417,12 +480,14 @@ def public_split(task: Any, size: int, ids: list[int] | None, seed: int) -> tupl
         rng = np.random.default_rng(derive_seed(seed, "fedrd-public"))
         rows = np.sort(rng.choice(free, size=size, replace=False))
         field_name, origin = "algo.public_size", "unused training rows"
-        data = _rows_to_data(task, src.train.select(rows.tolist()))
+        data = task.rows(pool_ids[rows].tolist())
     check_public(data.ids.numpy(), task, field_name)
     return data, origin
 
 
-def public_batches(data: Any, feats: Tensor, batch_size: int, seed: int) -> Iterator[Any]:
+def public_batches(
+    task: Task, data: Any, feats: Tensor, batch_size: int, seed: int
+) -> Iterator[Any]:
     """Endless shuffled ``(inputs, y, F_t features)`` batches; drops a last batch of < 2 rows.
 
     CKA needs at least two examples, so a trailing single example is skipped.
@@ -436,7 +501,7 @@ def public_batches(data: Any, feats: Tensor, batch_size: int, seed: int) -> Iter
             idx = perm[s : s + bs]
             if len(idx) < 2:
                 continue
-            yield _inputs(data, idx), data.y[idx], feats[idx]
+            yield task.inputs(data, idx), data.y[idx], feats[idx]
 
 
 def distillation_terms(
@@ -515,19 +580,73 @@ class ServerHalf:
     eval_feats: Tensor | None = None
 
 
-class FedRD(FedAvg):
-    """FedRD (federated reprogramming KD); ``reprogram: false`` is the plain KD baseline."""
+class FedRD(Algorithm):
+    """FedRD (federated reprogramming KD); ``reprogram: false`` is the plain KD baseline.
+
+    Steps (1)-(3) are FedAvg's (:func:`~fedfm.algorithms.fedavg.fit`,
+    :func:`~fedfm.algorithms.fedavg.fedavg_round`) on the student; step (4) is
+    :meth:`co_train`.
+    """
 
     Config = FedRDConfig
+    messages = (TRAIN, EVALUATE)
 
-    def __init__(self, cfg: FedRDConfig, task: Any, run: Any) -> None:
+    @classmethod
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        """Refuses a task that cannot give the foundation model its inputs or a public set."""
+        assert isinstance(cfg, FedRDConfig)
+        provided = task_cls.provides(task_cfg)
+        name = teacher_name(cfg.teacher, provided)
+        TEACHERS.get(name)  # an unknown name fails here
+        if name not in TEACHER_READS:
+            raise ConfigError(
+                "algo.teacher", f"'{name}' does not say what it reads (use register_teacher)"
+            )
+        require(task_cls, task_cfg, TEACHER_READS[name], "algo.teacher", f"'{name}'")
+        require(task_cls, task_cfg, SPLIT_INPUTS, "task.kind", "FedRD's server co-training")
+        if cfg.public_ids is not None:
+            require(task_cls, task_cfg, SOURCE_ROWS, "algo.public_ids", "a public set by ids")
+        elif PUBLIC_SPLIT not in task_cls.provides(task_cfg):
+            why = "a public set drawn from unused training rows"
+            require(task_cls, task_cfg, SOURCE_ROWS, "algo.public_size", why)
+            if cfg.public_size <= 0:
+                raise ConfigError(
+                    "algo.public_size", "FedRD needs a public set: set public_size > 0"
+                )
+
+    def __init__(self, cfg: FedRDConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedRDConfig = cfg
+        self._model = task.build_model(seed=run.seed)
+        self.params: dict[str, Tensor] = get_params(self._model)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self._srv: ServerHalf | None = None
         self._teacher: Teacher | None = None
-        self._pending: dict[str, Tensor] = {}
+        self._pending: dict[str, dict[str, Tensor]] = {}
+
+    def model(self) -> nn.Module:
+        """The student instance this process's server and client halves share."""
+        return self._model
+
+    # ----- client half (FedAvg's) -----
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {"train": self.client_train, "evaluate": self.client_evaluate}
+
+    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+        """Step (2): local CE on the client's data (:func:`~fedfm.algorithms.fedavg.fit`)."""
+        return fit(ctx, self._model, msg, self.run.train)
+
+    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
+        """The student on the client's local test split (``personal_eval``)."""
+        return evaluate_locally(ctx, self._model, msg)
 
     # ----- server half -----
+    @property
+    def teacher_loaded(self) -> bool:
+        """Whether this process has loaded the foundation model."""
+        return self._teacher is not None
+
     def teacher(self) -> Teacher:
         """The foundation model, loaded on first use (server side only)."""
         if self._teacher is None:
@@ -539,7 +658,12 @@ class FedRD(FedAvg):
         return self._teacher
 
     def _teacher_name(self) -> str:
-        return default_teacher(self.task) if self.cfg.teacher == "auto" else self.cfg.teacher
+        return teacher_name(self.cfg.teacher, self.task.provides(self.task.cfg))
+
+    def _features(self, key: dict[str, Any], data: Any) -> Tensor:
+        """``F_t(x)`` of every example of ``data`` (cached, see :func:`cached_features`)."""
+        reads = TEACHER_READS[self._teacher_name()]
+        return cached_features(self.teacher, key, data, lambda: self.task.view(reads, data))
 
     def server(self) -> ServerHalf:
         """Builds the server half once: public set, cached features, φ and heads."""
@@ -550,7 +674,7 @@ class FedRD(FedAvg):
         TEACHERS.get(name)  # an unknown name fails here, before any loading
         key = {"teacher": name, **c.teacher_options}
         public, origin = public_split(self.task, c.public_size, c.public_ids, self.run.seed)
-        feats = cached_features(self.teacher, key, public)
+        feats = self._features(key, public)
         fm_dim = int(feats.shape[1])
         student = self.task.build_model(seed=self.run.seed)
         set_params(student, self.params)
@@ -563,7 +687,7 @@ class FedRD(FedAvg):
                 c.reprogram_hidden, c.reprogram_blocks,
             )  # fmt: skip
         else:
-            thead = nn.Linear(fm_dim, int(student.head.out_features))
+            thead = nn.Linear(fm_dim, as_student(student).head.out_features)
         self._srv = ServerHalf(
             name, key, self.teacher, public, feats, CoTrainer(student, phi, thead)
         )
@@ -572,8 +696,8 @@ class FedRD(FedAvg):
             test = self.task.test_data()
             n = min(c.teacher_eval_size, len(test))
             idx = torch.randperm(len(test), generator=torch.Generator().manual_seed(self.run.seed))
-            self._srv.eval_data = _subset(test, sorted(idx[:n].tolist()))
-            self._srv.eval_feats = cached_features(self.teacher, key, self._srv.eval_data)
+            self._srv.eval_data = test.subset(torch.as_tensor(sorted(idx[:n].tolist())))
+            self._srv.eval_feats = self._features(key, self._srv.eval_data)
         if self._pending:
             self._load_server_arrays(self._pending)
             self._pending = {}
@@ -582,13 +706,14 @@ class FedRD(FedAvg):
 
     def _check_student_width(self, student: nn.Module, public: Any, head_in: int) -> None:
         with torch.no_grad():
-            width = student.features(_inputs(public, [0, 1])).shape[-1]
+            width = as_student(student).features(self.task.inputs(public, [0, 1])).shape[-1]
         if width != head_in:
             raise ConfigError(
                 "task.model",
                 f"student features have width {width}, the shared head reads {head_in}",
             )
 
+    @override
     def setup(self, fed: Federation) -> dict[str, float]:
         t = time.perf_counter()
         srv = self.server()
@@ -598,8 +723,10 @@ class FedRD(FedAvg):
             "setup_s": round(time.perf_counter() - t, 3),
         }
 
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
-        metrics = super().round(fed)  # broadcast, local CE, FedAvg of the student
+        # (1)-(3): broadcast, local CE, FedAvg of the student; then (4) server co-training.
+        self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
         metrics.update(self.co_train(fed.rnd))
         return metrics
 
@@ -613,14 +740,15 @@ class FedRD(FedAvg):
 
         def student_loss(m: nn.Module, batch: Any) -> tuple[Tensor, Any]:
             x, y, _ = batch
-            f_s = m.student.features(x)
-            z_s = m.student.head(f_s)
+            student = as_student(model.student)
+            f_s = student.features(x)
+            z_s = student.head(f_s)
             return F.cross_entropy(z_s, y), (f_s, z_s)
 
         def teacher_terms(m: nn.Module, batch: Any, out: Any) -> Tensor:
             _, y, feats = batch
             f_s, z_s = out
-            f_t, z_t = m.teacher(feats)
+            f_t, z_t = model.teacher(feats)
             extra, terms = distillation_terms(
                 y, z_s, f_s, z_t, f_t, c.alpha, c.beta, c.temperature, c.detach_teacher
             )
@@ -630,7 +758,7 @@ class FedRD(FedAvg):
 
         cfg = c.server_train
         seed = derive_seed(self.run.seed, rnd, "fedrd-server")
-        batches = public_batches(srv.public, srv.public_feats, cfg.batch_size, seed)
+        batches = public_batches(self.task, srv.public, srv.public_feats, cfg.batch_size, seed)
         steps = num_steps(cfg, len(srv.public))
         res = local_train(model, batches, student_loss, cfg, steps, extra_loss=teacher_terms)
         self.params = get_params(model.student, list(self.params))
@@ -640,8 +768,9 @@ class FedRD(FedAvg):
             **{f"server_{k}": float(np.mean(v)) for k, v in parts.items() if v},
         }
 
-    def evaluate(self, fed: Federation) -> dict[str, float]:
-        out = super().evaluate(fed)
+    @override
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
+        out = evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
         srv = self._srv
         if srv is not None and srv.eval_feats is not None:
             out.update(self._teacher_metrics(srv))
@@ -655,10 +784,12 @@ class FedRD(FedAvg):
         was = model.training
         model.eval()
         data, feats = srv.eval_data, srv.eval_feats
+        assert feats is not None
         f_t, z_t = model.teacher(feats)
+        student = as_student(model.student)
         f_s = torch.cat(
             [
-                model.student.features(_inputs(data, list(range(s, min(s + 256, len(data))))))
+                student.features(self.task.inputs(data, range(s, min(s + 256, len(data)))))
                 for s in range(0, len(data), 256)
             ]
         )
@@ -673,35 +804,36 @@ class FedRD(FedAvg):
         }
 
     # ----- checkpointing -----
-    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        arrays, meta = super().state_dict()
-        if self._srv is not None:
-            m = self._srv.cotrainer
-            for prefix, mod in (("phi", m.phi), ("thead", m.teacher_head)):
-                if mod is not None:
-                    arrays.update({f"{prefix}/{k}": v for k, v in get_params(mod).items()})
-        else:
-            arrays.update(self._pending)
-        return arrays, meta
+    def _server_groups(self) -> dict[str, dict[str, Tensor]]:
+        if self._srv is None:
+            return self._pending
+        m = self._srv.cotrainer
+        mods = {"phi": m.phi, "thead": m.teacher_head}
+        return {g: get_params(mod) for g, mod in mods.items() if mod is not None}
 
+    @override
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        groups = {"params": self.params, "opt": self.opt.state_dict(), **self._server_groups()}
+        return join_groups(groups), {}
+
+    @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        super().load_state_dict(arrays, meta)
-        mine = {k: v for k, v in arrays.items() if k.startswith(("phi/", "thead/"))}
+        self.params = get_group(arrays, "params")
+        self.opt.load_state_dict(get_group(arrays, "opt"))
+        mine = {g: get_group(arrays, g) for g in ("phi", "thead")}
+        mine = {g: t for g, t in mine.items() if t}
         if self._srv is None:
             self._pending = mine  # applied when the server half is built
         else:
             self._load_server_arrays(mine)
 
-    def _load_server_arrays(self, arrays: dict[str, Tensor]) -> None:
-        m = self._srv.cotrainer if self._srv is not None else None
-        if m is None:
+    def _load_server_arrays(self, groups: dict[str, dict[str, Tensor]]) -> None:
+        if self._srv is None:
             return
-        for prefix, mod in (("phi", m.phi), ("thead", m.teacher_head)):
-            part = {
-                k[len(prefix) + 1 :]: v for k, v in arrays.items() if k.startswith(prefix + "/")
-            }
-            if mod is not None and part:
-                set_params(mod, part)
+        m = self._srv.cotrainer
+        for group, mod in (("phi", m.phi), ("thead", m.teacher_head)):
+            if mod is not None and groups.get(group):
+                set_params(mod, groups[group])
 
 
 class FedKDConfig(FedRDConfig):

@@ -54,6 +54,7 @@ class Artefacts:
             name: A relative path of ``[A-Za-z0-9._-]`` parts separated by ``/``, not starting
                 with a dot or a dash (e.g. ``distilled/client-3.jsonl``); ``index.json`` is
                 reserved.
+            data: The file's content.
 
         Raises:
             FedfmError: The name is not allowed.

@@ -77,9 +77,12 @@ class AuditLedger:
         return total
 
     def round_bytes(self, rnd: int) -> dict[str, int]:
-        """Bytes recorded for a round: ``bytes_up``/``bytes_down`` in all, and split into
-        tensor data (``..._arrays``) and JSON meta values (``..._meta``), so that uplinks of
-        methods that send different metadata compare exactly."""
+        """Bytes recorded for a round, in all and split into tensors and meta values.
+
+        ``bytes_up``/``bytes_down`` in all, and split into tensor data (``..._arrays``) and
+        JSON meta values (``..._meta``), so that uplinks of methods that send different
+        metadata compare exactly.
+        """
         out = {}
         for direction in ("up", "down"):
             arrays = self._bytes[(rnd, direction, "arrays")]

@@ -43,7 +43,8 @@ class Checkpoint:
 
 def rng_state() -> dict[str, Any]:
     """The global RNG states (torch, numpy, random) as JSON-able values."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)
     return {
         "torch": torch.get_rng_state().tolist(),
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],

@@ -69,7 +69,12 @@ AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 Rows = Sequence[Mapping[str, Sequence[int]]]
 
 # What Opacus sets on parameters and modules; removed after every call (see the module doc).
-_PARAM_ATTRS = ("grad_sample", "_forward_counter", "_current_grad_sample", "_norm_sample")
+_PARAM_ATTRS: tuple[str, ...] = (
+    "grad_sample",
+    "_forward_counter",
+    "_current_grad_sample",
+    "_norm_sample",
+)
 _PARAM_ATTRS += ("summed_grad", "_processed")
 _MODULE_ATTRS = ("activations", "max_batch_len", "ft_compute_sample_grad")
 
@@ -269,8 +274,10 @@ class DPResult:
     delta: float
 
     def report(self) -> dict[str, float]:
-        """This call's mechanism for the privacy ledger (a reply's meta field):
-        :meth:`fedfm.core.privacy.PrivacyLedger.add_dp_sgd_report` reads it."""
+        """This call's mechanism for the privacy ledger (a reply's meta field).
+
+        :meth:`fedfm.core.privacy.PrivacyLedger.add_dp_sgd_report` reads it.
+        """
         return {
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,

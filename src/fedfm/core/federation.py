@@ -9,19 +9,29 @@ Runtimes (embedded, Flower) implement :class:`Federation`; algorithms are writte
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
+import logging
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
-from fedfm.core.messages import Arrays, Message
+from fedfm.core.audit import AuditLedger
+from fedfm.core.groups import get_group
+from fedfm.core.messages import Arrays, Message, MessageKind, validate_reply
+from fedfm.errors import FedfmError, MessageError
 
 if TYPE_CHECKING:
     from fedfm.tasks.base import Task
+
+log = logging.getLogger("fedfm")
 
 
 def derive_seed(*parts: object) -> int:
@@ -48,8 +58,7 @@ class ClientState:
 
     def get_group(self, prefix: str) -> Arrays:
         """Returns the tensors stored under ``prefix/`` with the prefix removed."""
-        p = prefix + "/"
-        return {k[len(p) :]: v for k, v in self.arrays.items() if k.startswith(p)}
+        return get_group(self.arrays, prefix)
 
     def set_group(self, prefix: str, arrays: Mapping[str, Tensor]) -> None:
         """Replaces the tensors under ``prefix/`` with detached CPU copies of ``arrays``."""
@@ -58,6 +67,14 @@ class ClientState:
             del self.arrays[k]
         for k, v in arrays.items():
             self.arrays[p + k] = v.detach().to("cpu", copy=True)
+
+    def copy(self) -> ClientState:
+        """A copy a handler may change freely without touching this state.
+
+        Handlers replace tensors rather than edit them in place, so the tensor dict is copied
+        shallowly (no tensor data is copied) and the metadata deeply.
+        """
+        return ClientState(arrays=dict(self.arrays), meta=copy.deepcopy(self.meta))
 
 
 @dataclass
@@ -101,20 +118,199 @@ class ClientInfo:
     role: str = "default"
 
 
+def assign_roles(cids: list[str], roles: Mapping[str, float], seed: int) -> list[ClientInfo]:
+    """Gives each client a role: ``floor(fraction·N)`` clients per named role, seeded.
+
+    Every process of a run (the server, each Flower client) computes the same roles from the
+    run seed. Clients not given a named role get ``"default"``.
+
+    Args:
+        cids: Client ids in their stable order.
+        roles: Role name -> fraction of the clients.
+        seed: Run seed.
+
+    Returns:
+        One :class:`ClientInfo` per client, in the order of ``cids``.
+    """
+    order = np.random.default_rng(derive_seed(seed, "roles")).permutation(len(cids)).tolist()
+    role_of = {c: "default" for c in cids}
+    start = 0
+    for role, frac in sorted(roles.items()):
+        k = math.floor(frac * len(cids))
+        for i in order[start : start + k]:
+            role_of[cids[i]] = role
+        start += k
+    return [ClientInfo(c, role_of[c]) for c in cids]
+
+
+def dispatch(
+    handlers: Mapping[str, Handler],
+    kinds: Mapping[str, MessageKind],
+    ctx: ClientContext,
+    msg: Message,
+) -> Message:
+    """Runs one message through the client handler of its kind, checking both directions.
+
+    Unknown kinds and kinds the client's role does not handle are refused. The global torch
+    RNG is seeded from (run seed, round, client, kind) first, so dropout and any other
+    implicit randomness is the same on every runtime and after resume. A kind declared
+    ``no_grad`` runs under ``torch.inference_mode()`` (a ``backward()`` in its handler fails),
+    and the tensors it returns or stores are made ordinary tensors afterwards.
+
+    Args:
+        handlers: Message kind -> client handler.
+        kinds: Message kind -> declaration.
+        ctx: The client's context.
+        msg: The message from the server.
+
+    Returns:
+        The handler's reply.
+
+    Raises:
+        MessageError: The kind is unknown, not for this client's role, or a field is undeclared.
+    """
+    kind = kinds.get(msg.kind)
+    if kind is None or msg.kind not in handlers:
+        raise MessageError(f"client {ctx.cid}: unknown message kind '{msg.kind}'")
+    if kind.roles and ctx.role not in kind.roles:
+        raise MessageError(
+            f"client {ctx.cid}: role '{ctx.role}' does not handle message kind '{msg.kind}'"
+        )
+    kind.check(msg, "down")
+    # The default generator directly: torch.manual_seed also records CUDA seeding state,
+    # which costs milliseconds per call on a CPU-only build.
+    torch.default_generator.manual_seed(derive_seed(ctx.seed, ctx.rnd, ctx.cid, msg.kind))
+    with torch.inference_mode() if kind.no_grad else contextlib.nullcontext():
+        reply = handlers[msg.kind](ctx, msg)
+    if kind.no_grad:
+        _plain_tensors(reply, ctx.state)
+    kind.check(reply, "up")
+    return reply
+
+
+def _plain_tensors(reply: Message, state: ClientState) -> None:
+    """Replaces the inference-mode tensors a no-grad handler made by ordinary copies.
+
+    The server and later handlers may update them in place, which inference tensors refuse.
+    """
+    for arrays in [*reply.arrays.values(), state.arrays]:
+        for key, value in arrays.items():
+            if isinstance(value, Tensor) and value.is_inference():
+                arrays[key] = value.clone()
+
+
+Templates = Mapping[str, Mapping[str, Tensor]]
+"""Expected reply tensors: array field -> tensor name -> a tensor of the expected shape/dtype."""
+
+
+def error_reason(err: BaseException) -> str:
+    """A client failure as the one line logged in ``failures.jsonl`` on every runtime."""
+    return str(err) if isinstance(err, FedfmError) else f"{type(err).__name__}: {err}"
+
+
+def check_reply(
+    kinds: Mapping[str, MessageKind],
+    cid: str,
+    sent: Message,
+    reply: Message,
+    like: Templates | None,
+) -> None:
+    """The server's checks of a reply that crossed a wire: never trust the client.
+
+    Raises:
+        MessageError: The reply's kind differs from the message's, or a field is undeclared.
+        UpdateRejectedError: An array field does not match its template in ``like``.
+    """
+    if reply.kind != sent.kind:
+        raise MessageError(f"client {cid}: reply of kind '{reply.kind}' to '{sent.kind}'")
+    kinds[reply.kind].check(reply, "up")
+    validate_reply(cid, reply, like)
+
+
+@dataclass
+class ClientRunner:
+    """The client half of an algorithm in one process: the one client call path.
+
+    Every runtime runs client messages through :meth:`call`: the embedded runtime for all
+    clients in the server's process, a Flower ClientApp for the client its SuperNode serves.
+
+    Attributes:
+        handlers: Message kind -> client handler.
+        kinds: Message kind -> declaration.
+        roles: Client id -> role.
+        task: The task (client data, shared frozen models).
+        seed: Run seed.
+    """
+
+    handlers: Mapping[str, Handler]
+    kinds: Mapping[str, MessageKind]
+    roles: Mapping[str, str]
+    task: Task
+    seed: int
+
+    def call(
+        self, cid: str, rnd: int, saved: ClientState, msg: Message, like: Templates | None = None
+    ) -> tuple[Message, ClientState]:
+        """Runs ``msg`` for client ``cid`` on a copy of its state.
+
+        The caller commits the returned state only when this returns, so a client that fails
+        (its handler raises, or its reply is refused) keeps the state it had.
+
+        Args:
+            cid: Client id.
+            rnd: Current round.
+            saved: The client's state (not modified).
+            msg: The message from the server.
+            like: Templates the reply's array fields must match (see :meth:`Federation.send`).
+
+        Returns:
+            The reply and the client's new state.
+
+        Raises:
+            Exception: Whatever the handler raised; MessageError or UpdateRejectedError for a
+                refused message or reply.
+        """
+        state = saved.copy()
+        ctx = ClientContext(cid, self.roles[cid], rnd, self.seed, self.task, state)
+        reply = dispatch(self.handlers, self.kinds, ctx, msg)
+        validate_reply(cid, reply, like)
+        return reply, state
+
+
 class Federation(ABC):
     """Server-side handle to the clients, implemented by each runtime.
+
+    Runtimes implement :meth:`_exchange` only; checks of outgoing messages, the audit ledger,
+    the failure log and the order of replies are the same for all of them.
+
+    Args:
+        clients: Every client, in a stable order.
+        seed: Run seed.
+        kinds: Message kind -> declaration; outgoing messages are checked against it (None:
+            no checks).
+        ledger: Audit ledger; an in-memory one when None.
 
     Attributes:
         seed: Run seed.
         rnd: Current round, set by the engine.
         clients: Every client, in a stable order.
+        failures: One row per failed client (round, client, kind, error).
     """
 
-    def __init__(self, clients: Sequence[ClientInfo], seed: int) -> None:
+    def __init__(
+        self,
+        clients: Sequence[ClientInfo],
+        seed: int,
+        kinds: Mapping[str, MessageKind] | None = None,
+        ledger: AuditLedger | None = None,
+    ) -> None:
         self.clients = list(clients)
         self.seed = seed
+        self.kinds = kinds
+        self.ledger = ledger if ledger is not None else AuditLedger()
         self.rnd = 0
         self.failures: list[dict[str, Any]] = []
+        self._roles = {c.cid: c.role for c in self.clients}
 
     def client_ids(self, role: str | None = None) -> list[str]:
         """Ids of all clients, or of those with ``role``."""
@@ -122,10 +318,7 @@ class Federation(ABC):
 
     def role_of(self, cid: str) -> str:
         """The role of client ``cid``."""
-        for c in self.clients:
-            if c.cid == cid:
-                return c.role
-        raise KeyError(cid)
+        return self._roles[cid]
 
     def sample(self, fraction: float, role: str | None = None, min_clients: int = 1) -> list[str]:
         """Samples clients for this round, seeded by (run seed, round, role).
@@ -146,31 +339,85 @@ class Federation(ABC):
         idx = sorted(rng.choice(len(pool), size=k, replace=False).tolist())
         return [pool[i] for i in idx]
 
-    @abstractmethod
-    def send(
-        self,
-        messages: Mapping[str, Message],
-        like: Mapping[str, Mapping[str, Tensor]] | None = None,
-    ) -> dict[str, Message]:
-        """Sends one message to each client and gathers the replies.
+    def stream(
+        self, messages: Mapping[str, Message], like: Templates | None = None
+    ) -> Iterator[tuple[str, Message]]:
+        """Sends one message to each client and yields the replies one at a time.
 
-        A client whose handler raises, who does not answer, or whose reply fails validation
-        is logged in :attr:`failures` and left out of the result.
+        Replies come in the order of ``messages`` on every runtime, so an algorithm that
+        folds them into a running sum gets the same numbers everywhere, and holds one reply
+        at a time rather than all of them. A client whose handler raises, who does not
+        answer, or whose reply fails validation is logged in :attr:`failures` and skipped.
+        Consume the iterator to the end: clients after the point where it is left are never
+        asked.
 
         Args:
             messages: Client id -> message.
             like: Optional templates, array field -> expected tensors; a reply's array field
                 named here must have exactly these keys, shapes and dtypes and be finite.
 
+        Yields:
+            ``(client id, reply)`` for the clients that answered validly.
+
+        Raises:
+            MessageError: A message is for an unknown client or carries an undeclared kind or
+                field (raised at once, before anything is sent).
+        """
+        messages = dict(messages)
+        for cid, msg in messages.items():
+            self._check_outgoing(cid, msg)
+        return self._replies(messages, like)
+
+    def send(
+        self, messages: Mapping[str, Message], like: Templates | None = None
+    ) -> dict[str, Message]:
+        """Sends one message to each client and gathers all replies (see :meth:`stream`).
+
         Returns:
             Client id -> reply, for the clients that answered validly.
         """
+        return dict(self.stream(messages, like))
 
     def broadcast(
-        self,
-        msg: Message,
-        cids: Sequence[str],
-        like: Mapping[str, Mapping[str, Tensor]] | None = None,
+        self, msg: Message, cids: Sequence[str], like: Templates | None = None
     ) -> dict[str, Message]:
         """Sends the same message to several clients (see :meth:`send`)."""
         return self.send({cid: msg for cid in cids}, like=like)
+
+    def _check_outgoing(self, cid: str, msg: Message) -> None:
+        if cid not in self._roles:
+            raise MessageError(f"no client with id '{cid}'")
+        if self.kinds is None:
+            return
+        kind = self.kinds.get(msg.kind)
+        if kind is None:
+            raise MessageError(f"message kind '{msg.kind}' is not declared by the algorithm")
+        kind.check(msg, "down")
+
+    def _replies(
+        self, messages: dict[str, Message], like: Templates | None
+    ) -> Iterator[tuple[str, Message]]:
+        # Per client: downlink, then uplink, in the order of the messages, on every runtime.
+        for cid, outcome in self._exchange(messages, like):
+            msg = messages[cid]
+            self.ledger.record(self.rnd, cid, "down", msg)
+            if isinstance(outcome, BaseException):
+                self._fail(cid, msg.kind, outcome)
+                continue
+            self.ledger.record(self.rnd, cid, "up", outcome)
+            yield cid, outcome
+
+    def _fail(self, cid: str, kind: str, err: BaseException) -> None:
+        reason = error_reason(err)
+        self.failures.append({"round": self.rnd, "client": cid, "kind": kind, "error": reason})
+        log.warning("round %d: client %s failed on '%s': %s", self.rnd, cid, kind, reason)
+
+    @abstractmethod
+    def _exchange(
+        self, messages: dict[str, Message], like: Templates | None
+    ) -> Iterator[tuple[str, Message | Exception]]:
+        """Delivers the messages and yields each client's outcome in the order of ``messages``.
+
+        An outcome is the client's reply, already checked (declared fields, ``like``), or the
+        exception that failed the client. Messages are already checked against their kinds.
+        """

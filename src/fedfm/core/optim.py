@@ -1,4 +1,4 @@
-"""Aggregation and server optimizers as pure functions over named tensors.
+"""Server optimizers as pure functions over named tensors (aggregation: :mod:`.aggregate`).
 
 Every function here takes ``dict[str, Tensor]`` values and returns new ones; inputs are never
 modified (DESIGN.md principle 2). :class:`ServerOptimizer` is the only stateful object and it
@@ -49,12 +49,23 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from fedfm.core.aggregate import (
+    Aggregator,
+    Buffered,
+    RunningMean,
+    check_keys,
+    check_shape,
+    check_weights,
+    compute_dtype,
+    mean_delta,
+    pseudo_gradient,
+)
 from fedfm.core.messages import Arrays
 from fedfm.core.robust import AggregatorConfig, robust_pseudo_gradient
 from fedfm.registry import Registry
@@ -118,145 +129,6 @@ SERVER_OPTIMIZERS: Registry[StepFn] = Registry("server optimizer", "algo.server_
 log = logging.getLogger("fedfm")
 
 
-# ----------------------------------------------------------------------------- checks
-
-
-def _names(keys: Sequence[str] | set[str], limit: int = 5) -> str:
-    keys = sorted(keys)
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(repr(k) for k in keys[:limit]) + more
-
-
-def _check_keys(expected: Mapping[str, Tensor], got: Mapping[str, Tensor], what: str) -> None:
-    """Refuses ``got`` unless it has exactly the keys of ``expected``."""
-    missing = set(expected) - set(got)
-    extra = set(got) - set(expected)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {_names(missing)}")
-        if extra:
-            parts.append(f"unexpected {_names(extra)}")
-        raise ValueError(f"{what}: tensor names do not match ({'; '.join(parts)})")
-
-
-def _check_shape(ref: Tensor, t: Tensor, what: str) -> None:
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.shape != ref.shape:
-        raise ValueError(f"{what}: shape {tuple(t.shape)} does not match {tuple(ref.shape)}")
-
-
-def _check_weights(weights: Sequence[float], count: int, what: str) -> list[float]:
-    """Returns the weights as floats after refusing bad ones."""
-    ws = [float(w) for w in weights]
-    if len(ws) != count:
-        raise ValueError(f"{what}: {len(ws)} weights for {count} updates")
-    for i, w in enumerate(ws):
-        if not math.isfinite(w) or w < 0:
-            raise ValueError(f"{what}: weight {i} is {w}; weights must be finite and >= 0")
-    if sum(ws) <= 0:
-        raise ValueError(f"{what}: total weight is {sum(ws)}; it must be positive")
-    return ws
-
-
-def _compute_dtype(name: str, t: Tensor) -> torch.dtype:
-    """float32 for half/bfloat16/float32 tensors, float64 for float64 ones."""
-    if not t.is_floating_point():
-        raise ValueError(
-            f"'{name}' has dtype {t.dtype}; server optimizers need floating tensors"
-            " (average integer buffers with weighted_mean)"
-        )
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-# ----------------------------------------------------------------------------- aggregation
-
-
-def weighted_mean(
-    updates: Sequence[Mapping[str, Tensor]], weights: Sequence[float]
-) -> dict[str, Tensor]:
-    """Example-weighted mean Σ_k w_k·u_k / Σ_k w_k of named tensors.
-
-    Floating tensors are averaged in float32 (float64 for float64) and cast back to the dtype of
-    the first update; integer tensors (e.g. BatchNorm's ``num_batches_tracked``) are averaged in
-    float64 and rounded.
-
-    Args:
-        updates: One ``name -> tensor`` mapping per client, all with the same names and shapes.
-        weights: One non-negative weight per update (usually its example count n_k).
-
-    Returns:
-        A new ``name -> tensor`` dict on the device of the first update.
-
-    Raises:
-        ValueError: No updates, bad weights (negative, non-finite, total not positive, wrong
-            count), or names/shapes that differ between updates.
-    """
-    if len(updates) == 0:
-        raise ValueError("weighted_mean: no updates to aggregate")
-    ws = _check_weights(weights, len(updates), "weighted_mean")
-    total = sum(ws)
-    first = updates[0]
-    for k, u in enumerate(updates[1:], start=1):
-        _check_keys(first, u, f"weighted_mean: update {k} vs update 0")
-    out: dict[str, Tensor] = {}
-    for name, ref in first.items():
-        cd = (
-            torch.promote_types(ref.dtype, torch.float32)
-            if ref.is_floating_point()
-            else (torch.float64)
-        )
-        acc = torch.zeros(ref.shape, dtype=cd, device=ref.device)
-        for k, (u, w) in enumerate(zip(updates, ws, strict=True)):
-            t = u[name]
-            _check_shape(ref, t, f"weighted_mean: update {k} '{name}'")
-            acc += t.to(device=ref.device, dtype=cd) * (w / total)
-        if not ref.is_floating_point():
-            acc = acc.round()
-        out[name] = acc.to(ref.dtype)
-    return out
-
-
-def pseudo_gradient(
-    params: Mapping[str, Tensor],
-    updates: Sequence[Mapping[str, Tensor]],
-    weights: Sequence[float],
-) -> dict[str, Tensor]:
-    """Pseudo-gradient Δ = Σ_k (n_k/n)(θ_k − θ) (Reddi et al. 2021, Algorithm 1).
-
-    Differences are taken before averaging, which keeps small changes of large float32
-    weights exact.
-
-    Args:
-        params: Current global parameters θ.
-        updates: Client parameters θ_k after local training, same names and shapes as ``params``.
-        weights: Example counts n_k (or any non-negative weights).
-
-    Returns:
-        Δ per name, in float32 (float64 for float64 parameters) on each parameter's device.
-
-    Raises:
-        ValueError: No updates, bad weights, integer parameters, or mismatched names/shapes.
-    """
-    if len(updates) == 0:
-        raise ValueError("pseudo_gradient: no updates to aggregate")
-    ws = _check_weights(weights, len(updates), "pseudo_gradient")
-    total = sum(ws)
-    for k, u in enumerate(updates):
-        _check_keys(params, u, f"pseudo_gradient: update {k} vs params")
-    delta: dict[str, Tensor] = {}
-    for name, p in params.items():
-        cd = _compute_dtype(name, p)
-        base = p.to(dtype=cd)
-        acc = torch.zeros(p.shape, dtype=cd, device=p.device)
-        for k, (u, w) in enumerate(zip(updates, ws, strict=True)):
-            _check_shape(p, u[name], f"pseudo_gradient: update {k} '{name}'")
-            acc += (u[name].to(device=p.device, dtype=cd) - base) * (w / total)
-        delta[name] = acc
-    return delta
-
-
 # ----------------------------------------------------------------------------- step helpers
 
 
@@ -267,17 +139,17 @@ def _check_step_inputs(
     optimizer: str,
 ) -> None:
     """Refuses a delta or a state that does not belong to ``params`` and ``optimizer``."""
-    _check_keys(params, delta, f"{optimizer}: delta vs params")
+    check_keys(params, delta, f"{optimizer}: delta vs params")
     for name, p in params.items():
-        _compute_dtype(name, p)
-        _check_shape(p, delta[name], f"{optimizer}: delta '{name}'")
+        compute_dtype(name, p)
+        check_shape(p, delta[name], f"{optimizer}: delta '{name}'")
     prefixes = _STATE_PREFIXES[optimizer]
     for key, t in state.items():
         prefix, _, name = key.partition("/")
         if prefix not in prefixes or name not in params:
             allowed = ", ".join(f"'{p}/<param>'" for p in prefixes) or "no state"
             raise ValueError(f"{optimizer}: unexpected state entry '{key}' (keeps {allowed})")
-        _check_shape(params[name], t, f"{optimizer}: state '{key}'")
+        check_shape(params[name], t, f"{optimizer}: state '{key}'")
 
 
 def _get(t: Tensor, p: Tensor, cd: torch.dtype) -> Tensor:
@@ -295,7 +167,7 @@ def _state_or(
 
 
 def _add(p: Tensor, step: Tensor) -> Tensor:
-    """p + step computed in step's dtype, returned as a new tensor in p's dtype."""
+    """P + step computed in step's dtype, returned as a new tensor in p's dtype."""
     return (p.to(dtype=step.dtype) + step).to(p.dtype)
 
 
@@ -324,7 +196,7 @@ def fedavg_step(
     lr = cfg.resolved_lr
     new = {}
     for name, p in params.items():
-        cd = _compute_dtype(name, p)
+        cd = compute_dtype(name, p)
         new[name] = _add(p, lr * _get(delta[name], p, cd))
     return new, {}
 
@@ -355,7 +227,7 @@ def fedavgm_step(
     lr, beta = cfg.resolved_lr, cfg.momentum
     new, new_state = {}, {}
     for name, p in params.items():
-        cd = _compute_dtype(name, p)
+        cd = compute_dtype(name, p)
         d = _get(delta[name], p, cd)
         key = f"m/{name}"
         if cfg.momentum_dampening:
@@ -383,7 +255,7 @@ def _adaptive_step(
     lr, b1, tau = cfg.resolved_lr, cfg.beta1, cfg.tau
     new, new_state = {}, {}
     for name, p in params.items():
-        cd = _compute_dtype(name, p)
+        cd = compute_dtype(name, p)
         d = _get(delta[name], p, cd)
         m = b1 * _state_or(state, f"m/{name}", p, cd, 0.0) + (1 - b1) * d
         v = second_moment(_state_or(state, f"v/{name}", p, cd, tau**2), d * d, cfg)
@@ -508,11 +380,27 @@ class ServerOptimizer:
         if self.aggregator.plain:
             delta = pseudo_gradient(params, updates, weights)
         else:
-            _check_weights(weights, len(updates), "robust aggregation")
-            for k, u in enumerate(updates):
-                _check_keys(params, u, f"robust aggregation: update {k} vs params")
-            delta = robust_pseudo_gradient(params, updates, weights, self.aggregator)
+            delta = self._robust(params, updates, weights)
         return self.apply_delta(params, delta)
+
+    def accumulator(self, params: Mapping[str, Tensor]) -> Aggregator:
+        """Takes client parameters θ_k as replies arrive; its result is Δ for :meth:`apply_delta`.
+
+        The example-weighted mean streams (one running sum, :func:`mean_delta`); a robust rule
+        needs every update at once and keeps them (:class:`Buffered`). Both give the numbers
+        :meth:`step` gives for the same updates.
+        """
+        if self.aggregator.plain:
+            return mean_delta(params)
+        return Buffered(params, self._robust)
+
+    def _robust(
+        self, params: Mapping[str, Tensor], updates: Sequence[Mapping[str, Tensor]], weights: Any
+    ) -> Arrays:
+        check_weights(weights, len(updates), "robust aggregation")
+        for k, u in enumerate(updates):
+            check_keys(params, u, f"robust aggregation: update {k} vs params")
+        return robust_pseudo_gradient(params, updates, weights, self.aggregator)
 
     def apply_delta(
         self, params: Mapping[str, Tensor], delta: Mapping[str, Tensor]
@@ -588,7 +476,7 @@ def scaffold_server_update(
     The paper averages Δy_i uniformly (1/|S|); we weight by example counts n_i like FedAvg
     (ours; pass equal weights for the paper's form). Δc is averaged uniformly as in the paper,
     since c estimates the mean of the N clients' gradients, which the |S|/N factor keeps unbiased
-    under client sampling.
+    under client sampling. The same update from running means: :class:`ScaffoldSums`.
 
     With a robust ``aggregator`` (ours), both means become its rule: Δy with the weights n_i,
     Δc with equal weights. Δc is in gradient units, not parameter units, so a fixed
@@ -603,6 +491,7 @@ def scaffold_server_update(
         weights: Per sampled client, the weight of its Δy_i (example count).
         num_clients_total: N, the number of clients in the federation.
         lr_global: Global step size η_g.
+        aggregator: A robust rule for both means (:mod:`fedfm.core.robust`); None: the means.
 
     Returns:
         ``(new_params, new_c_global)``, each tensor in its input's dtype.
@@ -615,33 +504,93 @@ def scaffold_server_update(
         raise ValueError("scaffold_server_update: no client updates")
     if len(delta_c) != s:
         raise ValueError(f"scaffold_server_update: {s} delta_y but {len(delta_c)} delta_c")
-    if num_clients_total < s:
-        raise ValueError(
-            f"scaffold_server_update: num_clients_total={num_clients_total} is below the"
-            f" {s} clients that replied"
-        )
-    if not (math.isfinite(lr_global) and lr_global > 0):
-        raise ValueError(f"scaffold_server_update: lr_global={lr_global} must be > 0")
-    _check_weights(weights, s, "scaffold_server_update")
+    check_weights(weights, s, "scaffold_server_update")
     for k in range(s):
-        _check_keys(params, delta_y[k], f"scaffold_server_update: delta_y {k} vs params")
-        _check_keys(c_global, delta_c[k], f"scaffold_server_update: delta_c {k} vs c_global")
-    # Zero-based "pseudo-gradients": Σ w_i (Δy_i − 0) keeps the averaging in one function.
-    zeros_x = {n: torch.zeros_like(p) for n, p in params.items()}
-    zeros_c = {n: torch.zeros_like(c) for n, c in c_global.items()}
-    if aggregator is None or aggregator.plain:
-        dx = pseudo_gradient(zeros_x, delta_y, weights)
-        dc = pseudo_gradient(zeros_c, delta_c, [1.0] * s)
-    else:
-        c_agg = aggregator
-        if aggregator.clip_norm is not None:
-            c_agg = aggregator.model_copy(update={"clip_norm": "median"})
-        dx = robust_pseudo_gradient(zeros_x, delta_y, weights, aggregator)
-        dc = robust_pseudo_gradient(zeros_c, delta_c, [1.0] * s, c_agg)
-    new_x = {n: _add(p, lr_global * _get(dx[n], p, dx[n].dtype)) for n, p in params.items()}
-    frac = s / num_clients_total
-    new_c = {n: _add(c, frac * _get(dc[n], c, dc[n].dtype)) for n, c in c_global.items()}
-    return new_x, new_c
+        check_keys(params, delta_y[k], f"scaffold_server_update: delta_y {k} vs params")
+        check_keys(c_global, delta_c[k], f"scaffold_server_update: delta_c {k} vs c_global")
+    sums = ScaffoldSums(params, c_global, aggregator)
+    for dy, dc, w in zip(delta_y, delta_c, weights, strict=True):
+        sums.add(dy, dc, w)
+    return sums.apply(num_clients_total, lr_global)
+
+
+def _zeros(arrays: Mapping[str, Tensor]) -> Arrays:
+    return {n: torch.zeros_like(t) for n, t in arrays.items()}
+
+
+def _rule(
+    cfg: AggregatorConfig,
+) -> Callable[[Mapping[str, Tensor], list[Mapping[str, Tensor]], list[float]], Arrays]:
+    return lambda base, updates, weights: robust_pseudo_gradient(base, updates, weights, cfg)
+
+
+class ScaffoldSums:
+    """Running means of SCAFFOLD's client changes: Σ n_i·Δy_i / n and Σ Δc_i / |S|.
+
+    Fed one client at a time as replies arrive; :meth:`apply` is the server update of
+    :func:`scaffold_server_update`.
+
+    With a robust ``aggregator`` the changes are kept and combined by its rule at the end
+    (see :func:`scaffold_server_update`).
+
+    Args:
+        params: Global model x (names, shapes, dtypes of Δy).
+        c_global: Server control variate c (names, shapes, dtypes of Δc).
+        aggregator: A robust rule, or None (or the plain mean) for the running means.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, Tensor],
+        c_global: Mapping[str, Tensor],
+        aggregator: AggregatorConfig | None = None,
+    ) -> None:
+        self.params = params
+        self.c_global = c_global
+        self.dy: Aggregator
+        self.dc: Aggregator
+        if aggregator is None or aggregator.plain:
+            # Zero-based pseudo-gradients: Σ w_i·(Δy_i − 0), in the compute dtype.
+            self.dy = RunningMean("scaffold_server_update (delta_y)", params, keep_dtype=False)
+            self.dc = RunningMean("scaffold_server_update (delta_c)", c_global, keep_dtype=False)
+        else:
+            # Δc is in gradient units, not parameter units: a fixed bound clips Δy only.
+            c_agg = aggregator
+            if aggregator.clip_norm is not None:
+                c_agg = aggregator.model_copy(update={"clip_norm": "median"})
+            self.dy = Buffered(_zeros(params), _rule(aggregator))
+            self.dc = Buffered(_zeros(c_global), _rule(c_agg))
+        self.count = 0
+
+    def add(self, delta_y: Mapping[str, Tensor], delta_c: Mapping[str, Tensor], w: float) -> None:
+        """Adds one client's Δy_i (weight ``w``) and Δc_i (weight 1)."""
+        self.dy.add(delta_y, w)
+        self.dc.add(delta_c, 1.0)
+        self.count += 1
+
+    def apply(self, num_clients_total: int, lr_global: float = 1.0) -> tuple[Arrays, Arrays]:
+        """``(new_params, new_c_global)`` from the clients added so far.
+
+        Raises:
+            ValueError: No clients, |S| > N, η_g ≤ 0.
+        """
+        s = self.count
+        if s == 0:
+            raise ValueError("scaffold_server_update: no client updates")
+        if num_clients_total < s:
+            raise ValueError(
+                f"scaffold_server_update: num_clients_total={num_clients_total} is below the"
+                f" {s} clients that replied"
+            )
+        if not (math.isfinite(lr_global) and lr_global > 0):
+            raise ValueError(f"scaffold_server_update: lr_global={lr_global} must be > 0")
+        dx, dc = self.dy.result(), self.dc.result()
+        new_x = {
+            n: _add(p, lr_global * _get(dx[n], p, dx[n].dtype)) for n, p in self.params.items()
+        }
+        frac = s / num_clients_total
+        new_c = {n: _add(c, frac * _get(dc[n], c, dc[n].dtype)) for n, c in self.c_global.items()}
+        return new_x, new_c
 
 
 def scaffold_client_control(
@@ -674,15 +623,15 @@ def scaffold_client_control(
         raise ValueError(f"scaffold_client_control: steps={steps!r} must be an integer >= 1")
     if not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"scaffold_client_control: lr={lr} must be > 0")
-    _check_keys(c_local, c_global, "scaffold_client_control: c_global vs c_local")
-    _check_keys(c_local, params_global, "scaffold_client_control: params_global vs c_local")
-    _check_keys(c_local, params_local, "scaffold_client_control: params_local vs c_local")
+    check_keys(c_local, c_global, "scaffold_client_control: c_global vs c_local")
+    check_keys(c_local, params_global, "scaffold_client_control: params_global vs c_local")
+    check_keys(c_local, params_local, "scaffold_client_control: params_local vs c_local")
     scale = 1.0 / (steps * lr)
     out: dict[str, Tensor] = {}
     for name, ci in c_local.items():
-        cd = _compute_dtype(name, ci)
+        cd = compute_dtype(name, ci)
         for what, src in (("c_global", c_global), ("x", params_global), ("y", params_local)):
-            _check_shape(ci, src[name], f"scaffold_client_control: {what} '{name}'")
+            check_shape(ci, src[name], f"scaffold_client_control: {what} '{name}'")
         x, y = _get(params_global[name], ci, cd), _get(params_local[name], ci, cd)
         new = ci.to(cd) - _get(c_global[name], ci, cd) + (x - y) * scale
         out[name] = new.to(ci.dtype)

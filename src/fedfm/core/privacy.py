@@ -219,8 +219,19 @@ class PrivacyLedger:
         name: str = "gaussian",
         analytic: bool = False,
     ) -> None:
-        """Registers ``count`` runs of Gaussian noise of std ``sigma`` on a query of L2
-        ``sensitivity`` (``analytic``: ``sigma`` came from :func:`analytic_gaussian_sigma`)."""
+        """Registers ``count`` runs of Gaussian noise of std ``sigma``.
+
+        The query has L2 ``sensitivity``; ``analytic``: ``sigma`` came from
+        :func:`analytic_gaussian_sigma`.
+
+        Args:
+            client: The client that adds the noise, or None for the server.
+            sigma: Noise standard deviation.
+            sensitivity: L2 sensitivity of the query.
+            count: Runs of the mechanism.
+            name: Name of the mechanism in reports.
+            analytic: ``sigma`` was calibrated by the analytic Gaussian mechanism.
+        """
         kind = "analytic-gaussian" if analytic else "gaussian"
         self.add(
             Mechanism(kind, name, _client(client), float(sigma), float(sensitivity), 1.0, count)

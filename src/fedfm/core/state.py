@@ -9,6 +9,7 @@ clients cost little more memory than one.
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,18 @@ from fedfm.core.messages import array_bytes
 
 
 def save_state(state: ClientState, folder: Path, stem: str) -> None:
-    """Writes one state as ``stem.safetensors`` + ``stem.json`` (caller handles atomicity)."""
-    tensors = {k: v.contiguous() for k, v in state.arrays.items()}
-    save_file(tensors, str(folder / f"{stem}.safetensors"))
-    (folder / f"{stem}.json").write_text(json.dumps(state.meta))
+    """Writes one state as ``stem.safetensors`` + ``stem.json``.
+
+    Each file is written under a temporary name and renamed into place, the JSON last, so a
+    reader that finds ``stem.json`` finds the whole state (the presence of the JSON marks a
+    complete state).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{stem}.tmp"
+    save_file({k: v.contiguous() for k, v in state.arrays.items()}, str(tmp))
+    os.replace(tmp, folder / f"{stem}.safetensors")
+    tmp.write_text(json.dumps(state.meta))
+    os.replace(tmp, folder / f"{stem}.json")
 
 
 def load_state(folder: Path, stem: str) -> ClientState:
@@ -76,7 +85,6 @@ class ClientStateStore:
         used = sum(array_bytes(s.arrays) for s in self._mem.values())
         while used > self.max_bytes and len(self._mem) > 1:
             cid, state = self._mem.popitem(last=False)
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
             save_state(state, self.spill_dir, cid)
             self._spilled.add(cid)
             used -= array_bytes(state.arrays)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from fedfm.config import TrainConfig
+
+if TYPE_CHECKING:
+    from fedfm.core.federation import ClientContext
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], tuple[Tensor, Any]]
@@ -118,6 +121,42 @@ def local_train(
         opt.step()
     model.train(was_training)
     return TrainResult(steps=steps, loss=float(total) / max(steps, 1))
+
+
+def local_round(
+    ctx: ClientContext,
+    model: nn.Module,
+    cfg: TrainConfig,
+    *,
+    steps: int | None = None,
+    purpose: str = "batches",
+    loss_fn: LossFn | None = None,
+    **kw: Any,
+) -> TrainResult:
+    """One client's local training on its own data: the round of a client handler.
+
+    Batches come from the task, shuffled with a seed of (run seed, round, client,
+    ``purpose``); the number of steps follows ``cfg`` (steps, or epochs over the client's
+    examples) unless ``steps`` is given.
+
+    Args:
+        ctx: The client's context (its data and task).
+        model: The model to train in place.
+        cfg: Local-training settings (usually the run's ``train`` section).
+        steps: Optimizer steps; ``None`` takes the budget of ``cfg``.
+        purpose: Seed purpose of the batch order (different stages of a round that must not
+            draw the same batches use different purposes).
+        loss_fn: ``(model, batch) -> (loss, outputs)``; the task's loss when None.
+        **kw: Passed on to :func:`local_train` (``prox_ref``, ``extra_loss``,
+            ``grad_correction``, ``optimizer``).
+
+    Returns:
+        Steps taken and the mean loss.
+    """
+    task, data = ctx.task, ctx.data
+    n = steps or num_steps(cfg, task.num_examples(data))
+    batches = task.batches(data, cfg.batch_size, ctx.rng_seed(purpose))
+    return local_train(model, batches, loss_fn or task.loss, cfg, n, **kw)
 
 
 def state_keys(model: nn.Module) -> list[str]:

@@ -363,20 +363,24 @@ def encode_dataset(tokenizer: Any, dataset: Any, cfg: PromptConfig | None = None
     )
 
 
-def collate(batch: Sequence[dict[str, Sequence[int]]], pad_id: int) -> dict[str, Tensor]:
+def collate(
+    batch: Sequence[Mapping[str, Sequence[int]]], pad_id: int, multiple: int = 1
+) -> dict[str, Tensor]:
     """Right-pads encoded rows into tensors for training.
 
     Args:
         batch: Rows with ``input_ids`` and ``labels`` (``attention_mask`` optional).
         pad_id: Token id used for padding ``input_ids``.
+        multiple: Pad the length up to a multiple of this (fewer distinct tensor shapes).
 
     Returns:
         ``input_ids``, ``attention_mask`` (0 on padding) and ``labels`` (``-100`` on padding), each
-        a ``long`` tensor of shape ``(batch, longest)``.
+        a ``long`` tensor of shape ``(batch, longest)``, longest rounded up to ``multiple``.
     """
     if not batch:
         raise FedfmError("collate received an empty batch")
     width = max(len(row["input_ids"]) for row in batch)
+    width = -(-width // multiple) * multiple
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(batch), width), dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
@@ -406,6 +410,7 @@ class InstructionBatches:
         bucket: Group rows of similar length.
         bucket_size: Batches per sorting pool when bucketing.
         drop_last: Drop a final incomplete batch.
+        pad_multiple: Pad each batch's length up to a multiple of this (see :func:`collate`).
     """
 
     def __init__(
@@ -418,6 +423,7 @@ class InstructionBatches:
         bucket: bool = False,
         bucket_size: int = 50,
         drop_last: bool = False,
+        pad_multiple: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ConfigError("batch_size", f"must be >= 1, got {batch_size}")
@@ -434,6 +440,7 @@ class InstructionBatches:
         self.bucket = bucket
         self.bucket_size = bucket_size
         self.drop_last = drop_last
+        self.pad_multiple = pad_multiple
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -470,4 +477,4 @@ class InstructionBatches:
         epoch = self.epoch
         self.epoch += 1
         for idx in self.batch_indices(epoch):
-            yield collate([self._rows[i] for i in idx], self.pad_id)
+            yield collate([self._rows[i] for i in idx], self.pad_id, self.pad_multiple)

@@ -206,10 +206,10 @@ def run_job(cfg: dict[str, Any]) -> tuple[str, str | None]:
     """Runs one config (in a worker process); returns (run name, error or None)."""
     import fedfm.algorithms.fedekd  # noqa: F401  (registers fedekd, fedkd-ungated, local-private)
     from fedfm.config import load_config
-    from fedfm.engine import Engine
+    from fedfm.runtime import run
 
     try:
-        Engine(load_config(cfg), overwrite=True, progress=False).run()
+        run(load_config(cfg), overwrite=True, progress=False)
         return cfg["name"], None
     except Exception as e:  # a failed run is reported in the study, not fatal to it
         return cfg["name"], f"{type(e).__name__}: {e}"

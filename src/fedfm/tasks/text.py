@@ -34,7 +34,16 @@ from fedfm.data.sources import LoadedSource, load_source
 from fedfm.errors import ConfigError
 from fedfm.models.registry import MODELS, build_model
 from fedfm.models.students import PAD_ID, HashingTokenizer
-from fedfm.tasks.base import TASKS, Task, TaskConfig, classification_metrics
+from fedfm.tasks.base import (
+    PUBLIC_SPLIT,
+    SOURCE_ROWS,
+    SPLIT_INPUTS,
+    TASKS,
+    TEXT_VIEW,
+    Task,
+    TaskConfig,
+    classification_metrics,
+)
 
 # Models fed hashed n-gram ids; every other model is fed the raw texts.
 HASHED_MODELS = ("text-classifier",)
@@ -256,6 +265,27 @@ class TextTask(Task):
             "public_size": len(self._public),
             "num_classes": self.num_classes,
         }
+
+    # ----- optional capabilities -----
+    @classmethod
+    def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        caps = {SOURCE_ROWS, SPLIT_INPUTS, TEXT_VIEW}
+        if isinstance(cfg, TextConfig) and cfg.public_size > 0:
+            caps.add(PUBLIC_SPLIT)
+        return frozenset(caps)
+
+    def pool_ids(self) -> np.ndarray:
+        return np.asarray(self.src.train["id"])
+
+    def rows(self, ids: Sequence[int]) -> TextData:
+        positions = np.flatnonzero(np.isin(self.pool_ids(), np.asarray(ids)))
+        return self.to_data(self.src.train.select(positions.tolist()))
+
+    def inputs(self, data: TextData, idx: Sequence[int]) -> Tensor | list[str]:
+        return data.inputs(idx)
+
+    def texts(self, data: TextData) -> list[str]:
+        return list(data.texts)
 
 
 def check_disjoint(public_ids: Tensor, client_ids: Tensor, field: str) -> None:

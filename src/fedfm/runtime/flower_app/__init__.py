@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
-from fedfm.runtime.flower import Payload, server_main
+from fedfm.runtime.flower.client import handle_hello, handle_message
+from fedfm.runtime.flower.server import server_main
+from fedfm.runtime.flower.wire import Payload
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
@@ -54,8 +56,6 @@ def make_client_app(payload: Payload | None = None) -> ClientApp:
     Args:
         payload: The run's payload; None reads it from Flower's run config.
     """
-    from fedfm.runtime.flower_app.client import handle_hello, handle_message
-
     app = ClientApp()
 
     @app.query("fedfm")

@@ -10,7 +10,7 @@ context), so fedfm's per-process caches (task, algorithm, models) stay warm.
 
 It runs only fedfm's ClientApp: a SuperNode paired with it serves fedfm runs. It leans on
 Flower's runtime-API helpers of the pinned flwr version (1.42); ``isolation="subprocess"``
-in :func:`fedfm.runtime.flower_app.deploy.supernode_command` is the stock fallback.
+in :func:`fedfm.runtime.flower.deploy.supernode_command` is the stock fallback.
 
 Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT``.
 """
@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     # Import the heavy modules while the SuperNode connects, not on the first message.
-    import fedfm.engine
-    import fedfm.runtime.flower_app.client  # noqa: F401
+    import fedfm.runtime.flower_app  # noqa: F401
 
     serve(
         args.runtime_api_address,

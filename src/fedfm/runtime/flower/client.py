@@ -4,8 +4,8 @@ Each SuperNode serves the client whose index in the task's ``client_ids()`` is i
 config's ``partition-id`` (Flower's simulation engine sets it per virtual node; a
 deployment SuperNode is started with it). The task and the algorithm are built from the run
 config once per process and cached, and every message goes through the same
-:func:`fedfm.runtime.embedded.dispatch` as on the embedded runtime: unknown kinds and wrong
-roles are refused with a named :class:`~fedfm.errors.MessageError`, torch is seeded from
+:meth:`fedfm.core.federation.ClientRunner.call` as on the embedded runtime: unknown kinds and
+wrong roles are refused with a named :class:`~fedfm.errors.MessageError`, torch is seeded from
 (seed, round, client, kind), declared fields are checked both ways.
 
 Client state lives in Flower's ``context.state`` and, for resume, in snapshots on the
@@ -15,25 +15,23 @@ changed, written only when the handler succeeded and its reply passed the server
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from safetensors.torch import load_file, save_file
+import torch
 
-from fedfm.core.federation import ClientContext, ClientState
-from fedfm.core.messages import validate_reply
+from fedfm.core.federation import ClientState, error_reason
+from fedfm.core.state import load_state, save_state
+from fedfm.engine import build
 from fedfm.errors import ConfigError, MessageError
-from fedfm.runtime.flower import (
+from fedfm.runtime.flower.wire import (
     CLIENT_ERROR_CODE,
     HEADER,
     Payload,
     arrays_to_record,
-    error_reason,
     like_templates,
     message_to_records,
     record_to_arrays,
@@ -53,17 +51,13 @@ DEFAULT_STATE_DIR = Path.home() / ".cache" / "fedfm" / "client-states"
 
 
 class ClientRuntime:
-    """What one process needs to serve clients of one run: task, algorithm, roles.
+    """What one process needs to serve clients of one run: the algorithm's client half.
 
     Args:
         payload: The run's payload.
     """
 
     def __init__(self, payload: Payload) -> None:
-        import torch
-
-        from fedfm.algorithms.base import kinds_of
-        from fedfm.engine import assign_roles, build
 
         self.payload = payload
         self.cfg = payload.run_config()
@@ -71,11 +65,8 @@ class ClientRuntime:
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
         self.setup = build(self.cfg)
-        self.handlers = self.setup.algo.handlers()
-        self.kinds = kinds_of(type(self.setup.algo))
+        self.runner = self.setup.client_runner()
         self.cids = self.setup.task.client_ids()
-        infos = assign_roles(self.cids, self.cfg.clients.roles, self.cfg.seed)
-        self.roles = {c.cid: c.role for c in infos}
 
     def client_id(self, node_config: dict[str, Any]) -> str:
         """The client this SuperNode serves, from its ``partition-id``.
@@ -156,20 +147,11 @@ class Snapshots:
         if not valid:
             return None
         s, r = max(valid, key=lambda x: (x[1], x[0]))
-        stem = self._stem(s, r)
-        arrays = load_file(str(self.folder / f"{stem}.safetensors"))
-        meta = json.loads((self.folder / f"{stem}.json").read_text())
-        return ClientState(arrays=dict(arrays), meta=meta)
+        return load_state(self.folder, self._stem(s, r))
 
     def save(self, state: ClientState, session: int, rnd: int) -> None:
-        """Writes a snapshot (the JSON last, so a half-written one is never read)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        stem = self._stem(session, rnd)
-        tmp = self.folder / f".{stem}.tmp"
-        save_file({k: v.contiguous() for k, v in state.arrays.items()}, str(tmp))
-        os.replace(tmp, self.folder / f"{stem}.safetensors")
-        tmp.write_text(json.dumps(state.meta))
-        os.replace(tmp, self.folder / f"{stem}.json")
+        """Writes a snapshot (its JSON last, so a half-written one is never read)."""
+        save_state(state, self.folder, self._stem(session, rnd))
 
     def prune(self, session: int, lineage: list[list[int]], committed: int) -> None:
         """Keeps the newest valid snapshot of a committed round and any newer ones."""
@@ -193,13 +175,17 @@ def _mark(head: dict[str, Any], cid: str) -> str:
     return json.dumps([head["run_uid"], head["session"], cid])
 
 
-def load_state(context: Context, head: dict[str, Any], cid: str, snaps: Snapshots) -> ClientState:
+def context_state(
+    context: Context, head: dict[str, Any], cid: str, snaps: Snapshots
+) -> ClientState:
     """This client's state: Flower's context state if it belongs to this session, else the
     newest valid snapshot on disk (a resumed run, or a SuperNode that restarted)."""
     st = context.state
-    if STATE_MARK in st and str(st[STATE_MARK]["mark"]) == _mark(head, cid):
-        arrays = record_to_arrays(st[STATE_ARRAYS]) if STATE_ARRAYS in st else {}
-        meta = json.loads(str(st[STATE_META]["json"])) if STATE_META in st else {}
+    configs = st.config_records
+    if STATE_MARK in configs and str(configs[STATE_MARK]["mark"]) == _mark(head, cid):
+        records = st.array_records
+        arrays = record_to_arrays(records[STATE_ARRAYS]) if STATE_ARRAYS in records else {}
+        meta = json.loads(str(configs[STATE_META]["json"])) if STATE_META in configs else {}
         return ClientState(arrays=arrays, meta=meta)
     found = snaps.latest(head["session"], head.get("lineage", []))
     state = found or ClientState()
@@ -266,8 +252,6 @@ def handle_message(
     """
     from flwr.app import Message as FlowerMessage
 
-    from fedfm.runtime.embedded import dispatch
-
     try:
         rt = runtime_for(_payload(context, payload))
         cid = rt.client_id(dict(context.node_config))
@@ -275,14 +259,12 @@ def handle_message(
         if str(head.get("cid")) != cid:
             raise MessageError(f"message for client {head.get('cid')} reached client {cid}")
         snaps = Snapshots(rt.state_root(dict(context.node_config)), head["run_uid"], cid)
-        saved = load_state(context, head, cid, snaps)
-        state = ClientState(arrays=dict(saved.arrays), meta=copy.deepcopy(saved.meta))
+        saved = context_state(context, head, cid, snaps)
         rnd = int(head["round"])
-        ctx = ClientContext(cid, rt.roles[cid], rnd, rt.cfg.seed, rt.setup.task, state)
-        reply = dispatch(rt.handlers, rt.kinds, ctx, msg)
-        # The server checks the reply too; checking here first keeps a reply the server
-        # would reject from committing the state, as on the embedded runtime.
-        validate_reply(cid, reply, like_templates(head.get("like", {})))
+        # The server checks the reply too; checking it here against the expected shapes
+        # keeps a reply the server would reject from committing the state, as on embedded.
+        like = like_templates(head.get("like", {}))
+        reply, state = rt.runner.call(cid, rnd, saved, msg, like)
         content = message_to_records(reply, {})
         if _changed(saved, state):
             snaps.save(state, int(head["session"]), rnd)

@@ -1,0 +1,151 @@
+"""The Flower commands of ``fedfm``: ``serve``, ``client``, ``flower-app``, ``flower-certs``.
+
+Each is a typer command function that :mod:`fedfm.cli` registers as it is. A command turns
+its arguments into validated values (a run config, TLS files, Flower options, existing key
+files) and calls the deployment engine (:mod:`fedfm.runtime.flower.deploy`) with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from fedfm.config import apply_override, load_run_config
+from fedfm.errors import ConfigError
+from fedfm.runtime.flower import deploy
+from fedfm.runtime.flower.options import run_options
+from fedfm.runtime.flower.tls import make_certificates, make_node_key, tls_files
+from fedfm.runtime.flower.wire import Payload
+
+Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides")]
+FlowerPairs = Annotated[list[str] | None, typer.Option(help="Flower option key=value (repeat)")]
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` strings (values parsed as YAML) as Flower options.
+
+    Raises:
+        ConfigError: A pair is not ``key=value``.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        apply_override(out, pair)
+    return out
+
+
+def algo_keys(name: str) -> list[str] | None:
+    """:func:`fedfm.algorithms.algo_keys`, imported only when a config is loaded."""
+    from fedfm.algorithms import algo_keys as keys
+
+    return keys(name)
+
+
+def _existing(name: str, path: Path | None) -> Path | None:
+    if path is not None and not Path(path).exists():
+        raise ConfigError(name, f"file not found: {path}")
+    return path
+
+
+def serve(
+    config: Annotated[str, typer.Argument(help="preset name or YAML file")],
+    overrides: Overrides = None,
+    resume: Annotated[bool, typer.Option("--resume")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    host: Annotated[str, typer.Option(help="address the SuperLink listens on")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="SuperLink port")] = 9092,
+    certificates: Annotated[
+        Path | None, typer.Option(help="folder with ca.crt, server.pem, server.key")
+    ] = None,
+    ssl_ca_certfile: Annotated[Path | None, typer.Option()] = None,
+    ssl_certfile: Annotated[Path | None, typer.Option()] = None,
+    ssl_keyfile: Annotated[Path | None, typer.Option()] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="no TLS")] = False,
+    node_key: Annotated[
+        list[Path] | None, typer.Option(help="SuperNode public key to accept (repeat)")
+    ] = None,
+    flower: FlowerPairs = None,
+) -> None:
+    """Serve a run on Flower's deployment engine (SuperLink here, `fedfm client` there)."""
+    cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+    tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
+    keys = [Path(k) for k in node_key or []]
+    for key in keys:
+        _existing("node-key", key)
+    summary = deploy.serve(
+        cfg,
+        resume=resume,
+        overwrite=overwrite,
+        options=parse_options(flower or []),
+        host=host,
+        port=port,
+        tls=tls,
+        node_keys=keys,
+    )
+    primary = summary["primary"]
+    print(f"{summary['name']}: {primary}={summary['final'].get(primary)}")
+
+
+def client(
+    superlink: Annotated[str, typer.Option(help="SuperLink host:port")],
+    partition_id: Annotated[int, typer.Option(help="index of this client")],
+    num_partitions: Annotated[int, typer.Option(help="number of clients")],
+    root_certificates: Annotated[Path | None, typer.Option(help="CA certificate")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="no TLS")] = False,
+    auth_key: Annotated[Path | None, typer.Option(help="node private key")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="client-state folder")] = None,
+    isolation: Annotated[str, typer.Option(help="process or subprocess")] = "process",
+) -> None:
+    """Run one client's SuperNode for `fedfm serve` (until Ctrl-C)."""
+    if not 0 <= partition_id < num_partitions:
+        raise ConfigError("partition-id", f"{partition_id} is not in 0..{num_partitions - 1}")
+    if (root_certificates is None) == (not insecure):
+        raise ConfigError(
+            "tls", "give --root-certificates CA_FILE, or --insecure to connect without TLS"
+        )
+    code = deploy.client(
+        superlink,
+        partition_id,
+        num_partitions,
+        root_certificates=_existing("root-certificates", root_certificates),
+        auth_key=_existing("auth-key", auth_key),
+        state_dir=state_dir,
+        isolation=isolation,
+    )
+    raise typer.Exit(code)
+
+
+def flower_app(
+    out: Annotated[Path, typer.Argument(help="output folder")],
+    config: Annotated[str, typer.Argument(help="preset name or YAML file")],
+    overrides: Overrides = None,
+    resume: Annotated[bool, typer.Option("--resume")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    flower: FlowerPairs = None,
+) -> None:
+    """Write a Flower app + run config for `flwr run` on an existing SuperLink."""
+    cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+    # The ServerApp runs wherever the SuperLink starts it: give it an absolute run folder.
+    run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
+    cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
+    opts = run_options(cfg, parse_options(flower or []))
+    payload = Payload(cfg.model_dump(mode="json"), opts.model_dump(), resume, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = deploy.write_app(out / "app")
+    run_config = deploy.write_run_config(out / "run_config.toml", payload)
+    print(f"flwr run {folder} <connection> --run-config {run_config} --stream")
+
+
+def flower_certs(
+    out: Annotated[Path, typer.Argument(help="output folder")],
+    host: Annotated[list[str] | None, typer.Option(help="SuperLink host name or IP")] = None,
+    nodes: Annotated[int, typer.Option(help="SuperNode key pairs to make")] = 0,
+) -> None:
+    """Make a CA, a SuperLink certificate and SuperNode keys (private deployments)."""
+    tls = make_certificates(out, host or ["127.0.0.1", "localhost"])
+    print(f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key {tls.server_key}")
+    for i in range(nodes):
+        priv, pub = make_node_key(out, f"node{i}")
+        print(f"SuperNode {i}: private key {priv}, public key {pub}")

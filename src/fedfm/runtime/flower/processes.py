@@ -1,0 +1,234 @@
+"""Starting, watching and stopping the Flower processes fedfm runs (each in its own group)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedfm.errors import FedfmError
+from fedfm.runtime.flower.options import flower_env_vars
+
+log = logging.getLogger("fedfm")
+
+
+class DeployError(FedfmError):
+    """A Flower process failed to start or a run failed on the deployment engine."""
+
+
+def bin_path(name: str) -> str:
+    # The Flower commands of this interpreter's environment, found even when it is not on PATH.
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A started process (in its own process group) and its log file."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of its log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def process_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Flower process started by fedfm.
+
+    ``extra`` overrides this process's variables, except ``PYTHONPATH``: its folders come
+    first and this process's follow, so the child still imports what this process imports.
+    """
+    env = dict(os.environ)
+    env.update(flower_env_vars(home))
+    # Flower starts its helpers (flower-superexec, flwr-serverapp) by name from PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    extra = dict(extra or {})
+    dirs = [p for p in extra.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(extra)
+    return with_pythonpath(env, dirs)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # Linux: the child gets SIGTERM when the thread that started it ends, so a `fedfm
+    # serve` or `fedfm client` killed with SIGKILL leaves no SuperLink or SuperNode behind.
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def start(
+    name: str,
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    log_dir: Path,
+    die_with_parent: bool = False,
+) -> Proc:
+    """Starts ``cmd`` in a new process group, output to ``log_dir/<name>.log``.
+
+    Args:
+        name: Name of the process (and of its log file).
+        cmd: Command line.
+        env: Environment.
+        log_dir: Folder of the log file.
+        die_with_parent: On Linux, end the process when the calling thread ends (for
+            long-running commands started from the main thread).
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{name}.log"
+    hook = _die_with_parent if die_with_parent and sys.platform == "linux" else None
+    with path.open("wb") as out:
+        popen = subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=hook,
+        )
+    return Proc(name, popen, path)
+
+
+def stop(procs: Iterable[Proc], grace_s: float = 5.0) -> None:
+    """Stops processes and everything they started (SIGTERM to the group, then SIGKILL)."""
+    procs = list(procs)
+    for p in procs:
+        _signal_group(p.popen, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        # Children may outlive a leader that exited; the group id stays valid until they go.
+        _signal_group(p.popen, signal.SIGKILL)
+        try:
+            p.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("process %s (pid %d) did not stop", p.name, p.popen.pid)
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)
+
+
+def wait_port(host: str, port: int, timeout_s: float, proc: Proc | None = None) -> None:
+    """Waits until something listens on ``host:port``.
+
+    Raises:
+        DeployError: Timeout, or ``proc`` exited first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise DeployError(f"{proc.name} exited (code {proc.popen.returncode}):\n{proc.tail()}")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    raise DeployError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
+
+
+def run_flwr(
+    args: Sequence[str],
+    env: Mapping[str, str],
+    timeout_s: float | None,
+    cwd: Path,
+    echo: bool = False,
+) -> str:
+    """Runs a ``flwr`` CLI command and returns its output (also printed when ``echo``).
+
+    Raises:
+        DeployError: It failed or timed out (its process group is killed).
+    """
+    popen = subprocess.Popen(
+        [bin_path("flwr"), *args],
+        env=dict(env),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=_pump, args=(popen, lines, echo), daemon=True)
+    reader.start()
+    try:
+        popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(popen, signal.SIGKILL)
+        popen.wait()
+        reader.join(5)
+        out = "".join(lines)[-3000:]
+        raise DeployError(f"`flwr {args[0]}` timed out after {timeout_s:.0f} s:\n{out}") from None
+    finally:
+        _signal_group(popen, signal.SIGKILL)
+    reader.join(5)
+    out = "".join(lines)
+    if popen.returncode != 0:
+        cmd = " ".join(args[:2])
+        raise DeployError(f"`flwr {cmd}` failed ({popen.returncode}):\n{out[-3000:]}")
+    return out
+
+
+def _pump(popen: subprocess.Popen, lines: list[str], echo: bool) -> None:
+    assert popen.stdout is not None
+    for line in popen.stdout:
+        lines.append(line)
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def plugin_pythonpath(imports: Sequence[str]) -> list[str]:
+    """Folders that make the plugin modules importable in child processes."""
+
+    dirs: list[str] = []
+    for name in imports:
+        spec = importlib.util.find_spec(name.split(".")[0])
+        if spec is None or spec.origin is None:
+            continue
+        origin = Path(spec.origin)
+        # A package lives in <root>/<name>/__init__.py, a module in <root>/<name>.py.
+        root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
+        if str(root) not in dirs:
+            dirs.append(str(root))
+    return dirs
+
+
+def with_pythonpath(env: dict[str, str], dirs: Sequence[str]) -> dict[str, str]:
+    """Puts ``dirs`` first on ``env``'s ``PYTHONPATH`` (in place; also returned)."""
+    if dirs:
+        parts = [*dirs, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env
