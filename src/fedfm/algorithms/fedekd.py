@@ -43,9 +43,10 @@ Choices of ours (the paper does not make them; each is a config option):
       use; ``private_archs`` is cycled over the clients in their stable order.
     * Aggregation weights are the clients' training-set sizes.
     * Evaluation is personalised: each client's private model on its local test split
-      (``local/``) and on the global test set (``test/``), mean and worst client; the headline
-      metric is the mean client on the global test set (as for the local-only baseline), and
-      the global proxy is reported on the global test set (``proxy/``).
+      (``local/``), on the global test set (``test/``) and, when the task holds out a
+      validation split (``task.local_val_fraction``), on it (``val/``), mean and worst client;
+      the headline metric is the mean client on the global test set (as for the local-only
+      baseline), and the global proxy is reported on the global test set (``proxy/``).
 """
 
 from __future__ import annotations
@@ -293,12 +294,16 @@ class FedeKD(Algorithm):
         return Message("local", meta={"num_examples": n, "loss": res.loss})
 
     def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
-        """The private model on the global test set (``test/``) and the local split (``local/``)."""
+        """The private model on the global test set (``test/``), the local test split
+        (``local/``) and, where the task holds one, the client's validation split (``val/``)."""
         model = self.load_private(ctx)
         glob = self.task.evaluate(model, self.task.test_data())
         loc = self.task.evaluate(model, self.task.client_test_data(ctx.cid))
         metrics = {**{f"test/{k}": v for k, v in glob.items()}}
         metrics.update({f"local/{k}": v for k, v in loc.items()})
+        val = self.task.client_val_data(ctx.cid)
+        if val is not None:  # an empty split evaluates to no metrics
+            metrics.update({f"val/{k}": v for k, v in self.task.evaluate(model, val).items()})
         n = self.task.num_examples(ctx.data)
         return Message("evaluate", meta={"num_examples": n, "metrics": metrics})
 
