@@ -17,6 +17,7 @@ from fedfm.config import load_config
 from fedfm.engine import Engine, build, resolve
 from fedfm.errors import ConfigError
 from fedfm.reproduce import fedekd as study
+from fedfm.reproduce.fedekd_report import write_report
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
 from fedfm.tasks.base import macro_f1
 
@@ -295,12 +296,12 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
     for job in study.main_jobs(grid):
         _fake_run(out, job, [3])
     choice = study.choose_gate(
-        grid.configs(), study.validation_scores(grid, study.analyse(out, study.main_jobs(grid)))
+        grid.configs(), study.config_scores(grid, study.analyse(out, study.main_jobs(grid)))
     )
     assert choice.gate == (4.0, 1.0)
     for job in study.chosen_jobs(grid, choice.gate):
         _fake_run(out, job, [3, 6] if job.long else [3])
-    report = study.write_report(grid, out, tmp_path / "docs" / "fedekd.md", "cmd", {})
+    report = write_report(grid, out, tmp_path / "docs" / "fedekd.md", "cmd", {})
     text = report.read_text()
     assert "**Chosen: β = 4, λ = 1**" in text and "stops inside section 3.5" in text
     # FedeKD(4,1) − ungated(1), NT mean: d_s = (0.09 − 0.02 s)/3 = 0.03, 0.0233, 0.0167,
@@ -310,7 +311,7 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
     assert row in text
     assert "| concrete | α=0.5, 10 clients | +2.33 ± 0.38 | +7.00 ± 0.58 | +0.0 ± 0.0 |" in text
     assert "| breast-cancer | α=5, 10 clients | +0.023 ± 0.004 |" in text  # control cells
-    assert "mean-client NT on the global test set Δ = +0.023 ± 0.004 (a better (> 2 SE))" in text
+    assert "mean-client NT on the global test set Δ = +0.023 ± 0.004 (a better by > 2 SE)" in text
     # Long runs: at round 3 the offsets are half those at round 6.
     assert "| 3 | " in text and "| 6 | " in text and "+1.17 ± 0.19 |" in text
     assert "| breast-cancer | α=0.5, 10 clients | 20 / 30 | 5 / 8 | 3 / 4 |" in text
