@@ -274,6 +274,7 @@ def _fake_run(out: Path, job: study.Job, rounds: list[int]) -> None:
     summary = {"primary": "rmse" if reg else "acc", "rounds": rounds[-1]}
     (run / "summary.json").write_text(json.dumps(summary))
     sizes = {"sizes": [20, 30, 40], "local_test_sizes": [5, 8, 10], "local_val_sizes": [3, 4, 6]}
+    sizes["test_size"] = 114
     (run / "partition.json").write_text(json.dumps(sizes))
 
 
@@ -314,7 +315,7 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
     assert "mean-client NT on the global test set Δ = +0.023 ± 0.004 (a better by > 2 SE)" in text
     # Long runs: at round 3 the offsets are half those at round 6.
     assert "| 3 | " in text and "| 6 | " in text and "+1.17 ± 0.19 |" in text
-    assert "| breast-cancer | α=0.5, 10 clients | 20 / 30 | 5 / 8 | 3 / 4 |" in text
+    assert "| breast-cancer | α=0.5, 10 clients | 20 / 30 | 5 / 8 | 3 / 4 | 114 |" in text
     for fig in ("negative_transfer.png", "gate_grid.png", "nt_curves.png"):
         assert (tmp_path / "docs" / "fedekd" / fig).stat().st_size > 1000
 

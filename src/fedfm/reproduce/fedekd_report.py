@@ -435,6 +435,7 @@ def _sizes_table(grid: Grid, res: Results) -> list[str]:
             "partition rows, min / median",
             "local test rows, min / median",
             "validation rows, min / median",
+            "global test rows",
         ]
     )
     for p in grid.presets:
@@ -446,6 +447,8 @@ def _sizes_table(grid: Grid, res: Results) -> list[str]:
             for key in ("sizes", "local_test_sizes", "local_val_sizes"):
                 vals = [x for s in per.values() for x in s.get(key, [])]
                 row.append(f"{min(vals)} / {np.median(vals):g}" if vals else "—")
+            tests = sorted({s["test_size"] for s in per.values() if "test_size" in s})
+            row.append(", ".join(map(str, tests)) or "—")
             lines.append(_row(row))
     return lines
 
@@ -725,8 +728,9 @@ def _setup_lines(
         f" {len(grid.settings)} skewed settings × {len(grid.seeds)} seeds ×"
         f" {len(grid.main_variants())} variants (local-only with shared and with private archs,"
         f" FedAvg, FedProx, ungated KD at λ ∈ {_values(grid.lams)}, FedeKD at β ∈"
-        f" {_values(grid.betas)} × λ ∈ {_values(grid.lams)}); {grid.rounds or 'the presets’'}"
-        f" rounds, clients evaluated every {grid.eval_every}.",
+        f" {_values(grid.betas)} × λ ∈ {_values(grid.lams)});"
+        f" {grid.rounds or preset_data(grid.presets[0])['rounds']} rounds, clients evaluated"
+        f" every {grid.eval_every}.",
         "- Settings (Dirichlet label skew; for regression over quantile bins of the target):"
         f" skewed, in the main grid: {_settings_text(grid.settings)}{control}",
         f"- Seeds: {', '.join(map(str, grid.seeds))}; a seed draws the partition, the splits and"
@@ -787,10 +791,27 @@ def _choice_lines(grid: Grid, res: Results, choice: Choice | None) -> list[str]:
         f" Before the rule was applied the default was β = {REFERENCE_GATE[0]:g},"
         f" λ = {REFERENCE_GATE[1]:g}{history}",
         "",
+        _contrast_line(grid, res),
+        "",
         *_validation_lines(grid, res, choice),
         "",
     ]
     return lines
+
+
+def _contrast_line(grid: Grid, res: Results) -> str:
+    """What the same ranking would pick on the test sets (reported, never used)."""
+    picks = []
+    for split, where in (("local", "local test splits"), ("test", "global test set")):
+        ch = choose_gate(grid.configs(), config_scores(grid, res, split))
+        if ch:
+            picks.append(f"on the {where} β = {ch.beta:g}, λ = {ch.lam:g}")
+    return (
+        "For contrast only (these numbers never enter the rule), the same ranking applied to"
+        f" the test numbers would pick {' and '.join(picks)} (figure `gate_grid.png`)."
+        if picks
+        else ""
+    )
 
 
 def _findings_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list[str]:
