@@ -443,21 +443,29 @@ def _curve_table(
 
 
 def _curve_findings(grid: Grid, res: Results, choice: tuple[float, float]) -> list[str]:
-    """The gate's effect early, at the main grid's length and at the end of the long runs."""
+    """The gate's effect (each gated long-run variant against ungated KD at its λ) early, at
+    the main grid's length and at the end of the long runs, on both sets."""
     lines = []
-    comp = Comparison(gated(*choice), ungated(choice[1]))
-    for p in grid.long_presets:
-        d = _digits(res.primary(p))
-        a, b = (_long_curve(res, grid, p, v, "test") for v in (comp.a, comp.b))
-        rounds = _common_rounds([*a.values(), *b.values()])
-        if len(rounds) < 2:
-            continue
-        marks = sorted({rounds[0], *(r for r in (grid.rounds or 15,) if r in rounds), rounds[-1]})
-        parts = [f"round {r}: {paired(_at(a, r), _at(b, r)).fmt(d, True)}" for r in marks]
-        lines.append(
-            f"- {_name(p)} ({_unit(res.primary(p))}), {comp.label}, mean-client NT on the global"
-            f" test set: " + "; ".join(parts) + "."
-        )
+    comps = [c for c in comparisons(choice) if c.b.method == "fedkd-ungated"]
+    for comp in comps:
+        for p in grid.long_presets:
+            d = _digits(res.primary(p))
+            parts = []
+            for split in ("test", "local"):
+                a, b = (_long_curve(res, grid, p, v, split) for v in (comp.a, comp.b))
+                rounds = _common_rounds([*a.values(), *b.values()])
+                if len(rounds) < 2:
+                    continue
+                keep = (grid.rounds or 15,)
+                marks = sorted({rounds[0], *(r for r in keep if r in rounds), rounds[-1]})
+                at = [f"round {r} {paired(_at(a, r), _at(b, r)).fmt(d, True)}" for r in marks]
+                parts.append(f"{_where(split)}: " + ", ".join(at))
+            if parts:
+                lines.append(
+                    f"- {comp.label}, {_name(p)} ({_unit(res.primary(p))}), mean-client NT: "
+                    + "; ".join(parts)
+                    + "."
+                )
     return lines
 
 
