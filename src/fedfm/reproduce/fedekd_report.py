@@ -339,12 +339,7 @@ def _validation_lines(grid: Grid, res: Results, choice: Choice | None) -> list[s
     return lines
 
 
-GATE_GRID_STATS = (
-    ("test", "nt_mean", "Δ NT mean, global test"),
-    ("test", "nt_worst", "Δ NT worst, global test"),
-    ("local", "nt_mean", "Δ NT mean, local split"),
-    ("local", "nt_worst", "Δ NT worst, local split"),
-)
+GATE_GRID_STATS = tuple(x for x in DIFF_STATS if x[1] != "harmed")
 
 
 def _gate_comparisons(grid: Grid) -> list[Comparison]:
