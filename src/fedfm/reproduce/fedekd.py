@@ -1,83 +1,189 @@
-"""FedeKD reproduction study: methods x datasets x heterogeneity x seeds, and an ablation over β.
+"""FedeKD reproduction study: negative transfer with standard errors, the gate's β × λ grid,
+stronger skew, and negative transfer over a longer run.
 
-``fedfm reproduce fedekd`` runs every method on the six ``fedekd-*`` presets (four
-classification sets, two regression sets) at two Dirichlet concentrations and three seeds,
-measures negative transfer per client against the matching local-only run (same seed, same
-partition), and writes ``docs/fedekd.md`` with tables and figures. ``--quick`` runs a small
-grid and writes its report under the output folder instead, so it never replaces the committed
-report.
+``fedfm reproduce fedekd`` runs, on the six ``fedekd-*`` presets (four classification sets,
+two regression sets):
+
+1. the **main grid**: two skewed settings (Dirichlet α = 0.1 with 4 clients, α = 0.5 with 10
+   clients), five seeds, the baselines (local-only with the shared and with
+   the private architectures, FedAvg, FedProx, ungated private/proxy KD at every λ) and FedeKD
+   at every (β, λ) of β ∈ {1, 2, 4, 8} × λ ∈ {0.5, 1, 2}, 15 rounds, clients evaluated every
+   3 rounds;
+2. the **choice of β and λ** by the rule below, on each client's validation split;
+3. with the chosen (β, λ): the **control** setting (α = 5, 10 clients, near-IID) with the
+   baselines, FedeKD at the chosen (β, λ) and at β = λ = 1 and ungated KD at their λ; and the
+   **long runs**: 60 rounds at α = 0.5 on three presets, five seeds, the same variants,
+   clients evaluated every 3 rounds, for negative transfer over rounds;
+
+and writes ``docs/fedekd.md`` with tables and figures (:mod:`fedfm.reproduce.fedekd_report`).
+``--quick`` runs a small grid in one process and writes its report under the output folder
+instead, so it never replaces the committed report.
+
+Splits (ours). Each client's partition is split once per seed into a local test split
+(``task.local_test_fraction`` = 25 %), a validation split (``local_val_fraction`` = 15 %, for
+every method, so all train on the same rows) and training rows. Metrics are read on three
+sets: the client's local test split (``local``: its own distribution, but a few rows on the
+smallest clients), the global test set shared by all clients (``test``: hundreds of rows, the
+powered measure; for FedAvg and FedProx every client's model is the global model), and the
+validation split (``val``, only to choose β and λ).
 
 Negative transfer references (ours): FedAvg and FedProx train the shared architecture
 (``task.model_args``) and are compared with ``local`` (that architecture trained alone); the
 private/proxy methods are compared with ``local-private`` (each client's own private
 architecture trained alone for the same budget), so architecture and federation are not
-confounded.
+confounded. Statistics: :mod:`fedfm.reproduce.stats`.
+
+The rule that chooses β and λ (stated before the grid ran; it never reads a test number):
+for every (dataset, skewed setting) cell of the main grid, the 12 gated configurations are
+ranked by their mean-client negative transfer on the validation split (primary metric:
+accuracy, or RMSE for regression), averaged over seeds (rank 1 = least harmful, ties share
+the mean rank); the configuration with the lowest mean rank over all cells is chosen; ties go
+to the smaller β, then the smaller λ. FedeKD's default (``FedeKDConfig``) follows the chosen
+configuration; the report says whether the two agree.
+
+Resumable: a run whose folder holds a finished run of the same config is skipped, an
+unfinished one is resumed from its last checkpoint, one of another config is run afresh; so
+rerunning the command after an interruption only runs what is missing, and rerunning it on
+a finished grid only rewrites the report.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import logging
-import math
 import multiprocessing as mp
 import os
-import platform
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import yaml
 
 from fedfm.reproduce import STUDIES
 
 log = logging.getLogger("fedfm")
 
+# The gate setting FedeKD had as its default before the selection rule was first applied; the
+# study always runs it, so the report can compare it with the rule's choice.
+REFERENCE_GATE = (1.0, 1.0)
+
+# ----------------------------------------------------------------------------- the grid
+
 
 @dataclass(frozen=True)
 class Method:
-    """One row of the study.
+    """A family of rows of the study.
 
     Attributes:
         label: Name in the report.
         algorithm: Registered algorithm.
         reference: Method whose run is the local-only reference (None for local-only itself).
-        algo: Builds the ``algo`` section from the preset's FedeKD section.
     """
 
     label: str
     algorithm: str
     reference: str | None
-    algo: Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def _shared(extra: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    def build(p: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "server_opt": p.get("server_opt", {"name": "fedavg"}),
-            "personal_eval": True,
-            **extra,
-        }
-
-    return build
 
 
 METHODS: dict[str, Method] = {
-    "local": Method("local-only (shared arch)", "local", None, lambda p: {}),
-    "local-private": Method("local-only (private archs)", "local-private", None, dict),
-    "fedavg": Method("FedAvg", "fedavg", "local", _shared({})),
-    "fedprox": Method("FedProx (μ=0.01)", "fedprox", "local", _shared({"mu": 0.01})),
-    "fedkd-ungated": Method(
-        "private/proxy KD, ungated",
-        "fedkd-ungated",
-        "local-private",
-        lambda p: {**p, "gate": "ungated"},
-    ),
-    "fedekd": Method("FedeKD (gated)", "fedekd", "local-private", dict),
+    "local": Method("local-only (shared arch)", "local", None),
+    "local-private": Method("local-only (private archs)", "local-private", None),
+    "fedavg": Method("FedAvg", "fedavg", "local"),
+    "fedprox": Method("FedProx (μ=0.01)", "fedprox", "local"),
+    "fedkd-ungated": Method("ungated KD", "fedkd-ungated", "local-private"),
+    "fedekd": Method("FedeKD", "fedekd", "local-private"),
 }
+BASELINES = ("local", "local-private", "fedavg", "fedprox")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A method with its gate settings: β and λ for FedeKD, λ for ungated KD."""
+
+    method: str
+    beta: float | None = None
+    lam: float | None = None
+
+    @property
+    def key(self) -> str:
+        """Stable name in run folders, e.g. ``fedekd-b4-l0.5``."""
+        b = "" if self.beta is None else f"-b{self.beta:g}"
+        lam = "" if self.lam is None else f"-l{self.lam:g}"
+        return f"{self.method}{b}{lam}"
+
+    @property
+    def label(self) -> str:
+        """Name in the report, e.g. ``FedeKD (β=4, λ=0.5)``."""
+        parts = [f"β={self.beta:g}"] if self.beta is not None else []
+        parts += [f"λ={self.lam:g}"] if self.lam is not None else []
+        base = METHODS[self.method].label
+        return f"{base} ({', '.join(parts)})" if parts else base
+
+    @property
+    def reference(self) -> Variant | None:
+        """The local-only variant this one's negative transfer is measured against."""
+        ref = METHODS[self.method].reference
+        return Variant(ref) if ref else None
+
+    def algo(self, preset_algo: Mapping[str, Any]) -> dict[str, Any]:
+        """The run's ``algo`` section, every gate field explicit (so that a later change of
+        FedeKD's defaults or of a preset's β does not change a finished run's config)."""
+        if self.method == "local":
+            return {}
+        if self.method in ("fedavg", "fedprox"):
+            algo = {"server_opt": preset_algo.get("server_opt", {"name": "fedavg"})}
+            algo["personal_eval"] = True
+            return {**algo, "mu": 0.01} if self.method == "fedprox" else algo
+        keep = ("proxy_arch", "private_archs", "server_opt")
+        algo = {k: copy.deepcopy(preset_algo[k]) for k in keep if k in preset_algo}
+        if self.method == "fedkd-ungated":
+            algo.update(gate="ungated", lam=self.lam)
+        elif self.method == "fedekd":
+            algo.update(gate="sigmoid", beta=self.beta, lam=self.lam)
+        return algo
+
+
+def gated(beta: float, lam: float) -> Variant:
+    """FedeKD at (β, λ)."""
+    return Variant("fedekd", float(beta), float(lam))
+
+
+def ungated(lam: float) -> Variant:
+    """Ungated private/proxy KD at λ."""
+    return Variant("fedkd-ungated", lam=float(lam))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A heterogeneity setting: Dirichlet α over this many clients.
+
+    Attributes:
+        alpha: Dirichlet concentration (label skew; quantile bins of the target for regression).
+        num_clients: Clients.
+        min_size: Smallest partition the partitioner accepts (None: the preset's).
+    """
+
+    alpha: float
+    num_clients: int
+    min_size: int | None = None
+
+    @property
+    def tag(self) -> str:
+        """Stable name in run folders, e.g. ``a0.5-k10``."""
+        return f"a{self.alpha:g}-k{self.num_clients}"
+
+    @property
+    def label(self) -> str:
+        """Name in the report."""
+        return f"α={self.alpha:g}, {self.num_clients} clients"
 
 
 @dataclass
@@ -86,26 +192,56 @@ class Grid:
 
     Attributes:
         presets: ``fedekd-*`` presets, one per dataset.
-        alphas: Dirichlet concentrations (label skew; binned targets for regression).
-        seeds: Run seeds (each also seeds the partition).
-        methods: Keys of :data:`METHODS`.
-        betas: Gate scales of the ablation (FedeKD at ``ablation_alpha``; the preset's β is
-            taken from the main grid).
-        ablation_alpha: Concentration of the ablation.
-        rounds: Rounds per run (None: the preset's).
+        settings: Skewed settings of the main grid (every variant; the rule ranks these).
+        control_settings: Settings run after the choice with the featured variants only (the
+            near-IID control).
+        seeds: Seeds of the main grid (each also draws the partition and the splits).
+        betas: Gate scales of the main grid.
+        lams: Backward-distillation weights of the main grid (ungated KD runs at each).
+        rounds: Rounds of the main grid (None: the preset's).
+        eval_every: Clients are evaluated every this many rounds (and after the last).
+        val_fraction: Share of each client's partition held out for validation.
+        long_presets: Presets of the long runs.
+        long_setting: Setting of the long runs.
+        long_seeds: Seeds of the long runs.
+        long_rounds: Rounds of the long runs.
+        long_eval_every: Evaluation interval of the long runs.
         train: Overrides of the ``train`` section.
         workers: Parallel worker processes (one torch thread each).
     """
 
     presets: Sequence[str]
-    alphas: Sequence[float] = (0.5, 5.0)
-    seeds: Sequence[int] = (0, 1, 2)
-    methods: Sequence[str] = tuple(METHODS)
-    betas: Sequence[float] = (0.5, 2.0, 4.0)
-    ablation_alpha: float = 0.5
+    settings: Sequence[Setting] = (Setting(0.1, 4, 16), Setting(0.5, 10))
+    control_settings: Sequence[Setting] = (Setting(5.0, 10),)
+    seeds: Sequence[int] = (0, 1, 2, 3, 4)
+    betas: Sequence[float] = (1.0, 2.0, 4.0, 8.0)
+    lams: Sequence[float] = (0.5, 1.0, 2.0)
     rounds: int | None = None
+    eval_every: int = 3
+    val_fraction: float = 0.15
+    long_presets: Sequence[str] = ()
+    long_setting: Setting = Setting(0.5, 10)
+    long_seeds: Sequence[int] = (0, 1, 2, 3, 4)
+    long_rounds: int = 60
+    long_eval_every: int = 3
     train: dict[str, Any] = field(default_factory=dict)
     workers: int = 2
+
+    def all_settings(self) -> list[Setting]:
+        """Main and control settings, in report order."""
+        return [*self.settings, *self.control_settings]
+
+    def configs(self) -> list[tuple[float, float]]:
+        """The gated (β, λ) configurations of the main grid."""
+        return [(float(b), float(lam)) for b in self.betas for lam in self.lams]
+
+    def main_variants(self) -> list[Variant]:
+        """Every variant of the main grid: baselines, ungated KD per λ, FedeKD per (β, λ)."""
+        return [
+            *(Variant(m) for m in BASELINES),
+            *(ungated(lam) for lam in self.lams),
+            *(gated(b, lam) for b, lam in self.configs()),
+        ]
 
 
 FULL = Grid(
@@ -116,328 +252,487 @@ FULL = Grid(
         "fedekd-digits",
         "fedekd-concrete",
         "fedekd-diabetes",
-    )
+    ),
+    long_presets=("fedekd-breast-cancer", "fedekd-credit", "fedekd-diabetes"),
 )
 QUICK = Grid(
     presets=("fedekd-breast-cancer", "fedekd-concrete"),
-    seeds=(0,),
-    betas=(0.0, 4.0),
-    rounds=4,
+    settings=(Setting(0.5, 10),),
+    control_settings=(),
+    seeds=(0, 1),
+    betas=(1.0, 4.0),
+    lams=(1.0,),
+    rounds=2,
+    eval_every=1,
+    long_presets=("fedekd-concrete",),
+    long_seeds=(0, 1),
+    long_rounds=4,
+    long_eval_every=2,
+    train={"steps": 2},
 )
 
 
-@dataclass(frozen=True)
-class Job:
-    """One run of the grid."""
+class Job(NamedTuple):
+    """One run of the study."""
 
     preset: str
-    alpha: float
+    setting: Setting
     seed: int
-    method: str
-    beta: float | None = None  # None: the preset's β
+    variant: Variant
+    long: bool = False
 
     @property
     def name(self) -> str:
-        b = "" if self.beta is None else f"-b{self.beta:g}"
-        return (
-            f"{self.preset.removeprefix('fedekd-')}-a{self.alpha:g}-s{self.seed}-{self.method}{b}"
-        )
+        """Run folder name."""
+        head = "long-" if self.long else ""
+        data = self.preset.removeprefix("fedekd-")
+        return f"{head}{data}-{self.setting.tag}-s{self.seed}-{self.variant.key}"
+
+    def reference(self) -> Job | None:
+        """The local-only run of the same seed, setting and partition."""
+        ref = self.variant.reference
+        return self._replace(variant=ref) if ref else None
 
 
-def jobs_of(grid: Grid) -> list[Job]:
-    """Every run of the grid: the main grid, then the β ablation."""
-    jobs = [
-        Job(p, a, s, m)
-        for p in grid.presets
-        for a in grid.alphas
+def main_jobs(grid: Grid) -> list[Job]:
+    """The main grid, seed by seed: an interrupted grid has every cell at fewer seeds."""
+    return [
+        Job(p, st, s, v)
         for s in grid.seeds
-        for m in grid.methods
+        for st in grid.settings
+        for p in grid.presets
+        for v in grid.main_variants()
     ]
-    if "fedekd" in grid.methods:
-        jobs += [
-            Job(p, grid.ablation_alpha, s, "fedekd", b)
-            for p in grid.presets
-            for s in grid.seeds
-            for b in grid.betas
-        ]
-    return jobs
+
+
+def long_variants(choice: tuple[float, float]) -> list[Variant]:
+    """Variants of the long runs: the baselines, the chosen gate and the reference gate, each
+    with ungated KD at its λ."""
+    out = [Variant(m) for m in BASELINES]
+    for b, lam in (choice, REFERENCE_GATE):
+        for v in (ungated(lam), gated(b, lam)):
+            if v not in out:
+                out.append(v)
+    return out
+
+
+def featured(choice: tuple[float, float]) -> list[Variant]:
+    """The variants of the control settings and the rows of the per-dataset tables."""
+    return long_variants(choice)
+
+
+def chosen_jobs(grid: Grid, choice: tuple[float, float]) -> list[Job]:
+    """What runs once (β, λ) is chosen: the control settings with the featured variants, then
+    the long runs, each seed by seed."""
+    control = [
+        Job(p, st, s, v)
+        for s in grid.seeds
+        for st in grid.control_settings
+        for p in grid.presets
+        for v in featured(choice)
+    ]
+    return control + [
+        Job(p, grid.long_setting, s, v, long=True)
+        for s in grid.long_seeds
+        for p in grid.long_presets
+        for v in long_variants(choice)
+    ]
+
+
+@cache
+def _preset_yaml(preset: str) -> str:
+    from fedfm.config import load_config
+
+    return json.dumps(load_config(preset).model_dump(mode="json"))
 
 
 def preset_data(preset: str) -> dict[str, Any]:
-    """A preset as a validated, complete config mapping."""
-    from fedfm.config import load_config
-
-    return load_config(preset).model_dump(mode="json")
-
-
-def preset_beta(preset: str) -> float:
-    """The gate scale β of a preset (FedeKD's default when the preset does not set it)."""
-    from fedfm.algorithms.fedekd import FedeKDConfig
-
-    return FedeKDConfig(**preset_data(preset).get("algo", {})).beta
+    """A preset as a validated, complete config mapping (a fresh copy)."""
+    return json.loads(_preset_yaml(preset))
 
 
 def job_config(job: Job, grid: Grid, out: Path) -> dict[str, Any]:
-    """The run config of one job: the preset with the method, α, seed and study settings."""
+    """The run config of one job: the preset with the variant, setting, seed and study settings."""
     data = preset_data(job.preset)
-    method = METHODS[job.method]
-    algo = method.algo(dict(data.get("algo", {})))
-    if job.beta is not None:
-        algo["beta"] = job.beta
-    rounds = grid.rounds or int(data.get("rounds", 15))
+    rounds = grid.long_rounds if job.long else (grid.rounds or int(data.get("rounds", 15)))
+    st = job.setting
+    part = {**data.get("partition", {}), "alpha": st.alpha, "num_clients": st.num_clients}
+    if st.min_size is not None:
+        part["min_size"] = st.min_size
+    clients = dict(data.get("clients", {}))
+    clients["min_clients"] = min(int(clients.get("min_clients", st.num_clients)), st.num_clients)
     data.update(
         name=job.name,
         seed=job.seed,
-        algorithm=method.algorithm,
-        algo=algo,
+        algorithm=METHODS[job.variant.method].algorithm,
+        algo=job.variant.algo(data.get("algo", {})),
         rounds=rounds,
         out_dir=str(out),
-        eval_every=rounds,  # only the final round is reported: skip the intermediate evals
+        eval_every=grid.long_eval_every if job.long else grid.eval_every,
         eval_before=False,
         plots=False,
         threads=1,
+        partition=part,
+        clients=clients,
     )
-    data["partition"] = {**data.get("partition", {}), "alpha": job.alpha}
+    data["task"] = {**data["task"], "local_val_fraction": grid.val_fraction}
     data["train"] = {**data.get("train", {}), **grid.train}
     return data
 
 
+# ----------------------------------------------------------------------------- running
+
+
+def _comparable(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A config without the output folder (moving the study's folder keeps its runs)."""
+    return {k: v for k, v in cfg.items() if k != "out_dir"}
+
+
+def run_status(cfg: dict[str, Any]) -> str:
+    """``new`` (no run), ``changed`` (a run of another config), ``partial`` (unfinished run of
+    this config) or ``done`` (finished run of this config)."""
+    from fedfm.config import load_config
+
+    root = Path(cfg["out_dir"]) / cfg["name"]
+    saved = root / "config.yaml"
+    if not saved.exists():
+        return "new"
+    try:
+        old = yaml.safe_load(saved.read_text())
+    except yaml.YAMLError:
+        return "changed"
+    if not isinstance(old, dict) or _comparable(old) != _comparable(
+        load_config(cfg).model_dump(mode="json")
+    ):
+        return "changed"
+    try:
+        summary = json.loads((root / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "partial"
+    return "done" if summary.get("rounds") == cfg["rounds"] else "partial"
+
+
 def run_job(cfg: dict[str, Any]) -> tuple[str, str | None]:
-    """Runs one config (in a worker process); returns (run name, error or None)."""
+    """Runs one config (in a worker process); returns (run name, error or None).
+
+    An unfinished run of the same config resumes from its last checkpoint; any other folder
+    of that name is replaced.
+    """
     import fedfm.algorithms.fedekd  # noqa: F401  (registers fedekd, fedkd-ungated, local-private)
     from fedfm.config import load_config
     from fedfm.runtime import run
 
     try:
-        run(load_config(cfg), overwrite=True, progress=False)
+        status = run_status(cfg)
+        if status == "done":
+            return cfg["name"], None
+        resume = status == "partial"
+        run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
         return cfg["name"], None
     except Exception as e:  # a failed run is reported in the study, not fatal to it
         return cfg["name"], f"{type(e).__name__}: {e}"
 
 
-def _run_all(cfgs: list[dict[str, Any]], workers: int) -> dict[str, str]:
+def _run_all(cfgs: list[dict[str, Any]], workers: int) -> tuple[dict[str, str], int]:
+    """Runs the configs that are not done; returns (errors by run name, runs executed)."""
+    todo = [c for c in cfgs if run_status(c) != "done"]
+    if not todo:
+        return {}, 0
     if workers <= 1:
-        results = [run_job(c) for c in cfgs]
+        results = [run_job(c) for c in todo]
     else:
         # spawn: fresh interpreters, no forked torch thread pools.
         ctx = mp.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            results = list(pool.map(run_job, cfgs, chunksize=1))
-    return {name: err for name, err in results if err}
+            results = list(pool.map(run_job, todo, chunksize=1))
+    return {name: err for name, err in results if err}, len(todo)
 
 
-# ----------------------------------------------------------------------------- analysis
+# ----------------------------------------------------------------------------- reading runs
 
 
-@dataclass
-class Cell:
-    """One (dataset, α, method[, β]) cell: per-seed values of each statistic."""
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines log (a torn last line from a killed write is skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
-    values: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, key: str, v: float) -> None:
-        self.values.setdefault(key, []).append(v)
+def client_curves(run: Path, split: str, metric: str) -> dict[int, dict[str, float]]:
+    """Round -> client id -> ``metric`` on ``split`` at every evaluated round of a run.
+
+    ``split`` is ``local`` (the client's own test split), ``test`` (the global test set) or
+    ``val`` (its validation split), read as ``<split>/<metric>`` from ``client_metrics.jsonl``.
+    FedAvg-family runs log only ``local/`` per client; on ``test`` their clients all hold the
+    global model, whose value is read from the same round of ``metrics.jsonl``.
+    """
+    glob = {r["round"]: r for r in _jsonl(run / "metrics.jsonl")}
+    out: dict[int, dict[str, float]] = {}
+    for row in _jsonl(run / "client_metrics.jsonl"):
+        rnd, vals = row["round"], {}
+        for cid, m in row["clients"].items():
+            key = f"{split}/{metric}"
+            if key in m:
+                vals[cid] = float(m[key])
+            elif split == "test" and f"local/{metric}" in m and metric in glob.get(rnd, {}):
+                vals[cid] = float(glob[rnd][metric])
+        if vals:
+            out[rnd] = vals
+    return out
 
 
-def _metrics(kind: str) -> list[tuple[str, bool]]:
-    """(metric, higher_is_better) reported for a task kind."""
+def nt_stats(
+    mine: Mapping[str, float], ref: Mapping[str, float], higher_is_better: bool
+) -> dict[str, float]:
+    """Mean and worst negative transfer over clients, and the number of clients harmed.
+
+    A client is harmed when its NT is below zero (federated worse than local-only).
+    """
+    from fedfm.algorithms.fedekd import negative_transfer
+
+    nt = negative_transfer(mine, ref, higher_is_better)
+    per = list(nt["per_client"].values())
+    return {
+        "nt_mean": nt["mean"],
+        "nt_worst": nt["worst"],
+        "harmed": float(sum(v < 0 for v in per)),
+        "clients": float(len(per)),
+    }
+
+
+def metrics_of(kind: str) -> list[tuple[str, bool]]:
+    """(metric, higher_is_better) of a task kind, the primary first."""
     return [("rmse", False)] if kind == "regression" else [("acc", True), ("macro_f1", True)]
 
 
-def analyse(grid: Grid, out: Path) -> dict[str, Any]:
-    """Reads every run of the grid; per-seed mean metric and mean/worst negative transfer."""
-    from fedfm.algorithms.fedekd import client_metric, negative_transfer
+SPLITS = ("test", "local", "val")
 
-    cells: dict[tuple[Any, ...], Cell] = {}
-    kinds: dict[str, str] = {}
-    for job in jobs_of(grid):
-        run = out / job.name
-        if not (run / "client_metrics.jsonl").exists():
-            continue
-        kind = _kind_of(run)
-        kinds[job.preset] = kind
-        key = (job.preset, job.alpha, job.method, job.beta)
-        cell = cells.setdefault(key, Cell())
-        ref_method = METHODS[job.method].reference
-        ref = out / Job(job.preset, job.alpha, job.seed, ref_method).name if ref_method else None
-        for metric, hib in _metrics(kind):
-            mine = client_metric(run, metric)
-            cell.add(metric, float(np.mean(list(mine.values()))))
-            if ref is not None and (ref / "client_metrics.jsonl").exists():
-                nt = negative_transfer(mine, client_metric(ref, metric), hib)
-                cell.add(f"nt_{metric}", nt["mean"])
-                cell.add(f"nt_{metric}_worst", nt["worst"])
-    return {"cells": cells, "kinds": kinds}
+
+class CellKey(NamedTuple):
+    """A cell of the study: every seed of one (dataset, setting, variant, main or long)."""
+
+    preset: str
+    setting: str  # Setting.tag
+    variant: str  # Variant.key
+    long: bool = False
+
+
+@dataclass
+class Results:
+    """Everything the report reads, per cell and seed.
+
+    Attributes:
+        kinds: Preset -> ``classification`` or ``regression``.
+        final: (cell, split, metric, stat) -> seed -> value at the last round; stat is
+            ``value`` (mean client metric), ``nt_mean``, ``nt_worst``, ``harmed``, ``clients``.
+        curves: (cell, split, metric) -> seed -> round -> mean-client NT.
+        sizes: (preset, setting tag) -> seed -> partition statistics of the task.
+    """
+
+    kinds: dict[str, str] = field(default_factory=dict)
+    final: dict[tuple[CellKey, str, str, str], dict[int, float]] = field(default_factory=dict)
+    curves: dict[tuple[CellKey, str, str], dict[int, dict[int, float]]] = field(
+        default_factory=dict
+    )
+    sizes: dict[tuple[str, str], dict[int, dict[str, Any]]] = field(default_factory=dict)
+
+    def get(self, cell: CellKey, split: str, metric: str, stat: str) -> dict[int, float]:
+        """Seed -> value of one statistic (empty when the cell has none)."""
+        return self.final.get((cell, split, metric, stat), {})
+
+    def kind(self, preset: str) -> str:
+        return self.kinds.get(preset, "classification")
+
+    def primary(self, preset: str) -> str:
+        return metrics_of(self.kind(preset))[0][0]
 
 
 def _kind_of(run: Path) -> str:
-    import json
-
     summary = json.loads((run / "summary.json").read_text())
     return "regression" if summary["primary"] == "rmse" else "classification"
 
 
-def _fmt(vals: list[float] | None, digits: int = 3) -> str:
-    if not vals:
-        return "—"
-    m = float(np.mean(vals))
-    if len(vals) == 1:
-        return f"{m:.{digits}f}"
-    s = float(np.std(vals, ddof=1))
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+def _finished(run: Path) -> bool:
+    return (run / "summary.json").exists() and (run / "client_metrics.jsonl").exists()
 
 
-# ----------------------------------------------------------------------------- report
+def analyse(out: Path, jobs: Iterable[Job]) -> Results:
+    """Reads every finished run of ``jobs`` and its local-only reference."""
+    res = Results()
+    cache: dict[tuple[Path, str, str], dict[int, dict[str, float]]] = {}
+
+    def curve(run: Path, split: str, metric: str) -> dict[int, dict[str, float]]:
+        key = (run, split, metric)
+        if key not in cache:
+            cache[key] = client_curves(run, split, metric)
+        return cache[key]
+
+    for job in jobs:
+        run = out / job.name
+        if not _finished(run):
+            continue
+        kind = res.kinds.setdefault(job.preset, _kind_of(run))
+        cell = CellKey(job.preset, job.setting.tag, job.variant.key, job.long)
+        if job.variant.reference is None and not job.long:
+            stats = json.loads((run / "partition.json").read_text())
+            res.sizes.setdefault((job.preset, job.setting.tag), {})[job.seed] = stats
+        ref_job = job.reference()
+        ref = out / ref_job.name if ref_job else None
+        for metric, hib in metrics_of(kind):
+            for split in SPLITS:
+                mine = curve(run, split, metric)
+                if not mine:
+                    continue
+                last = max(mine)
+                res.final.setdefault((cell, split, metric, "value"), {})[job.seed] = float(
+                    np.mean(list(mine[last].values()))
+                )
+                if ref is None or not _finished(ref):
+                    continue
+                theirs = curve(ref, split, metric)
+                rounds = sorted(set(mine) & set(theirs))
+                if not rounds:
+                    continue
+                for stat, v in nt_stats(mine[rounds[-1]], theirs[rounds[-1]], hib).items():
+                    res.final.setdefault((cell, split, metric, stat), {})[job.seed] = v
+                if metric == metrics_of(kind)[0][0] and split != "val":
+                    res.curves.setdefault((cell, split, metric), {})[job.seed] = {
+                        r: nt_stats(mine[r], theirs[r], hib)["nt_mean"] for r in rounds
+                    }
+    return res
 
 
-def _main_table(grid: Grid, res: dict[str, Any], preset: str) -> list[str]:
-    kind = res["kinds"].get(preset, "classification")
-    metrics = _metrics(kind)
-    head = ["α", "method"]
-    for m, _ in metrics:
-        name = {"acc": "acc", "macro_f1": "macro-F1", "rmse": "RMSE"}[m]
-        head += [f"{name} (mean client)", f"NT {name} mean", f"NT {name} worst"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for a in grid.alphas:
-        for meth in grid.methods:
-            cell = res["cells"].get((preset, a, meth, None))
-            row = [f"{a:g}", METHODS[meth].label]
-            for m, _ in metrics:
-                v = cell.values if cell else {}
-                row += [_fmt(v.get(m)), _fmt(v.get(f"nt_{m}")), _fmt(v.get(f"nt_{m}_worst"))]
-            lines.append("| " + " | ".join(row) + " |")
-    return lines
+# ----------------------------------------------------------------------------- the rule
 
 
-def _betas(grid: Grid) -> list[float]:
-    """β values of the ablation: the grid's and each preset's own (run in the main grid)."""
-    return sorted({*grid.betas, *(preset_beta(p) for p in grid.presets)})
+@dataclass
+class Choice:
+    """The (β, λ) the selection rule picks.
+
+    Attributes:
+        beta: Chosen gate scale.
+        lam: Chosen distillation weight.
+        mean_rank: (β, λ) -> mean rank over the cells (1 = best).
+        cells: (preset, setting tag) cells that entered the ranking.
+        missing: Cells left out because a configuration had no validation value.
+    """
+
+    beta: float
+    lam: float
+    mean_rank: dict[tuple[float, float], float]
+    cells: list[tuple[str, str]]
+    missing: list[tuple[str, str]]
+
+    @property
+    def gate(self) -> tuple[float, float]:
+        return (self.beta, self.lam)
 
 
-def _beta_cell(grid: Grid, res: dict[str, Any], preset: str, beta: float) -> Cell | None:
-    """FedeKD's cell at ``beta``: the main grid's run when β is the preset's own."""
-    key_b = None if beta == preset_beta(preset) else beta
-    return res["cells"].get((preset, grid.ablation_alpha, "fedekd", key_b))
+def rank_configs(scores: Mapping[tuple[float, float], float]) -> dict[tuple[float, float], float]:
+    """Ranks of configurations by score, higher score = rank 1; ties share the mean rank."""
+    from scipy.stats import rankdata
+
+    keys = list(scores)
+    ranks = rankdata([-scores[k] for k in keys], method="average")
+    return {k: float(r) for k, r in zip(keys, ranks, strict=True)}
 
 
-def _ablation_table(grid: Grid, res: dict[str, Any]) -> list[str]:
-    betas = _betas(grid)
-    head = ["dataset", "statistic", "ungated (β=0)", *[f"β={b:g}" for b in betas]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for preset in grid.presets:
-        kind = res["kinds"].get(preset, "classification")
-        m = _metrics(kind)[0][0]
-        for stat, label in (
-            (m, m),
-            (f"nt_{m}", f"NT {m} mean"),
-            (f"nt_{m}_worst", f"NT {m} worst"),
-        ):
-            cell = res["cells"].get((preset, grid.ablation_alpha, "fedkd-ungated", None))
-            row = [
-                preset.removeprefix("fedekd-"),
-                label,
-                _fmt(cell.values.get(stat) if cell else None),
-            ]
-            for b in betas:
-                cell = _beta_cell(grid, res, preset, b)
-                row.append(_fmt(cell.values.get(stat) if cell else None))
-            lines.append("| " + " | ".join(row) + " |")
-    return lines
+def choose_gate(
+    configs: Sequence[tuple[float, float]],
+    cells: Mapping[tuple[str, str], Mapping[tuple[float, float], float]],
+) -> Choice | None:
+    """The selection rule: the configuration with the lowest mean rank over the cells.
+
+    Args:
+        configs: Candidate (β, λ) configurations.
+        cells: (preset, setting) -> (β, λ) -> mean-client validation NT averaged over seeds
+            (signed so that higher is better). A cell lacking a configuration is left out.
+
+    Returns:
+        The choice (ties to the smaller β, then the smaller λ), or None when no cell is complete.
+    """
+    complete = {c: s for c, s in cells.items() if all(k in s for k in configs)}
+    missing = [c for c in cells if c not in complete]
+    if not complete:
+        return None
+    ranks = [rank_configs({k: s[k] for k in configs}) for s in complete.values()]
+    mean_rank = {k: float(np.mean([r[k] for r in ranks])) for k in configs}
+    best = min(configs, key=lambda k: (mean_rank[k], k[0], k[1]))
+    return Choice(best[0], best[1], mean_rank, list(complete), missing)
 
 
-def _groups(grid: Grid, res: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    """Presets by task kind: classification (accuracy NT) and regression (RMSE NT) get their own
-    panels, since their scales differ by orders of magnitude."""
-    out = []
-    for kind, label in (("classification", "accuracy"), ("regression", "RMSE")):
-        ps = [p for p in grid.presets if res["kinds"].get(p, "classification") == kind]
-        if ps:
-            out.append((label, ps))
+def config_scores(
+    grid: Grid, res: Results, split: str = "val"
+) -> dict[tuple[str, str], dict[tuple[float, float], float]]:
+    """(preset, setting) -> (β, λ) -> mean over seeds of the mean-client NT on ``split``
+    (primary metric); on the validation split these are the numbers the rule ranks."""
+    out: dict[tuple[str, str], dict[tuple[float, float], float]] = {}
+    for p in grid.presets:
+        for st in grid.settings:
+            scores = {}
+            for b, lam in grid.configs():
+                cell = CellKey(p, st.tag, gated(b, lam).key)
+                vals = res.get(cell, split, res.primary(p), "nt_mean")
+                if vals:
+                    scores[(b, lam)] = float(np.mean(list(vals.values())))
+            out[(p, st.tag)] = scores
     return out
 
 
-def _figures(grid: Grid, res: dict[str, Any], folder: Path) -> list[Path]:
-    import matplotlib
+def default_gate() -> tuple[float, float]:
+    """FedeKD's default (β, λ) in the code."""
+    from fedfm.algorithms.fedekd import FedeKDConfig
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    groups = _groups(grid, res)
-    fed = [m for m in grid.methods if METHODS[m].reference is not None]
-    width = 0.8 / max(len(fed), 1)
-    fig, axes = plt.subplots(
-        len(grid.alphas),
-        len(groups),
-        figsize=(4.5 * len(groups) + 1, 3.2 * len(grid.alphas)),
-        squeeze=False,
-        gridspec_kw={"width_ratios": [len(ps) for _, ps in groups]},
-    )
-    for r, a in enumerate(grid.alphas):
-        for c, (label, presets) in enumerate(groups):
-            ax = axes[r, c]
-            for j, meth in enumerate(fed):
-                means, worsts = [], []
-                for p in presets:
-                    m = _metrics(res["kinds"].get(p, "classification"))[0][0]
-                    cell = res["cells"].get((p, a, meth, None))
-                    v = cell.values if cell else {}
-                    means.append(float(np.mean(v.get(f"nt_{m}", [math.nan]))))
-                    worsts.append(float(np.mean(v.get(f"nt_{m}_worst", [math.nan]))))
-                x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
-                bars = ax.bar(x, means, width, label=METHODS[meth].label)
-                ax.scatter(x, worsts, marker="v", color=bars.patches[0].get_facecolor(), zorder=3)
-            ax.axhline(0, color="k", lw=0.8)
-            ax.set_xticks(np.arange(len(presets)))
-            ax.set_xticklabels([p.removeprefix("fedekd-") for p in presets])
-            ax.set_ylabel(f"NT, {label}")
-            ax.set_title(f"α = {a:g}: bar = mean client, ▼ = worst client", fontsize=10)
-    axes[0, 0].legend(fontsize=7, ncols=2)
-    fig.tight_layout()
-    paths.append(folder / "negative_transfer.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    betas = _betas(grid)
-    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.2 * len(groups)), squeeze=False)
-    for r, (label, presets) in enumerate(groups):
-        for p in presets:
-            m = _metrics(res["kinds"].get(p, "classification"))[0][0]
-            for ax, stat in zip(axes[r], (f"nt_{m}", f"nt_{m}_worst"), strict=True):
-                cells = [res["cells"].get((p, grid.ablation_alpha, "fedkd-ungated", None))]
-                cells += [_beta_cell(grid, res, p, b) for b in betas]
-                ys = [
-                    float(np.mean(c.values.get(stat, [math.nan]))) if c else math.nan for c in cells
-                ]
-                ax.plot([0.0, *betas], ys, marker="o", label=p.removeprefix("fedekd-"))
-        for ax, t in zip(axes[r], ("mean client", "worst client"), strict=True):
-            ax.axhline(0, color="k", lw=0.8)
-            ax.set_xlabel("gate scale β (β = 0: ungated, uniform weights)")
-            ax.set_ylabel(f"NT, {label}")
-            ax.set_title(f"FedeKD, α = {grid.ablation_alpha:g}: {t}", fontsize=10)
-        axes[r, 0].legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(folder / "beta_ablation.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    d = FedeKDConfig()
+    return (d.beta, d.lam)
 
 
-def _preset_summary(preset: str) -> str:
-    d = preset_data(preset)
-    t, a, p, tr = d["task"], d.get("algo", {}), d["partition"], d.get("train", {})
-    skew = f"{p['scheme']} by {p.get('by', 'label')}" + (
-        f" ({p['bins']} bins)" if p.get("bins") else ""
-    )
-    return (
-        f"| {preset.removeprefix('fedekd-')} | {t['dataset']} ({t['kind']}) |"
-        f" {t.get('model', 'mlp')} {t.get('model_args', {})} |"
-        f" {a.get('private_archs')} | {a.get('proxy_arch')} |"
-        f" {p['num_clients']}, {skew}, min {p.get('min_size')} | {d.get('rounds')} |"
-        f" {tr.get('steps')} steps per stage, bs {tr.get('batch_size')}, {tr.get('optimizer')}"
-        f" lr {tr.get('lr')} |"
-    )
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timing:
+    """One invocation's cost: wall clock, CPU of every process, and the machine's load.
+
+    The load averages say how much other work shared the cores: wall time on a busy machine
+    overstates the study's own cost, which the CPU time measures.
+    """
+
+    wall_s: float
+    cpu_s: float
+    load_start: tuple[float, float, float]
+    load_end: tuple[float, float, float]
+    runs: int = 0
+
+    def line(self) -> str:
+        """One report line."""
+        ls, le = (f"{x[0]:.1f}" for x in (self.load_start, self.load_end))
+        return (
+            f"wall time {self.wall_s / 60:.1f} min, CPU time of all processes"
+            f" {self.cpu_s / 60:.1f} min, {self.runs} runs executed; 1-minute load average"
+            f" {ls} at the start, {le} at the end"
+        )
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children (the worker processes)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timings(out: Path) -> list[Timing]:
+    """Every invocation that executed runs, from the study folder's ``timing.jsonl``."""
+    return [
+        Timing(r["wall_s"], r["cpu_s"], tuple(r["load_start"]), tuple(r["load_end"]), r["runs"])
+        for r in _jsonl(out / "timing.jsonl")
+    ]
 
 
 def _data_notes(grid: Grid) -> list[str]:
@@ -461,197 +756,40 @@ def _data_notes(grid: Grid) -> list[str]:
     return notes
 
 
-INTRO = """\
-# FedeKD: energy-gated federated knowledge distillation — reproduction
-
-Paper: Nguyen, Wang, Ku, *FedeKD: Energy-Based Gating for Robust Federated Knowledge
-Distillation under Heterogeneity*, arXiv:2605.05553. Code: `src/fedfm/algorithms/fedekd.py`
-(algorithm), `src/fedfm/core/kd.py` (losses, energies, gates), this study:
-`src/fedfm/reproduce/fedekd.py`. This page is written by the study; do not edit it by hand.
-
-## The method in brief
-
-Each client keeps a private model f_k (never sent; its architecture may differ per client)
-and a small proxy g_k whose architecture all clients share. A round has two exchanges:
-
-1. **forward**: the client receives the global proxy, trains it to mimic its frozen private
-   model on local data (KL on softmax, or squared error for regression) and sends it back;
-   the server aggregates the proxies (FedAvg here; any server optimizer works).
-2. **backward**: the client receives the new global proxy g and updates f_k with
-   `sup. loss + λ · Σ w·D(f_k(x), g(x)) / Σ w`, where the trust weight `w = gate(E(x))` falls
-   as the private–proxy energy rises: E = ½(KL(p‖q)+KL(q‖p)) / (H(p)+H(q)+1e-8) for
-   classification, E = ½‖f_k(x) − g(x)‖² for regression (paper eqs. 1–2).
-
-The gate is pluggable (`algo.gate`, registry `fedfm.core.kd.GATES`). Default (ours; the paper
-only says "batch-normalised"): `w = sigmoid(−β·z)`, z the batch-standardised energy, β = 1,
-λ = 1, weights detached. `fedkd-ungated` uses w = 1 (FML/FedKD style). With β = 0 every weight
-is ½, so after the Σw normalisation β = 0 is the ungated baseline (the ablation's "ungated"
-column; `tests/test_fedekd.py` checks the two agree). Only the proxy travels: in every run's
-audit ledger `proxy` is the only array field.
-"""
-
-
-@dataclass
-class Timing:
-    """How long the grid took: wall clock, CPU of every process, and the machine's load.
-
-    The load averages say how much other work shared the cores: wall time on a busy machine
-    overstates the study's own cost, which the CPU time measures.
-    """
-
-    wall_s: float
-    cpu_s: float
-    load_start: tuple[float, float, float]
-    load_end: tuple[float, float, float]
-
-    def line(self) -> str:
-        """One report line."""
-        ls, le = (f"{x[0]:.1f}" for x in (self.load_start, self.load_end))
-        return (
-            f"- Wall time: {self.wall_s / 60:.1f} min; CPU time of all processes"
-            f" {self.cpu_s / 60:.1f} min; 1-minute load average {ls} at the start, {le} at"
-            f" the end, on {os.cpu_count()} CPU cores ({platform.machine()}, Python"
-            f" {platform.python_version()})."
-        )
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU of this process and its reaped children (the worker processes)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def _findings(grid: Grid, res: dict[str, Any]) -> list[str]:
-    """Counts, from the tables, how often FedeKD's negative transfer beats each baseline's."""
-    lines = []
-    for other in ("fedkd-ungated", "fedavg", "fedprox"):
-        if other not in grid.methods or "fedekd" not in grid.methods:
-            continue
-        n = mean_wins = worst_wins = 0
-        for p in grid.presets:
-            m = _metrics(res["kinds"].get(p, "classification"))[0][0]
-            for a in grid.alphas:
-                mine = res["cells"].get((p, a, "fedekd", None))
-                theirs = res["cells"].get((p, a, other, None))
-                if not (
-                    mine and theirs and f"nt_{m}" in mine.values and f"nt_{m}" in theirs.values
-                ):
-                    continue
-                n += 1
-                mean_wins += np.mean(mine.values[f"nt_{m}"]) > np.mean(theirs.values[f"nt_{m}"])
-                worst_wins += np.mean(mine.values[f"nt_{m}_worst"]) > np.mean(
-                    theirs.values[f"nt_{m}_worst"]
-                )
-        if n:
-            lines.append(
-                f"- FedeKD vs {METHODS[other].label}: higher mean-client NT in {mean_wins} of {n}"
-                f" (dataset, α) cells, higher worst-client NT in {worst_wins} of {n}."
-            )
-    return lines
-
-
-def write_report(
-    grid: Grid,
-    out: Path,
-    report: Path,
-    timing: Timing,
-    command: str,
-    failed: dict[str, str],
-    notes: Sequence[str] = (),
-) -> Path:
-    """Writes the markdown report with its figures (in a folder next to it)."""
-    res = analyse(grid, out)
-    figs = _figures(grid, res, report.parent / report.stem)
-    n_jobs = len(jobs_of(grid))
-    lines = [
-        INTRO,
-        "## How to reproduce",
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        f"- Runs: {n_jobs} ({len(grid.presets)} datasets × {len(grid.alphas)} α ×"
-        f" {len(grid.seeds)} seeds × {len(grid.methods)} methods, plus the β ablation),"
-        f" {grid.workers} worker process(es) with one torch thread each.",
-        f"- Seeds: {', '.join(map(str, grid.seeds))} (the seed also draws the partition, so every"
-        " method of a seed sees the same clients).",
-        f"- Dirichlet concentrations α: {', '.join(f'{a:g}' for a in grid.alphas)}"
-        " (label skew; for regression over quantile bins of the target).",
-        f"- β ablation: FedeKD at α = {grid.ablation_alpha:g}, β ∈"
-        f" {{{', '.join(f'{b:g}' for b in _betas(grid))}}}.",
-        timing.line(),
-        *([f"- Rounds overridden to {grid.rounds}."] if grid.rounds else []),
-        *([f"- Local training overridden: {grid.train}."] if grid.train else []),
-        "",
-        "| preset | data | shared arch (FedAvg, FedProx, local) | private archs (cycled) |"
-        " proxy | clients, skew | rounds | local training |",
-        "|---|---|---|---|---|---|---|---|",
-        *[_preset_summary(p) for p in grid.presets],
-        "",
-        "**Metrics.** Each client's model on its own local test split (25 % of its partition),"
-        ' averaged over clients ("mean client"), then mean ± sample std over seeds.'
-        " **Negative transfer** (NT) per client = federated − local-only for accuracy and"
-        " macro-F1, local-only − federated for RMSE, so a negative value always means the"
-        ' federation hurt that client; "worst" is the most harmed client. References: FedAvg'
-        " and FedProx against the shared architecture trained alone (`local`), the"
-        " private/proxy methods against each client's private architecture trained alone"
-        " (`local-private`, same budget as FedeKD's backward stage). Local test splits are"
-        " small (a few rows on the smallest clients), so worst-client values are noisy.",
-        "",
-    ]
-    if notes:
-        lines += ["**Data notes.** " + "; ".join(notes) + ".", ""]
-    lines += ["## Results", ""]
-    findings = _findings(grid, res)
-    if findings:
-        lines += [
-            "Counted from the tables below (first metric of each task; means over seeds, so a"
-            " count says nothing about whether a difference exceeds the spread over seeds):",
-            "",
-            *findings,
-            "",
-        ]
-    for preset in grid.presets:
-        lines += [f"### {preset.removeprefix('fedekd-')}", "", *_main_table(grid, res, preset), ""]
-    if "fedekd" in grid.methods and grid.betas:
-        lines += [
-            "## Ablation over the gate scale β",
-            "",
-            f"FedeKD at α = {grid.ablation_alpha:g} (the preset's own β is the main grid's run),"
-            " with the ungated baseline for comparison; first metric of each task (acc or RMSE).",
-            "",
-            *_ablation_table(grid, res),
-            "",
-        ]
-    lines += ["## Figures", ""]
-    lines += [f"![{f.stem}]({report.stem}/{f.name})" for f in figs]
-    lines += [""]
-    if failed:
-        lines += ["## Failed runs", "", *[f"- `{k}`: {v}" for k, v in sorted(failed.items())], ""]
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text("\n".join(lines))
-    return report
-
-
 def run_study(grid: Grid, out: Path, report: Path, command: str) -> Path:
-    """Runs the grid into ``out`` and writes ``report``; returns its path."""
+    """Runs what is missing of the grid into ``out`` and writes ``report``; returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
     t0, cpu0, load0 = time.perf_counter(), _cpu_seconds(), os.getloadavg()
     notes = _data_notes(grid)  # before the runs: sources log their dropped rows on first load
-    cfgs = [job_config(j, grid, out) for j in jobs_of(grid)]
-    failed = _run_all(cfgs, grid.workers)
-    timing = Timing(time.perf_counter() - t0, _cpu_seconds() - cpu0, load0, os.getloadavg())
-    return write_report(grid, out, report, timing, command, failed, notes)
+    failed, ran = _run_all([job_config(j, grid, out) for j in main_jobs(grid)], grid.workers)
+    res = analyse(out, main_jobs(grid))
+    choice = choose_gate(grid.configs(), config_scores(grid, res))
+    gate = choice.gate if choice else REFERENCE_GATE
+    more, ran_long = _run_all(
+        [job_config(j, grid, out) for j in chosen_jobs(grid, gate)], grid.workers
+    )
+    failed.update(more)
+    if ran + ran_long:
+        t = Timing(
+            time.perf_counter() - t0,
+            _cpu_seconds() - cpu0,
+            tuple(load0),
+            tuple(os.getloadavg()),
+            ran + ran_long,
+        )
+        with (out / "timing.jsonl").open("a") as f:
+            f.write(json.dumps(dataclasses.asdict(t)) + "\n")
+    from fedfm.reproduce.fedekd_report import write_report
+
+    return write_report(grid, out, report, command, failed, notes)
 
 
 @STUDIES.register("fedekd", "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets")
 def fedekd_study(out: Path, quick: bool) -> Path:
     """The registered study: the full grid into docs/fedekd.md, or the quick one into ``out``."""
     out = Path(out) / ("fedekd-quick" if quick else "fedekd")
-    workers = min(2, os.cpu_count() or 1)
-    if quick:
-        grid = dataclasses.replace(QUICK, workers=workers)
+    if quick:  # one process: starting worker interpreters costs more than the quick grid
+        grid = dataclasses.replace(QUICK, workers=1)
         return run_study(grid, out, out / "fedekd-quick.md", "fedfm reproduce fedekd --quick")
-    grid = dataclasses.replace(FULL, workers=workers)
+    grid = dataclasses.replace(FULL, workers=min(2, os.cpu_count() or 1))
     return run_study(grid, out, Path("docs") / "fedekd.md", "fedfm reproduce fedekd")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from torch import Tensor, nn
 
 from fedfm.config import validate_section
@@ -64,8 +64,21 @@ class SupervisedConfig(TaskConfig):
     model_args: dict[str, Any] = Field(default_factory=dict)
     test_fraction: float = Field(0.2, gt=0, lt=1)
     local_test_fraction: float = Field(0.2, ge=0, lt=1)
+    local_val_fraction: float = Field(
+        0.0, ge=0, lt=1, description="share of each client's partition held out for validation"
+    )
     max_train: int | None = Field(None, ge=10)
     standardize: bool = True
+
+    @field_validator("local_val_fraction")
+    @classmethod
+    def _leaves_training_rows(cls, v: float, info: ValidationInfo) -> float:
+        test = info.data.get("local_test_fraction", 0.0)
+        if v + test >= 1:
+            raise ValueError(
+                f"local_test_fraction + local_val_fraction = {test + v:g} leaves no training rows"
+            )
+        return v
 
 
 def _to_tensors(src: LoadedSource, ds: Any, image: bool, regression: bool) -> TensorData:
@@ -84,8 +97,12 @@ class SupervisedTask(Task):
 
     Choices of ours (simulation practice, not from a paper): features and regression targets
     are standardised with statistics of the pooled training data; each client holds out
-    ``local_test_fraction`` of its partition for personalised evaluation; when a source has
-    no test split, ``test_fraction`` of it is held out for the server, stratified by nothing.
+    ``local_test_fraction`` of its partition for personalised evaluation and
+    ``local_val_fraction`` (default 0) for validation, both drawn from one seeded permutation of
+    the partition (test rows first, then validation rows, the rest trains), so the three are
+    disjoint and a validation split leaves the test rows as they were without one; when a
+    source has no test split, ``test_fraction`` of it is held out for the server, stratified by
+    nothing.
     """
 
     Config = SupervisedConfig
@@ -113,6 +130,7 @@ class SupervisedTask(Task):
         self._test = _to_tensors(src, test, image, reg)
         self._clients: dict[str, TensorData] = {}
         self._local_test: dict[str, TensorData] = {}
+        self._local_val: dict[str, TensorData] = {}
         # Convert the pool once and index it: converting each partition's Arrow view separately
         # costs seconds on image sets.
         pool = _to_tensors(src, train, image, reg)
@@ -121,10 +139,13 @@ class SupervisedTask(Task):
             rows = [row_of[int(j)] for j in column_array(p, "id")]
             data = pool.subset(torch.tensor(rows, dtype=torch.long))
             n_test = round(cfg.local_test_fraction * len(data))
+            # At least one training row stays when the partition has one to spare.
+            n_val = max(0, min(round(cfg.local_val_fraction * len(data)), len(data) - n_test - 1))
             g = torch.Generator().manual_seed(derive_seed(run.seed, "local-test", i))
             perm = torch.randperm(len(data), generator=g)
             self._local_test[str(i)] = data.subset(perm[:n_test])
-            self._clients[str(i)] = data.subset(perm[n_test:])
+            self._local_val[str(i)] = data.subset(perm[n_test : n_test + n_val])
+            self._clients[str(i)] = data.subset(perm[n_test + n_val :])
         self._standardize()
 
     def _split(self, src: LoadedSource) -> tuple[Any, Any]:
@@ -158,7 +179,12 @@ class SupervisedTask(Task):
             d.y = (d.y - self.y_mean) / self.y_std
 
     def _all(self) -> list[TensorData]:
-        return [self._test, *self._clients.values(), *self._local_test.values()]
+        return [
+            self._test,
+            *self._clients.values(),
+            *self._local_test.values(),
+            *self._local_val.values(),
+        ]
 
     # ----- Task API -----
     def client_ids(self) -> list[str]:
@@ -169,6 +195,10 @@ class SupervisedTask(Task):
 
     def client_test_data(self, cid: str) -> TensorData:
         return self._local_test[cid]
+
+    def client_val_data(self, cid: str) -> TensorData:
+        """The client's validation rows (empty when ``local_val_fraction`` is 0)."""
+        return self._local_val[cid]
 
     def test_data(self) -> TensorData:
         return self._test
@@ -233,6 +263,11 @@ class SupervisedTask(Task):
         return {
             **self._stats,
             "local_test_sizes": [len(self._local_test[c]) for c in self.client_ids()],
+            **(
+                {"local_val_sizes": [len(self._local_val[c]) for c in self.client_ids()]}
+                if self.cfg.local_val_fraction
+                else {}
+            ),
             "test_size": len(self._test),
             "num_classes": self.num_classes,
         }
