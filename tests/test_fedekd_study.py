@@ -17,6 +17,7 @@ from fedfm.config import load_config
 from fedfm.engine import build, resolve
 from fedfm.errors import ConfigError
 from fedfm.reproduce import fedekd as study
+from fedfm.reproduce import fedekd_report
 from fedfm.reproduce.fedekd_report import write_report
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
 from fedfm.runtime import run
@@ -322,7 +323,7 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
 
 
 def test_quick_study_writes_its_report_and_skips_finished_runs_on_rerun(tmp_path):
-    report = study.fedekd_study(tmp_path, quick=True)
+    report = fedekd_report.fedekd_study(tmp_path, quick=True)
     text = report.read_text()
     assert report == tmp_path / "fedekd-quick" / "fedekd-quick.md"
     assert "fedfm reproduce fedekd --quick" in text and "## Failed runs" not in text
@@ -330,6 +331,6 @@ def test_quick_study_writes_its_report_and_skips_finished_runs_on_rerun(tmp_path
     row = next(x for x in text.splitlines() if x.startswith("| α=0.5, 10 clients | FedeKD (β="))
     assert "—" not in row  # every statistic was computed
     # A second invocation finds every run done: it only rewrites the report.
-    study.fedekd_study(tmp_path, quick=True)
+    fedekd_report.fedekd_study(tmp_path, quick=True)
     timing = (tmp_path / "fedekd-quick" / "timing.jsonl").read_text().splitlines()
     assert len(timing) == 1

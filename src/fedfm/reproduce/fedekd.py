@@ -15,7 +15,8 @@ two regression sets):
    **long runs**: 60 rounds at α = 0.5 on three presets, five seeds, the same variants,
    clients evaluated every 3 rounds, for negative transfer over rounds;
 
-and writes ``docs/fedekd.md`` with tables and figures (:mod:`fedfm.reproduce.fedekd_report`).
+and writes ``docs/fedekd.md`` with tables and figures (:mod:`fedfm.reproduce.fedekd_report`,
+which also registers the study).
 ``--quick`` runs a small grid in one process and writes its report under the output folder
 instead, so it never replaces the committed report.
 
@@ -66,8 +67,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import yaml
-
-from fedfm.reproduce import STUDIES
 
 log = logging.getLogger("fedfm")
 
@@ -756,8 +755,12 @@ def _data_notes(grid: Grid) -> list[str]:
     return notes
 
 
-def run_study(grid: Grid, out: Path, report: Path, command: str) -> Path:
-    """Runs what is missing of the grid into ``out`` and writes ``report``; returns its path."""
+def run_grid(grid: Grid, out: Path) -> tuple[dict[str, str], list[str]]:
+    """Runs what is missing of the grid into ``out``.
+
+    Returns:
+        The failed runs (run folder -> error) and the sources' notes on dropped rows.
+    """
     out.mkdir(parents=True, exist_ok=True)
     t0, cpu0, load0 = time.perf_counter(), _cpu_seconds(), os.getloadavg()
     notes = _data_notes(grid)  # before the runs: sources log their dropped rows on first load
@@ -779,17 +782,4 @@ def run_study(grid: Grid, out: Path, report: Path, command: str) -> Path:
         )
         with (out / "timing.jsonl").open("a") as f:
             f.write(json.dumps(dataclasses.asdict(t)) + "\n")
-    from fedfm.reproduce.fedekd_report import write_report
-
-    return write_report(grid, out, report, command, failed, notes)
-
-
-@STUDIES.register("fedekd", "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets")
-def fedekd_study(out: Path, quick: bool) -> Path:
-    """The registered study: the full grid into docs/fedekd.md, or the quick one into ``out``."""
-    out = Path(out) / ("fedekd-quick" if quick else "fedekd")
-    if quick:  # one process: starting worker interpreters costs more than the quick grid
-        grid = dataclasses.replace(QUICK, workers=1)
-        return run_study(grid, out, out / "fedekd-quick.md", "fedfm reproduce fedekd --quick")
-    grid = dataclasses.replace(FULL, workers=min(2, os.cpu_count() or 1))
-    return run_study(grid, out, Path("docs") / "fedekd.md", "fedfm reproduce fedekd")
+    return failed, notes

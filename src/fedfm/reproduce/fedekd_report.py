@@ -7,6 +7,7 @@ and states each comparison with its standard error over seeds
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from fedfm.reproduce import STUDIES
 from fedfm.reproduce.fedekd import (
+    FULL,
+    QUICK,
     REFERENCE_GATE,
     CellKey,
     Choice,
@@ -36,6 +40,7 @@ from fedfm.reproduce.fedekd import (
     main_jobs,
     metrics_of,
     preset_data,
+    run_grid,
     timings,
     ungated,
 )
@@ -971,3 +976,20 @@ def write_report(
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(lines))
     return report
+
+
+def run_study(grid: Grid, out: Path, report: Path, command: str) -> Path:
+    """Runs what is missing of the grid into ``out`` and writes ``report``; returns its path."""
+    failed, notes = run_grid(grid, out)
+    return write_report(grid, out, report, command, failed, notes)
+
+
+@STUDIES.register("fedekd", "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets")
+def fedekd_study(out: Path, quick: bool) -> Path:
+    """The registered study: the full grid into docs/fedekd.md, or the quick one into ``out``."""
+    out = Path(out) / ("fedekd-quick" if quick else "fedekd")
+    if quick:  # one process: starting worker interpreters costs more than the quick grid
+        grid = dataclasses.replace(QUICK, workers=1)
+        return run_study(grid, out, out / "fedekd-quick.md", "fedfm reproduce fedekd --quick")
+    grid = dataclasses.replace(FULL, workers=min(2, os.cpu_count() or 1))
+    return run_study(grid, out, Path("docs") / "fedekd.md", "fedfm reproduce fedekd")
