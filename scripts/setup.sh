@@ -34,6 +34,16 @@ if [ ! -d /usr/share/datasets/fashion-mnist ]; then
   fi
 fi
 
+# Headless Chromium renders the run report in its test (skipped where it is absent).
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null \
+      || echo "setup: could not install chromium; the report's browser test will be skipped" >&2
+  else
+    echo "setup: run 'apt-get install chromium' as root for the report's browser test" >&2
+  fi
+fi
+
 # Instruction data that ships only in a source archive (llamafactory's data/ folder).
 .venv/bin/python -m fedfm.data.assets
 echo "setup: done (.venv ready; try: .venv/bin/fedfm list)"

@@ -66,11 +66,19 @@ def run(
 def report(
     runs: Annotated[list[Path], typer.Argument(help="run folders")],
     out: Annotated[Path | None, typer.Option(help="folder for compare.md and compare.png")] = None,
+    html: Annotated[
+        bool, typer.Option("--html", help="also write one self-contained report.html")
+    ] = False,
 ) -> None:
     """Compare runs: a markdown table of final metrics and bytes, and a plot."""
     from fedfm.report import compare
 
     print(compare(runs, out))
+    if html:
+        from fedfm.html_report import write_html
+
+        page = write_html(runs, (out or Path(".")) / "report.html")
+        Console().print(f"html report written: {page}")
 
 
 @app.command()

@@ -8,6 +8,7 @@ so a bad value anywhere gives one line naming the dotted field and the reason.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import math
 import re
@@ -78,6 +79,28 @@ class PrivacyConfig(Strict):
     accountant: Literal["rdp", "pld"] = "rdp"
 
 
+class LogConfig(Strict):
+    """What a run writes besides its JSON logs.
+
+    Attributes:
+        html: Write ``report.html`` (a self-contained page, :mod:`fedfm.html_report`) at the
+            end of the run (with the other figures: not when ``plots`` is false).
+        tensorboard: Also log each round's metrics and bytes for TensorBoard into
+            ``tensorboard/`` (needs the ``tensorboard`` package: ``pip install
+            'fedfm[tensorboard]'``).
+    """
+
+    html: bool = True
+    tensorboard: bool = False
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _installed(cls, v: bool) -> bool:
+        if v and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("needs the tensorboard package: pip install 'fedfm[tensorboard]'")
+        return v
+
+
 class RunConfig(Strict):
     """One experiment."""
 
@@ -98,6 +121,7 @@ class RunConfig(Strict):
     out_dir: str = "runs"
     threads: int | None = Field(None, ge=1)
     plots: bool = True
+    log: LogConfig = Field(default_factory=LogConfig)
 
     @field_validator("name")
     @classmethod

@@ -42,6 +42,7 @@ from fedfm.core.state import ClientStateStore
 from fedfm.data.partition import PartitionConfig
 from fedfm.errors import ConfigError, config_fields
 from fedfm.tasks.base import TASKS, Task
+from fedfm.tblog import TensorBoardLog
 
 log = logging.getLogger("fedfm")
 
@@ -175,7 +176,7 @@ def _restore(
             log.warning("%s does not load; resuming from %s", "; ".join(damaged), path.name)
         algo.artefacts.restore(folder.root, artefacts)
         mark_latest(folder.checkpoints, path)  # what a runtime reads as the resume point
-        for p in (folder.metrics, folder.failures, folder.client_metrics):
+        for p in (folder.metrics, folder.failures, folder.client_metrics, folder.items):
             folder.truncate(p, ck.rnd)
         ledger.load(ck.rnd)
         return ck.rnd
@@ -212,6 +213,7 @@ class Engine:
         self.overwrite = overwrite
         self.make_federation = federation
         self.progress = progress
+        self.tb = TensorBoardLog(Path(), enabled=False)
 
     def run(self) -> dict[str, Any]:
         """Runs all rounds and returns the summary (also written to ``summary.json``)."""
@@ -230,6 +232,7 @@ class Engine:
             last = _restore(folder, setup.algo, store, ledger) if lease.resume else -1
             _write_static(folder, setup)
             fed = self.make_federation(setup, store, ledger)
+            self.tb = TensorBoardLog(folder.root, cfg.log.tensorboard)
             display = RoundDisplay(
                 cfg, enabled=self.progress, start=max(last, 0), primary=setup.task.primary
             )
@@ -243,12 +246,16 @@ class Engine:
                 fed.rnd = cfg.rounds + 1
                 final = setup.algo.finish(fed)
             _publish(folder, setup.algo)
+            self.tb.close()
         summary = self._summary(folder, setup, final, time.perf_counter() - t0)
         display.final_table(folder.read_metrics(), summary.get("privacy"))
-        if cfg.plots:
+        if cfg.plots:  # figures at the end of the run: the PNGs and report.html
+            from fedfm.html_report import write_run_report
             from fedfm.report import plot_run
 
             plot_run(folder.root)
+            if cfg.log.html:
+                write_run_report(folder.root, summary)
         return summary
 
     def _step(
@@ -265,7 +272,7 @@ class Engine:
         fed.rnd = rnd
         nfail = len(fed.failures)
         row: dict[str, Any] = {"round": rnd}
-        per_client = None
+        per_client = items = None
         try:
             row.update(setup.algo.setup(fed) if rnd == 0 else setup.algo.round(fed))
         except BaseException:
@@ -276,6 +283,7 @@ class Engine:
         if (rnd == 0 and self.cfg.eval_before) or (rnd > 0 and due):
             evals = setup.algo.evaluate(fed)
             per_client = evals.pop("per_client", None)
+            items = evals.pop("items", None)
             row.update(evals)
         row.update(ledger.round_bytes(rnd))
         row["failed"] = len(fed.failures) - nfail
@@ -285,7 +293,12 @@ class Engine:
         folder.append(folder.failures, fed.failures[nfail:])
         if per_client:
             folder.append(folder.client_metrics, [{"round": rnd, "clients": per_client}])
+        if items:
+            # JSON round trip: item fields may be numpy scalars or other non-JSON types.
+            row_items = json.loads(json.dumps(list(items), default=str))
+            folder.append(folder.items, [{"round": rnd, "items": row_items}])
         ledger.flush()
+        self.tb.log(row)
         _publish(folder, setup.algo)
         _checkpoint(folder, rnd, setup.algo, store)
         display.update(row)

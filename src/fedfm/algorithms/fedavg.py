@@ -49,7 +49,7 @@ from fedfm.core.replies import (
 )
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_round, set_params
-from fedfm.tasks.base import Task
+from fedfm.tasks.base import ITEM_RESULTS, Task
 
 TRAIN = MessageKind(
     "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
@@ -152,7 +152,12 @@ def evaluate_global(
     and worst client and logged per client (``per_client``).
     """
     set_params(model, params)
-    out: dict[str, Any] = dict(task.evaluate(model, task.test_data()))
+    out: dict[str, Any]
+    if ITEM_RESULTS in type(task).provides(task.cfg):  # kept for the run's report
+        metrics, items = task.evaluate_items(model, task.test_data())
+        out = {**metrics, "items": items}
+    else:
+        out = dict(task.evaluate(model, task.test_data()))
     if personal:
         replies = fed.broadcast(Message("evaluate", {"params": params}), fed.client_ids())
         per = {c: {f"local/{k}": v for k, v in _metrics(r).items()} for c, r in replies.items()}

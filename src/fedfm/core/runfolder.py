@@ -42,6 +42,9 @@ RUN_FILES: tuple[str, ...] = (
     "artefacts",
     "metrics.png",
     "bytes.png",
+    "report.html",
+    "eval_items.jsonl",
+    "tensorboard",
     "flower_sessions.json",
     "checkpoints",
     "client_states",
@@ -52,6 +55,8 @@ RUN_FILES: tuple[str, ...] = (
     "failures.tmp",
     "client_metrics.tmp",
     "audit.tmp",
+    "report.tmp",
+    "eval_items.tmp",
     "flower_sessions.tmp",
 )
 
@@ -130,6 +135,7 @@ class RunFolder:
         self.audit = root / "audit.jsonl"
         self.failures = root / "failures.jsonl"
         self.client_metrics = root / "client_metrics.jsonl"
+        self.items = root / "eval_items.jsonl"
         self.checkpoints = root / "checkpoints"
         self.summary = root / "summary.json"
         self.privacy = root / "privacy.json"
@@ -137,7 +143,7 @@ class RunFolder:
     @property
     def logs(self) -> tuple[Path, ...]:
         """The per-round logs that a resume cuts back to its checkpoint."""
-        return (self.metrics, self.failures, self.client_metrics, self.audit)
+        return (self.metrics, self.failures, self.client_metrics, self.items, self.audit)
 
     def append(self, path: Path, rows: list[dict[str, Any]]) -> None:
         """Appends JSON lines and flushes them to disk."""

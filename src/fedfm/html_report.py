@@ -1,0 +1,493 @@
+"""One self-contained HTML page for one run or several runs side by side.
+
+``fedfm report RUN [RUN ...] --html`` writes it, and every run leaves its own ``report.html``.
+The page needs nothing but itself: figures are embedded PNGs (``data:`` URIs), styles are
+inline, there is no script and no link to fetch, so it opens offline and sends no request.
+
+Sections, in the order a reader asks for them:
+
+1. **Runs**: algorithm, task, rounds, final and best primary metric, bytes, failed clients,
+   wall time; each run's resolved config (folded).
+2. **Curves**: the primary metric, then the losses, over rounds, runs overlaid (one colour per
+   run in every figure).
+3. **Breakdown**: per domain (``<metric>/<domain>`` keys of the final round, e.g.
+   ``score/movie`` of the instruction task).
+4. **Clients**: for personalised runs the mean and worst client over rounds, and every
+   client's final values.
+5. **Communication** (from ``audit.jsonl``, the bytes that crossed the wire): bytes per round
+   and direction; totals per message kind, field and direction; and a check that every field
+   a client sent is one its algorithm declares for that kind (an undeclared field is listed).
+6. **Privacy** (``privacy.json``, where the run used DP): ε per mechanism and per client.
+7. **Failures** (``failures.jsonl``) and **timings** (seconds per round, wall time).
+8. **Items** (``eval_items.jsonl``, for tasks that score items, e.g. LLM runs): a few held-out
+   items of the last evaluated round with each run's answer and score side by side.
+"""
+
+from __future__ import annotations
+
+import html
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedfm import plots
+from fedfm.core.messages import MessageKind
+from fedfm.core.runfolder import read_json, read_jsonl
+from fedfm.errors import ConfigError
+
+REPORT = "report.html"
+ITEMS = "eval_items.jsonl"
+LOSSES = ("train_loss", "loss")
+ITEMS_SHOWN = 8
+
+
+@dataclass
+class RunData:
+    """What a run folder holds, read once (missing optional files are empty)."""
+
+    path: Path
+    label: str
+    summary: dict[str, Any]
+    config_text: str
+    rows: list[dict[str, Any]]
+    client_rows: list[dict[str, Any]] = field(default_factory=list)
+    audit: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    privacy: dict[str, Any] | None = None
+    items: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def primary(self) -> str:
+        """The run's headline metric."""
+        return str(self.summary.get("primary", "acc"))
+
+    @property
+    def algorithm(self) -> str:
+        """The run's algorithm name."""
+        return str(self.summary.get("algorithm", "?"))
+
+
+def load_run(path: Path, summary: dict[str, Any] | None = None) -> RunData:
+    """Reads a run folder.
+
+    Args:
+        path: The run folder.
+        summary: Its summary when the caller has it (a run writing its own report).
+
+    Raises:
+        ConfigError: Not a finished fedfm run folder (no ``summary.json``).
+        RunFolderError: A log is damaged (the message names the file).
+    """
+    if summary is None:
+        if not (path / "summary.json").exists():
+            raise ConfigError("run", f"{path} has no summary.json (unfinished or not a run folder)")
+        summary = read_json(path / "summary.json")
+    cfg = path / "config.yaml"
+    items = read_jsonl(path / ITEMS)
+    privacy = path / "privacy.json"
+    return RunData(
+        path=path,
+        label=str(summary.get("name") or path.name),
+        summary=summary,
+        config_text=cfg.read_text(errors="replace") if cfg.exists() else "",
+        rows=read_jsonl(path / "metrics.jsonl"),
+        client_rows=read_jsonl(path / "client_metrics.jsonl"),
+        audit=read_jsonl(path / "audit.jsonl"),
+        failures=read_jsonl(path / "failures.jsonl"),
+        privacy=read_json(privacy) if privacy.exists() else None,
+        items=list(items[-1]["items"]) if items else [],
+    )
+
+
+def _labels(runs: Sequence[RunData]) -> None:
+    """Makes run labels unique (two folders of the same name get their parent's name)."""
+    seen: dict[str, int] = defaultdict(int)
+    for r in runs:
+        seen[r.label] += 1
+    for r in runs:
+        if seen[r.label] > 1:
+            r.label = f"{r.path.parent.name}/{r.path.name}"
+
+
+# ----------------------------------------------------------------------------- html pieces
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _num(v: Any, digits: int = 4) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _esc("" if v is None else v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:.{digits}g}" if abs(v) >= 1e4 or (v != 0 and abs(v) < 1e-3) else f"{v:.4f}"
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "") -> str:
+    out = [f'<table class="{cls}"><thead><tr>']
+    out += [f"<th>{_esc(h)}</th>" for h in head]
+    out.append("</tr></thead><tbody>")
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{_num(v)}</td>" for v in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _img(fig: Any, alt: str) -> str:
+    return (
+        f'<img class="plot" alt="{_esc(alt)}" src="data:image/png;base64,{plots.png_base64(fig)}">'
+    )
+
+
+def _mib(n: float) -> float:
+    return n / 2**20
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def section_runs(runs: Sequence[RunData]) -> str:
+    """The runs' headline figures and their configs."""
+    head = ["run", "algorithm", "task", "rounds", "primary", "final", "best (round)"]
+    head += ["MiB up", "MiB down", "failed clients", "wall s", "epsilon"]
+    rows = []
+    for r in runs:
+        s, p = r.summary, r.primary
+        best = s.get("best", {})
+        task = s.get("task", {})
+        eps = (s.get("privacy") or {}).get("epsilon")
+        rows.append(
+            [
+                r.label,
+                r.algorithm,
+                f"{task.get('kind', '')} / {task.get('dataset', '')}",
+                s.get("rounds"),
+                p,
+                s.get("final", {}).get(p),
+                f"{_num(best.get(p))} ({best.get('round')})",
+                _mib(s.get("bytes_up", 0)),
+                _mib(s.get("bytes_down", 0)),
+                s.get("failed_clients", 0),
+                s.get("wall_s_this_session"),
+                eps,
+            ]
+        )
+    configs = "".join(
+        f"<details><summary>config of {_esc(r.label)}</summary><pre>{_esc(r.config_text)}</pre>"
+        "</details>"
+        for r in runs
+    )
+    return "<h2>Runs</h2>" + _table(head, rows) + configs
+
+
+def _series(runs: Sequence[RunData], key: str) -> dict[str, list[tuple[float, float]]]:
+    return {r.label: [(row["round"], row[key]) for row in r.rows if key in row] for r in runs}
+
+
+def section_curves(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
+    """The primary metric and the losses over rounds, runs overlaid."""
+    out = ["<h2>Curves</h2>"]
+    for metric in dict.fromkeys(r.primary for r in runs):
+        series = _series(runs, metric)
+        if any(series.values()):
+            out.append(_img(plots.lines(series, metric, metric, palette), f"{metric} per round"))
+    for loss in LOSSES:
+        series = _series(runs, loss)
+        if any(series.values()):
+            out.append(_img(plots.lines(series, loss, loss, palette), f"{loss} per round"))
+    return "".join(out)
+
+
+def domain_breakdown(run: RunData) -> dict[str, dict[str, float]]:
+    """``{metric: {domain: value}}`` of the last round that has them (``metric/domain`` keys).
+
+    Only keys whose base metric is itself logged count (``score/movie`` beside ``score``),
+    so per-client (``local/...``) and zero-shot prefixes are not taken for domains.
+    """
+    for row in reversed(run.rows):
+        found: dict[str, dict[str, float]] = defaultdict(dict)
+        for k, v in row.items():
+            base, _, rest = k.partition("/")
+            domain = rest and "/" not in rest and base in row and isinstance(v, (int, float))
+            if domain and base not in ("local", "zeroshot") and not base.startswith("bytes"):
+                found[base][rest] = float(v)
+        if found:
+            return dict(found)
+    return {}
+
+
+def section_breakdown(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
+    """Per-domain values of the final round, runs side by side."""
+    per_run = {r.label: domain_breakdown(r) for r in runs}
+    metrics = list(dict.fromkeys(m for b in per_run.values() for m in b))
+    if not metrics:
+        return ""
+    out = ["<h2>Breakdown by domain</h2>"]
+    for m in metrics:
+        domains = sorted({d for b in per_run.values() for d in b.get(m, {})})
+        values = {lab: [b.get(m, {}).get(d) for d in domains] for lab, b in per_run.items()}
+        values = {lab: v for lab, v in values.items() if any(x is not None for x in v)}
+        out.append(_img(plots.bars(domains, values, f"{m} by domain", m, palette), m))
+        out.append(_table(["run", *domains], [[lab, *v] for lab, v in values.items()]))
+    return "".join(out)
+
+
+def section_clients(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
+    """Mean and worst client over rounds, and each client's last values (personalised runs)."""
+    out: list[str] = []
+    for metric in dict.fromkeys(r.primary for r in runs):
+        key = f"local/{metric}"
+        series: dict[str, list[tuple[float, float]]] = {}
+        styles: dict[str, str] = {}
+        for r in runs:
+            mean = [(row["round"], row[key]) for row in r.rows if key in row]
+            worst = [(row["round"], row[f"{key}/worst"]) for row in r.rows if f"{key}/worst" in row]
+            if mean:
+                series[f"{r.label} (mean client)"] = mean
+            if worst:
+                series[f"{r.label} (worst client)"] = worst
+                styles[f"{r.label} (worst client)"] = "--"
+        if series:
+            fig = plots.lines(
+                series, f"{metric} on the clients' own splits", metric, palette, styles
+            )
+            out.append(_img(fig, f"mean and worst client {metric}"))
+    for r in runs:
+        if not r.client_rows:
+            continue
+        last = r.client_rows[-1]
+        clients: dict[str, dict[str, float]] = last["clients"]
+        keys = sorted({k for v in clients.values() for k in v})
+        rows = [[cid, *[vals.get(k) for k in keys]] for cid, vals in sorted(clients.items())]
+        out.append(
+            f"<details><summary>every client of {_esc(r.label)}, round {last['round']}</summary>"
+            + _table(["client", *keys], rows)
+            + "</details>"
+        )
+    return ("<h2>Clients</h2>" + "".join(out)) if out else ""
+
+
+def undeclared(run: RunData) -> list[str]:
+    """Audit rows whose field the run's algorithm does not declare for that kind and direction.
+
+    Returns:
+        One line per distinct undeclared ``(kind, direction, field)``; a note when the
+        algorithm is not registered in this installation (nothing can be checked).
+    """
+    import fedfm.algorithms  # noqa: F401  (registers the algorithms)
+    from fedfm.algorithms.base import ALGORITHMS, kinds_of
+
+    if run.algorithm not in ALGORITHMS:
+        return [f"algorithm '{run.algorithm}' is not registered here: fields not checked"]
+    kinds = kinds_of(ALGORITHMS.get(run.algorithm))
+    bad: dict[tuple[str, str, str], int] = {}
+    for row in run.audit:
+        kind = kinds.get(row["kind"])
+        arrays = row.get("type") == "arrays"
+        if kind is None or row["field"] not in _declared(kind, row["direction"], arrays):
+            k = (row["kind"], row["direction"], row["field"])
+            bad[k] = bad.get(k, 0) + 1
+    return [f"{k} {d} field '{f}' ({n} messages) is not declared" for (k, d, f), n in bad.items()]
+
+
+def _declared(kind: MessageKind, direction: str, arrays: bool) -> tuple[str, ...]:
+    if direction == "up":
+        return kind.up_arrays if arrays else kind.up_meta
+    return kind.down_arrays if arrays else kind.down_meta
+
+
+def section_audit(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
+    """Bytes per round and direction, totals per kind and field, the declared-fields check."""
+    out = ["<h2>Communication (audit ledger)</h2>"]
+    series: dict[str, list[tuple[float, float]]] = {}
+    styles: dict[str, str] = {}
+    for r in runs:
+        per: dict[tuple[str, int], int] = defaultdict(int)
+        for row in r.audit:
+            per[(row["direction"], row["round"])] += int(row["bytes"])
+        for d in ("up", "down"):
+            pts = sorted((rnd, _mib(b)) for (dd, rnd), b in per.items() if dd == d)
+            series[f"{r.label} ({d})"] = pts
+            styles[f"{r.label} ({d})"] = "-" if d == "up" else ":"
+    if any(series.values()):
+        fig = plots.lines(
+            series, "bytes per round (up: solid, down: dotted)", "MiB", palette, styles
+        )
+        out.append(_img(fig, "bytes per round"))
+    for r in runs:
+        tot: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+        for row in r.audit:
+            key = (row["kind"], row["field"], row.get("type", ""), row["direction"])
+            tot[key][0] += int(row["bytes"])
+            tot[key][1] += 1
+        rows = [[*k, b, n] for k, (b, n) in sorted(tot.items())]
+        problems = undeclared(r)
+        check = (
+            '<p class="ok">every field that crossed the wire is declared by '
+            f"{_esc(r.algorithm)}'s message kinds</p>"
+            if not problems
+            else '<p class="bad">' + "<br>".join(_esc(p) for p in problems) + "</p>"
+        )
+        head = ["kind", "field", "type", "direction", "bytes", "messages"]
+        out.append(f"<h3>{_esc(r.label)}</h3>" + _table(head, rows) + check)
+        out.append(_per_round_bytes(r))
+    return "".join(out)
+
+
+def _per_round_bytes(run: RunData) -> str:
+    """A folded table: bytes per round for every (kind, direction)."""
+    per: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for row in run.audit:
+        per[row["round"]][f"{row['kind']} {row['direction']}"] += int(row["bytes"])
+    cols = sorted({c for v in per.values() for c in v})
+    rows = [[rnd, *[per[rnd].get(c, 0) for c in cols]] for rnd in sorted(per)]
+    return (
+        "<details><summary>bytes per round, by message kind and direction</summary>"
+        + _table(["round", *cols], rows)
+        + "</details>"
+    )
+
+
+def section_privacy(runs: Sequence[RunData]) -> str:
+    """ε per mechanism and per client from each run's ``privacy.json``."""
+    out: list[str] = []
+    for r in runs:
+        p = r.privacy
+        if not p:
+            continue
+        run_eps = p.get("run", {})
+        out.append(
+            f"<h3>{_esc(r.label)}</h3><p>run: ε = {_num(run_eps.get('epsilon'))} at "
+            f"δ = {_num(p.get('delta'))} ({_esc(p.get('accountant'))}; worst client "
+            f"{_esc(run_eps.get('worst_client'))}; {_esc(p.get('composition', ''))})</p>"
+        )
+        mech = [[k, v.get("epsilon_max")] for k, v in p.get("mechanisms", {}).items()]
+        out.append(_table(["mechanism", "max ε over clients"], mech))
+        clients = [
+            [c, v.get("epsilon"), ", ".join(f"{m}: {e:.3g}" for m, e in v["mechanisms"].items())]
+            for c, v in p.get("clients", {}).items()
+        ]
+        out.append(
+            "<details><summary>per client</summary>"
+            + _table(["client", "ε", "per mechanism"], clients)
+            + "</details>"
+        )
+    return ("<h2>Privacy ledger</h2>" + "".join(out)) if out else ""
+
+
+def section_failures_and_time(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
+    """Failed clients (each logged failure) and seconds per round."""
+    out = ["<h2>Failures and timings</h2>"]
+    for r in runs:
+        if r.failures:
+            rows = [
+                [f["round"], f.get("client"), f.get("kind"), f.get("error")] for f in r.failures
+            ]
+            out.append(
+                f"<h3>{_esc(r.label)}: {len(r.failures)} failures</h3>"
+                + _table(["round", "client", "kind", "error"], rows[:200])
+            )
+        else:
+            out.append(f"<p>{_esc(r.label)}: no client failed.</p>")
+    series = _series(runs, "time_s")
+    if any(series.values()):
+        out.append(_img(plots.lines(series, "seconds per round", "s", palette), "time per round"))
+    return "".join(out)
+
+
+def section_items(runs: Sequence[RunData], shown: int = ITEMS_SHOWN) -> str:
+    """A few held-out items with each run's answer and score, matched by item id."""
+    with_items = [r for r in runs if r.items]
+    if not with_items:
+        return ""
+    by_run = [{str(it.get("id")): it for it in r.items} for r in with_items]
+    ids = [str(it.get("id")) for it in with_items[0].items]
+    # Spread the shown items over domains: the first of each domain, then the next, ...
+    order: dict[str, list[str]] = defaultdict(list)
+    for i in ids:
+        order[str(by_run[0][i].get("domain", ""))].append(i)
+    picked: list[str] = []
+    while len(picked) < min(shown, len(ids)):
+        for dom in list(order):
+            if order[dom] and len(picked) < shown:
+                picked.append(order[dom].pop(0))
+    head = ["item", "domain", "prompt", "reference"] + [r.label for r in with_items]
+    rows = []
+    for i in picked:
+        first = by_run[0][i]
+        cells = [
+            i,
+            first.get("domain", ""),
+            _short(first.get("prompt", ""), 300),
+            _short(first.get("reference", ""), 200),
+        ]
+        for b in by_run:
+            it = b.get(i)
+            cells.append(
+                f"{_short(it.get('answer', ''), 300)} [score {_num(it.get('score'))}]" if it else ""
+            )
+        rows.append(cells)
+    return "<h2>Held-out items, side by side</h2>" + _table(head, rows, "items")
+
+
+def _short(text: Any, n: int) -> str:
+    s = str(text)
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+STYLE = """
+body{font-family:sans-serif;max-width:1100px;margin:1em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1em;font-size:13px}
+th,td{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#f2f2f2} .items td{max-width:260px;white-space:pre-wrap}
+img.plot{display:block;margin:.5em 0;max-width:100%} pre{background:#f7f7f7;padding:.5em}
+.ok{color:#05662e} .bad{color:#a00000;font-weight:bold} h2{border-bottom:1px solid #ddd}
+"""
+
+
+def render(runs: Sequence[RunData], title: str | None = None) -> str:
+    """The whole page."""
+    _labels(runs)
+    palette = plots.colours(r.label for r in runs)
+    title = title or "fedfm report: " + ", ".join(r.label for r in runs)
+    body = [
+        section_runs(runs),
+        section_curves(runs, palette),
+        section_breakdown(runs, palette),
+        section_clients(runs, palette),
+        section_audit(runs, palette),
+        section_privacy(runs),
+        section_failures_and_time(runs, palette),
+        section_items(runs),
+    ]
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        # No request may leave the page: not even for a favicon.
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "img-src data:; style-src 'unsafe-inline'\">"
+        f'<link rel="icon" href="data:,"><title>{_esc(title)}</title><style>{STYLE}</style>'
+        f"</head><body><h1>{_esc(title)}</h1>{''.join(body)}</body></html>"
+    )
+
+
+def write_html(run_dirs: Sequence[Path], out: Path, title: str | None = None) -> Path:
+    """Writes the report of ``run_dirs`` to ``out`` (atomically) and returns its path."""
+    page = render([load_run(Path(d)) for d in run_dirs], title)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def write_run_report(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Writes ``report.html`` of a finished run into its folder."""
+    page = render([load_run(run_dir, summary)])
+    out = run_dir / REPORT
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+    return out
