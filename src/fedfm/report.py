@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from fedfm import plots
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 
@@ -28,7 +29,9 @@ def _numeric_keys(rows: list[dict[str, Any]]) -> list[str]:
     keys: list[str] = []
     for r in rows:
         for k, v in r.items():
-            skip = k in keys or k in ("round", "time_s", "failed", "clients")
+            # Counts and sizes are not metrics: they get no metric panel.
+            count = k in ("round", "time_s", "failed", "clients", "n") or k.endswith("/n")
+            skip = k in keys or count
             if not skip and isinstance(v, (int, float)) and not k.startswith("bytes"):
                 keys.append(k)
     return keys
@@ -49,7 +52,7 @@ def plot_run(run_dir: Path) -> list[Path]:
             pts = [(r["round"], r[k]) for r in rows if k in r]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
             ax.set_title(k)
-            ax.set_xlabel("round")
+            plots.integer_rounds(ax)
         for ax in list(axes.flat)[n:]:
             ax.axis("off")
         fig.tight_layout()
@@ -60,7 +63,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     rounds = [r["round"] for r in rows]
     for key in ("bytes_up", "bytes_down"):
         ax.plot(rounds, [r.get(key, 0) / 2**20 for r in rows], marker="o", ms=3, label=key)
-    ax.set_xlabel("round")
+    plots.integer_rounds(ax)
     ax.set_ylabel("MiB (audit ledger)")
     ax.legend()
     fig.tight_layout()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from fedfm import plots
 from fedfm.reproduce import STUDIES
 from fedfm.reproduce.fedekd import (
     FULL,
@@ -538,7 +539,9 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _nt_figure(grid: Grid, res: Results, choice: tuple[float, float], path: Path) -> Path:
+def _nt_figure(
+    grid: Grid, res: Results, choice: tuple[float, float], path: Path, palette: dict[str, str]
+) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
     import matplotlib.pyplot as plt
 
@@ -561,8 +564,17 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple[float, float], path: Path
                 worst = [_est(res.get(cell, split, m, "nt_worst")).mean for cell, m in cells]
                 x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
                 ses = [e.se if e.n > 1 else 0.0 for e in ests]
-                bars = ax.bar(x, [e.mean for e in ests], width, yerr=ses, capsize=2, label=v.label)
-                ax.scatter(x, worst, marker="v", s=12, color=bars.patches[0].get_facecolor())
+                colour = palette[v.label]
+                ax.bar(
+                    x,
+                    [e.mean for e in ests],
+                    width,
+                    yerr=ses,
+                    capsize=2,
+                    label=v.label,
+                    color=colour,
+                )
+                ax.scatter(x, worst, marker="v", s=12, color=colour)
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xticks(np.arange(len(presets)), [_name(p) for p in presets], fontsize=8)
             ax.set_ylabel(f"NT, {label}")
@@ -596,7 +608,9 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _curves_figure(grid: Grid, res: Results, choice: tuple[float, float], path: Path) -> Path:
+def _curves_figure(
+    grid: Grid, res: Results, choice: tuple[float, float], path: Path, palette: dict[str, str]
+) -> Path:
     """Mean-client NT over the rounds of the long runs, ± SE bands, per set and split."""
     import matplotlib.pyplot as plt
 
@@ -614,11 +628,12 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple[float, float], path: 
                 ests = [mean_se(list(_at(curve, rr).values())) for rr in rounds]
                 mu = np.array([e.mean for e in ests])
                 se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
-                ax.plot(rounds, mu, label=v.label, lw=1.2)
-                ax.fill_between(rounds, mu - se, mu + se, alpha=0.2)
+                colour = palette[v.label]
+                ax.plot(rounds, mu, label=v.label, lw=1.2, color=colour)
+                ax.fill_between(rounds, mu - se, mu + se, alpha=0.2, color=colour)
             ax.axhline(0, color="k", lw=0.8)
             ax.set_title(f"{_name(p)}, {_where(split)}", fontsize=9)
-            ax.set_xlabel("round")
+            plots.integer_rounds(ax)
             ax.set_ylabel(f"mean-client NT, {_unit(res.primary(p))}")
     axes[0, 0].legend(fontsize=6)
     fig.suptitle(
@@ -633,12 +648,14 @@ def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path
 
     matplotlib.use("Agg")
     folder.mkdir(parents=True, exist_ok=True)
+    # One colour per method in every figure of the study.
+    palette = plots.colours(v.label for v in [*featured(choice), *long_variants(choice)])
     paths = [
-        _nt_figure(grid, res, choice, folder / "negative_transfer.png"),
+        _nt_figure(grid, res, choice, folder / "negative_transfer.png", palette),
         _gate_figure(grid, res, folder / "gate_grid.png"),
     ]
     if grid.long_presets:
-        paths.append(_curves_figure(grid, res, choice, folder / "nt_curves.png"))
+        paths.append(_curves_figure(grid, res, choice, folder / "nt_curves.png", palette))
     return paths
 
 

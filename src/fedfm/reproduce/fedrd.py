@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from fedfm import plots
 from fedfm.reproduce import STUDIES
 
 # ----------------------------------------------------------------------------- the grid
@@ -397,6 +398,7 @@ def _figures(grid: Grid, stats: dict[str, Any], mem: dict[str, Any], folder: Pat
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     mods = list(grid.modalities)
+    palette = plots.colours(METHODS[m].label for m in grid.methods)  # one colour per method
     fig, axes = plt.subplots(1, len(mods), figsize=(5.5 * len(mods), 3.6), squeeze=False)
     for ax, mod in zip(axes[0], mods, strict=True):
         meths = [m for m in grid.methods if mod in METHODS[m].presets]
@@ -407,7 +409,7 @@ def _figures(grid: Grid, stats: dict[str, Any], mem: dict[str, Any], folder: Pat
                 s = stats.get(Job(mod, a, m).name)
                 accs.append(s["acc"] if s else float("nan"))
             x = np.arange(len(grid.alphas)) + (k - (len(meths) - 1) / 2) * width
-            ax.bar(x, accs, width, label=METHODS[m].label)
+            ax.bar(x, accs, width, label=METHODS[m].label, color=palette[METHODS[m].label])
         ax.set_xticks(np.arange(len(grid.alphas)))
         ax.set_xticklabels([f"Dirichlet α = {a:g}" for a in grid.alphas])
         ax.set_ylabel("test accuracy (last round)")
