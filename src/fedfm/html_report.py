@@ -7,7 +7,7 @@ inline, there is no script and no link to fetch, so it opens offline and sends n
 Sections, in the order a reader asks for them:
 
 1. **Runs**: algorithm, task, rounds, final and best primary metric, bytes, failed clients,
-   wall time; each run's resolved config (folded).
+   wall time, ε; each run's resolved config and the files it left (artefacts), folded.
 2. **Curves**: the primary metric, then the losses, over rounds, runs overlaid (one colour per
    run in every figure).
 3. **Breakdown**: per domain (``<metric>/<domain>`` keys of the final round, e.g.
@@ -180,7 +180,17 @@ def section_runs(runs: Sequence[RunData]) -> str:
         "</details>"
         for r in runs
     )
-    return "<h2>Runs</h2>" + _table(head, rows) + configs
+    files = "".join(
+        f"<details><summary>files {_esc(r.label)} left (artefacts)</summary>"
+        + _table(
+            ["file", "bytes", "sha256"],
+            [[k, v.get("bytes"), v.get("sha256")] for k, v in r.summary["artefacts"].items()],
+        )
+        + "</details>"
+        for r in runs
+        if r.summary.get("artefacts")
+    )
+    return "<h2>Runs</h2>" + _table(head, rows) + configs + files
 
 
 def _series(runs: Sequence[RunData], key: str) -> dict[str, list[tuple[float, float]]]:
