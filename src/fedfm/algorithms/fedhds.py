@@ -34,6 +34,9 @@ Baselines in this file (``algo.selection``, the :data:`SELECTIONS` registry):
 * ``global``: GlobalSelect; each client sends every sample's 2-D point (its own t-SNE) and the
   server clusters all of them at once, selecting the point nearest each global cluster's
   centre: far more bytes up, as the audit ledger shows.
+* ``all``: FedIT, every sampled client trains on all its rows and no selection exchange; the
+  same rounds as :mod:`fedfm.algorithms.fedavg` on this task (tested), with this file's
+  evaluation (:func:`rouge_all`), so a study compares every method on the same metrics.
 * ``random``: each sampled client trains on ``random_budget`` of its samples drawn at random
   (at least one), no selection exchange: set the budget to FedHDS's measured data fraction
   for the same data budget.
@@ -41,7 +44,8 @@ Baselines in this file (``algo.selection``, the :data:`SELECTIONS` registry):
   clients' data itself, pools it, runs one t-SNE and HDBSCAN over the pool and keeps the sample
   nearest each cluster's centre; the selected samples are then trained on federatedly.
 
-FedIT on all the data is :mod:`fedfm.algorithms.fedavg` on the same instruction task.
+FedIT on all the data is :mod:`fedfm.algorithms.fedavg` on the same instruction task, or
+``selection: all`` here.
 
 Efficiency, measured in the run (metrics of every round, totals in the summary's ``finish``):
 ``data_fraction`` (coreset rows over the sampled clients' rows), ``train_s`` (client training
@@ -103,10 +107,11 @@ from fedfm.core.replies import MetricMean, meta_number
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import local_train, num_steps
 from fedfm.errors import ConfigError, config_fields
+from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
 from fedfm.models.features import LayerFeatures, load_feature_model
 from fedfm.registry import Registry
-from fedfm.tasks.base import FOUNDATION_MODEL, Task, TaskConfig, require
+from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, Task, TaskConfig, require
 from fedfm.tasks.lm import InstructionData
 
 log = logging.getLogger("fedfm")
@@ -445,6 +450,12 @@ def random_rows(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
     return Plan(train={cid: ("random", []) for cid in cids})
 
 
+@SELECTIONS.register("all", "FedIT: every sampled client trains on all its rows")
+def all_rows(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
+    """No selection exchange: every sampled client trains on everything (FedIT)."""
+    return Plan(train={cid: ("all", []) for cid in cids})
+
+
 @SELECTIONS.register("centralised", "Coreset-Cent: NOT PRIVATE, the server reads client data")
 def centralised(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
     """The server pools the sampled clients' data, one t-SNE + HDBSCAN, positions down."""
@@ -539,6 +550,7 @@ class FedHDS(Algorithm):
     @override
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
         require(task_cls, task_cfg, FOUNDATION_MODEL, "task.kind", "FedHDS's LLM")
+        require(task_cls, task_cfg, ITEM_RESULTS, "task.kind", "FedHDS's Rouge-L of every item")
 
     @property
     def turbo(self) -> bool:
@@ -750,9 +762,11 @@ class FedHDS(Algorithm):
 
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
+        """The task's metrics plus Rouge-L of every item against its reference."""
         self.fm.set_adapter(ADAPTER, self.params)
         with self.fm.use([ADAPTER]) as model:
-            return dict(self.task.evaluate(model, self.task.test_data()))
+            metrics, items = self.task.evaluate_items(model, self.task.test_data())
+        return {**metrics, **rouge_all(items)}
 
     @override
     def finish(self, fed: Federation) -> dict[str, float]:
@@ -774,6 +788,30 @@ class FedHDS(Algorithm):
         self.params = get_group(arrays, "params")
         self.opt.load_state_dict(get_group(arrays, "opt"))
         self.totals = {k: float(meta.get("totals", {}).get(k, 0.0)) for k in TOTALS}
+
+
+def rouge_all(items: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Rouge-L of every evaluated item against its reference, whatever its own metric.
+
+    Natural-Instructions scores every task, classification included, by Rouge-L against the
+    reference; here that is ``rougeL_all`` (the mean over domains of each domain's mean, so
+    every domain weighs the same, as the task's ``score``), ``rougeL_all/<domain>`` and, for
+    a held-out domain, ``zeroshot/rougeL_all``.
+    """
+    by: dict[tuple[bool, str], list[float]] = {}
+    for item in items:
+        key = (bool(item.get("zeroshot")), str(item["domain"]))
+        by.setdefault(key, []).append(rouge_l(str(item["answer"]), str(item["reference"])))
+    out: dict[str, float] = {}
+    for zeroshot in (False, True):
+        means = {d: float(np.mean(v)) for (z, d), v in sorted(by.items()) if z == zeroshot}
+        if not means:
+            continue
+        prefix = "zeroshot/" if zeroshot else ""
+        out[f"{prefix}rougeL_all"] = float(np.mean(list(means.values())))
+        if not zeroshot:
+            out.update({f"rougeL_all/{d}": m for d, m in means.items()})
+    return out
 
 
 def _instruction_data(data: Any) -> InstructionData:
