@@ -536,7 +536,7 @@ class FedHDS(Algorithm):
         super().__init__(cfg, task, run)
         self.cfg: FedHDSConfig = cfg
         self.fm: FoundationModel = task.foundation_model()
-        self.fm.ensure_adapter(ADAPTER, seed=run.seed)
+        self.fm.reset_adapter(ADAPTER, seed=run.seed)  # the seeded init, whatever ran before
         self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.select = SELECTIONS.get(cfg.selection)
