@@ -18,6 +18,7 @@ from fedfm.algorithms.fedhds import (
     inter_client_select,
     privatise,
     release_sensitivity,
+    rouge_all,
 )
 from fedfm.config import load_config
 from fedfm.core.fake import FakeFederation
@@ -416,3 +417,32 @@ def test_centralised_reference_reads_client_data_and_says_so(tmp_path: Path) -> 
     plans = [m.meta for _, _, m in fed.sent]
     assert all(p["plan"] == "positions" and p["pick"] for p in plans)
     assert metrics["coreset"] == len(plans)  # the fake's replies claim one row each
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def test_rouge_of_every_item_weighs_each_domain_alike() -> None:
+    items = [
+        {"domain": "a", "answer": "the cat sat", "reference": "the cat sat"},  # 1
+        {"domain": "a", "answer": "dog", "reference": "cat"},  # 0
+        {"domain": "b", "answer": "positive", "reference": "positive"},  # 1
+        {"domain": "z", "answer": "spam", "reference": "ham", "zeroshot": True},  # 0
+    ]
+    out = rouge_all(items)
+    assert out == {
+        "rougeL_all": 0.75,
+        "rougeL_all/a": 0.5,
+        "rougeL_all/b": 1.0,
+        "zeroshot/rougeL_all": 0.0,
+    }
+
+
+def test_evaluated_items_are_kept_with_their_rouge(runs: dict[str, Path]) -> None:
+    items = json.loads((runs["hds"] / "artefacts" / "eval" / "round-2.json").read_text())
+    final = _jsonl(runs["hds"] / "metrics.jsonl")[-1]
+    seen = [i for i in items if not i["zeroshot"]]
+    domains = sorted({i["domain"] for i in seen})
+    per = [np.mean([i["rougeL"] for i in seen if i["domain"] == d]) for d in domains]
+    assert final["rougeL_all"] == pytest.approx(float(np.mean(per)))
+    assert len(items) == final["n"]

@@ -53,6 +53,11 @@ time, summed over clients), ``feature_s`` and ``cluster_s`` (client feature extr
 t-SNE + HDBSCAN), ``select_s`` (the server's own selection step), ``client_s`` (all client
 compute); bytes up and down come from the audit ledger as for every algorithm.
 
+Artefacts: ``selection.jsonl`` (per round: each asked client's row count, clusters, selected
+clusters or rows, whether it trained or used all its rows; and the server's row: centroids or
+points received, global clusters, noise) and ``eval/round-<r>.json`` (every evaluated item's
+score and Rouge-L, for paired comparisons between runs).
+
 Libraries: scikit-learn's ``TSNE`` (Barnes-Hut, as the paper's official code uses) and
 ``HDBSCAN`` (``store_centers="centroid"``: the membership-probability weighted mean of a
 cluster's points, the same centre as the ``hdbscan`` package's ``weighted_cluster_centroid``
@@ -75,6 +80,8 @@ Choices of ours (the paper does not make them; each is a config option or stated
       a release of k centroids lies in ``[-1, 1]^{2k}``, so its L2 sensitivity is taken as
       that box's diameter ``2·sqrt(2k)`` and registered per client and round. Only centroid
       coordinates are protected: the number of clusters and their ids are released as they are.
+    * Centroids and points travel as float32 (8 bytes per 2-D point); features, t-SNE and
+      HDBSCAN run in float64.
     * The ``train`` message carries the global adapter again (the ``select`` message already
       did), so the audit counts it twice per trained client; bytes are never hidden.
     * Aggregation weights are coreset sizes; ``aggregator`` may replace the weighted mean by a
@@ -469,6 +476,8 @@ def centralised(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
         feats.append(x)
         owners += [(cid, i) for i in range(len(x))]
     pooled = np.concatenate(feats)
+    if len(pooled) < max(2, algo.cfg.min_cluster_size):  # too few rows to cluster: use all
+        return Plan(train={cid: ("all", []) for cid in cids}, pool=plan.pool)
     points = embed_2d(
         pooled, derive_seed(algo.run.seed, fed.rnd, "centralised"), algo.cfg.perplexity
     )
@@ -766,6 +775,9 @@ class FedHDS(Algorithm):
         self.fm.set_adapter(ADAPTER, self.params)
         with self.fm.use([ADAPTER]) as model:
             metrics, items = self.task.evaluate_items(model, self.task.test_data())
+        kept = ("id", "domain", "zeroshot", "metric", "score", "answer")
+        rows = [{**{k: i.get(k) for k in kept}, "rougeL": _rouge_of(i)} for i in items]
+        self.artefacts.write_json(f"eval/round-{fed.rnd}.json", rows)  # for paired statistics
         return {**metrics, **rouge_all(items)}
 
     @override
@@ -800,8 +812,7 @@ def rouge_all(items: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """
     by: dict[tuple[bool, str], list[float]] = {}
     for item in items:
-        key = (bool(item.get("zeroshot")), str(item["domain"]))
-        by.setdefault(key, []).append(rouge_l(str(item["answer"]), str(item["reference"])))
+        by.setdefault((bool(item.get("zeroshot")), str(item["domain"])), []).append(_rouge_of(item))
     out: dict[str, float] = {}
     for zeroshot in (False, True):
         means = {d: float(np.mean(v)) for (z, d), v in sorted(by.items()) if z == zeroshot}
@@ -812,6 +823,10 @@ def rouge_all(items: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         if not zeroshot:
             out.update({f"rougeL_all/{d}": m for d, m in means.items()})
     return out
+
+
+def _rouge_of(item: Mapping[str, Any]) -> float:
+    return rouge_l(str(item["answer"]), str(item["reference"]))
 
 
 def _instruction_data(data: Any) -> InstructionData:
