@@ -446,3 +446,22 @@ def test_evaluated_items_are_kept_with_their_rouge(runs: dict[str, Path]) -> Non
     per = [np.mean([i["rougeL"] for i in seen if i["domain"] == d]) for d in domains]
     assert final["rougeL_all"] == pytest.approx(float(np.mean(per)))
     assert len(items) == final["n"]
+
+
+def test_flower_simulation_selects_and_trains_as_embedded(tmp_path: Path) -> None:
+    # Timings differ, and so do the bytes of their JSON meta values (their digits).
+    timing = {"time_s", "train_s", "feature_s", "cluster_s", "select_s", "client_s"}
+    timing |= {"bytes_up", "bytes_up_meta"}
+    rows = {}
+    for runtime in ("embedded", "flower-sim"):
+        cfg = _cfg(tmp_path, runtime).model_dump()
+        cfg.update(runtime=runtime, rounds=1)
+        run_experiment(load_config(cfg), progress=False)
+        rows[runtime] = [
+            {k: v for k, v in r.items() if k not in timing}
+            for r in _jsonl(tmp_path / runtime / "metrics.jsonl")
+        ]
+    assert rows["flower-sim"] == rows["embedded"]
+    assert rows["embedded"][-1]["clients_trained"] > 0
+    logs = [(tmp_path / r / "artefacts" / "selection.jsonl").read_text() for r in rows]
+    assert logs[0] == logs[1]
