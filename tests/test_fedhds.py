@@ -465,3 +465,17 @@ def test_flower_simulation_selects_and_trains_as_embedded(tmp_path: Path) -> Non
     assert rows["embedded"][-1]["clients_trained"] > 0
     logs = [(tmp_path / r / "artefacts" / "selection.jsonl").read_text() for r in rows]
     assert logs[0] == logs[1]
+
+
+def test_a_malformed_select_reply_is_dropped_and_the_round_goes_on(tmp_path: Path) -> None:
+    algo = _algo(tmp_path)
+    bad_shape = _select_reply([[0, 0], [1, 1]])
+    bad_shape.arrays["centroids"]["xy"] = torch.zeros(3, 2)  # 3 centroids for 2 ids
+    repeated = _select_reply([[0, 0], [1, 1]])
+    repeated.meta["cluster_ids"] = [0, 0]
+    select = {"0": bad_shape, "1": repeated, **{c: _select_reply([]) for c in "2345"}}
+    fed = _fake(algo, select, {}, {})
+    metrics = algo.round(fed)
+    assert metrics["centroids"] == 0 and metrics["clients_trained"] == 0
+    log = [json.loads(x) for x in algo.artefacts.read_bytes("selection.jsonl").splitlines()]
+    assert {r["client"] for r in log} == {"2", "3", "4", "5", None}

@@ -315,6 +315,8 @@ def _ids(reply: Message) -> list[int]:
     ids = reply.meta.get("cluster_ids") or []
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         raise ValueError(f"cluster_ids must be a list of ints, got {ids!r}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"cluster_ids repeat an id: {ids!r}")
     return [int(i) for i in ids]
 
 
