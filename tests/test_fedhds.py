@@ -439,7 +439,9 @@ def test_rouge_of_every_item_weighs_each_domain_alike() -> None:
 
 
 def test_evaluated_items_are_kept_with_their_rouge(runs: dict[str, Path]) -> None:
-    items = json.loads((runs["hds"] / "artefacts" / "eval" / "round-2.json").read_text())
+    rows = _jsonl(runs["hds"] / "eval_items.jsonl")
+    assert [r["round"] for r in rows][-1] == 2
+    items = rows[-1]["items"]
     final = _jsonl(runs["hds"] / "metrics.jsonl")[-1]
     seen = [i for i in items if not i["zeroshot"]]
     domains = sorted({i["domain"] for i in seen})

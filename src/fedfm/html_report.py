@@ -222,7 +222,9 @@ def domain_breakdown(run: RunData) -> dict[str, dict[str, float]]:
         for k, v in row.items():
             base, _, rest = k.partition("/")
             domain = rest and "/" not in rest and base in row and isinstance(v, (int, float))
-            if domain and base not in ("local", "zeroshot") and not base.startswith("bytes"):
+            # Prefixes that are not metrics, and counts (``n/<domain>``: items evaluated).
+            skip = base in ("local", "zeroshot", "n") or base.startswith("bytes")
+            if domain and not skip:
                 found[base][rest] = float(v)
         if found:
             return dict(found)

@@ -55,8 +55,9 @@ compute); bytes up and down come from the audit ledger as for every algorithm.
 
 Artefacts: ``selection.jsonl`` (per round: each asked client's row count, clusters, selected
 clusters or rows, whether it trained or used all its rows; and the server's row: centroids or
-points received, global clusters, noise) and ``eval/round-<r>.json`` (every evaluated item's
-score and Rouge-L, for paired comparisons between runs).
+points received, global clusters, noise). Every evaluated item, with its score and Rouge-L, is
+returned with the metrics and kept in the run's ``eval_items.jsonl`` (for paired comparisons
+between runs and the run's report).
 
 Libraries: scikit-learn's ``TSNE`` (Barnes-Hut, as the paper's official code uses) and
 ``HDBSCAN`` (``store_centers="centroid"``: the membership-probability weighted mean of a
@@ -777,10 +778,9 @@ class FedHDS(Algorithm):
         self.fm.set_adapter(ADAPTER, self.params)
         with self.fm.use([ADAPTER]) as model:
             metrics, items = self.task.evaluate_items(model, self.task.test_data())
-        kept = ("id", "domain", "zeroshot", "metric", "score", "answer")
-        rows = [{**{k: i.get(k) for k in kept}, "rougeL": _rouge_of(i)} for i in items]
-        self.artefacts.write_json(f"eval/round-{fed.rnd}.json", rows)  # for paired statistics
-        return {**metrics, **rouge_all(items)}
+        # Every item with its Rouge-L goes to the run's eval_items.jsonl (paired statistics).
+        rows = [{**i, "rougeL": _rouge_of(i)} for i in items]
+        return {**metrics, **rouge_all(items), "items": rows}
 
     @override
     def finish(self, fed: Federation) -> dict[str, float]:
