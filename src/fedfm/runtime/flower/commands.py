@@ -17,7 +17,7 @@ from fedfm.config import apply_override, load_run_config
 from fedfm.errors import ConfigError
 from fedfm.runtime.flower import deploy
 from fedfm.runtime.flower.options import run_options
-from fedfm.runtime.flower.tls import make_certificates, make_node_key, tls_files
+from fedfm.runtime.flower.tls import add_node_keys, check_private, make_key_folder, tls_files
 from fedfm.runtime.flower.wire import Payload
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides")]
@@ -71,6 +71,8 @@ def serve(
     """Serve a run on Flower's deployment engine (SuperLink here, `fedfm client` there)."""
     cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
     tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
+    if tls is not None:
+        check_private(tls.server_key, "the SuperLink's TLS key")
     keys = [Path(k) for k in node_key or []]
     for key in keys:
         _existing("node-key", key)
@@ -105,6 +107,14 @@ def client(
         raise ConfigError(
             "tls", "give --root-certificates CA_FILE, or --insecure to connect without TLS"
         )
+    if insecure and auth_key is not None:
+        # Flower's SuperNode exits at once on this pair; restarting it would loop forever.
+        raise ConfigError(
+            "auth-key",
+            "node authentication needs TLS: give --root-certificates CA_FILE instead of --insecure",
+        )
+    if auth_key is not None and _existing("auth-key", auth_key):
+        check_private(auth_key, "the node's private key")
     code = deploy.client(
         superlink,
         partition_id,
@@ -142,10 +152,34 @@ def flower_certs(
     out: Annotated[Path, typer.Argument(help="output folder")],
     host: Annotated[list[str] | None, typer.Option(help="SuperLink host name or IP")] = None,
     nodes: Annotated[int, typer.Option(help="SuperNode key pairs to make")] = 0,
+    add_nodes: Annotated[
+        int | None,
+        typer.Option(help="add this many SuperNode keys to OUT; CA and certificate unchanged"),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="replace key material already in OUT")
+    ] = False,
 ) -> None:
-    """Make a CA, a SuperLink certificate and SuperNode keys (private deployments)."""
-    tls = make_certificates(out, host or ["127.0.0.1", "localhost"])
-    print(f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key {tls.server_key}")
-    for i in range(nodes):
-        priv, pub = make_node_key(out, f"node{i}")
-        print(f"SuperNode {i}: private key {priv}, public key {pub}")
+    """Make a CA, a SuperLink certificate and SuperNode keys (private deployments).
+
+    Refuses to replace key material already in OUT unless --force is given; --add-nodes N
+    adds node keys to an existing folder without touching its CA and certificate. Private
+    keys are written with mode 600 in a folder of mode 700.
+    """
+    if nodes < 0:
+        raise ConfigError("nodes", f"must be at least 0, got {nodes}")
+    if add_nodes is not None:
+        if host or nodes or force:
+            raise ConfigError(
+                "add-nodes", "adds node keys only: leave out --host, --nodes and --force"
+            )
+        made = add_node_keys(out, add_nodes)
+    else:
+        tls, made = make_key_folder(out, host or ["127.0.0.1", "localhost"], nodes, force)
+        print(f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key {tls.server_key}")
+    for priv, pub in made:
+        print(f"SuperNode {priv.stem}: private key {priv}, public key {pub}")
+    print(
+        f"Copy {out / 'ca.crt'} and one node<i>.key to client machine i; keep server.key and the"
+        " node<i>.pub files on the server (server.key never leaves it)."
+    )
