@@ -65,12 +65,19 @@ def run(
 @app.command()
 def report(
     runs: Annotated[list[Path], typer.Argument(help="run folders")],
-    out: Annotated[Path | None, typer.Option(help="folder for compare.md and compare.png")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="folder for compare.md and compare.png (default: compare/ next to the first run)"
+        ),
+    ] = None,
 ) -> None:
     """Compare runs: a markdown table of final metrics and bytes, and a plot."""
-    from fedfm.report import compare
+    from fedfm.report import compare, default_out
 
-    print(compare(runs, out))
+    folder = out or default_out(runs)
+    print(compare(runs, folder))
+    print(f"wrote {folder / 'compare.md'} and {folder / 'compare.png'}")
 
 
 @app.command()
