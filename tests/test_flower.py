@@ -549,7 +549,7 @@ def test_commands_check_their_arguments(tmp_path, monkeypatch):
     # serve passes validated options and TLS files through to the deployment engine.
     seen = {}
     monkeypatch.setattr(D, "serve", lambda cfg, **kw: seen.update(cfg=cfg, **kw) or {
-        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}})  # fmt: skip
+        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}, "rounds": 2})  # fmt: skip
     res = runner.invoke(app, ["serve", "tabular-fedavg", "rounds=2", "--certificates",
                               str(tmp_path), "--flower", "timeout_s=30", "--node-key",
                               str(tmp_path / "node0.pub")])  # fmt: skip

@@ -5,15 +5,26 @@ Fast tests without Flower processes; the loopback ones are in ``tests/test_flowe
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import stat
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from fedfm.cli import app
 from fedfm.errors import ConfigError
 from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import processes as P
+from fedfm.runtime.flower import refusals as R
 from fedfm.runtime.flower import tls as T
 
 runner = CliRunner()
@@ -101,7 +112,7 @@ def test_serve_and_client_warn_about_private_keys_readable_by_others(tmp_path, m
     out = tmp_path / "certs"
     assert _certs(str(out), "--nodes", "1").exit_code == 0
     monkeypatch.setattr(D, "serve", lambda cfg, **kw: {
-        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}})  # fmt: skip
+        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}, "rounds": 2})  # fmt: skip
     monkeypatch.setattr(D, "client", lambda *a, **kw: 0)
     serve = ["serve", "tabular-fedavg", "--certificates", str(out)]
     client = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
@@ -128,3 +139,144 @@ def test_client_refuses_insecure_with_an_auth_key_at_once(tmp_path, monkeypatch)
     assert isinstance(res.exception, ConfigError) and not started
     assert "node authentication needs TLS" in str(res.exception)
     assert str(res.exception).startswith("config error: auth-key:")
+
+
+# --------------------------------------------------------------------------- refusals
+
+UNREGISTERED_LOG = """\
+INFO:     Uvicorn running on http://127.0.0.1:59529 (Press CTRL+C to quit)
+ERROR :     Exit Code: 305
+Failed to initialize the connection to the SuperLink.
+[code: 2004] Failed to activate SuperNode.
+The SuperNode could not establish a connection to the SuperLink.
+"""  # a SuperNode whose key is not registered (flwr 1.42, as logged here)
+
+
+def test_flower_refusals_read_from_the_supernode_log():
+    r = R.from_supernode_log(UNREGISTERED_LOG)
+    assert r is not None and not r.fatal
+    assert r.line() == (
+        "refused: node key not registered on the SuperLink"
+        " (Flower: [code: 2004] Failed to activate SuperNode.)"
+    )
+    no_key = UNREGISTERED_LOG.replace(
+        "2004] Failed to activate SuperNode.",
+        "2001] SuperNode authentication is enabled. All SuperNodes must be registered via the CLI.",
+    )
+    r = R.from_supernode_log(no_key)
+    assert r is not None and r.fatal and "start this client with --auth-key" in r.reason
+    assert R.from_supernode_log("WARNING :   Connection attempt failed, retrying in 3 s") is None
+    assert R.retrying("x\nWARNING :   Connection attempt failed, retrying in 0.46 seconds\n")
+
+
+@contextmanager
+def _server(tls: T.TlsFiles | None) -> Iterator[str]:
+    """A loopback port that accepts connections, with TLS from ``tls`` or without."""
+    import socket
+    import ssl
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    ctx = None
+    if tls is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tls.server_cert, tls.server_key)
+    stop = threading.Event()
+
+    def serve() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            with contextlib.suppress(OSError, ssl.SSLError):
+                if ctx is not None:
+                    conn.settimeout(2)
+                    conn = ctx.wrap_socket(conn, server_side=True)
+                else:
+                    conn.recv(1024)  # a plain server: TLS bytes are not what it expects
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        stop.set()
+        t.join(5)
+        sock.close()
+
+
+def test_probe_tells_a_tls_mismatch_from_a_superlink_that_is_not_up(tmp_path):
+    tls = T.make_certificates(tmp_path / "a")
+    other = T.make_certificates(tmp_path / "b")
+    with _server(tls) as address:
+        r = R.probe(address, None)
+        assert isinstance(r, R.Refusal) and r.fatal
+        assert r.line() == (
+            "refused: the SuperLink requires TLS: start this client with --root-certificates"
+            " CA_FILE"
+        )
+        assert R.probe(address, tls.ca_cert) is None
+        r = R.probe(address, other.ca_cert)
+        assert isinstance(r, R.Refusal) and "does not verify against" in r.reason
+    with _server(None) as address:
+        assert R.probe(address, None) is None
+        r = R.probe(address, tls.ca_cert)
+        assert isinstance(r, R.Refusal) and "does not use TLS" in r.reason
+    waiting = R.probe(address, None)  # closed now: nothing listens, so keep waiting
+    assert isinstance(waiting, str) and waiting.startswith("nothing answers at")
+
+
+def test_client_gives_up_with_exit_2_on_a_refusal_retrying_cannot_fix(
+    tmp_path, monkeypatch, capsys
+):
+    """The client loop with the SuperNode replaced by a process that logs Flower's refusal."""
+
+    def fake_start(superlink, pid, n, home, log_dir, *a, **kw):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-c", f"print({UNREGISTERED_LOG!r}); raise SystemExit(1)"]
+        return [P.start("supernode", cmd, dict(os.environ), log_dir)]
+
+    monkeypatch.setattr(D, "start_client", fake_start)
+    monkeypatch.setattr(D, "probe", lambda *a: None)
+    code = D.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, refused_wait_s=0.5)
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    refused = (
+        "client 0: refused: node key not registered on the SuperLink (Flower: [code: 2004]"
+        " Failed to activate SuperNode.)"
+    )
+    assert err[0] == refused + "; retrying for up to 0.5 s"
+    assert err[1].startswith(refused + " (still refused after ") and len(err) == 2
+
+
+def test_signals_become_stopped_with_the_shells_exit_codes():
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        with pytest.raises(P.Stopped) as info, P.stop_on_signals():
+            os.kill(os.getpid(), sig)
+            time.sleep(5)
+        assert info.value.exit_code == code
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
+def test_stop_reaches_descendants_in_sessions_of_their_own(tmp_path):
+    """As the SuperLink starts flower-superexec: a grandchild in a new session survives a
+    signal to the child's process group; stop() ends it too."""
+    code = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True)\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    proc = P.start("parent", [sys.executable, "-c", code], dict(os.environ), tmp_path)
+    pid_file = tmp_path / "pid"
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert grandchild in P.descendants(proc.popen.pid)
+    P.stop([proc], grace_s=2)
+    time.sleep(0.2)
+    assert not proc.alive() and not P._alive(grandchild)

@@ -51,15 +51,9 @@ def run(
 
     cfg = load_run_config(config, overrides or [], resume, algo_keys)
     summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
-    final = summary["final"]
-    primary = summary["primary"]
-    folder = Path(cfg.out_dir) / cfg.name
-    msg = f"{cfg.name}: {primary}={final.get(primary, float('nan')):.4f} after {cfg.rounds} rounds"
-    if "privacy" in summary:
-        msg += (
-            f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"
-        )
-    Console().print(f"{msg}  ->  {folder}")
+    from fedfm.progress import summary_line
+
+    Console().print(summary_line(summary, Path(cfg.out_dir) / cfg.name))
 
 
 @app.command()
@@ -164,7 +158,11 @@ def main() -> None:
     _offline_defaults()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        app(standalone_mode=False)
+        # Without standalone mode, click returns a command's typer.Exit code instead of
+        # exiting with it (e.g. `fedfm client` refused: 2, stopped by SIGTERM: 143).
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
