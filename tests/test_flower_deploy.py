@@ -311,3 +311,24 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
     fails = fs.read_jsonl(tmp_path / "runs" / "dep" / "failures.jsonl")
     assert {(f["client"], f["delivery"]) for f in fails} == {("2", "not sent")}
     assert [f["round"] for f in fails] == [1, 2, 3]  # asked every round, never sent
+
+
+def test_serve_stopped_by_ctrl_c_before_round_0_exits_130_and_leaves_nothing(tmp_path):
+    """Ctrl-C (SIGINT) while the server waits for its SuperNodes: exit 130, one line saying
+    that nothing can be resumed yet, no process and no temporary folder left."""
+    cfg = fs.config(tmp_path / "runs", "fedavg", name="dep", rounds=2, num_clients=2)
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = P.free_port()
+    serve = ["serve", str(path), "--insecure", "--host", "127.0.0.1", "--port", str(port)]
+    serve += ["--flower", "node_wait_s=120", "--flower", "imports=[flower_support]"]
+    with commands(tmp_path) as started:
+        server = _fedfm(started, tmp_path, "serve", *serve)
+        # The ServerApp has started once it waits for SuperNodes in the run folder it made.
+        made = lambda: (tmp_path / "runs" / "dep" / "flower_sessions.json").exists()  # noqa: E731
+        _wait_for("the ServerApp", made, 120, server)
+        assert _stopped_cleanly(server, signal.SIGINT, tmp_path / "tmp", "fedfm-serve-") == 130
+    assert _output(tmp_path, "serve").splitlines()[-1] == (
+        "dep: stopped by SIGINT before round 0 was saved: start it again with the same command"
+        f" and --overwrite ({(tmp_path / 'runs' / 'dep').resolve()})"
+    )
