@@ -252,12 +252,13 @@ def test_client_gives_up_with_exit_2_on_a_refusal_retrying_cannot_fix(
 
 
 def test_signals_become_stopped_with_the_shells_exit_codes():
+    before = signal.getsignal(signal.SIGTERM)
     for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
         with pytest.raises(P.Stopped) as info, P.stop_on_signals():
             os.kill(os.getpid(), sig)
             time.sleep(5)
         assert info.value.exit_code == code
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers restored
 
 
 def test_stop_reaches_descendants_in_sessions_of_their_own(tmp_path):
