@@ -6,6 +6,7 @@ Fast tests without Flower processes; the loopback ones are in ``tests/test_flowe
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -281,3 +282,52 @@ def test_stop_reaches_descendants_in_sessions_of_their_own(tmp_path):
     P.stop([proc], grace_s=2)
     time.sleep(0.2)
     assert not proc.alive() and not P._alive(grandchild)
+
+
+# --------------------------------------------------------------------------- serve's progress
+
+
+def _rows(folder: Path, rounds: range, tag: float) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"round": r, "rmse": tag + r, "time_s": 0.1, "bytes_up": 0, "bytes_down": 0}
+            for r in rounds]  # fmt: skip
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_serve_shows_only_the_new_run_s_rounds(tmp_path, capsys):
+    """With --overwrite the old run's rows stay until the new run moves the folder aside;
+    they are never shown. Each round is shown once, then the final table."""
+    from fedfm.config import load_config
+    from fedfm.runtime.flower.watch import RunWatch
+
+    cfg = load_config({"name": "dep", "rounds": 2, "out_dir": str(tmp_path), "algorithm": "fedavg"})
+    run_dir = tmp_path / "dep"
+    _rows(run_dir, range(3), 100.0)  # an old run
+    watch = RunWatch(cfg, run_dir, resume=False, primary="rmse", poll_s=0.05)
+    with watch:
+        time.sleep(0.3)
+        assert watch.shown == -1  # the old rows are not this run's
+        run_dir.rename(tmp_path / ".dep.replaced")
+        _rows(run_dir, range(2), 0.0)
+        time.sleep(0.3)
+        _rows(run_dir, range(3), 0.0)
+    watch.final_table({"primary": "rmse"})
+    err = capsys.readouterr().err
+    assert "rmse=100" not in err and "rmse=101" not in err
+    assert [line.split()[0] for line in err.splitlines() if "rmse=" in line] == ["0", "1", "2"]
+    assert "rounds" in err  # the table
+    # Resuming from the checkpoint of round 1 shows the rounds after it only, and the stop
+    # line names that round.
+    ck = run_dir / "checkpoints" / "round_00001"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text(json.dumps({"round": 1}))
+    (run_dir / "checkpoints" / "LATEST").write_text(ck.name)
+    watch = RunWatch(cfg, run_dir, resume=True, primary="rmse", poll_s=0.05)
+    with watch:
+        pass
+    err = capsys.readouterr().err
+    assert [line.split()[0] for line in err.splitlines() if "rmse=" in line] == ["2"]
+    assert watch.stop_line(signal.SIGTERM).startswith(
+        "dep: stopped by SIGTERM at round 1 of 2: continue with the same `fedfm serve` command"
+        " and --resume"
+    )
