@@ -11,6 +11,7 @@ reductions).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import uuid
 from pathlib import Path
@@ -419,20 +420,43 @@ def test_failing_clients_fail_as_on_embedded(tmp_path):
     assert list((tmp_path / "nodes" / "node0").rglob("*.json"))
 
 
-def test_dead_and_missing_supernodes_are_failed_clients(tmp_path):
+def test_dead_and_missing_supernodes_are_failed_clients(tmp_path, caplog):
     cfg = fs.config(tmp_path, "fedavg", name="flw", rounds=2, num_clients=4)
-    _flower_run(cfg, tmp_path / "nodes", dead={1}, num_nodes=3, options={"timeout_s": 0.5})
+    with caplog.at_level(logging.WARNING, logger="fedfm"):
+        _flower_run(cfg, tmp_path / "nodes", dead={1}, num_nodes=3, options={"timeout_s": 0.5})
     fails = fs.read_jsonl(tmp_path / "flw" / "failures.jsonl")
     by = {(f["round"], f["client"]): f["error"] for f in fails}
     assert by[(1, "1")].startswith("client 1: no reply within")
     assert by[(1, "3")] == "client 3: no SuperNode serves this client"
     rows = fs.read_jsonl(tmp_path / "flw" / "metrics.jsonl")
     assert [r.get("clients") for r in rows[1:]] == [2, 2] and rows[2]["failed"] == 2
-    # The dead node's downlink is audited (it was sent), its uplink is not.
+    # The ledger holds only messages that reached their client: neither the missing client's
+    # nor the dead node's (never answered, so never shown to have arrived).
     audit = fs.read_jsonl(tmp_path / "flw" / "audit.jsonl")
     assert {(a["client"], a["direction"]) for a in audit if a["round"] == 1} == {
-        (c, d) for c in "0123" for d in ("down", "up") if not (c in "13" and d == "up")
+        (c, d) for c in "02" for d in ("down", "up")
     }
+    for r in rows:
+        down = sum(
+            a["bytes"] for a in audit if a["round"] == r["round"] and a["direction"] == "down"
+        )
+        assert r["bytes_down"] == down
+    # The undelivered messages are in failures.jsonl, with why and their size.
+    sent = {a["client"]: a["bytes"] for a in audit if a["round"] == 1 and a["direction"] == "down"}
+    assert {(f["client"], f["delivery"]) for f in fails if f["round"] == 1} == {
+        ("1", "unconfirmed"),
+        ("3", "not sent"),
+    }
+    assert all(f["bytes"] == sent["0"] > 0 for f in fails if f["round"] == 1)
+    # The run ends with who never took part, also kept in the session history.
+    sessions = json.loads((tmp_path / "flw" / "flower_sessions.json").read_text())
+    assert sessions["sessions"][-1]["absent"] == {
+        "1": "connected, never answered",
+        "3": "never connected",
+    }
+    assert "clients that took no part in this session: 1 (connected, never answered), 3" in (
+        caplog.text
+    )
 
 
 def test_a_restarted_supernode_serves_its_client_again_with_its_state(tmp_path):
@@ -525,7 +549,7 @@ def test_commands_check_their_arguments(tmp_path, monkeypatch):
     # serve passes validated options and TLS files through to the deployment engine.
     seen = {}
     monkeypatch.setattr(D, "serve", lambda cfg, **kw: seen.update(cfg=cfg, **kw) or {
-        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}})  # fmt: skip
+        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}, "rounds": 2})  # fmt: skip
     res = runner.invoke(app, ["serve", "tabular-fedavg", "rounds=2", "--certificates",
                               str(tmp_path), "--flower", "timeout_s=30", "--node-key",
                               str(tmp_path / "node0.pub")])  # fmt: skip

@@ -8,15 +8,22 @@ stops every process it started, whatever happens. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 import flower_support as fs
 from fedfm.config import load_config
@@ -25,6 +32,7 @@ from fedfm.runtime.flower import deploy as D
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
 from fedfm.runtime.flower.wire import Payload
+from test_flower_ops import assert_key_modes
 
 pytestmark = pytest.mark.slow  # several processes, about a minute each
 
@@ -114,16 +122,25 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
     emb = _embedded(cfg)
     tls = T.make_certificates(tmp_path / "certs")
     keys = [T.make_node_key(tmp_path / "keys", f"node{i}") for i in range(3)]
+    for folder in ("certs", "keys"):  # private keys 600, folders 700
+        assert_key_modes(tmp_path / folder)
     port = P.free_port()
     home = tmp_path / "serve-home"
-    with stopping([]) as procs:
+    with stopping([]) as procs, commands(tmp_path) as started:
         procs.append(D.start_superlink(home, tmp_path / "logs", "127.0.0.1", port, tls, True, ENV))
         D.write_connection(home, f"127.0.0.1:{port}", tls.ca_cert)
         D.register_nodes(home, [keys[0][1], keys[1][1]], tmp_path, ENV)
-        for i in range(3):  # node 2's key is not registered: the SuperLink refuses it
+        # Node 2's key is not registered, and a client without TLS: both are refused, say
+        # why in one line and stop with code 2 (the key after a bounded wait).
+        client = ["client", "--superlink", f"127.0.0.1:{port}", "--num-partitions", "2"]
+        unregistered = _fedfm(started, tmp_path, "unregistered", *client, "--partition-id", "1",
+                              "--root-certificates", str(tls.ca_cert), "--auth-key",
+                              str(keys[2][0]), "--refused-wait", "5")  # fmt: skip
+        plain = _fedfm(started, tmp_path, "plain", *client, "--partition-id", "1", "--insecure")
+        for i in range(2):
             procs += D.start_client(
                 f"127.0.0.1:{port}",
-                min(i, 1),
+                i,
                 2,
                 tmp_path / f"node{i}",
                 tmp_path / f"logs{i}",
@@ -138,8 +155,16 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
         full = load_config({**cfg, "name": "dep", "runtime": "flower"})
         p2 = Payload(full.model_dump(mode="json"), options, resume=True)
         D.submit(home, tmp_path, p2, RUN_TIMEOUT_S, env_extra=ENV)
-        unregistered = procs[-2]
-        assert not unregistered.alive() and "Failed to activate SuperNode" in unregistered.tail()
+        assert plain.wait(30) == 2 and unregistered.wait(60) == 2
+        assert _output(tmp_path, "plain").splitlines()[-1] == (
+            "client 1: refused: the SuperLink requires TLS: start this client with"
+            " --root-certificates CA_FILE"
+        )
+        assert re.fullmatch(
+            r"client 1: refused: node key not registered on the SuperLink \(Flower: \[code: 2004\]"
+            r" Failed to activate SuperNode\.\) \(still refused after \d+ s\)",
+            _output(tmp_path, "unregistered").splitlines()[-1],
+        )
     for log in ("metrics.jsonl", "audit.jsonl", "failures.jsonl"):
         got = fs.read_jsonl(tmp_path / "runs" / "dep" / log)
         assert got == fs.read_jsonl(tmp_path / "runs" / "emb" / log), log
@@ -148,3 +173,162 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
     assert dep["finish"] == emb["finish"] and sum(emb["finish"].values()) == 2 * 2
     sessions = json.loads((tmp_path / "runs" / "dep" / "flower_sessions.json").read_text())
     assert [s["resumed_from"] for s in sessions["sessions"]] == [-1, 1]
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+def _cli_env(tmp_path: Path) -> dict[str, str]:
+    """Environment of a `fedfm` command: this tree's package, the test plugins, and a
+    temporary folder of its own (to check that the command removes what it made there)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    src = str(TESTS.parent / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(TESTS)]), "TMPDIR": str(tmp)}
+
+
+@contextmanager
+def commands(tmp_path: Path) -> Iterator[list[subprocess.Popen]]:
+    """`fedfm` command processes started inside the block are killed (whole group) on exit."""
+    started: list[subprocess.Popen] = []
+    try:
+        yield started
+    finally:
+        for p in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def _fedfm(started: list, tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
+    log = (tmp_path / f"{name}.log").open("wb")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fedfm.cli", *args],
+        env=_cli_env(tmp_path),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    started.append(p)
+    return p
+
+
+def _output(tmp_path: Path, name: str) -> str:
+    return (tmp_path / f"{name}.log").read_text(errors="replace")
+
+
+def _wait_for(what: str, cond: Any, timeout_s: float, proc: Any = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert proc is None or proc.poll() is None, f"exited ({proc.returncode}) before {what}"
+        time.sleep(0.2)
+
+
+def _left_behind(tmp: Path) -> list[int]:
+    """Processes whose environment points into ``tmp`` (a command's private folders)."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if str(tmp).encode() in env.read_bytes():
+                found.append(int(env.parent.name))
+    return [p for p in found if p != os.getpid()]
+
+
+def _stopped_cleanly(p: subprocess.Popen, sig: int, tmp: Path, prefix: str) -> int:
+    """Sends ``sig``; checks that nothing the command started is left and that its temporary
+    folder (the only one in ``tmp`` named ``prefix*``) is gone. Returns its exit code."""
+    (own,) = tmp.glob(f"{prefix}*")
+    p.send_signal(sig)
+    code = p.wait(40)
+    _wait_for(f"{own.name}'s processes to end", lambda: not _left_behind(own), 10)
+    assert not own.exists()
+    return code
+
+
+def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signals(tmp_path):
+    """`fedfm serve` and two `fedfm client` processes for three clients (client 2 never
+    comes). The server is stopped with SIGTERM after round 1 and resumed; the run shows its
+    rounds, names the absent client, and audits only what reached clients 0 and 1. Then the
+    clients are stopped with SIGTERM and SIGINT. Every signal ends the command with 128+N,
+    one line, no processes and no temporary folder left."""
+    cfg = fs.config(tmp_path / "runs", "fedavg", name="emb", rounds=3, num_clients=3)
+    _embedded(cfg)
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "name": "dep"}))
+    port = P.free_port()
+    tmp = tmp_path / "tmp"
+    opts = ["--flower", "timeout_s=20", "--flower", "node_wait_s=8"]
+    opts += ["--flower", "imports=[flower_support]"]
+    serve = ["serve", str(path), "--insecure", "--host", "127.0.0.1", "--port", str(port), *opts]
+    metrics = tmp_path / "runs" / "dep" / "metrics.jsonl"
+    with commands(tmp_path) as started:
+        clients = [
+            _fedfm(started, tmp_path, f"client{i}", "client", "--superlink",
+                   f"127.0.0.1:{port}", "--insecure", "--partition-id", str(i),
+                   "--num-partitions", "3", "--state-dir", str(tmp_path / f"states{i}"))
+            for i in range(2)
+        ]  # fmt: skip
+        server = _fedfm(started, tmp_path, "serve1", *serve)
+        logged = lambda: any(r["round"] >= 1 for r in fs.read_jsonl(metrics))  # noqa: E731
+        _wait_for("round 1", logged, 150, server)
+        assert _stopped_cleanly(server, signal.SIGTERM, tmp, "fedfm-serve-") == 143
+        out = _output(tmp_path, "serve1")
+        assert re.search(r"dep: stopped by SIGTERM at round [12] of 3: continue with the same", out)
+        assert "   1  rmse=" in out  # round 1 was shown as it was logged
+        server = _fedfm(started, tmp_path, "serve2", *serve, "--resume")
+        assert server.wait(RUN_TIMEOUT_S) == 0, _output(tmp_path, "serve2")[-3000:]
+        out = _output(tmp_path, "serve2")
+        assert "   3  rmse=" in out and "rounds" in out  # the last round, then the table
+        summary = json.loads((tmp_path / "runs" / "dep" / "summary.json").read_text())
+        folder = (tmp_path / "runs" / "dep").resolve()
+        line = f"dep: rmse={summary['final']['rmse']:.4f} after 3 rounds  ->  {folder}"
+        assert out.rstrip().endswith(line)
+        assert "clients that took no part: 2 (never connected)" in out
+        assert not _left_behind(tmp / "fedfm-serve-") and not list(tmp.glob("fedfm-serve-*"))
+        # The clients: SIGTERM and SIGINT.
+        for i, (sig, code) in enumerate(((signal.SIGTERM, 143), (signal.SIGINT, 130))):
+            own = tmp / re.findall(r"fedfm-client-\w+", _output(tmp_path, f"client{i}"))[0]
+            assert _stopped_cleanly(clients[i], sig, tmp, own.name) == code
+        for i, sig in ((0, "SIGTERM"), (1, "SIGINT")):
+            assert f"client {i}: stopped by {sig} (SuperNode and worker stopped)" in (
+                _output(tmp_path, f"client{i}")
+            )
+    # The audit holds what reached clients 0 and 1: the fields of the embedded run (with all
+    # three clients) for those two. Tensor sizes are equal; a JSON meta value's size follows
+    # its value, which differs once the model is averaged over two clients instead of three.
+    emb = fs.read_jsonl(tmp_path / "runs" / "emb" / "audit.jsonl")
+    dep = fs.read_jsonl(tmp_path / "runs" / "dep" / "audit.jsonl")
+    shape = lambda rows: [  # noqa: E731
+        {k: v for k, v in a.items() if a["type"] == "arrays" or k != "bytes"} for a in rows
+    ]
+    assert shape(dep) == shape([a for a in emb if a["client"] != "2"])
+    assert {a["client"] for a in dep} == {"0", "1"}
+    for r in fs.read_jsonl(metrics):
+        down = [a["bytes"] for a in dep if a["round"] == r["round"] and a["direction"] == "down"]
+        assert r["bytes_down"] == sum(down)
+    fails = fs.read_jsonl(tmp_path / "runs" / "dep" / "failures.jsonl")
+    assert {(f["client"], f["delivery"]) for f in fails} == {("2", "not sent")}
+    assert [f["round"] for f in fails] == [1, 2, 3]  # asked every round, never sent
+
+
+def test_serve_stopped_by_ctrl_c_before_round_0_exits_130_and_leaves_nothing(tmp_path):
+    """Ctrl-C (SIGINT) while the server waits for its SuperNodes: exit 130, one line saying
+    that nothing can be resumed yet, no process and no temporary folder left."""
+    cfg = fs.config(tmp_path / "runs", "fedavg", name="dep", rounds=2, num_clients=2)
+    path = tmp_path / "dep.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = P.free_port()
+    serve = ["serve", str(path), "--insecure", "--host", "127.0.0.1", "--port", str(port)]
+    serve += ["--flower", "node_wait_s=120", "--flower", "imports=[flower_support]"]
+    with commands(tmp_path) as started:
+        server = _fedfm(started, tmp_path, "serve", *serve)
+        # The ServerApp has started once it waits for SuperNodes in the run folder it made.
+        made = lambda: (tmp_path / "runs" / "dep" / "flower_sessions.json").exists()  # noqa: E731
+        _wait_for("the ServerApp", made, 120, server)
+        assert _stopped_cleanly(server, signal.SIGINT, tmp_path / "tmp", "fedfm-serve-") == 130
+    assert _output(tmp_path, "serve").splitlines()[-1] == (
+        "dep: stopped by SIGINT before round 0 was saved: start it again with the same command"
+        f" and --overwrite ({(tmp_path / 'runs' / 'dep').resolve()})"
+    )

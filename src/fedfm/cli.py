@@ -51,33 +51,34 @@ def run(
 
     cfg = load_run_config(config, overrides or [], resume, algo_keys)
     summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
-    final = summary["final"]
-    primary = summary["primary"]
-    folder = Path(cfg.out_dir) / cfg.name
-    msg = f"{cfg.name}: {primary}={final.get(primary, float('nan')):.4f} after {cfg.rounds} rounds"
-    if "privacy" in summary:
-        msg += (
-            f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"
-        )
-    Console().print(f"{msg}  ->  {folder}")
+    from fedfm.progress import summary_line
+
+    Console().print(summary_line(summary, Path(cfg.out_dir) / cfg.name))
 
 
 @app.command()
 def report(
     runs: Annotated[list[Path], typer.Argument(help="run folders")],
-    out: Annotated[Path | None, typer.Option(help="folder for compare.md and compare.png")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="folder for compare.md and compare.png (default: compare/ next to the first run)"
+        ),
+    ] = None,
     html: Annotated[
-        bool, typer.Option("--html", help="also write one self-contained report.html")
+        bool, typer.Option("--html", help="also write one self-contained report.html there")
     ] = False,
 ) -> None:
     """Compare runs: a markdown table of final metrics and bytes, and a plot."""
-    from fedfm.report import compare
+    from fedfm.report import compare, default_out
 
-    print(compare(runs, out))
+    folder = out or default_out(runs)
+    print(compare(runs, folder))
+    print(f"wrote {folder / 'compare.md'} and {folder / 'compare.png'}")
     if html:
         from fedfm.html_report import write_html
 
-        page = write_html(runs, (out or Path(".")) / "report.html")
+        page = write_html(runs, folder / "report.html")
         Console().print(f"html report written: {page}")
 
 
@@ -165,7 +166,11 @@ def main() -> None:
     _offline_defaults()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        app(standalone_mode=False)
+        # Without standalone mode, click returns a command's typer.Exit code instead of
+        # exiting with it (e.g. `fedfm client` refused: 2, stopped by SIGTERM: 143).
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

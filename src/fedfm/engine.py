@@ -231,6 +231,8 @@ class Engine:
             ledger = AuditLedger(folder.audit)
             last = _restore(folder, setup.algo, store, ledger) if lease.resume else -1
             _write_static(folder, setup)
+            # Every run folder has failures.jsonl, empty when no client failed (README).
+            folder.failures.touch()
             fed = self.make_federation(setup, store, ledger)
             self.tb = TensorBoardLog(folder.root, cfg.log.tensorboard)
             display = RoundDisplay(

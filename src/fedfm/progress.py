@@ -124,3 +124,17 @@ class RoundDisplay:
                 f"privacy: epsilon = {privacy['epsilon']:.4g} at delta = {privacy['delta']:g}"
                 f" (worst client, {privacy['accountant']} accountant; see privacy.json)"
             )
+
+
+def summary_line(summary: dict[str, Any], folder: Any) -> str:
+    """The line a run ends with: its headline metric (4 decimals), rounds, privacy guarantee
+    when DP was used, and its run folder."""
+    final = summary["final"]
+    primary = summary["primary"]
+    value = final.get(primary, float("nan"))
+    msg = f"{summary['name']}: {primary}={value:.4f} after {summary['rounds']} rounds"
+    if "privacy" in summary:
+        msg += (
+            f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"
+        )
+    return f"{msg}  ->  {folder}"

@@ -76,6 +76,11 @@ def plot_run(run_dir: Path) -> list[Path]:
 def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     """A markdown table of the runs' final metrics and bytes, plus a comparison plot.
 
+    The table counts each run's failed clients (client failures over all rounds, from its
+    summary), so a run that lost clients is not mistaken for one that did not. The plot
+    shows the first run's primary metric against the round for the runs that log it; runs
+    without it are left out of the plot and its legend.
+
     Args:
         run_dirs: Run folders.
         out: Where to write ``compare.png`` (and ``compare.md``); no files when None.
@@ -91,12 +96,13 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         summaries.append((d, read_json(s), read_rows(d)))
     cols = [k for k in HEADLINE if any(k in s["final"] for _, s, _ in summaries)]
     private = any("privacy" in s for _, s, _ in summaries)
-    head = ["run", "algorithm", "rounds", *cols, "MiB up", "MiB down"]
+    head = ["run", "algorithm", "rounds", *cols, "failed clients", "MiB up", "MiB down"]
     head += ["epsilon (delta)"] if private else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, s, _ in summaries:
         vals = [f"{s['final'][c]:.4f}" if c in s["final"] else "" for c in cols]
-        mib = [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
+        mib = [str(s.get("failed_clients", ""))]
+        mib += [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
         if private:  # the run's epsilon from its privacy ledger; blank for a non-DP run
             p = s.get("privacy")
             mib.append(f"{p['epsilon']:.3g} ({p['delta']:g})" if p else "")
@@ -111,11 +117,18 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for d, _, rows in summaries:
             pts = [(r["round"], r[primary]) for r in rows if primary in r]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=d.name)
-        ax.set_xlabel("round")
+            if pts:  # a run without the metric has no line, so no legend entry either
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=d.name)
+        plots.integer_rounds(ax)
         ax.set_ylabel(primary)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "compare.png", dpi=90)
         plt.close(fig)
     return table
+
+
+def default_out(run_dirs: list[Path]) -> Path:
+    """Where ``fedfm report`` writes without ``--out``: ``compare/`` next to the first run."""
+    return run_dirs[0].parent / "compare"

@@ -25,7 +25,14 @@ from torch import Tensor
 
 from fedfm.core.audit import AuditLedger
 from fedfm.core.groups import get_group
-from fedfm.core.messages import Arrays, Message, MessageKind, validate_reply
+from fedfm.core.messages import (
+    Arrays,
+    Message,
+    MessageKind,
+    array_bytes,
+    meta_bytes,
+    validate_reply,
+)
 from fedfm.errors import FedfmError, MessageError
 
 if TYPE_CHECKING:
@@ -201,6 +208,31 @@ def _plain_tensors(reply: Message, state: ClientState) -> None:
 
 Templates = Mapping[str, Mapping[str, Tensor]]
 """Expected reply tensors: array field -> tensor name -> a tensor of the expected shape/dtype."""
+
+
+def message_bytes(msg: Message) -> int:
+    """Bytes of a message's fields, counted as the audit ledger counts them."""
+    arrays = sum(array_bytes(a) for a in msg.arrays.values())
+    return arrays + sum(meta_bytes(v) for v in msg.meta.values())
+
+
+class Undelivered(FedfmError):
+    """A message that did not reach its client, or whose delivery nobody confirmed.
+
+    A runtime yields it as the client's outcome. The audit ledger records only messages
+    that reached their client, so an undelivered one is left out of it (and of
+    ``bytes_down``); its row in ``failures.jsonl`` carries ``delivery`` (why) and
+    ``bytes`` (what the message would have carried).
+
+    Args:
+        reason: The one line logged in ``failures.jsonl``.
+        delivery: ``"not sent"`` (no way to the client) or ``"unconfirmed"`` (handed on,
+            but the client never answered, so nothing shows that it arrived).
+    """
+
+    def __init__(self, reason: str, delivery: str) -> None:
+        super().__init__(reason)
+        self.delivery = delivery
 
 
 def error_reason(err: BaseException) -> str:
@@ -400,6 +432,10 @@ class Federation(ABC):
         # Per client: downlink, then uplink, in the order of the messages, on every runtime.
         for cid, outcome in self._exchange(messages, like):
             msg = messages[cid]
+            if isinstance(outcome, Undelivered):
+                self._fail(cid, msg.kind, outcome)
+                self.failures[-1].update(delivery=outcome.delivery, bytes=message_bytes(msg))
+                continue
             self.ledger.record(self.rnd, cid, "down", msg)
             if isinstance(outcome, BaseException):
                 self._fail(cid, msg.kind, outcome)

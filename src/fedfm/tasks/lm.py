@@ -285,7 +285,18 @@ class InstructionTask(Task):
         section.setdefault("scheme", "natural")
         natural = section["scheme"] == "natural" and "num_clients" not in section
         if natural and section["by"] in train.column_names:  # one client per distinct value
-            section["num_clients"] = len(set(train[section["by"]]))
+            values = sorted(set(train[section["by"]]))
+            if len(values) < 2:
+                # A source without domains (every row "general") would silently become a
+                # one-client federation.
+                raise ConfigError(
+                    "partition.by",
+                    f"every training row has the same '{section['by']}' ({values[0]!r} in"
+                    f" '{self.cfg.dataset}'): a natural partition by it makes one client; set"
+                    " partition.scheme (e.g. iid) and partition.num_clients, or partition.by to a"
+                    " column with several values",
+                )
+            section["num_clients"] = len(values)
         return section
 
     def _per_domain_eval(self, test: datasets.Dataset) -> int | None:

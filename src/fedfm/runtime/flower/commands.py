@@ -7,6 +7,8 @@ files) and calls the deployment engine (:mod:`fedfm.runtime.flower.deploy`) with
 
 from __future__ import annotations
 
+import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,9 +17,11 @@ import typer
 
 from fedfm.config import apply_override, load_run_config
 from fedfm.errors import ConfigError
+from fedfm.progress import summary_line
 from fedfm.runtime.flower import deploy
 from fedfm.runtime.flower.options import run_options
-from fedfm.runtime.flower.tls import make_certificates, make_node_key, tls_files
+from fedfm.runtime.flower.processes import Stopped
+from fedfm.runtime.flower.tls import add_node_keys, check_private, make_key_folder, tls_files
 from fedfm.runtime.flower.wire import Payload
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides")]
@@ -67,25 +71,35 @@ def serve(
         list[Path] | None, typer.Option(help="SuperNode public key to accept (repeat)")
     ] = None,
     flower: FlowerPairs = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
 ) -> None:
-    """Serve a run on Flower's deployment engine (SuperLink here, `fedfm client` there)."""
+    """Serve a run on Flower's deployment engine (SuperLink here, `fedfm client` there).
+
+    Shows each round and the final table as `fedfm run` does. SIGTERM or Ctrl-C stops every
+    process it started and says the round to resume from (exit 143 or 130).
+    """
     cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
     tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
+    if tls is not None:
+        check_private(tls.server_key, "the SuperLink's TLS key")
     keys = [Path(k) for k in node_key or []]
     for key in keys:
         _existing("node-key", key)
-    summary = deploy.serve(
-        cfg,
-        resume=resume,
-        overwrite=overwrite,
-        options=parse_options(flower or []),
-        host=host,
-        port=port,
-        tls=tls,
-        node_keys=keys,
-    )
-    primary = summary["primary"]
-    print(f"{summary['name']}: {primary}={summary['final'].get(primary)}")
+    try:
+        summary = deploy.serve(
+            cfg,
+            resume=resume,
+            overwrite=overwrite,
+            options=parse_options(flower or []),
+            host=host,
+            port=port,
+            tls=tls,
+            node_keys=keys,
+            progress=not quiet,
+        )
+    except Stopped as e:  # deploy.serve has stopped everything and said where it stopped
+        raise typer.Exit(e.exit_code) from None
+    print(summary_line(summary, (Path(cfg.out_dir) / cfg.name).resolve()), flush=True)
 
 
 def client(
@@ -97,23 +111,52 @@ def client(
     auth_key: Annotated[Path | None, typer.Option(help="node private key")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="client-state folder")] = None,
     isolation: Annotated[str, typer.Option(help="process or subprocess")] = "process",
+    refused_wait: Annotated[
+        float, typer.Option(help="seconds to retry a SuperLink that refuses this node's key")
+    ] = deploy.REFUSED_WAIT_S,
 ) -> None:
-    """Run one client's SuperNode for `fedfm serve` (until Ctrl-C)."""
+    """Run one client's SuperNode for `fedfm serve` (until Ctrl-C or SIGTERM).
+
+    Says in one line why the SuperLink refuses the node (`refused: ...`) and exits with code 2
+    when retrying cannot help (a TLS mismatch, a key still not registered after
+    --refused-wait seconds). SIGTERM or Ctrl-C stops the SuperNode and its worker and exits
+    143 or 130.
+    """
     if not 0 <= partition_id < num_partitions:
         raise ConfigError("partition-id", f"{partition_id} is not in 0..{num_partitions - 1}")
     if (root_certificates is None) == (not insecure):
         raise ConfigError(
             "tls", "give --root-certificates CA_FILE, or --insecure to connect without TLS"
         )
-    code = deploy.client(
-        superlink,
-        partition_id,
-        num_partitions,
-        root_certificates=_existing("root-certificates", root_certificates),
-        auth_key=_existing("auth-key", auth_key),
-        state_dir=state_dir,
-        isolation=isolation,
-    )
+    if insecure and auth_key is not None:
+        # Flower's SuperNode exits at once on this pair; restarting it would loop forever.
+        raise ConfigError(
+            "auth-key",
+            "node authentication needs TLS: give --root-certificates CA_FILE instead of --insecure",
+        )
+    if auth_key is not None and _existing("auth-key", auth_key):
+        check_private(auth_key, "the node's private key")
+    state = state_dir or Path("fedfm-client-states") / str(partition_id)
+    try:
+        code = deploy.client(
+            superlink,
+            partition_id,
+            num_partitions,
+            root_certificates=_existing("root-certificates", root_certificates),
+            auth_key=_existing("auth-key", auth_key),
+            state_dir=state,
+            isolation=isolation,
+            refused_wait_s=refused_wait,
+        )
+    except Stopped as e:
+        name = signal.Signals(e.signum).name
+        print(
+            f"client {partition_id}: stopped by {name} (SuperNode and worker stopped); run the"
+            f" same command to rejoin, its state snapshots stay in {state}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise typer.Exit(e.exit_code) from None
     raise typer.Exit(code)
 
 
@@ -142,10 +185,34 @@ def flower_certs(
     out: Annotated[Path, typer.Argument(help="output folder")],
     host: Annotated[list[str] | None, typer.Option(help="SuperLink host name or IP")] = None,
     nodes: Annotated[int, typer.Option(help="SuperNode key pairs to make")] = 0,
+    add_nodes: Annotated[
+        int | None,
+        typer.Option(help="add this many SuperNode keys to OUT; CA and certificate unchanged"),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="replace key material already in OUT")
+    ] = False,
 ) -> None:
-    """Make a CA, a SuperLink certificate and SuperNode keys (private deployments)."""
-    tls = make_certificates(out, host or ["127.0.0.1", "localhost"])
-    print(f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key {tls.server_key}")
-    for i in range(nodes):
-        priv, pub = make_node_key(out, f"node{i}")
-        print(f"SuperNode {i}: private key {priv}, public key {pub}")
+    """Make a CA, a SuperLink certificate and SuperNode keys (private deployments).
+
+    Refuses to replace key material already in OUT unless --force is given; --add-nodes N
+    adds node keys to an existing folder without touching its CA and certificate. Private
+    keys are written with mode 600 in a folder of mode 700.
+    """
+    if nodes < 0:
+        raise ConfigError("nodes", f"must be at least 0, got {nodes}")
+    if add_nodes is not None:
+        if host or nodes or force:
+            raise ConfigError(
+                "add-nodes", "adds node keys only: leave out --host, --nodes and --force"
+            )
+        made = add_node_keys(out, add_nodes)
+    else:
+        tls, made = make_key_folder(out, host or ["127.0.0.1", "localhost"], nodes, force)
+        print(f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key {tls.server_key}")
+    for priv, pub in made:
+        print(f"SuperNode {priv.stem}: private key {priv}, public key {pub}")
+    print(
+        f"Copy {out / 'ca.crt'} and one node<i>.key to client machine i; keep server.key and the"
+        " node<i>.pub files on the server (server.key never leaves it)."
+    )

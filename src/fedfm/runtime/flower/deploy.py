@@ -29,6 +29,7 @@ from fedfm.runtime.flower.options import FlowerOptions, import_plugins, run_opti
 from fedfm.runtime.flower.processes import (
     DeployError,
     Proc,
+    Stopped,
     bin_path,
     free_port,
     plugin_pythonpath,
@@ -36,10 +37,14 @@ from fedfm.runtime.flower.processes import (
     run_flwr,
     start,
     stop,
+    stop_on_signals,
     wait_port,
     with_pythonpath,
 )
+from fedfm.runtime.flower.refusals import Refusal, from_supernode_log, probe, retrying
+from fedfm.runtime.flower.server import SESSIONS_FILE
 from fedfm.runtime.flower.tls import TlsFiles
+from fedfm.runtime.flower.watch import RunWatch
 from fedfm.runtime.flower.wire import PAYLOAD_KEY, Payload
 
 APP_NAME = "fedfm-flower-app"
@@ -250,6 +255,7 @@ def serve(
     timeout_s: float | None = None,
     echo: bool = True,
     work_dir: Path | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Runs an experiment on the deployment engine: SuperLink here, SuperNodes elsewhere.
 
@@ -271,12 +277,16 @@ def serve(
         timeout_s: Give up on the run after this long (None: no limit).
         echo: Print the run's log as it streams.
         work_dir: Folder for the SuperLink's home and logs (default: a temporary one).
+        progress: Show each round as the run folder logs it, then the final table (as
+            ``fedfm run`` does), and the clients that took no part.
 
     Returns:
         The run summary.
 
     Raises:
         DeployError: A process failed, or the run ended without a summary.
+        Stopped: SIGTERM or SIGINT: every process this started is stopped, the temporary
+            folder removed, and one line says the round the run can resume from.
     """
     opts = run_options(cfg, options)
     if node_keys and tls is None:
@@ -292,24 +302,60 @@ def serve(
         overwrite=overwrite,
     )
     env_extra = with_pythonpath({}, plugin_pythonpath(opts.imports))
-    with tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
-        work = work_dir or Path(tmp)
-        home = work / "flwr-home"
-        link = start_superlink(
-            home, work / "logs", host, port, tls, bool(node_keys), env_extra, die_with_parent=True
-        )
-        try:
-            address = f"{_connect_host(host)}:{port}"
-            write_connection(home, address, tls.ca_cert if tls else None)
-            if node_keys:
-                register_nodes(home, node_keys, work, env_extra)
-            out = submit(home, work, payload, timeout_s, echo, env_extra)
-        finally:
-            stop([link])
-        summary = run_dir / "summary.json"
-        if not summary.exists():
-            raise DeployError(f"the run ended without a summary ({summary}):\n{out[-3000:]}")
-        return json.loads(summary.read_text())
+    watch = RunWatch(cfg, run_dir, resume, _task_primary(cfg), enabled=progress)
+    try:
+        with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
+            work = work_dir or Path(tmp)
+            home = work / "flwr-home"
+            link = start_superlink(
+                home,
+                work / "logs",
+                host,
+                port,
+                tls,
+                bool(node_keys),
+                env_extra,
+                die_with_parent=True,
+            )
+            try:
+                address = f"{_connect_host(host)}:{port}"
+                write_connection(home, address, tls.ca_cert if tls else None)
+                if node_keys:
+                    register_nodes(home, node_keys, work, env_extra)
+                with watch:
+                    out = submit(home, work, payload, timeout_s, echo, env_extra)
+            finally:
+                stop([link])
+    except Stopped as e:
+        # Everything this command started is stopped and its temporary folder is gone.
+        print(watch.stop_line(e.signum), file=sys.stderr, flush=True)
+        raise
+    summary = run_dir / "summary.json"
+    if not summary.exists():
+        raise DeployError(f"the run ended without a summary ({summary}):\n{out[-3000:]}")
+    result = json.loads(summary.read_text())
+    watch.final_table(result)
+    _print_absent(run_dir)
+    return dict(result)
+
+
+def _task_primary(cfg: RunConfig) -> str:
+    """The headline metric the config's task declares (a task may refine it once built)."""
+    import fedfm.tasks  # noqa: F401  (registers the tasks)
+    from fedfm.tasks.base import TASKS
+
+    return str(TASKS.get(str(cfg.task.get("kind", "tabular"))).primary)
+
+
+def _print_absent(run_dir: Path) -> None:
+    """Prints the clients that took no part in the session that just ended."""
+    path = run_dir / SESSIONS_FILE
+    if not path.exists():
+        return
+    absent = json.loads(path.read_text())["sessions"][-1].get("absent") or {}
+    if absent:
+        who = ", ".join(f"{c} ({why})" for c, why in absent.items())
+        print(f"clients that took no part: {who}", file=sys.stderr, flush=True)
 
 
 def start_client(
@@ -369,6 +415,11 @@ def start_client(
     return procs
 
 
+#: How long ``fedfm client`` keeps retrying a SuperLink that refuses its key (the operator
+#: may register it after the client started) before it gives up with exit code 2.
+REFUSED_WAIT_S = 120.0
+
+
 def client(
     superlink: str,
     partition_id: int,
@@ -379,51 +430,118 @@ def client(
     isolation: str = "process",
     work_dir: Path | None = None,
     restart: bool = True,
+    refused_wait_s: float = REFUSED_WAIT_S,
 ) -> int:
     """Runs one client's SuperNode until interrupted (``fedfm client``).
 
     A SuperNode that exits (the SuperLink is not up yet, its key is not registered yet,
     a network failure) is started again after a growing pause, like a service manager
-    would; with ``restart=False`` the first exit ends the command.
+    would; with ``restart=False`` the first exit ends the command. Why the SuperLink refused
+    the node is printed in one line (``refused: ...``, see :mod:`.refusals`); a refusal that
+    retrying cannot fix (a TLS mismatch, a key the SuperLink still refuses after
+    ``refused_wait_s``) ends the command with code 2. SIGTERM and SIGINT stop the SuperNode
+    and its worker, remove the temporary folder and raise
+    :class:`~fedfm.runtime.flower.processes.Stopped`.
 
     Returns:
-        The SuperNode's last exit code (0 after Ctrl-C).
+        The SuperNode's last exit code, or 2 for a refusal that retrying cannot fix.
     """
-    with tempfile.TemporaryDirectory(prefix="fedfm-client-") as tmp:
+    with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-client-") as tmp:
         work = work_dir or Path(tmp)
-        logs = work / "logs"
+        node = _ClientNode(superlink, partition_id, root_certificates, refused_wait_s)
         state = state_dir or Path("fedfm-client-states") / str(partition_id)
-        pause, code = 2.0, 0
+        logs = work / "logs"
         print(f"client {partition_id}: SuperNode for {superlink}; logs in {logs}", flush=True)
-        try:
-            while True:
-                procs = start_client(
-                    superlink,
-                    partition_id,
-                    num_partitions,
-                    work / "flwr-home",
-                    logs,
-                    root_certificates,
-                    auth_key,
-                    state,
-                    isolation,
-                    die_with_parent=True,
-                )
-                started = time.monotonic()
-                try:
-                    while all(p.alive() for p in procs):
-                        time.sleep(1.0)
-                finally:
-                    stop(procs)
-                code = int(procs[0].popen.returncode or 0)
-                print(f"client {partition_id}: SuperNode exited ({code}):", file=sys.stderr)
-                print(procs[0].tail(8), file=sys.stderr, flush=True)
-                if not restart:
+        if (code := node.check()) is not None:
+            return code
+        pause = 2.0
+        while True:
+            procs = start_client(
+                superlink,
+                partition_id,
+                num_partitions,
+                work / "flwr-home",
+                logs,
+                root_certificates,
+                auth_key,
+                state,
+                isolation,
+                die_with_parent=True,
+            )
+            started = time.monotonic()
+            try:
+                code = node.watch(procs)
+            finally:
+                stop(procs)
+            if code is not None:
+                return code
+            code = int(procs[0].popen.returncode or 0)
+            if (fatal := node.after_exit(procs[0], code)) is not None:
+                return fatal
+            if not restart:
+                return code
+            pause = 2.0 if time.monotonic() - started > 60 else min(pause * 2, 60.0)
+            time.sleep(pause)
+
+
+class _ClientNode:
+    """What ``fedfm client`` knows about its SuperLink between SuperNode restarts."""
+
+    def __init__(
+        self, superlink: str, cid: int, root_certificates: Path | None, refused_wait_s: float
+    ) -> None:
+        self.superlink = superlink
+        self.cid = cid
+        self.ca = root_certificates
+        self.refused_wait_s = refused_wait_s
+        self.refused_since: float | None = None
+        self.said = ""
+
+    def say(self, line: str) -> None:
+        """Prints a status line once (not again while it stays the same)."""
+        if line != self.said:
+            print(f"client {self.cid}: {line}", file=sys.stderr, flush=True)
+            self.said = line
+
+    def check(self) -> int | None:
+        """Probes the SuperLink; 2 for a mismatch retrying cannot fix, else None."""
+        found = probe(self.superlink, self.ca)
+        if isinstance(found, Refusal):
+            self.say(found.line())
+            return 2
+        if isinstance(found, str):
+            self.say(f"waiting: {found}")
+        return None
+
+    def watch(self, procs: list[Proc]) -> int | None:
+        """Waits while the node's processes live; probes the SuperLink every few seconds
+        while the SuperNode retries its connection. 2 for an unfixable mismatch, else None
+        once a process has exited."""
+        last_probe = time.monotonic()
+        while all(p.alive() for p in procs):
+            time.sleep(0.5)
+            if time.monotonic() - last_probe > 5 and retrying(procs[0].tail(3)):
+                last_probe = time.monotonic()
+                if (code := self.check()) is not None:
                     return code
-                pause = 2.0 if time.monotonic() - started > 60 else min(pause * 2, 60.0)
-                time.sleep(pause)
-        except KeyboardInterrupt:
-            return 0
+        return None
+
+    def after_exit(self, node: Proc, code: int) -> int | None:
+        """Reports why the SuperNode exited; 2 once a refusal has outlasted the wait."""
+        refusal = from_supernode_log(node.tail(40))
+        if refusal is None:
+            self.refused_since = None
+            self.say(f"SuperNode exited ({code}):\n{node.tail(8)}")
+            return None
+        now = time.monotonic()
+        self.refused_since = self.refused_since or now
+        waited = now - self.refused_since
+        if refusal.fatal or waited >= self.refused_wait_s:
+            after = "" if refusal.fatal else f" (still refused after {waited:.0f} s)"
+            self.say(refusal.line() + after)
+            return 2
+        self.say(f"{refusal.line()}; retrying for up to {self.refused_wait_s:g} s")
+        return None
 
 
 def refuse_deployment(cfg: RunConfig, *args: Any, **kw: Any) -> NoReturn:

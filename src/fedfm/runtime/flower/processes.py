@@ -1,4 +1,12 @@
-"""Starting, watching and stopping the Flower processes fedfm runs (each in its own group)."""
+"""Starting, watching and stopping the Flower processes fedfm runs (each in its own group).
+
+Flower's processes start helpers of their own in new sessions (the SuperLink starts
+``flower-superexec``, which starts the ServerApp process), out of reach of a signal to the
+process group fedfm started. :func:`stop` therefore stops each process's whole tree of
+descendants, found before the first signal is sent. :func:`stop_on_signals` turns SIGTERM
+and SIGINT into :class:`Stopped`, so the commands stop what they started and remove their
+temporary files on the way out.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,14 +126,20 @@ def start(
 
 
 def stop(procs: Iterable[Proc], grace_s: float = 5.0) -> None:
-    """Stops processes and everything they started (SIGTERM to the group, then SIGKILL)."""
+    """Stops processes and everything they started: SIGTERM to each process group and to
+    every descendant (also those in sessions of their own), then SIGKILL to what is left."""
     procs = list(procs)
+    # Found before any signal: a descendant whose parent dies is re-parented out of reach.
+    tree = sorted({d for p in procs for d in descendants(p.popen.pid)})
     for p in procs:
         _signal_group(p.popen, signal.SIGTERM)
+    _signal_pids(tree, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+    while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for p in procs:
         # Children may outlive a leader that exited; the group id stays valid until they go.
         _signal_group(p.popen, signal.SIGKILL)
@@ -133,6 +147,87 @@ def stop(procs: Iterable[Proc], grace_s: float = 5.0) -> None:
             p.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             log.warning("process %s (pid %d) did not stop", p.name, p.popen.pid)
+    _signal_pids(tree, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, their children, ...), from ``/proc``.
+
+    Empty where there is no ``/proc`` (then only the process groups are signalled).
+    """
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    out: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo += children.get(child, [])
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has ended; its parent has not collected it yet
+
+
+def _signal_pids(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT reached a fedfm command (see :func:`stop_on_signals`).
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` on the
+    way out swallows it.
+
+    Args:
+        signum: The signal.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a command ended by this signal: 130 (SIGINT), 143 (SIGTERM)."""
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Raises :class:`Stopped` in the main thread on SIGTERM or SIGINT (once; a second
+    signal while stopping is ignored, so the clean-up is not cut short)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set in the main thread
+        return
+    stopping = False
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        raise Stopped(signum)
+
+    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedfm.core.audit import AuditLedger
 from fedfm.core.checkpoint import latest_checkpoint
-from fedfm.core.federation import ClientInfo, Federation, Templates, check_reply
+from fedfm.core.federation import ClientInfo, Federation, Templates, Undelivered, check_reply
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.state import ClientStateStore
 from fedfm.engine import Engine, FederationFactory, Setup
@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedfm")
 
 SESSIONS_FILE = "flower_sessions.json"
+
+# Flower errors the SuperLink writes itself when a message's SuperNode went away
+# (MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE in flwr 1.42): nothing shows the node received it.
+# Other codes come from the SuperNode's side (the ClientApp failed or crashed there).
+UNCONFIRMED_CODES = frozenset({3, 5})
 
 
 def run_sessions(run_dir: Path, resumed_from: int) -> dict[str, Any]:
@@ -113,6 +118,8 @@ class FlowerFederation(Federation):
         self.session = dict(session)
         self.options = options
         self.node_of: dict[str, int] = {}
+        self.connected: set[str] = set()  # clients a SuperNode has served at some point
+        self.answered: set[str] = set()  # clients whose SuperNode answered a message
         self._said_hello: set[int] = set()
         self._hello_pending: dict[str, int] = {}  # handshake message id -> node
         self.wait_for_nodes()
@@ -195,6 +202,7 @@ class FlowerFederation(Federation):
             )
         else:
             self.node_of[cid] = node
+            self.connected.add(cid)
 
     # ----- exchanges -----
     def _exchange(
@@ -218,20 +226,36 @@ class FlowerFederation(Federation):
         inbox = _Inbox(self.grid, {i for i in id_of.values() if i in pushed}, self.options)
         for cid, msg in messages.items():
             if cid not in id_of:
-                yield cid, ClientLost(f"client {cid}: no SuperNode serves this client")
+                yield cid, ClientLost(f"client {cid}: no SuperNode serves this client", "not sent")
+                continue
+            if id_of[cid] not in pushed:
+                why = f"client {cid}: the SuperLink did not accept the message"
+                yield cid, ClientLost(why, "not sent")
                 continue
             raw = inbox.take(id_of[cid])
             if raw is None:
                 waited = inbox.waited()
-                yield (
-                    cid,
-                    ClientLost(f"client {cid}: no reply within {waited:.0f} s (SuperNode lost?)"),
-                )
+                why = f"client {cid}: no reply within {waited:.0f} s (SuperNode lost?)"
+                yield cid, ClientLost(why, "unconfirmed")
                 continue
+            if raw.has_error() and raw.error.code in UNCONFIRMED_CODES:
+                why = f"client {cid}: Flower error {raw.error.code}: {raw.error.reason}"
+                yield cid, ClientLost(why, "unconfirmed")
+                continue
+            self.answered.add(cid)
             try:
                 yield cid, self._decode(cid, msg, raw, like)
             except Exception as e:  # a failed client is logged and left out of the round
                 yield cid, e
+
+    def absent(self) -> dict[str, str]:
+        """Clients that took no part in this session (no message of theirs answered), with
+        why: client id -> ``"never connected"`` or ``"connected, never answered"``."""
+        return {
+            c: "connected, never answered" if c in self.connected else "never connected"
+            for c in self._roles
+            if c not in self.answered
+        }
 
     def _header(self, cid: str, like: Templates | None) -> dict:
         return {
@@ -294,7 +318,7 @@ class ClientFailed(FedfmError):
     """A client's handler failed (the reason is the client's own one-line error)."""
 
 
-class ClientLost(FedfmError):
+class ClientLost(Undelivered):
     """A client did not answer: no SuperNode serves it, or it died mid-exchange."""
 
 
@@ -324,11 +348,42 @@ def server_main(grid: Grid, payload: Payload) -> dict[str, Any]:
     """
 
     cfg = payload.run_config()
+    made: list[FlowerFederation] = []
+    make = flower_federation_factory(grid, payload)
+
+    def federation(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
+        fed = make(setup, store, ledger)
+        assert isinstance(fed, FlowerFederation)
+        made.append(fed)
+        return fed
+
     engine = Engine(
         cfg,
         resume=payload.resume,
         overwrite=payload.overwrite,
-        federation=flower_federation_factory(grid, payload),
+        federation=federation,
         progress=payload.progress,
     )
-    return engine.run()
+    try:
+        return engine.run()
+    finally:
+        if made:  # also when the run failed: who was missing is often why
+            report_absent(Path(cfg.out_dir) / cfg.name, made[0].absent())
+
+
+def report_absent(run_dir: Path, absent: Mapping[str, str]) -> None:
+    """Logs the clients that took no part in this session and records them in the session
+    history (``flower_sessions.json``, key ``absent`` of the session)."""
+    if absent:
+        log.warning(
+            "clients that took no part in this session: %s",
+            ", ".join(f"{c} ({why})" for c, why in absent.items()),
+        )
+    path = run_dir / SESSIONS_FILE
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    data["sessions"][-1]["absent"] = dict(absent)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)

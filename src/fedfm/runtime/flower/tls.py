@@ -1,14 +1,37 @@
-"""Certificates and keys for TLS and node authentication between SuperLink and SuperNodes."""
+"""Certificates and keys for TLS and node authentication between SuperLink and SuperNodes.
+
+Key material is the operator's: :func:`make_key_folder` never replaces an existing CA,
+SuperLink certificate or node key unless told to (``force``), and :func:`add_node_keys` adds
+node keys to a folder without touching its CA and certificate. Every private key is written
+with mode 600 from the moment it exists (never world-readable, even briefly), in a folder of
+mode 700.
+
+Which file goes where: ``ca.crt`` to every client machine (and the server); ``node<i>.key``
+to client machine *i* only; ``node<i>.pub`` stays on the server (``fedfm serve --node-key``);
+``server.key`` and ``server.pem`` stay on the server, and ``server.key`` never leaves it.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import logging
+import os
+import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedfm.errors import ConfigError
+
+log = logging.getLogger("fedfm")
+
+#: Files of a key folder made by :func:`make_certificates`.
+CERT_FILES = ("ca.crt", "server.pem", "server.key")
+NODE_KEY = re.compile(r"node(\d+)\.(key|pub)")
+PRIVATE_MODE = 0o600
+FOLDER_MODE = 0o700
 
 
 @dataclass(frozen=True)
@@ -36,7 +59,7 @@ def make_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localh
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    folder.mkdir(parents=True, exist_ok=True)
+    _key_folder(folder)
     now = dt.datetime.now(dt.UTC)
 
     def name(cn: str) -> x509.Name:
@@ -76,12 +99,13 @@ def make_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localh
     files = TlsFiles(folder / "ca.crt", folder / "server.pem", folder / "server.key")
     files.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files.server_key.write_bytes(
+    write_private(
+        files.server_key,
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
-        )
+        ),
     )
     return files
 
@@ -96,19 +120,19 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    folder.mkdir(parents=True, exist_ok=True)
+    _key_folder(folder)
     key = ec.generate_private_key(ec.SECP384R1())
     priv = folder / f"{name}.key"
     pub = folder / f"{name}.pub"
     # OpenSSH formats, as `ssh-keygen -t ecdsa -b 384` writes them: what Flower parses.
-    priv.write_bytes(
+    write_private(
+        priv,
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.OpenSSH,
             serialization.NoEncryption(),
-        )
+        ),
     )
-    priv.chmod(0o600)
     pub.write_bytes(
         key.public_key().public_bytes(
             serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
@@ -147,3 +171,105 @@ def tls_files(
         if not p.exists():
             raise ConfigError("tls", f"file not found: {p}")
     return files
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Writes a private key readable by its owner only (mode 600 from creation on).
+
+    The file is created under a temporary name with mode 600 and renamed onto ``path``, so
+    no other user can open it at any moment, and a replaced key is swapped in one step.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, PRIVATE_MODE)  # the umask may have narrowed it further; make it exact
+    tmp.replace(path)
+
+
+def _key_folder(folder: Path) -> None:
+    """Creates a key folder with mode 700; an existing one open to others gets a warning."""
+    if not folder.exists():
+        folder.mkdir(parents=True, mode=FOLDER_MODE)
+        folder.chmod(FOLDER_MODE)
+        return
+    mode = stat.S_IMODE(folder.stat().st_mode)
+    if mode & 0o077:
+        log.warning("%s is open to other users (mode %o): chmod 700 %s", folder, mode, folder)
+
+
+def key_material(folder: Path) -> list[str]:
+    """Names of the key files in ``folder`` that :func:`make_key_folder` would write."""
+    if not folder.is_dir():
+        return []
+    names = sorted(p.name for p in folder.iterdir())
+    return [n for n in names if n in CERT_FILES or NODE_KEY.fullmatch(n)]
+
+
+def node_indices(folder: Path) -> list[int]:
+    """Indices ``i`` of the node key files ``node<i>.key`` / ``node<i>.pub`` in ``folder``."""
+    found = {int(m.group(1)) for n in key_material(folder) if (m := NODE_KEY.fullmatch(n))}
+    return sorted(found)
+
+
+def make_key_folder(
+    folder: Path, hosts: Sequence[str], nodes: int, force: bool = False
+) -> tuple[TlsFiles, list[tuple[Path, Path]]]:
+    """A CA, a SuperLink certificate for ``hosts`` and ``nodes`` node key pairs in ``folder``.
+
+    Args:
+        folder: The key folder (created with mode 700).
+        hosts: Host names and IP addresses the SuperLink's certificate is valid for.
+        nodes: Node key pairs to make (``node0`` ... ``node<nodes-1>``).
+        force: Replace key material already in ``folder``.
+
+    Returns:
+        The TLS files and the ``(private, public)`` node key paths.
+
+    Raises:
+        ConfigError: ``folder`` already holds key material and ``force`` is not set
+            (replacing it would break every client set up with it).
+    """
+    existing = key_material(folder)
+    if existing and not force:
+        raise ConfigError(
+            "flower-certs",
+            f"{folder} already holds key material ({', '.join(existing)}): replacing it breaks"
+            " every client set up with it; pass --add-nodes N to add node keys, or --force to"
+            " replace it",
+        )
+    tls = make_certificates(folder, hosts)
+    return tls, [make_node_key(folder, f"node{i}") for i in range(nodes)]
+
+
+def add_node_keys(folder: Path, count: int) -> list[tuple[Path, Path]]:
+    """Adds ``count`` node key pairs after the highest existing index; nothing else changes.
+
+    Returns:
+        The new ``(private, public)`` key paths.
+
+    Raises:
+        ConfigError: ``count`` is below 1.
+    """
+    if count < 1:
+        raise ConfigError("add-nodes", f"must be at least 1, got {count}")
+    start = max(node_indices(folder), default=-1) + 1
+    return [make_node_key(folder, f"node{i}") for i in range(start, start + count)]
+
+
+def check_private(path: Path, what: str) -> bool:
+    """Warns when a private key file can be read by users other than its owner.
+
+    Args:
+        path: The key file.
+        what: What it is, for the message (e.g. ``"the SuperLink's TLS key"``).
+
+    Returns:
+        Whether no other user may read it (neither group nor others have read permission).
+    """
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o044 == 0:
+        return True
+    log.warning("%s %s is readable by other users (mode %o): chmod 600 %s", what, path, mode, path)
+    return False

@@ -1,0 +1,333 @@
+"""Operating the Flower deployment: key material, refusals, run-folder and report details.
+
+Fast tests without Flower processes; the loopback ones are in ``tests/test_flower_deploy.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fedfm.cli import app
+from fedfm.errors import ConfigError
+from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import processes as P
+from fedfm.runtime.flower import refusals as R
+from fedfm.runtime.flower import tls as T
+
+runner = CliRunner()
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def assert_key_modes(folder: Path) -> None:
+    """Every private key in ``folder`` is 600, the folder 700, public files not writable by
+    others."""
+    assert _mode(folder) == 0o700, oct(_mode(folder))
+    for p in folder.iterdir():
+        if p.suffix == ".key":
+            assert _mode(p) == 0o600, f"{p.name}: {oct(_mode(p))}"
+        else:
+            assert _mode(p) & 0o022 == 0, f"{p.name}: {oct(_mode(p))}"
+
+
+def _certs(*args: str) -> object:
+    return runner.invoke(app, ["flower-certs", *args])
+
+
+def test_flower_certs_writes_private_keys_600_in_a_700_folder(tmp_path):
+    out = tmp_path / "certs"
+    res = _certs(str(out), "--nodes", "2")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ca.crt", "node0.key", "node0.pub", "node1.key", "node1.pub", "server.key", "server.pem"
+    ]  # fmt: skip
+    assert_key_modes(out)
+    # The output says which file goes to which machine.
+    assert "ca.crt" in res.output and "server.key never leaves it" in res.output
+
+
+def test_flower_certs_refuses_to_replace_key_material_without_force(tmp_path):
+    out = tmp_path / "certs"
+    assert _certs(str(out), "--nodes", "1").exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = _certs(str(out), "--nodes", "1")
+    assert isinstance(res.exception, ConfigError), res.output
+    assert "already holds key material" in str(res.exception) and "--force" in str(res.exception)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing changed
+    # A lone node key is key material too.
+    lone = tmp_path / "lone"
+    T.make_node_key(lone, "node0")
+    assert isinstance(_certs(str(lone)).exception, ConfigError)
+    # --force replaces it, with the same modes.
+    assert _certs(str(out), "--nodes", "1", "--force").exit_code == 0
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert after["ca.crt"] != before["ca.crt"] and after["node0.key"] != before["node0.key"]
+    assert_key_modes(out)
+
+
+def test_add_nodes_adds_keys_and_leaves_the_ca_and_certificate_alone(tmp_path):
+    out = tmp_path / "certs"
+    assert _certs(str(out), "--nodes", "2").exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = _certs(str(out), "--add-nodes", "2")
+    assert res.exit_code == 0, res.output
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {k: after[k] for k in before} == before  # CA, certificate, old node keys kept
+    assert sorted(set(after) - set(before)) == ["node2.key", "node2.pub", "node3.key", "node3.pub"]
+    assert_key_modes(out)
+    res = _certs(str(out), "--add-nodes", "1", "--force")
+    assert isinstance(res.exception, ConfigError) and "add-nodes" in str(res.exception)
+    assert isinstance(_certs(str(out), "--add-nodes", "0").exception, ConfigError)
+
+
+def test_private_keys_are_never_world_readable_even_with_a_loose_umask(tmp_path):
+    import os
+
+    old = os.umask(0)
+    try:
+        tls = T.make_certificates(tmp_path / "c")
+        priv, _ = T.make_node_key(tmp_path / "c", "node0")
+    finally:
+        os.umask(old)
+    assert _mode(tls.server_key) == 0o600 and _mode(priv) == 0o600
+    assert _mode(tmp_path / "c") == 0o700
+
+
+def test_serve_and_client_warn_about_private_keys_readable_by_others(tmp_path, monkeypatch, caplog):
+    out = tmp_path / "certs"
+    assert _certs(str(out), "--nodes", "1").exit_code == 0
+    monkeypatch.setattr(D, "serve", lambda cfg, **kw: {
+        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}, "rounds": 2})  # fmt: skip
+    monkeypatch.setattr(D, "client", lambda *a, **kw: 0)
+    serve = ["serve", "tabular-fedavg", "--certificates", str(out)]
+    client = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
+    client += ["--root-certificates", str(out / "ca.crt"), "--auth-key", str(out / "node0.key")]
+    with caplog.at_level(logging.WARNING, logger="fedfm"):
+        assert runner.invoke(app, serve).exit_code == 0
+        assert runner.invoke(app, client).exit_code == 0
+    assert "readable by other users" not in caplog.text  # 600: no warning
+    (out / "server.key").chmod(0o644)
+    (out / "node0.key").chmod(0o640)
+    with caplog.at_level(logging.WARNING, logger="fedfm"):
+        assert runner.invoke(app, serve).exit_code == 0
+        assert runner.invoke(app, client).exit_code == 0
+    assert f"{out / 'server.key'} is readable by other users (mode 644)" in caplog.text
+    assert f"{out / 'node0.key'} is readable by other users (mode 640)" in caplog.text
+
+
+def test_client_refuses_insecure_with_an_auth_key_at_once(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(D, "client", lambda *a, **kw: started.append(a) or 0)
+    key, _ = T.make_node_key(tmp_path, "node0")
+    args = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
+    res = runner.invoke(app, [*args, "--insecure", "--auth-key", str(key)])
+    assert isinstance(res.exception, ConfigError) and not started
+    assert "node authentication needs TLS" in str(res.exception)
+    assert str(res.exception).startswith("config error: auth-key:")
+
+
+# --------------------------------------------------------------------------- refusals
+
+UNREGISTERED_LOG = """\
+INFO:     Uvicorn running on http://127.0.0.1:59529 (Press CTRL+C to quit)
+ERROR :     Exit Code: 305
+Failed to initialize the connection to the SuperLink.
+[code: 2004] Failed to activate SuperNode.
+The SuperNode could not establish a connection to the SuperLink.
+"""  # a SuperNode whose key is not registered (flwr 1.42, as logged here)
+
+
+def test_flower_refusals_read_from_the_supernode_log():
+    r = R.from_supernode_log(UNREGISTERED_LOG)
+    assert r is not None and not r.fatal
+    assert r.line() == (
+        "refused: node key not registered on the SuperLink"
+        " (Flower: [code: 2004] Failed to activate SuperNode.)"
+    )
+    no_key = UNREGISTERED_LOG.replace(
+        "2004] Failed to activate SuperNode.",
+        "2001] SuperNode authentication is enabled. All SuperNodes must be registered via the CLI.",
+    )
+    r = R.from_supernode_log(no_key)
+    assert r is not None and r.fatal and "start this client with --auth-key" in r.reason
+    assert R.from_supernode_log("WARNING :   Connection attempt failed, retrying in 3 s") is None
+    assert R.retrying("x\nWARNING :   Connection attempt failed, retrying in 0.46 seconds\n")
+
+
+@contextmanager
+def _server(tls: T.TlsFiles | None) -> Iterator[str]:
+    """A loopback port that accepts connections, with TLS from ``tls`` or without."""
+    import socket
+    import ssl
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    ctx = None
+    if tls is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tls.server_cert, tls.server_key)
+    stop = threading.Event()
+
+    def serve() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            with contextlib.suppress(OSError, ssl.SSLError):
+                if ctx is not None:
+                    conn.settimeout(2)
+                    conn = ctx.wrap_socket(conn, server_side=True)
+                else:
+                    conn.recv(1024)  # a plain server: TLS bytes are not what it expects
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        stop.set()
+        t.join(5)
+        sock.close()
+
+
+def test_probe_tells_a_tls_mismatch_from_a_superlink_that_is_not_up(tmp_path):
+    tls = T.make_certificates(tmp_path / "a")
+    other = T.make_certificates(tmp_path / "b")
+    with _server(tls) as address:
+        r = R.probe(address, None)
+        assert isinstance(r, R.Refusal) and r.fatal
+        assert r.line() == (
+            "refused: the SuperLink requires TLS: start this client with --root-certificates"
+            " CA_FILE"
+        )
+        assert R.probe(address, tls.ca_cert) is None
+        r = R.probe(address, other.ca_cert)
+        assert isinstance(r, R.Refusal) and "does not verify against" in r.reason
+    with _server(None) as address:
+        assert R.probe(address, None) is None
+        r = R.probe(address, tls.ca_cert)
+        assert isinstance(r, R.Refusal) and "does not use TLS" in r.reason
+    waiting = R.probe(address, None)  # closed now: nothing listens, so keep waiting
+    assert isinstance(waiting, str) and waiting.startswith("nothing answers at")
+
+
+def test_client_gives_up_with_exit_2_on_a_refusal_retrying_cannot_fix(
+    tmp_path, monkeypatch, capsys
+):
+    """The client loop with the SuperNode replaced by a process that logs Flower's refusal."""
+
+    def fake_start(superlink, pid, n, home, log_dir, *a, **kw):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-c", f"print({UNREGISTERED_LOG!r}); raise SystemExit(1)"]
+        return [P.start("supernode", cmd, dict(os.environ), log_dir)]
+
+    monkeypatch.setattr(D, "start_client", fake_start)
+    monkeypatch.setattr(D, "probe", lambda *a: None)
+    code = D.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, refused_wait_s=0.5)
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    refused = (
+        "client 0: refused: node key not registered on the SuperLink (Flower: [code: 2004]"
+        " Failed to activate SuperNode.)"
+    )
+    assert err[0] == refused + "; retrying for up to 0.5 s"
+    assert err[1].startswith(refused + " (still refused after ") and len(err) == 2
+
+
+def test_signals_become_stopped_with_the_shells_exit_codes():
+    before = signal.getsignal(signal.SIGTERM)
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        with pytest.raises(P.Stopped) as info, P.stop_on_signals():
+            os.kill(os.getpid(), sig)
+            time.sleep(5)
+        assert info.value.exit_code == code
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers restored
+
+
+def test_stop_reaches_descendants_in_sessions_of_their_own(tmp_path):
+    """As the SuperLink starts flower-superexec: a grandchild in a new session survives a
+    signal to the child's process group; stop() ends it too."""
+    code = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " start_new_session=True)\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    proc = P.start("parent", [sys.executable, "-c", code], dict(os.environ), tmp_path)
+    pid_file = tmp_path / "pid"
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert grandchild in P.descendants(proc.popen.pid)
+    P.stop([proc], grace_s=2)
+    time.sleep(0.2)
+    assert not proc.alive() and not P._alive(grandchild)
+
+
+# --------------------------------------------------------------------------- serve's progress
+
+
+def _rows(folder: Path, rounds: range, tag: float) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"round": r, "rmse": tag + r, "time_s": 0.1, "bytes_up": 0, "bytes_down": 0}
+            for r in rounds]  # fmt: skip
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_serve_shows_only_the_new_run_s_rounds(tmp_path, capsys):
+    """With --overwrite the old run's rows stay until the new run moves the folder aside;
+    they are never shown. Each round is shown once, then the final table."""
+    from fedfm.config import load_config
+    from fedfm.runtime.flower.watch import RunWatch
+
+    cfg = load_config({"name": "dep", "rounds": 2, "out_dir": str(tmp_path), "algorithm": "fedavg"})
+    run_dir = tmp_path / "dep"
+    _rows(run_dir, range(3), 100.0)  # an old run
+    watch = RunWatch(cfg, run_dir, resume=False, primary="rmse", poll_s=0.05)
+    with watch:
+        time.sleep(0.3)
+        assert watch.shown == -1  # the old rows are not this run's
+        run_dir.rename(tmp_path / ".dep.replaced")
+        _rows(run_dir, range(2), 0.0)
+        time.sleep(0.3)
+        _rows(run_dir, range(3), 0.0)
+    watch.final_table({"primary": "rmse"})
+    err = capsys.readouterr().err
+    assert "rmse=100" not in err and "rmse=101" not in err
+    assert [line.split()[0] for line in err.splitlines() if "rmse=" in line] == ["0", "1", "2"]
+    assert "rounds" in err  # the table
+    # Resuming from the checkpoint of round 1 shows the rounds after it only, and the stop
+    # line names that round.
+    ck = run_dir / "checkpoints" / "round_00001"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text(json.dumps({"round": 1}))
+    (run_dir / "checkpoints" / "LATEST").write_text(ck.name)
+    watch = RunWatch(cfg, run_dir, resume=True, primary="rmse", poll_s=0.05)
+    with watch:
+        pass
+    err = capsys.readouterr().err
+    assert [line.split()[0] for line in err.splitlines() if "rmse=" in line] == ["2"]
+    assert watch.stop_line(signal.SIGTERM).startswith(
+        "dep: stopped by SIGTERM at round 1 of 2: continue with the same `fedfm serve` command"
+        " and --resume"
+    )
