@@ -427,13 +427,15 @@ def section_items(runs: Sequence[RunData], shown: int = ITEMS_SHOWN) -> str:
             if order[dom] and len(picked) < shown:
                 picked.append(order[dom].pop(0))
     head = ["item", "domain", "prompt", "reference"] + [r.label for r in with_items]
+    # The chat template's system turn opens every prompt: show what differs.
+    shared = _common_prefix([str(by_run[0][i].get("prompt", "")) for i in picked])
     rows = []
     for i in picked:
         first = by_run[0][i]
         cells = [
             i,
             first.get("domain", ""),
-            _short(first.get("prompt", ""), 300),
+            _short(str(first.get("prompt", ""))[len(shared) :], 300),
             _short(first.get("reference", ""), 200),
         ]
         for b in by_run:
@@ -443,6 +445,15 @@ def section_items(runs: Sequence[RunData], shown: int = ITEMS_SHOWN) -> str:
             )
         rows.append(cells)
     return "<h2>Held-out items, side by side</h2>" + _table(head, rows, "items")
+
+
+def _common_prefix(texts: Sequence[str]) -> str:
+    """The longest string every text starts with (empty for fewer than two texts)."""
+    if len(texts) < 2:
+        return ""
+    lo, hi = min(texts), max(texts)  # the common prefix of all is that of these two
+    n = next((k for k, (a, b) in enumerate(zip(lo, hi, strict=False)) if a != b), len(lo))
+    return lo[:n]
 
 
 def _short(text: Any, n: int) -> str:

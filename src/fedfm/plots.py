@@ -90,6 +90,7 @@ def lines(
             label=label,
         )
     integer_rounds(ax)
+    ax.ticklabel_format(axis="y", useOffset=False)  # a flat line keeps readable labels
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
