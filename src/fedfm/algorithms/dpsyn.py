@@ -60,9 +60,10 @@ Choices of ours (the paper is silent; each is a config option):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -72,7 +73,6 @@ from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
-from fedfm.core.dp import DPSGDConfig, calibrate_noise, check_delta, sample_rate
 from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles, derive_seed
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import Message, MessageKind, MetaSpec
@@ -86,6 +86,9 @@ from fedfm.eval.generate import GenerationConfig
 from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
 from fedfm.models.embedders import get_embedder, known_embedder
 from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
+
+if TYPE_CHECKING:
+    from fedfm.core.dp import DPSGDConfig
 
 log = logging.getLogger("fedfm")
 
@@ -191,6 +194,18 @@ def noisy(values: Tensor, sigma: float, seed: int) -> Tensor:
     """``values`` plus ``N(0, sigma²)`` noise drawn from a generator seeded with ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     return values + sigma * torch.randn(values.shape, generator=gen, dtype=values.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def dp_sgd_sigma(epsilon: float, delta: float, rate: float, steps: int) -> float:
+    """DP-SGD's noise multiplier for ``(epsilon, delta)`` after ``steps`` at ``rate``.
+
+    :func:`fedfm.core.dp.calibrate_noise`, computed once per process: Opacus's search takes
+    seconds at fractional sampling rates, and every client of a rate needs the same one.
+    """
+    from fedfm.core.dp import calibrate_noise  # Opacus only for runs that use DP-SGD
+
+    return calibrate_noise(epsilon, delta, rate, steps)
 
 
 def code_counts(codes: Tensor, num_codes: int) -> Tensor:
@@ -302,17 +317,12 @@ class DPSyn(Algorithm):
         self.cfg: DPSynConfig = cfg
         self.codes = task.codes()
         self.fm = task.foundation_model()
-        self.fm.ensure_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+        # A fresh init even when an earlier run of this process left the shared slot trained.
+        self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
         self.params = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.delta = cfg.delta if cfg.delta is not None else run.privacy.delta
         self.planned = cfg.train_rounds * run.train.steps
-        self.dp = DPSGDConfig(
-            epsilon=cfg.train_epsilon,
-            delta=self.delta,
-            max_grad_norm=cfg.max_grad_norm,
-            physical_batch_size=cfg.physical_batch_size,
-        )
         self._check_plan(task, run)
         self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
         self.sigma_vote = analytic_gaussian_sigma(cfg.epsilon_vote, self.delta)
@@ -324,6 +334,8 @@ class DPSyn(Algorithm):
 
     def _check_plan(self, task: Task, run: RunConfig) -> None:
         """Refuses, at config load, a plan no client can carry out (naming the field)."""
+        from fedfm.core.dp import check_delta, sample_rate  # Opacus only for runs that use it
+
         last = self.cfg.train_rounds + 2
         if run.rounds > last:
             raise ConfigError(
@@ -352,15 +364,29 @@ class DPSyn(Algorithm):
                 check_delta(self.delta, n, field)
             except ConfigError as err:
                 raise ConfigError(err.field, f"client {cid}: {err.reason}") from None
-        if self.planned < 1 or not self.dp.private:
+        if self.planned < 1:
             return
         for rate in sorted(
             {sample_rate(run.train.batch_size, len(task.client_data(c))) for c in self.strong}
         ):
             try:
-                calibrate_noise(self.dp.epsilon, self.delta, rate, self.planned)
+                self.dp_config(rate)
             except ConfigError as err:
                 raise ConfigError("algo.epsilon_train", err.reason) from None
+
+    def dp_config(self, rate: float) -> DPSGDConfig:
+        """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
+        from fedfm.core.dp import DPSGDConfig
+
+        eps = self.cfg.train_epsilon
+        sigma = dp_sgd_sigma(eps, self.delta, rate, self.planned) if math.isfinite(eps) else None
+        return DPSGDConfig(
+            epsilon=eps,
+            delta=self.delta,
+            max_grad_norm=self.cfg.max_grad_norm,
+            noise_multiplier=sigma,
+            physical_batch_size=self.cfg.physical_batch_size,
+        )
 
     # ----- prompts and data -----
     def prompt(self, code: int) -> str:
@@ -396,6 +422,8 @@ class DPSyn(Algorithm):
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 1: DP-SGD on the received adapter over "code → text" rows."""
         self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+        from fedfm.core.dp import sample_rate
+
         rows = self.rows(ctx.cid, ctx.data)
         res = self.fm.dp_train(
             rows,
@@ -403,7 +431,7 @@ class DPSyn(Algorithm):
             [ADAPTER],
             [ADAPTER],
             train=self.run.train,
-            dp=self.dp,
+            dp=self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
             delta=self.delta,
             steps=self.run.train.steps,
             planned_steps=self.planned,
