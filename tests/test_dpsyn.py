@@ -376,6 +376,21 @@ def test_ledger_pins_each_mechanism_and_composes_per_client(full: Path) -> None:
         assert rec["epsilon"] >= max(rec["mechanisms"].values())  # composition costs
     summary = json.loads((full / "summary.json").read_text())
     assert summary["privacy"]["epsilon"] == pytest.approx(priv["run"]["epsilon"])
+    fin = summary["finish"]
+    assert fin["epsilon/strong"] == max(priv["clients"][c]["epsilon"] for c in strong)
+    weak = [c for c in priv["clients"] if c not in strong]
+    assert fin["epsilon/weak"] == max(priv["clients"][c]["epsilon"] for c in weak)
+    for label, rec in priv["mechanisms"].items():
+        assert fin[f"epsilon/{label}"] == rec["epsilon_max"]
+
+
+@pytest.mark.parametrize("preset", ["dpsyn-rotten-tomatoes", "dpsyn-drug-reviews"])
+def test_presets_validate(preset: str) -> None:
+    from fedfm.engine import resolve
+
+    algo, task = resolve(load_config(preset))
+    assert isinstance(algo, DPSynConfig) and task.kind == "control_text"
+    assert load_config(preset).rounds == algo.train_rounds + 2
 
 
 def test_synthetic_sets_and_evaluation_are_in_the_run(full: Path) -> None:

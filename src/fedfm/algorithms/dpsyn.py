@@ -586,6 +586,26 @@ class DPSyn(Algorithm):
             "votes_total": float(clipped.sum()),
         }
 
+    @override
+    def finish(self, fed: Federation) -> dict[str, float]:
+        """The summary's privacy figures, at the ledger's δ.
+
+        Each mechanism's ε (worst client) and each role's composed ε (worst client of it).
+        """
+        if not len(self.privacy):
+            return {}
+        rep = self.privacy.report()
+        out = {f"epsilon/{k}": v["epsilon_max"] for k, v in rep["mechanisms"].items()}
+        for role in ("strong", "weak"):
+            eps = [
+                rec["epsilon"]
+                for cid, rec in rep["clients"].items()
+                if (fed.role_of(cid) == STRONG) == (role == "strong")
+            ]
+            if eps:
+                out[f"epsilon/{role}"] = max(eps)
+        return out
+
     # ----- evaluation -----
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
