@@ -57,7 +57,7 @@ BASE: dict[str, Any] = {
         "embedder": "hashed-ngrams",
         "k": 2,
         "generation": {"do_sample": True, "top_p": 0.9, "max_new_tokens": 6, "batch_size": 8},
-        "eval": {"clf_steps": 10},
+        "eval": {"clf_steps": 10, "floor": True},
     },
     "task": {
         "kind": "control_text",
@@ -407,7 +407,7 @@ def test_synthetic_sets_and_evaluation_are_in_the_run(full: Path) -> None:
     gen, vote = rows[2], rows[3]
     for row in (gen, vote):
         assert {"acc", "macro_f1", "clf/acc", "clf/macro_f1", "frechet"} <= set(row)
-    assert {"real/acc", "real/clf/acc"} <= set(gen)
+    assert {"real/acc", "real/clf/acc", "floor/acc", "floor/frechet"} <= set(gen)
     assert vote["voters"] == 2
 
 
