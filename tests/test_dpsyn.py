@@ -495,3 +495,34 @@ def test_minilm_is_the_default_embedder_and_embeds() -> None:
     assert emb.shape == (3, 384)
     assert np.linalg.norm(emb, axis=1) == pytest.approx(np.ones(3), abs=1e-5)
     assert emb[0] @ emb[1] > emb[0] @ emb[2]  # two film reviews are nearer than tax law
+
+
+def test_joint_codes_of_several_columns_keep_the_most_frequent(tmp_path: Path) -> None:
+    from fedfm.tasks.codetext import ControlTextConfig, ControlTextTask
+
+    cfg = load_config(_cfg(tmp_path, "codes"))
+    task_cfg = ControlTextConfig(
+        dataset="drug_reviews",
+        code_columns=["label", "condition"],
+        max_codes=4,
+        local_test_fraction=0,
+    )
+    cfg.partition = {"scheme": "iid", "num_clients": 2}
+    task = ControlTextTask(task_cfg, cfg)
+    codes = task.codes()
+    assert len(codes) == 4 and all(c.count(" | ") == 1 for c in codes)
+    src = task.src
+    # Every kept row's code is its own label and condition; its class label is the code's.
+    names = list(src.class_names or [])
+    by_id = {
+        int(i): (names[int(y)], str(c))
+        for i, y, c in zip(src.train["id"], src.train["label"], src.train["condition"], strict=True)
+    }
+    labels = task.code_labels()
+    for cid in task.client_ids():
+        data = task.client_data(cid)
+        for sid, j, y in zip(
+            data.ids.tolist(), task.code_ids(data).tolist(), data.y.tolist(), strict=True
+        ):
+            assert codes[j] == " | ".join(by_id[sid])
+            assert labels[j] == y
