@@ -487,6 +487,7 @@ def test_logreg_scores_and_a_single_class() -> None:
     assert SyntheticEvalConfig().embedder is None  # the algorithm's embedder by default
 
 
+@pytest.mark.slow
 def test_minilm_is_the_default_embedder_and_embeds() -> None:
     assert DPSynConfig().embedder == "all-minilm-l6-v2"
     if minilm_dir() is None:
