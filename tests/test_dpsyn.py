@@ -433,6 +433,8 @@ def test_the_synthetic_set_is_an_ordinary_text_source(full: Path, tmp_path: Path
     assert sorted(setup.task.test_data().ids.tolist()) == sorted(held["ids"])  # real rows
     texts = sorted(t for c in setup.task.client_ids() for t in setup.task.client_data(c).texts)
     assert texts == sorted(r["text"] for r in _jsonl(path))
+    train_ids = {int(i) for c in setup.task.client_ids() for i in setup.task.client_data(c).ids}
+    assert not train_ids & set(held["ids"])  # synthetic ids never name a real row
     summary = run(load_config(cfg), progress=False)
     assert "acc" in summary["final"]
 

@@ -86,9 +86,12 @@ def synthetic(path: str, heldout: str | None = None) -> LoadedSource:
         raise ConfigError(
             "task.source_options.path", f"{file}: every row needs a label in [0, {len(names)})"
         )
-    train = _text_dataset(range(len(rows)), [str(r["text"]) for r in rows], labels, names)
     real = load_source(meta["dataset"], **meta.get("source_options", {}))
     wanted = np.asarray(meta["ids"], dtype=np.int64)
+    # Synthetic ids follow every real id, so no synthetic row shares an id with a real one.
+    first = 1 + max(int(np.max(s["id"])) for s in (real.train, real.test) if s is not None)
+    ids = range(first, first + len(rows))
+    train = _text_dataset(ids, [str(r["text"]) for r in rows], labels, names)
     parts = []
     for split in (real.train, real.test):
         if split is None:
