@@ -529,3 +529,11 @@ def test_joint_codes_of_several_columns_keep_the_most_frequent(tmp_path: Path) -
         ):
             assert codes[j] == " | ".join(by_id[sid])
             assert labels[j] == y
+
+
+def test_hashed_ngram_embeddings_are_unit_vectors_of_shared_ngrams() -> None:
+    emb = get_embedder("hashed-ngrams")(["a good film", "a good film", "tax law", ""])
+    assert emb.shape == (4, 256)
+    assert np.linalg.norm(emb[:3], axis=1) == pytest.approx(np.ones(3), abs=1e-6)
+    assert np.array_equal(emb[0], emb[1]) and not emb[3].any()
+    assert emb[0] @ emb[1] == pytest.approx(1.0) and emb[0] @ emb[2] < 0.5

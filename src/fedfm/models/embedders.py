@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from fedfm.registry import Registry
 
@@ -30,7 +31,10 @@ def get_embedder(name: str) -> Embedder:
     Raises:
         UnknownNameError: No such embedder (field ``algo.embedder``).
     """
-    return EMBEDDERS.get(name)()
+    # Ordinary weights even when first asked inside a no-grad handler (inference mode), so
+    # the server can use the same embedder outside it.
+    with torch.inference_mode(False):
+        return EMBEDDERS.get(name)()
 
 
 def known_embedder(name: str) -> str:
