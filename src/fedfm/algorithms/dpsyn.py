@@ -134,7 +134,9 @@ class DPSynConfig(AlgoConfig):
         keep_fraction: Share of each code's samples that ``rank`` keeps.
         resample_scope: Resample within each code (its allotment) or over the whole set.
         resample_size: Samples after resampling (``None``: ``num_samples``).
-        eval: Downstream evaluation of the synthetic set.
+        eval: Downstream evaluation of the synthetic set, in the rows of rounds ``R + 1``
+            (generated) and ``R + 2`` (voted) when the engine evaluates them (``eval_every``
+            of 1, the default, evaluates both).
     """
 
     train_rounds: int = Field(3, ge=0)
