@@ -537,3 +537,22 @@ def test_hashed_ngram_embeddings_are_unit_vectors_of_shared_ngrams() -> None:
     assert np.linalg.norm(emb[:3], axis=1) == pytest.approx(np.ones(3), abs=1e-6)
     assert np.array_equal(emb[0], emb[1]) and not emb[3].any()
     assert emb[0] @ emb[1] == pytest.approx(1.0) and emb[0] @ emb[2] < 0.5
+
+
+def test_a_code_without_allotment_is_logged_and_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    setup = build(load_config(_cfg(tmp_path, "allot")))
+    algo = setup.algo
+    assert isinstance(algo, DPSyn)
+    algo.profile = torch.tensor([-3.0, 40.0], dtype=torch.float64)  # rotten clips to 0
+    with caplog.at_level("WARNING", logger="fedfm"):
+        metrics = algo._generate()
+    assert metrics == {"synthetic": 16, "codes_without_samples": 1}
+    assert "rotten" in caplog.text
+    rows = _jsonl_text(algo.artefacts.read_bytes("synthetic_initial.jsonl").decode())
+    assert {r["code"] for r in rows} == {"fresh"} and len(rows) == 16
+
+
+def _jsonl_text(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
