@@ -36,7 +36,7 @@ held-out rows, so the ``synthetic`` text source (:mod:`fedfm.data.synthetic`) se
 downstream ``fedfm run``. After generation and after voting the set is evaluated
 (:mod:`fedfm.eval.synthetic`): classifiers trained on it alone, tested on the real held-out set.
 
-Choices of ours (the paper is silent; each is a config option):
+Choices of ours (the paper is silent; where a choice is a value, it is a config option):
     * Profiling runs first (round 0) rather than after fine-tuning: it does not depend on the
       model, and the order of independent mechanisms does not change their composition.
     * Clients without the ``strong`` role are weak (named ``weak`` or left ``default``);
@@ -56,6 +56,10 @@ Choices of ours (the paper is silent; each is a config option):
       bound on what it spends under client sampling).
     * DP-SGD uses ``train.batch_size`` as the expected Poisson batch and ``train.steps`` steps
       per round; ``train.epochs`` is refused (steps are what is accounted).
+    * "Nearest" is the largest cosine similarity of L2-normalised embeddings (ties to the lower
+      index); votes are float64 sums.
+    * Defaults: ``epsilon_profile = epsilon_vote = 1``, ``K = 4``, ``s = 200``, sampling at
+      temperature 1 and top-p 0.9 for 48 new tokens, ``H = 0``, resampling (not ranking).
 """
 
 from __future__ import annotations
