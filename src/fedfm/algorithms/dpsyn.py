@@ -47,7 +47,8 @@ Choices of ours (the paper is silent; where a choice is a value, it is a config 
       (``resample_scope: code``), so the DP profile keeps fixing the code mix; ``all`` draws
       over the whole set in proportion to its votes. A code whose clipped votes are all zero
       keeps a uniform draw of its samples (logged). ``resample_size`` defaults to ``s``.
-    * ``P̃`` that sums to 0 allots uniformly; ``round`` may make ``Σ s_j`` differ from ``s``.
+    * ``P̃`` that sums to 0 allots uniformly; ``round`` (half to even, Python's) may make
+      ``Σ s_j`` differ from ``s``.
     * A code with fewer than ``K`` synthetic samples gets one vote of ``1/√K`` for each of them
       (norm below 1); a client without samples of a code votes nothing for it.
     * The prompt of code ``c`` is ``prompt_template`` with ``{code}`` filled in, in the LM's
