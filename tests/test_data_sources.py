@@ -47,7 +47,8 @@ def _have_alpaca() -> bool:
 needs_alpaca = pytest.mark.skipif(
     not _have_alpaca(), reason="llamafactory demo data not fetched (python -m fedfm.data.assets)"
 )
-OFFLINE = [n for n in SOURCES if n != "hf"]  # hf needs a path; tested with local files below
+# hf needs a path (tested with local files below); synthetic a run folder (tests/test_dpsyn.py)
+OFFLINE = [n for n in SOURCES if n not in ("hf", "synthetic")]
 NEEDS_ALPACA = {"alpaca_demo", "instruct_suite"}
 
 

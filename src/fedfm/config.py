@@ -53,16 +53,21 @@ class ClientsConfig(Strict):
 
     fraction: float = Field(1.0, gt=0, le=1)
     min_clients: int = Field(1, ge=1)
-    roles: dict[str, float] = Field(default_factory=dict)
+    roles: dict[str, float | list[int | str]] = Field(
+        default_factory=dict,
+        description="role -> fraction of the clients (seeded) or a list of client ids",
+    )
 
     @field_validator("roles")
     @classmethod
-    def _roles_sum(cls, v: dict[str, float]) -> dict[str, float]:
-        if any(f < 0 or f > 1 for f in v.values()):
+    def _roles_sum(cls, v: dict[str, float | list[int | str]]) -> dict[str, float | list[str]]:
+        fractions = [f for f in v.values() if isinstance(f, float | int)]
+        if any(f < 0 or f > 1 for f in fractions):
             raise ValueError("each role fraction must lie in [0, 1]")
-        if sum(v.values()) > 1 + 1e-9:
+        if sum(fractions) > 1 + 1e-9:
             raise ValueError("role fractions sum to more than 1")
-        return v
+        # Client ids are strings; YAML reads [0, 3] as integers.
+        return {r: f if isinstance(f, float | int) else [str(c) for c in f] for r, f in v.items()}
 
 
 class PrivacyConfig(Strict):

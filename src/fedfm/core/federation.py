@@ -33,7 +33,7 @@ from fedfm.core.messages import (
     meta_bytes,
     validate_reply,
 )
-from fedfm.errors import FedfmError, MessageError
+from fedfm.errors import ConfigError, FedfmError, MessageError
 
 if TYPE_CHECKING:
     from fedfm.tasks.base import Task
@@ -125,26 +125,47 @@ class ClientInfo:
     role: str = "default"
 
 
-def assign_roles(cids: list[str], roles: Mapping[str, float], seed: int) -> list[ClientInfo]:
-    """Gives each client a role: ``floor(fraction·N)`` clients per named role, seeded.
+def assign_roles(
+    cids: list[str], roles: Mapping[str, float | Sequence[int | str]], seed: int
+) -> list[ClientInfo]:
+    """Gives each client a role: listed ids, then ``floor(fraction·N)`` clients per role, seeded.
 
     Every process of a run (the server, each Flower client) computes the same roles from the
-    run seed. Clients not given a named role get ``"default"``.
+    run seed. A role given as a list of client ids takes exactly those clients; a role given
+    as a fraction takes ``floor(fraction·N)`` of the others in a seeded order. Clients not
+    given a named role get ``"default"``.
 
     Args:
         cids: Client ids in their stable order.
-        roles: Role name -> fraction of the clients.
+        roles: Role name -> fraction of the clients, or the ids of its clients.
         seed: Run seed.
 
     Returns:
         One :class:`ClientInfo` per client, in the order of ``cids``.
+
+    Raises:
+        ConfigError: A listed id is not a client or is listed for two roles
+            (``clients.roles.<role>``).
     """
     order = np.random.default_rng(derive_seed(seed, "roles")).permutation(len(cids)).tolist()
     role_of = {c: "default" for c in cids}
+    listed: set[str] = set()
+    for role, ids in sorted(roles.items()):
+        if isinstance(ids, float | int):
+            continue
+        for c in map(str, ids):
+            if c not in role_of or c in listed:
+                why = "is not a client" if c not in role_of else "is listed for two roles"
+                raise ConfigError(f"clients.roles.{role}", f"client id {c!r} {why}")
+            role_of[c] = role
+            listed.add(c)
+    free = [i for i in order if cids[i] not in listed]
     start = 0
     for role, frac in sorted(roles.items()):
+        if not isinstance(frac, float | int):
+            continue
         k = math.floor(frac * len(cids))
-        for i in order[start : start + k]:
+        for i in free[start : start + k]:
             role_of[cids[i]] = role
         start += k
     return [ClientInfo(c, role_of[c]) for c in cids]

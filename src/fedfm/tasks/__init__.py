@@ -1,3 +1,3 @@
 """Tasks; importing this package registers them."""
 
-from fedfm.tasks import lm, supervised, text  # noqa: F401
+from fedfm.tasks import codetext, lm, supervised, text  # noqa: F401

@@ -44,6 +44,7 @@ IMAGE_VIEW = "image_view"
 TEXT_VIEW = "text_view"
 FOUNDATION_MODEL = "foundation_model"
 ITEM_RESULTS = "item_results"
+CONTROL_CODES = "control_codes"
 
 CAPABILITIES: dict[str, str] = {
     PUBLIC_SPLIT: "public_data(): a public proxy split that no client holds",
@@ -53,6 +54,10 @@ CAPABILITIES: dict[str, str] = {
     TEXT_VIEW: "texts(data): a split's raw texts",
     FOUNDATION_MODEL: "foundation_model(): the handle on the task's LLM (fedfm.fm)",
     ITEM_RESULTS: "evaluate_items(model, data): one evaluation record per item",
+    CONTROL_CODES: (
+        "codes(), code_ids(data), code_labels() and heldout(): public control codes, each row's"
+        " code, each code's class label, and the real held-out rows by source and sample id"
+    ),
 }
 """Optional task capabilities: name -> the methods that provide it."""
 
@@ -182,6 +187,24 @@ class Task(ABC):
 
     def _missing(self, capability: str) -> ConfigError:
         return ConfigError("task.kind", f"'{self.cfg.kind}' does not provide {capability}")
+
+    def codes(self) -> list[str]:
+        """:data:`CONTROL_CODES`: the public control codes (labels, topics) in a fixed order."""
+        raise self._missing(CONTROL_CODES)
+
+    def code_ids(self, data: Any) -> Tensor:
+        """:data:`CONTROL_CODES`: each row's code as an index into :meth:`codes` (``[N]``)."""
+        raise self._missing(CONTROL_CODES)
+
+    def code_labels(self) -> list[int | None]:
+        """:data:`CONTROL_CODES`: each code's class label (``None`` where a code has none)."""
+        raise self._missing(CONTROL_CODES)
+
+    def heldout(self) -> dict[str, Any]:
+        """:data:`CONTROL_CODES`: the server's real held-out rows (``dataset``,
+        ``source_options``, ``class_names``, sample ``ids``), so a synthetic set can be
+        tested on them later (:mod:`fedfm.data.synthetic`)."""
+        raise self._missing(CONTROL_CODES)
 
     def evaluate_items(
         self, model: nn.Module, data: Any

@@ -1,0 +1,699 @@
+"""Resource-adaptive federated DP text generation: strong clients fine-tune, weak clients vote.
+
+Paper: "Resource-Adaptive Federated Text Generation with Differential Privacy" (ICLR 2026,
+arXiv:2603.07027; no public code). Cross-silo clients hold labelled or tagged text; a control
+code (label, topic, rating) is public metadata. Only *strong* clients can fine-tune the LLM;
+*weak* clients never backpropagate and speak once. Four stages, each an engine step (so a run
+resumes between any two of them; ``R = algo.train_rounds``):
+
+* **round 0, DP profiling** (every client, ``profile``): the client's per-code count vector
+  plus Gaussian noise calibrated by the analytic Gaussian mechanism (Balle & Wang 2018,
+  dp-accounting) for ``(epsilon_profile, δ)``, L2 sensitivity 1 (one record changes one count
+  by 1). The server sums the vectors and clips negatives: ``P̃``.
+* **rounds 1..R, DP federated fine-tuning** (strong clients, ``train``): LoRA on the causal LM
+  with the loss of "code → text" (the code in the prompt, the text the response), DP-SGD
+  through Opacus (:meth:`fedfm.fm.FoundationModel.dp_train`: Poisson sampling, per-sample
+  clipping, Gaussian noise); the noise multiplier is calibrated from ``(epsilon_train, δ)``
+  for the planned ``R · train.steps`` steps at the client's sampling rate.
+  ``epsilon_train: inf`` trains without noise or clipping. Any server optimizer
+  (``algo.server_opt``) and aggregator aggregate the adapters.
+* **round R+1, generation** (server): ``s_j = round(s · P̃[j] / Σ P̃)`` samples of code ``j``
+  from the fine-tuned model, batched and seeded, with the config's temperature and top-p.
+* **round R+2, DP voting** (weak clients, ``vote``, gradient-free): each private sample,
+  embedded with MiniLM, votes for its ``K`` nearest synthetic samples *of the same code*, each
+  vote worth ``1/√K`` so that one sample's contribution has L2 norm 1 (Private Evolution, Lin
+  et al. 2024); the histogram gets analytic-Gaussian noise for ``(epsilon_vote, δ)``. The
+  server sums, clips (``max(h − H, 0)``, PrE-Text's threshold, ``H = vote_threshold``) and
+  resamples the synthetic set in proportion to the clipped votes (``selection: resample``) or
+  keeps the top share (``selection: rank``, Aug-PE's alternative).
+
+Only noised counts, noised votes and post-DP-SGD adapters leave clients (the audit ledger
+shows each field). Every mechanism is registered per client in the privacy ledger: strong
+clients compose DP-SGD and profiling, weak clients profiling and voting (``privacy.json``).
+The synthetic set before and after voting is a run artefact (``synthetic_initial.jsonl``,
+``synthetic.jsonl``: ``code``, ``label``, ``text``), and ``heldout.json`` names the real
+held-out rows, so the ``synthetic`` text source (:mod:`fedfm.data.synthetic`) serves it to any
+downstream ``fedfm run``. After generation and after voting the set is evaluated
+(:mod:`fedfm.eval.synthetic`): classifiers trained on it alone, tested on the real held-out set.
+
+Choices of ours (the paper is silent; where a choice is a value, it is a config option):
+    * Profiling runs first (round 0) rather than after fine-tuning: it does not depend on the
+      model, and the order of independent mechanisms does not change their composition.
+    * Clients without the ``strong`` role are weak (named ``weak`` or left ``default``);
+      only weak clients vote, each once; strong clients do not vote.
+    * Each mechanism is calibrated at the same δ (``algo.delta``, default ``privacy.delta``);
+      the ledger reports their composition at that δ with its accountant.
+    * Resampling draws, with replacement, as many samples per code as the code was allotted
+      (``resample_scope: code``), so the DP profile keeps fixing the code mix; ``all`` draws
+      over the whole set in proportion to its votes. A code whose clipped votes are all zero
+      keeps a uniform draw of its samples (logged). ``resample_size`` defaults to ``s``.
+    * ``P̃`` that sums to 0 allots uniformly; ``round`` (half to even, Python's) may make
+      ``Σ s_j`` differ from ``s``.
+    * A code with fewer than ``K`` synthetic samples gets one vote of ``1/√K`` for each of them
+      (norm below 1); a client without samples of a code votes nothing for it.
+    * The prompt of code ``c`` is ``prompt_template`` with ``{code}`` filled in, in the LM's
+      chat template (the same in training and generation); texts are the responses.
+    * Planned DP-SGD steps assume a strong client takes part in every training round (an upper
+      bound on what it spends under client sampling).
+    * DP-SGD uses ``train.batch_size`` as the expected Poisson batch and ``train.steps`` steps
+      per round; ``train.epochs`` is refused (steps are what is accounted).
+    * "Nearest" is the largest cosine similarity of L2-normalised embeddings (ties to the lower
+      index); votes are float64 sums.
+    * Defaults: ``epsilon_profile = epsilon_vote = 1``, ``K = 4``, ``s = 200``, sampling at
+      temperature 1 and top-p 0.9 for 48 new tokens, ``H = 0``, resampling (not ranking).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, field_validator
+from torch import Tensor
+from typing_extensions import override
+
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.config import RunConfig
+from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles, derive_seed
+from fedfm.core.groups import get_group, join_groups
+from fedfm.core.messages import Message, MessageKind, MetaSpec
+from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.privacy import analytic_gaussian_sigma
+from fedfm.core.replies import MetricMean, meta_number
+from fedfm.core.robust import AggregatorConfig
+from fedfm.data.synthetic import HELDOUT
+from fedfm.errors import ConfigError
+from fedfm.eval.generate import GenerationConfig
+from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
+from fedfm.models.embedders import get_embedder, known_embedder
+from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
+
+if TYPE_CHECKING:
+    from fedfm.core.dp import DPSGDConfig
+
+log = logging.getLogger("fedfm")
+
+STRONG = "strong"
+WEAK_ROLES = ("weak", "default")
+ADAPTER = "dpsyn"
+
+TRAIN = MessageKind(
+    "train",
+    down_arrays=("adapter",),
+    up_arrays=("adapter",),
+    up_meta=("num_examples", "loss", "dp"),
+    roles=(STRONG,),
+    meta_specs={"dp": MetaSpec("metrics", required=True)},
+)
+PROFILE = MessageKind("profile", up_arrays=("counts",), no_grad=True)
+VOTE = MessageKind(
+    "vote", down_meta=("texts", "codes"), up_arrays=("votes",), roles=WEAK_ROLES, no_grad=True
+)
+
+
+class DPSynConfig(AlgoConfig):
+    """DP federated text generation (see the module doc for every stage).
+
+    Attributes:
+        train_rounds: Fine-tuning rounds ``R`` (0: generate with the base model). The run's
+            ``rounds`` is at most ``R + 2``; fewer stop after that stage (resume to go on).
+        epsilon_train: ε of each strong client's DP-SGD; ``inf``: no noise, no clipping.
+        epsilon_profile: ε of each client's noisy count vector.
+        epsilon_vote: ε of each weak client's noisy vote histogram.
+        delta: δ of every mechanism; ``None`` takes ``privacy.delta``.
+        max_grad_norm: DP-SGD per-sample clipping norm.
+        physical_batch_size: Rows per forward/backward pass within one Poisson batch.
+        server_opt: Server optimizer of the adapters.
+        aggregator: Aggregation rule of the adapters.
+        prompt_template: The prompt of a code (``{code}`` is replaced by its name).
+        num_samples: ``s``, synthetic samples to generate.
+        generation: Decoding (sampling on, temperature, top-p, length, batch size).
+        embedder: Sentence embedder of the votes (``all-minilm-l6-v2``).
+        k: ``K``, synthetic samples each private sample votes for.
+        vote_threshold: ``H`` subtracted from the summed noisy votes before clipping at 0.
+        selection: ``resample`` (in proportion to votes) or ``rank`` (keep the top share).
+        keep_fraction: Share of each code's samples that ``rank`` keeps.
+        resample_scope: Resample within each code (its allotment) or over the whole set.
+        resample_size: Samples after resampling (``None``: ``num_samples``).
+        eval: Downstream evaluation of the synthetic set, in the rows of rounds ``R + 1``
+            (generated) and ``R + 2`` (voted) when the engine evaluates them (``eval_every``
+            of 1, the default, evaluates both).
+    """
+
+    train_rounds: int = Field(3, ge=0)
+    epsilon_train: float | Literal["inf"] = 8.0
+    epsilon_profile: float = Field(1.0, gt=0)
+    epsilon_vote: float = Field(1.0, gt=0)
+    delta: float | None = Field(None, gt=0, lt=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    physical_batch_size: int = Field(8, ge=1)
+    server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
+    prompt_template: str = "Write a {code} review."
+    num_samples: int = Field(200, ge=1)
+    generation: GenerationConfig = Field(
+        default_factory=lambda: GenerationConfig(
+            do_sample=True, temperature=1.0, top_p=0.9, max_new_tokens=48, batch_size=16
+        )
+    )
+    embedder: str = "all-minilm-l6-v2"
+    k: int = Field(4, ge=1)
+    vote_threshold: float = Field(0.0, ge=0)
+    selection: Literal["resample", "rank"] = "resample"
+    keep_fraction: float = Field(0.5, gt=0, le=1)
+    resample_scope: Literal["code", "all"] = "code"
+    resample_size: int | None = Field(None, ge=1)
+    eval: SyntheticEvalConfig = Field(default_factory=SyntheticEvalConfig)
+
+    @field_validator("epsilon_train")
+    @classmethod
+    def _positive(cls, v: float | str) -> float | str:
+        if isinstance(v, float) and not v > 0:
+            raise ValueError("must be greater than 0 (or inf: no noise, no clipping)")
+        return v
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _has_code(cls, v: str) -> str:
+        if "{code}" not in v:
+            raise ValueError("must contain '{code}'")
+        return v
+
+    @field_validator("embedder")
+    @classmethod
+    def _known_embedder(cls, v: str) -> str:
+        return known_embedder(v)
+
+    @property
+    def train_epsilon(self) -> float:
+        """``epsilon_train`` as a number (``math.inf`` for ``inf``)."""
+        return math.inf if self.epsilon_train == "inf" else float(self.epsilon_train)
+
+
+# ----------------------------------------------------------------------------- mechanisms
+
+
+def noisy(values: Tensor, sigma: float, seed: int) -> Tensor:
+    """``values`` plus ``N(0, sigma²)`` noise drawn from a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return values + sigma * torch.randn(values.shape, generator=gen, dtype=values.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def dp_sgd_sigma(epsilon: float, delta: float, rate: float, steps: int) -> float:
+    """DP-SGD's noise multiplier for ``(epsilon, delta)`` after ``steps`` at ``rate``.
+
+    :func:`fedfm.core.dp.calibrate_noise`, computed once per process: Opacus's search takes
+    seconds at fractional sampling rates, and every client of a rate needs the same one.
+    """
+    from fedfm.core.dp import calibrate_noise  # Opacus only for runs that use DP-SGD
+
+    return calibrate_noise(epsilon, delta, rate, steps)
+
+
+def code_counts(codes: Tensor, num_codes: int) -> Tensor:
+    """``(num_codes,)`` float64 count of each code among ``codes``."""
+    return torch.bincount(codes, minlength=num_codes).to(torch.float64)
+
+
+def allot(profile: Tensor, total: int) -> list[int]:
+    """``s_j = round(total · P[j] / Σ P)`` of the clipped profile (uniform when it sums to 0)."""
+    p = profile.clamp_min(0).double()
+    if float(p.sum()) <= 0:
+        p = torch.ones_like(p)
+    return [round(total * float(x)) for x in p / p.sum()]
+
+
+def knn_votes(
+    private: np.ndarray,
+    private_codes: np.ndarray,
+    synthetic: np.ndarray,
+    synthetic_codes: np.ndarray,
+    k: int,
+) -> np.ndarray:
+    """Each private sample's votes for its ``k`` nearest synthetic samples of its own code.
+
+    Args:
+        private: ``(n, d)`` L2-normalised embeddings of the private samples.
+        private_codes: ``(n,)`` their codes.
+        synthetic: ``(S, d)`` L2-normalised embeddings of the synthetic samples.
+        synthetic_codes: ``(S,)`` their codes.
+        k: Votes per private sample, each worth ``1/√k`` (one sample's votes have L2 norm 1,
+            less when its code has fewer than ``k`` synthetic samples).
+
+    Returns:
+        ``(S,)`` float64 vote histogram.
+    """
+    votes = np.zeros(len(synthetic), dtype=np.float64)
+    for code in np.unique(private_codes):
+        cand = np.flatnonzero(synthetic_codes == code)  # synthetic samples of this code
+        if not len(cand):
+            continue
+        sims = private[private_codes == code] @ synthetic[cand].T  # (n_c, S_c) cosine
+        top = np.argsort(-sims, axis=1, kind="stable")[:, : min(k, len(cand))]
+        np.add.at(votes, cand[top].ravel(), 1.0 / math.sqrt(k))
+    return votes
+
+
+def select(
+    votes: np.ndarray,
+    codes: np.ndarray,
+    allotment: list[int],
+    cfg: DPSynConfig,
+    seed: int,
+) -> tuple[list[int], list[int]]:
+    """Indices of the synthetic samples kept after voting, and the codes left unvoted.
+
+    Args:
+        votes: ``(S,)`` clipped noisy votes.
+        codes: ``(S,)`` code of each synthetic sample.
+        allotment: ``s_j`` of each code.
+        cfg: ``selection``, ``keep_fraction``, ``resample_scope``, ``resample_size``.
+        seed: Seeds the draws.
+
+    Returns:
+        Kept indices (with repeats when resampling) and the codes whose votes were all 0.
+    """
+    rng = np.random.default_rng(seed)
+    size = cfg.resample_size or cfg.num_samples
+    scale = size / max(sum(allotment), 1)
+    unvoted: list[int] = []
+    if cfg.resample_scope == "all":
+        groups = [np.arange(len(votes))]
+        wants = [size]
+    else:
+        groups = [np.flatnonzero(codes == j) for j in range(len(allotment))]
+        wants = [round(s * scale) for s in allotment]
+    kept: list[int] = []
+    for j, (idx, want) in enumerate(zip(groups, wants, strict=True)):
+        if not len(idx):
+            continue
+        v = votes[idx]
+        if float(v.sum()) <= 0:
+            unvoted.append(j)
+            v = np.ones_like(v)
+        if cfg.selection == "rank":
+            top = np.argsort(-v, kind="stable")[: max(1, math.ceil(cfg.keep_fraction * len(idx)))]
+            kept += sorted(idx[top].tolist())
+        else:
+            kept += idx[rng.choice(len(idx), size=want, p=v / v.sum())].tolist()
+    return kept, unvoted
+
+
+# ----------------------------------------------------------------------------- the algorithm
+
+
+class DPSyn(Algorithm):
+    """Strong clients DP-fine-tune, every client DP-profiles, weak clients DP-vote."""
+
+    Config = DPSynConfig
+    messages = (PROFILE, TRAIN, VOTE)
+
+    @override
+    @classmethod
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        for cap in (CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW):
+            require(task_cls, task_cfg, cap, "algorithm", "dpsyn")
+
+    def __init__(self, cfg: DPSynConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: DPSynConfig = cfg
+        self.codes = task.codes()
+        self.fm = task.foundation_model()
+        # A fresh init even when an earlier run of this process left the shared slot trained.
+        self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+        self.params = self.fm.get_adapter(ADAPTER)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
+        self.delta = cfg.delta if cfg.delta is not None else run.privacy.delta
+        self.planned = cfg.train_rounds * run.train.steps
+        self._check_plan(task, run)
+        self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
+        self.sigma_vote = analytic_gaussian_sigma(cfg.epsilon_vote, self.delta)
+        self._rows: dict[str, list[dict[str, list[int]]]] = {}  # encoded rows per client
+        self.profile: Tensor | None = None
+        self.synthetic: list[dict[str, Any]] = []
+        self.final: list[dict[str, Any]] = []
+        self._test_emb: np.ndarray | None = None
+
+    def _check_plan(self, task: Task, run: RunConfig) -> None:
+        """Refuses, at config load, a plan no client can carry out (naming the field)."""
+        from fedfm.core.dp import check_delta, sample_rate  # Opacus only for runs that use it
+
+        last = self.cfg.train_rounds + 2
+        if run.rounds > last:
+            raise ConfigError(
+                "rounds",
+                f"dpsyn has {last} rounds after round 0 (algo.train_rounds="
+                f"{self.cfg.train_rounds} + generation + voting), got {run.rounds}",
+            )
+        if run.train.epochs is not None:
+            raise ConfigError("train.epochs", "dpsyn accounts DP-SGD steps: set train.steps")
+        roles = {
+            c.cid: c.role for c in assign_roles(task.client_ids(), run.clients.roles, run.seed)
+        }
+        self.strong = [c for c, r in roles.items() if r == STRONG]
+        if not self.strong:
+            raise ConfigError(
+                "clients.roles",
+                f"no strong client among {len(roles)} (set e.g. clients.roles.strong: 0.2 or a "
+                "list of client ids)",
+            )
+        field = "algo.delta" if self.cfg.delta is not None else "privacy.delta"
+        for cid in task.client_ids():
+            n = task.num_examples(task.client_data(cid))
+            if n < 1:
+                raise ConfigError("partition", f"client {cid} holds no rows")
+            try:
+                check_delta(self.delta, n, field)
+            except ConfigError as err:
+                raise ConfigError(err.field, f"client {cid}: {err.reason}") from None
+        if self.planned < 1:
+            return
+        for rate in sorted(
+            {sample_rate(run.train.batch_size, len(task.client_data(c))) for c in self.strong}
+        ):
+            try:
+                self.dp_config(rate)
+            except ConfigError as err:
+                raise ConfigError("algo.epsilon_train", err.reason) from None
+
+    def dp_config(self, rate: float) -> DPSGDConfig:
+        """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
+        from fedfm.core.dp import DPSGDConfig
+
+        eps = self.cfg.train_epsilon
+        sigma = dp_sgd_sigma(eps, self.delta, rate, self.planned) if math.isfinite(eps) else None
+        return DPSGDConfig(
+            epsilon=eps,
+            delta=self.delta,
+            max_grad_norm=self.cfg.max_grad_norm,
+            noise_multiplier=sigma,
+            physical_batch_size=self.cfg.physical_batch_size,
+        )
+
+    # ----- prompts and data -----
+    def prompt(self, code: int) -> str:
+        """The prompt of code ``code`` (as in training and generation)."""
+        return self.fm.instruction_prompt(self.cfg.prompt_template.format(code=self.codes[code]))
+
+    def rows(self, cid: str, data: Any) -> list[dict[str, list[int]]]:
+        """Client ``cid``'s "code → text" rows, tokenised once per process."""
+        if cid not in self._rows:
+            codes = self.task.code_ids(data).tolist()
+            texts = self.task.texts(data)
+            self._rows[cid] = self.fm.encode(
+                {"instruction": self.cfg.prompt_template.format(code=self.codes[j]), "output": t}
+                for j, t in zip(codes, texts, strict=True)
+            )
+        return self._rows[cid]
+
+    # ----- client half -----
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "profile": self.client_profile,
+            "train": self.client_train,
+            "vote": self.client_vote,
+        }
+
+    def client_profile(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 2: this client's per-code counts plus analytic-Gaussian noise."""
+        counts = code_counts(self.task.code_ids(ctx.data), len(self.codes))
+        out = noisy(counts, self.sigma_profile, ctx.rng_seed("profile-noise"))
+        return Message("profile", {"counts": {"counts": out}})
+
+    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 1: DP-SGD on the received adapter over "code → text" rows."""
+        self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+        from fedfm.core.dp import sample_rate
+
+        rows = self.rows(ctx.cid, ctx.data)
+        res = self.fm.dp_train(
+            rows,
+            ctx.state,
+            [ADAPTER],
+            [ADAPTER],
+            train=self.run.train,
+            dp=self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
+            delta=self.delta,
+            steps=self.run.train.steps,
+            planned_steps=self.planned,
+            seed=ctx.rng_seed("dp"),
+            field="algo",
+        )
+        return Message(
+            "train",
+            {"adapter": self.fm.get_adapter(ADAPTER)},
+            {"num_examples": len(rows), "loss": res.loss, "dp": res.report()},
+        )
+
+    def client_vote(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 4: K-NN votes of the private samples within their code, plus noise."""
+        texts, codes = msg.meta["texts"], msg.meta["codes"]
+        assert isinstance(texts, list) and isinstance(codes, list)
+        embed = get_embedder(self.cfg.embedder)
+        votes = knn_votes(
+            embed(self.task.texts(ctx.data)),
+            self.task.code_ids(ctx.data).numpy(),
+            embed([str(t) for t in texts]),
+            np.asarray(codes, dtype=np.int64),
+            self.cfg.k,
+        )
+        out = noisy(torch.as_tensor(votes), self.sigma_vote, ctx.rng_seed("vote-noise"))
+        return Message("vote", {"votes": {"votes": out}})
+
+    # ----- server half -----
+    @override
+    def setup(self, fed: Federation) -> dict[str, float]:
+        """Round 0: DP profiling by every client."""
+        cids = fed.client_ids()
+        like = {"counts": {"counts": torch.zeros(len(self.codes), dtype=torch.float64)}}
+        total = torch.zeros(len(self.codes), dtype=torch.float64)
+        got = 0
+        for cid in cids:  # every asked client ran the mechanism, answer or not
+            self.privacy.add_gaussian(cid, self.sigma_profile, 1.0, name="profile", analytic=True)
+        for _, r in fed.stream({c: Message("profile") for c in cids}, like=like):
+            total += r.arrays["counts"]["counts"]
+            got += 1
+        self.require(fed, got, len(cids))
+        self.profile = total.clamp_min(0)
+        return {"clients": got, "profile_total": float(self.profile.sum())}
+
+    @override
+    def round(self, fed: Federation) -> dict[str, float]:
+        r, last = fed.rnd, self.cfg.train_rounds
+        if r <= last:
+            return self._train(fed)
+        if r == last + 1:
+            return self._generate()
+        return self._vote(fed)
+
+    def _train(self, fed: Federation) -> dict[str, float]:
+        cids = self.sample(fed, role=STRONG)
+        msg = Message("train", {"adapter": self.params})
+        delta, loss = self.opt.accumulator(self.params), MetricMean("loss")
+        for cid, r in fed.stream({c: msg for c in cids}, like={"adapter": self.params}):
+            report = r.meta["dp"]
+            assert isinstance(report, dict)
+            self.privacy.add_dp_sgd_report(cid, report)
+            delta.add(r.arrays["adapter"], meta_number(r, "num_examples"))
+            loss.add(r)
+        self.require(fed, loss.count, len(cids))
+        self.params = self.opt.apply_delta(self.params, delta.result())
+        return {"train_loss": loss.mean("loss"), "clients": loss.count}
+
+    def _generate(self, adapters: list[str] | None = None) -> dict[str, float]:
+        assert self.profile is not None, "profiling runs in round 0"
+        allotment = allot(self.profile, self.cfg.num_samples)
+        self.synthetic = self._sample(allotment, [ADAPTER] if adapters is None else adapters)
+        empty = [self.codes[j] for j, s in enumerate(allotment) if s == 0]
+        if empty:
+            log.warning("dpsyn: no synthetic samples allotted to codes %s", ", ".join(empty))
+        self.artefacts.write_text("synthetic_initial.jsonl", _jsonl(self.synthetic))
+        self.artefacts.write_json(
+            "profile.json",
+            {"codes": self.codes, "noisy_profile": self.profile.tolist(), "allotment": allotment},
+        )
+        self.artefacts.write_json(HELDOUT, self.task.heldout())
+        return {"synthetic": len(self.synthetic), "codes_without_samples": len(empty)}
+
+    def _sample(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
+        """``allotment[j]`` generated texts of each code ``j``, seeded per code."""
+        self.fm.set_adapter(ADAPTER, self.params)
+        labels = self.task.code_labels()
+        out: list[dict[str, Any]] = []
+        for j, s in enumerate(allotment):
+            if s == 0:
+                continue
+            texts = self.fm.generate(
+                [self.prompt(j)] * s,
+                adapters,
+                seed=derive_seed(self.run.seed, "generate", j),
+                cfg=self.cfg.generation,
+            )
+            out += [
+                {
+                    "id": len(out) + i,
+                    "code": self.codes[j],
+                    "code_id": j,
+                    "label": labels[j],
+                    "text": t,
+                }
+                for i, t in enumerate(texts)
+            ]
+        return out
+
+    def _vote(self, fed: Federation) -> dict[str, float]:
+        weak = [c for c in fed.client_ids() if fed.role_of(c) != STRONG]
+        codes = np.asarray([row["code_id"] for row in self.synthetic], dtype=np.int64)
+        total = np.zeros(len(self.synthetic), dtype=np.float64)
+        got = 0
+        if weak and self.synthetic:
+            msg = Message(
+                "vote",
+                meta={
+                    "texts": [row["text"] for row in self.synthetic],
+                    "codes": codes.tolist(),
+                },
+            )
+            like = {"votes": {"votes": torch.zeros(len(self.synthetic), dtype=torch.float64)}}
+            for cid in weak:
+                self.privacy.add_gaussian(cid, self.sigma_vote, 1.0, name="vote", analytic=True)
+            for _, r in fed.stream({c: msg for c in weak}, like=like):
+                total += r.arrays["votes"]["votes"].numpy()
+                got += 1
+            self.require(fed, got, len(weak))
+        else:
+            log.warning("dpsyn: no weak client to vote; the synthetic set is kept as generated")
+        clipped = np.maximum(total - self.cfg.vote_threshold, 0.0)
+        assert self.profile is not None
+        allotment = allot(self.profile, self.cfg.num_samples)
+        seed = derive_seed(self.run.seed, "resample")
+        kept, unvoted = select(clipped, codes, allotment, self.cfg, seed)
+        if unvoted and got:
+            log.warning(
+                "dpsyn: codes %s got no votes; drawn uniformly", [self.codes[j] for j in unvoted]
+            )
+        self.final = [
+            {**self.synthetic[i], "id": n, "source_id": self.synthetic[i]["id"]}
+            for n, i in enumerate(kept)
+        ]
+        self.artefacts.write_text("synthetic.jsonl", _jsonl(self.final))
+        self.artefacts.write_json(
+            "votes.json", {"votes": total.tolist(), "clipped": clipped.tolist()}
+        )
+        return {
+            "voters": got,
+            "synthetic": len(self.final),
+            "distinct_kept": len(set(kept)),
+            "votes_total": float(clipped.sum()),
+        }
+
+    @override
+    def finish(self, fed: Federation) -> dict[str, float]:
+        """The summary's privacy figures, at the ledger's δ.
+
+        Each mechanism's ε (worst client) and each role's composed ε (worst client of it).
+        """
+        if not len(self.privacy):
+            return {}
+        rep = self.privacy.report()
+        out = {f"epsilon/{k}": v["epsilon_max"] for k, v in rep["mechanisms"].items()}
+        for role in ("strong", "weak"):
+            eps = [
+                rec["epsilon"]
+                for cid, rec in rep["clients"].items()
+                if (fed.role_of(cid) == STRONG) == (role == "strong")
+            ]
+            if eps:
+                out[f"epsilon/{role}"] = max(eps)
+        return out
+
+    # ----- evaluation -----
+    @override
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
+        if not self.cfg.eval.enabled:
+            return {}
+        r, last = fed.rnd, self.cfg.train_rounds
+        if r == last + 1 and self.synthetic:
+            out = self._scores(self.synthetic, "gen")
+            if self.cfg.eval.references:
+                out.update(self._references())
+            if self.cfg.eval.floor:
+                assert self.profile is not None
+                floor = self._sample(allot(self.profile, self.cfg.num_samples), [])
+                out.update({f"floor/{k}": v for k, v in self._scores(floor, "floor").items()})
+            return out
+        if r == last + 2 and self.final:
+            return self._scores(self.final, "vote")
+        return {}
+
+    def _embed_eval(self) -> Any:
+        return get_embedder(self.cfg.eval.embedder or self.cfg.embedder)
+
+    def _test_embeddings(self) -> np.ndarray:
+        if self._test_emb is None:
+            self._test_emb = self._embed_eval()(self.task.texts(self.task.test_data()))
+        return self._test_emb
+
+    def _scores(self, rows: list[dict[str, Any]], purpose: str) -> dict[str, float]:
+        return synthetic_scores(
+            self.task,
+            [row["text"] for row in rows],
+            [row["label"] for row in rows],
+            self._embed_eval(),
+            self._test_embeddings(),
+            self.cfg.eval,
+            derive_seed(self.run.seed, "eval", purpose),
+        )
+
+    def _references(self) -> dict[str, float]:
+        """The ceiling: the same classifiers trained on every client's real training rows."""
+        texts: list[str] = []
+        labels: list[int] = []
+        for cid in self.task.client_ids():
+            data = self.task.client_data(cid)
+            texts += self.task.texts(data)
+            labels += [int(y) for y in data.y]
+        scores = synthetic_scores(
+            self.task,
+            texts,
+            labels,
+            self._embed_eval(),
+            self._test_embeddings(),
+            self.cfg.eval,
+            derive_seed(self.run.seed, "eval", "real"),
+        )
+        return {f"real/{k}": v for k, v in scores.items()}
+
+    # ----- checkpointing -----
+    @override
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        groups = {"adapter": self.params, "opt": self.opt.state_dict()}
+        if self.profile is not None:
+            groups["profile"] = {"p": self.profile}
+        return join_groups(groups), {"synthetic": self.synthetic, "final": self.final}
+
+    @override
+    def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        self.params = get_group(arrays, "adapter")
+        self.opt.load_state_dict(get_group(arrays, "opt"))
+        profile = get_group(arrays, "profile")
+        self.profile = profile["p"] if profile else None
+        self.synthetic = list(meta.get("synthetic", []))
+        self.final = list(meta.get("final", []))
+
+
+def _jsonl(rows: list[dict[str, Any]]) -> str:
+    import json
+
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+ALGORITHMS.register(
+    "dpsyn", "DP federated text generation: strong clients DP-fine-tune, weak clients DP-vote"
+)(DPSyn)
