@@ -35,6 +35,8 @@ bench: $(STAMP)
 # Mutation testing of the numerical core (mutmut; files and tests in [tool.mutmut] of
 # pyproject.toml). Not part of `make test`: too slow for 2 cores. Re-measure when those files
 # change and update docs/testing.md. MUTANTS narrows it, e.g. MUTANTS='fedfm.core.optim*'.
+# One thread: torch's OpenMP pool does not survive the fork of each mutant's test run (the
+# forked tests spin until their CPU limit and would count as timeouts).
 mutate: $(STAMP)
-	.venv/bin/mutmut run --max-children 2 $(MUTANTS)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 .venv/bin/mutmut run --max-children 2 $(MUTANTS)
 	.venv/bin/mutmut results
