@@ -82,3 +82,21 @@ def test_gated_kd_defaults_are_the_sigmoid_gate_with_beta_1() -> None:
     s1 = 1 / (1 + math.exp(-1.0))
     torch.testing.assert_close(w, torch.tensor([s1, 1 - s1]), atol=1e-6, rtol=0)
     assert float(loss) == pytest.approx(s1 * 1.0 + (1 - s1) * 4.0, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- SCAFFOLD
+
+
+def test_scaffold_server_update_defaults_to_a_global_step_of_1_and_takes_one_client() -> None:
+    from fedfm.core.optim import scaffold_server_update
+
+    x, c = {"w": torch.tensor([1.0])}, {"w": torch.tensor([0.5])}
+    new_x, new_c = scaffold_server_update(
+        x, c, [{"w": torch.tensor([2.0])}], [{"w": torch.tensor([4.0])}], [3], num_clients_total=4
+    )
+    # x + 1·Δy = 3; c + (1/4)·Δc = 0.5 + 1 = 1.5
+    assert float(new_x["w"]) == 3.0 and float(new_c["w"]) == 1.5
+    with pytest.raises(ValueError, match=r"lr_global=0\.0 must be > 0"):
+        scaffold_server_update(x, c, [x], [c], [1], num_clients_total=1, lr_global=0.0)
+    with pytest.raises(ValueError, match="lr_global=inf must be > 0"):
+        scaffold_server_update(x, c, [x], [c], [1], num_clients_total=1, lr_global=math.inf)
