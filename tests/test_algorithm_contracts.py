@@ -21,12 +21,13 @@ from torch import Tensor, nn
 
 import flower_support as fs
 import toy
-from fedfm.algorithms.base import kinds_of
+from fedfm.algorithms.base import AlgoConfig, kinds_of
 from fedfm.algorithms.fedavg import (
     FedAvg,
     FedAvgConfig,
     FedProx,
     FedProxConfig,
+    LocalOnly,
     Scaffold,
     ScaffoldConfig,
 )
@@ -339,3 +340,51 @@ def test_gradient_clipping_scales_to_exactly_the_configured_norm(
 ) -> None:
     # Clipped: g·c/‖g‖ (torch adds 1e-6 to ‖g‖, well inside the tolerance).
     close(_one_sgd_step(clip), step, tol=1e-5)
+
+
+# ----------------------------------------------------------------------------- evaluation, rules
+
+
+def test_personal_evaluation_scores_the_global_model_on_each_client_split() -> None:
+    task, run = _task({"0": ([1.0], [3.0]), "1": ([2.0], [0.0])})
+    algo = FedAvg(FedAvgConfig(personal_eval=True), task, run)
+    algo.params = linear(1.0, 0.0)  # predicts x
+    fed, _ = _live(algo, task)
+    out = algo.evaluate(fed)
+    # Client 0: |1 − 3| = 2; client 1: |2 − 0| = 2 -> rmse 2 on both, loss (mse) 4.
+    assert out["per_client"] == {"0": {"local/rmse": 2.0, "local/loss": 4.0},
+                                 "1": {"local/rmse": 2.0, "local/loss": 4.0}}  # fmt: skip
+    assert out["local/rmse"] == 2.0 and out["local/rmse/worst"] == 2.0
+    sent = [m for _, _, m in fed.sent]
+    assert all(torch.equal(m.arrays["params"]["weight"], t(1.0).reshape(1, 1)) for m in sent)
+
+
+def test_a_robust_rule_replaces_the_mean_in_fedavg_rounds() -> None:
+    task, run = _task({c: ([0.0], [0.0]) for c in "012"})
+    cfg = FedAvgConfig.model_validate({"aggregator": {"name": "median"}})
+    algo = FedAvg(cfg, task, run)
+    algo.params = {"w": t(0.0)}
+    given = {"0": 1.0, "1": 2.0, "2": 30.0}  # one outlier
+    fed = FakeFederation(
+        list(given),
+        {c: Message("train", {"params": {"w": t(w)}}, {"num_examples": 1, "loss": 0.0})
+         for c, w in given.items()},
+        kinds=algo.messages,
+    )  # fmt: skip
+    algo.round(fed)
+    close(algo.params["w"], 2.0)  # the median, not the mean 11
+
+
+def test_local_only_clients_start_from_the_same_model_and_keep_their_own() -> None:
+    task, run = _task({"0": ([1.0], [3.0]), "1": ([1.0], [3.0])}, train={"steps": 1, "lr": 0.25})
+    algo = LocalOnly(AlgoConfig(), task, run)
+    fed, replies = _live(algo, task)
+    algo.round(fed)
+    first = [r.meta["loss"] for _, _, r in replies]
+    assert first[0] == first[1]  # same data, same initial model: the same loss
+    fed.rnd = 2
+    algo.round(fed)
+    second = [r.meta["loss"] for rnd, _, r in replies if rnd == 2]
+    assert all(b < a for a, b in zip(first, second, strict=True))  # each continued its own
+    own = fed.states["0"].arrays
+    assert set(own) == {"model/weight", "model/bias"}

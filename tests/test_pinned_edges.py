@@ -100,3 +100,78 @@ def test_scaffold_server_update_defaults_to_a_global_step_of_1_and_takes_one_cli
         scaffold_server_update(x, c, [x], [c], [1], num_clients_total=1, lr_global=0.0)
     with pytest.raises(ValueError, match="lr_global=inf must be > 0"):
         scaffold_server_update(x, c, [x], [c], [1], num_clients_total=1, lr_global=math.inf)
+
+
+# ----------------------------------------------------------------------------- local training
+
+
+def test_the_local_optimizer_is_built_with_every_configured_setting() -> None:
+    from fedfm.config import TrainConfig
+    from fedfm.core.train import make_optimizer
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    cases = [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)]
+    for name, cls in cases:
+        cfg = TrainConfig(optimizer=name, lr=0.2, momentum=0.5, weight_decay=0.1)
+        opt = make_optimizer(p, cfg)
+        group = opt.param_groups[0]
+        assert type(opt) is cls and group["params"] == p, name
+        assert (group["lr"], group["weight_decay"]) == (0.2, 0.1), name
+        if name == "sgd":
+            assert group["momentum"] == 0.5
+
+
+def test_steps_from_epochs_are_at_least_one_and_round_up() -> None:
+    from fedfm.config import TrainConfig
+    from fedfm.core.train import num_steps
+
+    assert num_steps(TrainConfig(epochs=0.01, batch_size=32), 10) == 1
+    assert num_steps(TrainConfig(epochs=1.0, batch_size=8), 17) == 3
+
+
+def test_what_travels_is_trainable_parameters_and_float_buffers() -> None:
+    from fedfm.core.train import get_params, state_keys
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    model[0].bias.requires_grad_(False)  # a frozen tensor never leaves a client
+    keys = state_keys(model)
+    assert keys == ["0.weight", "1.weight", "1.bias", "1.running_mean", "1.running_var"]
+    assert list(get_params(model, ["1.bias"])) == ["1.bias"]
+
+
+def test_prox_mu_without_a_reference_is_off() -> None:
+    from fedfm.config import TrainConfig
+    from fedfm.core.train import local_train
+
+    def run(**kw: float) -> torch.Tensor:
+        model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.constant_(model.weight, 1.0)
+
+        def loss(m: torch.nn.Module, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = m(b).sum()
+            return out, out
+
+        local_train(model, iter([torch.ones(1, 1)] * 2), loss, TrainConfig(lr=0.25, **kw), 1)
+        return model.weight.detach().flatten()
+
+    # Task gradient 1: w = 1 − 0.25 = 0.75; prox_mu without prox_ref changes nothing.
+    torch.testing.assert_close(run(), torch.tensor([0.75]))
+    torch.testing.assert_close(run(prox_mu=5.0), torch.tensor([0.75]))
+
+
+def test_an_extra_loss_on_the_weights_moves_them() -> None:
+    from fedfm.config import TrainConfig
+    from fedfm.core.train import local_train
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.constant_(model.weight, 1.0)
+
+    def loss(m: torch.nn.Module, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = (m(b) * 0).sum()
+        return out, out
+
+    def l2(m: torch.nn.Module, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return (m.weight**2).sum()  # gradient 2w = 2
+
+    local_train(model, iter([torch.ones(1, 1)]), loss, TrainConfig(lr=0.25), 1, extra_loss=l2)
+    assert float(model.weight) == 0.5
