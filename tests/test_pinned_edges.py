@@ -175,3 +175,38 @@ def test_an_extra_loss_on_the_weights_moves_them() -> None:
 
     local_train(model, iter([torch.ones(1, 1)]), loss, TrainConfig(lr=0.25), 1, extra_loss=l2)
     assert float(model.weight) == 0.5
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_metrics_with_a_key_that_is_not_a_string_are_refused() -> None:
+    from fedfm.core.messages import MetaSpec
+
+    assert MetaSpec("metrics").problem({1: 0.5}) == "entry 1 key is not a str"
+    assert MetaSpec("metrics").problem({"acc": 0.5}) is None
+
+
+def test_local_round_takes_its_budget_in_epochs_from_the_client_data() -> None:
+    import toy
+    from fedfm.config import TrainConfig, load_config
+    from fedfm.core.federation import ClientContext, ClientState
+    from fedfm.core.train import local_round
+
+    run = load_config({"task": {"kind": "toy", "num_clients": 1}})
+    task = toy.ToyTask(toy.ToyConfig(num_clients=1, per_client=24), run)
+    ctx = ClientContext("0", "default", 1, 0, task, ClientState())
+    res = local_round(ctx, task.build_model(), TrainConfig(epochs=1.0, batch_size=8, lr=1e-3))
+    assert res.steps == 3  # ceil(1 · 24 / 8)
+
+
+def test_scaffold_refuses_a_bool_step_count_and_sums_default_to_a_global_step_of_1() -> None:
+    from fedfm.core.optim import ScaffoldSums, scaffold_client_control
+
+    w = {"w": torch.zeros(1)}
+    with pytest.raises(ValueError, match="steps=True must be an integer"):
+        scaffold_client_control(w, w, w, w, steps=True, lr=0.1)  # type: ignore[arg-type]
+    sums = ScaffoldSums({"w": torch.tensor([1.0])}, {"w": torch.tensor([0.0])})
+    sums.add({"w": torch.tensor([2.0])}, {"w": torch.tensor([4.0])}, 1.0)
+    new_x, new_c = sums.apply(2)
+    assert float(new_x["w"]) == 3.0 and float(new_c["w"]) == 2.0  # x + Δy; c + (1/2)·Δc
