@@ -210,3 +210,31 @@ def test_scaffold_refuses_a_bool_step_count_and_sums_default_to_a_global_step_of
     sums.add({"w": torch.tensor([2.0])}, {"w": torch.tensor([4.0])}, 1.0)
     new_x, new_c = sums.apply(2)
     assert float(new_x["w"]) == 3.0 and float(new_c["w"]) == 2.0  # x + Δy; c + (1/2)·Δc
+
+
+def test_local_round_shuffles_with_the_purpose_batches_by_default() -> None:
+    import toy
+    from fedfm.config import TrainConfig, load_config
+    from fedfm.core.federation import ClientContext, ClientState, derive_seed
+    from fedfm.core.train import local_round
+
+    seeds: list[int] = []
+
+    class Recording(toy.ToyTask):
+        def batches(self, data: object, batch_size: int, seed: int) -> object:
+            seeds.append(seed)
+            return super().batches(data, batch_size, seed)
+
+    run = load_config({"task": {"kind": "toy", "num_clients": 1}})
+    task = Recording(toy.ToyConfig(num_clients=1), run)
+    local_round(ClientContext("0", "default", 4, 7, task, ClientState()), task.build_model(),
+                TrainConfig(steps=1, lr=1e-3))  # fmt: skip
+    assert seeds == [derive_seed(7, 4, "0", "batches")]
+
+
+def test_bool_and_str_meta_specs_refuse_other_types() -> None:
+    from fedfm.core.messages import MetaSpec
+
+    assert MetaSpec("bool").problem(1) == "must be a bool, got int 1"
+    assert MetaSpec("str").problem(3) == "must be a string, got int 3"
+    assert MetaSpec("bool").problem(True) is None and MetaSpec("str").problem("x") is None
