@@ -174,7 +174,7 @@ def test_an_extra_loss_on_the_weights_moves_them() -> None:
         return (m.weight**2).sum()  # gradient 2w = 2
 
     local_train(model, iter([torch.ones(1, 1)]), loss, TrainConfig(lr=0.25), 1, extra_loss=l2)
-    assert float(model.weight) == 0.5
+    assert float(model.weight.detach()) == 0.5
 
 
 # ----------------------------------------------------------------------------- messages
