@@ -1,7 +1,7 @@
 # Two entry points do all set-up from nothing:
 #   make quickstart   # federated LoRA fine-tuning of SmolLM2 on the offline instruction suite
 #   make test         # the test suite
-.PHONY: setup quickstart test test-fast lint bench
+.PHONY: setup quickstart test test-fast lint bench mutate
 
 STAMP := .venv/.fedfm-setup
 $(STAMP): pyproject.toml requirements-assets.txt scripts/setup.sh
@@ -31,3 +31,12 @@ bench: $(STAMP)
 	.venv/bin/python benchmarks/throughput.py
 	.venv/bin/python benchmarks/generate.py
 	.venv/bin/python benchmarks/dp_overhead.py
+
+# Mutation testing of the numerical core (mutmut; files and tests in [tool.mutmut] of
+# pyproject.toml). Not part of `make test`: too slow for 2 cores. Re-measure when those files
+# change and update docs/testing.md. MUTANTS narrows it, e.g. MUTANTS='fedfm.core.optim*'.
+# One thread: torch's OpenMP pool does not survive the fork of each mutant's test run (the
+# forked tests spin until their CPU limit and would count as timeouts).
+mutate: $(STAMP)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 .venv/bin/mutmut run --max-children 2 $(MUTANTS)
+	.venv/bin/mutmut results

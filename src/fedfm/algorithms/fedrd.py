@@ -1,7 +1,9 @@
 """FedRD: federated reprogramming knowledge distillation, and its baselines.
 
-Paper: "A Federated Learning and Knowledge Distillation Approach" (FedRD): memory-efficient
-federated fine-tuning with a foundation model kept on the server (METHODS.md section 5).
+Paper: FedRD (federated reprogramming knowledge distillation), "A Federated Learning and
+Knowledge Distillation Approach": memory-efficient federated fine-tuning of foundation models
+for medical imaging, the foundation model kept on the server (its setting: PMC-CLIP as ``F_t``,
+ISIC2018 skin-lesion classification, lightweight students such as ResNet18 on the clients).
 
 The server holds a frozen foundation model ``F_t``, a trainable reprogramming module ``φ``
 (residual blocks over ``F_t``'s features), a shared FC head ``g`` and the global student

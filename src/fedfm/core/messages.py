@@ -205,11 +205,20 @@ def array_bytes(arrays: Mapping[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in arrays.values())
 
 
-def meta_bytes(value: Any) -> int:
-    """Bytes of a meta value as UTF-8 JSON (how it would travel as a config record)."""
+def meta_json(value: Any) -> str:
+    """A meta value as compact JSON text, non-ASCII characters kept as they are.
+
+    The form in which a non-scalar meta value travels on the Flower runtime (a string entry
+    of a config record), and the text whose UTF-8 bytes the audit ledger counts.
+    """
     import json
 
-    return len(json.dumps(value, separators=(",", ":")).encode())
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def meta_bytes(value: Any) -> int:
+    """Bytes of a meta value as UTF-8 JSON (:func:`meta_json`): "é" counts 2 bytes, not 6."""
+    return len(meta_json(value).encode("utf-8"))
 
 
 def validate_reply(

@@ -495,10 +495,11 @@ def _preset_lines(grid: Grid) -> list[str]:
 INTRO = """\
 # FedRD: federated reprogramming knowledge distillation — reproduction
 
-Method: METHODS.md section 5 (seed 004), *A Federated Learning and Knowledge Distillation
-Approach* (FedRD). Code: `src/fedfm/algorithms/fedrd.py` (FedRD and the KD baseline
-`fedrd-kd`; the other baselines are `fedavg` presets), `src/fedfm/core/cka.py`
-(linear CKA), `src/fedfm/tasks/text.py` (text task, MiniLM + LoRA classifier), this study:
+Method: FedRD, *A Federated Learning and Knowledge Distillation Approach* (federated
+reprogramming knowledge distillation; the paper's setting: PMC-CLIP on ISIC2018).
+Code: `src/fedfm/algorithms/fedrd.py` (FedRD and the KD baseline `fedrd-kd`; the other
+baselines are `fedavg` presets), `src/fedfm/core/cka.py` (linear CKA),
+`src/fedfm/tasks/text.py` (text task, MiniLM + LoRA classifier), this study:
 `src/fedfm/reproduce/fedrd.py`, the memory benchmark: `benchmarks/client_memory.py`.
 This page is written by the study; do not edit it by hand.
 

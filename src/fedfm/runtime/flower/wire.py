@@ -12,7 +12,8 @@ One fedfm :class:`~fedfm.core.messages.Message` = one Flower ``Message``:
   values bit for bit (numpy-representable dtypes as Flower's numpy arrays, others such as
   bfloat16 as raw bytes).
 - ``"meta"``: a ``ConfigRecord`` of the scalar meta fields (bool, int, float, str);
-  ``"meta.json"``: the other meta values (lists, dicts, None) JSON-encoded, since Flower's
+  ``"meta.json"``: the other meta values (lists, dicts, None) as compact UTF-8 JSON
+  (:func:`~fedfm.core.messages.meta_json`, the text the audit ledger counts), since Flower's
   records hold neither dicts nor None.
 
 The header and the handshake are the runtime's own control data, not algorithm fields: the
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from fedfm.config import RunConfig, load_config
-from fedfm.core.messages import Message, MetaValue
+from fedfm.core.messages import Message, MetaValue, meta_json
 from fedfm.errors import ConfigError, MessageError
 from fedfm.runtime.flower.options import FlowerOptions, import_plugins, load_options
 
@@ -186,7 +187,7 @@ def message_to_records(msg: Message, header: Mapping[str, Any]) -> RecordDict:
         k: v for k, v in msg.meta.items() if isinstance(v, _NATIVE)
     }
     other: dict[str, ConfigRecordValues] = {
-        k: json.dumps(v) for k, v in msg.meta.items() if not isinstance(v, _NATIVE)
+        k: meta_json(v) for k, v in msg.meta.items() if not isinstance(v, _NATIVE)
     }
     rd[META] = ConfigRecord(native)
     rd[META_JSON] = ConfigRecord(other)
