@@ -194,13 +194,16 @@ def test_report_through_the_entry_point(tmp_path, monkeypatch, capsys):
     )
     assert code == 0, err
     lines = out.strip().splitlines()
+    cmp = tmp_path / "cmp"
+    assert lines[-1] == f"wrote {cmp / 'compare.md'} and {cmp / 'compare.png'}"
+    lines = lines[:-1]
     assert lines[0].startswith("| run | algorithm | rounds | rmse |") and len(lines) == 4
     for line, name in zip(lines[2:], "ab", strict=True):
         s = json.loads((runs / name / "summary.json").read_text())
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[:4] == [name, s["algorithm"], "1", f"{s['final']['rmse']:.4f}"]
         assert cells[-2:] == [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
-    assert (tmp_path / "cmp" / "compare.md").read_text().strip() == out.strip()
+    assert (cmp / "compare.md").read_text().strip() == "\n".join(lines)
     code, _, err = _main(["report", str(tmp_path / "nothing")], monkeypatch, capsys)
     assert code == 2 and "has no summary.json" in err and len(err.strip().splitlines()) == 1
 
