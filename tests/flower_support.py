@@ -253,37 +253,12 @@ COVERED_ELSEWHERE = {
 
 
 def _dpsyn_config(out: Path) -> dict[str, Any]:
-    """Profile, one DP-SGD round, generation and voting on a tiny Llama (4 clients)."""
-    return {
-        "name": "dpsyn",
-        "rounds": 3,
-        "algorithm": "dpsyn",
-        "out_dir": str(out),
-        "plots": False,
-        "eval_before": False,
-        "threads": 1,
-        "algo": {
-            "train_rounds": 1,
-            "epsilon_train": 8,
-            "num_samples": 12,
-            "embedder": "hashed-ngrams",
-            "k": 2,
-            "generation": {"do_sample": True, "top_p": 0.9, "max_new_tokens": 5, "batch_size": 8},
-            "eval": {"clf_steps": 5},
-        },
-        "task": {
-            "kind": "control_text",
-            "dataset": "rotten_tomatoes",
-            "max_train": 120,
-            "max_test": 20,
-            "local_test_fraction": 0,
-            "lm": "tiny-llama",
-            "lm_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 31},
-            "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-            "prompt": {"max_length": 48, "max_prompt_length": 24},
-        },
-        "partition": {"scheme": "iid", "num_clients": 4},
-        "clients": {"roles": {"strong": 0.5}},
-        "train": {"steps": 2, "batch_size": 8, "optimizer": "adamw", "lr": 1e-2},
-        "privacy": {"delta": 1e-3},
-    }
+    """The dpsyn tests' own tiny setup (profile, one DP-SGD round, generation, voting)."""
+    import copy
+
+    from test_dpsyn import BASE
+
+    cfg = copy.deepcopy(BASE)
+    cfg.update(out_dir=str(out), threads=1)
+    cfg["algo"]["eval"] = {"clf_steps": 5}  # no base-model floor: half the generation
+    return cfg
