@@ -1,7 +1,7 @@
 """FedeKD: private and proxy models with energy-gated backward distillation, and its baselines.
 
 Paper: Quang-Huy Nguyen, Jiaqi Wang, Wei-Shinn Ku, "FedeKD: Energy-Based Gating for Robust
-Federated Knowledge Distillation under Heterogeneity", arXiv:2605.05553 (METHODS.md section 2).
+Federated Knowledge Distillation under Heterogeneity", arXiv:2605.05553.
 
 Every client k keeps a high-capacity private model f_k that never leaves it (architectures may
 differ per client) and a lightweight proxy g_k whose architecture all clients share. A round

@@ -1,7 +1,7 @@
 """FedHDS and FedHDS-Turbo: hierarchical data selection for federated instruction tuning.
 
 Paper: Zhen Qin, Zhaomin Wu, Bingsheng He, Shuiguang Deng, "Federated Data-Efficient Instruction
-Tuning for Large Language Models", ACL 2025 Findings, arXiv:2410.10926 (METHODS.md section 3).
+Tuning for Large Language Models", ACL 2025 Findings, arXiv:2410.10926.
 
 Each round has two exchanges, selection then training:
 

@@ -1,8 +1,8 @@
 """All-layer features of texts: one hidden state per layer, embedding output included.
 
-FedHDS (METHODS.md section 3) represents each sample by the last token's hidden state of every
-layer of the LLM, embedding output included; FedHDS-Turbo takes them from a small separate
-model. Every feature model here has one interface, :class:`LayerFeatures`:
+FedHDS (Qin et al., arXiv:2410.10926) represents each sample by the last token's hidden
+state of every layer of the LLM, embedding output included; FedHDS-Turbo takes them from a
+small separate model. Every feature model here has one interface, :class:`LayerFeatures`:
 ``features(texts, layers=None, batch_size=16, pool="last") -> (n, len(layers), hidden)``.
 
 * The causal LM of a :class:`~fedfm.fm.FoundationModel` (with a chosen adapter set), or a
