@@ -259,7 +259,10 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
     path.write_text(yaml.safe_dump({**cfg, "name": "dep"}))
     port = P.free_port()
     tmp = tmp_path / "tmp"
-    opts = ["--flower", "timeout_s=20", "--flower", "node_wait_s=8"]
+    # Client 2 never connects, so each session waits node_wait_s in full; after the restart the
+    # other two SuperNodes reconnect with Flower's retry back-off, which takes longer than 8 s
+    # on a loaded machine.
+    opts = ["--flower", "timeout_s=20", "--flower", "node_wait_s=30"]
     opts += ["--flower", "imports=[flower_support]"]
     serve = ["serve", str(path), "--insecure", "--host", "127.0.0.1", "--port", str(port), *opts]
     metrics = tmp_path / "runs" / "dep" / "metrics.jsonl"
