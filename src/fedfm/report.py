@@ -73,6 +73,9 @@ def plot_run(run_dir: Path) -> list[Path]:
 def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     """A markdown table of the runs' final metrics and bytes, plus a comparison plot.
 
+    When every run kept its evaluated items, a second table gives each run's head-to-head win
+    rate over the first run (:func:`fedfm.eval.compare.win_rate_table`).
+
     Args:
         run_dirs: Run folders.
         out: Where to write ``compare.png`` (and ``compare.md``); no files when None.
@@ -101,6 +104,11 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )
     table = "\n".join(lines)
+    from fedfm.eval.compare import win_rate_table
+
+    wins = win_rate_table(run_dirs)  # runs that kept their evaluated items (algo.eval_items)
+    if wins is not None:
+        table += f"\n\nHead-to-head on the same held-out items (ties count half):\n\n{wins}"
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(table + "\n")

@@ -21,8 +21,9 @@ Choices of ours (the paper is silent):
 
 * The instruction's input (``c``) is appended to the instruction in the prompt's
   ``### Instruction:`` block, separated by a blank line; the prompt is fitted to
-  ``task.prompt.max_prompt_length`` by cutting the middle of the reference first, then of the
-  instruction, so the closing ``### Response:`` marker always survives.
+  ``task.prompt.max_prompt_length`` by cutting the middle of the longer of reference and
+  instruction first, then of the other, so the closing ``### Response:`` marker always
+  survives, and so does a one-word label next to a long review.
 * Task checks by the row's ``metric``: ``gsm8k`` rows must keep the reference's final number,
   ``choice`` rows must name the reference's label first (:func:`fedfm.eval.metrics.pick_choice`);
   free-text (``rouge``) rows have no check. A leak is any of METHODS.md's phrases anywhere in the
@@ -73,7 +74,7 @@ REWRITE_SYSTEM = (
 REWRITE_TEMPLATE = (
     "### Instruction:\n{instruction}\n\n### Reference Answer:\n{reference}\n\n### Response:\n"
 )
-REWRITE_CUT = ("reference", "instruction")  # cut first; the template's tail never is
+REWRITE_CUT = ("reference", "instruction")  # the longer first; the template is never cut
 LEAK_PHRASES = (
     "reference answer",
     "your response",
@@ -391,16 +392,19 @@ def _instruction(row: Mapping[str, Any]) -> str:
 
 
 def rewrite_prompts(fm: FoundationModel, rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The SDFT rewrite prompt of each row, fitted to the prompt length (tail kept)."""
-    return [
-        fm.prompt(
-            REWRITE_TEMPLATE,
-            {"instruction": _instruction(r), "reference": str(r["output"])},
-            system=REWRITE_SYSTEM,
-            cut=REWRITE_CUT,
-        )
-        for r in rows
-    ]
+    """The SDFT rewrite prompt of each row, fitted to the prompt length (tail kept).
+
+    The longer of reference and instruction loses its middle first, so a one-word label is
+    never cut away in favour of a long review, nor a worked solution in favour of a short
+    question.
+    """
+    prompts = []
+    for r in rows:
+        fields = {"instruction": _instruction(r), "reference": str(r["output"])}
+        longer_ref = len(fields["reference"]) >= len(fields["instruction"])
+        cut = REWRITE_CUT if longer_ref else REWRITE_CUT[::-1]
+        prompts.append(fm.prompt(REWRITE_TEMPLATE, fields, system=REWRITE_SYSTEM, cut=cut))
+    return prompts
 
 
 def check_refinery_task(task_cls: type[Task], task_cfg: TaskConfig, field: str) -> None:
