@@ -428,3 +428,49 @@ def test_answer_distribution_measures_by_hand() -> None:
     ups = {"a": {"w": torch.tensor([1.0, 0.0])}, "b": {"w": torch.tensor([1.0, 1.0])}}
     cos = update_cosines(ups)
     assert cos["a|b"] == pytest.approx(1 / math.sqrt(2)) and cos["mean"] == cos["a|b"]
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def test_the_study_runs_and_reports_what_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    from fedfm.reproduce import fedsdr as study
+
+    _echo_teacher(monkeypatch)
+    tiny = {
+        "model": "tiny-llama",
+        "model_args": TINY,
+        "autocast_bf16": False,
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "prompt": {"max_length": 160, "max_prompt_length": 128},
+        "max_new_tokens": 4,
+    }
+    grid = dataclasses.replace(
+        study.QUICK,
+        rounds=1,
+        steps=1,
+        per_domain=3,
+        domains=("general", "math", "medical"),
+        task=tiny,
+        cache_dir=str(tmp_path / "cache"),
+        threads=1,
+    )
+    errors, wall = study.run_grid(grid, tmp_path / "runs")
+    assert errors == {} and wall > 0
+    assert {p.name for p in (tmp_path / "runs").iterdir()} == {
+        f"{o}-{m}" for o in grid.optimizers for m in study.METHODS
+    }
+    report = study.write_report(grid, tmp_path / "runs", tmp_path / "r.md", "cmd", errors, wall)
+    text = report.read_text()
+    res = study.read_run(tmp_path / "runs" / "fedadam-fedsdr")
+    base = study.read_run(tmp_path / "runs" / "fedadam-base")
+    assert res is not None and base is not None
+    d = study.paired_diff(res.items, base.items)["overall"]
+    assert f"{d[0]:+.3f} ± {d[1]:.3f}" in text
+    assert "| JS divergence" in text and "| rewrites kept |" in text
+    # A second call finds every run done and runs nothing.
+    assert study.run_grid(grid, tmp_path / "runs")[0] == {}
