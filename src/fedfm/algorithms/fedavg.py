@@ -76,6 +76,15 @@ class FedAvgConfig(AlgoConfig):
     personal_eval: bool = Field(
         False, description="also evaluate the global model on each client's local test split"
     )
+
+
+class FedAvgFamilyConfig(FedAvgConfig):
+    """FedAvg's and FedProx's own config: :class:`FedAvgConfig` plus FedSD and kept items.
+
+    Separate from :class:`FedAvgConfig` so that algorithms built on that one (FedRD) do not
+    take options they would ignore.
+    """
+
     fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
     eval_items: bool = Field(
         False, description="keep every evaluated item (artefacts/eval_items.jsonl)"
@@ -206,12 +215,14 @@ def refine_locally(
 class FedAvg(Algorithm):
     """FedAvg over a task's trainable tensors, with any server optimizer (Reddi et al. 2021)."""
 
-    Config = FedAvgConfig
+    Config = FedAvgFamilyConfig
     messages = (TRAIN, EVALUATE, REFINE)
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
+        if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: FedSD off
+            cfg = FedAvgFamilyConfig.model_validate(cfg.model_dump())
         super().__init__(cfg, task, run)
-        self.cfg: FedAvgConfig = cfg
+        self.cfg: FedAvgFamilyConfig = cfg
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
@@ -220,7 +231,7 @@ class FedAvg(Algorithm):
     @classmethod
     @override
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        if isinstance(cfg, FedAvgConfig) and cfg.fedsd.enabled:
+        if isinstance(cfg, FedAvgFamilyConfig) and cfg.fedsd.enabled:
             check_refinery_task(task_cls, task_cfg, "algo.fedsd.enabled")
 
     def model(self) -> nn.Module:
@@ -276,7 +287,7 @@ class FedAvg(Algorithm):
         self.opt.load_state_dict(get_group(arrays, "opt"))
 
 
-class FedProxConfig(FedAvgConfig):
+class FedProxConfig(FedAvgFamilyConfig):
     """FedProx: FedAvg plus a proximal term of weight ``mu`` in local training."""
 
     mu: float = Field(0.01, ge=0)
