@@ -451,6 +451,7 @@ def test_the_study_runs_and_reports_what_it_measured(
     }
     grid = dataclasses.replace(
         study.QUICK,
+        optimizers=("fedavg", "fedadam"),
         rounds=1,
         steps=1,
         per_domain=3,
