@@ -417,12 +417,14 @@ def write_report(
         f"steps per round (LoRA-S, then LoRA-R), base and +FedSD {2 * grid.steps} steps; "
         f"batch {train['batch_size']}, {train['optimizer']} lr {train['lr']:g}.",
         "- Scoring: ROUGE-L (general), final-number accuracy (math), label log-likelihood "
-        "(medical, qtype); overall = mean over domains.",
+        f"(medical, qtype); overall = mean over domains; {task['max_new_tokens']} new tokens "
+        "per generated answer (a worked maths solution may not reach its final number).",
         f"- Rewrites: SDFT prompt, decoding {algo_cfg.refinery.decoding}; "
         "generated once and cached.",
         f"- Wall time: {run_wall / 60:.1f} min summed over the runs' rounds "
         f"({len(res)} runs; generating the rewrites took {made:.0f} s, reading them from the "
-        f"cache {read:.0f} s over the other runs); this invocation {wall_s / 60:.1f} min. "
+        f"cache {read:.0f} s over the other runs); the invocation that wrote this report "
+        f"{wall_s / 60:.1f} min (finished runs are not run again). "
         "Machine: 2 CPU cores shared with other jobs.",
         "",
     ]
@@ -484,10 +486,11 @@ def write_report(
         "## The full grid",
         "",
         f"`fedfm reproduce fedsdr` runs all six optimizers × 3 methods ({len(OPTIMIZERS) * 3} "
-        f"runs, {FULL.rounds} rounds). Estimate from this grid's mean run time "
-        f"({per_run / 60:.1f} min per {grid.rounds}-round run): about "
-        f"{len(OPTIMIZERS) * 3 * per_run * FULL.rounds / grid.rounds / 60:.0f} min on the same "
-        "machine (an estimate, not a measurement).",
+        f"runs: {FULL.rounds} rounds of {FULL.steps} + {FULL.steps} steps, {FULL.per_domain} "
+        f"items per domain) and writes `docs/fedsdr.md`. Its time was not measured; a run of "
+        f"this grid took {per_run / 60:.1f} min here, and a run of the full grid has "
+        f"{FULL.per_domain / grid.per_domain:g}× the items, {FULL.steps / grid.steps:g}× the "
+        f"steps per round and {FULL.rounds / grid.rounds:g}× the rounds.",
         "",
     ]
     if errors:
