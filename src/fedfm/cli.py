@@ -129,9 +129,10 @@ def list_() -> None:
             table.add_row(name, help_)
         out.print(table)
         if reg is SERVER_OPTIMIZERS:
-            out.print(f"used by: {', '.join(_aggregating('server_opt'))}\n")
+            # One line however many algorithms there are (soft_wrap: no hard line breaks).
+            out.print(f"used by: {', '.join(_aggregating('server_opt'))}\n", soft_wrap=True)
         if reg is AGGREGATORS:
-            out.print(f"used by: {', '.join(_aggregating('aggregator'))}")
+            out.print(f"used by: {', '.join(_aggregating('aggregator'))}", soft_wrap=True)
             opts = Table(title="aggregator options", show_edge=False, title_justify="left")
             opts.add_column("key=VALUE")
             opts.add_column("meaning")

@@ -81,6 +81,9 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     shows the first run's primary metric against the round for the runs that log it; runs
     without it are left out of the plot and its legend.
 
+    When every run kept its evaluated items, a second table gives each run's head-to-head win
+    rate over the first run (:func:`fedfm.eval.compare.win_rate_table`).
+
     Args:
         run_dirs: Run folders.
         out: Where to write ``compare.png`` (and ``compare.md``); no files when None.
@@ -110,6 +113,11 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )
     table = "\n".join(lines)
+    from fedfm.eval.compare import win_rate_table
+
+    wins = win_rate_table(run_dirs)  # runs whose task scored items
+    if wins is not None:
+        table += f"\n\nHead-to-head on the same held-out items (ties count half):\n\n{wins}"
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(table + "\n")

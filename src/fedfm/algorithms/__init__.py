@@ -1,6 +1,6 @@
 """Algorithms, one file each; importing this package registers them."""
 
-from fedfm.algorithms import dpsyn, fedavg, fedekd, fedhds, fedrd  # noqa: F401
+from fedfm.algorithms import dpsyn, fedavg, fedekd, fedhds, fedrd, fedsdr  # noqa: F401
 from fedfm.algorithms.base import ALGORITHMS
 
 

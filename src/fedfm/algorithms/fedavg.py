@@ -20,6 +20,9 @@ FedAvg's two halves are functions (:func:`fit`, :func:`evaluate_locally`, :func:
 :func:`evaluate_global`) that other algorithms running FedAvg rounds (FedRD) call as well.
 ``algo.aggregator`` replaces the weighted mean by a robust rule (clipping, median, trimmed
 mean, Krum; :mod:`fedfm.core.robust`) before the server optimizer; default: the mean.
+``algo.fedsd.enabled`` adds FedSD (:mod:`fedfm.algorithms.fedsd`) to FedAvg, every server
+optimizer, FedProx and SCAFFOLD: a round-0 exchange in which each client rewrites its answers
+with the global model, then local training on the rewrites instead of the raw answers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.fedsd import REFINE, FedSDConfig, Refinery, check_refinery_task
 from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
@@ -49,7 +53,7 @@ from fedfm.core.replies import (
 )
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_round, set_params
-from fedfm.tasks.base import ITEM_RESULTS, Task
+from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
 
 TRAIN = MessageKind(
     "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
@@ -72,10 +76,22 @@ class FedAvgConfig(AlgoConfig):
     )
 
 
+class FedAvgFamilyConfig(FedAvgConfig):
+    """FedAvg's and FedProx's own config: :class:`FedAvgConfig` plus FedSD.
+
+    Separate from :class:`FedAvgConfig` so that algorithms built on that one (FedRD) do not
+    take options they would ignore.
+    """
+
+    fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
+
+
 # ----------------------------------------------------------------------------- FedAvg's halves
 
 
-def fit(ctx: ClientContext, model: nn.Module, msg: Message, cfg: TrainConfig) -> Message:
+def fit(
+    ctx: ClientContext, model: nn.Module, msg: Message, cfg: TrainConfig, data: Any = None
+) -> Message:
     """Client half of a FedAvg round: the received parameters, trained locally, sent back.
 
     Args:
@@ -83,6 +99,7 @@ def fit(ctx: ClientContext, model: nn.Module, msg: Message, cfg: TrainConfig) ->
         model: A model instance to load the received parameters into (trained in place).
         msg: A ``train`` message with the global ``params``.
         cfg: Local-training settings (FedProx's ``prox_mu`` pulls towards the received ones).
+        data: What to train on instead of the client's data (FedSD's distilled set).
 
     Returns:
         The ``train`` reply: the trained tensors of the received keys, the client's number
@@ -90,7 +107,7 @@ def fit(ctx: ClientContext, model: nn.Module, msg: Message, cfg: TrainConfig) ->
     """
     glob = msg.arrays["params"]
     set_params(model, glob)
-    res = local_round(ctx, model, cfg, prox_ref=glob)
+    res = local_round(ctx, model, cfg, prox_ref=glob, data=data)
     n = ctx.task.num_examples(ctx.data)
     return Message(
         "train", {"params": get_params(model, list(glob))}, {"num_examples": n, "loss": res.loss}
@@ -144,16 +161,22 @@ def fedavg_round(
 
 
 def evaluate_global(
-    task: Task, fed: Federation, model: nn.Module, params: dict[str, Tensor], personal: bool
+    task: Task,
+    fed: Federation,
+    model: nn.Module,
+    params: dict[str, Tensor],
+    personal: bool,
 ) -> dict[str, Any]:
     """The global model on the global test set and, if ``personal``, on every client's split.
 
     Per-client values of the personal evaluation are ``local/<metric>``, summarised as mean
-    and worst client and logged per client (``per_client``).
+    and worst client and logged per client (``per_client``). For a task that keeps per-item
+    results, every evaluated item is returned too (``items``: the engine keeps them in the
+    run's ``eval_items.jsonl``).
     """
     set_params(model, params)
     out: dict[str, Any]
-    if ITEM_RESULTS in type(task).provides(task.cfg):  # kept for the run's report
+    if ITEM_RESULTS in type(task).provides(task.cfg):  # the items go to the run's report
         metrics, items = task.evaluate_items(model, task.test_data())
         out = {**metrics, "items": items}
     else:
@@ -172,21 +195,39 @@ def _metrics(reply: Message) -> dict[str, float]:
     return metrics
 
 
+def refine_locally(
+    ctx: ClientContext, model: nn.Module, msg: Message, refinery: Refinery
+) -> Message:
+    """Client half of FedSD's round 0: the received parameters rewrite the client's answers."""
+    set_params(model, msg.arrays["params"])
+    fm = ctx.task.foundation_model()
+    return refinery.rewrite(ctx, fm, fm.active, msg.arrays["params"])
+
+
 # ----------------------------------------------------------------------------- algorithms
 
 
 class FedAvg(Algorithm):
     """FedAvg over a task's trainable tensors, with any server optimizer (Reddi et al. 2021)."""
 
-    Config = FedAvgConfig
-    messages = (TRAIN, EVALUATE)
+    Config = FedAvgFamilyConfig
+    messages = (TRAIN, EVALUATE, REFINE)
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
+        if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: FedSD off
+            cfg = FedAvgFamilyConfig.model_validate(cfg.model_dump())
         super().__init__(cfg, task, run)
-        self.cfg: FedAvgConfig = cfg
+        self.cfg: FedAvgFamilyConfig = cfg
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
+        self.refinery = Refinery(cfg.fedsd) if cfg.fedsd.enabled else None
+
+    @classmethod
+    @override
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        if isinstance(cfg, FedAvgFamilyConfig) and cfg.fedsd.enabled:
+            check_refinery_task(task_cls, task_cfg, "algo.fedsd.enabled")
 
     def model(self) -> nn.Module:
         """The model instance this process's server and client halves share."""
@@ -199,17 +240,26 @@ class FedAvg(Algorithm):
     # ----- client half -----
     @override
     def handlers(self) -> dict[str, Handler]:
-        return {"train": self.client_train, "evaluate": self.client_evaluate}
+        out: dict[str, Handler] = {"train": self.client_train, "evaluate": self.client_evaluate}
+        if self.refinery is not None:
+            refinery = self.refinery
+            out["refine"] = lambda ctx, msg: refine_locally(ctx, self._model, msg, refinery)
+        return out
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        """See :func:`fit`."""
-        return fit(ctx, self._model, msg, self.train_cfg())
+        """See :func:`fit`; with FedSD, on the client's distilled set."""
+        data = self.refinery.data(ctx) if self.refinery is not None else None
+        return fit(ctx, self._model, msg, self.train_cfg(), data)
 
     def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """See :func:`evaluate_locally`."""
         return evaluate_locally(ctx, self._model, msg)
 
     # ----- server half -----
+    @override
+    def setup(self, fed: Federation) -> dict[str, float]:
+        return self.refinery.run(self, fed, self.params) if self.refinery is not None else {}
+
     @override
     def round(self, fed: Federation) -> dict[str, float]:
         self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
@@ -229,7 +279,7 @@ class FedAvg(Algorithm):
         self.opt.load_state_dict(get_group(arrays, "opt"))
 
 
-class FedProxConfig(FedAvgConfig):
+class FedProxConfig(FedAvgFamilyConfig):
     """FedProx: FedAvg plus a proximal term of weight ``mu`` in local training."""
 
     mu: float = Field(0.01, ge=0)
@@ -263,6 +313,7 @@ class ScaffoldConfig(AlgoConfig):
     lr_global: float = Field(1.0, gt=0)
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     personal_eval: bool = False
+    fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
 
 
 class Scaffold(Algorithm):
@@ -273,7 +324,7 @@ class Scaffold(Algorithm):
     """
 
     Config = ScaffoldConfig
-    messages = (SCAFFOLD_TRAIN, EVALUATE)
+    messages = (SCAFFOLD_TRAIN, EVALUATE, REFINE)
 
     def __init__(self, cfg: ScaffoldConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
@@ -281,6 +332,13 @@ class Scaffold(Algorithm):
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
         self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
+        self.refinery = Refinery(cfg.fedsd) if cfg.fedsd.enabled else None
+
+    @classmethod
+    @override
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        if isinstance(cfg, ScaffoldConfig) and cfg.fedsd.enabled:
+            check_refinery_task(task_cls, task_cfg, "algo.fedsd.enabled")
 
     def model(self) -> nn.Module:
         """The model instance this process's server and client halves share."""
@@ -289,10 +347,14 @@ class Scaffold(Algorithm):
     # ----- client half -----
     @override
     def handlers(self) -> dict[str, Handler]:
-        return {
+        out: dict[str, Handler] = {
             "train": self.client_train,
             "evaluate": lambda ctx, msg: evaluate_locally(ctx, self._model, msg),
         }
+        if self.refinery is not None:
+            refinery = self.refinery
+            out["refine"] = lambda ctx, msg: refine_locally(ctx, self._model, msg, refinery)
+        return out
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
         """Local SGD corrected by ``c − c_i``; replies ``y_i − x`` and ``c_i⁺ − c_i``."""
@@ -302,7 +364,8 @@ class Scaffold(Algorithm):
         set_params(model, glob)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         corr = {n: c[n] - c_i[n] for n in names}
-        res = local_round(ctx, model, self.run.train, grad_correction=corr)
+        data = self.refinery.data(ctx) if self.refinery is not None else None
+        res = local_round(ctx, model, self.run.train, grad_correction=corr, data=data)
         local = get_params(model, list(glob))
         c_new = scaffold_client_control(c_i, c, glob, local, res.steps, self.run.train.lr)
         ctx.state.set_group("control", c_new)
@@ -317,6 +380,10 @@ class Scaffold(Algorithm):
         )
 
     # ----- server half -----
+    @override
+    def setup(self, fed: Federation) -> dict[str, float]:
+        return self.refinery.run(self, fed, self.params) if self.refinery is not None else {}
+
     @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)

@@ -131,6 +131,7 @@ def local_round(
     steps: int | None = None,
     purpose: str = "batches",
     loss_fn: LossFn | None = None,
+    data: Any = None,
     **kw: Any,
 ) -> TrainResult:
     """One client's local training on its own data: the round of a client handler.
@@ -147,13 +148,16 @@ def local_round(
         purpose: Seed purpose of the batch order (different stages of a round that must not
             draw the same batches use different purposes).
         loss_fn: ``(model, batch) -> (loss, outputs)``; the task's loss when None.
+        data: Training data other than the client's own (e.g. FedSD's distilled set, of the
+            same size); ``ctx.data`` when None.
         **kw: Passed on to :func:`local_train` (``prox_ref``, ``extra_loss``,
             ``grad_correction``, ``optimizer``).
 
     Returns:
         Steps taken and the mean loss.
     """
-    task, data = ctx.task, ctx.data
+    task = ctx.task
+    data = ctx.data if data is None else data
     n = steps or num_steps(cfg, task.num_examples(data))
     batches = task.batches(data, cfg.batch_size, ctx.rng_seed(purpose))
     return local_train(model, batches, loss_fn or task.loss, cfg, n, **kw)

@@ -1,0 +1,542 @@
+"""FedSD: the data refinery of FedSDR, a round-0 exchange any FedAvg-style algorithm can run.
+
+Paper: "FedSDR: Federated Self-Distillation with Rectification" (ICML 2026, arXiv 2605.18028),
+the data-level half ("FedSD"). The rewrite prompt is SDFT's (Yang et al. 2024, "Self-Distillation
+Bridges Distribution Gap in Language Model Fine-Tuning", sail-sg/sdft).
+
+Once before round 1, every client rewrites each answer ``y`` of its data with the global model
+as teacher, prompted with the instruction ``x`` and ``y`` as a reference:
+``ỹ ~ f(· | x, y)``. A rewrite that is empty, leaks the prompt or fails the task check falls back
+to ``y`` (counted by reason). The distilled set ``D_dist`` lives in the client's persistent
+state (it survives resume) and is reused every round; only statistics leave the client (kept
+share, fallbacks by reason, answer-keeping share, length ratio, filler-word rates).
+FedSD alone is any server optimizer trained on ``(x, ỹ)`` instead of ``(x, y)``: the FedAvg
+family selects it with ``algo.fedsd.enabled: true``.
+
+The rewrites of the round-0 teacher are the same for every run that shares the model, the
+client's data, the prompt settings and the decoding settings, so they are cached on disk
+(:class:`RewriteCache`, one file per client data set) and a study pays for them once.
+
+Choices of ours (the paper is silent):
+
+* The instruction's input (``c``) is appended to the instruction in the prompt's
+  ``### Instruction:`` block, separated by a blank line; the prompt is fitted to
+  ``task.prompt.max_prompt_length`` by cutting the middle of the longer of reference and
+  instruction first, then of the other, so the closing ``### Response:`` marker always
+  survives, and so does a one-word label next to a long review.
+* Task checks by the row's ``metric``: ``gsm8k`` rows must keep the reference's final number,
+  ``choice`` rows must name the reference's label first (:func:`fedfm.eval.metrics.pick_choice`);
+  free-text (``rouge``) rows have no check. A leak is any of METHODS.md's phrases anywhere in the
+  rewrite (case-insensitive) or a rewrite starting with "Your turn".
+* Greedy decoding, 128 new tokens, by default. The teacher at round 0 has ``B = 0`` in every
+  adapter (it equals the base model), so the cache key names it ``base``; a teacher with
+  trained adapters is keyed by a hash of its tensors.
+* Length ratio: mean over kept rewrites of words(ỹ) / words(y); filler-word rate: share of
+  words in :data:`FILLER_WORDS` (hedges, intensifiers and discourse markers), over the kept
+  rewrites and over their references.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from fedfm.core.federation import ClientContext, Federation, derive_seed
+from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
+from fedfm.errors import FedfmError
+from fedfm.eval.generate import GenerationConfig
+from fedfm.eval.metrics import gsm8k_number, pick_choice, resolve_answer
+from fedfm.registry import Registry
+from fedfm.tasks.base import FOUNDATION_MODEL, require
+
+if TYPE_CHECKING:
+    from fedfm.algorithms.base import Algorithm
+    from fedfm.fm import FoundationModel
+    from fedfm.tasks.base import Task, TaskConfig
+    from fedfm.tasks.lm import InstructionData
+
+# ----------------------------------------------------------------------------- the prompt
+
+REWRITE_SYSTEM = (
+    "Below are an instruction that describes a task along with a reference answer. "
+    "Using the reference answer as a guide, write your own response."
+)
+REWRITE_TEMPLATE = (
+    "### Instruction:\n{instruction}\n\n### Reference Answer:\n{reference}\n\n### Response:\n"
+)
+REWRITE_CUT = ("reference", "instruction")  # the longer first; the template is never cut
+LEAK_PHRASES = (
+    "reference answer",
+    "your response",
+    "my response",
+    "your own response",
+    "now it's your turn",
+)
+LEAK_START = "your turn"
+FALLBACK_REASONS = ("empty", "leak", "number", "label")
+FILLER_WORDS = frozenset(
+    {
+        *("actually", "additionally", "basically", "certainly", "clearly", "definitely"),
+        *("essentially", "furthermore", "generally", "honestly", "importantly", "indeed"),
+        *("just", "literally", "moreover", "obviously", "overall", "quite", "rather"),
+        *("really", "simply", "totally", "truly", "typically", "ultimately", "very", "well"),
+    }
+)
+STATE_KEY = "fedsd"  # client-state meta: {"outputs": {row id: kept rewrite}}
+CACHE_VERSION = 1
+
+
+class RefineryConfig(BaseModel):
+    """How the refinery rewrites (``algo.refinery`` of FedSDR, ``algo.fedsd`` of FedAvg).
+
+    Attributes:
+        decoding: Decoding settings of the rewrites.
+        cache: Reuse cached rewrites of the same model, data and decoding settings.
+        cache_dir: Folder of the cache; ``None``: ``$FEDFM_CACHE/fedsd`` or
+            ``~/.cache/fedfm/fedsd``.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    decoding: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=128))
+    cache: bool = True
+    cache_dir: str | None = None
+
+
+class FedSDConfig(RefineryConfig):
+    """FedSD as an option of the FedAvg family (``algo.fedsd``).
+
+    Attributes:
+        enabled: Rewrite every client's answers before round 1 and train on the rewrites.
+    """
+
+    enabled: bool = False
+
+
+# ----------------------------------------------------------------------------- the filter
+
+RewriteCheck = Callable[[str, Mapping[str, Any]], str | None]
+REWRITE_CHECKS: Registry[RewriteCheck] = Registry("rewrite check", "metric")
+"""Task checks by a row's ``metric``: ``(rewrite, row) -> fallback reason or None``."""
+
+
+def _reference(row: Mapping[str, Any]) -> str:
+    answer = row.get("answer")
+    return str(answer) if answer not in (None, "") else str(row["output"])
+
+
+@REWRITE_CHECKS.register("gsm8k", help="the final number must equal the reference's")
+def _same_number(rewrite: str, row: Mapping[str, Any]) -> str | None:
+    ref = gsm8k_number(_reference(row))
+    return None if ref is None or gsm8k_number(rewrite) == ref else "number"
+
+
+@REWRITE_CHECKS.register("choice", help="the first label named must be the reference's")
+def _same_label(rewrite: str, row: Mapping[str, Any]) -> str | None:
+    choices = list(row.get("choices") or [])
+    if not choices:
+        return None
+    gold = resolve_answer(_reference(row), choices)
+    return None if pick_choice(rewrite, choices) == gold else "label"
+
+
+def fallback_reason(rewrite: str, row: Mapping[str, Any]) -> str | None:
+    """Why ``rewrite`` must not replace the row's answer (one of :data:`FALLBACK_REASONS`).
+
+    Args:
+        rewrite: The teacher's text.
+        row: The instruction row (``output``, ``metric``, ``answer``, ``choices``).
+
+    Returns:
+        ``"empty"``, ``"leak"``, the task check's reason (``"number"``, ``"label"``), or
+        ``None`` when the rewrite is kept.
+    """
+    text = rewrite.strip()
+    if not text:
+        return "empty"
+    low = text.lower()
+    if any(p in low for p in LEAK_PHRASES) or low.startswith(LEAK_START):
+        return "leak"
+    metric = str(row.get("metric") or "")
+    return REWRITE_CHECKS.get(metric)(text, row) if metric in REWRITE_CHECKS else None
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased word tokens (runs of letters, digits and underscores)."""
+    return re.findall(r"\w+", text.lower())
+
+
+def filler_rate(texts: Sequence[str]) -> float:
+    """Share of the words of ``texts`` that are filler words (0 for no words)."""
+    toks = [w for t in texts for w in words(t)]
+    return sum(w in FILLER_WORDS for w in toks) / len(toks) if toks else 0.0
+
+
+@dataclass
+class RewriteStats:
+    """What leaves a client: counts and rates, never a text.
+
+    Attributes:
+        n: Rows rewritten.
+        kept: Rewrites kept.
+        fallbacks: Fallbacks to the reference by reason.
+        checked: Rows with a task check.
+        answer_kept: Checked rows whose rewrite keeps the reference's answer.
+        length_ratio: Mean words(ỹ) / words(y) over kept rewrites (0 when none).
+        filler_raw: Filler-word rate of the references of the kept rewrites.
+        filler_distilled: Filler-word rate of the kept rewrites.
+        cached: Whether the rewrites came from the cache.
+    """
+
+    n: int
+    kept: int
+    fallbacks: dict[str, int]
+    checked: int
+    answer_kept: int
+    length_ratio: float
+    filler_raw: float
+    filler_distilled: float
+    cached: bool = False
+
+    def meta(self) -> dict[str, Any]:
+        """The reply's meta fields (see :data:`REFINE`)."""
+        out: dict[str, Any] = {
+            "num_examples": self.n,
+            "kept": self.kept,
+            "checked": self.checked,
+            "answer_kept": self.answer_kept,
+            "length_ratio": self.length_ratio,
+            "filler_raw": self.filler_raw,
+            "filler_distilled": self.filler_distilled,
+            "cached": self.cached,
+        }
+        out.update({f"fallback_{r}": self.fallbacks.get(r, 0) for r in FALLBACK_REASONS})
+        return out
+
+
+def refine_rows(
+    rows: Sequence[Mapping[str, Any]], rewrites: Sequence[str]
+) -> tuple[dict[str, str], RewriteStats]:
+    """Filters the rewrites of ``rows``: the kept ones by row id, and the statistics.
+
+    Args:
+        rows: Instruction rows with ``id, output, metric`` (and ``answer, choices``).
+        rewrites: One teacher text per row, in order.
+
+    Returns:
+        ``({str(id): rewrite}`` of the kept rewrites, statistics).
+    """
+    if len(rows) != len(rewrites):
+        raise FedfmError(f"{len(rewrites)} rewrites for {len(rows)} rows")
+    kept: dict[str, str] = {}
+    fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
+    checked = answer_kept = 0
+    ratios: list[float] = []
+    refs: list[str] = []
+    for row, text in zip(rows, rewrites, strict=True):
+        reason = fallback_reason(text, row)
+        metric = str(row.get("metric") or "")
+        if metric in REWRITE_CHECKS:
+            checked += 1
+            # The answer is kept when the text passes the task check (an empty or leaking
+            # rewrite is judged on its text all the same).
+            answer_kept += REWRITE_CHECKS.get(metric)(text.strip(), row) is None
+        if reason is not None:
+            fallbacks[reason] += 1
+            continue
+        kept[str(row["id"])] = text.strip()
+        refs.append(str(row["output"]))
+        ratios.append(len(words(text)) / max(len(words(str(row["output"]))), 1))
+    stats = RewriteStats(
+        n=len(rows),
+        kept=len(kept),
+        fallbacks=fallbacks,
+        checked=checked,
+        answer_kept=int(answer_kept),
+        length_ratio=sum(ratios) / len(ratios) if ratios else 0.0,
+        filler_raw=filler_rate(refs),
+        filler_distilled=filler_rate(list(kept.values())),
+    )
+    return kept, stats
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def default_cache_dir() -> Path:
+    """``$FEDFM_CACHE/fedsd``, else ``~/.cache/fedfm/fedsd``."""
+    root = os.environ.get("FEDFM_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "fedfm") / "fedsd"
+
+
+class RewriteCache:
+    """Rewrites on disk, one JSON file per key; writes are atomic (temporary file, rename).
+
+    Args:
+        folder: Where the files live (created on the first write).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, key: str) -> Path:
+        """The file of ``key``."""
+        return self.folder / f"{key}.json"
+
+    def get(self, key: str) -> list[str] | None:
+        """The cached rewrites of ``key``, or ``None`` (also for an unreadable file)."""
+        try:
+            texts = json.loads(self.path(key).read_text())["rewrites"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            return None
+        return [str(t) for t in texts] if isinstance(texts, list) else None
+
+    def put(self, key: str, rewrites: Sequence[str]) -> None:
+        """Stores ``rewrites`` under ``key``; concurrent writers leave one whole file."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": CACHE_VERSION, "rewrites": list(rewrites)}, f)
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def teacher_digest(arrays: Mapping[str, Tensor]) -> str:
+    """What the cache key calls a teacher.
+
+    ``"base"`` when every ``lora_B`` tensor is zero (its adapters change nothing), else a
+    SHA-256 of the tensors.
+    """
+    if all(not bool(v.any()) for k, v in arrays.items() if "lora_B" in k):
+        return "base"
+    h = hashlib.sha256()
+    for k in sorted(arrays):
+        h.update(k.encode())
+        h.update(arrays[k].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_key(
+    fm: FoundationModel,
+    rows: Sequence[Mapping[str, Any]],
+    decoding: GenerationConfig,
+    teacher: str,
+    seed: int,
+) -> str:
+    """The key of a client's rewrites: model, prompt settings, decoding, teacher and data."""
+    spec = {
+        "version": CACHE_VERSION,
+        "model": fm.key,
+        "autocast_bf16": fm.autocast_bf16,
+        "prompt": fm.prompt_cfg.model_dump(),
+        "system": REWRITE_SYSTEM,
+        "template": REWRITE_TEMPLATE,
+        "decoding": decoding.model_dump(),
+        "seed": seed if decoding.do_sample else None,  # greedy decoding ignores the seed
+        "teacher": teacher,
+        "rows": [[str(r["id"]), _instruction(r), str(r["output"])] for r in rows],
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------------- the exchange
+
+_COUNT = MetaSpec("int", ge=0, le=MAX_EXAMPLES, required=True)
+_RATE = MetaSpec("float", ge=0, le=1, required=True)
+REFINE = MessageKind(
+    "refine",
+    down_arrays=("params",),
+    up_meta=(
+        "num_examples",
+        "kept",
+        "checked",
+        "answer_kept",
+        "length_ratio",
+        "filler_raw",
+        "filler_distilled",
+        "cached",
+        *(f"fallback_{r}" for r in FALLBACK_REASONS),
+    ),
+    no_grad=True,
+    meta_specs={
+        "num_examples": MetaSpec("int", ge=0, le=MAX_EXAMPLES, required=True),
+        "kept": _COUNT,
+        "checked": _COUNT,
+        "answer_kept": _COUNT,
+        "length_ratio": MetaSpec("float", ge=0, required=True),
+        "filler_raw": _RATE,
+        "filler_distilled": _RATE,
+        "cached": MetaSpec("bool", required=True),
+        **{f"fallback_{r}": _COUNT for r in FALLBACK_REASONS},
+    },
+)
+"""Round 0: the teacher's adapters go down; only the statistics come back."""
+
+
+def _instruction(row: Mapping[str, Any]) -> str:
+    extra = str(row.get("input") or "")
+    return f"{row['instruction']}\n\n{extra}" if extra else str(row["instruction"])
+
+
+def rewrite_prompts(fm: FoundationModel, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The SDFT rewrite prompt of each row, fitted to the prompt length (tail kept).
+
+    The longer of reference and instruction loses its middle first, so a one-word label is
+    never cut away in favour of a long review, nor a worked solution in favour of a short
+    question.
+    """
+    prompts = []
+    for r in rows:
+        fields = {"instruction": _instruction(r), "reference": str(r["output"])}
+        longer_ref = len(fields["reference"]) >= len(fields["instruction"])
+        cut = REWRITE_CUT if longer_ref else REWRITE_CUT[::-1]
+        prompts.append(fm.prompt(REWRITE_TEMPLATE, fields, system=REWRITE_SYSTEM, cut=cut))
+    return prompts
+
+
+def check_refinery_task(task_cls: type[Task], task_cfg: TaskConfig, field: str) -> None:
+    """Refuses at config load a task whose model cannot rewrite (no foundation model)."""
+    require(task_cls, task_cfg, FOUNDATION_MODEL, field, "FedSD's rewrites")
+
+
+@dataclass
+class Refinery:
+    """Both halves of the round-0 exchange and the distilled sets of this process's clients.
+
+    Args:
+        cfg: Decoding and cache settings.
+    """
+
+    cfg: RefineryConfig
+    _memo: dict[str, tuple[str, InstructionData]] = field(default_factory=dict, repr=False)
+
+    # ----- client half -----
+    def rewrite(
+        self,
+        ctx: ClientContext,
+        fm: FoundationModel,
+        adapters: Sequence[str],
+        teacher: Mapping[str, Tensor],
+    ) -> Message:
+        """Rewrites the client's answers; only the statistics leave the client.
+
+        The kept rewrites (the distilled set) go to ``ctx.state``.
+
+        Args:
+            ctx: The client's context.
+            fm: The foundation model, the teacher's adapters already loaded.
+            adapters: The teacher's adapters.
+            teacher: The teacher's tensors, for the cache key.
+        """
+        rows = [dict(r) for r in ctx.data.rows]
+        seed = derive_seed(ctx.seed, ctx.cid, "fedsd-rewrite")
+        texts, cached = self._texts(fm, rows, adapters, teacher_digest(teacher), seed)
+        kept, stats = refine_rows(rows, texts)
+        stats.cached = cached
+        ctx.state.meta[STATE_KEY] = {"outputs": kept}
+        return Message("refine", meta=stats.meta())
+
+    def _texts(
+        self,
+        fm: FoundationModel,
+        rows: list[dict[str, Any]],
+        adapters: Sequence[str],
+        teacher: str,
+        seed: int,
+    ) -> tuple[list[str], bool]:
+        cache = RewriteCache(
+            Path(self.cfg.cache_dir) if self.cfg.cache_dir else default_cache_dir()
+        )
+        key = cache_key(fm, rows, self.cfg.decoding, teacher, seed)
+        if self.cfg.cache and (hit := cache.get(key)) is not None and len(hit) == len(rows):
+            return hit, True
+        texts = fm.generate(rewrite_prompts(fm, rows), adapters, seed=seed, cfg=self.cfg.decoding)
+        if self.cfg.cache:
+            cache.put(key, texts)
+        return texts, False
+
+    def data(self, ctx: ClientContext) -> InstructionData:
+        """The client's distilled set ``D_dist`` (its raw data with the kept rewrites).
+
+        Raises:
+            FedfmError: The client has no distilled set (it missed the round-0 exchange).
+        """
+        saved = ctx.state.meta.get(STATE_KEY)
+        if not isinstance(saved, dict) or not isinstance(saved.get("outputs"), dict):
+            raise FedfmError(f"client {ctx.cid} has no distilled set (it missed round 0)")
+        outputs: dict[str, str] = saved["outputs"]
+        digest = hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
+        memo = self._memo.get(ctx.cid)
+        if memo is None or memo[0] != digest:  # encoded once per process, not every round
+            memo = (digest, ctx.data.with_outputs(outputs))
+            self._memo[ctx.cid] = memo
+        return memo[1]
+
+    # ----- server half -----
+    def run(
+        self, algo: Algorithm, fed: Federation, teacher: Mapping[str, Tensor]
+    ) -> dict[str, float]:
+        """Round 0: every client rewrites its data with ``teacher``; logs the statistics.
+
+        Per-client statistics go to ``artefacts/fedsd/rewrite_stats.json``.
+
+        Returns:
+            ``fedsd/kept_share``, ``fedsd/fallback_<reason>`` (shares of all rows),
+            ``fedsd/answer_kept`` (share of checked rows), ``fedsd/length_ratio`` (mean over
+            clients weighted by kept rows), ``fedsd/filler_raw``, ``fedsd/filler_distilled``,
+            ``fedsd/cached_clients``.
+        """
+        cids = fed.client_ids()
+        replies = fed.broadcast(Message("refine", {"params": dict(teacher)}), cids)
+        algo.require(fed, replies, len(cids))
+        per = {c: dict(r.meta) for c, r in replies.items()}
+        total = summarise_rewrites(list(per.values()))
+        algo.artefacts.write_json("fedsd/rewrite_stats.json", {"total": total, "clients": per})
+        return {f"fedsd/{k}": v for k, v in total.items()}
+
+
+def _num(meta: Mapping[str, Any], key: str) -> float:
+    value = meta.get(key, 0)
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def summarise_rewrites(stats: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Pools the clients' rewrite statistics (the meta of :data:`REFINE` replies).
+
+    Rates are weighted by the rows they are taken over: kept rows for the length ratio and
+    the filler rates, checked rows for the answer-keeping share.
+    """
+    n = sum(_num(s, "num_examples") for s in stats)
+    kept = sum(_num(s, "kept") for s in stats)
+    checked = sum(_num(s, "checked") for s in stats)
+
+    def kept_mean(key: str) -> float:
+        return sum(_num(s, key) * _num(s, "kept") for s in stats) / kept if kept else 0.0
+
+    out = {
+        "rows": n,
+        "kept_share": kept / n if n else 0.0,
+        **{
+            f"fallback_{r}": sum(_num(s, f"fallback_{r}") for s in stats) / n if n else 0.0
+            for r in FALLBACK_REASONS
+        },
+        "answer_kept": sum(_num(s, "answer_kept") for s in stats) / checked if checked else 0.0,
+        "length_ratio": kept_mean("length_ratio"),
+        "filler_raw": kept_mean("filler_raw"),
+        "filler_distilled": kept_mean("filler_distilled"),
+        "cached_clients": float(sum(bool(s.get("cached")) for s in stats)),
+    }
+    return out

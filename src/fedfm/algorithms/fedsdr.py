@@ -1,0 +1,228 @@
+"""FedSDR: federated self-distillation with rectification (dual-stream LoRA, selective upload).
+
+Paper: "FedSDR: Federated Self-Distillation with Rectification" (ICML 2026, arXiv 2605.18028);
+the rewrite prompt is SDFT's (Yang et al. 2024, sail-sg/sdft). Summary in METHODS.md section 1.
+
+1. **Data refinery (FedSD), round 0**: every client rewrites its answers with the global model
+   as teacher (:mod:`fedfm.algorithms.fedsd`); the distilled set ``D_dist`` stays in the
+   client's state and only statistics leave the client.
+2. **Dual-stream LoRA**: two adapters on the frozen base, both active in every forward pass,
+   ``h = W0·h + (α/r)·B_r·A_r·h + (α/r)·B_s·A_s·h``. Local training is block-coordinate:
+   stage 1 trains ``LoRA-S`` on ``D_dist`` with ``LoRA-R`` frozen, stage 2 trains ``LoRA-R`` on
+   the raw data with ``LoRA-S`` frozen (``algo.steps_s`` and ``algo.steps_r`` steps).
+3. **Selective aggregation**: only ``LoRA-R`` leaves the client, in the same ``train`` message
+   as FedIT's single adapter (so the uplink bytes are FedIT's), aggregated by
+   :func:`fedfm.algorithms.fedavg.fedavg_round` with any server optimizer (FedAvg, FedAvgM,
+   FedAdam, FedYogi, FedAdagrad; FedProx is ``algo.prox_mu`` on stage 2). ``LoRA-S`` stays in
+   the client's state across rounds, or is reset every round (``algo.reset_s``).
+
+The global model, evaluated by the server, is the base with ``LoRA-R`` alone; ``personal_eval``
+scores each client's ``LoRA-R + LoRA-S`` on its local test split.
+
+Choices of ours (the paper is silent):
+
+* ``LoRA-R`` starts as FedIT's adapter does (seeded by the run seed); each client's ``LoRA-S``
+  is seeded by (run seed, client), and by the round too when reset every round.
+* Stage 1 runs before stage 2 in every round, each with a fresh local optimizer (as FedAvg's
+  local training) and its own batch order; a stage's steps default to the run's ``train``
+  budget.
+* The proximal term of FedProx acts on ``LoRA-R`` only (the one adapter the server sees).
+* Evaluated items are kept (the run's ``eval_items.jsonl``) so that two runs on the same
+  items compare head to head (:mod:`fedfm.eval.compare`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+from torch import Tensor
+from typing_extensions import override
+
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.fedavg import TRAIN, fedavg_round
+from fedfm.algorithms.fedsd import REFINE, Refinery, RefineryConfig, check_refinery_task
+from fedfm.config import RunConfig
+from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.groups import get_group, join_groups
+from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
+from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.replies import summarise_client_metrics
+from fedfm.core.robust import AggregatorConfig
+from fedfm.core.train import TrainResult, local_train, num_steps, trainable
+from fedfm.fm import FoundationModel
+from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
+
+R = "lora_r"  # the rectification stream: trained on raw data, the only one aggregated
+S = "lora_s"  # the smoothing stream: trained on the distilled data, never leaves the client
+S_GROUP = "lora_s"  # client-state group of LoRA-S
+
+EVALUATE = MessageKind(
+    "evaluate",
+    down_arrays=("params",),
+    up_meta=("num_examples", "metrics"),
+    meta_specs={"num_examples": EVAL_EXAMPLES},
+)
+
+
+class FedSDRConfig(AlgoConfig):
+    """FedSDR's settings (``algo`` section)."""
+
+    server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
+    aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
+    refinery: RefineryConfig = Field(default_factory=RefineryConfig)
+    steps_s: int | None = Field(
+        None, ge=1, description="stage-1 steps (LoRA-S on D_dist); None: the train budget"
+    )
+    steps_r: int | None = Field(
+        None, ge=1, description="stage-2 steps (LoRA-R on D_raw); None: the train budget"
+    )
+    reset_s: bool = Field(False, description="re-initialise LoRA-S every round")
+    prox_mu: float = Field(0.0, ge=0, description="FedProx weight on LoRA-R in stage 2")
+    personal_eval: bool = False
+
+
+def train_stage(
+    fm: FoundationModel,
+    stage: str,
+    batches: Any,
+    task: Task,
+    cfg: Any,
+    steps: int,
+    prox: bool = False,
+) -> TrainResult:
+    """One block-coordinate stage: both streams active, only ``stage`` receives gradients.
+
+    Args:
+        fm: The foundation model holding both adapters.
+        stage: The adapter trained (:data:`S` or :data:`R`); the other is frozen.
+        batches: Endless batches of the stage's data.
+        task: The task (its loss).
+        cfg: Local-training settings (``cfg.prox_mu`` when ``prox``).
+        steps: Optimizer steps.
+        prox: Pull the trained adapter towards its value at the start of the stage.
+    """
+    with fm.use([R, S], trainable=[stage]) as model:
+        ref = {n: p.detach().clone() for n, p in trainable(model).items()} if prox else None
+        return local_train(model, batches, task.loss, cfg, steps, prox_ref=ref)
+
+
+class FedSDR(Algorithm):
+    """FedSDR: FedSD rewrites, dual-stream LoRA, only LoRA-R aggregated (see the module doc)."""
+
+    Config = FedSDRConfig
+    messages = (TRAIN, EVALUATE, REFINE)
+
+    def __init__(self, cfg: FedSDRConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedSDRConfig = cfg
+        self.fm = task.foundation_model()
+        # Reset, not ensure: the process-wide model may hold an R of an earlier run.
+        self.fm.reset_adapter(R, seed=run.seed)
+        self.params: dict[str, Tensor] = self.fm.get_adapter(R)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
+        self.refinery = Refinery(cfg.refinery)
+        self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
+
+    @classmethod
+    @override
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        check_refinery_task(task_cls, task_cfg, "task.kind")
+
+    # ----- client half -----
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "refine": self.client_refine,
+            "train": self.client_train,
+            "evaluate": self.client_evaluate,
+        }
+
+    def client_refine(self, ctx: ClientContext, msg: Message) -> Message:
+        """Round 0: the global LoRA-R rewrites the client's answers (see :class:`Refinery`)."""
+        self.fm.set_adapter(R, msg.arrays["params"])
+        return self.refinery.rewrite(ctx, self.fm, [R], msg.arrays["params"])
+
+    def _load_s(self, ctx: ClientContext, fresh: bool) -> None:
+        seed = derive_seed(ctx.seed, ctx.cid, "lora_s", ctx.rnd if self.cfg.reset_s else 0)
+        self.fm.load_adapter(S, None if fresh else ctx.state.get_group(S_GROUP), seed=seed)
+
+    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 1 (LoRA-S on ``D_dist``), stage 2 (LoRA-R on ``D_raw``); uploads LoRA-R."""
+        fm, task, cfg = self.fm, self.task, self.run.train
+        fm.set_adapter(R, msg.arrays["params"])
+        self._load_s(ctx, fresh=self.cfg.reset_s)
+        n = task.num_examples(ctx.data)
+        distilled = self.refinery.data(ctx)
+        smooth = task.batches(distilled, cfg.batch_size, ctx.rng_seed("stage-s"))
+        train_stage(fm, S, smooth, task, cfg, self.cfg.steps_s or num_steps(cfg, n))
+        raw = task.batches(ctx.data, cfg.batch_size, ctx.rng_seed("stage-r"))
+        steps_r = self.cfg.steps_r or num_steps(cfg, n)
+        res = train_stage(fm, R, raw, task, self._stage_r, steps_r, prox=self.cfg.prox_mu > 0)
+        ctx.state.set_group(S_GROUP, fm.get_adapter(S))  # never in a message
+        return Message(
+            "train", {"params": fm.get_adapter(R)}, {"num_examples": n, "loss": res.loss}
+        )
+
+    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
+        """The client's personal model (global LoRA-R + its own LoRA-S) on its local split."""
+        self.fm.set_adapter(R, msg.arrays["params"])
+        self._load_s(ctx, fresh=not ctx.state.get_group(S_GROUP))
+        data = self.task.client_test_data(ctx.cid)
+        with self.fm.use([R, S]) as model:
+            metrics = self.task.evaluate(model, data)
+        n = self.task.num_examples(data)
+        return Message("evaluate", meta={"num_examples": n, "metrics": metrics})
+
+    # ----- server half -----
+    @override
+    def setup(self, fed: Federation) -> dict[str, float]:
+        return self.refinery.run(self, fed, self.params)
+
+    @override
+    def round(self, fed: Federation) -> dict[str, float]:
+        self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
+        return metrics
+
+    @override
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
+        """The global model (base + LoRA-R) on the test set; personal models when asked."""
+        self.fm.set_adapter(R, self.params)
+        test = self.task.test_data()
+        with self.fm.use([R]) as model:
+            items = None
+            if ITEM_RESULTS in type(self.task).provides(self.task.cfg):
+                metrics, items = self.task.evaluate_items(model, test)
+            else:
+                metrics = self.task.evaluate(model, test)
+        out: dict[str, Any] = dict(metrics)
+        if items is not None:  # kept by the engine in eval_items.jsonl
+            out["items"] = items
+        if self.cfg.personal_eval:
+            replies = fed.broadcast(Message("evaluate", {"params": self.params}), fed.client_ids())
+            per = {
+                c: {f"local/{k}": v for k, v in _as_metrics(r).items()} for c, r in replies.items()
+            }
+            out.update(summarise_client_metrics(per, ""))
+            out["per_client"] = per
+        return out
+
+    @override
+    def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return join_groups({"params": self.params, "opt": self.opt.state_dict()}), {}
+
+    @override
+    def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        self.params = get_group(arrays, "params")
+        self.opt.load_state_dict(get_group(arrays, "opt"))
+
+
+def _as_metrics(reply: Message) -> dict[str, float]:
+    metrics = reply.meta["metrics"]
+    assert isinstance(metrics, dict)
+    return metrics
+
+
+ALGORITHMS.register("fedsdr", "FedSDR: FedSD rewrites + dual-stream LoRA, only LoRA-R aggregated")(
+    FedSDR
+)

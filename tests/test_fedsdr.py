@@ -1,0 +1,477 @@
+"""FedSDR and FedSD on a tiny Llama: the rewrite filter, the stages, the selective upload,
+resume, the rewrite cache, and the comparisons across runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedfm.algorithms.fedsd import (
+    REWRITE_TEMPLATE,
+    RewriteCache,
+    cache_key,
+    fallback_reason,
+    filler_rate,
+    refine_rows,
+    rewrite_prompts,
+    summarise_rewrites,
+    teacher_digest,
+)
+from fedfm.algorithms.fedsdr import FedSDR, R, S, train_stage
+from fedfm.config import load_config
+from fedfm.engine import build, resolve
+from fedfm.errors import ConfigError
+from fedfm.eval.compare import (
+    js_divergence,
+    read_items,
+    tfidf_cosine,
+    update_cosines,
+    win_rate,
+    win_rate_runs,
+    win_rate_table,
+)
+from fedfm.eval.generate import GenerationConfig
+from fedfm.fm import FoundationModel
+from fedfm.runtime import run as run_experiment
+
+TINY = {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 8}
+
+
+def _cfg(out: Path, name: str, algorithm: str, algo: dict[str, Any], rounds: int = 2) -> Any:
+    return load_config(
+        {
+            "name": name,
+            "algorithm": algorithm,
+            "rounds": rounds,
+            "eval_before": False,
+            "out_dir": str(out),
+            "plots": False,
+            "threads": 1,
+            "algo": algo,
+            "task": {
+                "kind": "instruction",
+                "model": "tiny-llama",
+                "model_args": TINY,
+                "source_options": {
+                    "per_domain_train": 4,
+                    "per_domain_test": 2,
+                    "domains": ["general", "math", "movie"],
+                },
+                "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+                "prompt": {"max_length": 160, "max_prompt_length": 128},
+                "max_new_tokens": 4,
+                "eval_ppl": False,
+            },
+            "partition": {"scheme": "natural"},
+            "train": {"steps": 2, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
+        }
+    )
+
+
+def _sdr(cache: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "refinery": {"decoding": {"max_new_tokens": 8}, "cache_dir": str(cache)},
+        "steps_s": 2,
+        "steps_r": 2,
+        **extra,
+    }
+
+
+def _echo_teacher(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = None) -> None:
+    """A teacher that restates the reference with filler words (the tiny model's own rewrites
+    are empty): rewrites are kept, so the distilled set differs from the raw one."""
+
+    def generate(self: FoundationModel, prompts: Sequence[str], adapters: Any, **kw: Any) -> list:
+        if calls is not None:
+            calls.append(len(prompts))
+        refs = [
+            re.search(r"### Reference Answer:\n(.*?)\n\n### Response:", str(p), re.S)
+            for p in prompts
+        ]
+        return [f"Well, basically {m.group(1) if m else ''}" for m in refs]
+
+    monkeypatch.setattr(FoundationModel, "generate", generate)
+
+
+def _rows(run: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / name).read_text().splitlines()]
+
+
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    rows = _rows(run, "metrics.jsonl")
+    for r in rows:
+        r.pop("time_s")
+    return rows
+
+
+def _client_states(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    latest = run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()
+    meta = json.loads((latest / "meta.json").read_text())["clients"]
+    return load_file(str(latest / "clients.safetensors")), meta
+
+
+# ----------------------------------------------------------------------------- the filter
+
+
+MATH = {"id": 1, "metric": "gsm8k", "output": "2 + 3 = 5\n#### 5", "answer": "5", "choices": []}
+MOVIE = {
+    "id": 2,
+    "metric": "choice",
+    "output": "positive",
+    "answer": "positive",
+    "choices": ["negative", "positive"],
+}
+FREE = {"id": 3, "metric": "rouge", "output": "Paris is the capital.", "answer": "", "choices": []}
+
+
+@pytest.mark.parametrize(
+    ("text", "row", "reason"),
+    [
+        ("", FREE, "empty"),
+        ("   \n", MATH, "empty"),
+        ("As the Reference Answer shows, Paris.", FREE, "leak"),
+        ("Here is my response: Paris.", FREE, "leak"),
+        ("Now it's your turn to answer.", FREE, "leak"),
+        ("Your turn! Paris.", FREE, "leak"),
+        ("I wrote your own response below.", FREE, "leak"),
+        ("Adding two and three gives 6.\n#### 6", MATH, "number"),
+        ("Two plus three is five, so the answer is 5.", MATH, None),
+        ("3 apples and 2 more: #### 5", MATH, None),
+        ("The critic disliked it: negative.", MOVIE, "label"),
+        ("Nothing to say.", MOVIE, "label"),  # names no label at all
+        ("Positive: the critic loved it.", MOVIE, None),
+        ("The capital of France is Paris.", FREE, None),
+    ],
+)
+def test_rewrite_filter_by_hand(text: str, row: dict[str, Any], reason: str | None) -> None:
+    assert fallback_reason(text, row) == reason
+
+
+def test_refine_rows_statistics_by_hand() -> None:
+    rows = [MATH, MOVIE, FREE, {**FREE, "id": 4}]
+    texts = [
+        "Well, 2 + 3 = 5. #### 5",  # kept: 7 words vs 5 (2, 3, 5, 5 ... "2 3 5 5")
+        "negative",  # label
+        "Really, Paris is just the capital.",  # kept: 6 words vs 4
+        "",  # empty
+    ]
+    kept, stats = refine_rows(rows, texts)
+    assert kept == {"1": texts[0], "3": texts[2]}
+    assert (stats.n, stats.kept) == (4, 2)
+    assert stats.fallbacks == {"empty": 1, "leak": 0, "number": 0, "label": 1}
+    assert (stats.checked, stats.answer_kept) == (2, 1)  # maths kept its number, movie did not
+    # words: "well 2 3 5 5" (5) / "2 3 5 5" (4); "really paris is just the capital" (6) / 4
+    assert stats.length_ratio == pytest.approx((5 / 4 + 6 / 4) / 2)
+    assert stats.filler_distilled == pytest.approx(3 / 11)  # well, really, just
+    assert stats.filler_raw == 0.0
+    assert filler_rate(["very very good", ""]) == pytest.approx(2 / 3)
+    pooled = summarise_rewrites([stats.meta(), {**stats.meta(), "kept": 0, "num_examples": 4}])
+    assert pooled["kept_share"] == pytest.approx(2 / 8) and pooled["fallback_empty"] == 2 / 8
+    assert pooled["length_ratio"] == pytest.approx(stats.length_ratio)  # weighted by kept rows
+
+
+def test_rewrite_prompt_keeps_its_closing_marker_when_cut() -> None:
+    from fedfm.data.prompt import PromptConfig
+
+    fm = FoundationModel(
+        "tiny-llama", args=TINY, prompt=PromptConfig(max_length=140, max_prompt_length=128)
+    )
+    row = {"id": 0, "instruction": "Say it.", "input": "", "output": "word " * 400}
+    (prompt,) = rewrite_prompts(fm, [row])
+    ids = fm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert len(ids) <= 128
+    assert "### Response:\n" in prompt and "Say it." in prompt
+    assert prompt.index("### Reference Answer:") < prompt.index("### Response:")
+    assert REWRITE_TEMPLATE.endswith("### Response:\n")
+    # A long review next to a one-word label: the review loses its middle, the label stays.
+    review = {"id": 1, "instruction": "Label it.", "input": "film " * 400, "output": "positive"}
+    (prompt,) = rewrite_prompts(fm, [review])
+    assert "### Reference Answer:\npositive\n\n### Response:\n" in prompt
+
+
+# ----------------------------------------------------------------------------- the stages
+
+
+def test_each_stage_trains_only_its_adapter_with_both_active(tmp_path: Path) -> None:
+    setup = build(_cfg(tmp_path, "stages", "fedsdr", _sdr(tmp_path / "cache")))
+    algo, task = setup.algo, setup.task
+    assert isinstance(algo, FedSDR)
+    fm = algo.fm
+    fm.load_adapter(S, None, seed=1)
+    seen: list[tuple[list[str], list[str]]] = []
+    loss = task.loss
+
+    def spy(model: Any, batch: Any) -> Any:
+        seen.append((sorted(fm.active), fm.trainable))
+        return loss(model, batch)
+
+    task.loss = spy  # type: ignore[method-assign]
+    cfg = setup.cfg.train
+    data = task.client_data(task.client_ids()[0])
+    for stage, other in ((S, R), (R, S)):
+        before = {a: fm.get_adapter(a) for a in (R, S)}
+        train_stage(fm, stage, task.batches(data, 4, 0), task, cfg, 3)
+        after = {a: fm.get_adapter(a) for a in (R, S)}
+        assert any(not torch.equal(before[stage][k], after[stage][k]) for k in after[stage])
+        assert all(torch.equal(before[other][k], after[other][k]) for k in after[other])
+    assert seen == [(sorted([R, S]), [S])] * 3 + [(sorted([R, S]), [R])] * 3
+
+
+# ----------------------------------------------------------------------------- selective upload
+
+
+def test_only_lora_r_leaves_and_uplink_equals_fedit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedfm.core.audit import AuditLedger
+
+    _echo_teacher(monkeypatch)
+    sent: list[dict[str, torch.Tensor]] = []
+    record = AuditLedger.record
+
+    def spy(self: AuditLedger, rnd: int, client: str, direction: str, msg: Any) -> int:
+        if direction == "up":
+            sent.extend(msg.arrays.values())
+        return record(self, rnd, client, direction, msg)
+
+    monkeypatch.setattr(AuditLedger, "record", spy)
+    run_experiment(_cfg(tmp_path, "sdr", "fedsdr", _sdr(tmp_path / "cache")), progress=False)
+    sdr_sent, sent[:] = list(sent), []
+    run_experiment(_cfg(tmp_path, "fedit", "fedavg", {}), progress=False)
+
+    sdr, fedit = tmp_path / "sdr", tmp_path / "fedit"
+    audit = [
+        a for a in _rows(sdr, "audit.jsonl") if a["direction"] == "up" and a["type"] == "arrays"
+    ]
+    assert {a["field"] for a in audit} == {"params"} and {a["kind"] for a in audit} == {"train"}
+    # Per round, exactly FedIT's uplink tensor bytes (round 0: statistics only, no tensor).
+    up_sdr = [r["bytes_up_arrays"] for r in _metrics(sdr)]
+    up_fedit = [r["bytes_up_arrays"] for r in _metrics(fedit)]
+    assert up_sdr == up_fedit and up_sdr[0] == 0 and up_sdr[1] > 0
+    # No tensor of any client's LoRA-S was ever sent; each client keeps its own.
+    states, _ = _client_states(sdr)
+    lora_s = {k: v for k, v in states.items() if "::lora_s/" in k}
+    assert len(lora_s) == 3 * len(sdr_sent[0])
+    assert all(float(v.abs().sum()) > 0 for k, v in lora_s.items() if "lora_B" in k)
+    for v in lora_s.values():
+        assert not any(torch.equal(v, u) for arrays in sdr_sent for u in arrays.values())
+    # Both runs kept their items: the head-to-head of the two runs on the same items.
+    w = win_rate_runs(sdr, fedit)
+    assert w["n"] == len(read_items(fedit)) and w["wins"] + w["ties"] + w["losses"] == w["n"]
+    assert win_rate_table([fedit, sdr]) is not None
+    from fedfm.report import compare
+
+    assert f"| {sdr.name} | {fedit.name} | {w['wins']:.0f} |" in compare([fedit, sdr])
+
+
+@pytest.mark.parametrize("opt", ["fedavgm", "fedadam", "fedyogi", "fedadagrad"])
+def test_fedsdr_runs_with_every_server_optimizer(tmp_path: Path, opt: str) -> None:
+    algo = {**_sdr(tmp_path / "cache", server_opt={"name": opt, "lr": 0.01}, prox_mu=0.1)}
+    algo.update(steps_s=1, steps_r=1)
+    run_experiment(_cfg(tmp_path, opt, "fedsdr", algo, rounds=1), progress=False)
+    rows = _metrics(tmp_path / opt)
+    assert (
+        rows[-1]["clients"] == 3
+        and rows[-1]["failed"] == 0
+        and math.isfinite(rows[-1]["train_loss"])
+    )
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_resume_restores_lora_s_and_the_distilled_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _echo_teacher(monkeypatch)
+    algo = _sdr(tmp_path / "cache")
+    algo["refinery"]["cache"] = False
+    run_experiment(_cfg(tmp_path, "straight", "fedsdr", algo, rounds=3), progress=False)
+
+    round_ = FedSDR.round
+
+    def dies_in_round_2(self: FedSDR, fed: Any) -> dict[str, float]:
+        if fed.rnd == 2:
+            raise KeyboardInterrupt
+        return round_(self, fed)
+
+    monkeypatch.setattr(FedSDR, "round", dies_in_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(_cfg(tmp_path, "killed", "fedsdr", algo, rounds=3), progress=False)
+    states, meta = _client_states(tmp_path / "killed")
+    assert {k.split("::")[1].split("/")[0] for k in states} == {"lora_s"}
+    outputs = {c: m["fedsd"]["outputs"] for c, m in meta.items()}
+    assert all(
+        o and all(t.startswith("Well, basically") for t in o.values()) for o in outputs.values()
+    )
+
+    monkeypatch.setattr(FedSDR, "round", round_)
+
+    def no_teacher(*args: Any, **kw: Any) -> list[str]:
+        raise AssertionError("the refinery ran again on resume")
+
+    monkeypatch.setattr(FoundationModel, "generate", no_teacher)
+    run_experiment(_cfg(tmp_path, "killed", "fedsdr", algo, rounds=3), resume=True, progress=False)
+    assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "straight")
+
+
+# ----------------------------------------------------------------------------- FedSD and its cache
+
+
+def test_fedsd_on_fedavg_family_trains_on_rewrites_and_hits_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    _echo_teacher(monkeypatch, calls)
+    cache = str(tmp_path / "cache")
+    fedsd = {"enabled": True, "decoding": {"max_new_tokens": 8}, "cache_dir": cache}
+    run_experiment(_cfg(tmp_path, "a", "fedavg", {"fedsd": fedsd}, rounds=1), progress=False)
+    assert len(calls) == 3  # one generation per client
+    first = _metrics(tmp_path / "a")[0]
+    assert first["fedsd/cached_clients"] == 0 and first["fedsd/kept_share"] > 0.5
+    assert first["bytes_up_arrays"] == 0  # only statistics leave the clients
+    stats = json.loads((tmp_path / "a" / "artefacts" / "fedsd" / "rewrite_stats.json").read_text())
+    assert set(stats["clients"]) == {"0", "1", "2"}
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 3
+
+    # Another run with the same model, data and decoding (other optimizer, FedProx, SCAFFOLD,
+    # or FedSDR) pays nothing: every client's rewrites come from the cache.
+    for name, algorithm, extra in [
+        ("b", "fedprox", {"mu": 0.1}),
+        ("c", "scaffold", {}),
+        ("d", "fedsdr", None),
+    ]:
+        algo = {"fedsd": fedsd, **extra} if extra is not None else _sdr(tmp_path / "cache")
+        run_experiment(_cfg(tmp_path, name, algorithm, algo, rounds=1), progress=False)
+        rows = _metrics(tmp_path / name)
+        assert rows[0]["fedsd/cached_clients"] == 3 and rows[-1]["failed"] == 0, name
+    assert len(calls) == 3
+
+    # FedSD trains on the rewrites: with them disabled the same run learns something else.
+    run_experiment(_cfg(tmp_path, "raw", "fedavg", {}, rounds=1), progress=False)
+    assert (
+        _metrics(tmp_path / "raw")[-1]["train_loss"] != _metrics(tmp_path / "a")[-1]["train_loss"]
+    )
+
+
+def test_cache_key_and_atomic_files(tmp_path: Path) -> None:
+    fm = FoundationModel("tiny-llama", args=TINY)
+    rows = [{"id": 1, "instruction": "a", "input": "", "output": "b"}]
+    greedy = GenerationConfig()
+    key = cache_key(fm, rows, greedy, "base", seed=1)
+    assert key == cache_key(fm, rows, greedy, "base", seed=2)  # greedy ignores the seed
+    sampled = GenerationConfig(do_sample=True)
+    assert cache_key(fm, rows, sampled, "base", 1) != cache_key(fm, rows, sampled, "base", 2)
+    assert key != cache_key(fm, rows, GenerationConfig(max_new_tokens=9), "base", 1)
+    assert key != cache_key(fm, [{**rows[0], "output": "c"}], greedy, "base", 1)
+    assert key != cache_key(fm, rows, greedy, "abc", 1)
+    cache = RewriteCache(tmp_path / "cache")
+    assert cache.get(key) is None
+    cache.put(key, ["x", "y"])
+    assert cache.get(key) == ["x", "y"]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{key}.json"]  # no temp file left
+    cache.path(key).write_text("{torn")
+    assert cache.get(key) is None
+    zero = {"a.lora_A.weight": torch.ones(2, 2), "a.lora_B.weight": torch.zeros(2, 2)}
+    assert teacher_digest(zero) == "base"
+    assert teacher_digest({**zero, "a.lora_B.weight": torch.ones(2, 2)}) != "base"
+
+
+# ----------------------------------------------------------------------------- config errors
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"algo\.steps_s"):
+        resolve(_cfg(tmp_path, "x", "fedsdr", {"steps_s": 0}))
+    with pytest.raises(ConfigError, match=r"algo\.steps_r"):
+        resolve(_cfg(tmp_path, "x", "fedsdr", {"steps_r": 0}))
+    tabular = {"name": "t", "algorithm": "fedsdr", "task": {"kind": "tabular"}}
+    with pytest.raises(ConfigError, match=r"task\.kind"):
+        resolve(load_config(tabular))
+    tabular = {**tabular, "algorithm": "fedavg", "algo": {"fedsd": {"enabled": True}}}
+    with pytest.raises(ConfigError, match=r"algo\.fedsd\.enabled"):
+        resolve(load_config(tabular))
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def test_win_rate_and_its_standard_error_by_hand() -> None:
+    a = [{"id": i, "domain": "d", "score": s} for i, s in enumerate([1.0, 0.5, 0.0, 1.0])]
+    b = [{"id": i, "domain": "d", "score": s} for i, s in enumerate([0.0, 0.5, 1.0, 0.0])]
+    w = win_rate(a, b)
+    assert (w["wins"], w["ties"], w["losses"]) == (2, 1, 1)
+    assert w["win_rate"] == pytest.approx(2.5 / 4)  # ties count half
+    outcomes = torch.tensor([1.0, 0.5, 0.0, 1.0], dtype=torch.float64)
+    assert w["se"] == pytest.approx(float(outcomes.std() / 2))
+
+
+def test_answer_distribution_measures_by_hand() -> None:
+    same = {"a": ["red fox"], "b": ["red fox"]}
+    apart = {"a": ["red fox"], "b": ["blue whale"]}
+    assert js_divergence(same) == pytest.approx(0.0)
+    assert js_divergence(apart) == pytest.approx(1.0)  # disjoint: 1 bit
+    # p = (1/2, 1/2, 0), q = (1/2, 0, 1/2): JS = 1/2 bit
+    assert js_divergence({"a": ["x y"], "b": ["x z"]}) == pytest.approx(0.5)
+    assert tfidf_cosine(same) == pytest.approx(1.0)
+    assert tfidf_cosine(apart) == pytest.approx(0.0)
+    mid = tfidf_cosine({"a": ["x y"], "b": ["x z"]})
+    assert 0.0 < mid < 1.0
+    ups = {"a": {"w": torch.tensor([1.0, 0.0])}, "b": {"w": torch.tensor([1.0, 1.0])}}
+    cos = update_cosines(ups)
+    assert cos["a|b"] == pytest.approx(1 / math.sqrt(2)) and cos["mean"] == cos["a|b"]
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def test_the_study_runs_and_reports_what_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    from fedfm.reproduce import fedsdr as study
+
+    _echo_teacher(monkeypatch)
+    tiny = {
+        "model": "tiny-llama",
+        "model_args": TINY,
+        "autocast_bf16": False,
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "prompt": {"max_length": 160, "max_prompt_length": 128},
+        "max_new_tokens": 4,
+    }
+    grid = dataclasses.replace(
+        study.QUICK,
+        optimizers=("fedavg", "fedadam"),
+        rounds=1,
+        steps=1,
+        per_domain=3,
+        domains=("general", "math", "medical"),
+        task=tiny,
+        cache_dir=str(tmp_path / "cache"),
+        threads=1,
+    )
+    errors, wall = study.run_grid(grid, tmp_path / "runs")
+    assert errors == {} and wall > 0
+    assert {p.name for p in (tmp_path / "runs").iterdir()} == {
+        f"{o}-{m}" for o in grid.optimizers for m in study.METHODS
+    }
+    report = study.write_report(grid, tmp_path / "runs", tmp_path / "r.md", "cmd", errors, wall)
+    text = report.read_text()
+    res = study.read_run(tmp_path / "runs" / "fedadam-fedsdr")
+    base = study.read_run(tmp_path / "runs" / "fedadam-base")
+    assert res is not None and base is not None
+    d = study.paired_diff(res.items, base.items)["overall"]
+    assert f"{d[0]:+.3f} ± {d[1]:.3f}" in text
+    assert "| JS divergence" in text and "| rewrites kept |" in text
+    # A second call finds every run done and runs nothing.
+    assert study.run_grid(grid, tmp_path / "runs")[0] == {}
