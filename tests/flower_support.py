@@ -242,6 +242,8 @@ def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
         }
     if algorithm == "dpsyn":
         return _dpsyn_config(out)
+    if algorithm == "fedsdr":
+        return _fedsdr_config(out)
     return None
 
 
@@ -262,3 +264,15 @@ def _dpsyn_config(out: Path) -> dict[str, Any]:
     cfg.update(out_dir=str(out), threads=1)
     cfg["algo"]["eval"] = {"clf_steps": 5}  # no base-model floor: half the generation
     return cfg
+
+
+def _fedsdr_config(out: Path) -> dict[str, Any]:
+    """The FedSDR tests' own tiny setup: round-0 rewrites, then two dual-stream rounds."""
+    from test_fedsdr import _cfg, _sdr
+
+    algo = _sdr(out / "rewrites")
+    algo["refinery"]["cache"] = False  # both runs rewrite (a cache hit is counted in metrics)
+    cfg = _cfg(out, "fedsdr", "fedsdr", algo).model_dump(mode="json")
+    # One client per domain (a natural partition of three domains).
+    cfg["partition"] = {**cfg["partition"], "num_clients": 3}
+    return {**cfg, "task": {**cfg["task"], "max_eval": 3}}
