@@ -175,18 +175,33 @@ def evaluate_global(
     run's ``eval_items.jsonl``).
     """
     set_params(model, params)
-    out: dict[str, Any]
-    if ITEM_RESULTS in type(task).provides(task.cfg):  # the items go to the run's report
-        metrics, items = task.evaluate_items(model, task.test_data())
-        out = {**metrics, "items": items}
-    else:
-        out = dict(task.evaluate(model, task.test_data()))
+    out = evaluate_on_test(task, model)
     if personal:
-        replies = fed.broadcast(Message("evaluate", {"params": params}), fed.client_ids())
-        per = {c: {f"local/{k}": v for k, v in _metrics(r).items()} for c, r in replies.items()}
-        out.update(summarise_client_metrics(per, ""))
-        out["per_client"] = per
+        out.update(evaluate_personal(fed, params))
     return out
+
+
+def evaluate_on_test(task: Task, model: nn.Module) -> dict[str, Any]:
+    """``model`` on the global test set.
+
+    For a task that keeps per-item results the evaluated ``items`` come too (the engine writes
+    them to the run's ``eval_items.jsonl``).
+    """
+    if ITEM_RESULTS in type(task).provides(task.cfg):
+        metrics, items = task.evaluate_items(model, task.test_data())
+        return {**metrics, "items": items}
+    return dict(task.evaluate(model, task.test_data()))
+
+
+def evaluate_personal(fed: Federation, params: dict[str, Tensor]) -> dict[str, Any]:
+    """Every client evaluates ``params`` on its own split (an ``evaluate`` message).
+
+    Returns:
+        The values as ``local/<metric>``, their mean and worst client, and ``per_client``.
+    """
+    replies = fed.broadcast(Message("evaluate", {"params": params}), fed.client_ids())
+    per = {c: {f"local/{k}": v for k, v in _metrics(r).items()} for c, r in replies.items()}
+    return {**summarise_client_metrics(per, ""), "per_client": per}
 
 
 def _metrics(reply: Message) -> dict[str, float]:

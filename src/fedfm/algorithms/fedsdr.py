@@ -40,18 +40,17 @@ from torch import Tensor
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
-from fedfm.algorithms.fedavg import TRAIN, fedavg_round
+from fedfm.algorithms.fedavg import TRAIN, evaluate_on_test, evaluate_personal, fedavg_round
 from fedfm.algorithms.fedsd import REFINE, Refinery, RefineryConfig, check_refinery_task
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
-from fedfm.core.replies import summarise_client_metrics
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import TrainResult, local_train, num_steps, trainable
 from fedfm.fm import FoundationModel
-from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
+from fedfm.tasks.base import Task, TaskConfig
 
 R = "lora_r"  # the rectification stream: trained on raw data, the only one aggregated
 S = "lora_s"  # the smoothing stream: trained on the distilled data, never leaves the client
@@ -188,23 +187,10 @@ class FedSDR(Algorithm):
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         """The global model (base + LoRA-R) on the test set; personal models when asked."""
         self.fm.set_adapter(R, self.params)
-        test = self.task.test_data()
         with self.fm.use([R]) as model:
-            items = None
-            if ITEM_RESULTS in type(self.task).provides(self.task.cfg):
-                metrics, items = self.task.evaluate_items(model, test)
-            else:
-                metrics = self.task.evaluate(model, test)
-        out: dict[str, Any] = dict(metrics)
-        if items is not None:  # kept by the engine in eval_items.jsonl
-            out["items"] = items
+            out = evaluate_on_test(self.task, model)
         if self.cfg.personal_eval:
-            replies = fed.broadcast(Message("evaluate", {"params": self.params}), fed.client_ids())
-            per = {
-                c: {f"local/{k}": v for k, v in _as_metrics(r).items()} for c, r in replies.items()
-            }
-            out.update(summarise_client_metrics(per, ""))
-            out["per_client"] = per
+            out.update(evaluate_personal(fed, self.params))
         return out
 
     @override
@@ -215,12 +201,6 @@ class FedSDR(Algorithm):
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.params = get_group(arrays, "params")
         self.opt.load_state_dict(get_group(arrays, "opt"))
-
-
-def _as_metrics(reply: Message) -> dict[str, float]:
-    metrics = reply.meta["metrics"]
-    assert isinstance(metrics, dict)
-    return metrics
 
 
 ALGORITHMS.register("fedsdr", "FedSDR: FedSD rewrites + dual-stream LoRA, only LoRA-R aggregated")(
