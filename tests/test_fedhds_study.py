@@ -28,7 +28,7 @@ def test_quick_grid_reports_the_measured_numbers(tmp_path: Path, monkeypatch) ->
         cfg["partition"]["min_size"] = 2
         return cfg
 
-    methods = [m for m in study.METHODS if m.key in ("fedhds", "fedit", "random")]
+    methods = [m for m in study.METHODS if m.key in ("fedhds", "fedit", "random", "fedhds-x4")]
     monkeypatch.setattr(study, "_preset", tiny_preset)
     monkeypatch.setattr(study, "METHODS", tuple(methods))
     grid = study.Grid(16, 2, 4, 1.0, 1, 5, 4)
@@ -45,8 +45,12 @@ def test_quick_grid_reports_the_measured_numbers(tmp_path: Path, monkeypatch) ->
     assert f"{hds['final']['rougeL_all']:.3f}" in row
     assert f"{hds['finish']['data_fraction']:.4f}" in row
     assert "Target" in text and "## Not run" not in text
+    # The longer control runs 4x the rounds and is compared with FedIT in words.
+    x4 = json.loads((tmp_path / "fedhds-x4" / "summary.json").read_text())
+    assert x4["rounds"] == 4 * grid.rounds
+    assert f"FedHDS, 4× the rounds: Rouge-L {x4['final']['rougeL_all']:.3f}" in text
     assert "Before training" in text  # FedIT's round-0 evaluation of the base model
     # A second invocation runs nothing again.
     study.run_grid(grid, tmp_path)
     timing = [json.loads(x) for x in (tmp_path / "timing.jsonl").read_text().splitlines()]
-    assert [t["runs"] for t in timing] == [3, 0]
+    assert [t["runs"] for t in timing] == [4, 0]
