@@ -65,9 +65,12 @@ Choices of ours (the paper is silent; where a choice is a value, it is a config 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -509,7 +512,9 @@ class DPSyn(Algorithm):
     def _generate(self, adapters: list[str] | None = None) -> dict[str, float]:
         assert self.profile is not None, "profiling runs in round 0"
         allotment = allot(self.profile, self.cfg.num_samples)
+        t0 = time.perf_counter()
         self.synthetic = self._sample(allotment, [ADAPTER] if adapters is None else adapters)
+        took = time.perf_counter() - t0
         empty = [self.codes[j] for j, s in enumerate(allotment) if s == 0]
         if empty:
             log.warning("dpsyn: no synthetic samples allotted to codes %s", ", ".join(empty))
@@ -519,7 +524,11 @@ class DPSyn(Algorithm):
             {"codes": self.codes, "noisy_profile": self.profile.tolist(), "allotment": allotment},
         )
         self.artefacts.write_json(HELDOUT, self.task.heldout())
-        return {"synthetic": len(self.synthetic), "codes_without_samples": len(empty)}
+        return {
+            "synthetic": len(self.synthetic),
+            "codes_without_samples": len(empty),
+            "time/generate_s": took,
+        }
 
     def _sample(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
         """``allotment[j]`` generated texts of each code ``j``, seeded per code."""
@@ -551,7 +560,7 @@ class DPSyn(Algorithm):
         weak = [c for c in fed.client_ids() if fed.role_of(c) != STRONG]
         codes = np.asarray([row["code_id"] for row in self.synthetic], dtype=np.int64)
         total = np.zeros(len(self.synthetic), dtype=np.float64)
-        got = 0
+        got, vote_s = 0, 0.0
         if weak and self.synthetic:
             msg = Message(
                 "vote",
@@ -563,9 +572,11 @@ class DPSyn(Algorithm):
             like = {"votes": {"votes": torch.zeros(len(self.synthetic), dtype=torch.float64)}}
             for cid in weak:
                 self.privacy.add_gaussian(cid, self.sigma_vote, 1.0, name="vote", analytic=True)
+            t0 = time.perf_counter()
             for _, r in fed.stream({c: msg for c in weak}, like=like):
                 total += r.arrays["votes"]["votes"].numpy()
                 got += 1
+            vote_s = time.perf_counter() - t0
             self.require(fed, got, len(weak))
         else:
             log.warning("dpsyn: no weak client to vote; the synthetic set is kept as generated")
@@ -591,6 +602,7 @@ class DPSyn(Algorithm):
             "synthetic": len(self.final),
             "distinct_kept": len(set(kept)),
             "votes_total": float(clipped.sum()),
+            "time/vote_clients_s": vote_s,
         }
 
     @override
@@ -619,18 +631,44 @@ class DPSyn(Algorithm):
         if not self.cfg.eval.enabled:
             return {}
         r, last = fed.rnd, self.cfg.train_rounds
+        preds: dict[str, dict[str, np.ndarray]] = {}
+        out: dict[str, Any] = {}
         if r == last + 1 and self.synthetic:
-            out = self._scores(self.synthetic, "gen")
+            with _timed(out, "time/eval_s"):
+                out.update(self._scores(self.synthetic, "gen", preds))
             if self.cfg.eval.references:
-                out.update(self._references())
+                with _timed(out, "time/eval_real_s"):
+                    out.update(self._references(preds))
             if self.cfg.eval.floor:
                 assert self.profile is not None
-                floor = self._sample(allot(self.profile, self.cfg.num_samples), [])
-                out.update({f"floor/{k}": v for k, v in self._scores(floor, "floor").items()})
-            return out
-        if r == last + 2 and self.final:
-            return self._scores(self.final, "vote")
-        return {}
+                with _timed(out, "time/floor_s"):
+                    floor = self._sample(allot(self.profile, self.cfg.num_samples), [])
+                    scores = self._scores(floor, "floor", preds)
+                out.update({f"floor/{k}": v for k, v in scores.items()})
+        elif r == last + 2 and self.final:
+            with _timed(out, "time/eval_s"):
+                out.update(self._scores(self.final, "vote", preds))
+        else:
+            return {}
+        if preds:
+            out["items"] = self._items(preds)
+        return out
+
+    def _items(self, preds: dict[str, dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+        """One item per (set, real held-out row): its label and each classifier's prediction.
+
+        ``set`` is ``gen``, ``vote``, ``real`` or ``floor``; ``id`` the row's source id. They
+        let a study pair two sets' scores over the same test rows.
+        """
+        test = self.task.test_data()
+        ids, ys = test.ids.tolist(), test.y.tolist()
+        out = []
+        for name, by_clf in preds.items():
+            for i, (sid, y) in enumerate(zip(ids, ys, strict=True)):
+                item: dict[str, Any] = {"id": int(sid), "set": name, "y": int(y)}
+                item.update({clf: int(p[i]) for clf, p in by_clf.items()})
+                out.append(item)
+        return out
 
     def _embed_eval(self) -> Any:
         return get_embedder(self.cfg.eval.embedder or self.cfg.embedder)
@@ -640,8 +678,15 @@ class DPSyn(Algorithm):
             self._test_emb = self._embed_eval()(self.task.texts(self.task.test_data()))
         return self._test_emb
 
-    def _scores(self, rows: list[dict[str, Any]], purpose: str) -> dict[str, float]:
-        return synthetic_scores(
+    def _scores(
+        self,
+        rows: list[dict[str, Any]],
+        purpose: str,
+        preds: dict[str, dict[str, np.ndarray]] | None = None,
+    ) -> dict[str, float]:
+        """The scores of a set of rows; its predictions go to ``preds[purpose]``."""
+        got: dict[str, np.ndarray] = {}
+        out = synthetic_scores(
             self.task,
             [row["text"] for row in rows],
             [row["label"] for row in rows],
@@ -649,9 +694,15 @@ class DPSyn(Algorithm):
             self._test_embeddings(),
             self.cfg.eval,
             derive_seed(self.run.seed, "eval", purpose),
+            got,
         )
+        if preds is not None and got:
+            preds[purpose] = got
+        return out
 
-    def _references(self) -> dict[str, float]:
+    def _references(
+        self, preds: dict[str, dict[str, np.ndarray]] | None = None
+    ) -> dict[str, float]:
         """The ceiling: the same classifiers trained on every client's real training rows."""
         texts: list[str] = []
         labels: list[int] = []
@@ -659,6 +710,7 @@ class DPSyn(Algorithm):
             data = self.task.client_data(cid)
             texts += self.task.texts(data)
             labels += [int(y) for y in data.y]
+        got: dict[str, np.ndarray] = {}
         scores = synthetic_scores(
             self.task,
             texts,
@@ -667,7 +719,10 @@ class DPSyn(Algorithm):
             self._test_embeddings(),
             self.cfg.eval,
             derive_seed(self.run.seed, "eval", "real"),
+            got,
         )
+        if preds is not None and got:
+            preds["real"] = got
         return {f"real/{k}": v for k, v in scores.items()}
 
     # ----- checkpointing -----
@@ -686,6 +741,16 @@ class DPSyn(Algorithm):
         self.profile = profile["p"] if profile else None
         self.synthetic = list(meta.get("synthetic", []))
         self.final = list(meta.get("final", []))
+
+
+@contextlib.contextmanager
+def _timed(out: dict[str, Any], key: str) -> Iterator[None]:
+    """Puts the seconds the block took in ``out[key]`` (a stage's share of the round time)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        out[key] = time.perf_counter() - t0
 
 
 def _jsonl(rows: list[dict[str, Any]]) -> str:
