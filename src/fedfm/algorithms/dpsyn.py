@@ -16,7 +16,11 @@ resumes between any two of them; ``R = algo.train_rounds``):
   clipping, Gaussian noise); the noise multiplier is calibrated from ``(epsilon_train, δ)``
   for the planned ``R · train.steps`` steps at the client's sampling rate.
   ``epsilon_train: inf`` trains without noise or clipping. Any server optimizer
-  (``algo.server_opt``) and aggregator aggregate the adapters.
+  (``algo.server_opt``) and aggregator aggregate the adapters. ``finetune: full`` trains
+  every weight of the causal LM instead (the paper's main setting, for a small model):
+  the ``train`` messages carry all weights (``weights``) and the server aggregates them; the
+  DP-SGD mechanism, so the ledger, is the same (σ, rate and steps do not depend on which
+  tensors are trained).
 * **round R+1, generation** (server): ``s_j = round(s · P̃[j] / Σ P̃)`` samples of code ``j``
   from the fine-tuned model, batched and seeded, with the config's temperature and top-p.
 * **round R+2, DP voting** (weak clients, ``vote``, gradient-free): each private sample,
@@ -59,6 +63,14 @@ Choices of ours (the paper is silent; where a choice is a value, it is a config 
       per round; ``train.epochs`` is refused (steps are what is accounted).
     * "Nearest" is the largest cosine similarity of L2-normalised embeddings (ties to the lower
       index); votes are float64 sums.
+    * Full fine-tuning clips each sample's gradient over all weights jointly (one norm
+      ``max_grad_norm``, as for LoRA); tied input and output embeddings are one tensor, its
+      per-sample gradient the sum of both uses (Opacus). The shared base gets its
+      pretrained weights back after every call, so other runs of the process are unaffected.
+    * Each round's row times its stages (``time/generate_s``, ``time/eval_s``,
+      ``time/eval_real_s``, ``time/floor_s``, ``time/vote_clients_s``), and the evaluated
+      rows keep each classifier's prediction per held-out row (``eval_items.jsonl``) so that
+      two sets can be compared paired over the same test rows.
     * Defaults: ``epsilon_profile = epsilon_vote = 1``, ``K = 4``, ``s = 200``, sampling at
       temperature 1 and top-p 0.9 for 48 new tokens, ``H = 0``, resampling (not ranking).
 """
@@ -106,8 +118,8 @@ ADAPTER = "dpsyn"
 
 TRAIN = MessageKind(
     "train",
-    down_arrays=("adapter",),
-    up_arrays=("adapter",),
+    down_arrays=("adapter", "weights"),  # one of them: LoRA or (finetune: full) every weight
+    up_arrays=("adapter", "weights"),
     up_meta=("num_examples", "loss", "dp"),
     roles=(STRONG,),
     meta_specs={"dp": MetaSpec("metrics", required=True)},
@@ -124,6 +136,9 @@ class DPSynConfig(AlgoConfig):
     Attributes:
         train_rounds: Fine-tuning rounds ``R`` (0: generate with the base model). The run's
             ``rounds`` is at most ``R + 2``; fewer stop after that stage (resume to go on).
+        finetune: ``lora``: DP-SGD on a LoRA adapter (``task.lora``); ``full``: on every
+            weight of the causal LM (the paper's main setting), which the messages then
+            carry in full (``weights``) and the server aggregates.
         epsilon_train: ε of each strong client's DP-SGD; ``inf``: no noise, no clipping.
         epsilon_profile: ε of each client's noisy count vector.
         epsilon_vote: ε of each weak client's noisy vote histogram.
@@ -148,6 +163,7 @@ class DPSynConfig(AlgoConfig):
     """
 
     train_rounds: int = Field(3, ge=0)
+    finetune: Literal["lora", "full"] = "lora"
     epsilon_train: float | Literal["inf"] = 8.0
     epsilon_profile: float = Field(1.0, gt=0)
     epsilon_vote: float = Field(1.0, gt=0)
@@ -327,9 +343,14 @@ class DPSyn(Algorithm):
         self.cfg: DPSynConfig = cfg
         self.codes = task.codes()
         self.fm = task.foundation_model()
-        # A fresh init even when an earlier run of this process left the shared slot trained.
-        self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
-        self.params = self.fm.get_adapter(ADAPTER)
+        self.full = cfg.finetune == "full"
+        self.field = "weights" if self.full else "adapter"  # the message and state group
+        if self.full:  # the pretrained weights (full_weights leaves the shared base as it was)
+            self.params = self.fm.get_weights()
+        else:
+            # A fresh init even when an earlier run of this process left the slot trained.
+            self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+            self.params = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.delta = cfg.delta if cfg.delta is not None else run.privacy.delta
         self.planned = cfg.train_rounds * run.train.steps
@@ -430,27 +451,28 @@ class DPSyn(Algorithm):
         return Message("profile", {"counts": {"counts": out}})
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        """Stage 1: DP-SGD on the received adapter over "code → text" rows."""
-        self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+        """Stage 1: DP-SGD on the received adapter (or weights) over "code → text" rows."""
         from fedfm.core.dp import sample_rate
 
         rows = self.rows(ctx.cid, ctx.data)
-        res = self.fm.dp_train(
-            rows,
-            ctx.state,
-            [ADAPTER],
-            [ADAPTER],
-            train=self.run.train,
-            dp=self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
-            delta=self.delta,
-            steps=self.run.train.steps,
-            planned_steps=self.planned,
-            seed=ctx.rng_seed("dp"),
-            field="algo",
-        )
+        kw: dict[str, Any] = {
+            "train": self.run.train,
+            "dp": self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
+            "delta": self.delta,
+            "steps": self.run.train.steps,
+            "planned_steps": self.planned,
+            "seed": ctx.rng_seed("dp"),
+            "field": "algo",
+        }
+        if self.full:
+            res, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
+        else:
+            self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+            res = self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
+            out = self.fm.get_adapter(ADAPTER)
         return Message(
             "train",
-            {"adapter": self.fm.get_adapter(ADAPTER)},
+            {self.field: out},
             {"num_examples": len(rows), "loss": res.loss, "dp": res.report()},
         )
 
@@ -497,23 +519,23 @@ class DPSyn(Algorithm):
 
     def _train(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed, role=STRONG)
-        msg = Message("train", {"adapter": self.params})
+        msg = Message("train", {self.field: self.params})
         delta, loss = self.opt.accumulator(self.params), MetricMean("loss")
-        for cid, r in fed.stream({c: msg for c in cids}, like={"adapter": self.params}):
+        for cid, r in fed.stream({c: msg for c in cids}, like={self.field: self.params}):
             report = r.meta["dp"]
             assert isinstance(report, dict)
             self.privacy.add_dp_sgd_report(cid, report)
-            delta.add(r.arrays["adapter"], meta_number(r, "num_examples"))
+            delta.add(r.arrays[self.field], meta_number(r, "num_examples"))
             loss.add(r)
         self.require(fed, loss.count, len(cids))
         self.params = self.opt.apply_delta(self.params, delta.result())
         return {"train_loss": loss.mean("loss"), "clients": loss.count}
 
-    def _generate(self, adapters: list[str] | None = None) -> dict[str, float]:
+    def _generate(self, tuned: bool = True) -> dict[str, float]:
         assert self.profile is not None, "profiling runs in round 0"
         allotment = allot(self.profile, self.cfg.num_samples)
         t0 = time.perf_counter()
-        self.synthetic = self._sample(allotment, [ADAPTER] if adapters is None else adapters)
+        self.synthetic = self._sample(allotment, tuned)
         took = time.perf_counter() - t0
         empty = [self.codes[j] for j, s in enumerate(allotment) if s == 0]
         if empty:
@@ -530,9 +552,21 @@ class DPSyn(Algorithm):
             "time/generate_s": took,
         }
 
-    def _sample(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
-        """``allotment[j]`` generated texts of each code ``j``, seeded per code."""
-        self.fm.set_adapter(ADAPTER, self.params)
+    def _sample(self, allotment: list[int], tuned: bool = True) -> list[dict[str, Any]]:
+        """``allotment[j]`` texts of each code ``j``, seeded per code.
+
+        ``tuned``: by the fine-tuned adapter or weights; otherwise by the base model.
+        """
+        with contextlib.ExitStack() as stack:
+            adapters: list[str] = []
+            if tuned and self.full:
+                stack.enter_context(self.fm.full_weights(self.params))
+            elif tuned:
+                self.fm.set_adapter(ADAPTER, self.params)
+                adapters = [ADAPTER]
+            return self._generate_codes(allotment, adapters)
+
+    def _generate_codes(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
         labels = self.task.code_labels()
         out: list[dict[str, Any]] = []
         for j, s in enumerate(allotment):
@@ -642,7 +676,7 @@ class DPSyn(Algorithm):
             if self.cfg.eval.floor:
                 assert self.profile is not None
                 with _timed(out, "time/floor_s"):
-                    floor = self._sample(allot(self.profile, self.cfg.num_samples), [])
+                    floor = self._sample(allot(self.profile, self.cfg.num_samples), tuned=False)
                     scores = self._scores(floor, "floor", preds)
                 out.update({f"floor/{k}": v for k, v in scores.items()})
         elif r == last + 2 and self.final:
@@ -728,14 +762,14 @@ class DPSyn(Algorithm):
     # ----- checkpointing -----
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        groups = {"adapter": self.params, "opt": self.opt.state_dict()}
+        groups = {self.field: self.params, "opt": self.opt.state_dict()}
         if self.profile is not None:
             groups["profile"] = {"p": self.profile}
         return join_groups(groups), {"synthetic": self.synthetic, "final": self.final}
 
     @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        self.params = get_group(arrays, "adapter")
+        self.params = get_group(arrays, self.field)
         self.opt.load_state_dict(get_group(arrays, "opt"))
         profile = get_group(arrays, "profile")
         self.profile = profile["p"] if profile else None
