@@ -589,6 +589,29 @@ def _diff_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
     return lines
 
 
+def _summary_lines(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
+    """Per kind of comparison: how many of its differences are resolved up, down or not."""
+    kinds: dict[str, list[int]] = {}
+    for _, label, a, b in comparisons(grid, res):
+        if not a or not b:
+            continue
+        kind = label.split(":")[0]
+        for clf, _ in CLASSIFIERS:
+            for est in (acc_diff(a, b, clf), f1_diff(a, b, clf)):
+                kinds.setdefault(kind, []).append(est.resolved())
+    if not kinds:
+        return []
+    lines = [
+        "Over the four scores of each row (accuracy and macro-F1 of both classifiers), the "
+        "differences more than 2 SE above zero / within 2 SE / more than 2 SE below zero:",
+        "",
+    ]
+    for kind, marks in kinds.items():
+        up, down = marks.count(1), marks.count(-1)
+        lines.append(f"- {kind}: {up} / {len(marks) - up - down} / {down}")
+    return [*lines, ""]
+
+
 def _seed_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
     """Voting's effect paired over seeds (only with two seeds or more)."""
     if len(grid.seeds) < 2:
@@ -819,6 +842,7 @@ def write_report(
         "",
         *_diff_table(grid, res),
         "",
+        *_summary_lines(grid, res),
         *_seed_table(grid, res),
         "## Privacy per run",
         "",
@@ -857,16 +881,23 @@ def write_report(
             if est is not None
             else "not estimated (no run fine-tuned)"
         )
+        data = "; ".join(
+            f"{NAMES[d.name]}: {d.clients} clients of "
+            f"{'all' if d.rows is None else d.rows} rows, strong "
+            f"{', '.join(f'{100 * x:g}%' for x in d.strong)}"
+            for d in full.data
+        )
         lines += [
             "## The full grid",
             "",
-            f"`{full_command}` runs {n_full} runs (both data sets, "
-            f"{' and '.join(full.partitions)}, strong fractions per data set as above, "
-            f"ε_train ∈ {{{', '.join(_eps_name(e) for e in full.epsilons)}}}, "
-            f"a floor run per data set and distribution) and writes `docs/dpsyn-study.md`. Its "
-            f"time: {when} (fine-tuning time per strong-client DP step, generation time per "
-            "sample and voting time per voter, each the mean over these runs, times the full "
-            "grid's counts).",
+            f"`{full_command}` runs {n_full} runs ({data}; {' and '.join(full.partitions)} code "
+            f"distributions; ε_train ∈ {{{', '.join(_eps_name(e) for e in full.epsilons)}}}; "
+            f"a floor run per data set and distribution; seeds "
+            f"{', '.join(map(str, full.seeds))}; the same sizes per run as above) and writes "
+            f"`docs/dpsyn-study.md`. Its time: {when} (fine-tuning time per strong-client DP "
+            "step, generation time per sample and voting time per voter, each the mean over "
+            "these runs, times the full grid's counts; these runs shared their cores, so an "
+            "idle machine takes less).",
             "",
         ]
     if errors:
