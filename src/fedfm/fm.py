@@ -490,6 +490,99 @@ class FoundationModel:
                 field=field,
             )
 
+    # ----- all weights (full fine-tuning) -----
+    def _base_params(self) -> dict[str, torch.nn.Parameter]:
+        """The base's own parameters by canonical name (tied tensors once, no LoRA tensor).
+
+        peft puts LoRA wrappers inside the base (``q_proj`` becomes ``q_proj.base_layer`` once
+        an adapter exists in the process), so the ``base_layer`` segment is dropped: names do
+        not depend on whether some run of this process created an adapter.
+        """
+        out: dict[str, torch.nn.Parameter] = {}
+        for name, param in self.bundle.model.named_parameters():
+            parts = name.split(".")
+            if any(part.startswith("lora_") for part in parts):
+                continue
+            out[".".join(part for part in parts if part != "base_layer")] = param
+        return out
+
+    def get_weights(self) -> Arrays:
+        """Detached CPU copies of every base weight (what full fine-tuning trains)."""
+        return {n: p.detach().cpu().clone() for n, p in self._base_params().items()}
+
+    @contextlib.contextmanager
+    def full_weights(
+        self, state: Mapping[str, Tensor], trainable: bool = False
+    ) -> Iterator[torch.nn.Module]:
+        """Within the block the base carries ``state`` (from :meth:`get_weights`), no adapter
+        is active, and every base weight gets gradients when ``trainable``.
+
+        The base is shared by every handle and run of the process, so its own weights and
+        frozen flags come back on exit, whatever happens.
+
+        Raises:
+            ConfigError: ``state`` has other names or shapes than the base (field
+                ``weights``).
+        """
+        params = self._base_params()
+        if set(state) != set(params) or any(
+            tuple(state[n].shape) != tuple(p.shape) for n, p in params.items()
+        ):
+            raise ConfigError("weights", "the weights do not match the base model's parameters")
+        own = {n: p.detach().clone() for n, p in params.items()}
+        with self.use([]) as model:
+            try:
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.copy_(state[n])
+                        p.requires_grad_(trainable)
+                yield model
+            finally:
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.copy_(own[n])
+                        p.requires_grad_(False)
+
+    def dp_train_full(
+        self,
+        rows: Sequence[Mapping[str, Sequence[int]]],
+        weights: Mapping[str, Tensor],
+        state: ClientState,
+        *,
+        train: TrainConfig,
+        dp: DPSGDConfig,
+        delta: float,
+        steps: int,
+        planned_steps: int,
+        seed: int,
+        key: str = "dp",
+        field: str = "algo.dp",
+    ) -> tuple[DPResult, Arrays]:
+        """DP-SGD on every base weight, starting from ``weights`` (see :meth:`dp_train`).
+
+        Returns:
+            The DP result and the trained weights (the base keeps its own weights).
+        """
+        from fedfm.core.dp import dp_train  # Opacus is imported only by runs that use it
+
+        with self.full_weights(weights, trainable=True) as model:
+            res = dp_train(
+                model,
+                rows,
+                state,
+                train=train,
+                dp=dp,
+                delta=delta,
+                steps=steps,
+                planned_steps=planned_steps,
+                seed=seed,
+                pad_id=pad_id_of(self.tokenizer),
+                autocast=self.autocast,
+                key=key,
+                field=field,
+            )
+            return res, self.get_weights()
+
     def _peft(self, names: Sequence[str]) -> peft.PeftModel:
         """The shared PeftModel; an unknown adapter name is one line naming the field."""
         model = _ADAPTED.get(self.key)

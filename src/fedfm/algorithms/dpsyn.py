@@ -16,7 +16,11 @@ resumes between any two of them; ``R = algo.train_rounds``):
   clipping, Gaussian noise); the noise multiplier is calibrated from ``(epsilon_train, δ)``
   for the planned ``R · train.steps`` steps at the client's sampling rate.
   ``epsilon_train: inf`` trains without noise or clipping. Any server optimizer
-  (``algo.server_opt``) and aggregator aggregate the adapters.
+  (``algo.server_opt``) and aggregator aggregate the adapters. ``finetune: full`` trains
+  every weight of the causal LM instead (the paper's main setting, for a small model):
+  the ``train`` messages carry all weights (``weights``) and the server aggregates them; the
+  DP-SGD mechanism, so the ledger, is the same (σ, rate and steps do not depend on which
+  tensors are trained).
 * **round R+1, generation** (server): ``s_j = round(s · P̃[j] / Σ P̃)`` samples of code ``j``
   from the fine-tuned model, batched and seeded, with the config's temperature and top-p.
 * **round R+2, DP voting** (weak clients, ``vote``, gradient-free): each private sample,
@@ -59,15 +63,26 @@ Choices of ours (the paper is silent; where a choice is a value, it is a config 
       per round; ``train.epochs`` is refused (steps are what is accounted).
     * "Nearest" is the largest cosine similarity of L2-normalised embeddings (ties to the lower
       index); votes are float64 sums.
+    * Full fine-tuning clips each sample's gradient over all weights jointly (one norm
+      ``max_grad_norm``, as for LoRA); tied input and output embeddings are one tensor, its
+      per-sample gradient the sum of both uses (Opacus). The shared base gets its
+      pretrained weights back after every call, so other runs of the process are unaffected.
+    * Each round's row times its stages (``time/generate_s``, ``time/eval_s``,
+      ``time/eval_real_s``, ``time/floor_s``, ``time/vote_clients_s``), and the evaluated
+      rows keep each classifier's prediction per held-out row (``eval_items.jsonl``) so that
+      two sets can be compared paired over the same test rows.
     * Defaults: ``epsilon_profile = epsilon_vote = 1``, ``K = 4``, ``s = 200``, sampling at
       temperature 1 and top-p 0.9 for 48 new tokens, ``H = 0``, resampling (not ranking).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -103,8 +118,8 @@ ADAPTER = "dpsyn"
 
 TRAIN = MessageKind(
     "train",
-    down_arrays=("adapter",),
-    up_arrays=("adapter",),
+    down_arrays=("adapter", "weights"),  # one of them: LoRA or (finetune: full) every weight
+    up_arrays=("adapter", "weights"),
     up_meta=("num_examples", "loss", "dp"),
     roles=(STRONG,),
     meta_specs={"dp": MetaSpec("metrics", required=True)},
@@ -121,6 +136,9 @@ class DPSynConfig(AlgoConfig):
     Attributes:
         train_rounds: Fine-tuning rounds ``R`` (0: generate with the base model). The run's
             ``rounds`` is at most ``R + 2``; fewer stop after that stage (resume to go on).
+        finetune: ``lora``: DP-SGD on a LoRA adapter (``task.lora``); ``full``: on every
+            weight of the causal LM (the paper's main setting), which the messages then
+            carry in full (``weights``) and the server aggregates.
         epsilon_train: ε of each strong client's DP-SGD; ``inf``: no noise, no clipping.
         epsilon_profile: ε of each client's noisy count vector.
         epsilon_vote: ε of each weak client's noisy vote histogram.
@@ -145,6 +163,7 @@ class DPSynConfig(AlgoConfig):
     """
 
     train_rounds: int = Field(3, ge=0)
+    finetune: Literal["lora", "full"] = "lora"
     epsilon_train: float | Literal["inf"] = 8.0
     epsilon_profile: float = Field(1.0, gt=0)
     epsilon_vote: float = Field(1.0, gt=0)
@@ -324,9 +343,14 @@ class DPSyn(Algorithm):
         self.cfg: DPSynConfig = cfg
         self.codes = task.codes()
         self.fm = task.foundation_model()
-        # A fresh init even when an earlier run of this process left the shared slot trained.
-        self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
-        self.params = self.fm.get_adapter(ADAPTER)
+        self.full = cfg.finetune == "full"
+        self.field = "weights" if self.full else "adapter"  # the message and state group
+        if self.full:  # the pretrained weights (full_weights leaves the shared base as it was)
+            self.params = self.fm.get_weights()
+        else:
+            # A fresh init even when an earlier run of this process left the slot trained.
+            self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+            self.params = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.delta = cfg.delta if cfg.delta is not None else run.privacy.delta
         self.planned = cfg.train_rounds * run.train.steps
@@ -427,27 +451,28 @@ class DPSyn(Algorithm):
         return Message("profile", {"counts": {"counts": out}})
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        """Stage 1: DP-SGD on the received adapter over "code → text" rows."""
-        self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+        """Stage 1: DP-SGD on the received adapter (or weights) over "code → text" rows."""
         from fedfm.core.dp import sample_rate
 
         rows = self.rows(ctx.cid, ctx.data)
-        res = self.fm.dp_train(
-            rows,
-            ctx.state,
-            [ADAPTER],
-            [ADAPTER],
-            train=self.run.train,
-            dp=self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
-            delta=self.delta,
-            steps=self.run.train.steps,
-            planned_steps=self.planned,
-            seed=ctx.rng_seed("dp"),
-            field="algo",
-        )
+        kw: dict[str, Any] = {
+            "train": self.run.train,
+            "dp": self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
+            "delta": self.delta,
+            "steps": self.run.train.steps,
+            "planned_steps": self.planned,
+            "seed": ctx.rng_seed("dp"),
+            "field": "algo",
+        }
+        if self.full:
+            res, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
+        else:
+            self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+            res = self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
+            out = self.fm.get_adapter(ADAPTER)
         return Message(
             "train",
-            {"adapter": self.fm.get_adapter(ADAPTER)},
+            {self.field: out},
             {"num_examples": len(rows), "loss": res.loss, "dp": res.report()},
         )
 
@@ -494,22 +519,24 @@ class DPSyn(Algorithm):
 
     def _train(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed, role=STRONG)
-        msg = Message("train", {"adapter": self.params})
+        msg = Message("train", {self.field: self.params})
         delta, loss = self.opt.accumulator(self.params), MetricMean("loss")
-        for cid, r in fed.stream({c: msg for c in cids}, like={"adapter": self.params}):
+        for cid, r in fed.stream({c: msg for c in cids}, like={self.field: self.params}):
             report = r.meta["dp"]
             assert isinstance(report, dict)
             self.privacy.add_dp_sgd_report(cid, report)
-            delta.add(r.arrays["adapter"], meta_number(r, "num_examples"))
+            delta.add(r.arrays[self.field], meta_number(r, "num_examples"))
             loss.add(r)
         self.require(fed, loss.count, len(cids))
         self.params = self.opt.apply_delta(self.params, delta.result())
         return {"train_loss": loss.mean("loss"), "clients": loss.count}
 
-    def _generate(self, adapters: list[str] | None = None) -> dict[str, float]:
+    def _generate(self, tuned: bool = True) -> dict[str, float]:
         assert self.profile is not None, "profiling runs in round 0"
         allotment = allot(self.profile, self.cfg.num_samples)
-        self.synthetic = self._sample(allotment, [ADAPTER] if adapters is None else adapters)
+        t0 = time.perf_counter()
+        self.synthetic = self._sample(allotment, tuned)
+        took = time.perf_counter() - t0
         empty = [self.codes[j] for j, s in enumerate(allotment) if s == 0]
         if empty:
             log.warning("dpsyn: no synthetic samples allotted to codes %s", ", ".join(empty))
@@ -519,11 +546,27 @@ class DPSyn(Algorithm):
             {"codes": self.codes, "noisy_profile": self.profile.tolist(), "allotment": allotment},
         )
         self.artefacts.write_json(HELDOUT, self.task.heldout())
-        return {"synthetic": len(self.synthetic), "codes_without_samples": len(empty)}
+        return {
+            "synthetic": len(self.synthetic),
+            "codes_without_samples": len(empty),
+            "time/generate_s": took,
+        }
 
-    def _sample(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
-        """``allotment[j]`` generated texts of each code ``j``, seeded per code."""
-        self.fm.set_adapter(ADAPTER, self.params)
+    def _sample(self, allotment: list[int], tuned: bool = True) -> list[dict[str, Any]]:
+        """``allotment[j]`` texts of each code ``j``, seeded per code.
+
+        ``tuned``: by the fine-tuned adapter or weights; otherwise by the base model.
+        """
+        with contextlib.ExitStack() as stack:
+            adapters: list[str] = []
+            if tuned and self.full:
+                stack.enter_context(self.fm.full_weights(self.params))
+            elif tuned:
+                self.fm.set_adapter(ADAPTER, self.params)
+                adapters = [ADAPTER]
+            return self._generate_codes(allotment, adapters)
+
+    def _generate_codes(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
         labels = self.task.code_labels()
         out: list[dict[str, Any]] = []
         for j, s in enumerate(allotment):
@@ -551,7 +594,7 @@ class DPSyn(Algorithm):
         weak = [c for c in fed.client_ids() if fed.role_of(c) != STRONG]
         codes = np.asarray([row["code_id"] for row in self.synthetic], dtype=np.int64)
         total = np.zeros(len(self.synthetic), dtype=np.float64)
-        got = 0
+        got, vote_s = 0, 0.0
         if weak and self.synthetic:
             msg = Message(
                 "vote",
@@ -563,9 +606,11 @@ class DPSyn(Algorithm):
             like = {"votes": {"votes": torch.zeros(len(self.synthetic), dtype=torch.float64)}}
             for cid in weak:
                 self.privacy.add_gaussian(cid, self.sigma_vote, 1.0, name="vote", analytic=True)
+            t0 = time.perf_counter()
             for _, r in fed.stream({c: msg for c in weak}, like=like):
                 total += r.arrays["votes"]["votes"].numpy()
                 got += 1
+            vote_s = time.perf_counter() - t0
             self.require(fed, got, len(weak))
         else:
             log.warning("dpsyn: no weak client to vote; the synthetic set is kept as generated")
@@ -591,6 +636,7 @@ class DPSyn(Algorithm):
             "synthetic": len(self.final),
             "distinct_kept": len(set(kept)),
             "votes_total": float(clipped.sum()),
+            "time/vote_clients_s": vote_s,
         }
 
     @override
@@ -619,18 +665,44 @@ class DPSyn(Algorithm):
         if not self.cfg.eval.enabled:
             return {}
         r, last = fed.rnd, self.cfg.train_rounds
+        preds: dict[str, dict[str, np.ndarray]] = {}
+        out: dict[str, Any] = {}
         if r == last + 1 and self.synthetic:
-            out = self._scores(self.synthetic, "gen")
+            with _timed(out, "time/eval_s"):
+                out.update(self._scores(self.synthetic, "gen", preds))
             if self.cfg.eval.references:
-                out.update(self._references())
+                with _timed(out, "time/eval_real_s"):
+                    out.update(self._references(preds))
             if self.cfg.eval.floor:
                 assert self.profile is not None
-                floor = self._sample(allot(self.profile, self.cfg.num_samples), [])
-                out.update({f"floor/{k}": v for k, v in self._scores(floor, "floor").items()})
-            return out
-        if r == last + 2 and self.final:
-            return self._scores(self.final, "vote")
-        return {}
+                with _timed(out, "time/floor_s"):
+                    floor = self._sample(allot(self.profile, self.cfg.num_samples), tuned=False)
+                    scores = self._scores(floor, "floor", preds)
+                out.update({f"floor/{k}": v for k, v in scores.items()})
+        elif r == last + 2 and self.final:
+            with _timed(out, "time/eval_s"):
+                out.update(self._scores(self.final, "vote", preds))
+        else:
+            return {}
+        if preds:
+            out["items"] = self._items(preds)
+        return out
+
+    def _items(self, preds: dict[str, dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+        """One item per (set, real held-out row): its label and each classifier's prediction.
+
+        ``set`` is ``gen``, ``vote``, ``real`` or ``floor``; ``id`` the row's source id. They
+        let a study pair two sets' scores over the same test rows.
+        """
+        test = self.task.test_data()
+        ids, ys = test.ids.tolist(), test.y.tolist()
+        out = []
+        for name, by_clf in preds.items():
+            for i, (sid, y) in enumerate(zip(ids, ys, strict=True)):
+                item: dict[str, Any] = {"id": int(sid), "set": name, "y": int(y)}
+                item.update({clf: int(p[i]) for clf, p in by_clf.items()})
+                out.append(item)
+        return out
 
     def _embed_eval(self) -> Any:
         return get_embedder(self.cfg.eval.embedder or self.cfg.embedder)
@@ -640,8 +712,15 @@ class DPSyn(Algorithm):
             self._test_emb = self._embed_eval()(self.task.texts(self.task.test_data()))
         return self._test_emb
 
-    def _scores(self, rows: list[dict[str, Any]], purpose: str) -> dict[str, float]:
-        return synthetic_scores(
+    def _scores(
+        self,
+        rows: list[dict[str, Any]],
+        purpose: str,
+        preds: dict[str, dict[str, np.ndarray]] | None = None,
+    ) -> dict[str, float]:
+        """The scores of a set of rows; its predictions go to ``preds[purpose]``."""
+        got: dict[str, np.ndarray] = {}
+        out = synthetic_scores(
             self.task,
             [row["text"] for row in rows],
             [row["label"] for row in rows],
@@ -649,9 +728,15 @@ class DPSyn(Algorithm):
             self._test_embeddings(),
             self.cfg.eval,
             derive_seed(self.run.seed, "eval", purpose),
+            got,
         )
+        if preds is not None and got:
+            preds[purpose] = got
+        return out
 
-    def _references(self) -> dict[str, float]:
+    def _references(
+        self, preds: dict[str, dict[str, np.ndarray]] | None = None
+    ) -> dict[str, float]:
         """The ceiling: the same classifiers trained on every client's real training rows."""
         texts: list[str] = []
         labels: list[int] = []
@@ -659,6 +744,7 @@ class DPSyn(Algorithm):
             data = self.task.client_data(cid)
             texts += self.task.texts(data)
             labels += [int(y) for y in data.y]
+        got: dict[str, np.ndarray] = {}
         scores = synthetic_scores(
             self.task,
             texts,
@@ -667,25 +753,38 @@ class DPSyn(Algorithm):
             self._test_embeddings(),
             self.cfg.eval,
             derive_seed(self.run.seed, "eval", "real"),
+            got,
         )
+        if preds is not None and got:
+            preds["real"] = got
         return {f"real/{k}": v for k, v in scores.items()}
 
     # ----- checkpointing -----
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        groups = {"adapter": self.params, "opt": self.opt.state_dict()}
+        groups = {self.field: self.params, "opt": self.opt.state_dict()}
         if self.profile is not None:
             groups["profile"] = {"p": self.profile}
         return join_groups(groups), {"synthetic": self.synthetic, "final": self.final}
 
     @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        self.params = get_group(arrays, "adapter")
+        self.params = get_group(arrays, self.field)
         self.opt.load_state_dict(get_group(arrays, "opt"))
         profile = get_group(arrays, "profile")
         self.profile = profile["p"] if profile else None
         self.synthetic = list(meta.get("synthetic", []))
         self.final = list(meta.get("final", []))
+
+
+@contextlib.contextmanager
+def _timed(out: dict[str, Any], key: str) -> Iterator[None]:
+    """Puts the seconds the block took in ``out[key]`` (a stage's share of the round time)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        out[key] = time.perf_counter() - t0
 
 
 def _jsonl(rows: list[dict[str, Any]]) -> str:

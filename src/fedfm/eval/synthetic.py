@@ -67,39 +67,45 @@ class SyntheticEvalConfig(BaseModel):
         return None if v is None else known_embedder(v)
 
 
-def logreg_scores(
-    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, c: float = 1.0
-) -> dict[str, float]:
-    """Accuracy and macro-F1 on ``test`` of a logistic regression fitted on ``train``.
+def logreg_predict(
+    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, c: float = 1.0
+) -> np.ndarray:
+    """``(m,)`` predicted classes of ``test_x`` by a logistic regression fitted on ``train``.
 
     Args:
         train_x: ``(n, d)`` features.
         train_y: ``(n,)`` class indices.
         test_x: ``(m, d)`` features.
-        test_y: ``(m,)`` class indices.
         c: Inverse regularisation strength.
     """
     from sklearn.linear_model import LogisticRegression
 
     classes = np.unique(train_y)
     if len(classes) == 1:
-        pred = np.full(len(test_y), classes[0])
-    else:
-        model = LogisticRegression(C=c, max_iter=1000)
-        pred = model.fit(train_x, train_y).predict(test_x)
-    return _scores(pred, test_y)
+        return np.full(len(test_x), classes[0])
+    model = LogisticRegression(C=c, max_iter=1000)
+    return np.asarray(model.fit(train_x, train_y).predict(test_x))
 
 
-def _scores(pred: np.ndarray, y: np.ndarray) -> dict[str, float]:
+def logreg_scores(
+    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, c: float = 1.0
+) -> dict[str, float]:
+    """Accuracy and macro-F1 on ``test`` of a logistic regression fitted on ``train``
+    (arguments as :func:`logreg_predict`, ``test_y`` the ``(m,)`` true classes)."""
+    return scores(logreg_predict(train_x, train_y, test_x, c), test_y)
+
+
+def scores(pred: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Accuracy and macro-F1 of predicted classes ``pred`` against ``y`` (both ``(m,)``)."""
     p, t = torch.as_tensor(np.asarray(pred, np.int64)), torch.as_tensor(np.asarray(y, np.int64))
     return {"acc": float((p == t).float().mean()), "macro_f1": macro_f1(p, t)}
 
 
-def classifier_scores(
+def classifier_predict(
     task: Any, texts: Sequence[str], labels: Sequence[int], cfg: SyntheticEvalConfig, seed: int
-) -> dict[str, float]:
-    """Accuracy and macro-F1 on the task's real test set of its text classifier trained on
-    ``texts`` (the task must provide ``labelled`` and its classification API)."""
+) -> np.ndarray:
+    """``(m,)`` predicted classes on the task's real test set of its text classifier trained
+    on ``texts`` (the task must provide ``labelled`` and its classification API)."""
     from fedfm.core.train import local_train
 
     data = task.labelled(list(texts), list(labels))
@@ -108,8 +114,15 @@ def classifier_scores(
         steps=cfg.clf_steps, batch_size=cfg.clf_batch_size, optimizer="adam", lr=cfg.clf_lr
     )
     local_train(model, task.batches(data, train.batch_size, seed), task.loss, train, train.steps)
-    out = task.evaluate(model, task.test_data())
-    return {"acc": float(out["acc"]), "macro_f1": float(out["macro_f1"])}
+    return task.predict(model, task.test_data()).argmax(-1).numpy()
+
+
+def classifier_scores(
+    task: Any, texts: Sequence[str], labels: Sequence[int], cfg: SyntheticEvalConfig, seed: int
+) -> dict[str, float]:
+    """Accuracy and macro-F1 of :func:`classifier_predict` on the task's real test set."""
+    pred = classifier_predict(task, texts, labels, cfg, seed)
+    return scores(pred, task.test_data().y.numpy())
 
 
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -139,6 +152,7 @@ def synthetic_scores(
     test_emb: np.ndarray,
     cfg: SyntheticEvalConfig,
     seed: int,
+    predictions: dict[str, np.ndarray] | None = None,
 ) -> dict[str, float]:
     """Every score of one synthetic set against the task's real held-out set.
 
@@ -150,6 +164,8 @@ def synthetic_scores(
         test_emb: Embeddings of the real held-out texts.
         cfg: What to compute.
         seed: Seeds the text classifier.
+        predictions: When given, receives each classifier's ``(m,)`` predicted classes on
+            the held-out set (``logreg``, ``clf``), for paired comparisons over test items.
 
     Returns:
         ``acc`` and ``macro_f1`` (logistic regression on embeddings), ``clf/acc`` and
@@ -165,8 +181,11 @@ def synthetic_scores(
         return out
     y = np.asarray(labels, dtype=np.int64)
     test_y = task.test_data().y.numpy()
-    out.update(logreg_scores(emb, y, test_emb, test_y, cfg.logreg_c))
+    preds = {"logreg": logreg_predict(emb, y, test_emb, cfg.logreg_c)}
+    out.update(scores(preds["logreg"], test_y))
     if cfg.clf:
-        clf = classifier_scores(task, texts, [int(v) for v in y], cfg, seed)
-        out.update({f"clf/{k}": v for k, v in clf.items()})
+        preds["clf"] = classifier_predict(task, texts, [int(v) for v in y], cfg, seed)
+        out.update({f"clf/{k}": v for k, v in scores(preds["clf"], test_y).items()})
+    if predictions is not None:
+        predictions.update(preds)
     return out
