@@ -185,7 +185,7 @@ class Grid:
         return next(d for d in self.data if d.name == name)
 
 
-# Sized for about 20 minutes on 2 idle cores from one profiled run (docs/dpsyn-study.md):
+# Sized for about 20 minutes on 2 idle cores from one profiled run (docs/dpsyn.md: time by stage):
 # Rotten Tomatoes, IID, 10 clients of 100 reviews; 1 strong client (10 %) at ε = 8, ∞ and 1,
 # 5 strong clients (50 %) at ε = 8; plus the floor run (which also computes the ceiling).
 QUICK = Grid(
