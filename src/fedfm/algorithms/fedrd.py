@@ -16,16 +16,25 @@ server co-trains ``φ``, ``g`` and the student on a small public set with
 
 ``L_CKA = −CKA`` (linear CKA, :mod:`fedfm.core.cka`; ``f_t`` and ``f_s`` may differ in width).
 
-Registered here:
+Registered here (the server half differs only in its objective, :data:`OBJECTIVES`):
 
-* ``fedrd``: the method. ``reprogram: false`` gives the federated-KD baseline without
-  reprogramming, also registered as ``fedrd-kd``: the raw features ``F_t(x)`` go to a
-  separate teacher head (trained with ``α·CE`` on the public set) and to CKA directly.
+* ``fedrd``: the method (objective ``fedrd``). ``warmup_epochs`` trains φ and g with
+  ``CE(y, z_t)`` alone on the public set before round 1.
+* ``fedrd-nophi`` (old name ``fedrd-kd``, kept as an alias): FedRD without φ,
+  ``reprogram: false``: the raw features ``F_t(x)`` go to a separate teacher head (trained
+  with ``α·CE`` on the public set) and to CKA directly.
+* ``fed-hint``: Fed-Hint, the paper's FitNets baseline moved to the server (objective
+  ``hint``): ``CE(y, z_s) + β·mean((W f_s − F_t(x))²)`` with a learned regressor ``W``.
+* ``fedavg-ft``: the control for the labelled public rows (objective ``ce``): student FedAvg,
+  then the server fine-tunes the student with ``CE(y, z_s)`` on the same public rows with the
+  same optimizer and epochs; the foundation model is never loaded. (FedRD with
+  ``alpha = beta = 0`` is the same computation plus FedRD's warm-up of g, checked in tests.)
 
-The other baselines are presets of plain ``fedavg``: the student alone, and federated LoRA on
-the foundation model (the text task's ``encoder-lora-classifier``: clients hold the frozen
-encoder, its LoRA adapters and a head; FedAvg exchanges only trainable tensors, so only
-adapters and head travel).
+The other baselines are presets of plain ``fedavg``: the student alone, federated LoRA on
+the text foundation model (the text task's ``encoder-lora-classifier``) and a federated
+adapter on the frozen vision foundation model (``fm-adapter``, :mod:`fedfm.models.fm_adapter`);
+FedAvg exchanges only trainable tensors, so only adapters and heads travel. Fed-CRD, Fed-VID
+and SemCKD, the paper's other KD baselines, are not implemented.
 
 Choices of ours, not made by the paper:
 
@@ -50,6 +59,13 @@ Choices of ours, not made by the paper:
   rows that no client holds (e.g. rows left out by ``max_train``). It must be disjoint from
   every client's data and from the test set by sample id, and is refused otherwise. (In a
   simulation the server can check this because the task holds every partition.)
+* Fed-Hint hints the student's penultimate features (the input of g), not a middle layer, onto
+  ``F_t``'s pooled features; the regressor is a server module kept across rounds (and
+  checkpointed); the hint is a mean over batch and features, so β carries the usual hint
+  weight (the presets use β = 100).
+* The warm-up uses the server optimizer's settings with ``warmup_epochs`` epochs, once,
+  before round 1 (a resumed run has the warmed-up φ in its checkpoint); it is refused at
+  config load for an objective without ``z_t``.
 * ``F_t`` lives only in the server half, built lazily in :meth:`FedRD.setup`/``round``;
   client handlers are FedAvg's and never touch it, so clients never load it.
 """
