@@ -28,7 +28,7 @@ Registered here (the server half differs only in its objective, :data:`OBJECTIVE
 * ``fedavg-ft``: the control for the labelled public rows (objective ``ce``): student FedAvg,
   then the server fine-tunes the student with ``CE(y, z_s)`` on the same public rows with the
   same optimizer and epochs; the foundation model is never loaded. (FedRD with
-  ``alpha = beta = 0`` is the same computation plus FedRD's warm-up of g, checked in tests.)
+  ``alpha = beta = 0`` and no warm-up is the same computation, checked in tests.)
 
 The other baselines are presets of plain ``fedavg``: the student alone, federated LoRA on
 the text foundation model (the text task's ``encoder-lora-classifier``) and a federated
@@ -62,7 +62,7 @@ Choices of ours, not made by the paper:
 * Fed-Hint hints the student's penultimate features (the input of g), not a middle layer, onto
   ``F_t``'s pooled features; the regressor is a server module kept across rounds (and
   checkpointed); the hint is a mean over batch and features, so β carries the usual hint
-  weight (the presets use β = 100).
+  weight (the vision preset uses β = 1; see its comment).
 * The warm-up uses the server optimizer's settings with ``warmup_epochs`` epochs, once,
   before round 1 (a resumed run has the warmed-up φ in its checkpoint); it is refused at
   config load for an objective without ``z_t``.
