@@ -8,6 +8,7 @@ the fixed text (the method, the substitutions, what is not implemented).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -249,6 +250,35 @@ def teacher_lines(grid: Grid, res: Results, mod: str) -> list[str]:
                 lines.append(
                     f"- α = {a:g}, {METHODS[m].label}: teacher path z_t {t.fmt()} vs its own"
                     f" student {s.fmt()}; the public fine-tuning control's student {ctrl.fmt()}."
+                )
+    return lines
+
+
+def seeds_table(grid: Grid, res: Results, mod: str) -> list[str]:
+    """The final test accuracy of every run, seed by seed (what the means and SEs are of)."""
+    lines = _head(["α", "method", *[f"seed {s}" for s in grid.seeds]])
+    for a in grid.alphas:
+        for m in _methods(grid, mod):
+            vals = per_seed(res, grid, mod, a, m, "acc")
+            cells = [f"{vals[s]:.3f}" if s in vals else "—" for s in grid.seeds]
+            lines.append(_row([f"{a:g}", METHODS[m].label, *cells]))
+    return lines
+
+
+DROP = 0.2
+"""A fall of test accuracy this large between two evaluations flags a run as unstable."""
+
+
+def unstable_lines(grid: Grid, res: Results) -> list[str]:
+    """Runs whose test accuracy fell by more than :data:`DROP` between two evaluations."""
+    lines = []
+    for job, r in sorted(res.items(), key=lambda kv: kv[0].name):
+        rounds = sorted(r.curve)
+        for a, b in itertools.pairwise(rounds):
+            if r.curve[a] - r.curve[b] > DROP:
+                lines.append(
+                    f"- `{job.name}` ({METHODS[job.method].label}): test accuracy"
+                    f" {r.curve[a]:.3f} at round {a}, {r.curve[b]:.3f} at round {b}."
                 )
     return lines
 
@@ -643,6 +673,16 @@ def write_report(
             "### Accuracy over rounds (mean ± SE over seeds)",
             "",
             *curves_table(grid, res, mod),
+            "",
+            "### Final accuracy per seed",
+            "",
+            *seeds_table(grid, res, mod),
+            "",
+            f"Runs whose test accuracy fell by more than {DROP:g} between two evaluations"
+            " (a diverging run moves its cell's mean and SE far more than any method"
+            " difference):",
+            "",
+            *(unstable_lines(grid, res) or ["- none"]),
             "",
             "### The server's view: teacher path, fit of the public rows, CKA",
             "",
