@@ -315,6 +315,8 @@ FEDRD_PRESETS = [
     "fedrd-vision-adapter",
     "fedrd-text",
     "fedrd-text-nophi",
+    "fedrd-text-ft",
+    "fedrd-text-hint",
     "fedrd-text-fedavg",
     "fedrd-text-lora",
 ]
@@ -335,7 +337,7 @@ def test_study_grid_and_job_configs(tmp_path: Any) -> None:
     from fedfm.reproduce.fedrd import FULL, QUICK, Job, job_config, jobs_of
 
     jobs = jobs_of(FULL)
-    assert len(jobs) == 3 * 2 * 7  # seeds x alphas x vision methods
+    assert len(jobs) == 3 * 2 * (7 + 6)  # seeds x alphas x (vision + text methods)
     assert [j.seed for j in jobs] == sorted(j.seed for j in jobs)  # seed by seed
     zero = job_config(Job("vision", 0.1, 1, "ab0"), FULL, Path(tmp_path))
     assert zero["algo"]["alpha"] == zero["algo"]["beta"] == 0.0

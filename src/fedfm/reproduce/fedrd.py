@@ -71,7 +71,9 @@ METHODS: dict[str, Method] = {
         public=False,
     ),
     "ft": Method(
-        "student FedAvg + public fine-tuning", {"vision": "fedrd-vision-ft"}, kind="control"
+        "student FedAvg + public fine-tuning",
+        {"vision": "fedrd-vision-ft", "text": "fedrd-text-ft"},
+        kind="control",
     ),
     "ab0": Method(
         "FedRD, α = β = 0 (public CE only)",
@@ -83,7 +85,11 @@ METHODS: dict[str, Method] = {
     "nophi": Method(
         "FedRD without φ", {"vision": "fedrd-vision-nophi", "text": "fedrd-text-nophi"}, kind="kd"
     ),
-    "hint": Method("Fed-Hint (FitNets hints)", {"vision": "fedrd-vision-hint"}, kind="kd"),
+    "hint": Method(
+        "Fed-Hint (FitNets hints)",
+        {"vision": "fedrd-vision-hint", "text": "fedrd-text-hint"},
+        kind="kd",
+    ),
     "adapter": Method(
         "federated adapter on the FM (clients hold Lite0)",
         {"vision": "fedrd-vision-adapter"},
@@ -114,7 +120,7 @@ class Grid:
         probe_test: Test images the probe is scored on.
     """
 
-    modalities: Sequence[str] = ("vision",)
+    modalities: Sequence[str] = ("vision", "text")
     alphas: Sequence[float] = (0.1, 0.5)
     seeds: Sequence[int] = (0, 1, 2)
     methods: Sequence[str] = ("fedavg", "ft", "ab0", "fedrd", "nophi", "hint", "adapter")
@@ -127,6 +133,7 @@ class Grid:
 
 FULL = Grid()
 QUICK = Grid(
+    modalities=("vision",),
     alphas=(0.5,),
     seeds=(0,),
     rounds=2,
