@@ -2,15 +2,18 @@
 baselines and a client-side adapter on the foundation model, over seeds and rounds.
 
 ``fedfm reproduce fedrd`` runs, on Fashion-MNIST (SmallCNN students, a frozen
-EfficientNet-Lite0 on the server), at Dirichlet label skew α ∈ {0.1, 0.5}, for every seed:
+EfficientNet-Lite0 on the server) and on TREC (a fastText-style student, a frozen
+all-MiniLM-L6-v2 on the server), at Dirichlet label skew α ∈ {0.1, 0.5}, for every seed:
 
 * **controls** for the labelled public rows the server trains on: student FedAvg + public
   fine-tuning (``fedavg-ft``: the server's CE on the same public rows, same epochs, no
   foundation model) and FedRD with α = β = 0 (public CE only, with FedRD's warm-up of g);
 * **FedRD**, **FedRD without φ** (``fedrd-nophi``, formerly ``fedrd-kd``) and **Fed-Hint**
   (FitNets feature hints at the server), the KD baselines;
-* **student FedAvg** (no public rows) and a **federated adapter on the foundation model**
-  (clients hold the frozen Lite0 with a trainable adapter and head);
+* **student FedAvg** (no public rows) and, for images, a **federated adapter on the
+  foundation model** (clients hold the frozen Lite0 with a trainable adapter and head;
+  federated LoRA on MiniLM, ``fedrd-text-lora``, is a method here but not in the full grid:
+  every client step runs the encoder, too slow for seeds × 40 rounds on 2 CPU cores);
 
 then probes Lite0's features linearly (logistic regression on as many training images as the
 public set has) at several input sizes, so the report can say whether the teacher beats the

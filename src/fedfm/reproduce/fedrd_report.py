@@ -269,10 +269,12 @@ DROP = 0.2
 """A fall of test accuracy this large between two evaluations flags a run as unstable."""
 
 
-def unstable_lines(grid: Grid, res: Results) -> list[str]:
-    """Runs whose test accuracy fell by more than :data:`DROP` between two evaluations."""
+def unstable_lines(grid: Grid, res: Results, mod: str) -> list[str]:
+    """Runs of ``mod`` whose test accuracy fell by more than :data:`DROP` between two
+    evaluations."""
     lines = []
-    for job, r in sorted(res.items(), key=lambda kv: kv[0].name):
+    mine = {j: r for j, r in res.items() if j.modality == mod}
+    for job, r in sorted(mine.items(), key=lambda kv: kv[0].name):
         rounds = sorted(r.curve)
         for a, b in itertools.pairwise(rounds):
             if r.curve[a] - r.curve[b] > DROP:
@@ -432,7 +434,8 @@ def setup_table(grid: Grid) -> list[str]:
 
 
 def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
-    """Test accuracy over rounds (mean over seeds, ± SE bands), one panel per α."""
+    """Test accuracy over rounds (mean over seeds, ± SE bands): a row per modality, a column
+    per α."""
     rounds = curve_rounds(grid, res)
     if not rounds:
         return None
@@ -441,24 +444,25 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mod = "vision" if "vision" in grid.modalities else grid.modalities[0]
-    meths = _methods(grid, mod)
-    palette = plots.colours(METHODS[m].label for m in meths)
-    fig, axes = plt.subplots(1, len(grid.alphas), figsize=(5.5 * len(grid.alphas), 3.8))
-    axes = np.atleast_1d(axes)
-    for ax, a in zip(axes, grid.alphas, strict=True):
-        for m in meths:
-            est = [mean_se(list(curve_seed(res, grid, mod, a, m, r).values())) for r in rounds]
-            mu = np.array([e.mean for e in est])
-            se = np.array([e.se if math.isfinite(e.se) else 0.0 for e in est])
-            colour = palette[METHODS[m].label]
-            ax.plot(rounds, mu, marker="o", ms=3, label=METHODS[m].label, color=colour)
-            ax.fill_between(rounds, mu - se, mu + se, alpha=0.15, color=colour)
-        ax.set_title(f"{mod}, Dirichlet α = {a:g}")
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower right")
+    mods, alphas = list(grid.modalities), list(grid.alphas)
+    palette = plots.colours(METHODS[m].label for m in grid.methods)
+    fig, axes = plt.subplots(
+        len(mods), len(alphas), figsize=(5.5 * len(alphas), 3.6 * len(mods)), squeeze=False
+    )
+    for i, mod in enumerate(mods):
+        for ax, a in zip(axes[i], alphas, strict=True):
+            for m in _methods(grid, mod):
+                est = [mean_se(list(curve_seed(res, grid, mod, a, m, r).values())) for r in rounds]
+                mu = np.array([e.mean for e in est])
+                se = np.array([e.se if math.isfinite(e.se) else 0.0 for e in est])
+                colour = palette[METHODS[m].label]
+                ax.plot(rounds, mu, marker="o", ms=3, label=METHODS[m].label, color=colour)
+                ax.fill_between(rounds, mu - se, mu + se, alpha=0.15, color=colour)
+            ax.set_title(f"{mod}, Dirichlet α = {a:g}")
+            ax.set_xlabel("round")
+            ax.set_ylabel("test accuracy")
+            ax.grid(alpha=0.3)
+        axes[i][0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -634,11 +638,13 @@ def write_report(
         "",
         f"- Grid: {', '.join(grid.modalities)} × Dirichlet α ∈"
         f" {{{', '.join(f'{a:g}' for a in grid.alphas)}}} × seeds"
-        f" {{{', '.join(map(str, grid.seeds))}}} × {len(grid.methods)} methods ="
+        f" {{{', '.join(map(str, grid.seeds))}}} × methods"
+        f" ({', '.join(f'{len(_methods(grid, m))} {m}' for m in grid.modalities)}) ="
         f" {len(jobs)} runs; {done} finished. The seed draws the training pool, the public"
         " set and the partition, so every method of a seed sees the same clients and public"
         " rows: differences are paired by seed.",
-        f"- Wall time: {wall / 60:.1f} min in one process with one torch thread, on a machine"
+        f"- Wall time: {wall / 60:.1f} min (summed over the invocations, when the grid was"
+        " resumed), runs one at a time in one process with one torch thread, on a machine"
         f" with {study.get('cpus', os.cpu_count())} CPU cores shared with other jobs"
         f" ({platform.machine()}, Python {platform.python_version()}), the probe included.",
         f"- Test accuracy on the task's test set (Fashion-MNIST: its 10,000 test images;"
@@ -690,7 +696,7 @@ def write_report(
             " (a diverging run moves its cell's mean and SE far more than any method"
             " difference):",
             "",
-            *(unstable_lines(grid, res) or ["- none"]),
+            *(unstable_lines(grid, res, mod) or ["- none"]),
             "",
             "### The server's view: teacher path, fit of the public rows, CKA",
             "",
