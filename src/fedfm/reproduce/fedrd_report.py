@@ -594,7 +594,7 @@ def scale_row(grid: Grid) -> tuple[str, str, str]:
 
 
 TEXT_ROW = (
-    "(the paper has no text setting)",
+    "(the paper's setting is medical imaging only)",
     "TREC question types (6 classes, 500 public questions carved out, 10 clients, half per"
     " round) with a fastText-style student and all-MiniLM-L6-v2 (22 M parameters) as F_t;"
     " federated LoRA on MiniLM (`fedrd-text-lora`) is not in this grid (every client step runs"
