@@ -215,7 +215,7 @@ def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
         if algorithm == "fedkd-ungated":
             cfg["algo"] = {**cfg["algo"], "gate": "ungated"}
         return cfg
-    if algorithm in ("fedrd", "fedrd-kd"):
+    if algorithm in ("fedrd", "fedrd-kd", "fedrd-nophi", "fed-hint", "fedavg-ft"):
         algo = {
             "teacher": "flower-test-fm",
             "public_size": 100,

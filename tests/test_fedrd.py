@@ -242,7 +242,7 @@ def test_width_mismatch_fails_when_built(tmp_path: Any) -> None:
 
 
 def test_kd_baseline_uses_raw_features_and_cka_across_widths(tmp_path: Any) -> None:
-    algo = build(_cfg(tmp_path, "fedrd-kd")).algo
+    algo = build(_cfg(tmp_path, "fedrd-nophi")).algo
     srv = algo.server()
     m = srv.cotrainer
     assert m.phi is None and m.teacher_head.in_features == 24
@@ -308,10 +308,15 @@ def test_text_fedrd_uses_the_task_public_split(tmp_path: Any) -> None:
 
 FEDRD_PRESETS = [
     "fedrd-vision",
-    "fedrd-vision-kd",
+    "fedrd-vision-nophi",
     "fedrd-vision-fedavg",
+    "fedrd-vision-ft",
+    "fedrd-vision-hint",
+    "fedrd-vision-adapter",
     "fedrd-text",
-    "fedrd-text-kd",
+    "fedrd-text-nophi",
+    "fedrd-text-ft",
+    "fedrd-text-hint",
     "fedrd-text-fedavg",
     "fedrd-text-lora",
 ]
@@ -326,15 +331,30 @@ def test_presets_validate(preset: str) -> None:
     assert task_cfg.kind in ("image", "text")
 
 
-def test_study_grid_and_overrides() -> None:
-    from fedfm.reproduce.fedrd import FULL, applicable, jobs_of
+def test_study_grid_and_job_configs(tmp_path: Any) -> None:
+    from pathlib import Path
+
+    from fedfm.reproduce.fedrd import FULL, QUICK, Job, job_config, jobs_of
 
     jobs = jobs_of(FULL)
-    assert len(jobs) == 2 * 3 + 2 * 4  # vision: 3 methods, text: 4, two alphas each
-    assert {j.method for j in jobs[:2]} == {"lora"}  # slowest first
-    ov = ["algo.public_size=10", "task.max_train=100"]
-    assert applicable("fedrd-vision", ov) == ov
-    assert applicable("fedrd-vision-fedavg", ov) == ["task.max_train=100"]
+    assert len(jobs) == 3 * 2 * (7 + 6)  # seeds x alphas x (vision + text methods)
+    assert [j.seed for j in jobs] == sorted(j.seed for j in jobs)  # seed by seed
+    zero = job_config(Job("vision", 0.1, 1, "ab0"), FULL, Path(tmp_path))
+    assert zero["algo"]["alpha"] == zero["algo"]["beta"] == 0.0
+    assert zero["algo"]["warmup_epochs"] > 0 and zero["partition"]["alpha"] == 0.1
+    assert zero["seed"] == 1 and zero["rounds"] >= 40 and zero["name"] == "vision-a0.1-s1-ab0"
+    ft = job_config(Job("vision", 0.1, 1, "ft"), FULL, Path(tmp_path))
+    fedrd = job_config(Job("vision", 0.1, 1, "fedrd"), FULL, Path(tmp_path))
+    assert ft["algo"]["server_train"] == fedrd["algo"]["server_train"]  # same epochs
+    assert ft["algo"]["public_size"] == fedrd["algo"]["public_size"]
+    for key in ("task", "partition", "train", "clients"):
+        assert ft[key] == fedrd[key], key  # the same clients and local training
+    # the quick grid's smaller sizes reach the server's algo only where it has a public set,
+    # and the adapter's foundation model sees the teacher's input size
+    q = {m: job_config(Job("vision", 0.5, 0, m), QUICK, Path(tmp_path)) for m in QUICK.methods}
+    assert q["fedrd"]["algo"]["public_size"] == 100 and "public_size" not in q["fedavg"]["algo"]
+    assert q["adapter"]["task"]["model_args"]["fm_size"] == 32
+    assert all(c["task"]["max_train"] == 300 for c in q.values())
 
 
 # ----------------------------------------------------------------------------- server half alone

@@ -16,16 +16,25 @@ server co-trains ``φ``, ``g`` and the student on a small public set with
 
 ``L_CKA = −CKA`` (linear CKA, :mod:`fedfm.core.cka`; ``f_t`` and ``f_s`` may differ in width).
 
-Registered here:
+Registered here (the server half differs only in its objective, :data:`OBJECTIVES`):
 
-* ``fedrd``: the method. ``reprogram: false`` gives the federated-KD baseline without
-  reprogramming, also registered as ``fedrd-kd``: the raw features ``F_t(x)`` go to a
-  separate teacher head (trained with ``α·CE`` on the public set) and to CKA directly.
+* ``fedrd``: the method (objective ``fedrd``). ``warmup_epochs`` trains φ and g with
+  ``CE(y, z_t)`` alone on the public set before round 1.
+* ``fedrd-nophi`` (old name ``fedrd-kd``, kept as an alias): FedRD without φ,
+  ``reprogram: false``: the raw features ``F_t(x)`` go to a separate teacher head (trained
+  with ``α·CE`` on the public set) and to CKA directly.
+* ``fed-hint``: Fed-Hint, the paper's FitNets baseline moved to the server (objective
+  ``hint``): ``CE(y, z_s) + β·mean((W f_s − F_t(x))²)`` with a learned regressor ``W``.
+* ``fedavg-ft``: the control for the labelled public rows (objective ``ce``): student FedAvg,
+  then the server fine-tunes the student with ``CE(y, z_s)`` on the same public rows with the
+  same optimizer and epochs; the foundation model is never loaded. (FedRD with
+  ``alpha = beta = 0`` and no warm-up is the same computation, checked in tests.)
 
-The other baselines are presets of plain ``fedavg``: the student alone, and federated LoRA on
-the foundation model (the text task's ``encoder-lora-classifier``: clients hold the frozen
-encoder, its LoRA adapters and a head; FedAvg exchanges only trainable tensors, so only
-adapters and head travel).
+The other baselines are presets of plain ``fedavg``: the student alone, federated LoRA on
+the text foundation model (the text task's ``encoder-lora-classifier``) and a federated
+adapter on the frozen vision foundation model (``fm-adapter``, :mod:`fedfm.models.fm_adapter`);
+FedAvg exchanges only trainable tensors, so only adapters and heads travel. Fed-CRD, Fed-VID
+and SemCKD, the paper's other KD baselines, are not implemented.
 
 Choices of ours, not made by the paper:
 
@@ -50,6 +59,13 @@ Choices of ours, not made by the paper:
   rows that no client holds (e.g. rows left out by ``max_train``). It must be disjoint from
   every client's data and from the test set by sample id, and is refused otherwise. (In a
   simulation the server can check this because the task holds every partition.)
+* Fed-Hint hints the student's penultimate features (the input of g), not a middle layer, onto
+  ``F_t``'s pooled features; the regressor is a server module kept across rounds (and
+  checkpointed); the hint is a mean over batch and features, so β carries the usual hint
+  weight (the vision preset uses β = 1; see its comment).
+* The warm-up uses the server optimizer's settings with ``warmup_epochs`` epochs, once,
+  before round 1 (a resumed run has the warmed-up φ in its checkpoint); it is refused at
+  config load for an objective without ``z_t``.
 * ``F_t`` lives only in the server half, built lazily in :meth:`FedRD.setup`/``round``;
   client handlers are FedAvg's and never touch it, so clients never load it.
 """
@@ -389,23 +405,145 @@ def build_reprogrammer(
 
 
 class CoTrainer(nn.Module):
-    """The server's trainable parts: student (with ``head`` = g), φ or a teacher head."""
+    """The server's trainable parts: the student (``head`` = g) and the objective's modules.
 
-    def __init__(
-        self, student: nn.Module, phi: Reprogrammer | None, teacher_head: nn.Linear | None
-    ) -> None:
+    The objective's modules (:data:`OBJECTIVES`) are φ, a teacher head or a hint regressor.
+    """
+
+    def __init__(self, student: nn.Module, parts: dict[str, nn.Module] | None = None) -> None:
         super().__init__()
         self.student = student
-        self.phi = phi
-        self.teacher_head = teacher_head
+        self.parts = nn.ModuleDict(parts or {})
+
+    def _part(self, name: str) -> nn.Module | None:
+        return dict(self.parts.items()).get(name)
+
+    @property
+    def phi(self) -> Reprogrammer | None:
+        """φ, when the objective reprograms."""
+        return cast(Reprogrammer | None, self._part("phi"))
+
+    @property
+    def teacher_head(self) -> nn.Linear | None:
+        """The separate teacher head on raw ``F_t`` features (FedRD without φ)."""
+        return cast(nn.Linear | None, self._part("thead"))
+
+    @property
+    def hint(self) -> nn.Linear | None:
+        """The hint regressor ``f_s -> F_t`` feature space (Fed-Hint)."""
+        return cast(nn.Linear | None, self._part("hint"))
+
+    @property
+    def has_teacher_path(self) -> bool:
+        """Whether there are teacher logits ``z_t`` (φ + g, or a teacher head)."""
+        return self.phi is not None or self.teacher_head is not None
 
     def teacher(self, feats: Tensor) -> tuple[Tensor, Tensor]:
         """Cached ``F_t(x)`` ``[B, D_t]`` -> (``f_t``, ``z_t``)."""
         if self.phi is not None:
             f_t = self.phi(feats)
             return f_t, as_student(self.student).head(f_t)
-        assert self.teacher_head is not None
+        if self.teacher_head is None:
+            raise ConfigError("algo.objective", "this objective has no teacher logits z_t")
         return feats, self.teacher_head(feats)
+
+
+# --------------------------------------------------------------------------- server objectives
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the server's co-training adds to the student's cross-entropy on the public set.
+
+    Attributes:
+        uses_teacher: Whether it reads ``F_t`` (False: the foundation model is never loaded).
+        teacher_path: Whether it has teacher logits ``z_t`` (what the warm-up trains).
+        build: ``(cfg, fm_name, fm_dim, head_in, num_classes) -> {name: module}``, the
+            objective's own trainable server modules (checkpointed under their names).
+        extra: ``(cotrainer, cfg, y, f_s, z_s, feats) -> (loss, parts)``: the term added to
+            ``CE(y, z_s)`` and its parts as floats (logged as ``server_<part>``).
+    """
+
+    uses_teacher: bool
+    teacher_path: bool
+    build: Callable[[FedRDConfig, str, int, int, int], dict[str, nn.Module]]
+    extra: Callable[
+        [CoTrainer, FedRDConfig, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, dict[str, float]]
+    ]
+
+
+OBJECTIVES: Registry[Objective] = Registry("server objective", "algo.objective")
+
+
+def _build_fedrd(
+    c: FedRDConfig, fm_name: str, fm_dim: int, head_in: int, classes: int
+) -> dict[str, nn.Module]:
+    if not c.reprogram:
+        return {"thead": nn.Linear(fm_dim, classes)}
+    phi = build_reprogrammer(
+        fm_name, fm_dim, head_in, c.reprogram_in, c.reprogram_out,
+        c.reprogram_hidden, c.reprogram_blocks,
+    )  # fmt: skip
+    return {"phi": phi}
+
+
+def _fedrd_extra(
+    m: CoTrainer, c: FedRDConfig, y: Tensor, f_s: Tensor, z_s: Tensor, feats: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    f_t, z_t = m.teacher(feats)
+    return distillation_terms(
+        y, z_s, f_s, z_t, f_t, c.alpha, c.beta, c.temperature, c.detach_teacher
+    )
+
+
+def hint_loss(regressed: Tensor, target: Tensor) -> Tensor:
+    """FitNets' hint loss, ``‖r(f_s) − f_t‖²`` as a mean over the batch and the features.
+
+    (The mean over features, not FitNets' ½ sum, keeps the term's scale independent of the
+    teacher's width; the weight β then plays the role of the usual hint weight.)
+
+    Args:
+        regressed: The regressor's output on student features ``[B, D_t]``.
+        target: The teacher's features ``[B, D_t]`` (a constant: ``F_t`` is frozen).
+    """
+    return F.mse_loss(regressed, target.detach())
+
+
+def _build_hint(
+    c: FedRDConfig, fm_name: str, fm_dim: int, head_in: int, classes: int
+) -> dict[str, nn.Module]:
+    return {"hint": nn.Linear(head_in, fm_dim)}
+
+
+def _hint_extra(
+    m: CoTrainer, c: FedRDConfig, y: Tensor, f_s: Tensor, z_s: Tensor, feats: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    assert m.hint is not None
+    loss = hint_loss(m.hint(f_s), feats)
+    return c.beta * loss, {"hint": float(loss.detach())}
+
+
+def _no_modules(
+    c: FedRDConfig, fm_name: str, fm_dim: int, head_in: int, classes: int
+) -> dict[str, nn.Module]:
+    return {}
+
+
+def _no_extra(
+    m: CoTrainer, c: FedRDConfig, y: Tensor, f_s: Tensor, z_s: Tensor, feats: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    return z_s.new_zeros(()), {}
+
+
+OBJECTIVES.register(
+    "fedrd", "α·CE(y, z_t) + β·(KL(z_t‖z_s) + L_CKA) with φ (or a teacher head: reprogram false)"
+)(Objective(True, True, _build_fedrd, _fedrd_extra))
+OBJECTIVES.register("hint", "β·FitNets hint: mean (W f_s − F_t(x))² with a learned regressor W")(
+    Objective(True, False, _build_hint, _hint_extra)
+)
+OBJECTIVES.register("ce", "nothing: the server fine-tunes the student on the public set")(
+    Objective(False, False, _no_modules, _no_extra)
+)
 
 
 # --------------------------------------------------------------------------- public set
@@ -551,6 +689,7 @@ def _default_server_train() -> TrainConfig:
 class FedRDConfig(FedAvgConfig):
     """FedRD: FedAvg of the student plus server co-training with a frozen foundation model."""
 
+    objective: str = Field("fedrd", description="server objective (OBJECTIVES)")
     teacher: str = Field("auto", description="foundation model (TEACHERS), or auto by task")
     teacher_options: dict[str, Any] = Field(default_factory=dict)
     reprogram: bool = Field(True, description="false: the KD baseline without reprogramming")
@@ -563,6 +702,9 @@ class FedRDConfig(FedAvgConfig):
     temperature: float = Field(1.0, gt=0)
     detach_teacher: bool = False
     server_train: TrainConfig = Field(default_factory=_default_server_train)
+    warmup_epochs: float = Field(
+        0.0, ge=0, description="epochs of CE(y, z_t) on the public set for φ and g before round 1"
+    )
     public_size: int = Field(500, ge=0)
     public_ids: list[int] | None = None
     teacher_eval_size: int = Field(0, ge=0, description="test rows to evaluate z_t on (0: off)")
@@ -597,14 +739,13 @@ class FedRD(Algorithm):
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
         """Refuses a task that cannot give the foundation model its inputs or a public set."""
         assert isinstance(cfg, FedRDConfig)
-        provided = task_cls.provides(task_cfg)
-        name = teacher_name(cfg.teacher, provided)
-        TEACHERS.get(name)  # an unknown name fails here
-        if name not in TEACHER_READS:
+        objective = OBJECTIVES.get(cfg.objective)
+        if objective.uses_teacher:
+            cls._check_teacher(cfg, task_cls, task_cfg)
+        if cfg.warmup_epochs > 0 and not objective.teacher_path:
             raise ConfigError(
-                "algo.teacher", f"'{name}' does not say what it reads (use register_teacher)"
+                "algo.warmup_epochs", f"objective '{cfg.objective}' has no z_t to warm up: set 0"
             )
-        require(task_cls, task_cfg, TEACHER_READS[name], "algo.teacher", f"'{name}'")
         require(task_cls, task_cfg, SPLIT_INPUTS, "task.kind", "FedRD's server co-training")
         if cfg.public_ids is not None:
             require(task_cls, task_cfg, SOURCE_ROWS, "algo.public_ids", "a public set by ids")
@@ -615,6 +756,16 @@ class FedRD(Algorithm):
                 raise ConfigError(
                     "algo.public_size", "FedRD needs a public set: set public_size > 0"
                 )
+
+    @staticmethod
+    def _check_teacher(cfg: FedRDConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        name = teacher_name(cfg.teacher, task_cls.provides(task_cfg))
+        TEACHERS.get(name)  # an unknown name fails here
+        if name not in TEACHER_READS:
+            raise ConfigError(
+                "algo.teacher", f"'{name}' does not say what it reads (use register_teacher)"
+            )
+        require(task_cls, task_cfg, TEACHER_READS[name], "algo.teacher", f"'{name}'")
 
     def __init__(self, cfg: FedRDConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
@@ -672,29 +823,26 @@ class FedRD(Algorithm):
         if self._srv is not None:
             return self._srv
         c = self.cfg
-        name = self._teacher_name()
-        TEACHERS.get(name)  # an unknown name fails here, before any loading
+        objective = OBJECTIVES.get(c.objective)
+        name = self._teacher_name() if objective.uses_teacher else "none"
+        if objective.uses_teacher:
+            TEACHERS.get(name)  # an unknown name fails here, before any loading
         key = {"teacher": name, **c.teacher_options}
         public, origin = public_split(self.task, c.public_size, c.public_ids, self.run.seed)
-        feats = self._features(key, public)
+        # Without a teacher the batches carry empty feature rows [N, 0].
+        feats = (
+            self._features(key, public) if objective.uses_teacher else torch.zeros(len(public), 0)
+        )
         fm_dim = int(feats.shape[1])
         student = self.task.build_model(seed=self.run.seed)
         set_params(student, self.params)
         head_in = head_width(student)
-        phi, thead = None, None
         torch.manual_seed(derive_seed(self.run.seed, "fedrd-server-init"))
-        if c.reprogram:
-            phi = build_reprogrammer(
-                name, fm_dim, head_in, c.reprogram_in, c.reprogram_out,
-                c.reprogram_hidden, c.reprogram_blocks,
-            )  # fmt: skip
-        else:
-            thead = nn.Linear(fm_dim, as_student(student).head.out_features)
-        self._srv = ServerHalf(
-            name, key, self.teacher, public, feats, CoTrainer(student, phi, thead)
-        )
+        classes = as_student(student).head.out_features
+        parts = objective.build(c, name, fm_dim, head_in, classes)
+        self._srv = ServerHalf(name, key, self.teacher, public, feats, CoTrainer(student, parts))
         self._check_student_width(student, public, head_in)
-        if c.teacher_eval_size:
+        if c.teacher_eval_size and self._srv.cotrainer.has_teacher_path:
             test = self.task.test_data()
             n = min(c.teacher_eval_size, len(test))
             idx = torch.randperm(len(test), generator=torch.Generator().manual_seed(self.run.seed))
@@ -727,10 +875,42 @@ class FedRD(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
+        # Before round 1 (a run resumed later has a warmed-up φ in its checkpoint).
+        warm = self.warm_up() if fed.rnd == 1 and self.cfg.warmup_epochs > 0 else {}
         # (1)-(3): broadcast, local CE, FedAvg of the student; then (4) server co-training.
         self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
         metrics.update(self.co_train(fed.rnd))
-        return metrics
+        return {**warm, **metrics}
+
+    def warm_up(self) -> dict[str, float]:
+        """Trains the teacher path (φ and g, or the teacher head) with ``CE(y, z_t)`` alone.
+
+        On the public set, for ``warmup_epochs`` (the server optimizer's other settings).
+
+        The student's feature extractor gets no gradient here; g is the student's head, so the
+        warmed-up g is what round 1 broadcasts.
+
+        Raises:
+            ConfigError: The objective has no teacher path to warm up.
+        """
+        srv = self.server()
+        model = srv.cotrainer
+        if not model.has_teacher_path:
+            raise ConfigError(
+                "algo.warmup_epochs", f"objective '{self.cfg.objective}' has no z_t to warm up"
+            )
+        set_params(model.student, self.params)
+
+        def teacher_ce(m: nn.Module, batch: Any) -> tuple[Tensor, Any]:
+            _, y, feats = batch
+            return F.cross_entropy(model.teacher(feats)[1], y), None
+
+        cfg = self.cfg.server_train.model_copy(update={"epochs": self.cfg.warmup_epochs})
+        seed = derive_seed(self.run.seed, "fedrd-warmup")
+        batches = public_batches(self.task, srv.public, srv.public_feats, cfg.batch_size, seed)
+        res = local_train(model, batches, teacher_ce, cfg, num_steps(cfg, len(srv.public)))
+        self.params = get_params(model.student, list(self.params))
+        return {"warmup_ce_t": res.loss, "warmup_steps": res.steps}
 
     def co_train(self, rnd: int) -> dict[str, float]:
         """Server step (4): trains φ, g and the student on the public set."""
@@ -738,7 +918,8 @@ class FedRD(Algorithm):
         c = self.cfg
         model = srv.cotrainer
         set_params(model.student, self.params)
-        parts: dict[str, list[float]] = {"ce_t": [], "kl": [], "cka": []}
+        parts: dict[str, list[float]] = {}
+        objective = OBJECTIVES.get(c.objective)
 
         def student_loss(m: nn.Module, batch: Any) -> tuple[Tensor, Any]:
             x, y, _ = batch
@@ -750,12 +931,9 @@ class FedRD(Algorithm):
         def teacher_terms(m: nn.Module, batch: Any, out: Any) -> Tensor:
             _, y, feats = batch
             f_s, z_s = out
-            f_t, z_t = model.teacher(feats)
-            extra, terms = distillation_terms(
-                y, z_s, f_s, z_t, f_t, c.alpha, c.beta, c.temperature, c.detach_teacher
-            )
+            extra, terms = objective.extra(model, c, y, f_s, z_s, feats)
             for k, v in terms.items():
-                parts[k].append(v)
+                parts.setdefault(k, []).append(v)
             return extra
 
         cfg = c.server_train
@@ -774,7 +952,7 @@ class FedRD(Algorithm):
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         out = evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
         srv = self._srv
-        if srv is not None and srv.eval_feats is not None:
+        if srv is not None and srv.eval_feats is not None and srv.cotrainer.has_teacher_path:
             out.update(self._teacher_metrics(srv))
         return out
 
@@ -809,9 +987,7 @@ class FedRD(Algorithm):
     def _server_groups(self) -> dict[str, dict[str, Tensor]]:
         if self._srv is None:
             return self._pending
-        m = self._srv.cotrainer
-        mods = {"phi": m.phi, "thead": m.teacher_head}
-        return {g: get_params(mod) for g, mod in mods.items() if mod is not None}
+        return {g: get_params(mod) for g, mod in self._srv.cotrainer.parts.items()}
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -822,7 +998,7 @@ class FedRD(Algorithm):
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.params = get_group(arrays, "params")
         self.opt.load_state_dict(get_group(arrays, "opt"))
-        mine = {g: get_group(arrays, g) for g in ("phi", "thead")}
+        mine = {g: get_group(arrays, g) for g in SERVER_PARTS}
         mine = {g: t for g, t in mine.items() if t}
         if self._srv is None:
             self._pending = mine  # applied when the server half is built
@@ -832,25 +1008,62 @@ class FedRD(Algorithm):
     def _load_server_arrays(self, groups: dict[str, dict[str, Tensor]]) -> None:
         if self._srv is None:
             return
-        m = self._srv.cotrainer
-        for group, mod in (("phi", m.phi), ("thead", m.teacher_head)):
-            if mod is not None and groups.get(group):
+        for group, mod in self._srv.cotrainer.parts.items():
+            if groups.get(group):
                 set_params(mod, groups[group])
 
 
-class FedKDConfig(FedRDConfig):
-    """Federated KD without reprogramming: FedRD's loss with a teacher head on raw features."""
+SERVER_PARTS = ("phi", "thead", "hint")
+"""Names of the objectives' server modules (checkpoint groups)."""
+
+
+class FedRDNoPhiConfig(FedRDConfig):
+    """FedRD without φ: FedRD's loss with a trainable teacher head on raw ``F_t`` features."""
 
     reprogram: bool = False
 
 
-class FedKD(FedRD):
-    """FedRD without reprogramming (the federated-KD baseline)."""
+class FedRDNoPhi(FedRD):
+    """FedRD without φ (``reprogram: false``); also registered under its old name ``fedrd-kd``."""
 
-    Config = FedKDConfig
+    Config = FedRDNoPhiConfig
+
+
+FedKD = FedRDNoPhi  # the old name of the class
+
+
+class FedHintConfig(FedRDConfig):
+    """Fed-Hint: ``CE(y, z_s) + β·½‖W f_s − F_t(x)‖²`` at the server (FitNets hints)."""
+
+    objective: str = "hint"
+
+
+class FedHint(FedRD):
+    """Fed-Hint (FitNets-style feature hints from the frozen foundation model, at the server)."""
+
+    Config = FedHintConfig
+
+
+class FedAvgPublicFTConfig(FedRDConfig):
+    """Student FedAvg + public fine-tuning: the server's ``CE(y, z_s)`` alone, no teacher."""
+
+    objective: str = "ce"
+
+
+class FedAvgPublicFT(FedRD):
+    """Student FedAvg, then the server fine-tunes the student on the public set every round."""
+
+    Config = FedAvgPublicFTConfig
 
 
 ALGORITHMS.register("fedrd", "FedRD: student FedAvg + server reprogramming KD with a frozen FM")(
     FedRD
 )
-ALGORITHMS.register("fedrd-kd", "federated KD baseline: FedRD without reprogramming")(FedKD)
+ALGORITHMS.register("fedrd-nophi", "FedRD without φ: teacher head on raw FM features")(FedRDNoPhi)
+ALGORITHMS.register("fedrd-kd", "old name of fedrd-nophi (FedRD without φ)")(FedRDNoPhi)
+ALGORITHMS.register("fed-hint", "Fed-Hint: student FedAvg + server FitNets hints from the FM")(
+    FedHint
+)
+ALGORITHMS.register("fedavg-ft", "student FedAvg + server fine-tuning on the public set")(
+    FedAvgPublicFT
+)

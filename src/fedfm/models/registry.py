@@ -25,6 +25,7 @@ _BUILDER_MODULES = (
     "fedfm.models.encoder",
     "fedfm.models.vision",
     "fedfm.models.students",
+    "fedfm.models.fm_adapter",
 )
 
 

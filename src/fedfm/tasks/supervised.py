@@ -68,6 +68,11 @@ class SupervisedConfig(TaskConfig):
         0.0, ge=0, lt=1, description="share of each client's partition held out for validation"
     )
     max_train: int | None = Field(None, ge=10)
+    max_test: int | None = Field(
+        None,
+        ge=1,
+        description="evaluate on this many test rows (a fixed draw, the same for every seed)",
+    )
     standardize: bool = True
 
     @field_validator("local_val_fraction")
@@ -153,6 +158,9 @@ class SupervisedTask(Task):
         if test is None:
             split = train.train_test_split(test_size=self.cfg.test_fraction, seed=self.run.seed)
             train, test = split["train"], split["test"]
+        if self.cfg.max_test is not None and len(test) > self.cfg.max_test:
+            # seed 0, not the run's seed: every seed of a study is scored on the same rows
+            test = test.shuffle(seed=0).select(range(self.cfg.max_test))
         if self.cfg.max_train is not None and len(train) > self.cfg.max_train:
             train = train.shuffle(seed=self.run.seed).select(range(self.cfg.max_train))
         return train, test
