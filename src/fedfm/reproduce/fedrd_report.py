@@ -403,7 +403,9 @@ def setup_table(grid: Grid) -> list[str]:
                     if c["algorithm"] == "fedavg-ft"
                     else f"{al.get('teacher')} {al.get('teacher_options', {})}"
                 )
-                parts = [fm, f"public {al.get('public_size')}"]
+                # The vision public split is an algo field, the text one a task field.
+                public = al.get("public_size", t.get("public_size"))
+                parts = [fm, f"public {public}"]
                 parts += [f"{k}={al[k]}" for k in ("alpha", "beta") if al.get(k) is not None]
                 if al.get("warmup_epochs"):
                     parts.append(f"warm-up {al['warmup_epochs']} epochs")
