@@ -45,6 +45,8 @@ def test_quick_grid_reports_the_measured_numbers(tmp_path: Path, monkeypatch) ->
     assert f"{hds['final']['rougeL_all']:.3f}" in row
     assert f"{hds['finish']['data_fraction']:.4f}" in row
     assert "Target" in text and "## Not run" not in text
+    assert study._select_uplink(tmp_path / "fedhds") > 0
+    assert f"| {study._select_uplink(tmp_path / 'fedhds'):,} |" in row
     # The longer control runs 4x the rounds and is compared with FedIT in words.
     x4 = json.loads((tmp_path / "fedhds-x4" / "summary.json").read_text())
     assert x4["rounds"] == 4 * grid.rounds

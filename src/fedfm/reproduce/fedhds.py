@@ -170,6 +170,7 @@ class RunResult:
     wall_s: float
     items: list[dict[str, Any]]
     base: dict[str, Any] | None
+    select_up: int = 0
 
 
 def read_run(run: Path, rounds: int) -> RunResult | None:
@@ -194,7 +195,17 @@ def read_run(run: Path, rounds: int) -> RunResult | None:
         float(summary["wall_s_this_session"]),
         items,
         base,
+        _select_uplink(run),
     )
+
+
+def _select_uplink(run: Path) -> int:
+    """Bytes clients sent in selection messages (centroids, or GlobalSelect's 2-D points)."""
+    path = run / "audit.jsonl"
+    if not path.exists():
+        return 0
+    rows = _jsonl(path)
+    return sum(int(r["bytes"]) for r in rows if r["kind"] == "select" and r["direction"] == "up")
 
 
 def paired_items(
@@ -233,13 +244,14 @@ def _main_table(res: Mapping[str, RunResult]) -> list[str]:
     head = (
         "| method | Rouge-L (seen) | Δ vs FedIT ± SE | Rouge-L (zero-shot) | score (own metrics)"
         " | zero-shot score | data fraction | client train s | train speed-up | feature + "
-        "cluster s | client total s | total speed-up | server select s | MB up | MB down |"
+        "cluster s | client total s | total speed-up | server select s | selection bytes up"
+        " | MB up | MB down |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for m in METHODS:
         r = res.get(m.key)
         if r is None:
-            lines.append(f"| {m.label} | not run |" + " |" * 13)
+            lines.append(f"| {m.label} | not run |" + " |" * 14)
             continue
         fin, t = r.final, r.finish
         delta = paired_items(r.items, ref.items, "rougeL", False) if ref else None
@@ -261,6 +273,7 @@ def _main_table(res: Mapping[str, RunResult]) -> list[str]:
             _f(t.get("total_client_s"), 1),
             _ratio(ref_total, t.get("total_client_s", 0.0)) if ref else "—",
             _f(t.get("total_select_s"), 2),
+            f"{r.select_up:,}",
             _mb(r.bytes_up),
             _mb(r.bytes_down),
         ]
@@ -410,7 +423,10 @@ def write_report(grid: Grid, out: Path, report: Path, command: str, notes: Seque
         " in the docstring of `src/fedfm/algorithms/fedhds.py`).",
         "- Times are seconds of client training, feature extraction and clustering summed over"
         " clients and rounds (all clients share this machine's 2 cores with other work, so they"
-        " compare within this study only); bytes come from the audit ledger.",
+        " compare within this study only); bytes come from the audit ledger (*selection bytes"
+        " up*: what clients sent in selection messages, all rounds; MB up and down include"
+        " the adapter each selection message carries down for the features and the LoRA"
+        " of training).",
         "",
     ]
     if base is not None:
