@@ -462,9 +462,13 @@ def test_the_study_runs_and_reports_what_it_measured(
     )
     errors, wall = study.run_grid(grid, tmp_path / "runs")
     assert errors == {} and wall > 0
-    assert {p.name for p in (tmp_path / "runs").iterdir()} == {
+    assert {p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()} == {
         f"{o}-{m}" for o in grid.optimizers for m in study.METHODS
     }
+    loads = [json.loads(x) for x in (tmp_path / "runs" / study.LOAD_LOG).read_text().splitlines()]
+    assert sorted(r["run"] for r in loads) == sorted(
+        p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()
+    )
     report = study.write_report(grid, tmp_path / "runs", tmp_path / "r.md", "cmd", errors, wall)
     text = report.read_text()
     res = study.read_run(tmp_path / "runs" / "fedadam-fedsdr")
