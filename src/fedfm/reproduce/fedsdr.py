@@ -43,6 +43,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -432,6 +433,15 @@ def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
+def _eval_counts(res: Mapping[str, RunResult]) -> str:
+    """The evaluated items per domain, as the runs' items show them (e.g. ``16``)."""
+    counts = {n for r in res.values() for n in Counter(str(i["domain"]) for i in r.items).values()}
+    if not counts:
+        return "no"
+    lo, hi = min(counts), max(counts)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 def _full_grid_lines(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
     train, ev, rewrite = _round_times(res)
     n_full = len(OPTIMIZERS) * len(METHODS)
@@ -511,8 +521,8 @@ def write_report(
         f"- Model: {task['model']} (bfloat16 autocast: {task.get('autocast_bf16', False)}), "
         f"LoRA r={task['lora']['r']} on {', '.join(task['lora']['target_modules'])}; "
         f"{len(grid.domains)} clients, one domain each ({', '.join(grid.domains)}), "
-        f"{grid.per_domain} training items per client; "
-        f"{grid.eval_per_domain or grid.per_domain} held-out items evaluated per domain.",
+        f"{grid.per_domain} training items per client; {_eval_counts(res)} held-out items "
+        "evaluated per domain (the same items for every run).",
         f"- {grid.rounds} rounds, all clients every round; FedSDR {grid.steps} + {grid.steps} "
         f"steps per round (LoRA-S, then LoRA-R), base and +FedSD {2 * grid.steps} steps; "
         f"batch {train['batch_size']}, {train['optimizer']} lr {train['lr']:g}.",
