@@ -485,5 +485,11 @@ def test_the_study_runs_and_reports_what_it_measured(
     assert up == {int(r["bytes_up_arrays"]) for r in base.rows[1:]} and len(up) == 1
     assert f"| fedadam | FedSDR | {up.pop():,} |" in text
     assert "Estimate (not a measurement)" in text
+    assert "Runs not finished" not in text
+    # A grid with runs that are not there yet: the report names them and the resume command.
+    more = dataclasses.replace(grid, optimizers=("fedavg", "fedyogi"))
+    partial = study.write_report(more, runs, tmp_path / "p.md", "cmd", {}, 0.0).read_text()
+    named = "`fedyogi-base`, `fedyogi-fedsd`, `fedyogi-fedsdr`: their rows above are empty"
+    assert named in partial
     # A second call finds every run done and runs nothing.
     assert study.run_grid(grid, runs)[0] == {}

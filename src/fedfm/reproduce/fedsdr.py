@@ -612,6 +612,16 @@ def write_report(
     lines += _full_grid_lines(grid, res)
     if errors:
         lines += ["## Failed runs", "", *[f"- `{k}`: {v}" for k, v in sorted(errors.items())], ""]
+    missing = [f"{o}-{m}" for o in grid.optimizers for m in METHODS if f"{o}-{m}" not in res]
+    if missing:
+        lines += [
+            "## Runs not finished",
+            "",
+            f"{', '.join(f'`{m}`' for m in missing)}: their rows above are empty. `{command}` "
+            "finishes them (finished runs are skipped, an unfinished one resumes from its last "
+            "checkpoint) and rewrites this report.",
+            "",
+        ]
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(lines))
     return report
