@@ -483,7 +483,9 @@ def test_the_study_runs_and_reports_what_it_measured(
     # FedSDR's uplink arrays equal FedIT's (the base) round for round, as the report shows.
     up = {int(r["bytes_up_arrays"]) for r in res.rows[1:]}
     assert up == {int(r["bytes_up_arrays"]) for r in base.rows[1:]} and len(up) == 1
-    assert f"| fedadam | FedSDR | {up.pop():,} |" in text
+    size = f"{up.pop():,}"
+    assert f"| fedadam | FedSDR | {size} |" in text
+    assert f"| fedadam | base (FedIT) | {size} |" in text
     assert "Estimate (not a measurement)" in text
     assert "Runs not finished" not in text
     # A grid with runs that are not there yet: the report names them and the resume command.

@@ -408,7 +408,8 @@ def _bytes_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
             arrays = sorted({int(x.get("bytes_up_arrays", 0)) for x in rows})
             meta = sorted({int(x.get("bytes_up_meta", 0)) for x in rows})
             cells = [", ".join(f"{v:,}" for v in arrays), ", ".join(f"{v:,}" for v in meta)]
-            lines.append(f"| {opt} | {LABELS[method]} | " + " | ".join(cells) + " |")
+            label = "base (FedIT)" if method == "base" else LABELS[method]
+            lines.append(f"| {opt} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
