@@ -219,9 +219,11 @@ def _load_line(out: Path) -> str:
     if not rows:
         return f"load average {os.getloadavg()[0]:.1f} when this report was written"
     loads = [float(r[k]) for r in rows for k in ("load_start", "load_end")]
+    last = {str(r["run"]): float(r["wall_s"]) for r in rows}  # a rerun replaces its row
     return (
         f"1-min load average {min(loads):.1f}-{max(loads):.1f} at the starts and ends of "
-        f"the runs (`{LOAD_LOG}`)"
+        f"the runs, which took {sum(last.values()) / 60:.1f} min from start to end "
+        f"(`{LOAD_LOG}`)"
     )
 
 
