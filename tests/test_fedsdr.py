@@ -452,7 +452,7 @@ def test_the_study_runs_and_reports_what_it_measured(
     grid = dataclasses.replace(
         study.QUICK,
         optimizers=("fedavg", "fedadam"),
-        rounds=1,
+        rounds=2,
         steps=1,
         per_domain=3,
         domains=("general", "math", "medical"),
@@ -460,18 +460,38 @@ def test_the_study_runs_and_reports_what_it_measured(
         cache_dir=str(tmp_path / "cache"),
         threads=1,
     )
-    errors, wall = study.run_grid(grid, tmp_path / "runs")
-    assert errors == {} and wall > 0
-    assert {p.name for p in (tmp_path / "runs").iterdir()} == {
-        f"{o}-{m}" for o in grid.optimizers for m in study.METHODS
-    }
-    report = study.write_report(grid, tmp_path / "runs", tmp_path / "r.md", "cmd", errors, wall)
+    # The registered study's --quick path, on the tiny grid, writing docs/ under tmp_path.
+    monkeypatch.setattr(study, "QUICK", grid)
+    monkeypatch.chdir(tmp_path)
+    report = study.STUDIES.get("fedsdr")(tmp_path / "runs", True)
+    runs = tmp_path / "runs" / "fedsdr-quick"
+    names = {f"{o}-{m}" for o in grid.optimizers for m in study.METHODS}
+    assert report == Path("docs/fedsdr.md")
+    assert {p.name for p in runs.iterdir() if p.is_dir()} == names
+    loads = [json.loads(x) for x in (runs / study.LOAD_LOG).read_text().splitlines()]
+    assert {r["run"] for r in loads} == names
     text = report.read_text()
-    res = study.read_run(tmp_path / "runs" / "fedadam-fedsdr")
-    base = study.read_run(tmp_path / "runs" / "fedadam-base")
+    assert "Failed runs" not in text and "(quick grid)" in text
+    res = study.read_run(runs / "fedadam-fedsdr")
+    base = study.read_run(runs / "fedadam-base")
     assert res is not None and base is not None
     d = study.paired_diff(res.items, base.items)["overall"]
     assert f"{d[0]:+.3f} ± {d[1]:.3f}" in text
     assert "| JS divergence" in text and "| rewrites kept |" in text
+    for r in res.rows[1:]:  # the cosines FedSDR's server logged, per round
+        assert f"{r['update_cos/mean']:.4f} / {r['update_cos/min']:.4f}" in text
+    # FedSDR's uplink arrays equal FedIT's (the base) round for round, as the report shows.
+    up = {int(r["bytes_up_arrays"]) for r in res.rows[1:]}
+    assert up == {int(r["bytes_up_arrays"]) for r in base.rows[1:]} and len(up) == 1
+    size = f"{up.pop():,}"
+    assert f"| fedadam | FedSDR | {size} |" in text
+    assert f"| fedadam | base (FedIT) | {size} |" in text
+    assert "Estimate (not a measurement)" in text
+    assert "Runs not finished" not in text
+    # A grid with runs that are not there yet: the report names them and the resume command.
+    more = dataclasses.replace(grid, optimizers=("fedavg", "fedyogi"))
+    partial = study.write_report(more, runs, tmp_path / "p.md", "cmd", {}, 0.0).read_text()
+    named = "`fedyogi-base`, `fedyogi-fedsd`, `fedyogi-fedsdr`: their rows above are empty"
+    assert named in partial
     # A second call finds every run done and runs nothing.
-    assert study.run_grid(grid, tmp_path / "runs")[0] == {}
+    assert study.run_grid(grid, runs)[0] == {}

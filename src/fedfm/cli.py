@@ -1,4 +1,4 @@
-"""The ``fedfm`` command: run, report, reproduce, list, and the Flower commands.
+"""The ``fedfm`` command: run, report, analyze, reproduce, list, and the Flower commands.
 
 Errors that fedfm raises on purpose print one line and exit with code 2 (bad config or
 input) or 1 (a run that failed, e.g. too few clients survived a round); no traceback.
@@ -80,6 +80,17 @@ def report(
 
         page = write_html(runs, folder / "report.html")
         Console().print(f"html report written: {page}")
+
+
+@app.command()
+def analyze(
+    runs: Annotated[list[Path], typer.Argument(help="run folders (the first is the reference)")],
+) -> None:
+    """FedSDR's analyses of finished runs: answer distributions raw vs distilled, update
+    cosines per round, rewrite statistics; with several runs, win rates over the first."""
+    from fedfm.analyze import analyze as analyze_runs
+
+    print(analyze_runs(runs))
 
 
 @app.command()

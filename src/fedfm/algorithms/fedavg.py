@@ -23,6 +23,9 @@ mean, Krum; :mod:`fedfm.core.robust`) before the server optimizer; default: the 
 ``algo.fedsd.enabled`` adds FedSD (:mod:`fedfm.algorithms.fedsd`) to FedAvg, every server
 optimizer, FedProx and SCAFFOLD: a round-0 exchange in which each client rewrites its answers
 with the global model, then local training on the rewrites instead of the raw answers.
+``algo.update_cosines`` logs the mean and minimum pairwise cosine between the round's client
+updates (FedSDR's "raw vs distilled" analysis), computed by the server from the replies it
+aggregates: no extra bytes leave the clients.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from fedfm.core.replies import (
 )
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_round, set_params
+from fedfm.eval.compare import UpdateCosines
 from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
 
 TRAIN = MessageKind(
@@ -63,6 +67,12 @@ EVALUATE = MessageKind(
     down_arrays=("params",),
     up_meta=("num_examples", "metrics"),
     meta_specs={"num_examples": EVAL_EXAMPLES},  # a local test split may be empty
+)
+
+
+UPDATE_COSINES_HELP = (
+    "log the mean and min pairwise cosine of the round's client updates (computed by the "
+    "server from the replies it aggregates: no extra bytes leave clients)"
 )
 
 
@@ -84,6 +94,7 @@ class FedAvgFamilyConfig(FedAvgConfig):
     """
 
     fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
+    update_cosines: bool = Field(False, description=UPDATE_COSINES_HELP)
 
 
 # ----------------------------------------------------------------------------- FedAvg's halves
@@ -129,6 +140,7 @@ def fedavg_round(
     fed: Federation,
     params: dict[str, Tensor],
     opt: ServerOptimizer,
+    cosines: bool = False,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Server half of a FedAvg round: send ``params`` to the sampled clients, aggregate.
 
@@ -142,9 +154,13 @@ def fedavg_round(
         fed: The federation.
         params: The global parameters θ.
         opt: The server optimizer (with its aggregator), applied to the aggregate Δ.
+        cosines: Also the pairwise cosines of the clients' updates ``θ_i − θ``, from the
+            replies the server aggregates anyway (no extra bytes leave clients); it keeps
+            every client's update until the round ends.
 
     Returns:
-        The new parameters and the round's metrics (``train_loss``, ``clients``).
+        The new parameters and the round's metrics (``train_loss``, ``clients``; with
+        ``cosines``, ``update_cos/mean`` and ``update_cos/min`` over client pairs).
 
     Raises:
         TooFewClientsError: Fewer than ``min_clients`` valid replies.
@@ -152,12 +168,16 @@ def fedavg_round(
     cids = algo.sample(fed)
     msg = Message("train", {"params": params})
     delta, loss = opt.accumulator(params), MetricMean("loss")
-    for _, r in fed.stream({c: msg for c in cids}, like={"params": params}):
+    ups = UpdateCosines(params) if cosines else None
+    for cid, r in fed.stream({c: msg for c in cids}, like={"params": params}):
         delta.add(r.arrays["params"], meta_number(r, "num_examples"))
         loss.add(r)
+        if ups is not None:
+            ups.add(cid, r.arrays["params"])
     algo.require(fed, loss.count, len(cids))
     new = opt.apply_delta(params, delta.result())
-    return new, {"train_loss": loss.mean("loss"), "clients": loss.count}
+    metrics = {"train_loss": loss.mean("loss"), "clients": loss.count}
+    return new, {**metrics, **(ups.result() if ups is not None else {})}
 
 
 def evaluate_global(
@@ -277,7 +297,9 @@ class FedAvg(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
-        self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
+        self.params, metrics = fedavg_round(
+            self, fed, self.params, self.opt, self.cfg.update_cosines
+        )
         return metrics
 
     @override
@@ -329,6 +351,7 @@ class ScaffoldConfig(AlgoConfig):
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     personal_eval: bool = False
     fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
+    update_cosines: bool = Field(False, description=UPDATE_COSINES_HELP)
 
 
 class Scaffold(Algorithm):
@@ -406,12 +429,16 @@ class Scaffold(Algorithm):
         like = {"delta_y": self.params, "delta_c": self.control}
         sums = ScaffoldSums(self.params, self.control, self.cfg.aggregator)
         loss = MetricMean("loss")
-        for _, r in fed.stream({c: msg for c in cids}, like=like):
+        ups = UpdateCosines(self.params) if self.cfg.update_cosines else None
+        for cid, r in fed.stream({c: msg for c in cids}, like=like):
             sums.add(r.arrays["delta_y"], r.arrays["delta_c"], meta_number(r, "num_examples"))
             loss.add(r)
+            if ups is not None:
+                ups.add_delta(cid, r.arrays["delta_y"])
         self.require(fed, loss.count, len(cids))
         self.params, self.control = sums.apply(len(fed.client_ids()), self.cfg.lr_global)
-        return {"train_loss": loss.mean("loss"), "clients": loss.count}
+        metrics = {"train_loss": loss.mean("loss"), "clients": loss.count}
+        return {**metrics, **(ups.result() if ups is not None else {})}
 
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:

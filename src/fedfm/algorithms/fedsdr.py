@@ -15,6 +15,8 @@ the rewrite prompt is SDFT's (Yang et al. 2024, sail-sg/sdft). Summary in METHOD
    :func:`fedfm.algorithms.fedavg.fedavg_round` with any server optimizer (FedAvg, FedAvgM,
    FedAdam, FedYogi, FedAdagrad; FedProx is ``algo.prox_mu`` on stage 2). ``LoRA-S`` stays in
    the client's state across rounds, or is reset every round (``algo.reset_s``).
+   ``algo.update_cosines`` logs the pairwise cosines of the clients' LoRA-R updates, computed
+   by the server from the uploads it aggregates anyway (no extra bytes leave the clients).
 
 The global model, evaluated by the server, is the base with ``LoRA-R`` alone; ``personal_eval``
 scores each client's ``LoRA-R + LoRA-S`` on its local test split.
@@ -40,7 +42,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
-from fedfm.algorithms.fedavg import TRAIN, evaluate_on_test, evaluate_personal, fedavg_round
+from fedfm.algorithms.fedavg import (
+    TRAIN,
+    UPDATE_COSINES_HELP,
+    evaluate_on_test,
+    evaluate_personal,
+    fedavg_round,
+)
 from fedfm.algorithms.fedsd import REFINE, Refinery, RefineryConfig, check_refinery_task
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
@@ -79,6 +87,7 @@ class FedSDRConfig(AlgoConfig):
     reset_s: bool = Field(False, description="re-initialise LoRA-S every round")
     prox_mu: float = Field(0.0, ge=0, description="FedProx weight on LoRA-R in stage 2")
     personal_eval: bool = False
+    update_cosines: bool = Field(False, description=UPDATE_COSINES_HELP)
 
 
 def train_stage(
@@ -180,7 +189,9 @@ class FedSDR(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
-        self.params, metrics = fedavg_round(self, fed, self.params, self.opt)
+        self.params, metrics = fedavg_round(
+            self, fed, self.params, self.opt, self.cfg.update_cosines
+        )
         return metrics
 
     @override

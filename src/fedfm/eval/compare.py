@@ -6,7 +6,8 @@
   count half, :func:`fedfm.eval.llm.head_to_head`), with the standard error of the win rate.
 * :func:`js_divergence` and :func:`tfidf_cosine` — how far apart clients' answer distributions
   are (FedSDR's analysis of raw vs distilled data: JS divergence down, TF-IDF cosine up).
-* :func:`update_cosines` — pairwise cosine between clients' flattened updates.
+* :func:`update_cosines` — pairwise cosine between clients' flattened updates;
+  :class:`UpdateCosines` collects a round's updates on the server (``algo.update_cosines``).
 
 Choices of ours (the FedSDR paper gives the figures, not the recipe):
 
@@ -186,3 +187,39 @@ def update_cosines(updates: Mapping[str, Mapping[str, Tensor]]) -> dict[str, flo
     }
     out["mean"] = float(np.mean(list(out.values())))
     return out
+
+
+class UpdateCosines:
+    """A round's client updates, collected on the server for their pairwise cosines.
+
+    The server of a FedAvg-style round already receives every client's trained tensors, so
+    the update ``Δ_i = θ_i − θ`` is computed there: nothing more leaves a client. Each update
+    is kept (flattened, float32) until :meth:`result`: the memory of one adapter per client.
+
+    Args:
+        params: The round's global tensors θ, which every reply is compared against.
+    """
+
+    def __init__(self, params: Mapping[str, Tensor]) -> None:
+        self.params = params
+        self.updates: dict[str, dict[str, Tensor]] = {}
+
+    def add(self, cid: str, trained: Mapping[str, Tensor]) -> None:
+        """Keeps client ``cid``'s update ``trained − params``."""
+        self.updates[cid] = {
+            k: (trained[k].detach().float() - v.detach().float()).flatten()
+            for k, v in self.params.items()
+        }
+
+    def add_delta(self, cid: str, delta: Mapping[str, Tensor]) -> None:
+        """Keeps client ``cid``'s update as sent (a client that replies with its Δ)."""
+        self.updates[cid] = {k: delta[k].detach().float().flatten() for k in self.params}
+
+    def result(self, prefix: str = "update_cos/") -> dict[str, float]:
+        """``<prefix>mean`` and ``<prefix>min`` over client pairs; empty with under two
+        clients (no pair to compare)."""
+        if len(self.updates) < 2:
+            return {}
+        cos = update_cosines(self.updates)
+        pairs = [v for k, v in cos.items() if k != "mean"]
+        return {f"{prefix}mean": cos["mean"], f"{prefix}min": float(min(pairs))}
