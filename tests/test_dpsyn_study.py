@@ -120,8 +120,16 @@ def test_with_and_without_voting_come_from_one_run() -> None:
     assert not any("vote" in n for n in names)  # no separate "without voting" runs
     per_group = 1 + 3 * 3  # floor + 3 strong shares × 3 ε (Rotten Tomatoes)
     assert sum(n.startswith("rotten_tomatoes-iid-") for n in names) == per_group
-    quick = [c.setting for c in QUICK.cells()]
-    assert quick == ["floor", "s0.1-e8", "s0.1-einf", "s0.5-e8", "s0.1-e1"]  # settings' order
+    quick = [(c.data, c.partition, c.setting) for c in QUICK.cells()]
+    first = [s for d, p, s in quick if (d, p) == ("rotten_tomatoes", "iid")]
+    assert first == ["floor", "s0.1-e8", "s0.1-einf", "s0.5-e8", "s0.1-e1"]  # settings' order
+    # The other groups run only their own settings, each after its floor.
+    assert quick[len(first) :] == [
+        ("rotten_tomatoes", "noniid", "floor"),
+        ("rotten_tomatoes", "noniid", "s0.1-e8"),
+        ("drug_reviews", "iid", "floor"),
+        ("drug_reviews", "iid", "s0.1-e8"),
+    ]
 
 
 @pytest.mark.parametrize("grid", [QUICK, FULL])

@@ -132,6 +132,9 @@ class Grid:
         epsilons: ``epsilon_train`` values (``math.inf``: no noise, no clipping).
         seeds: Run seeds (each fixes partition, roles, noise, sampling).
         settings: When set, only these (strong, ε) settings (a subset of the product).
+        groups: When set, only these (data set, distribution) groups, each with its own
+            settings (``None``: ``settings``), in this order; otherwise every data set with
+            every distribution.
         test_rows: Real held-out rows (``task.max_test``).
         train_rounds: Fine-tuning rounds ``R``.
         steps: DP-SGD steps per round.
@@ -152,6 +155,7 @@ class Grid:
     epsilons: tuple[float, ...] = (1.0, 8.0, math.inf)
     seeds: tuple[int, ...] = (0,)
     settings: tuple[tuple[float, float], ...] | None = None
+    groups: tuple[tuple[str, str, tuple[tuple[float, float], ...] | None], ...] | None = None
     test_rows: int = 200
     train_rounds: int = 3
     steps: int = 10
@@ -171,14 +175,22 @@ class Grid:
         (in ``settings``' order when given, so a grid cut short has run the first ones)."""
         out: list[Cell] = []
         for seed in self.seeds:
-            for d in self.data:
+            for d, part, settings in self._groups():
                 pairs = [(s, e) for s in d.strong for e in self.epsilons]
-                if self.settings is not None:
-                    pairs = [p for p in self.settings if p in pairs]
-                for part in self.partitions:
-                    out.append(Cell(d.name, part, seed, min(d.strong), None))
-                    out += [Cell(d.name, part, seed, s, e) for s, e in pairs]
+                if settings is not None:
+                    pairs = [p for p in settings if p in pairs]
+                out.append(Cell(d.name, part, seed, min(d.strong), None))
+                out += [Cell(d.name, part, seed, s, e) for s, e in pairs]
         return out
+
+    def _groups(self) -> list[tuple[Data, str, tuple[tuple[float, float], ...] | None]]:
+        if self.groups is None:
+            return [(d, part, self.settings) for d in self.data for part in self.partitions]
+        return [(self.spec(name), part, st) for name, part, st in self.groups]
+
+    def pairs(self) -> list[tuple[Data, str]]:
+        """The (data set, distribution) groups of the grid, in run order."""
+        return [(d, part) for d, part, _ in self._groups()]
 
     def spec(self, name: str) -> Data:
         """The :class:`Data` of source ``name``."""
@@ -187,12 +199,21 @@ class Grid:
 
 # Sized for about 20 minutes on 2 idle cores from one profiled run (docs/dpsyn.md: time by stage):
 # Rotten Tomatoes, IID, 10 clients of 100 reviews; 1 strong client (10 %) at ε = 8, ∞ and 1,
-# 5 strong clients (50 %) at ε = 8; plus the floor run (which also computes the ceiling).
+# 5 strong clients (50 %) at ε = 8; plus the floor run (which also computes the ceiling). Then
+# the same 10 % at ε = 8 (and its floor) on non-IID Rotten Tomatoes and on IID drugs.com
+# reviews, so that voting and fine-tuning are seen on both data sets and both distributions.
 QUICK = Grid(
-    data=(Data("rotten_tomatoes", clients=10, rows=100, strong=(0.1, 0.5)),),
-    partitions=("iid",),
+    data=(
+        Data("rotten_tomatoes", clients=10, rows=100, strong=(0.1, 0.5)),
+        Data("drug_reviews", clients=10, rows=100, strong=(0.1,)),
+    ),
+    partitions=("iid", "noniid"),
     epsilons=(1.0, 8.0, math.inf),
-    settings=((0.1, 8.0), (0.1, math.inf), (0.5, 8.0), (0.1, 1.0)),
+    groups=(
+        ("rotten_tomatoes", "iid", ((0.1, 8.0), (0.1, math.inf), (0.5, 8.0), (0.1, 1.0))),
+        ("rotten_tomatoes", "noniid", ((0.1, 8.0),)),
+        ("drug_reviews", "iid", ((0.1, 8.0),)),
+    ),
     label="quick grid",
 )
 FULL = Grid(
@@ -525,10 +546,9 @@ def comparisons(grid: Grid, res: Mapping[str, RunResult]) -> list[Comparison]:
     ε 8 with voting − ε ∞ without, at the smallest share); fine-tuning over the floor.
     """
     out: list[Comparison] = []
-    for d in grid.data:
-        for part in grid.partitions:
-            for seed in grid.seeds:
-                out += _group(grid, res, d, part, seed)
+    for d, part in grid.pairs():
+        for seed in grid.seeds:
+            out += _group(grid, res, d, part, seed)
     return out
 
 
@@ -776,11 +796,12 @@ def _setup_lines(grid: Grid, res: Mapping[str, RunResult], out: Path) -> list[st
     ]
     for d in grid.data:
         rows = "all" if d.rows is None else str(d.rows)
+        parts = [part for dd, part in grid.pairs() if dd.name == d.name]
         lines.append(
             f"- {NAMES[d.name]}: {d.clients} clients, {rows} training rows each, strong "
             f"fractions {', '.join(f'{100 * s:g}%' for s in d.strong)} "
             f"({', '.join(str(math.floor(s * d.clients)) for s in d.strong)} clients); "
-            f"code distributions {', '.join(grid.partitions)} (non-IID: Dirichlet α = "
+            f"code distributions {', '.join(parts)} (non-IID: Dirichlet α = "
             f"{PARTITIONS['noniid']['alpha']:g} over the label)."
         )
     del res
@@ -823,14 +844,13 @@ def write_report(
         "generated samples, and after voting the distinct ones the resampling kept.",
         "",
     ]
-    for d in grid.data:
-        for part in grid.partitions:
-            lines += [
-                f"### {NAMES[d.name]}, {part}",
-                "",
-                *_results_table(grid, res, d.name, part),
-                "",
-            ]
+    for d, part in grid.pairs():
+        lines += [
+            f"### {NAMES[d.name]}, {part}",
+            "",
+            *_results_table(grid, res, d.name, part),
+            "",
+        ]
     lines += [
         "## Differences",
         "",
