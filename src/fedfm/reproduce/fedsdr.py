@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fedfm.analyze import distribution_analysis
+from fedfm.analyze import REWRITE_KEYS, distribution_analysis
 from fedfm.reproduce import STUDIES
 
 METHODS = ("base", "fedsd", "fedsdr")
@@ -359,20 +359,8 @@ def _rewrite_lines(res: Mapping[str, RunResult]) -> list[str]:
     )
     if zero is None:
         return ["No run logged rewrite statistics."]
-    keys = [
-        ("fedsd/rows", "rows rewritten", 0),
-        ("fedsd/kept_share", "rewrites kept", 3),
-        ("fedsd/fallback_empty", "fallback: empty", 3),
-        ("fedsd/fallback_leak", "fallback: leaked prompt", 3),
-        ("fedsd/fallback_number", "fallback: final number changed (maths)", 3),
-        ("fedsd/fallback_label", "fallback: label changed (classification)", 3),
-        ("fedsd/answer_kept", "checked rewrites keeping the reference's answer", 3),
-        ("fedsd/length_ratio", "length ratio words(ỹ)/words(y), kept rewrites", 2),
-        ("fedsd/filler_raw", "filler-word rate of the references (kept rows)", 4),
-        ("fedsd/filler_distilled", "filler-word rate of the kept rewrites", 4),
-    ]
     lines = ["| statistic | value |", "|---|---|"]
-    lines += [f"| {label} | {_f(float(zero[k]), d)} |" for k, label, d in keys if k in zero]
+    lines += [f"| {label} | {_f(float(zero[k]), d)} |" for k, label, d in REWRITE_KEYS if k in zero]
     return lines
 
 
