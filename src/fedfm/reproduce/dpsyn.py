@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fedfm.core.runfolder import read_jsonl
 from fedfm.reproduce import STUDIES
 from fedfm.reproduce.stats import Estimate, mean_se, paired
 
@@ -310,12 +311,6 @@ def run_grid(grid: Grid, out: Path) -> tuple[dict[str, str], float, int]:
 # ----------------------------------------------------------------------------- reading runs
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @dataclass
 class RunResult:
     """What the report reads of one finished run.
@@ -391,11 +386,11 @@ def read_run(run: Path, cell: Cell) -> RunResult | None:
     if not summary.exists():
         return None
     s = json.loads(summary.read_text())
-    rows = {int(r["round"]): r for r in _jsonl(run / "metrics.jsonl")}
+    rows = {int(r["round"]): r for r in read_jsonl(run / "metrics.jsonl", need_round=False)}
     if len(rows) < int(s["rounds"]) + 1:
         return None
     items: dict[str, list[dict[str, Any]]] = {}
-    for rec in _jsonl(run / "eval_items.jsonl"):
+    for rec in read_jsonl(run / "eval_items.jsonl", need_round=False):
         for it in rec["items"]:
             items.setdefault(str(it["set"]), []).append(it)
     cfg = yaml.safe_load((run / "config.yaml").read_text())

@@ -68,6 +68,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import yaml
 
+from fedfm.core.runfolder import read_jsonl
+
 log = logging.getLogger("fedfm")
 
 # The gate setting FedeKD had as its default before the selection rule was first applied; the
@@ -450,19 +452,6 @@ def _run_all(cfgs: list[dict[str, Any]], workers: int) -> tuple[dict[str, str], 
 # ----------------------------------------------------------------------------- reading runs
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines log (a torn last line from a killed write is skipped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def client_curves(run: Path, split: str, metric: str) -> dict[int, dict[str, float]]:
     """Round -> client id -> ``metric`` on ``split`` at every evaluated round of a run.
 
@@ -471,9 +460,9 @@ def client_curves(run: Path, split: str, metric: str) -> dict[int, dict[str, flo
     FedAvg-family runs log only ``local/`` per client; on ``test`` their clients all hold the
     global model, whose value is read from the same round of ``metrics.jsonl``.
     """
-    glob = {r["round"]: r for r in _jsonl(run / "metrics.jsonl")}
+    glob = {r["round"]: r for r in read_jsonl(run / "metrics.jsonl", need_round=False)}
     out: dict[int, dict[str, float]] = {}
-    for row in _jsonl(run / "client_metrics.jsonl"):
+    for row in read_jsonl(run / "client_metrics.jsonl", need_round=False):
         rnd, vals = row["round"], {}
         for cid, m in row["clients"].items():
             key = f"{split}/{metric}"
@@ -730,7 +719,7 @@ def timings(out: Path) -> list[Timing]:
     """Every invocation that executed runs, from the study folder's ``timing.jsonl``."""
     return [
         Timing(r["wall_s"], r["cpu_s"], tuple(r["load_start"]), tuple(r["load_end"]), r["runs"])
-        for r in _jsonl(out / "timing.jsonl")
+        for r in read_jsonl(out / "timing.jsonl", need_round=False)
     ]
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from fedfm.config import ConfigError, preset_dir
+from fedfm.core.runfolder import read_jsonl
 from fedfm.eval.compare import read_items
 from fedfm.reproduce import STUDIES
 from fedfm.reproduce.fedekd import run_job, run_status
@@ -155,10 +156,6 @@ def job_config(method: Method, grid: Grid, out: Path, budget: float | None) -> d
 # ----------------------------------------------------------------------------- reading runs
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 @dataclass
 class RunResult:
     """What the report reads from one finished run."""
@@ -181,7 +178,7 @@ def read_run(run: Path, rounds: int) -> RunResult | None:
         return None
     if summary.get("rounds") != rounds:
         return None
-    rows = _jsonl(run / "metrics.jsonl")
+    rows = read_jsonl(run / "metrics.jsonl", need_round=False)
     try:
         items = read_items(run, rounds)
     except ConfigError:
@@ -204,7 +201,7 @@ def _select_uplink(run: Path) -> int:
     path = run / "audit.jsonl"
     if not path.exists():
         return 0
-    rows = _jsonl(path)
+    rows = read_jsonl(path, need_round=False)
     return sum(int(r["bytes"]) for r in rows if r["kind"] == "select" and r["direction"] == "up")
 
 
@@ -517,7 +514,7 @@ def run_grid(grid: Grid, out: Path) -> list[str]:
     with (out / "timing.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
     lines = []
-    for r in _jsonl(out / "timing.jsonl"):
+    for r in read_jsonl(out / "timing.jsonl", need_round=False):
         if r["runs"]:
             ls = ", ".join(f"{x:.1f}" for x in r["load_start"])
             le = ", ".join(f"{x:.1f}" for x in r["load_end"])

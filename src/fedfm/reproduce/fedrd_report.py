@@ -21,24 +21,13 @@ from typing import Any
 import numpy as np
 
 from fedfm import plots
+from fedfm.core.runfolder import read_jsonl
 from fedfm.reproduce import STUDIES
 from fedfm.reproduce.fedekd import preset_data
 from fedfm.reproduce.fedrd import FULL, METHODS, QUICK, Grid, Job, job_config, jobs_of, run_grid
 from fedfm.reproduce.stats import Estimate, mean_se, paired
 
 # ----------------------------------------------------------------------------- reading runs
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line of a killed run
-            continue
-    return rows
 
 
 @dataclass
@@ -64,7 +53,7 @@ class RunResult:
 
 def read_run(folder: Path) -> RunResult | None:
     """The run's results, or None when it has no evaluated round yet."""
-    rows = _jsonl(folder / "metrics.jsonl")
+    rows = read_jsonl(folder / "metrics.jsonl", need_round=False)
     evals = [r for r in rows if "acc" in r and r.get("round", 0) > 0]
     if not evals:
         return None

@@ -53,6 +53,7 @@ import numpy as np
 import yaml
 
 from fedfm.analyze import REWRITE_KEYS, distribution_analysis
+from fedfm.core.runfolder import read_jsonl
 from fedfm.reproduce import STUDIES
 
 METHODS = ("base", "fedsd", "fedsdr")
@@ -215,7 +216,7 @@ def _log_load(out: Path, name: str, wall_s: float, load_start: float) -> None:
 
 
 def _load_line(out: Path) -> str:
-    rows = _jsonl(out / LOAD_LOG)
+    rows = read_jsonl(out / LOAD_LOG, need_round=False)
     if not rows:
         return f"load average {os.getloadavg()[0]:.1f} when this report was written"
     loads = [float(r[k]) for r in rows for k in ("load_start", "load_end")]
@@ -228,16 +229,6 @@ def _load_line(out: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- reading runs
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 @dataclass
@@ -258,7 +249,7 @@ def read_run(run: Path) -> RunResult | None:
     if not summary.exists():
         return None
     s = json.loads(summary.read_text())
-    rows = _jsonl(run / "metrics.jsonl")
+    rows = read_jsonl(run / "metrics.jsonl", need_round=False)
     wall = sum(float(r.get("time_s", 0.0)) for r in rows)
     return RunResult(s["final"], read_items(run), rows, wall)
 
