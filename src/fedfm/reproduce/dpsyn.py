@@ -796,8 +796,12 @@ def _setup_lines(grid: Grid, res: Mapping[str, RunResult], out: Path) -> list[st
             f"- {NAMES[d.name]}: {d.clients} clients, {rows} training rows each, strong "
             f"fractions {', '.join(f'{100 * s:g}%' for s in d.strong)} "
             f"({', '.join(str(math.floor(s * d.clients)) for s in d.strong)} clients); "
-            f"code distributions {', '.join(parts)} (non-IID: Dirichlet α = "
-            f"{PARTITIONS['noniid']['alpha']:g} over the label)."
+            f"code distributions {', '.join(parts)}"
+            + (
+                f" (non-IID: Dirichlet α = {PARTITIONS['noniid']['alpha']:g} over the label)."
+                if "noniid" in parts
+                else "."
+            )
         )
     del res
     return lines
