@@ -472,6 +472,23 @@ def _full_grid_lines(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
     return [*lines, ""]
 
 
+SCORING = {
+    "rouge": "ROUGE-L",
+    "gsm8k": "final-number accuracy",
+    "choice": "label log-likelihood",
+}
+
+
+def _scoring(domains: Sequence[str]) -> str:
+    """How each domain of the grid is scored, e.g. ``ROUGE-L (general), ...``."""
+    from fedfm.data.instruct import DOMAINS
+
+    by: dict[str, list[str]] = {}
+    for d in domains:
+        by.setdefault(SCORING[DOMAINS[d].metric], []).append(d)
+    return ", ".join(f"{how} ({', '.join(ds)})" for how, ds in by.items())
+
+
 def write_report(
     grid: Grid,
     out: Path,
@@ -523,9 +540,9 @@ def write_report(
         f"- {grid.rounds} rounds, all clients every round; FedSDR {grid.steps} + {grid.steps} "
         f"steps per round (LoRA-S, then LoRA-R), base and +FedSD {2 * grid.steps} steps; "
         f"batch {train['batch_size']}, {train['optimizer']} lr {train['lr']:g}.",
-        "- Scoring: ROUGE-L (general), final-number accuracy (math), label log-likelihood "
-        f"(medical, qtype); overall = mean over domains; {task['max_new_tokens']} new tokens "
-        "per generated answer (a worked maths solution may not reach its final number).",
+        f"- Scoring: {_scoring(grid.domains)}; overall = mean over domains;"
+        f" {task['max_new_tokens']} new tokens per generated answer (a worked maths solution"
+        " may not reach its final number).",
         f"- Rewrites: SDFT prompt, decoding {algo_cfg.refinery.decoding}; "
         "generated once and cached.",
         f"- Wall time: {run_wall / 60:.1f} min summed over the runs' rounds "
