@@ -141,6 +141,20 @@ def test_the_process_exit_status_is_the_contract(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_python_dash_m_fedfm_is_the_same_command_line(tmp_path):
+    """``python -m fedfm`` runs the same app: a bad run name is exit 2 with its one line."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fedfm", "run", "tabular-fedavg", "name=../x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: config error: name: ")
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 # ----------------------------------------------------------------------------- --resume
 
 
