@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ import torch
 from torch import Tensor
 
 import toy
-from fedfm import cli
 from fedfm.algorithms.fedavg import FedAvg, FedAvgFamilyConfig, Scaffold, ScaffoldConfig
 from fedfm.analyze import client_answers
 from fedfm.config import load_config
@@ -25,6 +23,8 @@ from fedfm.core.messages import Message
 from fedfm.eval.compare import UpdateCosines, js_divergence, tfidf_cosine
 from fedfm.fm import FoundationModel
 from fedfm.runtime import run as run_experiment
+from test_cli_contract import _main
+from test_fedsdr import _cfg
 
 # Client deltas on nn.Linear(4, 1) (weight: 4 values, bias: 1), flattened over 5 values:
 # "0": Δ = 1 everywhere; "1": Δ = 2 on the weight only; "2": Δ = −1 everywhere.
@@ -85,44 +85,15 @@ def test_scaffold_update_cosines_use_the_sent_deltas() -> None:
 
 # ----------------------------------------------------------------------------- fedfm analyze
 
-TINY = {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 8}
-
 
 def _tiny_run(out: Path, name: str, fedsd: bool) -> Path:
-    cfg = {
-        "name": name,
-        "algorithm": "fedavg",
-        "rounds": 2,
-        "eval_before": False,
-        "out_dir": str(out),
-        "plots": False,
-        "threads": 1,
-        "algo": {
-            "update_cosines": True,
-            "fedsd": {
-                "enabled": fedsd,
-                "decoding": {"max_new_tokens": 8},
-                "cache_dir": str(out / "cache"),
-            },
-        },
-        "task": {
-            "kind": "instruction",
-            "model": "tiny-llama",
-            "model_args": TINY,
-            "source_options": {
-                "per_domain_train": 4,
-                "per_domain_test": 2,
-                "domains": ["general", "math", "movie"],
-            },
-            "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-            "prompt": {"max_length": 160, "max_prompt_length": 128},
-            "max_new_tokens": 4,
-            "eval_ppl": False,
-        },
-        "partition": {"scheme": "natural"},
-        "train": {"steps": 2, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
+    fedsd_cfg = {
+        "enabled": fedsd,
+        "decoding": {"max_new_tokens": 8},
+        "cache_dir": str(out / "cache"),
     }
-    run_experiment(load_config(cfg), progress=False)
+    algo = {"update_cosines": True, "fedsd": fedsd_cfg}
+    run_experiment(_cfg(out, name, "fedavg", algo), progress=False)
     return out / name
 
 
@@ -136,17 +107,6 @@ def _echo_teacher(monkeypatch: pytest.MonkeyPatch) -> None:
         return [f"Well, basically {m.group(1) if m else ''}" for m in refs]
 
     monkeypatch.setattr(FoundationModel, "generate", generate)
-
-
-def _main(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["fedfm", *argv])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_analyze_prints_a_runs_analyses_from_its_files(
