@@ -14,10 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fedfm.data.prompt import PromptConfig, format_prompt
 from fedfm.errors import FedfmError, UnknownNameError
-from fedfm.eval.generate import generate
+from fedfm.eval.generate import Reply, generate, generate_replies
 from fedfm.eval.llm import (
     choice_logliks,
     evaluate_held_out_domain,
+    evaluate_instruction_items,
     evaluate_instructions,
     lm_nll,
     multiple_choice_loglik,
@@ -289,3 +290,38 @@ def test_multiple_choice_batched_matches_one_by_one_reference(tok):
         ref = sum(float(logp[len(p) - 1 + j, t]) for j, t in enumerate(c))
         assert n == len(c)
         assert score == pytest.approx(ref, abs=1e-4)
+
+
+def test_replies_say_whether_the_budget_cut_them(tok, yes7):
+    prompts = [format_prompt(tok, p) for p in PROMPTS[:2]]
+    assert generate_replies(yes7, tok, prompts, max_new_tokens=1) == [Reply("yes", True)] * 2
+    # "yes", " 7", end of turn: three tokens end the reply by itself.
+    assert generate_replies(yes7, tok, prompts, max_new_tokens=3) == [Reply("yes 7", False)] * 2
+
+
+def test_a_gsm8k_reply_cut_before_its_answer_is_truncated_not_read_for_a_number(tok, yes7):
+    rows = {
+        "domain": ["math", "spam"],
+        "metric": ["gsm8k", "choice"],
+        "instruction": ["12 - 5?", "Spam?"],
+        "output": ["12 - 5 = 7\n#### 7", "ham"],
+        "choices": [[], ["spam", "ham"]],
+        "answer": ["7", "ham"],
+        "input": ["", ""],
+        "id": ["m", "s"],
+    }
+    suite = datasets.Dataset.from_dict(rows)
+    # Two tokens: "yes 7" without its end-of-turn token. Its last number is the answer, but
+    # the reply was cut: no final number, score 0, counted under truncated.
+    cut, items = evaluate_instruction_items(yes7, tok, suite, max_new_tokens=2)
+    assert cut["gsm8k_acc/math"] == 0.0 and cut["truncated/math"] == 1.0
+    assert items[0]["truncated"] and items[0]["score"] == 0.0
+    done = evaluate_instructions(yes7, tok, suite, max_new_tokens=3)
+    assert done["gsm8k_acc/math"] == 1.0 and done["truncated/math"] == 0.0
+    # Per-domain budgets: the same result with only the maths domain given three tokens.
+    mixed = evaluate_instructions(yes7, tok, suite, max_new_tokens=2, budgets={"math": 3})
+    assert mixed["gsm8k_acc/math"] == 1.0 and mixed["truncated/spam"] == 1.0
+    # "yes 7" names neither spam nor ham: the histogram has a bin for that.
+    assert done["pred/spam/(none)"] == 1.0 and done["pred/spam/ham"] == 0.0
+    assert done["majority/spam"] == 1.0 and done["uniform/spam"] == 0.5
+    assert items[1]["label"] == "(none)"
