@@ -106,7 +106,8 @@ def test_a_budget_below_the_references_is_warned_about(tmp_path, caplog) -> None
     [
         (
             {"choice_norm": "char"},
-            "error: config error: task.choice_norm: input should be 'none', 'bytes' or 'token_mean' (got 'char')",
+            "error: config error: task.choice_norm: input should be 'none', 'bytes' or"
+            " 'token_mean' (got 'char')",
         ),
         (
             {"heldout_domains": ["spam"], "train_domains": ["general", "spam"]},
@@ -115,8 +116,8 @@ def test_a_budget_below_the_references_is_warned_about(tmp_path, caplog) -> None
         ),
         (
             {"heldout_domains": ["spam"], "zeroshot_items": 5},
-            "error: config error: task.zeroshot_items: 5 items asked per held-out domain, but there are"
-            " fewer test items ({'spam': 4})",
+            "error: config error: task.zeroshot_items: 5 items asked per held-out domain, but"
+            " there are fewer test items ({'spam': 4})",
         ),
         (
             {"heldout_domains": ["poetry"]},

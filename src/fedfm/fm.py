@@ -382,7 +382,8 @@ class FoundationModel:
         """The prompt :meth:`prompt` makes, never cut, and its length in tokens: for callers
         that give a long prompt the room it needs or leave the row out, rather than reading
         text with its middle missing."""
-        text = chat_prompt(self.tokenizer, template.format(**(fields or {})), system, self.prompt_cfg)
+        user = template.format(**(fields or {}))
+        text = chat_prompt(self.tokenizer, user, system, self.prompt_cfg)
         return text, len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     @property
