@@ -130,8 +130,8 @@ def test_analyze_prints_a_runs_analyses_from_its_files(
         assert f"| {r['round']} | " in out
         assert f"{r['update_cos/mean']:.4f} / {r['update_cos/min']:.4f}" in out
     assert f"| rewrites kept | — | {rows[0]['fedsd/kept_share']:.3f} |" in out
-    kept_math = rows[0]["fedsd/kept_share/math"]
-    assert f"| sd | math | {kept_math:.3f} | {rows[0]['fedsd/fallback_truncated/math']:.3f} |" in out
+    kept, cut = rows[0]["fedsd/kept_share/math"], rows[0]["fedsd/fallback_truncated/math"]
+    assert f"| sd | math | {kept:.3f} | {cut:.3f} |" in out
     js = f"{js_divergence(raw):.4f}"
     assert f"| JS divergence, raw answers (bits) | {js} | {js} |" in out
     assert f"| JS divergence, distilled answers (bits) | — | {js_divergence(dist):.4f} |" in out
