@@ -262,6 +262,18 @@ def shared_peft_model(
     return fm.model
 
 
+def foundation_model_for(cfg: InstructionConfig) -> FoundationModel:
+    """The handle on the task's model: its base, dtype, LoRA and prompt settings, autocast."""
+    return FoundationModel(
+        cfg.model,
+        cfg.dtype,
+        cfg.model_args,
+        lora=cfg.lora,
+        prompt=cfg.prompt,
+        autocast_bf16=cfg.autocast_bf16,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -450,14 +462,7 @@ class InstructionTask(Task):
     def foundation_model(self) -> FoundationModel:
         """The handle on the shared base and its adapters that LLM algorithms use."""
         if self._fm is None:
-            self._fm = FoundationModel(
-                self.cfg.model,
-                self.cfg.dtype,
-                self.cfg.model_args,
-                lora=self.cfg.lora,
-                prompt=self.cfg.prompt,
-                autocast_bf16=self.cfg.autocast_bf16,
-            )
+            self._fm = foundation_model_for(self.cfg)
         return self._fm
 
     @property
