@@ -135,3 +135,33 @@ def test_bad_evaluation_settings_are_one_line_exit_2_nothing_written(
     assert [x for x in err.splitlines() if x.startswith("error")] == [line]
     assert err.strip().splitlines()[-1] == line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_base_smollm2_no_longer_answers_one_label_for_most_questions() -> None:
+    """The suite's first 60 test items of TREC, drug reviews and SMS spam, base SmolLM2."""
+    import datasets
+
+    from fedfm.data.instruct import build_suite
+    from fedfm.eval.llm import evaluate_instructions
+    from fedfm.fm import shared_base
+
+    _, test = build_suite(1, 60, 0, ["medical", "qtype", "spam"])
+    assert isinstance(test, datasets.Dataset)
+    bundle = shared_base("smollm2-135m-instruct")
+    shares: dict[str, dict[str, dict[str, float]]] = {}
+    for norm in ("none", "bytes", "token_mean"):
+        res = evaluate_instructions(bundle, None, test, choice_mode="loglik", choice_norm=norm)
+        shares[norm] = {}
+        for domain in ("medical", "qtype", "spam"):
+            hist = {k.split("/")[2]: v for k, v in res.items() if k.startswith(f"pred/{domain}/")}
+            shares[norm][domain] = hist
+            print(
+                f"choice_norm={norm} {domain}: acc {res[f'acc/{domain}']:.3f}"
+                f" (majority {res[f'majority/{domain}']:.3f}, uniform"
+                f" {res[f'uniform/{domain}']:.3f}); predicted: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in hist.items())
+            )
+    # The per-token mean collapses onto the three-token label; the sum does not.
+    assert shares["token_mean"]["qtype"]["abbreviation"] > 0.5
+    assert max(shares["none"]["qtype"].values()) <= 0.5
