@@ -528,11 +528,11 @@ class Refinery:
         if self.cfg.cache and (hit := cache.get(key)) is not None and len(hit) == len(rows):
             return hit, True
         prompts = rewrite_prompts(fm, rows, budget)
-        todo = [i for i, p in enumerate(prompts) if p is not None]
+        todo = {i: p for i, p in enumerate(prompts) if p is not None}
         replies: list[Reply | None] = [None] * len(rows)
         if todo:
             got = fm.generate_replies(
-                [prompts[i] for i in todo], adapters, seed=seed, cfg=self.cfg.decoding
+                list(todo.values()), adapters, seed=seed, cfg=self.cfg.decoding
             )
             for i, reply in zip(todo, got, strict=True):
                 replies[i] = reply
