@@ -138,11 +138,6 @@ def test_bad_evaluation_settings_are_one_line_exit_2_nothing_written(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: under the sum rule the base SmolLM2 still answers 'abbreviation' (the label"
-    " every TREC instruction lists first) for 56 of 60 questions; docs/evaluation.md",
-)
 def test_base_smollm2_no_longer_answers_one_label_for_most_questions() -> None:
     """The suite's first 60 test items of TREC, drug reviews and SMS spam, base SmolLM2,
     scored by the summed log-likelihood of label + end-of-turn token (``choice_norm: none``).
