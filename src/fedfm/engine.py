@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,6 +144,27 @@ def _publish(folder: RunFolder, algo: Algorithm) -> None:
         algo.privacy.write(folder.privacy)
 
 
+ADAPTER = "adapter"
+"""The run folder's copy of the global LoRA adapter, in peft's format (``fedfm eval`` reads it)."""
+
+
+def _export_adapter(folder: RunFolder, algo: Algorithm) -> None:
+    """Writes the finished run's global adapter into ``adapter/`` (replaced whole, atomically:
+    written beside it, then renamed), when the algorithm has one."""
+    tmp, final = folder.root / f".{ADAPTER}.tmp", folder.root / ADAPTER
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not algo.export_adapter(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if final.exists():
+        old = folder.root / f".{ADAPTER}.old"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+
+
 def _restore(
     folder: RunFolder, algo: Algorithm, store: ClientStateStore, ledger: AuditLedger
 ) -> int:
@@ -248,6 +270,7 @@ class Engine:
                 fed.rnd = cfg.rounds + 1
                 final = setup.algo.finish(fed)
             _publish(folder, setup.algo)
+            _export_adapter(folder, setup.algo)
             self.tb.close()
         summary = self._summary(folder, setup, final, time.perf_counter() - t0)
         display.final_table(folder.read_metrics(), summary.get("privacy"))

@@ -11,6 +11,7 @@ same config.
 from __future__ import annotations
 
 from collections.abc import Sized
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -99,6 +100,15 @@ class Algorithm:
     def finish(self, fed: Federation) -> dict[str, float]:
         """One-off phase after the last round. Returns metrics for the summary."""
         return {}
+
+    def export_adapter(self, folder: Path) -> bool:
+        """Writes the global model's LoRA adapter in peft's format into ``folder``.
+
+        Called by the engine once the run has finished (the run's ``adapter/``, which
+        ``fedfm eval`` evaluates). Returns ``False``, writing nothing, when the algorithm's
+        global model is not a LoRA adapter of a foundation model.
+        """
+        return False
 
     # ----- checkpointing -----
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:

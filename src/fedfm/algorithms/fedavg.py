@@ -30,6 +30,7 @@ aggregates: no extra bytes leave the clients.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -57,6 +58,7 @@ from fedfm.core.replies import (
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_round, set_params
 from fedfm.eval.compare import UpdateCosines
+from fedfm.models.lora import save_active_adapter
 from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
 
 TRAIN = MessageKind(
@@ -201,6 +203,15 @@ def evaluate_global(
     return out
 
 
+def export_global(model: nn.Module, params: dict[str, Tensor], folder: Path) -> bool:
+    """Writes the global ``params`` as a peft adapter when ``model`` is a LoRA-adapted LLM.
+
+    See :meth:`fedfm.algorithms.base.Algorithm.export_adapter`; ``False`` for other models.
+    """
+    set_params(model, params)
+    return save_active_adapter(model, folder)
+
+
 def evaluate_on_test(task: Task, model: nn.Module) -> dict[str, Any]:
     """``model`` on the global test set.
 
@@ -305,6 +316,10 @@ class FedAvg(Algorithm):
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        return export_global(self._model, self.params, folder)
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -443,6 +458,10 @@ class Scaffold(Algorithm):
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        return export_global(self._model, self.params, folder)
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -97,6 +97,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -781,6 +782,12 @@ class FedHDS(Algorithm):
         # Every item with its Rouge-L goes to the run's eval_items.jsonl (paired statistics).
         rows = [{**i, "rougeL": _rouge_of(i)} for i in items]
         return {**metrics, **rouge_all(items), "items": rows}
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        self.fm.set_adapter(ADAPTER, self.params)
+        self.fm.save_adapter(ADAPTER, folder)
+        return True
 
     @override
     def finish(self, fed: Federation) -> dict[str, float]:

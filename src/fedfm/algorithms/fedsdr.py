@@ -35,6 +35,7 @@ Choices of ours (the paper is silent):
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -203,6 +204,13 @@ class FedSDR(Algorithm):
         if self.cfg.personal_eval:
             out.update(evaluate_personal(fed, self.params))
         return out
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        """The global model is the base with LoRA-R (LoRA-S never leaves its client)."""
+        self.fm.set_adapter(R, self.params)
+        self.fm.save_adapter(R, folder)
+        return True
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
