@@ -16,7 +16,8 @@ two regression sets):
    clients evaluated every 3 rounds, for negative transfer over rounds;
 
 and writes ``docs/fedekd.md`` with tables and figures (:mod:`fedfm.reproduce.fedekd_report`,
-which also registers the study).
+which also declares the study on :mod:`fedfm.reproduce.framework`: the main grid's runs, then,
+once they have run, the runs that the rule's (β, λ) decides).
 ``--quick`` runs a small grid in one process and writes its report under the output folder
 instead, so it never replaces the committed report.
 
@@ -41,36 +42,19 @@ accuracy, or RMSE for regression), averaged over seeds (rank 1 = least harmful, 
 the mean rank); the configuration with the lowest mean rank over all cells is chosen; ties go
 to the smaller β, then the smaller λ. FedeKD's default (``FedeKDConfig``) follows the chosen
 configuration; the report says whether the two agree.
-
-Resumable: a run whose folder holds a finished run of the same config is skipped, an
-unfinished one is resumed from its last checkpoint, one of another config is run afresh; so
-rerunning the command after an interruption only runs what is missing, and rerunning it on
-a finished grid only rewrites the report.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
 import logging
-import multiprocessing as mp
-import os
-import resource
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-import yaml
 
-from fedfm.core.runfolder import read_jsonl
-
-log = logging.getLogger("fedfm")
+from fedfm.reproduce.framework import Context, Run, RunView, preset
 
 # The gate setting FedeKD had as its default before the selection rule was first applied; the
 # study always runs it, so the report can compare it with the rule's choice.
@@ -208,7 +192,6 @@ class Grid:
         long_rounds: Rounds of the long runs.
         long_eval_every: Evaluation interval of the long runs.
         train: Overrides of the ``train`` section.
-        workers: Parallel worker processes (one torch thread each).
     """
 
     presets: Sequence[str]
@@ -226,7 +209,6 @@ class Grid:
     long_rounds: int = 60
     long_eval_every: int = 3
     train: dict[str, Any] = field(default_factory=dict)
-    workers: int = 2
 
     def all_settings(self) -> list[Setting]:
         """Main and control settings, in report order."""
@@ -273,7 +255,7 @@ QUICK = Grid(
 )
 
 
-class Job(NamedTuple):
+class Cell(NamedTuple):
     """One run of the study."""
 
     preset: str
@@ -289,16 +271,16 @@ class Job(NamedTuple):
         data = self.preset.removeprefix("fedekd-")
         return f"{head}{data}-{self.setting.tag}-s{self.seed}-{self.variant.key}"
 
-    def reference(self) -> Job | None:
+    def reference(self) -> Cell | None:
         """The local-only run of the same seed, setting and partition."""
         ref = self.variant.reference
         return self._replace(variant=ref) if ref else None
 
 
-def main_jobs(grid: Grid) -> list[Job]:
+def main_cells(grid: Grid) -> list[Cell]:
     """The main grid, seed by seed: an interrupted grid has every cell at fewer seeds."""
     return [
-        Job(p, st, s, v)
+        Cell(p, st, s, v)
         for s in grid.seeds
         for st in grid.settings
         for p in grid.presets
@@ -322,39 +304,27 @@ def featured(choice: tuple[float, float]) -> list[Variant]:
     return long_variants(choice)
 
 
-def chosen_jobs(grid: Grid, choice: tuple[float, float]) -> list[Job]:
+def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
     """What runs once (β, λ) is chosen: the control settings with the featured variants, then
     the long runs, each seed by seed."""
     control = [
-        Job(p, st, s, v)
+        Cell(p, st, s, v)
         for s in grid.seeds
         for st in grid.control_settings
         for p in grid.presets
         for v in featured(choice)
     ]
     return control + [
-        Job(p, grid.long_setting, s, v, long=True)
+        Cell(p, grid.long_setting, s, v, long=True)
         for s in grid.long_seeds
         for p in grid.long_presets
         for v in long_variants(choice)
     ]
 
 
-@cache
-def _preset_yaml(preset: str) -> str:
-    from fedfm.config import load_config
-
-    return json.dumps(load_config(preset).model_dump(mode="json"))
-
-
-def preset_data(preset: str) -> dict[str, Any]:
-    """A preset as a validated, complete config mapping (a fresh copy)."""
-    return json.loads(_preset_yaml(preset))
-
-
-def job_config(job: Job, grid: Grid, out: Path) -> dict[str, Any]:
+def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     """The run config of one job: the preset with the variant, setting, seed and study settings."""
-    data = preset_data(job.preset)
+    data = preset(job.preset)
     rounds = grid.long_rounds if job.long else (grid.rounds or int(data.get("rounds", 15)))
     st = job.setting
     part = {**data.get("partition", {}), "alpha": st.alpha, "num_clients": st.num_clients}
@@ -363,16 +333,13 @@ def job_config(job: Job, grid: Grid, out: Path) -> dict[str, Any]:
     clients = dict(data.get("clients", {}))
     clients["min_clients"] = min(int(clients.get("min_clients", st.num_clients)), st.num_clients)
     data.update(
-        name=job.name,
         seed=job.seed,
         algorithm=METHODS[job.variant.method].algorithm,
         algo=job.variant.algo(data.get("algo", {})),
         rounds=rounds,
-        out_dir=str(out),
         eval_every=grid.long_eval_every if job.long else grid.eval_every,
         eval_before=False,
         plots=False,
-        threads=1,
         partition=part,
         clients=clients,
     )
@@ -381,78 +348,10 @@ def job_config(job: Job, grid: Grid, out: Path) -> dict[str, Any]:
     return data
 
 
-# ----------------------------------------------------------------------------- running
-
-
-def _comparable(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A config without the output folder (moving the study's folder keeps its runs)."""
-    return {k: v for k, v in cfg.items() if k != "out_dir"}
-
-
-def run_status(cfg: dict[str, Any]) -> str:
-    """``new`` (no run), ``changed`` (a run of another config), ``partial`` (unfinished run of
-    this config) or ``done`` (finished run of this config)."""
-    from fedfm.config import load_config
-
-    root = Path(cfg["out_dir"]) / cfg["name"]
-    saved = root / "config.yaml"
-    if not saved.exists():
-        return "new"
-    try:
-        old = yaml.safe_load(saved.read_text())
-    except yaml.YAMLError:
-        return "changed"
-    if not isinstance(old, dict) or _comparable(old) != _comparable(
-        load_config(cfg).model_dump(mode="json")
-    ):
-        return "changed"
-    try:
-        summary = json.loads((root / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return "partial"
-    return "done" if summary.get("rounds") == cfg["rounds"] else "partial"
-
-
-def run_job(cfg: dict[str, Any]) -> tuple[str, str | None]:
-    """Runs one config (in a worker process); returns (run name, error or None).
-
-    An unfinished run of the same config resumes from its last checkpoint; any other folder
-    of that name is replaced.
-    """
-    import fedfm.algorithms.fedekd  # noqa: F401  (registers fedekd, fedkd-ungated, local-private)
-    from fedfm.config import load_config
-    from fedfm.runtime import run
-
-    try:
-        status = run_status(cfg)
-        if status == "done":
-            return cfg["name"], None
-        resume = status == "partial"
-        run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
-        return cfg["name"], None
-    except Exception as e:  # a failed run is reported in the study, not fatal to it
-        return cfg["name"], f"{type(e).__name__}: {e}"
-
-
-def _run_all(cfgs: list[dict[str, Any]], workers: int) -> tuple[dict[str, str], int]:
-    """Runs the configs that are not done; returns (errors by run name, runs executed)."""
-    todo = [c for c in cfgs if run_status(c) != "done"]
-    if not todo:
-        return {}, 0
-    if workers <= 1:
-        results = [run_job(c) for c in todo]
-    else:
-        # spawn: fresh interpreters, no forked torch thread pools.
-        ctx = mp.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            results = list(pool.map(run_job, todo, chunksize=1))
-    return {name: err for name, err in results if err}, len(todo)
-
-
 # ----------------------------------------------------------------------------- reading runs
 
 
-def client_curves(run: Path, split: str, metric: str) -> dict[int, dict[str, float]]:
+def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, float]]:
     """Round -> client id -> ``metric`` on ``split`` at every evaluated round of a run.
 
     ``split`` is ``local`` (the client's own test split), ``test`` (the global test set) or
@@ -460,9 +359,9 @@ def client_curves(run: Path, split: str, metric: str) -> dict[int, dict[str, flo
     FedAvg-family runs log only ``local/`` per client; on ``test`` their clients all hold the
     global model, whose value is read from the same round of ``metrics.jsonl``.
     """
-    glob = {r["round"]: r for r in read_jsonl(run / "metrics.jsonl", need_round=False)}
+    glob = run.rounds
     out: dict[int, dict[str, float]] = {}
-    for row in read_jsonl(run / "client_metrics.jsonl", need_round=False):
+    for row in run.client_metrics:
         rnd, vals = row["round"], {}
         for cid, m in row["clients"].items():
             key = f"{split}/{metric}"
@@ -541,37 +440,35 @@ class Results:
         return metrics_of(self.kind(preset))[0][0]
 
 
-def _kind_of(run: Path) -> str:
-    summary = json.loads((run / "summary.json").read_text())
-    return "regression" if summary["primary"] == "rmse" else "classification"
+def _kind_of(run: RunView) -> str:
+    return "regression" if (run.summary or {})["primary"] == "rmse" else "classification"
 
 
-def _finished(run: Path) -> bool:
-    return (run / "summary.json").exists() and (run / "client_metrics.jsonl").exists()
+def _finished(run: RunView) -> bool:
+    return run.finished and bool(run.client_metrics)
 
 
-def analyse(out: Path, jobs: Iterable[Job]) -> Results:
+def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
     """Reads every finished run of ``jobs`` and its local-only reference."""
     res = Results()
-    cache: dict[tuple[Path, str, str], dict[int, dict[str, float]]] = {}
+    cache: dict[tuple[str, str, str], dict[int, dict[str, float]]] = {}
 
-    def curve(run: Path, split: str, metric: str) -> dict[int, dict[str, float]]:
-        key = (run, split, metric)
+    def curve(run: RunView, split: str, metric: str) -> dict[int, dict[str, float]]:
+        key = (run.name, split, metric)
         if key not in cache:
             cache[key] = client_curves(run, split, metric)
         return cache[key]
 
     for job in jobs:
-        run = out / job.name
+        run = ctx.run(job.name)
         if not _finished(run):
             continue
         kind = res.kinds.setdefault(job.preset, _kind_of(run))
         cell = CellKey(job.preset, job.setting.tag, job.variant.key, job.long)
         if job.variant.reference is None and not job.long:
-            stats = json.loads((run / "partition.json").read_text())
-            res.sizes.setdefault((job.preset, job.setting.tag), {})[job.seed] = stats
+            res.sizes.setdefault((job.preset, job.setting.tag), {})[job.seed] = run.partition
         ref_job = job.reference()
-        ref = out / ref_job.name if ref_job else None
+        ref = ctx.run(ref_job.name) if ref_job else None
         for metric, hib in metrics_of(kind):
             for split in SPLITS:
                 mine = curve(run, split, metric)
@@ -681,51 +578,31 @@ def default_gate() -> tuple[float, float]:
     return (d.beta, d.lam)
 
 
-# ----------------------------------------------------------------------------- timing
+# ----------------------------------------------------------------------------- the jobs
 
 
-@dataclass
-class Timing:
-    """One invocation's cost: wall clock, CPU of every process, and the machine's load.
-
-    The load averages say how much other work shared the cores: wall time on a busy machine
-    overstates the study's own cost, which the CPU time measures.
-    """
-
-    wall_s: float
-    cpu_s: float
-    load_start: tuple[float, float, float]
-    load_end: tuple[float, float, float]
-    runs: int = 0
-
-    def line(self) -> str:
-        """One report line."""
-        ls, le = (f"{x[0]:.1f}" for x in (self.load_start, self.load_end))
-        return (
-            f"wall time {self.wall_s / 60:.1f} min, CPU time of all processes"
-            f" {self.cpu_s / 60:.1f} min, {self.runs} runs executed; 1-minute load average"
-            f" {ls} at the start, {le} at the end"
-        )
+def gate_of(ctx: Context[Grid]) -> tuple[Choice | None, tuple[float, float]]:
+    """The rule's choice on the main grid's validation numbers, and the gate the runs after
+    it use (the reference gate when nothing could be chosen)."""
+    grid = ctx.grid
+    choice = choose_gate(grid.configs(), config_scores(grid, analyse(ctx, main_cells(grid))))
+    return choice, choice.gate if choice else REFERENCE_GATE
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU of this process and its reaped children (the worker processes)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+def jobs(ctx: Context[Grid]) -> list[Run]:
+    """The main grid; once none of it is left to run, the runs of the rule's (β, λ)."""
+    grid = ctx.grid
+    main = [Run(c.name, job_config(c, grid), group=c.variant.method) for c in main_cells(grid)]
+    if not ctx.settled(r.name for r in main):
+        return main
+    after = chosen_cells(grid, gate_of(ctx)[1])
+    return main + [Run(c.name, job_config(c, grid), group=c.variant.method) for c in after]
 
 
-def timings(out: Path) -> list[Timing]:
-    """Every invocation that executed runs, from the study folder's ``timing.jsonl``."""
-    return [
-        Timing(r["wall_s"], r["cpu_s"], tuple(r["load_start"]), tuple(r["load_end"]), r["runs"])
-        for r in read_jsonl(out / "timing.jsonl", need_round=False)
-    ]
-
-
-def _data_notes(grid: Grid) -> list[str]:
-    """Rows the sources dropped (missing numeric feature or target), captured from their log."""
-    from fedfm.data.sources import load_source
+def data_notes(grid: Grid) -> list[str]:
+    """Rows the sources dropped (missing numeric feature or target), captured from their log
+    (the loaders are called afresh: a cached source would not log again)."""
+    from fedfm.data.sources import SOURCES
 
     notes: list[str] = []
 
@@ -737,38 +614,9 @@ def _data_notes(grid: Grid) -> list[str]:
     data_log = logging.getLogger("fedfm.data")
     data_log.addHandler(handler)
     try:
-        for preset in grid.presets:
-            load_source(preset_data(preset)["task"]["dataset"])
+        for p in grid.presets:
+            task = preset(p)["task"]
+            SOURCES.get(task["dataset"])(**task.get("source_options", {}))
     finally:
         data_log.removeHandler(handler)
     return notes
-
-
-def run_grid(grid: Grid, out: Path) -> tuple[dict[str, str], list[str]]:
-    """Runs what is missing of the grid into ``out``.
-
-    Returns:
-        The failed runs (run folder -> error) and the sources' notes on dropped rows.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    t0, cpu0, load0 = time.perf_counter(), _cpu_seconds(), os.getloadavg()
-    notes = _data_notes(grid)  # before the runs: sources log their dropped rows on first load
-    failed, ran = _run_all([job_config(j, grid, out) for j in main_jobs(grid)], grid.workers)
-    res = analyse(out, main_jobs(grid))
-    choice = choose_gate(grid.configs(), config_scores(grid, res))
-    gate = choice.gate if choice else REFERENCE_GATE
-    more, ran_long = _run_all(
-        [job_config(j, grid, out) for j in chosen_jobs(grid, gate)], grid.workers
-    )
-    failed.update(more)
-    if ran + ran_long:
-        t = Timing(
-            time.perf_counter() - t0,
-            _cpu_seconds() - cpu0,
-            tuple(load0),
-            tuple(os.getloadavg()),
-            ran + ran_long,
-        )
-        with (out / "timing.jsonl").open("a") as f:
-            f.write(json.dumps(dataclasses.asdict(t)) + "\n")
-    return failed, notes

@@ -492,8 +492,10 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: "FedHDS reproduction: hierarchical data selection vs FedIT"
-        + (" (quick grid)" if ctx.quick else ""),
+        title=lambda ctx: (
+            "FedHDS reproduction: hierarchical data selection vs FedIT"
+            + (" (quick grid)" if ctx.quick else "")
+        ),
         body=body,
         reports=("fedhds.md", "fedhds.md"),
     )

@@ -21,20 +21,15 @@ student, and writes ``docs/fedrd.md`` (:mod:`fedfm.reproduce.fedrd_report`, whic
 registers the study). ``--quick`` runs a tiny grid and writes its report under the output
 folder, so it never replaces the committed report.
 
-Resumable as :mod:`fedfm.reproduce.fedekd` is: a finished run of the same config is skipped,
-an unfinished one resumes from its checkpoint, so rerunning the command after an
-interruption only runs what is missing. Jobs run seed by seed, so an interrupted grid has
-every cell at fewer seeds. Runs go one after another in one process with one torch thread:
-the foundation model's features (public set, evaluation rows, the adapter's images) are
-computed once per process and reused by every later run that reads the same rows.
+Jobs run seed by seed, so an interrupted grid has every cell at fewer seeds. By default
+they go one after another in one process with one torch thread: the foundation model's
+features (public set, evaluation rows, the adapter's images) are computed once per process
+and reused by every later run that reads the same rows.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fedfm.reproduce.fedekd import preset_data, run_status
+from fedfm.reproduce.framework import Compute, Context, Job, Run, merge, preset
 
 # ----------------------------------------------------------------------------- the grid
 
@@ -159,7 +154,7 @@ QUICK = Grid(
 )
 
 
-class Job(NamedTuple):
+class Cell(NamedTuple):
     """One run of the grid."""
 
     modality: str
@@ -177,10 +172,10 @@ class Job(NamedTuple):
         return METHODS[self.method].presets[self.modality]
 
 
-def jobs_of(grid: Grid) -> list[Job]:
+def cells(grid: Grid) -> list[Cell]:
     """Every run, seed by seed (an interrupted grid has every cell at fewer seeds)."""
     return [
-        Job(mod, a, s, m)
+        Cell(mod, a, s, m)
         for s in grid.seeds
         for mod in grid.modalities
         for a in grid.alphas
@@ -189,64 +184,31 @@ def jobs_of(grid: Grid) -> list[Job]:
     ]
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in extra.items():
-        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, Mapping) else v
-    return out
-
-
-def job_config(job: Job, grid: Grid, out: Path) -> dict[str, Any]:
+def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     """The run config of one job: the preset, the method's overrides, α, seed, study settings.
 
     The model arguments of the study's ``algo.teacher_options`` apply to the adapter's
     ``model_args.fm_size`` too, so both foundation-model paths see images of one size.
     """
-    data = preset_data(job.preset)
+    data = preset(job.preset)
     m = METHODS[job.method]
     ov = copy.deepcopy(grid.overrides.get(job.modality, {}))
     algo_ov = ov.pop("algo", {})
     size = algo_ov.get("teacher_options", {}).get("image_size")
     if m.public:
-        data["algo"] = _merge(data.get("algo", {}), {**algo_ov, **m.algo})
+        data["algo"] = merge(data.get("algo", {}), {**algo_ov, **m.algo})
     elif job.method == "adapter" and size is not None:
-        ov = _merge(ov, {"task": {"model_args": {"fm_size": size}}})
-    data = _merge(data, ov)
+        ov = merge(ov, {"task": {"model_args": {"fm_size": size}}})
+    data = merge(data, ov)
     data.update(
-        name=job.name,
         seed=job.seed,
         rounds=grid.rounds or int(data.get("rounds", 40)),
-        out_dir=str(out),
         eval_every=grid.eval_every,
         eval_before=False,
         plots=False,
-        threads=1,
     )
     data["partition"] = {**data.get("partition", {}), "alpha": job.alpha}
     return data
-
-
-# ----------------------------------------------------------------------------- running
-
-
-def run_job(cfg: dict[str, Any]) -> tuple[str, str | None, float]:
-    """Runs (or resumes, or skips) one config; returns (name, error or None, seconds)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import fedfm.algorithms.fedrd
-    import fedfm.tasks.text  # noqa: F401  (registers the text task)
-    from fedfm.config import load_config
-    from fedfm.runtime import run
-
-    t = time.perf_counter()
-    try:
-        status = run_status(cfg)
-        if status != "done":
-            resume = status == "partial"
-            run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
-        return cfg["name"], None, time.perf_counter() - t
-    except Exception as e:  # a failed run is reported in the study, not fatal to it
-        return cfg["name"], f"{type(e).__name__}: {e}", time.perf_counter() - t
 
 
 # ----------------------------------------------------------------------------- Lite0 probe
@@ -307,58 +269,24 @@ def lite0_probe(
 
 def public_size(grid: Grid) -> int:
     """The vision public set's size (the probe trains on as many images)."""
-    data = job_config(Job("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid, Path("."))
+    data = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
     return int(data["algo"].get("public_size", 500))
 
 
-# ----------------------------------------------------------------------------- the study
+def probe(inputs: Mapping[str, Path], folder: Path, **params: Any) -> dict[str, Any]:
+    """The probe as a computation of the study (its result, by input size)."""
+    del inputs, folder
+    return {str(k): v for k, v in lite0_probe(**params).items()}
 
 
-def run_grid(grid: Grid, out: Path, command: str) -> dict[str, Any]:
-    """Runs the probe and every job not done into ``out``; saves and returns ``study.json``.
+PROBE = "lite0-probe"
 
-    The saved file keeps the grid, the probe, the run times of this invocation merged with
-    those of earlier ones, and the failures of this invocation.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "study.json"
-    saved: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    times: dict[str, float] = dict(saved.get("times", {}))
-    wall = float(saved.get("wall_s", 0.0))
-    t0 = time.perf_counter()
-    probe = saved.get("probe")
-    want = [int(s) for s in grid.probe_sizes] if "vision" in grid.modalities else []
-    if want and (not isinstance(probe, dict) or sorted(map(int, probe)) != sorted(want)):
-        t = time.perf_counter()
-        try:
-            probe = lite0_probe(want, public_size(grid), grid.probe_test)
-        except Exception as e:  # reported, not fatal
-            probe = f"{type(e).__name__}: {e}"
-        times["probe"] = time.perf_counter() - t
-    failed: dict[str, str] = {}
 
-    def save(done: bool) -> dict[str, Any]:
-        d = {
-            "grid": dataclasses.asdict(grid),
-            "command": command,
-            "probe": probe,
-            "times": times,
-            "failed": failed,
-            "wall_s": wall + time.perf_counter() - t0,
-            "finished": done,
-            "cpus": os.cpu_count(),
-        }
-        path.write_text(json.dumps(d, indent=1))
-        return d
-
-    save(False)
-    for job in jobs_of(grid):
-        cfg = job_config(job, grid, out)
-        if run_status(cfg) == "done":
-            continue
-        name, err, secs = run_job(cfg)
-        times[name] = times.get(name, 0.0) + secs
-        if err:
-            failed[name] = err
-        save(False)
-    return save(True)
+def jobs(ctx: Context[Grid]) -> list[Job]:
+    """The Lite0 probe (when the grid has images), then every run."""
+    grid = ctx.grid
+    out: list[Job] = []
+    if "vision" in grid.modalities and grid.probe_sizes:
+        params = {"sizes": [int(s) for s in grid.probe_sizes], "n_train": public_size(grid)}
+        out.append(Compute(PROBE, probe, {**params, "n_test": grid.probe_test}))
+    return out + [Run(c.name, job_config(c, grid), group=c.method) for c in cells(grid)]

@@ -1,19 +1,16 @@
-"""The report of the FedRD study (``docs/fedrd.md``): tables, paired differences, curves.
+"""The report of the FedRD study (``docs/fedrd.md``): readouts, tables, paired differences,
+curves; it declares the study on the framework.
 
-Everything here is read from the study's run folders (``metrics.jsonl`` of every run) and its
-``study.json`` (probe, run times); each comparison is a paired per-seed difference with its
-standard error (:mod:`fedfm.reproduce.stats`). Nothing in the page is written by hand except
-the fixed text (the method, the substitutions, what is not implemented).
+Everything here is read from the study's run folders (``metrics.jsonl`` of every run, the
+probe's result); each comparison is a paired per-seed difference with its standard error
+(:mod:`fedfm.reproduce.stats`). Nothing in the page is written by hand except the fixed text
+(the method, the substitutions, what is not implemented).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import platform
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +18,10 @@ from typing import Any
 import numpy as np
 
 from fedfm import plots
-from fedfm.core.runfolder import read_jsonl
-from fedfm.reproduce import STUDIES
-from fedfm.reproduce.fedekd import preset_data
-from fedfm.reproduce.fedrd import FULL, METHODS, QUICK, Grid, Job, job_config, jobs_of, run_grid
-from fedfm.reproduce.stats import Estimate, mean_se, paired
+from fedfm.reproduce.fedrd import FULL, METHODS, PROBE, QUICK, Cell, Grid, cells, job_config, jobs
+from fedfm.reproduce.framework import Context, Readout, RunView, Study, preset, register
+from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired
+from fedfm.reproduce.tables import head, row, side
 
 # ----------------------------------------------------------------------------- reading runs
 
@@ -51,9 +47,9 @@ class RunResult:
     bytes_up: float
 
 
-def read_run(folder: Path) -> RunResult | None:
+def read_run(view: RunView) -> RunResult | None:
     """The run's results, or None when it has no evaluated round yet."""
-    rows = read_jsonl(folder / "metrics.jsonl", need_round=False)
+    rows = view.metrics
     evals = [r for r in rows if "acc" in r and r.get("round", 0) > 0]
     if not evals:
         return None
@@ -77,14 +73,14 @@ def read_run(folder: Path) -> RunResult | None:
     )
 
 
-Results = dict[Job, RunResult]
+Results = dict[Cell, RunResult]
 
 
-def analyse(grid: Grid, out: Path) -> Results:
+def read(ctx: Context[Grid]) -> Results:
     """Every finished-or-evaluated run of the grid that has results."""
     res = {}
-    for job in jobs_of(grid):
-        r = read_run(out / job.name)
+    for job in cells(ctx.grid):
+        r = read_run(ctx.run(job.name))
         if r is not None:
             res[job] = r
     return res
@@ -96,7 +92,7 @@ def per_seed(
     """Seed -> the final ``metric`` of one cell (seeds without that metric left out)."""
     out = {}
     for s in grid.seeds:
-        r = res.get(Job(mod, alpha, s, method))
+        r = res.get(Cell(mod, alpha, s, method))
         if r is not None and metric in r.final and r.rounds == _rounds(grid, mod, method):
             out[s] = r.final[metric]
     return out
@@ -105,7 +101,7 @@ def per_seed(
 def _rounds(grid: Grid, mod: str, method: str) -> int:
     if grid.rounds is not None:
         return grid.rounds
-    return int(preset_data(METHODS[method].presets[mod]).get("rounds", 40))
+    return int(preset(METHODS[method].presets[mod]).get("rounds", 40))
 
 
 def _server_seed(
@@ -113,7 +109,7 @@ def _server_seed(
 ) -> dict[int, float]:
     out = {}
     for s in grid.seeds:
-        r = res.get(Job(mod, alpha, s, method))
+        r = res.get(Cell(mod, alpha, s, method))
         src = {**(r.server if r else {}), **(r.warmup if r else {})}
         if r is not None and key in src:
             out[s] = src[key]
@@ -126,7 +122,7 @@ def curve_seed(
     """Seed -> test accuracy at round ``rnd``."""
     out = {}
     for s in grid.seeds:
-        r = res.get(Job(mod, alpha, s, method))
+        r = res.get(Cell(mod, alpha, s, method))
         if r is not None and rnd in r.curve:
             out[s] = r.curve[rnd]
     return out
@@ -139,19 +135,9 @@ def _methods(grid: Grid, mod: str) -> list[str]:
     return [m for m in grid.methods if mod in METHODS[m].presets]
 
 
-def _row(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def _head(cells: Sequence[str]) -> list[str]:
-    return [_row(cells), "|" + "---|" * len(cells)]
-
-
 def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """Mean ± SE over seeds of the final accuracy and macro-F1 per (α, method)."""
-    lines = _head(
-        ["α", "method", "public rows", "acc", "macro-F1", "teacher path z_t acc", "seeds"]
-    )
+    lines = head(["α", "method", "public rows", "acc", "macro-F1", "teacher path z_t acc", "seeds"])
     for a in grid.alphas:
         for m in _methods(grid, mod):
             acc = mean_se(list(per_seed(res, grid, mod, a, m, "acc").values()))
@@ -159,17 +145,13 @@ def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
             t = mean_se(list(per_seed(res, grid, mod, a, m, "teacher/acc").values()))
             pub = "yes" if METHODS[m].public else "no"
             lines.append(
-                _row([f"{a:g}", METHODS[m].label, pub, acc.fmt(), f1.fmt(), t.fmt(), str(acc.n)])
+                row([f"{a:g}", METHODS[m].label, pub, acc.fmt(), f1.fmt(), t.fmt(), str(acc.n)])
             )
     return lines
 
 
 def _verdict(est: Estimate) -> str:
-    if est.n < 2:
-        return "one seed: not resolved"
-    return {1: "FedRD higher (> 2 SE)", -1: "FedRD lower (> 2 SE)", 0: "not resolved (≤ 2 SE)"}[
-        est.resolved()
-    ]
+    return side(est, "FedRD higher", "FedRD lower")
 
 
 def differences(grid: Grid, res: Results, mod: str, alpha: float) -> dict[str, dict[str, Any]]:
@@ -190,12 +172,12 @@ def differences(grid: Grid, res: Results, mod: str, alpha: float) -> dict[str, d
 
 def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """The paired differences FedRD − method, per α."""
-    lines = _head(["α", "FedRD minus", "Δ acc (mean ± SE)", "Δ macro-F1", "seeds", "accuracy"])
+    lines = head(["α", "FedRD minus", "Δ acc (mean ± SE)", "Δ macro-F1", "seeds", "accuracy"])
     for a in grid.alphas:
         for m, d in differences(grid, res, mod, a).items():
             acc, f1 = d["acc"], d["macro_f1"]
             lines.append(
-                _row(
+                row(
                     [
                         f"{a:g}",
                         METHODS[m].label,
@@ -245,12 +227,12 @@ def teacher_lines(grid: Grid, res: Results, mod: str) -> list[str]:
 
 def seeds_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """The final test accuracy of every run, seed by seed (what the means and SEs are of)."""
-    lines = _head(["α", "method", *[f"seed {s}" for s in grid.seeds]])
+    lines = head(["α", "method", *[f"seed {s}" for s in grid.seeds]])
     for a in grid.alphas:
         for m in _methods(grid, mod):
             vals = per_seed(res, grid, mod, a, m, "acc")
             cells = [f"{vals[s]:.3f}" if s in vals else "—" for s in grid.seeds]
-            lines.append(_row([f"{a:g}", METHODS[m].label, *cells]))
+            lines.append(row([f"{a:g}", METHODS[m].label, *cells]))
     return lines
 
 
@@ -283,11 +265,11 @@ def curve_rounds(grid: Grid, res: Results) -> list[int]:
 def curves_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """Mean ± SE test accuracy at each evaluated round, and FedRD − public fine-tuning."""
     rounds = curve_rounds(grid, res)
-    lines = _head(["α", "method", *[f"round {r}" for r in rounds]])
+    lines = head(["α", "method", *[f"round {r}" for r in rounds]])
     for a in grid.alphas:
         for m in _methods(grid, mod):
             cells = [mean_se(list(curve_seed(res, grid, mod, a, m, r).values())) for r in rounds]
-            lines.append(_row([f"{a:g}", METHODS[m].label, *[c.fmt() for c in cells]]))
+            lines.append(row([f"{a:g}", METHODS[m].label, *[c.fmt() for c in cells]]))
         for ref in ("ft", "ab0"):
             if ref in _methods(grid, mod) and "fedrd" in _methods(grid, mod):
                 diffs = [
@@ -298,7 +280,7 @@ def curves_table(grid: Grid, res: Results, mod: str) -> list[str]:
                     for r in rounds
                 ]
                 label = f"**FedRD − {METHODS[ref].label}** (paired)"
-                lines.append(_row([f"{a:g}", label, *[d.fmt(signed=True) for d in diffs]]))
+                lines.append(row([f"{a:g}", label, *[d.fmt(signed=True) for d in diffs]]))
     return lines
 
 
@@ -312,7 +294,7 @@ def teacher_table(grid: Grid, res: Results, mod: str) -> list[str]:
         ("server_hint@last", "public hint loss, last round"),
         ("server_loss@last", "server loss, last round"),
     ]
-    lines = _head(["α", "method", *[label for _, label in keys], "test CKA(f_t, f_s)"])
+    lines = head(["α", "method", *[label for _, label in keys], "test CKA(f_t, f_s)"])
     for a in grid.alphas:
         for m in _methods(grid, mod):
             if not METHODS[m].public:
@@ -321,7 +303,7 @@ def teacher_table(grid: Grid, res: Results, mod: str) -> list[str]:
                 mean_se(list(_server_seed(res, grid, mod, a, m, k).values())).fmt() for k, _ in keys
             ]
             cka = mean_se(list(per_seed(res, grid, mod, a, m, "cka_test").values())).fmt()
-            lines.append(_row([f"{a:g}", METHODS[m].label, *cells, cka]))
+            lines.append(row([f"{a:g}", METHODS[m].label, *cells, cka]))
     return lines
 
 
@@ -339,8 +321,8 @@ def probe_lines(probe: Any, grid: Grid, res: Results) -> list[str]:
         f" {n_train} Fashion-MNIST training images (as many as the public set), scored on"
         f" {n_test} test images, one torch thread:",
         "",
-        *_head(["input size", "probe accuracy", "feature seconds / 100 images"]),
-        *[f"| {s} px | {v['acc']:.3f} | {v['s_per_100']:.2f} |" for s, v in rows],
+        *head(["input size", "probe accuracy", "feature seconds / 100 images"]),
+        *[row([f"{s} px", f"{v['acc']:.3f}", f"{v['s_per_100']:.2f}"]) for s, v in rows],
         "",
     ]
     size = _teacher_size(grid)
@@ -368,19 +350,19 @@ def probe_lines(probe: Any, grid: Grid, res: Results) -> list[str]:
 def _teacher_size(grid: Grid) -> int | None:
     if "vision" not in grid.modalities:
         return None
-    data = job_config(Job("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid, Path("."))
+    data = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
     size = data["algo"].get("teacher_options", {}).get("image_size")
     return int(size) if size is not None else None
 
 
 def setup_table(grid: Grid) -> list[str]:
     """One line per method: algorithm, data, client model, server, rounds and training."""
-    lines = _head(
+    lines = head(
         ["method", "preset", "algorithm", "data", "client model", "server", "rounds, clients"]
     )
     for mod in grid.modalities:
         for m in _methods(grid, mod):
-            c = job_config(Job(mod, grid.alphas[0], grid.seeds[0], m), grid, Path("."))
+            c = job_config(Cell(mod, grid.alphas[0], grid.seeds[0], m), grid)
             t, al, p, tr = c["task"], c.get("algo", {}), c["partition"], c["train"]
             sizes = [f"{k} {t[k]}" for k in ("max_train", "max_test") if t.get(k)]
             data = f"{t['dataset']} ({', '.join(sizes)})" if sizes else t["dataset"]
@@ -405,7 +387,7 @@ def setup_table(grid: Grid) -> list[str]:
             model = f"{t.get('model')} {t.get('model_args', {})}"
             local = f"{tr.get('steps')} steps, bs {tr.get('batch_size')}, {tr.get('optimizer')}"
             lines.append(
-                _row(
+                row(
                     [
                         METHODS[m].label,
                         METHODS[m].presets[mod],
@@ -464,8 +446,6 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
 # ----------------------------------------------------------------------------- the page
 
 INTRO = """\
-# FedRD: federated reprogramming knowledge distillation — reproduction
-
 Method: FedRD, *A Federated Learning and Knowledge Distillation Approach* (federated
 reprogramming knowledge distillation). Code: `src/fedfm/algorithms/fedrd.py` (FedRD, FedRD
 without φ, Fed-Hint, student FedAvg + public fine-tuning), `src/fedfm/models/fm_adapter.py`
@@ -565,9 +545,9 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
 """(paper, here, what the substitution removes from the test of the claim)."""
 
 
-def scale_row(grid: Grid) -> tuple[str, str, str]:
+def scalerow(grid: Grid) -> tuple[str, str, str]:
     """The row of the substitutions on scale, from the grid's FedRD config."""
-    c = job_config(Job("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid, Path("."))
+    c = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
     t, al, tr = c["task"], c["algo"], c["train"]
     size = al.get("teacher_options", {}).get("image_size")
     here = (
@@ -598,53 +578,117 @@ def substitution_lines(grid: Grid) -> list[str]:
     """The substitutions as a table."""
     rows = list(SUBSTITUTIONS)
     if "vision" in grid.modalities:
-        rows.insert(3, scale_row(grid))
+        rows.insert(3, scalerow(grid))
     if "text" in grid.modalities:
         rows.append(TEXT_ROW)
     return [
         "## Substitutions of the paper's models and data, and what they remove",
         "",
-        *_head(["paper", "here", "what the substitution removes from the test of the claim"]),
-        *[_row(list(r)) for r in rows],
+        *head(["paper", "here", "what the substitution removes from the test of the claim"]),
+        *[row(list(r)) for r in rows],
         "",
     ]
 
 
-def write_report(
-    grid: Grid, out: Path, report: Path, study: Mapping[str, Any], quick: bool
-) -> Path:
-    """Writes the markdown report and its figure (in a folder next to it)."""
-    res = analyse(grid, out)
-    jobs = jobs_of(grid)
+def _fedrd_minus(grid: Grid, mod: str, alpha: float, other: str) -> Any:
+    return lambda r: paired(
+        per_seed(r, grid, mod, alpha, "fedrd", "acc"), per_seed(r, grid, mod, alpha, other, "acc")
+    )
+
+
+FM_SCOPE = (
+    "The FM is EfficientNet-Lite0 (ImageNet) on Fashion-MNIST, or MiniLM on TREC, not a medical"
+    " FM on medical images; seeds pair the partitions."
+)
+
+
+def readouts(grid: Grid) -> list[Readout[Results]]:
+    """Per modality and α: FedRD against the public fine-tuning control (the FM's part) and
+    against FedRD without φ (the reprogramming's part); the paper's other claims this study
+    does not test."""
+    out: list[Readout[Results]] = []
+    for mod in grid.modalities:
+        for a in grid.alphas:
+            where = f"{mod}, α = {a:g}"
+            if "ft" in _methods(grid, mod):
+                out.append(
+                    Readout(
+                        f"FedRD − student FedAvg + public fine-tuning, test accuracy, {where}",
+                        "paired over seeds",
+                        "the FM's distillation helps the student (beyond the public rows)",
+                        +1,
+                        _fedrd_minus(grid, mod, a, "ft"),
+                        scope="The paper compares with KD baselines only; this control sees the"
+                        f" same public rows without the FM. {FM_SCOPE}",
+                    )
+                )
+            if "nophi" in _methods(grid, mod):
+                out.append(
+                    Readout(
+                        f"FedRD − FedRD without φ, test accuracy, {where}",
+                        "paired over seeds",
+                        "reprogramming beats KD without it under non-IID data",
+                        +1,
+                        _fedrd_minus(grid, mod, a, "nophi"),
+                        scope=FM_SCOPE,
+                    )
+                )
+    return [
+        *out,
+        Readout(
+            "FedRD − Fed-CRD, Fed-VID, SemCKD",
+            "—",
+            "FedRD above the KD baselines",
+            +1,
+            lambda r: NONE,
+            scope="Not implemented here (Fed-Hint and FedRD without φ are).",
+            testable=False,
+        ),
+        Readout(
+            "client memory, federated LoRA / FedRD",
+            "—",
+            "about 70 MB against about 1,297 MB of GPU memory",
+            +1,
+            lambda r: NONE,
+            null=1.0,
+            scope="Not measured by this study (`benchmarks/client_memory.py` measures one"
+            " client's CPU training memory).",
+            testable=False,
+        ),
+    ]
+
+
+def body(ctx: Context[Grid], res: Results) -> list[str]:
+    """The method, the setup, per modality the results, the probe, the substitutions."""
+    grid = ctx.grid
+    jobs_ = cells(grid)
+    report = ctx.report or ctx.out / "fedrd.md"
     fig = curves_figure(grid, res, report.parent / report.stem / "accuracy_over_rounds.png")
-    done = sum(1 for j in jobs if j in res and res[j].rounds == _rounds(grid, j.modality, j.method))
-    wall = float(study.get("wall_s", 0.0))
+    done = sum(
+        1 for j in jobs_ if j in res and res[j].rounds == _rounds(grid, j.modality, j.method)
+    )
     lines = [
         INTRO,
         "## How to reproduce",
         "",
         "```",
-        str(study.get("command", "fedfm reproduce fedrd")),
+        ctx.command,
         "```",
         "",
         f"- Grid: {', '.join(grid.modalities)} × Dirichlet α ∈"
         f" {{{', '.join(f'{a:g}' for a in grid.alphas)}}} × seeds"
         f" {{{', '.join(map(str, grid.seeds))}}} × methods"
         f" ({', '.join(f'{len(_methods(grid, m))} {m}' for m in grid.modalities)}) ="
-        f" {len(jobs)} runs; {done} finished. The seed draws the training pool, the public"
+        f" {len(jobs_)} runs; {done} finished. The seed draws the training pool, the public"
         " set and the partition, so every method of a seed sees the same clients and public"
         " rows: differences are paired by seed.",
-        f"- Wall time: {wall / 60:.1f} min (summed over the invocations, when the grid was"
-        " resumed), runs one at a time in one process with one torch thread, on a machine"
-        f" with {study.get('cpus', os.cpu_count())} CPU cores shared with other jobs"
-        f" ({platform.machine()}, Python {platform.python_version()}), the probe included.",
         f"- Test accuracy on the task's test set (Fashion-MNIST: its 10,000 test images;"
         f" TREC: `max_test` held-out questions) is evaluated every {grid.eval_every}"
         " rounds and after the last; the tables give the last round. Standard errors are over"
         " seeds (sample SD / √n); a difference is *resolved* when it lies more than 2 SE from"
         f" zero (with {len(grid.seeds)} seed(s) a lenient screen, not a test).",
         "- Resumable: rerunning the command runs only what is missing and rewrites this page.",
-        *([f"- Quick grid (smoke check), overrides: {grid.overrides}."] if quick else []),
+        *([f"- Quick grid (smoke check), overrides: {grid.overrides}."] if ctx.quick else []),
         "",
         *setup_table(grid),
         "",
@@ -700,48 +744,29 @@ def write_report(
             "",
         ]
     if "vision" in grid.modalities:
+        probe = ctx.run(PROBE).result
         lines += [
             "## Is the teacher stronger than the student?",
             "",
-            *probe_lines(study.get("probe"), grid, res),
+            *probe_lines(probe, grid, res),
         ]
     lines += substitution_lines(grid)
     if fig is not None:
         lines += ["## Figures", "", f"![accuracy over rounds]({report.stem}/{fig.name})", ""]
-    times = study.get("times", {})
-    if times:
-        lines += [
-            "## Run times",
-            "",
-            "Seconds of the invocations that ran each run (a resumed run sums them).",
-            "",
-            *_head(["run", "seconds"]),
-            *[f"| {k} | {v:.0f} |" for k, v in sorted(times.items())],
-            "",
-        ]
-    failed = study.get("failed", {})
-    if failed:
-        lines += ["## Failed runs", "", *[f"- `{k}`: {v}" for k, v in sorted(failed.items())], ""]
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text("\n".join(lines))
-    return report
+    return lines
 
 
-def rerender(out: Path, report: Path, quick: bool = False) -> Path:
-    """Writes the report again from a study folder (its ``study.json`` and runs)."""
-    study = json.loads((Path(out) / "study.json").read_text())
-    g = dict(study["grid"])
-    return write_report(Grid(**g), Path(out), report, study, quick)
-
-
-@STUDIES.register(
-    "fedrd", "FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter"
+STUDY = register(
+    Study(
+        name="fedrd",
+        summary="FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
+        full=FULL,
+        quick=QUICK,
+        jobs=jobs,
+        read=read,
+        readouts=readouts,
+        title=lambda ctx: "FedRD: federated reprogramming knowledge distillation — reproduction",
+        body=body,
+        reports=("fedrd.md", None),
+    )
 )
-def fedrd_study(out: Path, quick: bool) -> Path:
-    """The registered study: the full grid into docs/fedrd.md, or the quick one into ``out``."""
-    folder = Path(out) / ("fedrd-quick" if quick else "fedrd")
-    grid = QUICK if quick else FULL
-    command = "fedfm reproduce fedrd" + (" --quick" if quick else "")
-    study = run_grid(grid, folder, command)
-    report = folder / "fedrd-quick.md" if quick else Path("docs") / "fedrd.md"
-    return write_report(grid, folder, report, study, quick)

@@ -499,7 +499,9 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     first = f"{grid.optimizers[0]}-fedsd"
     cfg = job_config(grid, grid.optimizers[0], "fedsd")
     dist = distribution_analysis(ctx.out / first, cfg) if first in res else None
-    base0 = next((r.metrics[0] for r in res.values() if r.metrics and "score" in r.metrics[0]), None)
+    base0 = next(
+        (r.metrics[0] for r in res.values() if r.metrics and "score" in r.metrics[0]), None
+    )
     lines = [
         "FedSDR (ICML 2026, arXiv 2605.18028; METHODS.md section 1): FedSD rewrites of every "
         "client's answers by the global model before round 1, dual-stream LoRA (LoRA-S on the "
@@ -530,8 +532,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         "",
         "### The paper's table (overall score base → +FedSD, win rate)",
         "",
-        *table(["optimizer", "base", "+FedSD", "win rate"],
-               [[o, b, s, f"{w}%"] for o, (b, s, w) in PAPER.items()]),
+        *table(
+            ["optimizer", "base", "+FedSD", "win rate"],
+            [[o, b, s, f"{w}%"] for o, (b, s, w) in PAPER.items()],
+        ),
         "",
         "## Rewrite statistics (the rewrite paradox)",
         "",
@@ -549,10 +553,18 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
             *table(
                 ["measure", "raw", "distilled", "paper raw → distilled"],
                 [
-                    ["JS divergence (bits, mean over client pairs)", num(dist["js_raw"], 4),
-                     num(dist["js_distilled"], 4), f"{PAPER_JS[0]} → {PAPER_JS[1]}"],
-                    ["TF-IDF cosine (mean over client pairs)", num(dist["tfidf_raw"], 4),
-                     num(dist["tfidf_distilled"], 4), f"{PAPER_TFIDF[0]} → {PAPER_TFIDF[1]}"],
+                    [
+                        "JS divergence (bits, mean over client pairs)",
+                        num(dist["js_raw"], 4),
+                        num(dist["js_distilled"], 4),
+                        f"{PAPER_JS[0]} → {PAPER_JS[1]}",
+                    ],
+                    [
+                        "TF-IDF cosine (mean over client pairs)",
+                        num(dist["tfidf_raw"], 4),
+                        num(dist["tfidf_distilled"], 4),
+                        f"{PAPER_TFIDF[0]} → {PAPER_TFIDF[1]}",
+                    ],
                 ],
             ),
             "",

@@ -324,14 +324,14 @@ def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
         "",
         *head(["", "readout", "estimate", "statistic", "the paper", "verdict"]),
     ]
-    notes = []
+    notes: dict[str, list[str]] = {}  # one note for the readouts that share it
     for i, r in enumerate(readouts, start=1):
         est, word = r.judge(data)
         shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
         lines.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
         if r.scope:
-            notes.append(f"- R{i}: {r.scope}")
-    return [*lines, "", *([*notes, ""] if notes else [])]
+            notes.setdefault(r.scope, []).append(f"R{i}")
+    return [*lines, "", *[f"- {', '.join(ids)}: {text}" for text, ids in notes.items()], ""]
 
 
 # ----------------------------------------------------------------------------- studies
@@ -353,7 +353,8 @@ class Study(Generic[G, R]):
         body: The report's sections after the readouts.
         reports: Report files of the full and the quick grid, relative to the report folder
             (``docs/`` by default); None: ``<name>-quick.md`` in the study folder.
-        workers: Worker processes by default.
+        workers: Worker processes by default, of the full and the quick grid (at most the
+            machine's cores).
         later: What ``--dry-run`` cannot list yet (jobs that measured values decide).
     """
 
@@ -367,7 +368,7 @@ class Study(Generic[G, R]):
     title: Callable[[Context[Any]], str]
     body: Callable[[Context[Any], R], list[str]]
     reports: tuple[str | None, str | None]
-    workers: int = 1
+    workers: tuple[int, int] = (1, 1)
     later: str = ""
 
 
@@ -396,6 +397,7 @@ class Context(Generic[G]):
         out: The study folder (its runs and ``study.json``).
         command: The command line the report names.
         workers: Worker processes.
+        report: The report being written (figures go beside it).
     """
 
     study: str
@@ -404,6 +406,7 @@ class Context(Generic[G]):
     out: Path
     command: str
     workers: int = 1
+    report: Path | None = None
     done: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
     _views: dict[str, RunView] = field(default_factory=dict)
@@ -753,13 +756,15 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     study's cost classes), else of every finished job; jobs that measured values configure
     are listed with what they wait for.
     """
-    jobs = _plan(study, ctx)
-    steps = {}
-    for job in jobs:  # what is done now, in dependency order
-        step = _prepare(job, ctx)
-        if step.what == "done":
-            ctx.done.add(job.name)
-        steps[job.name] = step
+    steps: dict[str, _Step] = {}
+    while True:  # what is done now, in dependency order; a study may list more once it is
+        jobs = _plan(study, ctx)
+        for job in (j for j in jobs if j.name not in steps):
+            steps[job.name] = _prepare(job, ctx)
+            if steps[job.name].what == "done":
+                ctx.done.add(job.name)
+        if len(_plan(study, ctx)) == len(jobs):
+            break
     walls = {j.name: w for j in jobs if j.name in ctx.done and (w := _wall_of(j.name, ctx))}
     groups: dict[str, list[float]] = {}
     for j in jobs:
@@ -831,8 +836,19 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
     by: dict[str, list[dict[str, Any]]] = {}
     for j, e in entries:
         by.setdefault(j.name if len(jobs) <= 40 else (j.group or "jobs"), []).append(e)
-    lines += ["", *head(["job" if len(jobs) <= 40 else "group", "jobs", "status", "wall s",
-                         "CPU s", "load at start → end"])]
+    lines += [
+        "",
+        *head(
+            [
+                "job" if len(jobs) <= 40 else "group",
+                "jobs",
+                "status",
+                "wall s",
+                "CPU s",
+                "load at start → end",
+            ]
+        ),
+    ]
     for key, es in by.items():
         status = ", ".join(sorted({str(e.get("status", "not run")) for e in es}))
         timed = [e for e in es if e.get("attempts")]
@@ -861,6 +877,7 @@ def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None =
 def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
     """Writes the report from the study folder: title, readouts, the study's sections, the
     jobs' times."""
+    ctx.report = path
     data = study.read(ctx)
     jobs = _plan(study, ctx)
     lines = [
@@ -894,13 +911,11 @@ def open_study(
         quick=quick,
         out=Path(out),
         command=command or f"fedfm reproduce {study.name}" + (" --quick" if quick else ""),
-        workers=workers or study.workers,
+        workers=workers or min(study.workers[1 if quick else 0], os.cpu_count() or 1),
     )
 
 
-def run_study(
-    study: Study[Any, Any], ctx: Context[Any], report: Path | None = None
-) -> Path:
+def run_study(study: Study[Any, Any], ctx: Context[Any], report: Path | None = None) -> Path:
     """Runs what is missing of the study and writes its report; returns the report's path."""
     run_jobs(study, ctx)
     return write_report(study, ctx, report or report_path(study, ctx))
@@ -931,4 +946,3 @@ def reproduce(
     if dry_run_only:
         return dry_run(study, ctx)
     return run_study(study, ctx, report_path(study, ctx, report_dir))
-

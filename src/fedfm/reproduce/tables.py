@@ -26,6 +26,15 @@ def marked(est: Estimate | None, digits: int = 3) -> str:
     return f"{num(est.mean, digits, signed=True)} ± {num(est.se, digits)}{mark}"
 
 
+def side(est: Estimate, up: str, down: str, sign: int = 1) -> str:
+    """Which side a paired difference favours by more than 2 SE (``sign`` −1 where lower is
+    better), or that it is not resolved."""
+    if est.n < 2 or not math.isfinite(est.se):
+        return "no SE (one value): not resolved"
+    r = est.resolved() * sign
+    return f"{up} (> 2 SE)" if r > 0 else f"{down} (> 2 SE)" if r < 0 else "not resolved (≤ 2 SE)"
+
+
 def ratio(ref: float, x: float) -> str:
     """How many times ``x`` fits in ``ref`` (e.g. a speed-up), ``12.3×``."""
     return f"{ref / x:.1f}×" if x > 0 else DASH
