@@ -657,7 +657,8 @@ def _drain(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
             name, pid = queue.get_nowait()
         except Empty:
             return
-        ctx.record.mark(jobs[name], "running", pid=pid)
+        if name not in ctx.done and name not in ctx.failed:  # a late notice of a finished job
+            ctx.record.mark(jobs[name], "running", pid=pid)
 
 
 def _run_wave(wave: Sequence[tuple[Job, dict[str, Any]]], ctx: Context[Any]) -> bool:
@@ -681,7 +682,8 @@ def _run_wave(wave: Sequence[tuple[Job, dict[str, Any]]], ctx: Context[Any]) -> 
                     _finished(job, fut.result(), ctx)
                 except BrokenProcessPool:
                     ctx.failed[job.name] = "interrupted: a worker process died"
-                    ctx.record.mark(job, "interrupted", error=ctx.failed[job.name])
+                    n = int(ctx.record.job(job).get("interrupted", 0)) + 1
+                    ctx.record.mark(job, "interrupted", error=ctx.failed[job.name], interrupted=n)
     return not any(e.startswith("interrupted") for e in ctx.failed.values())
 
 
@@ -778,7 +780,12 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
         status = {
             "done": "done (skipped)",
             "skip": f"skipped: {step.reason}",
-            "wait": f"after {step.reason} (configured from its measured values)",
+            "wait": f"after {step.reason}"
+            + (
+                " (configured from its measured values)"
+                if callable(getattr(job, "config", 0))
+                else ""
+            ),
             "todo": f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}",
         }[step.what]
         est: float | None = None
