@@ -18,7 +18,7 @@ from fedfm.config import load_config
 from fedfm.engine import build, resolve
 from fedfm.errors import ConfigError
 from fedfm.reproduce import fedekd as study
-from fedfm.reproduce.fedekd_report import STUDY
+from fedfm.reproduce.fedekd import STUDY
 from fedfm.reproduce.framework import RunView, open_study, reproduce, write_report
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
 from fedfm.runtime import run

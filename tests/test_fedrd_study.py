@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfm.reproduce.fedrd import Cell, Grid
-from fedfm.reproduce.fedrd_report import STUDY, differences, per_seed, read
+from fedfm.reproduce.fedrd import STUDY, Cell, Grid, differences, per_seed, read
 from fedfm.reproduce.framework import open_study, reproduce, write_report
 
 

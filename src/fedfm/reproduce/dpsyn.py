@@ -494,29 +494,6 @@ def _diff_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
     return lines
 
 
-def _summary_lines(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
-    """Per kind of comparison: how many of its differences are resolved up, down or not."""
-    kinds: dict[str, list[int]] = {}
-    for _, label, a, b in comparisons(grid, res):
-        if not a or not b:
-            continue
-        kind = label.split(":")[0]
-        for clf, _ in CLASSIFIERS:
-            for est in (acc_diff(a, b, clf), f1_diff(a, b, clf)):
-                kinds.setdefault(kind, []).append(est.resolved())
-    if not kinds:
-        return []
-    lines = [
-        "Over the four scores of each row (accuracy and macro-F1 of both classifiers), the "
-        "differences more than 2 SE above zero / within 2 SE / more than 2 SE below zero:",
-        "",
-    ]
-    for kind, marks in kinds.items():
-        up, down = marks.count(1), marks.count(-1)
-        lines.append(f"- {kind}: {up} / {len(marks) - up - down} / {down}")
-    return [*lines, ""]
-
-
 def _seed_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
     """Voting's effect paired over seeds (only with two seeds or more)."""
     if len(grid.seeds) < 2:
@@ -527,15 +504,7 @@ def _seed_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
         "Mean over seeds of (after − before voting), ± the paired SE over seeds.",
         "",
         *head(
-            [
-                "data set",
-                "distribution",
-                "setting",
-                "Δ logreg acc",
-                "Δ logreg F1",
-                "Δ clf acc",
-                "Δ clf F1",
-            ]
+            "data set | distribution | setting | Δ logreg acc | Δ logreg F1 | Δ clf acc | Δ clf F1"
         ),
     ]
     keys = {(c.data, c.partition, c.strong, c.epsilon) for c in grid.cells()}
@@ -552,16 +521,10 @@ def _seed_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
 
 
 def _privacy_table(res: Mapping[str, RunResult]) -> list[str]:
-    header = [
-        "run",
-        "σ DP-SGD",
-        "ε DP-SGD",
-        "ε profiling",
-        "ε voting",
-        "ε strong (DP-SGD + profiling)",
-        "ε weak (profiling + voting)",
-        "voters",
-    ]
+    header = (
+        "run | σ DP-SGD | ε DP-SGD | ε profiling | ε voting"
+        " | ε strong (DP-SGD + profiling) | ε weak (profiling + voting) | voters"
+    )
     lines = head(header)
     for name, r in res.items():
         fin = r.summary.get("finish", {})
@@ -582,18 +545,10 @@ def _privacy_table(res: Mapping[str, RunResult]) -> list[str]:
 
 
 def _budget_table(res: Mapping[str, RunResult]) -> list[str]:
-    header = [
-        "run",
-        "MB up",
-        "MB down",
-        "profile s",
-        "fine-tuning s",
-        "generation + eval s",
-        "(generation s)",
-        "voting + eval s",
-        "(clients' votes s)",
-        "total s",
-    ]
+    header = (
+        "run | MB up | MB down | profile s | fine-tuning s | generation + eval s"
+        " | (generation s) | voting + eval s | (clients' votes s) | total s"
+    )
     lines = head(header)
     for name, r in res.items():
         st = r.stage_seconds()
@@ -821,7 +776,6 @@ def body(ctx: Context[Grid], res: dict[str, RunResult]) -> list[str]:
         "",
         *_diff_table(grid, res),
         "",
-        *_summary_lines(grid, res),
         *_seed_table(grid, res),
         "## Privacy per run",
         "",

@@ -274,24 +274,10 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 def _main_table(grid: Grid, res: Results) -> list[str]:
     ref = res.get(REFERENCE)
     lines = head(
-        [
-            "method",
-            "Rouge-L (seen)",
-            "Δ vs FedIT ± SE",
-            "Rouge-L (zero-shot)",
-            "score (own metrics)",
-            "zero-shot score",
-            "data fraction",
-            "client train s",
-            "train speed-up",
-            "feature + cluster s",
-            "client total s",
-            "total speed-up",
-            "server select s",
-            "selection bytes up",
-            "MB up",
-            "MB down",
-        ]
+        "method | Rouge-L (seen) | Δ vs FedIT ± SE | Rouge-L (zero-shot)"
+        " | score (own metrics) | zero-shot score | data fraction | client train s"
+        " | train speed-up | feature + cluster s | client total s | total speed-up"
+        " | server select s | selection bytes up | MB up | MB down"
     )
     for m in methods(grid):
         r = res.get(m.key)

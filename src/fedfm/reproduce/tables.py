@@ -45,12 +45,13 @@ def row(cells: Iterable[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def head(cells: Sequence[Any]) -> list[str]:
-    """A table's header and rule."""
+def head(cells: Sequence[Any] | str) -> list[str]:
+    """A table's header and rule; ``cells`` may be one string, its cells split by ``" | "``."""
+    cells = cells.split(" | ") if isinstance(cells, str) else cells
     return [row(cells), "|" + "---|" * len(cells)]
 
 
-def table(header: Sequence[Any], rows: Iterable[Iterable[Any]]) -> list[str]:
+def table(header: Sequence[Any] | str, rows: Iterable[Iterable[Any]]) -> list[str]:
     """A whole table."""
     return [*head(header), *(row(r) for r in rows)]
 
