@@ -294,7 +294,7 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
     assert row in text
     assert "| concrete | α=0.5, 10 clients | +2.33 ± 0.38 | +7.00 ± 0.58 | +0.0 ± 0.0 |" in text
     assert "| breast-cancer | α=5, 10 clients | +0.023 ± 0.004 |" in text  # control cells
-    assert "mean-client NT on the global test set Δ = +0.023 ± 0.004 (a better (> 2 SE))" in text
+    assert "| Δ NT mean, global test | +0.023 ± 0.004 | a better (> 2 SE) |" in text
     # The readouts open the report, the gate against ungated KD first, with its verdict.
     first = text.split("## Readouts", 1)[1].splitlines()
     r1 = next(x for x in first if x.startswith("| R1 |"))

@@ -18,8 +18,8 @@ all-MiniLM-L6-v2 on the server), at Dirichlet label skew α ∈ {0.1, 0.5}, for 
 then probes Lite0's features linearly (logistic regression on as many training images as the
 public set has) at several input sizes, so the report can say whether the teacher beats the
 student, and writes ``docs/fedrd.md`` (readouts first, then the tables; every number read
-from the runs' metrics and the probe's result). ``--quick`` runs a tiny grid and writes its report under the output
-folder, so it never replaces the committed report.
+from the runs' metrics and the probe's result). ``--quick`` runs a tiny grid and writes its
+report under the output folder, so it never replaces the committed report.
 
 Jobs run seed by seed, so an interrupted grid has every cell at fewer seeds. By default
 they go one after another in one process with one torch thread: the foundation model's
@@ -371,16 +371,23 @@ def read(ctx: Context[Grid]) -> Results:
     return res
 
 
+def _seeds(
+    res: Results, grid: Grid, mod: str, alpha: float, method: str, value: Any
+) -> dict[int, float]:
+    """Seed -> ``value(run)`` of one cell (seeds whose run gives None left out)."""
+    runs = {s: res.get(Cell(mod, alpha, s, method)) for s in grid.seeds}
+    got = {s: value(r) for s, r in runs.items() if r is not None}
+    return {s: float(v) for s, v in got.items() if v is not None}
+
+
 def per_seed(
     res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: str
 ) -> dict[int, float]:
     """Seed -> the final ``metric`` of one cell (seeds without that metric left out)."""
-    out = {}
-    for s in grid.seeds:
-        r = res.get(Cell(mod, alpha, s, method))
-        if r is not None and metric in r.final and r.rounds == _rounds(grid, mod, method):
-            out[s] = r.final[metric]
-    return out
+    rounds = _rounds(grid, mod, method)
+    return _seeds(
+        res, grid, mod, alpha, method, lambda r: r.final.get(metric) if r.rounds == rounds else None
+    )
 
 
 def _rounds(grid: Grid, mod: str, method: str) -> int:
@@ -392,25 +399,14 @@ def _rounds(grid: Grid, mod: str, method: str) -> int:
 def _server_seed(
     res: Results, grid: Grid, mod: str, alpha: float, method: str, key: str
 ) -> dict[int, float]:
-    out = {}
-    for s in grid.seeds:
-        r = res.get(Cell(mod, alpha, s, method))
-        src = {**(r.server if r else {}), **(r.warmup if r else {})}
-        if r is not None and key in src:
-            out[s] = src[key]
-    return out
+    return _seeds(res, grid, mod, alpha, method, lambda r: {**r.server, **r.warmup}.get(key))
 
 
 def curve_seed(
     res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int
 ) -> dict[int, float]:
     """Seed -> test accuracy at round ``rnd``."""
-    out = {}
-    for s in grid.seeds:
-        r = res.get(Cell(mod, alpha, s, method))
-        if r is not None and rnd in r.curve:
-            out[s] = r.curve[rnd]
-    return out
+    return _seeds(res, grid, mod, alpha, method, lambda r: r.curve.get(rnd))
 
 
 # ----------------------------------------------------------------------------- tables

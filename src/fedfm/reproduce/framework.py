@@ -751,6 +751,9 @@ def _wall_of(name: str, ctx: Context[Any]) -> float | None:
     return view.wall_s if view.finished and view.metrics else None
 
 
+MEASURED = " (configured from its measured values)"
+
+
 def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     """The jobs, each with its status and estimated seconds, and the total estimate.
 
@@ -781,11 +784,7 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
             "done": "done (skipped)",
             "skip": f"skipped: {step.reason}",
             "wait": f"after {step.reason}"
-            + (
-                " (configured from its measured values)"
-                if callable(getattr(job, "config", 0))
-                else ""
-            ),
+            + (MEASURED if callable(getattr(job, "config", 0)) else ""),
             "todo": f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}",
         }[step.what]
         est: float | None = None
@@ -839,33 +838,20 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
             )
     else:
         lines.append(f"No invocation that ran jobs is recorded in `{RECORD}` (on {_machine()}).")
+    # A large grid is summed by group (the study's cost classes), a small one job by job.
     entries = [(j, rec.jobs.get(j.name, {})) for j in jobs]
     by: dict[str, list[dict[str, Any]]] = {}
     for j, e in entries:
         by.setdefault(j.name if len(jobs) <= 40 else (j.group or "jobs"), []).append(e)
-    lines += [
-        "",
-        *head(
-            [
-                "job" if len(jobs) <= 40 else "group",
-                "jobs",
-                "status",
-                "wall s",
-                "CPU s",
-                "load at start → end",
-            ]
-        ),
-    ]
+    lines += ["", *head("job or group | jobs | status | wall s | CPU s | load at start → end")]
     for key, es in by.items():
         status = ", ".join(sorted({str(e.get("status", "not run")) for e in es}))
         timed = [e for e in es if e.get("attempts")]
-        wall = sum(float(e["wall_s"]) for e in timed) if timed else None
-        cpu = sum(float(e["cpu_s"]) for e in timed) if timed else None
-        load = (
-            f"{num(timed[0].get('load_start'), 1)} → {num(timed[-1].get('load_end'), 1)}"
-            if timed
-            else DASH
+        wall, cpu = (
+            sum(float(e[k]) for e in timed) if timed else None for k in ("wall_s", "cpu_s")
         )
+        ends = (timed[0].get("load_start"), timed[-1].get("load_end")) if timed else (None, None)
+        load = f"{num(ends[0], 1)} → {num(ends[1], 1)}" if timed else DASH
         lines.append(row([key, len(es), status, num(wall, 0), num(cpu, 0), load]))
     errors = [(j.name, e["error"]) for j, e in entries if e.get("error")]
     if errors:
