@@ -241,13 +241,14 @@ def lite0_probe(
     """
     import torch
     from sklearn.linear_model import LogisticRegression
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
     from fedfm.data.sources import load_source
     from fedfm.models.vision import imagenet_preprocess, load_efficientnet_lite0
 
     torch.set_num_threads(1)
     src = load_source("fashion_mnist")
+    assert src.train is not None and src.test is not None  # the source has both splits
     tr = src.train.shuffle(seed=seed).select(range(n_train))
     te = src.test.shuffle(seed=seed).select(range(n_test))
 

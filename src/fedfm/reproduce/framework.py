@@ -191,7 +191,7 @@ class RunView:
     @cached_property
     def summary(self) -> dict[str, Any] | None:
         """``summary.json`` (None before the run has finished)."""
-        return self._json("summary.json")  # type: ignore[no-any-return]
+        return self._json("summary.json")
 
     @property
     def finished(self) -> bool:
@@ -362,7 +362,7 @@ class Study(Generic[G, R]):
     summary: str
     full: Any
     quick: Any
-    jobs: Callable[[Context[Any]], list[Job]]
+    jobs: Callable[[Context[Any]], Sequence[Job]]
     read: Callable[[Context[Any]], R]
     readouts: Callable[[Any], Sequence[Readout[R]]]
     title: Callable[[Context[Any]], str]
@@ -617,7 +617,7 @@ def _prepare(job: Job, ctx: Context[Any]) -> _Step:
 
 
 def _plan(study: Study[Any, Any], ctx: Context[Any]) -> list[Job]:
-    jobs = study.jobs(ctx)
+    jobs = list(study.jobs(ctx))
     names = [j.name for j in jobs]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -698,7 +698,7 @@ def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
     for entry in rec.jobs.values():  # a killed invocation left these behind
         if entry.get("status") == "running":
             entry["status"] = "interrupted"
-    inv = {"started": _now(), "command": ctx.command, "workers": ctx.workers}
+    inv: dict[str, Any] = {"started": _now(), "command": ctx.command, "workers": ctx.workers}
     inv.update(cpus=os.cpu_count(), load_start=list(os.getloadavg()), ran=0)
     rec.invocations.append(inv)
     t0, cpu0 = time.perf_counter(), _cpu_all()
@@ -847,12 +847,12 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
     for key, es in by.items():
         status = ", ".join(sorted({str(e.get("status", "not run")) for e in es}))
         timed = [e for e in es if e.get("attempts")]
-        wall, cpu = (
-            sum(float(e[k]) for e in timed) if timed else None for k in ("wall_s", "cpu_s")
-        )
+        wall, cpu = (sum(float(e[k]) for e in timed) for k in ("wall_s", "cpu_s"))
         ends = (timed[0].get("load_start"), timed[-1].get("load_end")) if timed else (None, None)
         load = f"{num(ends[0], 1)} → {num(ends[1], 1)}" if timed else DASH
-        lines.append(row([key, len(es), status, num(wall, 0), num(cpu, 0), load]))
+        lines.append(
+            row([key, len(es), status, *(num(x if timed else None, 0) for x in (wall, cpu)), load])
+        )
     errors = [(j.name, e["error"]) for j, e in entries if e.get("error")]
     if errors:
         lines += ["", "Jobs that did not finish:", "", *[f"- `{n}`: {x}" for n, x in errors]]

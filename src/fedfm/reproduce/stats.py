@@ -21,10 +21,13 @@ paper's direction beyond 2 SE, against it beyond 2 SE, or not resolved.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+K = TypeVar("K")  # a unit: a seed, an item id, a test row id
 
 BOOTSTRAP = 1000
 """Paired bootstrap resamples of a statistic that is not a mean (macro-F1)."""
@@ -73,7 +76,7 @@ def mean_se(values: Sequence[float]) -> Estimate:
     return Estimate(float(v.mean()), se, len(v))
 
 
-def paired(a: Mapping[Hashable, float], b: Mapping[Hashable, float]) -> Estimate:
+def paired(a: Mapping[K, float], b: Mapping[K, float]) -> Estimate:
     """Mean of the per-unit differences a_u − b_u over the units both have, with its SE.
 
     The keys are the units: seeds (paired over seeds), item ids (paired over items) or test
