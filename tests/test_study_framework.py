@@ -183,17 +183,21 @@ def test_dry_run_lists_the_jobs_and_estimates_from_measured_times(tmp_path, monk
     rows = {x.split(" | ")[0].strip("| "): x for x in lines if x.startswith("| ")}
     assert "new: runs" in rows["a"] and "after a (configured from its measured values)" in rows["b"]
     assert "| a, b | after a |" in rows["c"] and rows["c"].endswith("| — |")  # no measurement
-    assert "3 to run" in lines[-1] and "3 job(s) without any measurement" in lines[-1]
+    assert lines[-1].startswith("3 jobs, 0 done or skipped, 3 to run: no estimate")
     run_jobs(TOY, ctx)
-    # B and C are gone (B's config changed): A's measured time estimates B, its group's.
+    # B to run again (its summary gone): its own measured time; D, never run: its group's.
     ctx = open_study(TOY, tmp_path / "toy", grid={"rounds": 2})
-    wall_a = ctx.record.jobs["a"]["wall_s"]
+    walls = {n: e["wall_s"] for n, e in ctx.record.jobs.items()}
     (tmp_path / "toy" / "b" / "summary.json").unlink()
-    lines = dry_run(TOY, ctx)
+    more = dataclasses.replace(TOY, jobs=lambda c: [*toy_jobs(c), Run("d", _cfg(3), group="train")])
+    lines = dry_run(more, ctx)
     rows = {x.split(" | ")[0].strip("| "): x for x in lines if x.startswith("| ")}
     assert "done (skipped)" in rows["a"] and "partial: resumes" in rows["b"]
-    assert rows["b"].endswith(f"| {wall_a:.0f} |")
-    assert "2 to run with 1 worker(s)" in lines[-1]
+    assert rows["b"].endswith(f"| {walls['b']:.0f} |") and rows["d"].endswith(
+        f"| {walls['a']:.0f} |"
+    )
+    total = (walls["b"] + walls["c"] + walls["a"]) / 60
+    assert f"3 to run with 1 worker(s): about {total:.1f} min" in lines[-1]
     # Through the command line: the FedHDS quick grid, listed, nothing written.
     argv = ["reproduce", "fedhds", "--quick", "--dry-run", "--out", str(tmp_path / "r")]
     code, out, err = _main(argv, monkeypatch, capsys)

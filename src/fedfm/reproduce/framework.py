@@ -757,9 +757,9 @@ MEASURED = " (configured from its measured values)"
 def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     """The jobs, each with its status and estimated seconds, and the total estimate.
 
-    A job's estimate is the mean measured wall time of the finished jobs of its group (the
-    study's cost classes), else of every finished job; jobs that measured values configure
-    are listed with what they wait for.
+    A job's estimate is its own wall time when an earlier invocation ran it, else the mean
+    of the finished jobs of its group (the study's cost classes), else of every finished
+    job; jobs that measured values configure are listed with what they wait for.
     """
     steps: dict[str, _Step] = {}
     while True:  # what is done now, in dependency order; a study may list more once it is
@@ -789,21 +789,28 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
         }[step.what]
         est: float | None = None
         if step.what in ("todo", "wait"):
+            mine = ctx.record.jobs.get(job.name, {})
             same = groups.get(job.group or type(job).__name__) or every
-            est = sum(same) / len(same) if same else None
+            if mine.get("attempts"):  # its own time, when an earlier invocation ran it
+                est = float(mine["wall_s"]) / int(mine["attempts"])
+            elif same:
+                est = sum(same) / len(same)
             left.append(est)
         kind = "run" if isinstance(job, Run) else "compute"
         lines.append(row([job.name, kind, ", ".join(job.needs) or DASH, status, num(est, 0)]))
     known = [x for x in left if x is not None]
     total = sum(known) / max(1, min(ctx.workers, len(left)))
     unknown = len(left) - len(known)
-    summary = (
-        f"{len(jobs)} jobs, {len(jobs) - len(left)} done or skipped, {len(left)} to run with"
-        f" {ctx.workers} worker(s): about {total / 60:.1f} min from the times measured in"
-        f" {ctx.out} ({len(every)} finished jobs"
-        + (f"; {unknown} job(s) without any measurement to go by" if unknown else "")
-        + "; a lower bound where jobs wait for others)."
-    )
+    summary = f"{len(jobs)} jobs, {len(jobs) - len(left)} done or skipped, {len(left)} to run"
+    if known:
+        summary += (
+            f" with {ctx.workers} worker(s): about {total / 60:.1f} min from the times of the"
+            f" {len(every)} finished jobs in {ctx.out} (a lower bound where jobs wait for others"
+            + (f"; {unknown} job(s) without a measurement to go by" if unknown else "")
+            + ")."
+        )
+    elif left:
+        summary += f": no estimate, no job in {ctx.out} has finished and measured its time."
     return [*lines, "", summary, *([f"Later: {study.later}"] if study.later else [])]
 
 
