@@ -244,8 +244,11 @@ def test_a_worker_killed_mid_run_is_resumed_by_the_next_invocation_to_equal_resu
     assert ctx.record.jobs["a"]["status"] == "interrupted"
     assert "b" not in ctx.done and not (folder / "a" / "summary.json").exists()
     assert 3 <= len(_rows(folder / "a")) < 9
+    logged = (folder / "a" / "metrics.jsonl").read_text().splitlines()[:2]  # rounds 0 and 1
     again = open_study(TOY, folder, grid=grid)
     run_jobs(TOY, again)  # resumes A from its checkpoint, then B and C
+    # Resumed, not run afresh: the rounds before the kill keep their logged times too.
+    assert (folder / "a" / "metrics.jsonl").read_text().splitlines()[:2] == logged
     assert again.done == {"a", "a2", "b", "c"}
     straight = open_study(TOY, tmp_path / "straight", grid=grid)
     run_jobs(TOY, straight)
