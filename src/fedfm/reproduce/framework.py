@@ -1,27 +1,17 @@
 """The study framework: a study declares what it runs, reads, compares and reports; this
-module does the rest, once, for every study.
+module does the rest, once, for every study (``docs/studies.md``).
 
-A study (:class:`Study`) declares
-
-* its **jobs**: runs of the engine (:class:`Run`: a config, or a function that builds the
-  config from the measured values of the runs it *needs*) and computations that are not runs
-  (:class:`Compute`: post-processing of the runs it needs, or a measurement of its own). The
-  study's job list is asked for again after every wave of jobs, so a measured value can also
-  decide which jobs follow;
-* what it **reads** of each run (through :class:`RunView`: summary, metrics, client metrics,
-  evaluated items, partition, audit and privacy ledgers, a computation's result);
-* its **readouts** (:class:`Readout`): the few comparisons it exists for, fixed in code before
-  any run, each with its paired statistic, the paper's direction and the verdict rule of
-  :func:`fedfm.reproduce.stats.verdict`;
-* its **report**: the sections that follow the readouts.
-
-The framework runs the jobs (worker processes, one torch thread each; a finished run of the
-same config is skipped, an unfinished one resumed by the engine's ``--resume``, a folder of
-another config run afresh), records one ``study.json`` per study folder (every job's status,
-wall and CPU time and the machine's load at its start and end; every invocation), and writes
-the report: title, the readouts with their verdicts, the study's sections, then the jobs'
-times. ``fedfm reproduce NAME --dry-run`` lists the jobs and estimates the wall time of those
-left from the times a previous invocation measured.
+A study (:class:`Study`) declares its **jobs** (:class:`Run`: a config, or a function that
+builds it from the measured values of the runs it *needs*; :class:`Compute`: post-processing
+of other jobs, or a measurement that is not a run; the list is asked for again after every
+wave, so measured values can also decide which jobs follow), what it **reads** of its runs
+(:class:`RunView`), its **readouts** (:class:`Readout`, fixed in code, judged by
+:func:`fedfm.reproduce.stats.verdict`) and the sections of its **report**. The framework
+runs the jobs (worker processes with one torch thread each; a finished run of the same
+config skipped, an unfinished one resumed by the engine's ``--resume``), records one
+``study.json`` per study folder (each job's status, wall and CPU time and the machine's load;
+each invocation), lists and times the jobs for ``--dry-run``, and writes the report with the
+readouts first.
 """
 
 from __future__ import annotations
