@@ -504,40 +504,46 @@ def test_the_study_runs_and_reports_what_it_measured(
         domains=("general", "math", "medical"),
         task=tiny,
         cache_dir=str(tmp_path / "cache"),
-        threads=1,
     )
-    # The registered study's --quick path, on the tiny grid, writing docs/ under tmp_path.
-    monkeypatch.setattr(study, "QUICK", grid)
+    # The study's --quick grid replaced by the tiny one, its report in the default docs/.
+    from fedfm.reproduce.framework import RunView, open_study, report_path, run_jobs, run_study
+
     monkeypatch.chdir(tmp_path)
-    report = study.STUDIES.get("fedsdr")(tmp_path / "runs", True)
     runs = tmp_path / "runs" / "fedsdr-quick"
+    ctx = open_study(study.STUDY, runs, quick=True, grid=grid)
+    report = run_study(study.STUDY, ctx, report_path(study.STUDY, ctx))
     names = {f"{o}-{m}" for o in grid.optimizers for m in study.METHODS}
     assert report == Path("docs/fedsdr.md")
     assert {p.name for p in runs.iterdir() if p.is_dir()} == names
-    loads = [json.loads(x) for x in (runs / study.LOAD_LOG).read_text().splitlines()]
-    assert {r["run"] for r in loads} == names
+    record = json.loads((runs / "study.json").read_text())
+    assert set(record["jobs"]) == names
+    assert {j["status"] for j in record["jobs"].values()} == {"done"}
     text = report.read_text()
-    assert "Failed runs" not in text and "(quick grid)" in text
-    res = study.read_run(runs / "fedadam-fedsdr")
-    base = study.read_run(runs / "fedadam-base")
-    assert res is not None and base is not None
-    d = study.paired_diff(res.items, base.items)["overall"]
-    assert f"{d[0]:+.3f} ± {d[1]:.3f}" in text
+    assert "did not finish" not in text and "(quick grid)" in text
+    res, base = RunView(runs / "fedadam-fedsdr"), RunView(runs / "fedadam-base")
+    assert res.finished and base.finished
+    d = study.paired_diff(res, base)["overall"]
+    assert f"{d.mean:+.3f} ± {d.se:.3f}" in text
     assert "| JS divergence" in text and "| rewrites kept |" in text
-    for r in res.rows[1:]:  # the cosines FedSDR's server logged, per round
+    for r in res.metrics[1:]:  # the cosines FedSDR's server logged, per round
         assert f"{r['update_cos/mean']:.4f} / {r['update_cos/min']:.4f}" in text
     # FedSDR's uplink arrays equal FedIT's (the base) round for round, as the report shows.
-    up = {int(r["bytes_up_arrays"]) for r in res.rows[1:]}
-    assert up == {int(r["bytes_up_arrays"]) for r in base.rows[1:]} and len(up) == 1
+    up = {int(r["bytes_up_arrays"]) for r in res.metrics[1:]}
+    assert up == {int(r["bytes_up_arrays"]) for r in base.metrics[1:]} and len(up) == 1
     size = f"{up.pop():,}"
     assert f"| fedadam | FedSDR | {size} |" in text
     assert f"| fedadam | base (FedIT) | {size} |" in text
     assert "Estimate (not a measurement)" in text
     assert "Runs not finished" not in text
+    # The readouts open the report; the two claims this grid cannot test say so.
+    assert text.index("## Readouts") < text.index("## Setup")
+    assert text.count("**cannot be tested by this grid**") == 2
     # A grid with runs that are not there yet: the report names them and the resume command.
     more = dataclasses.replace(grid, optimizers=("fedavg", "fedyogi"))
-    partial = study.write_report(more, runs, tmp_path / "p.md", "cmd", {}, 0.0).read_text()
+    partial = study.STUDY.body(open_study(study.STUDY, runs, grid=more, command="cmd"), {})
     named = "`fedyogi-base`, `fedyogi-fedsd`, `fedyogi-fedsdr`: their rows above are empty"
-    assert named in partial
+    assert named in "\n".join(partial)
     # A second call finds every run done and runs nothing.
-    assert study.run_grid(grid, runs)[0] == {}
+    again = open_study(study.STUDY, runs, quick=True, grid=grid)
+    run_jobs(study.STUDY, again)
+    assert again.record.invocations[-1]["ran"] == 0 and not again.failed

@@ -122,15 +122,28 @@ def eval_(
 @app.command()
 def reproduce(
     study: Annotated[str, typer.Argument(help="study name, e.g. fedekd")],
-    out: Annotated[Path, typer.Option(help="folder for runs")] = Path("runs/reproduce"),
+    out: Annotated[
+        Path, typer.Option(help="folder of the study folders (runs and study.json)")
+    ] = Path("runs/reproduce"),
     quick: Annotated[bool, typer.Option("--quick", help="a small grid for a smoke check")] = False,
+    jobs: Annotated[
+        int | None, typer.Option("--jobs", min=1, help="worker processes (default: the study's)")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="list the jobs and estimate their wall time")
+    ] = False,
+    report_dir: Annotated[
+        Path | None, typer.Option(help="folder of the report (default: the study's, docs/)")
+    ] = None,
 ) -> None:
-    """Run a reproduction study and write its markdown report in docs/."""
-    from fedfm.reproduce import STUDIES, load_studies
+    """Run a reproduction study and write its markdown report (readouts first)."""
+    from fedfm.reproduce.framework import reproduce as run_study
 
-    load_studies()
-    report = STUDIES.get(study)(out, quick)
-    Console().print(f"report written: {report}")
+    result = run_study(study, out, quick, jobs, dry_run, report_dir)
+    if isinstance(result, list):
+        print("\n".join(result))
+    else:
+        Console().print(f"report written: {result}")
 
 
 @app.command("list")
