@@ -11,7 +11,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from fedfm.core.messages import Message, array_bytes, meta_bytes
+from fedfm.core.messages import Message, MessageKind, array_bytes, meta_bytes
 
 
 class AuditLedger:
@@ -26,7 +26,9 @@ class AuditLedger:
         self.pending: list[dict] = []
         self._bytes: dict[tuple[int, str, str], int] = defaultdict(int)  # (round, dir, type)
 
-    def record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
+    def record(
+        self, rnd: int, client: str, direction: str, msg: Message, kind: MessageKind | None = None
+    ) -> int:
         """Adds one message's fields to the ledger.
 
         Args:
@@ -34,10 +36,21 @@ class AuditLedger:
             client: Client id.
             direction: ``"down"`` (server to client) or ``"up"``.
             msg: The message.
+            kind: Its declaration; for a DP kind (``kind.dp``) each up row says whether the
+                field is a DP output (``"privacy": "dp"``), a public value (``"public"``) or
+                neither (``"none"``).
 
         Returns:
             Bytes recorded for this message.
         """
+        first = len(self.pending)
+        total = self._record(rnd, client, direction, msg)
+        if kind is not None and kind.dp and direction == "up":
+            for row in self.pending[first:]:
+                row["privacy"] = kind.privacy_of(row["field"]) or "none"
+        return total
+
+    def _record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
         total = 0
         for name, arrays in msg.arrays.items():
             nbytes = array_bytes(arrays)

@@ -461,7 +461,8 @@ class Federation(ABC):
             if isinstance(outcome, BaseException):
                 self._fail(cid, msg.kind, outcome)
                 continue
-            self.ledger.record(self.rnd, cid, "up", outcome)
+            kind = self.kinds.get(msg.kind) if self.kinds is not None else None
+            self.ledger.record(self.rnd, cid, "up", outcome, kind)
             yield cid, outcome
 
     def _fail(self, cid: str, kind: str, err: BaseException) -> None:
