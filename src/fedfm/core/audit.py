@@ -9,9 +9,42 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from fedfm.core.messages import Message, MessageKind, array_bytes, meta_bytes
+
+
+def dp_clients(rows: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Clients that sent at least one DP mechanism's output (``"privacy": "dp"``)."""
+    return {str(r["client"]) for r in rows if r.get("privacy") == "dp"}
+
+
+def unprotected(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Fields DP clients sent that are neither a DP mechanism's output nor public.
+
+    Args:
+        rows: The rows of ``audit.jsonl``.
+
+    Returns:
+        One row per (kind, field): how many DP clients sent it and in which rounds.
+    """
+    rows = list(rows)
+    private = dp_clients(rows)
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        if r["direction"] != "up" or str(r["client"]) not in private:
+            continue
+        if r.get("privacy") in ("dp", "public"):
+            continue
+        rec = found.setdefault((r["kind"], r["field"]), {"clients": set(), "rounds": set()})
+        rec["clients"].add(str(r["client"]))
+        rec["rounds"].add(int(r["round"]))
+    return [
+        {"kind": k, "field": f, "clients": len(v["clients"]), "rounds": sorted(v["rounds"])}
+        for (k, f), v in found.items()
+    ]
 
 
 class AuditLedger:
