@@ -168,17 +168,25 @@ def split_noise(z: float, count_stddev: float) -> float:
 
 
 def clip_update(update: Mapping[str, Tensor], bound: float) -> tuple[Arrays, float]:
-    """``u·min(1, C/‖u‖₂)`` in float64 (norm over every tensor) and ``‖u‖₂``."""
-    u = {k: t.detach().to("cpu", torch.float64) for k, t in update.items()}
+    """``u·min(1, C/‖u‖₂)`` in float64 (norm over every tensor) and ``‖u‖₂``.
+
+    Tensors are taken in sorted name order, so the norm is the same to the last bit whatever
+    the order of the mapping (a restored checkpoint, a message off the wire).
+    """
+    u = {k: update[k].detach().to("cpu", torch.float64) for k in sorted(update)}
     norm = math.sqrt(sum(float(t.pow(2).sum()) for t in u.values()))
     scale = min(1.0, bound / norm) if norm > 0 else 1.0
     return {k: t * scale for k, t in u.items()}, norm
 
 
 def gaussian_like(arrays: Mapping[str, Tensor], std: float, gen: torch.Generator) -> Arrays:
-    """``N(0, std²)`` float64 noise shaped as ``arrays`` (drawn in their order)."""
+    """``N(0, std²)`` float64 noise shaped as ``arrays``.
+
+    Drawn in sorted name order: the same draws whatever the order of the mapping.
+    """
     return {
-        k: std * torch.randn(t.shape, generator=gen, dtype=torch.float64) for k, t in arrays.items()
+        k: std * torch.randn(arrays[k].shape, generator=gen, dtype=torch.float64)
+        for k in sorted(arrays)
     }
 
 
