@@ -25,6 +25,8 @@ from fedfm.core.federation import ClientState
 from fedfm.core.messages import Message
 from fedfm.core.secret import SECRET, SecretStream
 from fedfm.engine import build
+from fedfm.html_report import RunData, section_privacy, write_run_report
+from fedfm.report import compare
 from fedfm.runtime import run
 
 TESTS = Path(__file__).parent
@@ -107,6 +109,15 @@ def test_two_runs_of_one_seed_differ_by_default_and_are_equal_when_seeded(tmp_pa
     priv = json.loads((tmp_path / "seeded1" / "privacy.json").read_text())
     assert priv["noise"] == "seeded" and "does not hold against anyone who knows" in priv["warning"]
     assert "warning" not in json.loads((tmp_path / "secret1" / "privacy.json").read_text())
+    # fedfm report and report.html say it in one line, for the seeded run only.
+    table = compare([tmp_path / "seeded1", tmp_path / "secret1"])
+    assert [x for x in table.splitlines() if "does not hold" in x] == [
+        f"seeded1: {priv['warning']}."
+    ]
+    summary = json.loads((tmp_path / "seeded1" / "summary.json").read_text())
+    page = write_run_report(tmp_path / "seeded1", summary).read_text()
+    assert page.count("does not hold against anyone who knows the seed") == 1
+    assert "Only DP mechanism outputs and public values left the 4 DP clients" in page
     # The keys are in the clients' states of the checkpoint, never in any message.
     keys = _secrets_in(tmp_path / "secret1" / "checkpoints")
     assert len(set(keys)) == 4
@@ -185,15 +196,16 @@ def test_dpsyn_resumes_its_clients_secret_streams_exactly(tmp_path: Path) -> Non
     from test_dpsyn import _cfg as dpsyn_cfg
 
     def cfg(name: str, rounds: int) -> dict[str, Any]:
-        c = dpsyn_cfg(tmp_path, name, rounds=rounds)
+        c = dpsyn_cfg(tmp_path, name, rounds=rounds, algo__train_rounds=2)
         c["privacy"]["noise"] = "secret"
         c["algo"]["eval"] = {"enabled": False}
         return c
 
-    run(load_config(cfg("a", 1)), progress=False)  # profile and one DP-SGD round
+    run(load_config(cfg("a", 1)), progress=False)  # profile and the first DP-SGD round
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    for name in ("a", "b"):
-        run(load_config(cfg(name, 3)), resume=True, progress=False)
+    for name in ("a", "b"):  # the second DP-SGD round, generation, voting
+        run(load_config(cfg(name, 4)), resume=True, progress=False)
+
     for art in ("synthetic_initial.jsonl", "votes.json", "profile.json"):
         assert (tmp_path / "a" / "artefacts" / art).read_bytes() == (
             tmp_path / "b" / "artefacts" / art
@@ -263,3 +275,30 @@ def test_every_dp_preset_sends_only_mechanism_outputs_from_its_dp_clients(
     assert senders and dp_clients(audit) == senders  # every client that spoke is a DP client
     assert unprotected(audit) == []
     assert {r["privacy"] for r in audit if r["direction"] == "up"} == {"dp"}
+
+
+def test_the_report_lists_in_red_what_dp_clients_sent_beyond_mechanism_outputs(
+    tmp_path: Path,
+) -> None:
+    """FedHDS's DP option, say: noised centroids, but an unnoised count and adapter."""
+
+    def row(client: str, kind: str, field: str, privacy: str | None) -> dict[str, Any]:
+        out = {"round": 1, "client": client, "kind": kind, "direction": "up", "field": field}
+        return {**out, "type": "meta", "bytes": 4, **({"privacy": privacy} if privacy else {})}
+
+    audit = [
+        row("0", "select", "centroids", "dp"),
+        row("0", "select", "num_examples", "none"),
+        row("0", "train", "adapter", None),
+        row("1", "train", "adapter", None),  # client 1 ran no DP mechanism: not a DP client
+    ]
+    assert dp_clients(audit) == {"0"}
+    assert unprotected(audit) == [
+        {"kind": "select", "field": "num_examples", "clients": 1, "rounds": [1]},
+        {"kind": "train", "field": "adapter", "clients": 1, "rounds": [1]},
+    ]
+    priv = {"run": {"epsilon": 3.0, "worst_client": "0"}, "relation": "add or remove one record"}
+    data = RunData(tmp_path, "hds", {}, "", [], audit=audit, privacy=priv)
+    page = section_privacy([data])
+    red = page[page.index('<p class="bad">') :]
+    assert "num_examples" in red and "adapter" in red and "centroids" not in red
