@@ -19,12 +19,12 @@ from fedfm.core.fake import FakeFederation
 from fedfm.core.messages import Message
 from fedfm.core.privacy import PrivacyLedger
 from fedfm.core.userdp import DPSum, Skipped, UserDP, clip_update, split_noise
-from fedfm.errors import ConfigError, MessageError
+from fedfm.errors import ConfigError, MessageError, TooFewClientsError
 from fedfm.runtime import run
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-import toy  # noqa: E402,F401  (registers the toy task)
+import toy  # noqa: E402  (registers the toy task)
 
 
 def _cfg(tmp: Path, name: str = "dp", **user: Any) -> dict[str, Any]:
@@ -304,3 +304,97 @@ def test_a_dp_kind_with_an_undeclared_field_is_refused_at_load(
     kind = Leaky.messages[0]
     with pytest.raises(MessageError, match="field 'loss' is neither a DP mechanism's output"):
         kind.check(Message("noisy", {"noised": {}}, {"loss": 0.5}), "up")
+
+
+# ----------------------------------------------------------------------------- algorithms
+
+
+def _toy_run(**privacy: Any) -> Any:
+    level = {"clip": 1.0, "noise_multiplier": 0.0, "mode": "server", **privacy}
+    cfg = load_config(
+        {
+            "task": {"kind": "toy", "num_clients": 4},
+            "train": {"steps": 2, "lr": 0.5},
+            "privacy": {"user_level": level},
+        }
+    )
+    return toy.ToyTask(toy.ToyConfig(num_clients=4), cfg), cfg
+
+
+def test_dp_fedavg_round_by_hand_with_uniform_weights_and_the_fixed_denominator() -> None:
+    """Noise off: Δ = Σ clip(θ_k − θ) / (q·N), whatever each client says its size is."""
+    from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig
+
+    task, run_cfg = _toy_run()
+    algo = FedAvg(FedAvgConfig(), task, run_cfg)
+    algo.params = {"w": torch.tensor([1.0, 2.0])}
+    ups = {"0": [4.0, 6.0], "1": [1.0, 2.5], "2": [1.0, 2.0], "3": [0.0, 2.0]}  # norms 5, .5, 0, 1
+
+    def reply(cid: str, msg: Message) -> Message:
+        meta = {"num_examples": 10 ** int(cid), "loss": 1.0}
+        return Message("train", {"params": {"w": torch.tensor(ups[cid])}}, meta)
+
+    fed = FakeFederation(["0", "1", "2", "3"], reply, kinds=algo.messages)
+    algo.round(fed)
+    # clipped: [3,4]/5 = [.6,.8]; [0,.5]; [0,0]; [-1,0]  -> sum [-.4, 1.3] / 4
+    torch.testing.assert_close(algo.params["w"], torch.tensor([1.0 - 0.1, 2.0 + 0.325]))
+
+
+def test_dp_scaffold_derives_the_control_update_from_the_noised_mean() -> None:
+    from fedfm.algorithms.fedavg import Scaffold, ScaffoldConfig
+
+    task, run_cfg = _toy_run(mode="client", min_clients=2)
+    algo = Scaffold(ScaffoldConfig(lr_global=1.0), task, run_cfg)
+    algo.params, algo.control = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, 0.0])}
+    kinds = algo.message_kinds().values()
+    dys = {"0": [0.6, 0.8], "1": [0.0, 0.4], "2": [0.2, 0.0], "3": [0.0, 0.0]}  # all within C
+
+    def reply(cid: str, msg: Message) -> Message:
+        assert msg.meta == {"clip": 1.0}  # this round's bound travels down in client mode
+        return Message("train", {"delta_y": {"w": torch.tensor(dys[cid])}})
+
+    fed = FakeFederation(["0", "1", "2", "3"], reply, kinds=kinds)
+    algo.round(fed)
+    mean = torch.tensor([0.8, 1.2]) / 4
+    torch.testing.assert_close(algo.params["w"], torch.tensor([1.0, 2.0]) + mean)
+    c = torch.tensor([0.5, 0.0])
+    torch.testing.assert_close(algo.control["w"], c + 1.0 * (-c - mean / (2 * 0.5)))
+
+    # A private kind refuses Δc, the loss or the size next to the noised Δy.
+    def leaky(cid: str, msg: Message) -> Message:
+        meta = {"num_examples": 3}
+        return Message("train", {"delta_y": {"w": torch.tensor(dys[cid])}}, meta)
+
+    fed = FakeFederation(["0", "1"], leaky, kinds=kinds)
+    with pytest.raises(TooFewClientsError, match="only 0 of 2"):
+        algo.round(fed)
+    assert "undeclared meta field 'num_examples'" in fed.failures[0]["error"]
+
+
+UPDATE_ALGORITHMS = ["fedavg", "fedprox", "scaffold", "fedekd", "fedsdr"]
+
+
+@pytest.mark.parametrize("algorithm", UPDATE_ALGORITHMS)
+def test_every_aggregating_algorithm_sends_only_noised_updates_in_client_mode(
+    tmp_path: Path, algorithm: str
+) -> None:
+    import flower_support as fs
+
+    cfg = fs.algorithm_config(tmp_path, algorithm)
+    assert cfg is not None
+    n = 4 if algorithm in ("fedavg", "fedprox", "scaffold", "fedekd") else 3
+    cfg["privacy"] = {
+        "delta": 1e-3,
+        "user_level": {"clip": 0.5, "noise_multiplier": 1.0, "mode": "client", "min_clients": 1},
+    }
+    cfg["clients"] = {"fraction": 1.0}
+    run(load_config(cfg), progress=False)
+    folder = tmp_path / cfg["name"]
+    audit = [json.loads(x) for x in (folder / "audit.jsonl").read_text().splitlines()]
+    update_kinds = {"fedekd": {"forward", "backward"}}.get(algorithm, {"train"})
+    ups = [r for r in audit if r["direction"] == "up" and r["kind"] in update_kinds]
+    assert ups and {r["privacy"] for r in ups} == {"dp"}
+    assert {r["field"] for r in ups} <= {"params", "delta_y", "proxy"}
+    priv = json.loads((folder / "privacy.json").read_text())
+    assert priv["relation"].startswith("add or remove one client") and priv["run"]["epsilon"] > 0
+    assert len(priv["clients"]) == n
