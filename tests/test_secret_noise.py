@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +28,7 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 import flower_support as fs  # noqa: E402
 from test_flower import _flower_run, task_identity  # noqa: E402,F401  (autouse fixture)
+from test_resume import kill_mid_run  # noqa: E402
 
 
 def _dp_cfg(out: Path, name: str, noise: str, **kw: Any) -> dict[str, Any]:
@@ -142,30 +138,6 @@ def test_on_the_flower_grid_too_and_seeded_equals_embedded(tmp_path: Path) -> No
 # ----------------------------------------------------------------------------- resume
 
 
-def _kill_mid_run(cfg: dict[str, Any], folder: Path) -> None:
-    script = textwrap.dedent(
-        f"""
-        import sys; sys.path.insert(0, {str(TESTS)!r})
-        import toy
-        from fedfm.config import load_config
-        from fedfm.runtime import run
-        run(load_config({cfg!r}), progress=False)
-        """
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    metrics = folder / "metrics.jsonl"
-    deadline = time.time() + 120
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
-                break
-            time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-
-
 @pytest.mark.parametrize("noise", ["seeded", "secret"])
 def test_kill_9_then_resume_of_a_dp_run_is_exact(tmp_path: Path, noise: str) -> None:
     """Seeded: the resumed run equals an uninterrupted one. Secret: two resumes from the same
@@ -175,7 +147,7 @@ def test_kill_9_then_resume_of_a_dp_run_is_exact(tmp_path: Path, noise: str) -> 
     straight = _dp_cfg(tmp_path, "straight", noise, **copy.deepcopy(kw))
     run(load_config(straight), progress=False)
     killed = _dp_cfg(tmp_path, "killed", noise, **copy.deepcopy(kw))
-    _kill_mid_run(killed, tmp_path / "killed")
+    kill_mid_run(killed, tmp_path / "killed")
     done = _metrics(tmp_path / "killed")
     assert 4 <= len(done) < 13
     shutil.copytree(tmp_path / "killed", tmp_path / "twin")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from fedfm import cli
 from fedfm.config import load_config
 from fedfm.core.fake import FakeFederation
 from fedfm.core.messages import Message
@@ -25,6 +24,7 @@ from fedfm.runtime import run
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 import toy  # noqa: E402  (registers the toy task)
+from test_cli_contract import _main  # noqa: E402
 
 
 def _cfg(tmp: Path, name: str = "dp", **user: Any) -> dict[str, Any]:
@@ -224,16 +224,6 @@ def test_client_level_sensitivities_by_hand(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- bad input
 
 
-def _main(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["fedfm", *argv])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     ("over", "line"),
     [
@@ -263,7 +253,7 @@ def test_bad_dp_fedavg_input_exits_2_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, over: list[str], line: str
 ) -> None:
     argv = ["run", "tabular-dpfedavg", f"out_dir={tmp_path}", "name=bad", *over]
-    code, err = _main(argv, monkeypatch, capsys)
+    code, _, err = _main(argv, monkeypatch, capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and f"config error: {line}" in err, err
     assert not (tmp_path / "bad").exists()  # nothing written
@@ -295,7 +285,7 @@ def test_a_dp_kind_with_an_undeclared_field_is_refused_at_load(
              "out_dir": str(tmp_path), "plots": False}
         )
     )  # fmt: skip
-    code, err = _main(["run", str(path)], monkeypatch, capsys)
+    code, _, err = _main(["run", str(path)], monkeypatch, capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert "config error: messages.noisy.loss: a DP client's message may carry only" in err
