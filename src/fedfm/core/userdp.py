@@ -167,13 +167,17 @@ def split_noise(z: float, count_stddev: float) -> float:
     return float((z**-2 - (2 * count_stddev) ** -2) ** -0.5)
 
 
+def _cpu64(t: Tensor) -> Tensor:
+    return t.detach().to("cpu", torch.float64)
+
+
 def clip_update(update: Mapping[str, Tensor], bound: float) -> tuple[Arrays, float]:
     """``u·min(1, C/‖u‖₂)`` in float64 (norm over every tensor) and ``‖u‖₂``.
 
     Tensors are taken in sorted name order, so the norm is the same to the last bit whatever
     the order of the mapping (a restored checkpoint, a message off the wire).
     """
-    u = {k: update[k].detach().to("cpu", torch.float64) for k in sorted(update)}
+    u = {k: _cpu64(update[k]) for k in sorted(update)}
     norm = math.sqrt(sum(float(t.pow(2).sum()) for t in u.values()))
     scale = min(1.0, bound / norm) if norm > 0 else 1.0
     return {k: t * scale for k, t in u.items()}, norm
@@ -423,9 +427,9 @@ class UserDP:
         msg: Message,
     ) -> tuple[Arrays, dict[str, float]]:  # fmt: skip
         """:meth:`privatise` of ``trained − sent``, returned as parameters ``sent + ū + ξ``."""
-        update = {k: trained[k].double() - sent[k].double() for k in sent}
+        update = {k: _cpu64(trained[k]) - _cpu64(sent[k]) for k in sent}
         noisy, meta = self.privatise(ctx, update, msg)
-        return {k: (sent[k].double() + noisy[k]).to(sent[k].dtype) for k in sent}, meta
+        return {k: (_cpu64(sent[k]) + noisy[k]).to(sent[k].dtype) for k in sent}, meta
 
 
 class DPSum:
@@ -444,7 +448,7 @@ class DPSum:
 
     def add(self, update: Mapping[str, Tensor], weight: float = 1.0) -> None:
         """Adds one client's ``θ_k``; the weight is ignored (every client counts once)."""
-        u = {k: update[k].detach().double() - b.detach().double() for k, b in self.base.items()}
+        u = {k: _cpu64(update[k]) - _cpu64(b) for k, b in self.base.items()}
         if not self.dp.client_side:
             clipped, norm = clip_update(u, self.dp.clip)
             u = clipped
