@@ -57,11 +57,18 @@ class AuditLedger:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self.pending: list[dict] = []
+        self._kinds: dict[str, MessageKind] = {}
         self._bytes: dict[tuple[int, str, str], int] = defaultdict(int)  # (round, dir, type)
 
-    def record(
-        self, rnd: int, client: str, direction: str, msg: Message, kind: MessageKind | None = None
-    ) -> int:
+    def declare(self, kinds: Mapping[str, MessageKind] | None) -> None:
+        """Sets the run's message kinds.
+
+        Each up row of a DP kind (``kind.dp``) then says whether its field is a DP output
+        (``"privacy": "dp"``), a public value (``"public"``) or neither (``"none"``).
+        """
+        self._kinds = dict(kinds or {})
+
+    def record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
         """Adds one message's fields to the ledger.
 
         Args:
@@ -69,15 +76,13 @@ class AuditLedger:
             client: Client id.
             direction: ``"down"`` (server to client) or ``"up"``.
             msg: The message.
-            kind: Its declaration; for a DP kind (``kind.dp``) each up row says whether the
-                field is a DP output (``"privacy": "dp"``), a public value (``"public"``) or
-                neither (``"none"``).
 
         Returns:
             Bytes recorded for this message.
         """
         first = len(self.pending)
         total = self._record(rnd, client, direction, msg)
+        kind = self._kinds.get(msg.kind)
         if kind is not None and kind.dp and direction == "up":
             for row in self.pending[first:]:
                 row["privacy"] = kind.privacy_of(row["field"]) or "none"

@@ -361,6 +361,7 @@ class Federation(ABC):
         self.seed = seed
         self.kinds = kinds
         self.ledger = ledger if ledger is not None else AuditLedger()
+        self.ledger.declare(kinds)  # it marks which fields of DP kinds are DP outputs
         self.rnd = 0
         self.failures: list[dict[str, Any]] = []
         self._roles = {c.cid: c.role for c in self.clients}
@@ -461,8 +462,7 @@ class Federation(ABC):
             if isinstance(outcome, BaseException):
                 self._fail(cid, msg.kind, outcome)
                 continue
-            kind = self.kinds.get(msg.kind) if self.kinds is not None else None
-            self.ledger.record(self.rnd, cid, "up", outcome, kind)
+            self.ledger.record(self.rnd, cid, "up", outcome)
             yield cid, outcome
 
     def _fail(self, cid: str, kind: str, err: BaseException) -> None:
