@@ -376,6 +376,7 @@ class UserDP:
             "rounds": rounds,
             "planned_rounds": self.run.rounds,
             "expected_clients": self.expected,
+            "epsilon_one_round": aggregate_epsilon(self.q, self.z, 1, delta, acc),
             "epsilon_planned": aggregate_epsilon(self.q, self.z, self.run.rounds, delta, acc),
         }
         if self.client_side:
