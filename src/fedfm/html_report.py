@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm import plots
+from fedfm.core.audit import dp_clients, unprotected
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
@@ -482,8 +483,28 @@ def _per_round_bytes(run: RunData) -> str:
     )
 
 
+def _dp_fields(r: RunData) -> str:
+    """What left the run's DP clients: any field that is not a DP output or public, in red."""
+    clients = dp_clients(r.audit)
+    if not clients:
+        return ""
+    bad = unprotected(r.audit)
+    if not bad:
+        return (
+            f'<p class="ok">Only DP mechanism outputs and public values left the '
+            f"{len(clients)} DP clients (audit ledger).</p>"
+        )
+    rows = [[b["kind"], b["field"], b["clients"], ", ".join(map(str, b["rounds"]))] for b in bad]
+    return (
+        '<p class="bad">Fields DP clients sent that are neither a DP mechanism\'s output nor'
+        " public (not covered by the ε above):</p>"
+        + _table(["kind", "field", "DP clients", "rounds"], rows, "bad")
+    )
+
+
 def section_privacy(runs: Sequence[RunData]) -> str:
-    """ε per mechanism and per client from each run's ``privacy.json``."""
+    """ε per mechanism and per client from each run's ``privacy.json``, its relation, where
+    its noise came from, and any unnoised field its DP clients sent (audit ledger)."""
     out: list[str] = []
     for r in runs:
         p = r.privacy
@@ -495,6 +516,16 @@ def section_privacy(runs: Sequence[RunData]) -> str:
             f"δ = {_num(p.get('delta'))} ({_esc(p.get('accountant'))}; worst client "
             f"{_esc(run_eps.get('worst_client'))}; {_esc(p.get('composition', ''))})</p>"
         )
+        if p.get("relation"):
+            out.append(f"<p>neighbouring relation: {_esc(p['relation'])}</p>")
+        if p.get("warning"):
+            out.append(f'<p class="bad">{_esc(p["warning"])}</p>')
+        if p.get("user_level"):
+            out.append(
+                "<p>client-level DP-FedAvg:</p>"
+                + _table(["", ""], [[k, v] for k, v in p["user_level"].items()])
+            )
+        out.append(_dp_fields(r))
         mech = [[k, v.get("epsilon_max")] for k, v in p.get("mechanisms", {}).items()]
         out.append(_table(["mechanism", "max ε over clients"], mech))
         clients = [
