@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import stat
 import sys
@@ -167,7 +168,6 @@ def test_flower_refusals_read_from_the_supernode_log():
     r = R.from_supernode_log(no_key)
     assert r is not None and r.fatal and "start this client with --auth-key" in r.reason
     assert R.from_supernode_log("WARNING :   Connection attempt failed, retrying in 3 s") is None
-    assert R.retrying("x\nWARNING :   Connection attempt failed, retrying in 0.46 seconds\n")
 
 
 @contextmanager
@@ -229,27 +229,187 @@ def test_probe_tells_a_tls_mismatch_from_a_superlink_that_is_not_up(tmp_path):
     assert isinstance(waiting, str) and waiting.startswith("nothing answers at")
 
 
-def test_client_gives_up_with_exit_2_on_a_refusal_retrying_cannot_fix(
-    tmp_path, monkeypatch, capsys
-):
-    """The client loop with the SuperNode replaced by a process that logs Flower's refusal."""
+def _fake_supernodes(monkeypatch, *logs: str) -> list[int]:
+    """Replaces the SuperNode by a process that prints the next of ``logs`` (the last one
+    again once they run out) and stays up 30 s unless the log ends with ``EXIT``. Returns
+    the list that counts the starts."""
+    starts: list[int] = []
 
     def fake_start(superlink, pid, n, home, log_dir, *a, **kw):
-        log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-c", f"print({UNREGISTERED_LOG!r}); raise SystemExit(1)"]
-        return [P.start("supernode", cmd, dict(os.environ), log_dir)]
+        text = logs[min(len(starts), len(logs) - 1)]
+        starts.append(1)
+        end = "raise SystemExit(1)" if text.endswith("EXIT") else "time.sleep(30)"
+        code = f"import sys, time; print({text.removesuffix('EXIT')!r}, flush=True); {end}"
+        return [P.start("supernode", [sys.executable, "-c", code], dict(os.environ), log_dir)]
 
     monkeypatch.setattr(D, "start_client", fake_start)
-    monkeypatch.setattr(D, "probe", lambda *a: None)
-    code = D.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, refused_wait_s=0.5)
-    assert code == 2
-    err = capsys.readouterr().err.splitlines()
-    refused = (
-        "client 0: refused: node key not registered on the SuperLink (Flower: [code: 2004]"
-        " Failed to activate SuperNode.)"
+    return starts
+
+
+def _client_in_thread(tmp_path: Path, wait_s: float, limit_s: float) -> tuple[int | None, float]:
+    """Runs ``deploy.client`` in a thread; (its exit code or None if still running after
+    ``limit_s``, seconds it took)."""
+    out: list[int] = []
+    t0 = time.monotonic()
+    thread = threading.Thread(
+        target=lambda: out.append(D.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, wait_s=wait_s)),
+        daemon=True,
     )
-    assert err[0] == refused + "; retrying for up to 0.5 s"
-    assert err[1].startswith(refused + " (still refused after ") and len(err) == 2
+    thread.start()
+    thread.join(limit_s)
+    return (out[0] if out else None), time.monotonic() - t0
+
+
+REFUSED = (
+    "refused: node key not registered on the SuperLink (Flower: [code: 2004] Failed to activate"
+    " SuperNode.)"
+)
+
+
+def test_an_unregistered_key_gives_up_after_the_wait_with_exit_2(tmp_path, monkeypatch, capsys):
+    """The wait is the one documented bound (--wait), not a back-off that overshoots it."""
+    _fake_supernodes(monkeypatch, UNREGISTERED_LOG + "EXIT")
+    monkeypatch.setattr(D, "probe", lambda *a: None)  # the SuperLink answers
+    code, took = _client_in_thread(tmp_path, 2.0, 30)
+    assert code == 2 and took < 2.0 + 3, took
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"client 0: waiting for the server ({REFUSED})"
+    assert re.fullmatch(rf"client 0: gave up after 2\.\d s \(--wait 2\): {re.escape(REFUSED)}", err[-1])
+    assert len(err) == 2  # no line per restart
+
+
+def test_a_server_that_stops_inside_the_wait_still_ends_it(tmp_path, monkeypatch, capsys):
+    """Refused first, then nothing answers: the client still gives up when the wait is over
+    (it used to switch to waiting forever)."""
+    _fake_supernodes(monkeypatch, UNREGISTERED_LOG + "EXIT")
+    answers = iter([None])
+    monkeypatch.setattr(
+        D, "probe", lambda *a: next(answers, "nothing answers at 127.0.0.1:1 (Connection refused)")
+    )
+    code, took = _client_in_thread(tmp_path, 2.5, 30)
+    assert code == 2 and took < 2.5 + 3, took
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("client 0: gave up after 2.") and err[-1].endswith(
+        "(--wait 2.5): nothing answers at 127.0.0.1:1 (Connection refused)"
+    )
+
+
+def test_no_server_at_all_gives_up_after_the_wait(tmp_path, capsys):
+    port = P.free_port()  # nothing listens there
+    t0 = time.monotonic()
+    code = D.client(f"127.0.0.1:{port}", 0, 1, work_dir=tmp_path, wait_s=1.5)
+    assert code == 2 and time.monotonic() - t0 < 1.5 + 3
+    err = capsys.readouterr().err.splitlines()
+    why = f"nothing answers at 127.0.0.1:{port} (Connection refused)"
+    assert err == [
+        f"client 0: waiting for the server ({why})",
+        f"client 0: gave up after {err[-1].split()[5]} s (--wait 1.5): {why}",
+    ]
+
+
+SESSION_LOG = """\
+\x1b[92mINFO \x1b[0m:      Starting Flower SuperNode
+INFO:     Uvicorn running on http://127.0.0.1:42817 (Press CTRL+C to quit)
+\x1b[92mINFO \x1b[0m:      SuperNode ID: 7373303653814358930
+\x1b[92mINFO \x1b[0m:      [RUN 17, ROUND hello]
+\x1b[92mINFO \x1b[0m:      Sending: query.fedfm_hello message (ID: 24)
+\x1b[92mINFO \x1b[0m:      [RUN 17, ROUND 0]
+\x1b[92mINFO \x1b[0m:      Receiving: query.fedfm message (ID: a2)
+\x1b[92mINFO \x1b[0m:      [RUN 17, ROUND 0]
+\x1b[92mINFO \x1b[0m:      Sending: query.fedfm message (ID: 43)
+\x1b[92mINFO \x1b[0m:      [RUN 17, ROUND 1]
+\x1b[92mINFO \x1b[0m:      Sending: query.fedfm message (ID: 8a)
+\x1b[92mINFO \x1b[0m:      [RUN 17, ROUND 1]
+\x1b[92mINFO \x1b[0m:      Sending: query.fedfm message (ID: 6f)
+\x1b[93mWARNING \x1b[0m:   Connection attempt failed, retrying in 0.95 seconds
+"""  # a session of two rounds (two exchanges in round 1), then the SuperLink stops (flwr 1.42)
+
+HEARTBEAT_LOG = """\
+\x1b[92mINFO \x1b[0m:      SuperNode ID: 53708869193791371
+\x1b[92mINFO \x1b[0m:      [RUN 18, ROUND 1]
+\x1b[92mINFO \x1b[0m:      Sending: query.fedfm message (ID: 1f)
+Traceback (most recent call last):
+    raise HTTPStatusError(message, request=request, response=self)
+httpx.HTTPStatusError: Client error '401 Unauthorized' for url 'https://127.0.0.1:1/v1/fleet/send-node-heartbeat'
+INFO:     Shutting down
+"""  # the next session's SuperLink does not know the node: the heartbeat fails, it exits
+
+
+def test_a_healthy_client_says_what_it_does_in_one_line_each(tmp_path, monkeypatch, capsys):
+    """Waiting, connected, one line per round served, the end of each session; no
+    traceback, no Flower or uvicorn log lines for the normal end of a session."""
+    starts = _fake_supernodes(
+        monkeypatch, UNREGISTERED_LOG + "EXIT", SESSION_LOG, HEARTBEAT_LOG + "EXIT", SESSION_LOG
+    )
+    down = "nothing answers at 127.0.0.1:1 (Connection refused)"
+    answers = iter([down, None, None, down, None, None])
+
+    def probe(*a):
+        found = next(answers, P.Stopped(signal.SIGTERM))
+        if isinstance(found, P.Stopped):
+            raise found
+        return found
+
+    monkeypatch.setattr(D, "probe", probe)
+    with pytest.raises(P.Stopped):
+        D.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, wait_s=60)
+    assert len(starts) == 4
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"client 0: waiting for the server ({down})",
+        f"client 0: waiting for the server ({REFUSED})",  # keys are registered after start
+        "client 0: connected",
+        "client 0: served round 0",
+        "client 0: served round 1",
+        "client 0: server session ended; waiting for the next",
+        "client 0: connected",
+        "client 0: served round 1",
+        "client 0: server session ended; waiting for the next",
+        "client 0: connected",
+        "client 0: served round 0",
+        "client 0: served round 1",
+        "client 0: server session ended; waiting for the next",
+    ]
+
+
+def test_a_supernode_that_fails_shows_its_log(tmp_path, monkeypatch, capsys):
+    """A real failure (no refusal, never connected) is shown with the end of its log."""
+    _fake_supernodes(monkeypatch, "Traceback (most recent call last):\nValueError: boomEXIT")
+    monkeypatch.setattr(D, "probe", lambda *a: None)
+    code, _ = _client_in_thread(tmp_path, 1.0, 30)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "client 0: SuperNode exited (1):\nTraceback (most recent call last):\nValueError: boom" in err
+
+
+def test_client_stop_line_names_the_state_folder_only_when_it_exists(tmp_path, monkeypatch):
+    def stopped(*a, **kw):
+        raise P.Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(D, "client", stopped)
+    states = tmp_path / "states"
+    args = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
+    args += ["--insecure", "--state-dir", str(states)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 143
+    line = res.output.strip().splitlines()[-1]
+    assert line == (
+        "client 0: stopped by SIGTERM (SuperNode and worker stopped); run the same command to"
+        " rejoin"
+    )
+    (states / "run-uid" / "0").mkdir(parents=True)  # a snapshot folder, as ClientApps write
+    res = runner.invoke(app, args)
+    assert res.output.strip().endswith(f"to rejoin, its state snapshots stay in {states}")
+
+
+def test_client_refuses_a_wait_that_is_not_positive(monkeypatch):
+    monkeypatch.setattr(D, "client", lambda *a, **kw: 0)
+    args = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
+    res = runner.invoke(app, [*args, "--insecure", "--wait", "0"])
+    assert isinstance(res.exception, ConfigError) and str(res.exception).startswith(
+        "config error: wait: must be more than 0 seconds"
+    )
+    assert runner.invoke(app, [*args, "--insecure", "--wait", "inf"]).exit_code == 0
 
 
 def test_signals_become_stopped_with_the_shells_exit_codes():
