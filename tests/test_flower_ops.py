@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -143,6 +144,103 @@ def test_client_refuses_insecure_with_an_auth_key_at_once(tmp_path, monkeypatch)
     assert str(res.exception).startswith("config error: auth-key:")
 
 
+def _expiry(path: Path):
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(path.read_bytes()).not_valid_after_utc
+
+
+def test_flower_certs_last_the_days_asked_and_say_until_when(tmp_path):
+    import datetime as dt
+
+    out = tmp_path / "certs"
+    res = _certs(str(out), "--nodes", "1")
+    assert res.exit_code == 0, res.output
+    end = _expiry(out / "server.pem")
+    left = end - dt.datetime.now(dt.UTC)
+    assert dt.timedelta(days=364) < left <= dt.timedelta(days=365)  # a year by default
+    assert _expiry(out / "ca.crt") == end
+    assert f"valid until {end:%Y-%m-%d %H:%M} UTC (365 days)" in res.output
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+    assert "test" not in ca.subject.rfc4514_string()
+    res = _certs(str(tmp_path / "short"), "--days", "30")
+    left = _expiry(tmp_path / "short" / "server.pem") - dt.datetime.now(dt.UTC)
+    assert dt.timedelta(days=29) < left <= dt.timedelta(days=30)
+    assert isinstance(_certs(str(tmp_path / "x"), "--days", "0").exception, ConfigError)
+
+
+def test_renew_replaces_the_certificates_and_keeps_hosts_and_node_keys(tmp_path):
+    out = tmp_path / "certs"
+    args = ["--host", "server.example.org", "--host", "10.0.0.5", "--nodes", "2", "--days", "20"]
+    assert _certs(str(out), *args).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = _certs(str(out), "--renew")
+    assert res.exit_code == 0, res.output
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(after) == sorted(before)
+    for name in ("node0.key", "node0.pub", "node1.key", "node1.pub"):
+        assert after[name] == before[name], name  # node keys: nothing to register again
+    for name in ("ca.crt", "server.pem", "server.key"):
+        assert after[name] != before[name], name
+    assert T.certificate_hosts(out / "server.pem") == ["server.example.org", "10.0.0.5"]
+    assert "(365 days)" in res.output and "node keys are unchanged" in res.output
+    assert_key_modes(out)
+    assert isinstance(_certs(str(tmp_path / "none"), "--renew").exception, ConfigError)
+    assert isinstance(_certs(str(out), "--renew", "--nodes", "1").exception, ConfigError)
+
+
+def test_serve_and_client_refuse_an_expired_certificate_and_warn_before_it_expires(
+    tmp_path, monkeypatch, caplog
+):
+    """A certificate made to expire (validity in the past): one line, exit 2, nothing
+    started; one that expires within 14 days: a warning, and the command goes on."""
+    import datetime as dt
+
+    started = []
+    monkeypatch.setattr(D, "serve", lambda cfg, **kw: started.append("serve") or {
+        "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}, "rounds": 2})  # fmt: skip
+    monkeypatch.setattr(D, "client", lambda *a, **kw: started.append("client") or 0)
+    now = dt.datetime.now(dt.UTC)
+    T.make_certificates(tmp_path / "old", start=now - dt.timedelta(days=40), days=30)
+    T.make_certificates(tmp_path / "soon", days=7)
+    serve = lambda d: ["serve", "tabular-fedavg", "--certificates", str(tmp_path / d)]  # noqa: E731
+    client = lambda d: [  # noqa: E731
+        "client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1",
+        "--root-certificates", str(tmp_path / d / "ca.crt"),
+    ]  # fmt: skip
+    for argv, field in ((serve("old"), "certificates"), (client("old"), "root-certificates")):
+        res = runner.invoke(app, argv)
+        assert isinstance(res.exception, ConfigError) and not started, res.output
+        line = str(res.exception)
+        assert line.startswith(f"config error: {field}: certificate {tmp_path / 'old'}/")
+        assert " expired on " in line and "--renew" in line and "\n" not in line
+    with caplog.at_level(logging.WARNING, logger="fedfm"):
+        assert runner.invoke(app, serve("soon")).exit_code == 0
+        assert runner.invoke(app, client("soon")).exit_code == 0
+    assert started == ["serve", "client"]
+    warned = [r.getMessage() for r in caplog.records if "expires on" in r.getMessage()]
+    assert len(warned) == 3  # the server's CA and certificate, the client's CA
+    assert all("(in 7.0 days)" in w and "--renew" in w for w in warned)
+
+
+def test_an_expired_certificate_through_the_entry_point_is_one_line_and_exit_2(tmp_path):
+    """The real process: status 2, one line on stderr, no traceback."""
+    import datetime as dt
+
+    start = dt.datetime.now(dt.UTC) - dt.timedelta(days=2)
+    T.make_certificates(tmp_path / "old", start=start, days=1)
+    out = subprocess.run(
+        [sys.executable, "-m", "fedfm", "serve", "tabular-fedavg", "--certificates",
+         str(tmp_path / "old"), "--port", str(P.free_port())],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and " expired on " in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- refusals
 
 UNREGISTERED_LOG = """\
@@ -260,10 +358,9 @@ def _client_in_thread(tmp_path: Path, wait_s: float, limit_s: float) -> tuple[in
     return (out[0] if out else None), time.monotonic() - t0
 
 
-REFUSED = (
-    "refused: node key not registered on the SuperLink (Flower: [code: 2004] Failed to activate"
-    " SuperNode.)"
-)
+FLOWER_2004 = "(Flower: [code: 2004] Failed to activate SuperNode.)"
+REFUSED = f"refused: node key not registered on the SuperLink {FLOWER_2004}"
+NOT_YET = f"waiting for the server: node key not registered on the SuperLink yet {FLOWER_2004}"
 
 
 def test_an_unregistered_key_gives_up_after_the_wait_with_exit_2(tmp_path, monkeypatch, capsys):
@@ -273,8 +370,9 @@ def test_an_unregistered_key_gives_up_after_the_wait_with_exit_2(tmp_path, monke
     code, took = _client_in_thread(tmp_path, 2.0, 30)
     assert code == 2 and took < 2.0 + 3, took
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == f"client 0: waiting for the server ({REFUSED})"
-    assert re.fullmatch(rf"client 0: gave up after 2\.\d s \(--wait 2\): {re.escape(REFUSED)}", err[-1])
+    assert err[0] == f"client 0: {NOT_YET}"
+    gave_up = rf"client 0: gave up after 2\.\d s \(--wait 2\): {re.escape(REFUSED)}"
+    assert re.fullmatch(gave_up, err[-1]), err
     assert len(err) == 2  # no line per restart
 
 
@@ -357,7 +455,7 @@ def test_a_healthy_client_says_what_it_does_in_one_line_each(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err.splitlines() == [
         f"client 0: waiting for the server ({down})",
-        f"client 0: waiting for the server ({REFUSED})",  # keys are registered after start
+        f"client 0: {NOT_YET}",  # a serve registers the keys a moment after it starts
         "client 0: connected",
         "client 0: served round 0",
         "client 0: served round 1",
@@ -379,7 +477,8 @@ def test_a_supernode_that_fails_shows_its_log(tmp_path, monkeypatch, capsys):
     code, _ = _client_in_thread(tmp_path, 1.0, 30)
     assert code == 2
     err = capsys.readouterr().err
-    assert "client 0: SuperNode exited (1):\nTraceback (most recent call last):\nValueError: boom" in err
+    shown = "client 0: SuperNode exited (1):\nTraceback (most recent call last):\nValueError: boom"
+    assert shown in err
 
 
 def test_client_stop_line_names_the_state_folder_only_when_it_exists(tmp_path, monkeypatch):
@@ -491,3 +590,68 @@ def test_serve_shows_only_the_new_run_s_rounds(tmp_path, capsys):
         "dep: stopped by SIGTERM at round 1 of 2: continue with the same `fedfm serve` command"
         " and --resume"
     )
+
+
+def test_a_resumed_serve_says_the_round_it_resumes_from(tmp_path):
+    from fedfm.config import load_config
+    from fedfm.runtime.flower.watch import RunWatch
+
+    cfg = load_config({"name": "dep", "rounds": 5, "out_dir": str(tmp_path)})
+    run_dir = tmp_path / "dep"
+    watch = RunWatch(cfg, run_dir, resume=True, primary="rmse")
+    assert watch.resume_line() == "dep: no checkpoint to resume from: starting at round 0"
+    ck = run_dir / "checkpoints" / "round_00003"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text(json.dumps({"round": 3}))
+    (run_dir / "checkpoints" / "LATEST").write_text(ck.name)
+    assert watch.resume_line() == f"dep: resuming from round 3 of 5 ({run_dir})"
+
+
+def test_round_lines_in_a_log_file_are_neither_wrapped_nor_coloured(tmp_path):
+    """Output that is not a terminal (a log file): one line per round whatever its length,
+    and no colour codes, neither in the rounds nor in Flower's streamed log."""
+    import io
+
+    from rich.console import Console
+
+    from fedfm.config import load_config
+    from fedfm.progress import RoundDisplay
+
+    buf = io.StringIO()  # not a terminal: rich's width is 80
+    cfg = load_config({"name": "a-rather-long-run-name-for-a-long-line", "rounds": 2})
+    display = RoundDisplay(cfg, primary="macro_f1", console=Console(file=buf))
+    row = {"round": 1, "macro_f1": 0.61234, "loss": 1.2345678, "train_loss": 0.5432109,
+           "clients": 10, "failed": 3, "bytes_up": 123456789, "bytes_down": 987654321,
+           "time_s": 12.5}  # fmt: skip
+    with display:
+        display.update(row)
+    lines = [x for x in buf.getvalue().splitlines() if x.strip()]
+    assert len(lines) == 1 and len(lines[0]) > 80, lines
+    assert "\x1b[" not in buf.getvalue()
+    code = "print('\\x1b[92mINFO \\x1b[0m:      Starting logstream')"
+    popen = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    out = io.StringIO()
+    got: list[str] = []
+    saved, sys.stdout = sys.stdout, out
+    try:
+        P._pump(popen, got, echo=True)
+    finally:
+        sys.stdout = saved
+    popen.wait(10)
+    assert out.getvalue() == "INFO :      Starting logstream\n"
+    assert got[0].startswith("\x1b[92m")  # the kept log is Flower's own
+
+
+def test_wall_time_of_a_session_counts_from_its_start(tmp_path):
+    """``fedfm serve`` passes the time it started: the session's wall time includes what
+    came before the first round (SuperLink, ServerApp start, the wait for SuperNodes)."""
+    import fedfm.runtime.embedded as E
+    from fedfm.config import load_config
+    from fedfm.engine import Engine
+
+    cfg = load_config({"name": "w", "rounds": 1, "out_dir": str(tmp_path), "plots": False})
+    quick = Engine(cfg, E.embedded_federation, progress=False).run()
+    assert quick["wall_s_this_session"] < 60
+    cfg = cfg.model_copy(update={"name": "w2"})
+    late = Engine(cfg, E.embedded_federation, progress=False, started_at=time.time() - 100)
+    assert 100 <= late.run()["wall_s_this_session"] < 100 + 60

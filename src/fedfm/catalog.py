@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedfm.config import preset_names
+from fedfm.registry import Registry
 
 #: ``(title, the key=NAME that selects an entry)`` of each registry, in the order shown.
 SECTIONS = (
@@ -61,8 +62,8 @@ def build() -> Catalog:
     from fedfm.models.registry import load_builtin_models
     from fedfm.tasks.base import TASKS
 
-    registries = [ALGORITHMS, TASKS, SOURCES, PARTITIONERS, load_builtin_models()]
-    registries += [SERVER_OPTIMIZERS, AGGREGATORS]
+    registries: list[Registry[Any]] = [ALGORITHMS, TASKS, SOURCES, PARTITIONERS]
+    registries += [load_builtin_models(), SERVER_OPTIMIZERS, AGGREGATORS]
     return {
         "registries": [
             {"title": title, "key": key, "rows": [list(row) for row in reg.describe()]}
@@ -79,7 +80,7 @@ def build() -> Catalog:
     }
 
 
-def _aggregating(algorithms: Any, field: str) -> list[str]:
+def _aggregating(algorithms: Registry[Any], field: str) -> list[str]:
     """Algorithms that aggregate client tensors and whose config has ``field``."""
     out = []
     for name in algorithms:

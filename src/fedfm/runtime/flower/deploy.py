@@ -624,7 +624,10 @@ class _ClientNode:
             return 2
         self.refused_since = self.refused_since or time.monotonic()
         self.why = refusal.line()
-        self.say(f"waiting for the server ({refusal.line()})")
+        # At a serve's start the SuperLink is up a few seconds before it has registered the
+        # keys: a refusal is a reason to wait (up to the deadline), not yet an error.
+        flower = f" (Flower: {refusal.detail})" if refusal.detail else ""
+        self.say(f"waiting for the server: {refusal.reason} yet{flower}")
         return None
 
     def pause(self) -> int | None:
