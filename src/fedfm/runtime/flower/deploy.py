@@ -486,7 +486,7 @@ def client(
 
 
 # What a SuperNode logs (flwr 1.42, ANSI colours removed), as the client follows it.
-_CONNECTED = re.compile(r"SuperNode ID: (\d+)")
+_CONNECTED = "SuperNode ID: "
 _ROUND = re.compile(r"\[RUN (\d+), ROUND ([^\]]+)\]")
 _REPLIED = f"Sending: {MESSAGE_TYPE} message"
 # A SuperNode whose SuperLink went away (stopped, or a new one that does not know the node).
@@ -559,6 +559,8 @@ class _ClientNode:
                 self._print(found.line())
                 return 2
             if found is None:
+                if self.refused_since is None:  # a refusal stays the reason until connected
+                    self.why = f"{self.superlink} answers, but the SuperNode has not joined it yet"
                 return None
             self.why = found
             if not self.served_once:  # after a session, "waiting for the next" was said
@@ -581,8 +583,9 @@ class _ClientNode:
         rnd = ""
         served: set[str] = set()
         while True:
+            alive = all(p.alive() for p in procs)  # before reading: no line is left unread
             for line in log.lines():
-                if m := _CONNECTED.search(line):
+                if _CONNECTED in line:
                     connected = True
                     self.served_once, self.refused_since, self.backoff = True, None, _PAUSE_S
                     self.say("connected")
@@ -597,7 +600,7 @@ class _ClientNode:
                         return None
                     if (code := self.wait_for_server()) is not None:  # e.g. a TLS mismatch
                         return code
-            if not all(p.alive() for p in procs):
+            if not alive:
                 return self._exited(procs, connected)
             if not connected and self.left() <= 0:
                 return self.give_up()
@@ -616,8 +619,7 @@ class _ClientNode:
             return None
         refusal = None if connected else from_supernode_log(tail)
         if refusal is None:
-            code = node.popen.returncode
-            self._print(f"SuperNode exited ({code}):\n{chr(10).join(tail.splitlines()[-8:])}")
+            self._print(f"SuperNode exited ({node.popen.returncode}):\n{strip_ansi(node.tail(8))}")
             return None
         if refusal.fatal:
             self._print(refusal.line())
