@@ -415,12 +415,14 @@ INFO:     Uvicorn running on http://127.0.0.1:42817 (Press CTRL+C to quit)
 \x1b[92mINFO \x1b[0m:      Receiving: query.fedfm message (ID: a2)
 \x1b[92mINFO \x1b[0m:      [RUN 17, ROUND 0]
 \x1b[92mINFO \x1b[0m:      Sending: query.fedfm message (ID: 43)
+\x1b[93mWARNING \x1b[0m:   Connection attempt failed, retrying in 0.15 seconds
 \x1b[92mINFO \x1b[0m:      [RUN 17, ROUND 1]
 \x1b[92mINFO \x1b[0m:      Sending: query.fedfm message (ID: 8a)
 \x1b[92mINFO \x1b[0m:      [RUN 17, ROUND 1]
 \x1b[92mINFO \x1b[0m:      Sending: query.fedfm message (ID: 6f)
 \x1b[93mWARNING \x1b[0m:   Connection attempt failed, retrying in 0.95 seconds
-"""  # a session of two rounds (two exchanges in round 1), then the SuperLink stops (flwr 1.42)
+"""  # a session of two rounds (a passing failure, two exchanges in round 1), then the SuperLink
+# stops (flwr 1.42)
 
 HEARTBEAT_LOG = """\
 \x1b[92mINFO \x1b[0m:      SuperNode ID: 53708869193791371
@@ -440,7 +442,9 @@ def test_a_healthy_client_says_what_it_does_in_one_line_each(tmp_path, monkeypat
         monkeypatch, UNREGISTERED_LOG + "EXIT", SESSION_LOG, HEARTBEAT_LOG + "EXIT", SESSION_LOG
     )
     down = "nothing answers at 127.0.0.1:1 (Connection refused)"
-    answers = iter([down, None, None, down, None, None])
+    # The probes: before each start, and at each failed connection attempt (answered: a
+    # passing failure; not answered: the session ended).
+    answers = iter([down, None, None, None, down, None, None, None, down])
 
     def probe(*a):
         found = next(answers, P.Stopped(signal.SIGTERM))
@@ -655,3 +659,13 @@ def test_wall_time_of_a_session_counts_from_its_start(tmp_path):
     cfg = cfg.model_copy(update={"name": "w2"})
     late = Engine(cfg, E.embedded_federation, progress=False, started_at=time.time() - 100)
     assert 100 <= late.run()["wall_s_this_session"] < 100 + 60
+
+
+def test_serve_refuses_a_bad_algorithm_value_before_a_superlink_starts(monkeypatch, tmp_path):
+    started = []
+    monkeypatch.setattr(D, "start_superlink", lambda *a, **kw: started.append(a))
+    res = runner.invoke(app, ["serve", "tabular-fedavg", "algo.nope=1", "--insecure",
+                              f"out_dir={tmp_path}"])  # fmt: skip
+    assert isinstance(res.exception, ConfigError) and not started
+    assert str(res.exception) == "config error: algo.nope: unknown key"
+    assert not any(tmp_path.iterdir())

@@ -293,6 +293,11 @@ def serve(
     if node_keys and tls is None:
         raise ConfigError("node-key", "node authentication needs TLS (Flower refuses it without)")
     import_plugins(opts.imports)
+    from fedfm.engine import resolve  # the algorithms and tasks: torch
+
+    # The algorithm's and the task's own sections are checked by the ServerApp too; a bad
+    # value is one line here, before a SuperLink starts.
+    resolve(cfg)
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     # The ServerApp runs in another process: give it an absolute run folder.
     cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
@@ -489,8 +494,8 @@ def client(
 _CONNECTED = "SuperNode ID: "
 _ROUND = re.compile(r"\[RUN (\d+), ROUND ([^\]]+)\]")
 _REPLIED = f"Sending: {MESSAGE_TYPE} message"
-# A SuperNode whose SuperLink went away (stopped, or a new one that does not know the node).
-_LOST = (RETRYING, "401 Unauthorized")
+# A SuperLink that does not know the node any more: a new server session started.
+_UNKNOWN_NODE = "401 Unauthorized"
 
 
 class _ClientNode:
@@ -594,11 +599,20 @@ class _ClientNode:
                 elif _REPLIED in line and rnd not in served:
                     served.add(rnd)
                     self._print(f"served round {rnd.split('/', 1)[1]}")
-                elif any(x in line for x in _LOST):
-                    if connected:
+                elif connected and _UNKNOWN_NODE in line:
+                    self.say("server session ended; waiting for the next")
+                    return None
+                elif RETRYING in line:
+                    # The SuperNode lost (or never reached) its SuperLink. Gone: the session
+                    # ended. Still there: a passing failure the SuperNode retries by itself.
+                    found = probe(self.superlink, self.ca)
+                    if isinstance(found, Refusal):  # e.g. the client's TLS does not match
+                        self._print(found.line())
+                        return 2
+                    if isinstance(found, str) and connected:
                         self.say("server session ended; waiting for the next")
                         return None
-                    if (code := self.wait_for_server()) is not None:  # e.g. a TLS mismatch
+                    if isinstance(found, str) and (code := self.wait_for_server()) is not None:
                         return code
             if not alive:
                 return self._exited(procs, connected)
@@ -614,7 +628,7 @@ class _ClientNode:
             self._print(f"worker exited ({worker.popen.returncode}):\n{strip_ansi(worker.tail(8))}")
             return None
         tail = strip_ansi(node.tail(40))
-        if connected and any(x in tail for x in _LOST):
+        if connected and (_UNKNOWN_NODE in tail or RETRYING in tail):
             self.say("server session ended; waiting for the next")
             return None
         refusal = None if connected else from_supernode_log(tail)
