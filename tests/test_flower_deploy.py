@@ -135,7 +135,7 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
         client = ["client", "--superlink", f"127.0.0.1:{port}", "--num-partitions", "2"]
         unregistered = _fedfm(started, tmp_path, "unregistered", *client, "--partition-id", "1",
                               "--root-certificates", str(tls.ca_cert), "--auth-key",
-                              str(keys[2][0]), "--wait", "20")  # fmt: skip
+                              str(keys[2][0]), "--wait", "60")  # fmt: skip
         plain = _fedfm(started, tmp_path, "plain", *client, "--partition-id", "1", "--insecure")
         for i in range(2):
             procs += D.start_client(
@@ -155,13 +155,13 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
         full = load_config({**cfg, "name": "dep", "runtime": "flower"})
         p2 = Payload(full.model_dump(mode="json"), options, resume=True)
         D.submit(home, tmp_path, p2, RUN_TIMEOUT_S, env_extra=ENV)
-        assert plain.wait(30) == 2 and unregistered.wait(90) == 2
+        assert plain.wait(30) == 2 and unregistered.wait(150) == 2
         assert _output(tmp_path, "plain").splitlines()[-1] == (
             "client 1: refused: the SuperLink requires TLS: start this client with"
             " --root-certificates CA_FILE"
         )
         assert re.fullmatch(
-            r"client 1: gave up after \d+\.\d s \(--wait 20\): refused: node key not registered"
+            r"client 1: gave up after \d+\.\d s \(--wait 60\): refused: node key not registered"
             r" on the SuperLink \(Flower: \[code: 2004\] Failed to activate SuperNode\.\)",
             _output(tmp_path, "unregistered").splitlines()[-1],
         )
