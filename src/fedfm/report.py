@@ -113,6 +113,10 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )
     table = "\n".join(lines)
+    for d, s, _ in summaries:  # a guarantee that does not hold against the server says so
+        warning = (s.get("privacy") or {}).get("warning")
+        if warning:
+            table += f"\n\n{d.name}: {warning}."
     wins = None
     if all(RunFolder(d).items.exists() for d in run_dirs):  # runs whose task scored items
         from fedfm.eval.compare import win_rate_table  # torch: only for such runs
