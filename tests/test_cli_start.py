@@ -73,6 +73,8 @@ def _key(tmp_path: Path) -> Path:
         (["--help"], 0),
         (["serve", "--help"], 0),
         (["client", "--help"], 0),
+        (["eval", "--help"], 0),
+        (["reproduce", "--help"], 0),
         (["list"], 0),
         (["run", "tabular-fedavg", "train.lr=-1"], 2),
         (["serve", "tabular-fedavg", "rounds=-1", "--insecure"], 2),
