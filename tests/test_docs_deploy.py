@@ -46,6 +46,22 @@ def test_every_command_block_is_marked():
     assert sum(mark == "run" for mark, _ in found) >= 5
 
 
+def _options(text: str) -> set[str]:
+    """The ``--options`` of a command block (line continuations joined)."""
+    return set(re.findall(r"(?<!\S)--[a-z-]+", text))
+
+
+def test_the_resume_command_is_the_serve_command_with_resume():
+    """Copied as written, the documented resume listens where the run's server did (it
+    used to leave out --host and --port: 0.0.0.0 and the default port)."""
+    found = [text for _, text in blocks()]
+    serve = next(t for t in found if t.startswith("fedfm serve") and "--resume" not in t)
+    resume = next(t for t in found if t.startswith("fedfm serve") and "--resume" in t)
+    assert _options(resume) == _options(serve) | {"--resume"}
+    overrides = lambda t: {w for w in t.split() if "=" in w and not w.startswith("-")}  # noqa: E731
+    assert overrides(resume) == overrides(serve)
+
+
 def _substituted(text: str, ports: dict[str, str], states: Path) -> str:
     for fixed, free in ports.items():
         text = re.sub(rf"\b{fixed}\b", free, text)
@@ -76,6 +92,10 @@ def _run_block(text: str, cwd: Path, env: dict[str, str]) -> subprocess.Complete
     return subprocess.CompletedProcess(text, proc.returncode, out)
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()} if folder.is_dir() else {}
+
+
 def test_the_runnable_blocks_run_as_written(tmp_path):
     ports = {p: str(P.free_port()) for p in PORTS}
     bin_dir = str(Path(sys.executable).parent)
@@ -96,8 +116,16 @@ def test_the_runnable_blocks_run_as_written(tmp_path):
     for mark, text in blocks():
         if mark != "run":
             continue
+        before = _files(work / "certs")
         done = _run_block(_substituted(text, ports, tmp_path / "states"), work, env)
         assert done.returncode == 0, f"{text}\n--- exit {done.returncode}:\n{done.stdout[-4000:]}"
+        if "--renew" in text:  # new CA and certificate, the node keys as they were
+            after = _files(work / "certs")
+            assert {k: v for k, v in after.items() if k.startswith("node")} == {
+                k: v for k, v in before.items() if k.startswith("node")
+            }
+            assert all(after[k] != before[k] for k in ("ca.crt", "server.pem", "server.key"))
+            assert "valid until" in done.stdout
     # Key material: three nodes, then two added; private keys 600 in a 700 folder.
     assert sorted(p.name for p in (work / "certs").glob("node*.key")) == [
         f"node{i}.key" for i in range(5)

@@ -14,7 +14,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from fedfm.errors import ConfigError, FedfmError
 from fedfm.runtime.flower import commands as flower_commands
@@ -45,11 +44,10 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
 ) -> None:
     """Run an experiment and write runs/<name>/."""
-    from fedfm.algorithms import algo_keys
     from fedfm.config import load_run_config
     from fedfm.runtime import run as run_config
 
-    cfg = load_run_config(config, overrides or [], resume, algo_keys)
+    cfg = load_run_config(config, overrides or [], resume, flower_commands.algo_keys)
     summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
     from fedfm.progress import summary_line
 
@@ -150,60 +148,9 @@ def reproduce(
 def list_() -> None:
     """Show algorithms, tasks, datasets, partitioners, models, server optimizers, robust
     aggregators and presets, each with the key=value that selects it."""
-    import fedfm.algorithms
-    import fedfm.tasks  # noqa: F401
-    from fedfm.algorithms.base import ALGORITHMS
-    from fedfm.config import preset_names
-    from fedfm.core.optim import SERVER_OPTIMIZERS
-    from fedfm.core.robust import AGGREGATORS, AggregatorConfig
-    from fedfm.data.partition import PARTITIONERS
-    from fedfm.data.sources import SOURCES
-    from fedfm.models.registry import MODELS, load_builtin_models
-    from fedfm.tasks.base import TASKS
+    from fedfm.catalog import load, render
 
-    load_builtin_models()
-    out = Console()
-    for title, key, reg in [
-        ("algorithms", "algorithm", ALGORITHMS),
-        ("tasks", "task.kind", TASKS),
-        ("datasets", "task.dataset", SOURCES),
-        ("partitioners", "partition.scheme", PARTITIONERS),
-        ("models", "task.model", MODELS),
-        ("server optimizers", "algo.server_opt.name", SERVER_OPTIMIZERS),
-        ("robust aggregators", "algo.aggregator.name", AGGREGATORS),
-    ]:
-        table = Table(title=f"{title}: {key}=NAME", show_edge=False, title_justify="left")
-        table.add_column("name")
-        table.add_column("description")
-        for name, help_ in reg.describe():
-            table.add_row(name, help_)
-        out.print(table)
-        if reg is SERVER_OPTIMIZERS:
-            # One line however many algorithms there are (soft_wrap: no hard line breaks).
-            out.print(f"used by: {', '.join(_aggregating('server_opt'))}\n", soft_wrap=True)
-        if reg is AGGREGATORS:
-            out.print(f"used by: {', '.join(_aggregating('aggregator'))}", soft_wrap=True)
-            opts = Table(title="aggregator options", show_edge=False, title_justify="left")
-            opts.add_column("key=VALUE")
-            opts.add_column("meaning")
-            for k, f in AggregatorConfig.model_fields.items():
-                if k != "name":
-                    opts.add_row(f"algo.aggregator.{k}=", f.description or "")
-            out.print(opts)
-    out.print("[bold]presets[/]: " + ", ".join(preset_names()))
-
-
-def _aggregating(field: str) -> list[str]:
-    """Algorithms that aggregate client tensors and whose config has ``field``."""
-    from fedfm.algorithms.base import ALGORITHMS
-
-    out = []
-    for name in ALGORITHMS:
-        algo = ALGORITHMS.get(name)
-        sends = any(kind.up_arrays for kind in algo.messages)
-        if sends and field in algo.Config.model_fields:
-            out.append(name)
-    return out
+    render(load(), Console())
 
 
 app.command("serve")(flower_commands.serve)

@@ -225,6 +225,10 @@ class Engine:
         resume: Continue from the run folder's last checkpoint.
         overwrite: Replace an existing run folder.
         progress: Show a progress bar and a per-round table on the terminal.
+        started_at: When the session began (``time.time()``) if that was before the engine,
+            e.g. ``fedfm serve`` starting the SuperLink and waiting for SuperNodes in another
+            process: the summary's ``wall_s_this_session`` counts from it. Default: from round
+            0, once the task, the algorithm and the federation are built.
     """
 
     def __init__(
@@ -234,6 +238,7 @@ class Engine:
         resume: bool = False,
         overwrite: bool = False,
         progress: bool = True,
+        started_at: float | None = None,
     ) -> None:
         resolve(cfg)  # config errors surface at once; build() finds the rest
         self.cfg = cfg
@@ -241,6 +246,7 @@ class Engine:
         self.overwrite = overwrite
         self.make_federation = federation
         self.progress = progress
+        self.started_at = started_at
         self.tb = TensorBoardLog(Path(), enabled=False)
 
     def run(self) -> dict[str, Any]:
@@ -278,7 +284,10 @@ class Engine:
             _publish(folder, setup.algo)
             _export_adapter(folder, setup.algo)
             self.tb.close()
-        summary = self._summary(folder, setup, final, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        if self.started_at is not None:
+            wall = time.time() - self.started_at
+        summary = self._summary(folder, setup, final, wall)
         display.final_table(folder.read_metrics(), summary.get("privacy"))
         if cfg.plots:  # figures at the end of the run: the PNGs and report.html
             from fedfm.html_report import write_run_report

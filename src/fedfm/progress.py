@@ -107,7 +107,10 @@ class RoundDisplay:
         cols = [k for _, k in _columns([row], self.primary) if not k.startswith("bytes")]
         text = " ".join(f"{k}={_cell(row, k)}" for k in cols if k in row)
         mb = f"MiB {_cell(row, 'bytes_up')}/{_cell(row, 'bytes_down')}"
-        self.progress.console.print(f"{row['round']:>4}  {text}  {mb}  {row['time_s']:.2f}s")
+        # One line per round however many metrics: no hard line breaks at the console's width
+        # (80 columns when the output is a file or a pipe).
+        line = f"{row['round']:>4}  {text}  {mb}  {row['time_s']:.2f}s"
+        self.progress.console.print(line, soft_wrap=True)
         if row["round"] > 0:
             self.progress.advance(self.task_id)
 

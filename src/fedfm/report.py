@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from fedfm import plots
-from fedfm.core.runfolder import read_json, read_jsonl
+from fedfm.core.runfolder import RunFolder, read_json, read_jsonl
 from fedfm.errors import ConfigError
 
 HEADLINE = ("acc", "macro_f1", "rmse", "rougeL", "score", "loss", "train_loss")
@@ -117,9 +117,11 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         warning = (s.get("privacy") or {}).get("warning")
         if warning:
             table += f"\n\n{d.name}: {warning}."
-    from fedfm.eval.compare import win_rate_table
+    wins = None
+    if all(RunFolder(d).items.exists() for d in run_dirs):  # runs whose task scored items
+        from fedfm.eval.compare import win_rate_table  # torch: only for such runs
 
-    wins = win_rate_table(run_dirs)  # runs whose task scored items
+        wins = win_rate_table(run_dirs)
     if wins is not None:
         table += f"\n\nHead-to-head on the same held-out items (ties count half):\n\n{wins}"
     if out is not None:

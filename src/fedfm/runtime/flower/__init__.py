@@ -6,8 +6,9 @@ embedded runtime, so a run gives the same metrics on every runtime with the same
 module per concern:
 
 - :mod:`~fedfm.runtime.flower.options`: the runtime's options, plugins and environment;
-- :mod:`~fedfm.runtime.flower.wire`: the wire format (the run payload, fedfm messages as
-  Flower records);
+- :mod:`~fedfm.runtime.flower.payload`: the run payload and the runtime's run-folder files
+  (no torch, no Flower: the commands import it);
+- :mod:`~fedfm.runtime.flower.wire`: the wire format (fedfm messages as Flower records);
 - :mod:`~fedfm.runtime.flower.server`: the federation over Flower's grid and the server
   session (the ServerApp's body);
 - :mod:`~fedfm.runtime.flower.client`: the ClientApp's body (client state, snapshots);

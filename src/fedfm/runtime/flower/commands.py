@@ -17,12 +17,20 @@ import typer
 
 from fedfm.config import apply_override, load_run_config
 from fedfm.errors import ConfigError
-from fedfm.progress import summary_line
 from fedfm.runtime.flower import deploy
 from fedfm.runtime.flower.options import run_options
+from fedfm.runtime.flower.payload import Payload
 from fedfm.runtime.flower.processes import Stopped
-from fedfm.runtime.flower.tls import add_node_keys, check_private, make_key_folder, tls_files
-from fedfm.runtime.flower.wire import Payload
+from fedfm.runtime.flower.tls import (
+    DEFAULT_DAYS,
+    add_node_keys,
+    certificate_expiry,
+    check_expiry,
+    check_private,
+    make_key_folder,
+    renew_certificates,
+    tls_files,
+)
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides")]
 FlowerPairs = Annotated[list[str] | None, typer.Option(help="Flower option key=value (repeat)")]
@@ -81,6 +89,9 @@ def serve(
     cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
     tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
     if tls is not None:
+        folder = certificates is not None  # the option that named the files, for the message
+        check_expiry(tls.ca_cert, "certificates" if folder else "ssl-ca-certfile")
+        check_expiry(tls.server_cert, "certificates" if folder else "ssl-certfile")
         check_private(tls.server_key, "the SuperLink's TLS key")
     keys = [Path(k) for k in node_key or []]
     for key in keys:
@@ -99,6 +110,8 @@ def serve(
         )
     except Stopped as e:  # deploy.serve has stopped everything and said where it stopped
         raise typer.Exit(e.exit_code) from None
+    from fedfm.progress import summary_line
+
     print(summary_line(summary, (Path(cfg.out_dir) / cfg.name).resolve()), flush=True)
 
 
@@ -111,17 +124,25 @@ def client(
     auth_key: Annotated[Path | None, typer.Option(help="node private key")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="client-state folder")] = None,
     isolation: Annotated[str, typer.Option(help="process or subprocess")] = "process",
-    refused_wait: Annotated[
-        float, typer.Option(help="seconds to retry a SuperLink that refuses this node's key")
-    ] = deploy.REFUSED_WAIT_S,
+    wait: Annotated[
+        float,
+        typer.Option(
+            help="seconds to wait for the first session, or for a SuperLink that refuses this"
+            " node's key, before giving up (exit 2); inf: no limit"
+        ),
+    ] = deploy.WAIT_S,
 ) -> None:
     """Run one client's SuperNode for `fedfm serve` (until Ctrl-C or SIGTERM).
 
-    Says in one line why the SuperLink refuses the node (`refused: ...`) and exits with code 2
-    when retrying cannot help (a TLS mismatch, a key still not registered after
-    --refused-wait seconds). SIGTERM or Ctrl-C stops the SuperNode and its worker and exits
+    Says what happens in one line each: waiting for the server, connected, served round N,
+    server session ended; waiting for the next. Exits with code 2 when retrying cannot help
+    (a TLS mismatch: at once) or after --wait seconds without a session (the server is not
+    up, or does not accept this node's key); once it has served a session it waits for the
+    next one without limit. SIGTERM or Ctrl-C stops the SuperNode and its worker and exits
     143 or 130.
     """
+    if not wait > 0:
+        raise ConfigError("wait", f"must be more than 0 seconds (inf: no limit), got {wait:g}")
     if not 0 <= partition_id < num_partitions:
         raise ConfigError("partition-id", f"{partition_id} is not in 0..{num_partitions - 1}")
     if (root_certificates is None) == (not insecure):
@@ -134,6 +155,8 @@ def client(
             "auth-key",
             "node authentication needs TLS: give --root-certificates CA_FILE instead of --insecure",
         )
+    if root_certificates is not None and _existing("root-certificates", root_certificates):
+        check_expiry(root_certificates, "root-certificates")
     if auth_key is not None and _existing("auth-key", auth_key):
         check_private(auth_key, "the node's private key")
     state = state_dir or Path("fedfm-client-states") / str(partition_id)
@@ -146,13 +169,15 @@ def client(
             auth_key=_existing("auth-key", auth_key),
             state_dir=state,
             isolation=isolation,
-            refused_wait_s=refused_wait,
+            wait_s=wait,
         )
     except Stopped as e:
         name = signal.Signals(e.signum).name
+        # Only a folder that exists: an algorithm without client state writes no snapshots.
+        kept = f", its state snapshots stay in {state}" if state.is_dir() else ""
         print(
             f"client {partition_id}: stopped by {name} (SuperNode and worker stopped); run the"
-            f" same command to rejoin, its state snapshots stay in {state}",
+            f" same command to rejoin{kept}",
             file=sys.stderr,
             flush=True,
         )
@@ -189,6 +214,15 @@ def flower_certs(
         int | None,
         typer.Option(help="add this many SuperNode keys to OUT; CA and certificate unchanged"),
     ] = None,
+    days: Annotated[
+        int, typer.Option(help="validity of the CA and the SuperLink certificate")
+    ] = DEFAULT_DAYS,
+    renew: Annotated[
+        bool,
+        typer.Option(
+            "--renew", help="new CA and SuperLink certificate in OUT (same hosts); node keys kept"
+        ),
+    ] = False,
     force: Annotated[
         bool, typer.Option("--force", help="replace key material already in OUT")
     ] = False,
@@ -196,22 +230,45 @@ def flower_certs(
     """Make a CA, a SuperLink certificate and SuperNode keys (private deployments).
 
     Refuses to replace key material already in OUT unless --force is given; --add-nodes N
-    adds node keys to an existing folder without touching its CA and certificate. Private
-    keys are written with mode 600 in a folder of mode 700.
+    adds node keys to an existing folder without touching its CA and certificate; --renew
+    replaces the CA and the certificate before they expire and keeps the node keys (nothing
+    to register again; every client needs the new ca.crt). Private keys are written with
+    mode 600 in a folder of mode 700.
     """
     if nodes < 0:
         raise ConfigError("nodes", f"must be at least 0, got {nodes}")
+    if days < 1:
+        raise ConfigError("days", f"must be at least 1, got {days}")
+    made: list[tuple[Path, Path]] = []
+    tls = None
     if add_nodes is not None:
-        if host or nodes or force:
+        if host or nodes or force or renew:
             raise ConfigError(
-                "add-nodes", "adds node keys only: leave out --host, --nodes and --force"
+                "add-nodes", "adds node keys only: leave out --host, --nodes, --renew and --force"
             )
         made = add_node_keys(out, add_nodes)
+    elif renew:
+        if nodes or force:
+            raise ConfigError(
+                "renew", "renews the certificates only: leave out --nodes and --force"
+            )
+        tls = renew_certificates(out, host, days)
     else:
-        tls, made = make_key_folder(out, host or ["127.0.0.1", "localhost"], nodes, force)
-        print(f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key {tls.server_key}")
+        tls, made = make_key_folder(out, host or ["127.0.0.1", "localhost"], nodes, force, days)
+    if tls is not None:
+        until = certificate_expiry(tls.server_cert).strftime("%Y-%m-%d %H:%M UTC")
+        print(
+            f"CA {tls.ca_cert}, SuperLink certificate {tls.server_cert} and key"
+            f" {tls.server_key}: valid until {until} ({days} days)"
+        )
     for priv, pub in made:
         print(f"SuperNode {priv.stem}: private key {priv}, public key {pub}")
+    if renew:
+        print(
+            f"Copy the new {out / 'ca.crt'} to every client machine and restart its `fedfm"
+            " client` with it; node keys are unchanged (nothing to register again)."
+        )
+        return
     print(
         f"Copy {out / 'ca.crt'} and one node<i>.key to client machine i; keep server.key and the"
         " node<i>.pub files on the server (server.key never leaves it)."

@@ -16,6 +16,7 @@ available as ``isolation="subprocess"``).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ from typing import Any, NoReturn
 from fedfm.config import RunConfig
 from fedfm.errors import ConfigError
 from fedfm.runtime.flower.options import FlowerOptions, import_plugins, run_options
+from fedfm.runtime.flower.payload import MESSAGE_TYPE, PAYLOAD_KEY, SESSIONS_FILE, Payload
 from fedfm.runtime.flower.processes import (
     DeployError,
     Proc,
@@ -38,14 +40,12 @@ from fedfm.runtime.flower.processes import (
     start,
     stop,
     stop_on_signals,
+    strip_ansi,
     wait_port,
     with_pythonpath,
 )
-from fedfm.runtime.flower.refusals import Refusal, from_supernode_log, probe, retrying
-from fedfm.runtime.flower.server import SESSIONS_FILE
+from fedfm.runtime.flower.refusals import RETRYING, Refusal, from_supernode_log, probe
 from fedfm.runtime.flower.tls import TlsFiles
-from fedfm.runtime.flower.watch import RunWatch
-from fedfm.runtime.flower.wire import PAYLOAD_KEY, Payload
 
 APP_NAME = "fedfm-flower-app"
 
@@ -288,10 +288,16 @@ def serve(
         Stopped: SIGTERM or SIGINT: every process this started is stopped, the temporary
             folder removed, and one line says the round the run can resume from.
     """
+    started = time.time()  # the session's wall time counts from here (wall_s_this_session)
     opts = run_options(cfg, options)
     if node_keys and tls is None:
         raise ConfigError("node-key", "node authentication needs TLS (Flower refuses it without)")
     import_plugins(opts.imports)
+    from fedfm.engine import resolve  # the algorithms and tasks: torch
+
+    # The algorithm's and the task's own sections are checked by the ServerApp too; a bad
+    # value is one line here, before a SuperLink starts.
+    resolve(cfg)
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     # The ServerApp runs in another process: give it an absolute run folder.
     cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
@@ -300,9 +306,14 @@ def serve(
         options=opts.model_dump(),
         resume=resume,
         overwrite=overwrite,
+        started_at=started,
     )
     env_extra = with_pythonpath({}, plugin_pythonpath(opts.imports))
+    from fedfm.runtime.flower.watch import RunWatch  # the run display: torch, rich
+
     watch = RunWatch(cfg, run_dir, resume, _task_primary(cfg), enabled=progress)
+    if resume:
+        print(watch.resume_line(), file=sys.stderr, flush=True)
     try:
         with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
             work = work_dir or Path(tmp)
@@ -415,9 +426,10 @@ def start_client(
     return procs
 
 
-#: How long ``fedfm client`` keeps retrying a SuperLink that refuses its key (the operator
-#: may register it after the client started) before it gives up with exit code 2.
-REFUSED_WAIT_S = 120.0
+#: How long ``fedfm client`` waits for its first session (the server may start after the
+#: clients, and registers their keys once it is up), and for a SuperLink that keeps refusing
+#: its key, before it gives up with exit code 2.
+WAIT_S = 120.0
 
 
 def client(
@@ -429,33 +441,33 @@ def client(
     state_dir: Path | None = None,
     isolation: str = "process",
     work_dir: Path | None = None,
-    restart: bool = True,
-    refused_wait_s: float = REFUSED_WAIT_S,
+    wait_s: float = WAIT_S,
 ) -> int:
     """Runs one client's SuperNode until interrupted (``fedfm client``).
 
-    A SuperNode that exits (the SuperLink is not up yet, its key is not registered yet,
-    a network failure) is started again after a growing pause, like a service manager
-    would; with ``restart=False`` the first exit ends the command. Why the SuperLink refused
-    the node is printed in one line (``refused: ...``, see :mod:`.refusals`); a refusal that
-    retrying cannot fix (a TLS mismatch, a key the SuperLink still refuses after
-    ``refused_wait_s``) ends the command with code 2. SIGTERM and SIGINT stop the SuperNode
-    and its worker, remove the temporary folder and raise
+    The client waits for a SuperLink that answers as it expects (TLS or not, a certificate
+    that verifies), starts its SuperNode and says in one line each what happens: ``waiting
+    for the server``, ``connected``, ``served round N``, ``server session ended; waiting for
+    the next``. A SuperNode that the SuperLink refuses, or that fails, is started again after
+    a short pause. It gives up with code 2 on a mismatch that retrying cannot fix (at once),
+    and after ``wait_s`` seconds without a SuperLink that accepts it, counted from the start
+    until the first session and from the first refusal of its key later (between sessions
+    it waits for the next one without limit). SIGTERM and SIGINT stop the SuperNode and its
+    worker, remove the temporary folder and raise
     :class:`~fedfm.runtime.flower.processes.Stopped`.
 
     Returns:
-        The SuperNode's last exit code, or 2 for a refusal that retrying cannot fix.
+        2: a refusal retrying cannot fix, or the wait ran out.
     """
     with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-client-") as tmp:
         work = work_dir or Path(tmp)
-        node = _ClientNode(superlink, partition_id, root_certificates, refused_wait_s)
+        node = _ClientNode(superlink, partition_id, root_certificates, wait_s)
         state = state_dir or Path("fedfm-client-states") / str(partition_id)
         logs = work / "logs"
         print(f"client {partition_id}: SuperNode for {superlink}; logs in {logs}", flush=True)
-        if (code := node.check()) is not None:
-            return code
-        pause = 2.0
         while True:
+            if (code := node.wait_for_server()) is not None:
+                return code
             procs = start_client(
                 superlink,
                 partition_id,
@@ -468,80 +480,204 @@ def client(
                 isolation,
                 die_with_parent=True,
             )
-            started = time.monotonic()
             try:
-                code = node.watch(procs)
+                code = node.follow(procs)
             finally:
                 stop(procs)
             if code is not None:
                 return code
-            code = int(procs[0].popen.returncode or 0)
-            if (fatal := node.after_exit(procs[0], code)) is not None:
-                return fatal
-            if not restart:
+            if (code := node.pause()) is not None:
                 return code
-            pause = 2.0 if time.monotonic() - started > 60 else min(pause * 2, 60.0)
-            time.sleep(pause)
+
+
+# What a SuperNode logs (flwr 1.42, ANSI colours removed), as the client follows it.
+_CONNECTED = "SuperNode ID: "
+_ROUND = re.compile(r"\[RUN (\d+), ROUND ([^\]]+)\]")
+_REPLIED = f"Sending: {MESSAGE_TYPE} message"
+# A SuperLink that does not know the node any more: a new server session started.
+_UNKNOWN_NODE = "401 Unauthorized"
 
 
 class _ClientNode:
-    """What ``fedfm client`` knows about its SuperLink between SuperNode restarts."""
+    """What ``fedfm client`` knows about its SuperLink across SuperNode restarts.
+
+    Args:
+        superlink: The SuperLink's ``host:port``.
+        cid: The client's partition id (for its lines).
+        root_certificates: The CA the client trusts; None: no TLS.
+        wait_s: See :func:`client`.
+    """
 
     def __init__(
-        self, superlink: str, cid: int, root_certificates: Path | None, refused_wait_s: float
+        self, superlink: str, cid: int, root_certificates: Path | None, wait_s: float
     ) -> None:
         self.superlink = superlink
         self.cid = cid
         self.ca = root_certificates
-        self.refused_wait_s = refused_wait_s
+        self.wait_s = wait_s
+        self.started = time.monotonic()
+        self.served_once = False  # connected at least once: no limit on the next wait
         self.refused_since: float | None = None
+        self.why = "no SuperLink answered yet"  # the reason the wait goes on, for the last line
         self.said = ""
+        self.backoff = _PAUSE_S
+
+    # ----- lines -----
+    def _print(self, line: str) -> None:
+        print(f"client {self.cid}: {line}", file=sys.stderr, flush=True)
+        self.said = line
 
     def say(self, line: str) -> None:
         """Prints a status line once (not again while it stays the same)."""
         if line != self.said:
-            print(f"client {self.cid}: {line}", file=sys.stderr, flush=True)
-            self.said = line
+            self._print(line)
 
-    def check(self) -> int | None:
-        """Probes the SuperLink; 2 for a mismatch retrying cannot fix, else None."""
-        found = probe(self.superlink, self.ca)
-        if isinstance(found, Refusal):
-            self.say(found.line())
-            return 2
-        if isinstance(found, str):
-            self.say(f"waiting: {found}")
-        return None
+    # ----- the bounded wait -----
+    def deadline(self) -> float | None:
+        """When the wait runs out (monotonic clock), or None while it has no limit."""
+        clocks = [] if self.served_once else [self.started]
+        clocks += [] if self.refused_since is None else [self.refused_since]
+        return min(clocks) + self.wait_s if clocks else None
 
-    def watch(self, procs: list[Proc]) -> int | None:
-        """Waits while the node's processes live; probes the SuperLink every few seconds
-        while the SuperNode retries its connection. 2 for an unfixable mismatch, else None
-        once a process has exited."""
-        last_probe = time.monotonic()
-        while all(p.alive() for p in procs):
-            time.sleep(0.5)
-            if time.monotonic() - last_probe > 5 and retrying(procs[0].tail(3)):
-                last_probe = time.monotonic()
-                if (code := self.check()) is not None:
-                    return code
-        return None
+    def left(self) -> float:
+        """Seconds until the wait runs out (infinite while it has no limit)."""
+        end = self.deadline()
+        return float("inf") if end is None else end - time.monotonic()
 
-    def after_exit(self, node: Proc, code: int) -> int | None:
-        """Reports why the SuperNode exited; 2 once a refusal has outlasted the wait."""
-        refusal = from_supernode_log(node.tail(40))
-        if refusal is None:
-            self.refused_since = None
-            self.say(f"SuperNode exited ({code}):\n{node.tail(8)}")
+    def give_up(self) -> int:
+        """Prints why the wait ran out; the exit code."""
+        end = self.deadline()
+        waited = time.monotonic() - (end - self.wait_s if end is not None else self.started)
+        self._print(f"gave up after {waited:.1f} s (--wait {self.wait_s:g}): {self.why}")
+        return 2
+
+    # ----- the steps of the client loop -----
+    def wait_for_server(self) -> int | None:
+        """Probes the SuperLink until it answers as this client expects.
+
+        Returns:
+            2 for a mismatch retrying cannot fix or a wait that ran out; None once it answers.
+        """
+        while True:
+            found = probe(self.superlink, self.ca)
+            if isinstance(found, Refusal):
+                self._print(found.line())
+                return 2
+            if found is None:
+                if self.refused_since is None:  # a refusal stays the reason until connected
+                    self.why = f"{self.superlink} answers, but the SuperNode has not joined it yet"
+                return None
+            self.why = found
+            if not self.served_once:  # after a session, "waiting for the next" was said
+                self.say(f"waiting for the server ({found})")
+            if self.left() <= 0:
+                return self.give_up()
+            time.sleep(min(1.0, max(self.left(), 0.0)))
+
+    def follow(self, procs: list[Proc]) -> int | None:
+        """Follows a started SuperNode (and its worker) through its log until it needs a
+        restart.
+
+        Returns:
+            2 to stop the client (a refusal retrying cannot fix, or the wait ran out); None
+            to start a SuperNode again (the session ended, the SuperLink refused the key, a
+            process failed).
+        """
+        log = _LogFollower(procs[0].log_path)
+        connected = False
+        rnd = ""
+        served: set[str] = set()
+        while True:
+            alive = all(p.alive() for p in procs)  # before reading: no line is left unread
+            for line in log.lines():
+                if _CONNECTED in line:
+                    connected = True
+                    self.served_once, self.refused_since, self.backoff = True, None, _PAUSE_S
+                    self.say("connected")
+                elif m := _ROUND.search(line):
+                    rnd = f"{m.group(1)}/{m.group(2)}"
+                elif _REPLIED in line and rnd not in served:
+                    served.add(rnd)
+                    self._print(f"served round {rnd.split('/', 1)[1]}")
+                elif connected and _UNKNOWN_NODE in line:
+                    self.say("server session ended; waiting for the next")
+                    return None
+                elif RETRYING in line:
+                    # The SuperNode lost (or never reached) its SuperLink. Gone: the session
+                    # ended. Still there: a passing failure the SuperNode retries by itself.
+                    found = probe(self.superlink, self.ca)
+                    if isinstance(found, Refusal):  # e.g. the client's TLS does not match
+                        self._print(found.line())
+                        return 2
+                    if isinstance(found, str) and connected:
+                        self.say("server session ended; waiting for the next")
+                        return None
+                    if isinstance(found, str) and (code := self.wait_for_server()) is not None:
+                        return code
+            if not alive:
+                return self._exited(procs, connected)
+            if not connected and self.left() <= 0:
+                return self.give_up()
+            time.sleep(0.2)
+
+    def _exited(self, procs: list[Proc], connected: bool) -> int | None:
+        """Reports why a process of the node ended; 2 for a refusal retrying cannot fix."""
+        node = procs[0]
+        if node.alive():  # the worker ended on its own: a real failure
+            worker = procs[-1]
+            self._print(f"worker exited ({worker.popen.returncode}):\n{strip_ansi(worker.tail(8))}")
             return None
-        now = time.monotonic()
-        self.refused_since = self.refused_since or now
-        waited = now - self.refused_since
-        if refusal.fatal or waited >= self.refused_wait_s:
-            after = "" if refusal.fatal else f" (still refused after {waited:.0f} s)"
-            self.say(refusal.line() + after)
+        tail = strip_ansi(node.tail(40))
+        if connected and (_UNKNOWN_NODE in tail or RETRYING in tail):
+            self.say("server session ended; waiting for the next")
+            return None
+        refusal = None if connected else from_supernode_log(tail)
+        if refusal is None:
+            self._print(f"SuperNode exited ({node.popen.returncode}):\n{strip_ansi(node.tail(8))}")
+            return None
+        if refusal.fatal:
+            self._print(refusal.line())
             return 2
-        self.say(f"{refusal.line()}; retrying for up to {self.refused_wait_s:g} s")
+        self.refused_since = self.refused_since or time.monotonic()
+        self.why = refusal.line()
+        # At a serve's start the SuperLink is up a few seconds before it has registered the
+        # keys: a refusal is a reason to wait (up to the deadline), not yet an error.
+        flower = f" (Flower: {refusal.detail})" if refusal.detail else ""
+        self.say(f"waiting for the server: {refusal.reason} yet{flower}")
         return None
+
+    def pause(self) -> int | None:
+        """Sleeps before the next SuperNode start (growing, never past the deadline)."""
+        if self.left() <= 0:
+            return self.give_up()
+        time.sleep(min(self.backoff, self.left()))
+        self.backoff = min(self.backoff * 2, _MAX_PAUSE_S)
+        return None
+
+
+_PAUSE_S = 1.0
+_MAX_PAUSE_S = 8.0
+
+
+class _LogFollower:
+    """The complete lines a process has added to its log since the last call (ANSI-free)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = ""
+
+    def lines(self) -> list[str]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        text = self.partial + data.decode(errors="replace")
+        *done, self.partial = text.split("\n")
+        return [strip_ansi(x) for x in done]
 
 
 def refuse_deployment(cfg: RunConfig, *args: Any, **kw: Any) -> NoReturn:

@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,14 @@ from fedfm.errors import FedfmError
 from fedfm.runtime.flower.options import flower_env_vars
 
 log = logging.getLogger("fedfm")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal colour codes (Flower colours its log lines)."""
+    return _ANSI.sub("", text)
 
 
 class DeployError(FedfmError):
@@ -298,10 +307,11 @@ def run_flwr(
 
 def _pump(popen: subprocess.Popen, lines: list[str], echo: bool) -> None:
     assert popen.stdout is not None
+    plain = not sys.stdout.isatty()  # a log file or a pipe gets no colour codes
     for line in popen.stdout:
         lines.append(line)
         if echo:
-            sys.stdout.write(line)
+            sys.stdout.write(strip_ansi(line) if plain else line)
             sys.stdout.flush()
 
 

@@ -65,12 +65,6 @@ def from_supernode_log(text: str) -> Refusal | None:
     return Refusal(known.reason, known.fatal, detail)
 
 
-def retrying(text: str) -> bool:
-    """Whether the SuperNode's last log line says it is retrying the connection."""
-    lines = [x for x in text.splitlines() if x.strip()]
-    return bool(lines) and RETRYING in lines[-1]
-
-
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)

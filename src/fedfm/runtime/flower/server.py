@@ -24,6 +24,7 @@ from fedfm.core.state import ClientStateStore
 from fedfm.engine import Engine, FederationFactory, Setup
 from fedfm.errors import FedfmError
 from fedfm.runtime.flower.options import FlowerOptions
+from fedfm.runtime.flower.payload import SESSIONS_FILE
 from fedfm.runtime.flower.wire import (
     CLIENT_ERROR_CODE,
     HEADER,
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
     from flwr.serverapp import Grid
 
 log = logging.getLogger("fedfm")
-
-SESSIONS_FILE = "flower_sessions.json"
 
 # Flower errors the SuperLink writes itself when a message's SuperNode went away
 # (MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE in flwr 1.42): nothing shows the node received it.
@@ -363,6 +362,7 @@ def server_main(grid: Grid, payload: Payload) -> dict[str, Any]:
         overwrite=payload.overwrite,
         federation=federation,
         progress=payload.progress,
+        started_at=payload.started_at,
     )
     try:
         return engine.run()

@@ -32,6 +32,15 @@ CERT_FILES = ("ca.crt", "server.pem", "server.key")
 NODE_KEY = re.compile(r"node(\d+)\.(key|pub)")
 PRIVATE_MODE = 0o600
 FOLDER_MODE = 0o700
+#: Validity of the certificates ``fedfm flower-certs`` makes: a deployment's length.
+DEFAULT_DAYS = 365
+#: ``fedfm serve`` and ``fedfm client`` warn this many days before a certificate expires.
+WARN_DAYS = 14
+RENEW_HINT = (
+    "renew with `fedfm flower-certs DIR --renew` and give every client the new ca.crt"
+    " (docs/running-across-machines.md)"
+)
+_DAY = dt.timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -49,10 +58,22 @@ class TlsFiles:
     server_key: Path
 
 
-def make_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost")) -> TlsFiles:
+def make_certificates(
+    folder: Path,
+    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+    days: float = DEFAULT_DAYS,
+    start: dt.datetime | None = None,
+) -> TlsFiles:
     """Creates a CA and a SuperLink certificate for ``hosts`` (IP addresses or DNS names).
 
-    For tests and private deployments; a deployment with a real CA uses its files instead.
+    For private deployments and tests; a deployment with a real CA uses its files instead.
+    The CA's private key is not kept: renewing means a new CA (:func:`renew_certificates`).
+
+    Args:
+        folder: The key folder (created with mode 700).
+        hosts: Host names and IP addresses the SuperLink's certificate is valid for.
+        days: Validity of both certificates from ``start``.
+        start: Start of the validity (default: five minutes ago, for clocks a little behind).
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -60,20 +81,22 @@ def make_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localh
     from cryptography.x509.oid import NameOID
 
     _key_folder(folder)
-    now = dt.datetime.now(dt.UTC)
+    begin = start or dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    end = begin + dt.timedelta(days=days)
 
     def name(cn: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
+    ca_name = name(f"fedfm CA for {hosts[0]}")
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
         x509.CertificateBuilder()
-        .subject_name(name("fedfm test CA"))
-        .issuer_name(name("fedfm test CA"))
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=30))
+        .not_valid_before(begin)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
@@ -90,8 +113,8 @@ def make_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localh
         .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=30))
+        .not_valid_before(begin)
+        .not_valid_after(end)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
@@ -108,6 +131,81 @@ def make_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localh
         ),
     )
     return files
+
+
+def certificate_hosts(path: Path) -> list[str]:
+    """The host names and IP addresses a certificate is valid for (its subject alternative
+    names), in the order they were written."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(n.value) for n in sans]
+
+
+def renew_certificates(folder: Path, hosts: Sequence[str] | None, days: float) -> TlsFiles:
+    """Replaces a key folder's CA and SuperLink certificate; its node keys stay as they are.
+
+    Node authentication keys are not TLS certificates: the SuperLink knows a node by the
+    public key ``fedfm serve --node-key`` registers, so renewed certificates need no node
+    to register again. Every client needs the new ``ca.crt``.
+
+    Args:
+        folder: A key folder made by :func:`make_key_folder`.
+        hosts: Host names and addresses of the new certificate; None keeps the old ones.
+        days: Validity of the new certificates.
+
+    Raises:
+        ConfigError: ``folder`` holds no SuperLink certificate to renew.
+    """
+    old = folder / "server.pem"
+    if not old.exists():
+        raise ConfigError("renew", f"{folder} holds no SuperLink certificate (server.pem) to renew")
+    return make_certificates(folder, list(hosts or certificate_hosts(old)), days)
+
+
+def certificate_expiry(path: Path) -> dt.datetime:
+    """When the first certificate of a PEM file to expire does (UTC; bundles allowed).
+
+    Raises:
+        ConfigError: The file holds no PEM certificate.
+    """
+    from cryptography import x509
+
+    try:
+        certs = x509.load_pem_x509_certificates(path.read_bytes())
+    except ValueError as e:
+        raise ConfigError("tls", f"{path} is not a PEM certificate ({e})") from None
+    return min(c.not_valid_after_utc for c in certs)
+
+
+def check_expiry(path: Path, field: str, now: dt.datetime | None = None) -> dt.datetime:
+    """Refuses an expired certificate and warns about one that expires soon.
+
+    Args:
+        path: A PEM certificate (or bundle).
+        field: The option that named it, for the message (e.g. ``"root-certificates"``).
+        now: The current time (default: the clock).
+
+    Returns:
+        When it expires.
+
+    Raises:
+        ConfigError: It has expired (one line: when, and how to renew).
+    """
+    end = certificate_expiry(path)
+    left = end - (now or dt.datetime.now(dt.UTC))
+    when = end.strftime("%Y-%m-%d %H:%M UTC")
+    if left.total_seconds() <= 0:
+        raise ConfigError(field, f"certificate {path} expired on {when}: {RENEW_HINT}")
+    if left <= dt.timedelta(days=WARN_DAYS):
+        log.warning(
+            "certificate %s expires on %s (in %.1f days): %s", path, when, left / _DAY, RENEW_HINT
+        )
+    return end
 
 
 def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
@@ -214,7 +312,7 @@ def node_indices(folder: Path) -> list[int]:
 
 
 def make_key_folder(
-    folder: Path, hosts: Sequence[str], nodes: int, force: bool = False
+    folder: Path, hosts: Sequence[str], nodes: int, force: bool = False, days: float = DEFAULT_DAYS
 ) -> tuple[TlsFiles, list[tuple[Path, Path]]]:
     """A CA, a SuperLink certificate for ``hosts`` and ``nodes`` node key pairs in ``folder``.
 
@@ -223,6 +321,7 @@ def make_key_folder(
         hosts: Host names and IP addresses the SuperLink's certificate is valid for.
         nodes: Node key pairs to make (``node0`` ... ``node<nodes-1>``).
         force: Replace key material already in ``folder``.
+        days: Validity of the certificates.
 
     Returns:
         The TLS files and the ``(private, public)`` node key paths.
@@ -236,10 +335,10 @@ def make_key_folder(
         raise ConfigError(
             "flower-certs",
             f"{folder} already holds key material ({', '.join(existing)}): replacing it breaks"
-            " every client set up with it; pass --add-nodes N to add node keys, or --force to"
-            " replace it",
+            " every client set up with it; pass --add-nodes N to add node keys, --renew to renew"
+            " the certificates (node keys kept), or --force to replace it all",
         )
-    tls = make_certificates(folder, hosts)
+    tls = make_certificates(folder, hosts, days)
     return tls, [make_node_key(folder, f"node{i}") for i in range(nodes)]
 
 

@@ -104,6 +104,13 @@ class RunWatch:
         self.display.primary = summary["primary"]
         self.display.final_table(self.rows(), summary.get("privacy"))
 
+    def resume_line(self) -> str:
+        """One line at the start of a resumed serve: the round it continues from."""
+        rnd = checkpoint_round(self.run_dir)
+        if rnd < 0:
+            return f"{self.cfg.name}: no checkpoint to resume from: starting at round 0"
+        return f"{self.cfg.name}: resuming from round {rnd} of {self.cfg.rounds} ({self.run_dir})"
+
     def stop_line(self, signum: int) -> str:
         """One line: the signal, the round the run stopped at, and how to go on."""
         name = signal.Signals(signum).name

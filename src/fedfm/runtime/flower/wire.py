@@ -1,4 +1,6 @@
-"""The wire format of the Flower runtime: the run payload, and fedfm messages as Flower records.
+"""The wire format of the Flower runtime: fedfm messages as Flower records.
+
+The run payload itself is :mod:`~fedfm.runtime.flower.payload` (re-exported here).
 
 One fedfm :class:`~fedfm.core.messages.Message` = one Flower ``Message``:
 
@@ -23,30 +25,28 @@ counts are identical on both runtimes.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedfm.config import RunConfig, load_config
 from fedfm.core.messages import Message, MetaValue, meta_json
-from fedfm.errors import ConfigError, MessageError
-from fedfm.runtime.flower.options import FlowerOptions, import_plugins, load_options
+from fedfm.errors import MessageError
+from fedfm.runtime.flower.payload import (  # noqa: F401  (re-exported)
+    HELLO_TYPE,
+    MESSAGE_TYPE,
+    PAYLOAD_KEY,
+    Payload,
+)
 
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord, RecordDict
     from flwr.app.typing import ConfigRecordValues
 
 
-MESSAGE_TYPE = "query.fedfm"
-HELLO_TYPE = "query.fedfm_hello"
-PAYLOAD_KEY = "fedfm-payload"
 # Flower's own error codes are small integers (0-8 in flwr 1.42); fedfm's sit far above.
 CLIENT_ERROR_CODE = 4100
 HEADER = "fedfm"
@@ -54,68 +54,6 @@ ARRAYS_PREFIX = "arrays."
 META = "meta"
 META_JSON = "meta.json"
 RAW_STYPE = "fedfm.torch_raw"
-
-
-@dataclass
-class Payload:
-    """What the server tells every process of a run: config, options and start mode.
-
-    It travels in Flower's run config as one base64 string (JSON inside), because Flower's
-    run config holds flat scalars and its command-line parser mangles nested quotes.
-    """
-
-    config: dict[str, Any]
-    options: dict[str, Any] = field(default_factory=dict)
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = False
-
-    def encode(self) -> str:
-        """The payload as a base64 string."""
-        raw = json.dumps(self.__dict__, sort_keys=True, separators=(",", ":"))
-        return base64.b64encode(raw.encode()).decode()
-
-    @classmethod
-    def decode(cls, text: str) -> Payload:
-        """Reads a payload written by :meth:`encode`.
-
-        Raises:
-            ConfigError: The text is not a fedfm payload.
-        """
-        try:
-            return cls(**json.loads(base64.b64decode(text.encode())))
-        except (ValueError, TypeError) as e:
-            raise ConfigError(PAYLOAD_KEY, f"not a fedfm payload ({e})") from None
-
-    @classmethod
-    def from_context(cls, run_config: Mapping[str, Any]) -> Payload:
-        """Reads the payload from a Flower run config.
-
-        Raises:
-            ConfigError: The run config carries no payload.
-        """
-        text = run_config.get(PAYLOAD_KEY, "")
-        if not text:
-            raise ConfigError(
-                PAYLOAD_KEY, "missing from the Flower run config (submit runs with `fedfm serve`)"
-            )
-        return cls.decode(str(text))
-
-    def run_config(self) -> RunConfig:
-        """The validated fedfm run config (plugins imported first)."""
-
-        import_plugins(self.flower().imports)
-        return load_config(self.config)
-
-    def flower(self) -> FlowerOptions:
-        """The validated Flower options."""
-        return load_options(self.options)
-
-    def key(self) -> str:
-        """A stable id of the config and options (client-side caches are keyed by it)."""
-
-        raw = json.dumps([self.config, self.options], sort_keys=True)
-        return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
