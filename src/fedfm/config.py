@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fedfm import devices
 from fedfm.errors import ConfigError
 
 log = logging.getLogger("fedfm")
@@ -125,8 +126,20 @@ class RunConfig(Strict):
     eval_before: bool = True
     out_dir: str = "runs"
     threads: int | None = Field(None, ge=1)
+    device: str = Field(
+        "auto", description="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps"
+    )
     plots: bool = True
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        return devices.check(v)
+
+    def torch_device(self) -> Any:
+        """The ``torch.device`` that ``device`` resolves to on this machine."""
+        return devices.resolve(self.device)
 
     @field_validator("name")
     @classmethod
