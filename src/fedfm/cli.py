@@ -151,7 +151,43 @@ def list_() -> None:
                 if k != "name":
                     opts.add_row(f"algo.aggregator.{k}=", f.description or "")
             out.print(opts)
+    out.print(_recipe_table())
     out.print("[bold]presets[/]: " + ", ".join(preset_names()))
+
+
+def _recipe_table() -> Table:
+    """The device and the LLM recipe knobs (FlowerTune's), with the values each takes."""
+    import importlib.util
+    from typing import get_args
+
+    from fedfm.config import BNB_OPTIMIZERS, LrSchedule, TrainConfig
+    from fedfm.devices import DEVICE_NAMES
+
+    bnb = "installed" if importlib.util.find_spec("bitsandbytes") else "not installed"
+    optimizers = get_args(TrainConfig.model_fields["optimizer"].annotation)
+    rows = [
+        ("device=", " | ".join(DEVICE_NAMES), "auto: CUDA when present, else the CPU"),
+        ("train.optimizer=", " | ".join(optimizers), f"{', '.join(BNB_OPTIMIZERS)}: CUDA"),
+        ("train.schedule.name=", " | ".join(get_args(LrSchedule.model_fields["name"].annotation)),
+         "clients' local lr over rounds (cosine: FlowerTune's cosine_annealing)"),
+        ("train.schedule.min_lr=", "number <= train.lr", "where cosine ends"),
+        ("train.schedule.warmup_rounds=", "integer < rounds", "linear warm-up to train.lr"),
+        ("task.lora.target_modules=", "\\[names] | auto | all-linear",
+         "auto: peft's default attention projections of the architecture"),
+        ("task.lora.use_dora=", "true | false", "DoRA: magnitude + direction (peft)"),
+        ("task.quantization=", "4bit | 8bit", "QLoRA NF4 / LLM.int8 base: CUDA"),
+    ]  # fmt: skip
+    table = Table(
+        title=f"devices and LLM recipe options (bitsandbytes {bnb})",
+        show_edge=False,
+        title_justify="left",
+    )
+    table.add_column("key=VALUE", no_wrap=True)
+    table.add_column("values")
+    table.add_column("meaning")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def _aggregating(field: str) -> list[str]:
