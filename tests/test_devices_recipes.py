@@ -85,7 +85,7 @@ def test_autocast_is_bf16_on_the_cpu_and_ram_is_what_fits() -> None:
     cpu = torch.device("cpu")
     assert devices.supports_bf16(cpu) and devices.autocast_dtype(cpu) == torch.bfloat16
     assert not devices.needs_grad_scaler(cpu)
-    assert 0 < devices.memory_available(cpu)
+    assert devices.memory_available(cpu) > 0
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_quantised_loader_arguments_follow_qlora() -> None:
     eight = quantization_kwargs("8bit", torch.float16)
     assert eight["quantization_config"].load_in_8bit
     assert eight["device_map"] == {"": "cuda:0"}
-    with pytest.raises(ConfigError, match="task.quantization: needs a CUDA device"):
+    with pytest.raises(ConfigError, match=r"task\.quantization: needs a CUDA device"):
         quantization_kwargs("4bit", torch.bfloat16, "cpu")
 
 
