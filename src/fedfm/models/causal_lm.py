@@ -546,6 +546,31 @@ TINY_MODELS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma": "gemm
 """The tiny test models by registry name, with the ``model_type`` of their architecture."""
 
 
+def causal_lm_config(name: str, args: dict[str, Any] | None = None) -> Any:
+    """The transformers config of a registered causal LM (no weights are loaded).
+
+    The tiny test models are built (they are small); SmolLM2 is converted once if needed.
+
+    Raises:
+        ConfigError: ``name`` is not a causal LM of this module (field ``task.model``).
+        AssetMissingError: The config cannot be read.
+    """
+    args = dict(args or {})
+    if name in TINY_MODELS:
+        return tiny_causal_lm(TINY_MODELS[name], **args).model.config  # type: ignore[arg-type]
+    if name == SMOLLM2:
+        return AutoConfig.from_pretrained(smollm2_dir(), local_files_only=True)
+    source = args.get("name_or_path") if name == "causal-lm" else None
+    if not isinstance(source, str):
+        raise ConfigError("task.model", f"'{name}' is not a causal LM with a known config")
+    path = Path(source).expanduser()
+    try:
+        return AutoConfig.from_pretrained(str(path) if path.exists() else source)
+    except (OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise AssetMissingError(f"cannot read the config of '{source}': {first}") from None
+
+
 def causal_lm_type(name: str, args: dict[str, Any] | None = None) -> str | None:
     """The transformers ``model_type`` of a registered causal LM, without loading weights.
 
