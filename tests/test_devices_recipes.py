@@ -234,3 +234,17 @@ def test_clients_train_at_the_rounds_rate_and_resume_is_exact(tmp_path, monkeypa
         return [{k: v for k, v in json.loads(x).items() if k != "time_s"} for x in lines]
 
     assert rows("resumed") == rows("straight")
+
+
+def test_gpu_check_says_there_is_no_cuda_and_exits_0() -> None:
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check itself is what runs there")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == (
+        "no CUDA device: torch sees none on this machine, so there is nothing to compare"
+    )

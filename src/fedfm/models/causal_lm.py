@@ -317,7 +317,7 @@ def load_causal_lm(
         # adapter training, inputs that carry gradients through the frozen embedding.
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     elif device is not None:
-        model.to(device)
+        torch.nn.Module.to(model, device)  # in place (transformers types .to narrowly)
     return LMBundle(_frozen(model), _with_pad(tokenizer), name_or_path)
 
 
