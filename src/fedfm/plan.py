@@ -268,7 +268,7 @@ def _weight_bytes(shape: _Shape, dtype_bytes: int, quantization: str | None) -> 
 def _llm_sides(cfg: RunConfig, task_cfg: Any, n_clients: int) -> tuple[Side, Side, list[str]]:
     shape = _llm_shape(task_cfg)
     dtype_bytes = 2 if task_cfg.dtype == "bfloat16" else 4
-    autocast = task_cfg.autocast_bf16 or task_cfg.quantization is not None
+    autocast = task_cfg.autocast_bf16
     s = 2 if autocast or dtype_bytes == 2 else 4
     weights = _weight_bytes(shape, dtype_bytes, task_cfg.quantization)
     adapters = 1 + _EXTRA_ADAPTERS.get(cfg.algorithm, 0)
@@ -286,7 +286,8 @@ def _llm_sides(cfg: RunConfig, task_cfg: Any, n_clients: int) -> tuple[Side, Sid
     # The backward pass of one layer holds the gradients of its activations (float32).
     backward = n_tok * (2 * h + 3 * m) * 4
     train_act = layers * per_layer + lora_inputs + logits + backward
-    copies = (shape.linear + shape.head) * 2 if autocast and dtype_bytes == 4 else 0
+    float32_base = dtype_bytes == 4 and task_cfg.quantization is None
+    copies = (shape.linear + shape.head) * 2 if autocast and float32_base else 0
     evaluation = _eval_bytes(task_cfg, shape, s)
     client = Side(
         "client",

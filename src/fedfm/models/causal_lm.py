@@ -509,38 +509,26 @@ def tiny_causal_lm(
     return LMBundle(_frozen(model), tokenizer, f"tiny-{arch}-{vocab}")
 
 
-def tiny_llama(
-    vocab: Literal["smollm2", "small"] = "small",
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    seed: int = 0,
-) -> LMBundle:
-    """A randomly initialised Llama for tests (:func:`tiny_causal_lm` with ``arch="llama"``)."""
-    return tiny_causal_lm("llama", vocab, hidden, layers, heads, seed)
+def _tiny_builder(arch: TinyArch, what: str) -> Callable[..., LMBundle]:
+    """The registry builder of one tiny architecture (:func:`tiny_causal_lm`'s other args)."""
+
+    def build(
+        vocab: Literal["smollm2", "small"] = "small",
+        hidden: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+        seed: int = 0,
+    ) -> LMBundle:
+        return tiny_causal_lm(arch, vocab, hidden, layers, heads, seed)
+
+    build.__name__ = f"tiny_{arch}"
+    build.__doc__ = f"A randomly initialised {what} for tests (:func:`tiny_causal_lm`)."
+    return build
 
 
-def tiny_qwen2(
-    vocab: Literal["smollm2", "small"] = "small",
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    seed: int = 0,
-) -> LMBundle:
-    """A randomly initialised Qwen2 for tests (:func:`tiny_causal_lm` with ``arch="qwen2"``)."""
-    return tiny_causal_lm("qwen2", vocab, hidden, layers, heads, seed)
-
-
-def tiny_gemma(
-    vocab: Literal["small"] = "small",
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    seed: int = 0,
-) -> LMBundle:
-    """A randomly initialised Gemma for tests (:func:`tiny_causal_lm` with ``arch="gemma"``)."""
-    return tiny_causal_lm("gemma", vocab, hidden, layers, heads, seed)
-
+tiny_llama = _tiny_builder("llama", "Llama")
+tiny_qwen2 = _tiny_builder("qwen2", "Qwen2")
+tiny_gemma = _tiny_builder("gemma", "Gemma")
 
 TINY_MODELS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma": "gemma"}
 """The tiny test models by registry name, with the ``model_type`` of their architecture."""
