@@ -22,7 +22,9 @@ ServerApp running Flower's own FedAvg strategy over the LoRA arrays, and a Clien
 ``get_model``), sets the received adapter, trains and replies. Each side runs in a fresh
 process; its wall time and the peak of the resident memory summed over its process tree (Ray's
 workers and daemons included) are measured from outside, and the final global adapters of the
-two sides are compared. The ratios flower/fedfm of wall time and of peak memory are printed
+two sides are compared. Both sides get every core: Flower one Ray actor of one thread per core
+(each client its own process), fedfm as many torch threads in its one process
+(``--llm-threads``). The ratios flower/fedfm of wall time and of peak memory are printed
 last.
 
 Usage: .venv/bin/python benchmarks/vs_flower.py [--repeats 1] [--steps 20] [--skip-deploy]
@@ -192,7 +194,7 @@ LORA = {
 }
 
 
-def llm_config(out: str, steps: int, name: str) -> dict[str, Any]:
+def llm_config(out: str, steps: int, name: str, threads: int = 1) -> dict[str, Any]:
     """FedIT on SmolLM2; dropout 0 so that both sides train the same numbers without RNG."""
     return {
         "name": name,
@@ -219,7 +221,7 @@ def llm_config(out: str, steps: int, name: str) -> dict[str, Any]:
         "eval_before": False,
         "out_dir": out,
         "plots": False,
-        "threads": 1,
+        "threads": threads,
     }
 
 
@@ -313,7 +315,7 @@ def flowertune_apps(out: str, steps: int) -> tuple[Any, Any]:
     return server_app, client_app
 
 
-def llm_child(side: str, out: str, steps: int) -> None:
+def llm_child(side: str, out: str, steps: int, threads: int) -> None:
     """One side of the LLM case in this fresh process."""
     import torch
 
@@ -321,7 +323,7 @@ def llm_child(side: str, out: str, steps: int) -> None:
         from fedfm.core.checkpoint import checkpoints_newest_first, load_checkpoint
         from fedfm.core.groups import get_group
 
-        cfg = load_config(llm_config(out, steps, "fedfm-llm"))
+        cfg = load_config(llm_config(out, steps, "fedfm-llm", threads))
         run(cfg, overwrite=True, progress=False)
         last = checkpoints_newest_first(Path(out) / cfg.name / "checkpoints")[0]
         final = get_group(load_checkpoint(last).server_arrays, "params")
@@ -346,11 +348,11 @@ def llm_child(side: str, out: str, steps: int) -> None:
         )
 
 
-def llm_side(side: str, out: str, steps: int) -> tuple[float, int]:
+def llm_side(side: str, out: str, steps: int, threads: int) -> tuple[float, int]:
     """Runs one side in a fresh process: (wall seconds, peak RSS summed over its tree)."""
     cmd = [sys.executable, __file__, "--llm-child", side, "--out", out]
-    cmd += ["--llm-steps", str(steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd += ["--llm-steps", str(steps), "--llm-threads", str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with PeakRss({side: [proc.pid]}, every_s=0.25) as mem:
@@ -361,7 +363,7 @@ def llm_side(side: str, out: str, steps: int) -> tuple[float, int]:
     return wall, mem.peak[side]
 
 
-def llm_case(steps: int) -> None:
+def llm_case(steps: int, threads: int) -> None:
     import torch
 
     from fedfm.models.causal_lm import smollm2_dir
@@ -369,10 +371,15 @@ def llm_case(steps: int) -> None:
     smollm2_dir()  # convert once here, so that neither side pays for it
     with tempfile.TemporaryDirectory() as out:
         llm_prepare(out, steps)
-        emb_wall, emb_mem = llm_side("fedfm", out, steps)
-        print(f"fedfm embedded: {emb_wall:.1f} s, peak RSS {emb_mem / 2**30:.2f} GiB", flush=True)
-        fl_wall, fl_mem = llm_side("flower", out, steps)
-        print(f"Flower simulation (FlowerTune layout): {fl_wall:.1f} s, peak RSS summed over"
+        emb_wall, emb_mem = llm_side("fedfm", out, steps, threads)
+        print(
+            f"fedfm embedded ({threads} torch threads): {emb_wall:.1f} s,"
+            f" peak RSS {emb_mem / 2**30:.2f} GiB",
+            flush=True,
+        )
+        fl_wall, fl_mem = llm_side("flower", out, steps, 1)
+        print(f"Flower simulation (FlowerTune layout, {os.cpu_count()} Ray actors of 1 thread):"
+              f" {fl_wall:.1f} s, peak RSS summed over"
               f" processes {fl_mem / 2**30:.2f} GiB", flush=True)  # fmt: skip
         ours = torch.load(Path(out) / "fedfm_final.pt")
         theirs = torch.load(Path(out) / "flower_final.pt")
@@ -397,14 +404,20 @@ def main() -> None:
     ap.add_argument("--isolation", default="process", choices=["process", "subprocess"])
     ap.add_argument("--llm", action="store_true", help="the FedIT SmolLM2 case instead")
     ap.add_argument("--llm-steps", type=int, default=4, help="local steps per client and round")
+    ap.add_argument(
+        "--llm-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="fedfm's torch threads (default: every core, as many as Flower's Ray actors)",
+    )
     ap.add_argument("--llm-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.llm_child is not None:
-        llm_child(args.llm_child, args.out, args.llm_steps)
+        llm_child(args.llm_child, args.out, args.llm_steps, args.llm_threads)
         return
     if args.llm:
-        llm_case(args.llm_steps)
+        llm_case(args.llm_steps, args.llm_threads)
         return
     with tempfile.TemporaryDirectory() as out:
         emb_cfg = config(out, args.steps, "embedded")
