@@ -377,6 +377,24 @@ def _looks_like_path(name: str) -> bool:
 
 
 TokenizerStyle = Literal["chatml", "gemma"]
+# The special tokens and chat template of each style of the small test tokenizer.
+_STYLES: dict[str, dict[str, Any]] = {
+    "chatml": {
+        "unk_token": "<|endoftext|>",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "chat_template": CHATML_TEMPLATE,
+    },
+    "gemma": {
+        "unk_token": "<pad>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"],
+        "chat_template": GEMMA_TEMPLATE,
+    },
+}
 
 
 @functools.lru_cache(maxsize=2)
@@ -409,23 +427,9 @@ def small_tokenizer(style: TokenizerStyle = "chatml") -> PreTrainedTokenizerFast
             ``"gemma"``: Gemma's ``<bos>``/``<eos>``/``<pad>``, its turn markers and a
             Gemma-style template (assistant turns are ``model`` turns, no system role).
     """
-    if style == "gemma":
-        return PreTrainedTokenizerFast(
-            tokenizer_object=Tokenizer.from_str(_small_tokenizer_json("gemma")),
-            unk_token="<pad>",
-            bos_token="<bos>",
-            eos_token="<eos>",
-            pad_token="<pad>",
-            additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
-            chat_template=GEMMA_TEMPLATE,
-        )
+    special = _STYLES[style]
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_small_tokenizer_json("chatml")),
-        unk_token="<|endoftext|>",
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        chat_template=CHATML_TEMPLATE,
+        tokenizer_object=Tokenizer.from_str(_small_tokenizer_json(style)), **special
     )
 
 
