@@ -73,7 +73,8 @@ BASE: dict[str, Any] = {
     "partition": {"scheme": "iid", "num_clients": 4},
     "clients": {"roles": {"strong": 0.5}},
     "train": {"steps": 2, "batch_size": 8, "optimizer": "adamw", "lr": 1e-2},
-    "privacy": {"delta": DELTA},
+    # Seeded noise: the tests below compare runs of the same seed bit for bit.
+    "privacy": {"delta": DELTA, "noise": "seeded"},
 }
 
 
@@ -322,9 +323,10 @@ def test_only_noised_counts_votes_and_dp_adapters_leave_clients(tmp_path: Path) 
     reply, state = runner.call(
         strong, 1, ClientState(), Message("train", {"adapter": sent_adapter})
     )
-    assert reply.meta["dp"]["noise_multiplier"] > 0  # type: ignore[index]
+    assert set(reply.arrays) == {"adapter"} and not reply.meta  # no loss, size or rate
     assert any(not torch.equal(reply.arrays["adapter"][k], v) for k, v in sent_adapter.items())
-    assert state.meta["dp"]["history"]  # the client's own accounting, kept in its state
+    assert state.meta["dp"]["noise_multiplier"] > 0  # the client's own account, in its state
+    assert state.meta["dp"]["history"]
 
 
 def test_audit_shows_only_the_declared_fields(full: Path) -> None:
@@ -334,9 +336,12 @@ def test_audit_shows_only_the_declared_fields(full: Path) -> None:
             up.setdefault(row["kind"], set()).add(row["field"])
     assert up == {
         "profile": {"counts"},
-        "train": {"adapter", "num_examples", "loss", "dp"},
+        "train": {"adapter"},
         "vote": {"votes"},
     }
+    # Each field a client sent is marked a DP mechanism's output.
+    ups = [r for r in _jsonl(full / "audit.jsonl") if r["direction"] == "up"]
+    assert ups and {r["privacy"] for r in ups} == {"dp"}
     voters = {r["client"] for r in _jsonl(full / "audit.jsonl") if r["kind"] == "vote"}
     trainers = {r["client"] for r in _jsonl(full / "audit.jsonl") if r["kind"] == "train"}
     assert voters and trainers and not voters & trainers

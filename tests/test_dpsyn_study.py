@@ -13,6 +13,8 @@ from fedfm.config import load_config
 from fedfm.reproduce import STUDIES, load_studies
 from fedfm.reproduce import dpsyn as study
 from fedfm.reproduce.dpsyn import FULL, QUICK, Cell, Data, Grid
+from fedfm.reproduce.framework import open_study, run_study
+from fedfm.reproduce.tables import num
 
 TINY = Grid(
     data=(Data("rotten_tomatoes", clients=4, rows=40, strong=(0.5,)),),
@@ -49,11 +51,15 @@ def done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int, int
     """The tiny grid run twice: (runs folder, report, runs of the 1st call, of the 2nd)."""
     tmp = tmp_path_factory.mktemp("dpsyn-study")
     out, report = tmp / "runs", tmp / "report.md"
-    _, first = study.run_study(TINY, out, report, "test", TINY)
-    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
-    _, second = study.run_study(TINY, out, report, "test", TINY)
+    ran, stamps = [], {}
+    for i in range(2):
+        ctx = open_study(study.STUDY, out, grid=TINY, command="test")
+        run_study(study.STUDY, ctx, report)
+        ran.append(ctx.record.invocations[-1]["ran"])
+        if i == 0:
+            stamps = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
     assert stamps == {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
-    return out, report, first, second
+    return out, report, ran[0], ran[1]
 
 
 def test_the_grid_runs_and_a_second_invocation_runs_nothing(done: Any) -> None:
@@ -63,7 +69,7 @@ def test_the_grid_runs_and_a_second_invocation_runs_nothing(done: Any) -> None:
     assert (first, second) == (2, 0)
     for name in names:
         assert (out / name / "summary.json").exists()
-    assert "Failed runs" not in report.read_text()
+    assert "did not finish" not in report.read_text()
 
 
 def test_the_report_prints_the_numbers_of_the_runs(done: Any) -> None:
@@ -75,11 +81,11 @@ def test_the_report_prints_the_numbers_of_the_runs(done: Any) -> None:
         for rnd, label in ((r + 1, "generated"), (r + 2, "after voting")):
             line = next(x for x in text if x.startswith(f"| `{cell.name}` |") and label in x)
             cells = [c.strip() for c in line.split("|")[3:-2]]
-            want = [study._f(rows[rnd].get(m)) for m, _, _ in study.METRICS]
+            want = [num(rows[rnd].get(m)) for m, _, _ in study.METRICS]
             assert cells == want
     floor = _rows(out / TINY.cells()[0].name)[1]
     line = next(x for x in text if "ceiling" in x)
-    assert study._f(floor["real/acc"]) in line.split("|")[3]
+    assert num(floor["real/acc"]) in line.split("|")[3]
     strong = json.loads((out / TINY.cells()[1].name / "summary.json").read_text())["finish"]
     privacy = text[text.index("## Privacy per run") :]
     line = next(x for x in privacy if x.startswith(f"| `{TINY.cells()[1].name}` | "))
@@ -89,7 +95,7 @@ def test_the_report_prints_the_numbers_of_the_runs(done: Any) -> None:
 def test_items_reproduce_the_logged_scores_and_pair_over_test_rows(done: Any) -> None:
     out, _, _, _ = done
     cell = TINY.cells()[1]
-    res = study.read_grid(TINY, out)[cell.name]
+    res = study.read(open_study(study.STUDY, out, grid=TINY))[cell.name]
     for rnd, name in ((2, "gen"), (3, "vote")):
         row, items = _rows(out / cell.name)[rnd], res.items[name]
         assert len(items) == TINY.test_rows
@@ -135,27 +141,26 @@ def test_with_and_without_voting_come_from_one_run() -> None:
 @pytest.mark.parametrize("grid", [QUICK, FULL])
 def test_every_cell_is_a_valid_config(grid: Grid, tmp_path: Path) -> None:
     for cell in grid.cells():
-        cfg = load_config(study.job_config(grid, cell, tmp_path))
+        cfg = load_config(study.job_config(grid, cell))
         assert cfg.rounds == (2 if cell.epsilon is None else grid.train_rounds + 2)
-        assert cfg.threads == 1
 
 
 def test_floor_cell_has_no_fine_tuning_and_computes_the_ceiling(tmp_path: Path) -> None:
-    cfg = study.job_config(QUICK, Cell("rotten_tomatoes", "iid", 0, 0.1, None), tmp_path)
+    cfg = study.job_config(QUICK, Cell("rotten_tomatoes", "iid", 0, 0.1, None))
     assert cfg["algo"]["train_rounds"] == 0 and cfg["algo"]["eval"]["references"]
-    other = study.job_config(QUICK, Cell("rotten_tomatoes", "iid", 0, 0.5, math.inf), tmp_path)
+    other = study.job_config(QUICK, Cell("rotten_tomatoes", "iid", 0, 0.5, math.inf))
     assert other["algo"]["epsilon_train"] == "inf" and not other["algo"]["eval"]["references"]
     assert other["clients"]["roles"]["strong"] == 0.5
 
 
 def test_the_study_is_registered() -> None:
     load_studies()
-    assert STUDIES.get("dpsyn") is study.dpsyn_study
+    assert STUDIES.get("dpsyn") is study.STUDY
 
 
 def test_time_estimate_scales_the_measured_runs(done: Any) -> None:
     out, _, _, _ = done
-    res = study.read_grid(TINY, out)
+    res = study.read(open_study(study.STUDY, out, grid=TINY))
     est = study.estimate_seconds(TINY, res)
     measured = sum(r.wall_s for r in res.values())
     assert est is not None and est > 0

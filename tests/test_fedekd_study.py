@@ -1,5 +1,6 @@
 """The FedeKD study: validation split, statistics on hand-made numbers, the rule that picks
-β and λ, curves from per-round client metrics, resumable runs, and the report."""
+β and λ, curves from per-round client metrics, the jobs the rule's choice adds, and the
+report."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from fedfm.config import load_config
 from fedfm.engine import build, resolve
 from fedfm.errors import ConfigError
 from fedfm.reproduce import fedekd as study
-from fedfm.reproduce import fedekd_report
-from fedfm.reproduce.fedekd_report import write_report
+from fedfm.reproduce.fedekd import STUDY
+from fedfm.reproduce.framework import RunView, open_study, reproduce, write_report
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
 from fedfm.runtime import run
 from fedfm.tasks.base import macro_f1
@@ -100,17 +101,17 @@ def test_clients_logged_every_eval_round_and_curves_read_per_split(tmp_path):
     ]
     assert [r["round"] for r in rows] == [0, 2, 3]
     for split in ("test", "local", "val"):
-        curve = study.client_curves(tmp_path / "kd", split, "acc")
+        curve = study.client_curves(RunView(tmp_path / "kd"), split, "acc")
         assert sorted(curve) == [0, 2, 3] and sorted(curve[3]) == ["0", "1", "2", "3"]
         assert curve[3]["1"] == rows[-1]["clients"]["1"][f"{split}/acc"]
     # FedAvg: every client holds the global model, whose global-test value is in metrics.jsonl.
     glob = [json.loads(x) for x in (tmp_path / "avg" / "metrics.jsonl").read_text().splitlines()]
-    avg = study.client_curves(tmp_path / "avg", "test", "acc")
+    avg = study.client_curves(RunView(tmp_path / "avg"), "test", "acc")
     assert sorted(avg) == [0, 2, 3]
     assert set(avg[3].values()) == {next(r["acc"] for r in glob if r["round"] == 3)}
-    assert study.client_curves(tmp_path / "avg", "val", "acc") == {}
+    assert study.client_curves(RunView(tmp_path / "avg"), "val", "acc") == {}
     # Negative transfer against the local-only run, round by round.
-    kd, lp = (study.client_curves(tmp_path / r, "val", "acc") for r in ("kd", "lp"))
+    kd, lp = (study.client_curves(RunView(tmp_path / r), "val", "acc") for r in ("kd", "lp"))
     nt = study.nt_stats(kd[3], lp[3], True)
     per = [kd[3][c] - lp[3][c] for c in kd[3]]
     assert nt["nt_mean"] == pytest.approx(sum(per) / 4) and nt["nt_worst"] == min(per)
@@ -189,9 +190,9 @@ def test_jobs_name_every_gate_field_and_run_the_choice_after_the_grid(tmp_path):
         long_presets=("fedekd-concrete",),
         long_seeds=(0,),
     )
-    main = study.main_jobs(grid)
+    main = study.main_cells(grid)
     assert len(main) == 2 * (4 + 2 + 4) and main[0].seed == 0 and main[-1].seed == 1
-    after = study.chosen_jobs(grid, (8.0, 0.5))
+    after = study.chosen_cells(grid, (8.0, 0.5))
     control = [j for j in after if not j.long]
     assert {j.variant.key for j in control} == {
         "local",
@@ -205,38 +206,19 @@ def test_jobs_name_every_gate_field_and_run_the_choice_after_the_grid(tmp_path):
     }
     long = [j for j in after if j.long]
     assert len(long) == 8 and long[0].name == "long-concrete-a0.5-k10-s0-local"
-    cfg = study.job_config(main[-1], grid, tmp_path)  # FedeKD β = 8, λ = 1
+    cfg = study.job_config(main[-1], grid)  # FedeKD β = 8, λ = 1
     assert cfg["algo"]["beta"] == 8.0 and cfg["algo"]["lam"] == 1.0
     assert cfg["partition"]["alpha"] == 0.1 and cfg["partition"]["min_size"] == 16
     assert cfg["clients"]["min_clients"] == 4 and cfg["task"]["local_val_fraction"] == 0.15
     resolve(load_config(cfg))
     ung = next(j for j in main if j.variant.method == "fedkd-ungated")
-    assert study.job_config(ung, grid, tmp_path)["algo"]["gate"] == "ungated"
-
-
-# ----------------------------------------------------------------------------- resumable runs
-
-
-def test_run_status_skips_finished_resumes_unfinished_and_replaces_other_configs(tmp_path):
-    cfg = _cfg(tmp_path, "r", rounds=2)
-    assert study.run_status(cfg) == "new"
-    assert study.run_job(cfg) == ("r", None)
-    assert study.run_status(cfg) == "done"
-    before = (tmp_path / "r" / "summary.json").stat().st_mtime_ns
-    assert study.run_job(cfg) == ("r", None)  # skipped: the folder is untouched
-    assert (tmp_path / "r" / "summary.json").stat().st_mtime_ns == before
-    assert study.run_status({**cfg, "out_dir": str(tmp_path / "elsewhere")}) == "new"
-    other = {**cfg, "algo": {**cfg["algo"], "beta": 3.0}}
-    assert study.run_status(other) == "changed"
-    # An interrupted run (no summary yet) resumes from its checkpoint to the same result.
-    longer = {**cfg, "rounds": 3}
-    assert study.run_status(longer) == "changed"  # rounds differ: another config
-    done = json.loads((tmp_path / "r" / "summary.json").read_text())
-    (tmp_path / "r" / "summary.json").unlink()
-    assert study.run_status(cfg) == "partial"
-    assert study.run_job(cfg) == ("r", None)
-    again = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert again["final"]["acc"] == done["final"]["acc"]
+    assert study.job_config(ung, grid)["algo"]["gate"] == "ungated"
+    # The study lists the runs of the rule's choice only once the main grid has run.
+    ctx = open_study(STUDY, tmp_path, grid=grid)
+    assert [r.name for r in study.jobs(ctx)] == [c.name for c in main]
+    ctx.done.update(c.name for c in main)
+    more = [r.name for r in study.jobs(ctx)][len(main) :]
+    assert more == [c.name for c in study.chosen_cells(grid, study.REFERENCE_GATE)]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -254,7 +236,7 @@ OFFSETS = {
 }
 
 
-def _fake_run(out: Path, job: study.Job, rounds: list[int]) -> None:
+def _fake_run(out: Path, job: study.Cell, rounds: list[int]) -> None:
     """A finished run folder with hand-made client metrics (the shape the engine writes)."""
     run = out / job.name
     run.mkdir(parents=True)
@@ -293,18 +275,16 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
         long_seeds=(0, 1, 2),
         long_rounds=6,
         long_eval_every=3,
-        workers=1,
     )
     out = tmp_path / "runs"
-    for job in study.main_jobs(grid):
+    for job in study.main_cells(grid):
         _fake_run(out, job, [3])
-    choice = study.choose_gate(
-        grid.configs(), study.config_scores(grid, study.analyse(out, study.main_jobs(grid)))
-    )
-    assert choice.gate == (4.0, 1.0)
-    for job in study.chosen_jobs(grid, choice.gate):
+    ctx = open_study(STUDY, out, grid=grid, command="cmd")
+    choice, gate = study.gate_of(ctx)
+    assert choice is not None and gate == (4.0, 1.0)
+    for job in study.chosen_cells(grid, gate):
         _fake_run(out, job, [3, 6] if job.long else [3])
-    report = write_report(grid, out, tmp_path / "docs" / "fedekd.md", "cmd", {})
+    report = write_report(STUDY, ctx, tmp_path / "docs" / "fedekd.md")
     text = report.read_text()
     assert "**Chosen: β = 4, λ = 1**" in text and "stops inside section 3.5" in text
     # FedeKD(4,1) − ungated(1), NT mean: d_s = (0.09 − 0.02 s)/3 = 0.03, 0.0233, 0.0167,
@@ -314,7 +294,12 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
     assert row in text
     assert "| concrete | α=0.5, 10 clients | +2.33 ± 0.38 | +7.00 ± 0.58 | +0.0 ± 0.0 |" in text
     assert "| breast-cancer | α=5, 10 clients | +0.023 ± 0.004 |" in text  # control cells
-    assert "mean-client NT on the global test set Δ = +0.023 ± 0.004 (a better by > 2 SE)" in text
+    assert "| Δ NT mean, global test | +0.023 ± 0.004 | a better (> 2 SE) |" in text
+    # The readouts open the report, the gate against ungated KD first, with its verdict.
+    first = text.split("## Readouts", 1)[1].splitlines()
+    r1 = next(x for x in first if x.startswith("| R1 |"))
+    assert "| +0.023 ± 0.004 |" in r1 and "in the paper's direction (> 2 SE)" in r1
+    assert text.index("## Readouts") < text.index("## What the paper's text gives")
     # Long runs: at round 3 the offsets are half those at round 6.
     assert "| 3 | " in text and "| 6 | " in text and "+1.17 ± 0.19 |" in text
     assert "| breast-cancer | α=0.5, 10 clients | 20 / 30 | 5 / 8 | 3 / 4 | 114 |" in text
@@ -323,14 +308,16 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
 
 
 def test_quick_study_writes_its_report_and_skips_finished_runs_on_rerun(tmp_path):
-    report = fedekd_report.fedekd_study(tmp_path, quick=True)
+    report = reproduce("fedekd", tmp_path, quick=True)
+    assert isinstance(report, Path)
     text = report.read_text()
     assert report == tmp_path / "fedekd-quick" / "fedekd-quick.md"
-    assert "fedfm reproduce fedekd --quick" in text and "## Failed runs" not in text
-    assert "**Chosen: β = " in text and "Time, over 1 invocation(s)" in text
+    assert "fedfm reproduce fedekd --quick" in text and "did not finish" not in text
+    assert "**Chosen: β = " in text and "1 invocation(s) ran jobs" in text
     row = next(x for x in text.splitlines() if x.startswith("| α=0.5, 10 clients | FedeKD (β="))
     assert "—" not in row  # every statistic was computed
     # A second invocation finds every run done: it only rewrites the report.
-    fedekd_report.fedekd_study(tmp_path, quick=True)
-    timing = (tmp_path / "fedekd-quick" / "timing.jsonl").read_text().splitlines()
-    assert len(timing) == 1
+    reproduce("fedekd", tmp_path, quick=True)
+    record = json.loads((tmp_path / "fedekd-quick" / "study.json").read_text())
+    assert [i["ran"] for i in record["invocations"]] == [40, 0]  # 28 main, then 12 long runs
+    assert {j["status"] for j in record["jobs"].values()} == {"done"} and len(record["jobs"]) == 40

@@ -331,27 +331,26 @@ def test_presets_validate(preset: str) -> None:
     assert task_cfg.kind in ("image", "text")
 
 
-def test_study_grid_and_job_configs(tmp_path: Any) -> None:
-    from pathlib import Path
+def test_study_grid_and_job_configs() -> None:
+    from fedfm.reproduce.fedrd import FULL, QUICK, Cell, cells, job_config
 
-    from fedfm.reproduce.fedrd import FULL, QUICK, Job, job_config, jobs_of
-
-    jobs = jobs_of(FULL)
+    jobs = cells(FULL)
     assert len(jobs) == 3 * 2 * (7 + 6)  # seeds x alphas x (vision + text methods)
     assert [j.seed for j in jobs] == sorted(j.seed for j in jobs)  # seed by seed
-    zero = job_config(Job("vision", 0.1, 1, "ab0"), FULL, Path(tmp_path))
+    zero = job_config(Cell("vision", 0.1, 1, "ab0"), FULL)
     assert zero["algo"]["alpha"] == zero["algo"]["beta"] == 0.0
     assert zero["algo"]["warmup_epochs"] > 0 and zero["partition"]["alpha"] == 0.1
-    assert zero["seed"] == 1 and zero["rounds"] >= 40 and zero["name"] == "vision-a0.1-s1-ab0"
-    ft = job_config(Job("vision", 0.1, 1, "ft"), FULL, Path(tmp_path))
-    fedrd = job_config(Job("vision", 0.1, 1, "fedrd"), FULL, Path(tmp_path))
+    assert zero["seed"] == 1 and zero["rounds"] >= 40
+    assert Cell("vision", 0.1, 1, "ab0").name == "vision-a0.1-s1-ab0"
+    ft = job_config(Cell("vision", 0.1, 1, "ft"), FULL)
+    fedrd = job_config(Cell("vision", 0.1, 1, "fedrd"), FULL)
     assert ft["algo"]["server_train"] == fedrd["algo"]["server_train"]  # same epochs
     assert ft["algo"]["public_size"] == fedrd["algo"]["public_size"]
     for key in ("task", "partition", "train", "clients"):
         assert ft[key] == fedrd[key], key  # the same clients and local training
     # the quick grid's smaller sizes reach the server's algo only where it has a public set,
     # and the adapter's foundation model sees the teacher's input size
-    q = {m: job_config(Job("vision", 0.5, 0, m), QUICK, Path(tmp_path)) for m in QUICK.methods}
+    q = {m: job_config(Cell("vision", 0.5, 0, m), QUICK) for m in QUICK.methods}
     assert q["fedrd"]["algo"]["public_size"] == 100 and "public_size" not in q["fedavg"]["algo"]
     assert q["adapter"]["task"]["model_args"]["fm_size"] == 32
     assert all(c["task"]["max_train"] == 300 for c in q.values())

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedfm.algorithms.fedsd import (
+    REWRITE_SYSTEM,
     REWRITE_TEMPLATE,
     RewriteCache,
     cache_key,
@@ -38,7 +39,7 @@ from fedfm.eval.compare import (
     win_rate_runs,
     win_rate_table,
 )
-from fedfm.eval.generate import GenerationConfig
+from fedfm.eval.generate import GenerationConfig, Reply
 from fedfm.fm import FoundationModel
 from fedfm.runtime import run as run_experiment
 
@@ -96,9 +97,9 @@ def _echo_teacher(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = Non
             re.search(r"### Reference Answer:\n(.*?)\n\n### Response:", str(p), re.S)
             for p in prompts
         ]
-        return [f"Well, basically {m.group(1) if m else ''}" for m in refs]
+        return [Reply(f"Well, basically {m.group(1) if m else ''}", False) for m in refs]
 
-    monkeypatch.setattr(FoundationModel, "generate", generate)
+    monkeypatch.setattr(FoundationModel, "generate_replies", generate)
 
 
 def _rows(run: Path, name: str) -> list[dict[str, Any]]:
@@ -155,46 +156,89 @@ def test_rewrite_filter_by_hand(text: str, row: dict[str, Any], reason: str | No
     assert fallback_reason(text, row) == reason
 
 
+def test_a_rewrite_cut_by_its_token_limit_falls_back() -> None:
+    # Kept as a finished text, refused as one that ran into max_new_tokens.
+    assert fallback_reason("3 apples and 2 more: #### 5", MATH) is None
+    assert fallback_reason("3 apples and 2 more: #### 5", MATH, truncated=True) == "truncated"
+    assert fallback_reason("", MATH, truncated=True) == "empty"
+
+
 def test_refine_rows_statistics_by_hand() -> None:
-    rows = [MATH, MOVIE, FREE, {**FREE, "id": 4}]
-    texts = [
-        "Well, 2 + 3 = 5. #### 5",  # kept: 7 words vs 5 (2, 3, 5, 5 ... "2 3 5 5")
+    rows = [
+        {**MATH, "domain": "math"},
+        {**MOVIE, "domain": "movie"},
+        {**FREE, "domain": "general"},
+        {**FREE, "id": 4, "domain": "general"},
+        {**FREE, "id": 5, "domain": "general"},
+        {**MATH, "id": 6, "domain": "math"},
+    ]
+    texts: list[Reply | str | None] = [
+        "Well, 2 + 3 = 5. #### 5",  # kept: 5 words vs 4 ("well 2 3 5 5" / "2 3 5 5")
         "negative",  # label
         "Really, Paris is just the capital.",  # kept: 6 words vs 4
         "",  # empty
+        Reply("Paris is the", truncated=True),  # cut by the token limit
+        None,  # its prompt did not fit the teacher's budget
     ]
     kept, stats = refine_rows(rows, texts)
     assert kept == {"1": texts[0], "3": texts[2]}
-    assert (stats.n, stats.kept) == (4, 2)
-    assert stats.fallbacks == {"empty": 1, "leak": 0, "number": 0, "label": 1}
-    assert (stats.checked, stats.answer_kept) == (2, 1)  # maths kept its number, movie did not
-    # words: "well 2 3 5 5" (5) / "2 3 5 5" (4); "really paris is just the capital" (6) / 4
-    assert stats.length_ratio == pytest.approx((5 / 4 + 6 / 4) / 2)
-    assert stats.filler_distilled == pytest.approx(3 / 11)  # well, really, just
-    assert stats.filler_raw == 0.0
+    assert (stats.n, stats.kept) == (6, 2)
+    assert stats.fallbacks == {
+        **{"empty": 1, "truncated": 1, "leak": 0, "number": 0, "label": 1},
+        "long_prompt": 1,
+    }
+    total = {k: stats.total(k) for k in ("checked", "answer_kept")}
+    assert total == {"checked": 2, "answer_kept": 1}  # maths kept its number, movie did not
+    # A ratio of sums, not a mean of per-row ratios: (5 + 6) / (4 + 4).
+    assert stats.rates()["length_ratio"] == pytest.approx(11 / 8)
+    assert stats.rates()["filler_distilled"] == pytest.approx(3 / 11)  # well, really, just
+    assert stats.rates()["filler_raw"] == 0.0
+    assert stats.counts["general"]["fallback_truncated"] == 1
     assert filler_rate(["very very good", ""]) == pytest.approx(2 / 3)
-    pooled = summarise_rewrites([stats.meta(), {**stats.meta(), "kept": 0, "num_examples": 4}])
-    assert pooled["kept_share"] == pytest.approx(2 / 8) and pooled["fallback_empty"] == 2 / 8
-    assert pooled["length_ratio"] == pytest.approx(stats.length_ratio)  # weighted by kept rows
+    other = {**stats.meta(), "cached": True}
+    pooled = summarise_rewrites([stats.meta(), other])
+    assert pooled["rows"] == 12 and pooled["kept_share"] == pytest.approx(4 / 12)
+    assert pooled["fallback_long_prompt"] == pooled["fallback_truncated"] == pytest.approx(2 / 12)
+    assert pooled["length_ratio"] == pytest.approx(11 / 8)
+    # Per domain: maths kept 1 of 2 (the other's prompt was too long), general 1 of 3.
+    assert pooled["kept_share/math"] == 0.5 and pooled["fallback_long_prompt/math"] == 0.5
+    assert pooled["kept_share/general"] == pytest.approx(1 / 3)
+    assert pooled["length_ratio/general"] == pytest.approx(6 / 4)
+    assert pooled["answer_kept/movie"] == 0.0 and pooled["cached_clients"] == 1.0
 
 
-def test_rewrite_prompt_keeps_its_closing_marker_when_cut() -> None:
-    from fedfm.data.prompt import PromptConfig
-
-    fm = FoundationModel(
-        "tiny-llama", args=TINY, prompt=PromptConfig(max_length=140, max_prompt_length=128)
+def test_rewrite_prompts_are_whole_or_fall_back() -> None:
+    fm = FoundationModel("tiny-llama", args=TINY)
+    short = {"id": 0, "instruction": "Say it.", "input": "", "output": "word " * 20}
+    long = {"id": 1, "instruction": "Say it.", "input": "", "output": "word " * 400}
+    whole, n = fm.full_prompt(
+        REWRITE_TEMPLATE,
+        {"instruction": "Say it.", "reference": long["output"]},
+        system=REWRITE_SYSTEM,
     )
-    row = {"id": 0, "instruction": "Say it.", "input": "", "output": "word " * 400}
-    (prompt,) = rewrite_prompts(fm, [row])
-    ids = fm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    assert len(ids) <= 128
-    assert "### Response:\n" in prompt and "Say it." in prompt
-    assert prompt.index("### Reference Answer:") < prompt.index("### Response:")
+    prompts = rewrite_prompts(fm, [short, long], budget=n - 1)
+    assert prompts[1] is None  # one token over: no rewrite, never a reference cut in two
+    assert prompts[0] is not None and short["output"] in prompts[0]
+    assert prompts[0].endswith("### Response:\n<|im_end|>\n<|im_start|>assistant\n")
+    assert rewrite_prompts(fm, [long], budget=n) == [whole]
     assert REWRITE_TEMPLATE.endswith("### Response:\n")
-    # A long review next to a one-word label: the review loses its middle, the label stays.
-    review = {"id": 1, "instruction": "Label it.", "input": "film " * 400, "output": "positive"}
-    (prompt,) = rewrite_prompts(fm, [review])
-    assert "### Reference Answer:\npositive\n\n### Response:\n" in prompt
+
+
+def test_the_refinery_counts_cut_rewrites_and_long_prompts(tmp_path: Path) -> None:
+    # The tiny model never emits its end-of-turn token in 2 tokens: every rewrite is cut.
+    algo = _sdr(tmp_path / "cache")
+    algo["refinery"] |= {"decoding": {"max_new_tokens": 2}, "max_prompt_length": 300}
+    run_experiment(_cfg(tmp_path, "cut", "fedsdr", algo, rounds=1), progress=False)
+    first = _metrics(tmp_path / "cut")[0]
+    assert first["fedsd/kept_share"] == 0.0
+    reasons = ("truncated", "long_prompt", "empty")
+    assert sum(first[f"fedsd/fallback_{r}"] for r in reasons) == pytest.approx(1.0)
+    # With the tiny test tokenizer, every worked maths solution makes a prompt beyond 300
+    # tokens (417 to 663), one Alpaca answer of four does (713), no movie label does.
+    assert first["fedsd/fallback_long_prompt/math"] == 1.0
+    assert first["fedsd/fallback_long_prompt/general"] == 0.25
+    assert first["fedsd/fallback_long_prompt/movie"] == 0.0
+    assert first["fedsd/fallback_truncated/movie"] + first["fedsd/fallback_empty/movie"] == 1.0
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -318,7 +362,7 @@ def test_resume_restores_lora_s_and_the_distilled_set(
     def no_teacher(*args: Any, **kw: Any) -> list[str]:
         raise AssertionError("the refinery ran again on resume")
 
-    monkeypatch.setattr(FoundationModel, "generate", no_teacher)
+    monkeypatch.setattr(FoundationModel, "generate_replies", no_teacher)
     run_experiment(_cfg(tmp_path, "killed", "fedsdr", algo, rounds=3), resume=True, progress=False)
     assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "straight")
 
@@ -373,10 +417,12 @@ def test_cache_key_and_atomic_files(tmp_path: Path) -> None:
     assert key != cache_key(fm, rows, GenerationConfig(max_new_tokens=9), "base", 1)
     assert key != cache_key(fm, [{**rows[0], "output": "c"}], greedy, "base", 1)
     assert key != cache_key(fm, rows, greedy, "abc", 1)
+    assert key != cache_key(fm, rows, greedy, "base", 1, prompt_budget=100)
     cache = RewriteCache(tmp_path / "cache")
     assert cache.get(key) is None
-    cache.put(key, ["x", "y"])
-    assert cache.get(key) == ["x", "y"]
+    replies = [Reply("x", False), None, Reply("y", True)]
+    cache.put(key, replies)
+    assert cache.get(key) == replies
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{key}.json"]  # no temp file left
     cache.path(key).write_text("{torn")
     assert cache.get(key) is None
@@ -458,40 +504,46 @@ def test_the_study_runs_and_reports_what_it_measured(
         domains=("general", "math", "medical"),
         task=tiny,
         cache_dir=str(tmp_path / "cache"),
-        threads=1,
     )
-    # The registered study's --quick path, on the tiny grid, writing docs/ under tmp_path.
-    monkeypatch.setattr(study, "QUICK", grid)
+    # The study's --quick grid replaced by the tiny one, its report in the default docs/.
+    from fedfm.reproduce.framework import RunView, open_study, report_path, run_jobs, run_study
+
     monkeypatch.chdir(tmp_path)
-    report = study.STUDIES.get("fedsdr")(tmp_path / "runs", True)
     runs = tmp_path / "runs" / "fedsdr-quick"
+    ctx = open_study(study.STUDY, runs, quick=True, grid=grid)
+    report = run_study(study.STUDY, ctx, report_path(study.STUDY, ctx))
     names = {f"{o}-{m}" for o in grid.optimizers for m in study.METHODS}
     assert report == Path("docs/fedsdr.md")
     assert {p.name for p in runs.iterdir() if p.is_dir()} == names
-    loads = [json.loads(x) for x in (runs / study.LOAD_LOG).read_text().splitlines()]
-    assert {r["run"] for r in loads} == names
+    record = json.loads((runs / "study.json").read_text())
+    assert set(record["jobs"]) == names
+    assert {j["status"] for j in record["jobs"].values()} == {"done"}
     text = report.read_text()
-    assert "Failed runs" not in text and "(quick grid)" in text
-    res = study.read_run(runs / "fedadam-fedsdr")
-    base = study.read_run(runs / "fedadam-base")
-    assert res is not None and base is not None
-    d = study.paired_diff(res.items, base.items)["overall"]
-    assert f"{d[0]:+.3f} ± {d[1]:.3f}" in text
+    assert "did not finish" not in text and "(quick grid)" in text
+    res, base = RunView(runs / "fedadam-fedsdr"), RunView(runs / "fedadam-base")
+    assert res.finished and base.finished
+    d = study.paired_diff(res, base)["overall"]
+    assert f"{d.mean:+.3f} ± {d.se:.3f}" in text
     assert "| JS divergence" in text and "| rewrites kept |" in text
-    for r in res.rows[1:]:  # the cosines FedSDR's server logged, per round
+    for r in res.metrics[1:]:  # the cosines FedSDR's server logged, per round
         assert f"{r['update_cos/mean']:.4f} / {r['update_cos/min']:.4f}" in text
     # FedSDR's uplink arrays equal FedIT's (the base) round for round, as the report shows.
-    up = {int(r["bytes_up_arrays"]) for r in res.rows[1:]}
-    assert up == {int(r["bytes_up_arrays"]) for r in base.rows[1:]} and len(up) == 1
+    up = {int(r["bytes_up_arrays"]) for r in res.metrics[1:]}
+    assert up == {int(r["bytes_up_arrays"]) for r in base.metrics[1:]} and len(up) == 1
     size = f"{up.pop():,}"
     assert f"| fedadam | FedSDR | {size} |" in text
     assert f"| fedadam | base (FedIT) | {size} |" in text
     assert "Estimate (not a measurement)" in text
     assert "Runs not finished" not in text
+    # The readouts open the report; the two claims this grid cannot test say so.
+    assert text.index("## Readouts") < text.index("## Setup")
+    assert text.count("**cannot be tested by this grid**") == 2
     # A grid with runs that are not there yet: the report names them and the resume command.
     more = dataclasses.replace(grid, optimizers=("fedavg", "fedyogi"))
-    partial = study.write_report(more, runs, tmp_path / "p.md", "cmd", {}, 0.0).read_text()
+    partial = study.STUDY.body(open_study(study.STUDY, runs, grid=more, command="cmd"), {})
     named = "`fedyogi-base`, `fedyogi-fedsd`, `fedyogi-fedsdr`: their rows above are empty"
-    assert named in partial
+    assert named in "\n".join(partial)
     # A second call finds every run done and runs nothing.
-    assert study.run_grid(grid, runs)[0] == {}
+    again = open_study(study.STUDY, runs, quick=True, grid=grid)
+    run_jobs(study.STUDY, again)
+    assert again.record.invocations[-1]["ran"] == 0 and not again.failed

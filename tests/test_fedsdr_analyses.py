@@ -21,6 +21,7 @@ from fedfm.config import load_config
 from fedfm.core.fake import FakeFederation
 from fedfm.core.messages import Message
 from fedfm.eval.compare import UpdateCosines, js_divergence, tfidf_cosine
+from fedfm.eval.generate import Reply
 from fedfm.fm import FoundationModel
 from fedfm.runtime import run as run_experiment
 from test_cli_contract import _main
@@ -104,9 +105,9 @@ def _echo_teacher(monkeypatch: pytest.MonkeyPatch) -> None:
         refs = [
             re.search(r"### Reference Answer:\n(.*?)\n\n### Response:", p, re.S) for p in prompts
         ]
-        return [f"Well, basically {m.group(1) if m else ''}" for m in refs]
+        return [Reply(f"Well, basically {m.group(1) if m else ''}", False) for m in refs]
 
-    monkeypatch.setattr(FoundationModel, "generate", generate)
+    monkeypatch.setattr(FoundationModel, "generate_replies", generate)
 
 
 def test_analyze_prints_a_runs_analyses_from_its_files(
@@ -117,11 +118,11 @@ def test_analyze_prints_a_runs_analyses_from_its_files(
     sd = _tiny_run(tmp_path, "sd", fedsd=True)
     raw, dist = client_answers(sd)
     assert dist is not None and client_answers(base)[1] is None
-    # Kept rewrites are the teacher's echo (of a reference the prompt may have cut);
-    # fallbacks keep the reference.
+    # Kept rewrites are the teacher's echo of the whole reference; fallbacks keep the
+    # reference.
     pairs = [(d, r) for c in raw for d, r in zip(dist[c], raw[c], strict=True)]
     assert any(d != r for d, r in pairs)
-    assert all(d == r or d.startswith("Well, basically") for d, r in pairs)
+    assert all(d == r or d == f"Well, basically {r}".strip() for d, r in pairs)
     code, out, err = _main(["analyze", str(base), str(sd)], monkeypatch, capsys)
     assert code == 0, err
     rows = [json.loads(x) for x in (sd / "metrics.jsonl").read_text().splitlines()]
@@ -129,6 +130,8 @@ def test_analyze_prints_a_runs_analyses_from_its_files(
         assert f"| {r['round']} | " in out
         assert f"{r['update_cos/mean']:.4f} / {r['update_cos/min']:.4f}" in out
     assert f"| rewrites kept | — | {rows[0]['fedsd/kept_share']:.3f} |" in out
+    kept, cut = rows[0]["fedsd/kept_share/math"], rows[0]["fedsd/fallback_truncated/math"]
+    assert f"| sd | math | {kept:.3f} | {cut:.3f} |" in out
     js = f"{js_divergence(raw):.4f}"
     assert f"| JS divergence, raw answers (bits) | {js} | {js} |" in out
     assert f"| JS divergence, distilled answers (bits) | — | {js_divergence(dist):.4f} |" in out

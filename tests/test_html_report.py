@@ -77,7 +77,10 @@ def test_per_domain_breakdown_and_items_side_by_side(tmp_path: Path) -> None:
         d.mkdir()
         summary = {"name": name, "algorithm": "fedavg", "primary": "score", "rounds": 1}
         (d / "summary.json").write_text(json.dumps({**summary, "final": {}}))
-        rows = [{"round": 1, "score": 0.5, "score/movie": 0.25, "score/spam": 0.75}]
+        rows = [
+            {"round": 0, "score": 0.4, "score/movie": 0.125, "score/spam": 0.625},
+            {"round": 1, "score": 0.5, "score/movie": 0.25, "score/spam": 0.75},
+        ]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         items = [
             {"id": i, "domain": dom, "prompt": f"q{i}", "reference": "yes", "answer": a, "score": 1}
@@ -87,9 +90,43 @@ def test_per_domain_breakdown_and_items_side_by_side(tmp_path: Path) -> None:
         runs.append(load_run(d))
     page = render(runs)
     assert "<h2>Breakdown by domain" in page
-    assert "<td>0.2500</td>" in page and "<td>0.7500</td>" in page
+    # The untrained base (round 0) beside the last round, numbers written plainly.
+    assert "<td>base, round 0</td><td>0.125</td><td>0.625</td>" in page
+    assert "<td>tuned, round 1</td><td>0.25</td><td>0.75</td>" in page
     assert "<h2>Held-out items, side by side" in page
     assert "no [score 1]" in page and "yes [score 1]" in page
+
+
+def test_plain_numbers_label_histograms_and_harness_scores(tmp_path: Path) -> None:
+    d = tmp_path / "llm"
+    d.mkdir()
+    summary = {
+        "name": "llm",
+        "algorithm": "fedavg",
+        "primary": "score",
+        "rounds": 1,
+        "final": {"score": 0.6666666},
+        "wall_s_this_session": 161.88,
+        "bytes_up": int(28.1252 * 2**20),
+    }
+    (d / "summary.json").write_text(json.dumps(summary))
+    hist = {"acc": 0.25, "acc/qtype": 0.25, "majority/qtype": 0.3, "uniform/qtype": 1 / 6}
+    rows = [
+        {"round": 0, **hist, "pred/qtype/abbreviation": 0.95, "pred/qtype/human": 0.05},
+        {"round": 1, **hist, "pred/qtype/abbreviation": 0.1, "pred/qtype/human": 0.9},
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    harness = {"lm_eval": "0.4.13", "results": {"trec": {"acc": 0.35}}, "n_samples": {}}
+    (d / "lm_eval.json").write_text(json.dumps(harness))
+    page = render([load_run(d)])
+    assert "<td>161.9 s</td>" in page and "<td>28.1 MiB</td>" in page
+    assert "<td>0.6667</td>" in page and "161.8800" not in page
+    # The histogram shows round 0's collapse onto one label beside the baselines.
+    assert "<h3>Predicted labels" in page
+    head = "<th>run</th><th>abbreviation</th><th>human</th><th>acc</th><th>majority</th>"
+    assert head in page
+    assert "<td>llm, round 0</td><td>0.95</td><td>0.05</td><td>0.25</td><td>0.3</td>" in page
+    assert "<h2>lm-evaluation-harness" in page and "<td>trec</td><td>acc</td><td>0.35</td>" in page
 
 
 def test_tensorboard_logging_writes_each_round(tmp_path: Path) -> None:

@@ -14,10 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fedfm.data.prompt import PromptConfig, format_prompt
 from fedfm.errors import FedfmError, UnknownNameError
-from fedfm.eval.generate import generate
+from fedfm.eval.generate import Reply, generate, generate_replies
 from fedfm.eval.llm import (
     choice_logliks,
     evaluate_held_out_domain,
+    evaluate_instruction_items,
     evaluate_instructions,
     lm_nll,
     multiple_choice_loglik,
@@ -200,7 +201,16 @@ def test_evaluate_instructions_per_domain(tok, yes7, choice_mode):
         "n/general": 2.0,
         "n/math": 2.0,
         "n/medical": 3.0,
+        # "yes 7" names "yes" (or is the likeliest label) for every medical item; gold is
+        # yes, no, yes: the majority class scores 2/3, a uniform guess 1/2.
+        "pred/medical/yes": 1.0,
+        "pred/medical/no": 0.0,
+        "majority/medical": 2 / 3,
+        "uniform/medical": 0.5,
     }
+    # Every generation ended with its end-of-turn token within the 6-token budget.
+    generated = ["general", "math"] + (["medical"] if choice_mode == "generate" else [])
+    expected |= {f"truncated/{d}": 0.0 for d in generated} | {"truncated": 0.0}
     assert res == pytest.approx(expected)
 
 
@@ -215,7 +225,10 @@ def test_evaluate_with_perplexity_and_held_out_domain(tok):
     seen, held = split_held_out_domain(suite, "math")
     assert set(seen["domain"]) == {"general", "medical"} and held["domain"] == ["math"] * 2
     zero_shot = evaluate_held_out_domain(model, tok, suite, "math", max_new_tokens=2)
-    assert set(zero_shot) == {"gsm8k_acc", "gsm8k_acc/math", "score", "score/math", "n", "n/math"}
+    assert set(zero_shot) == {
+        *("gsm8k_acc", "gsm8k_acc/math", "score", "score/math", "n", "n/math"),
+        *("truncated", "truncated/math"),
+    }
     with pytest.raises(FedfmError, match="not in dataset"):
         split_held_out_domain(suite, "law")
 
@@ -235,25 +248,32 @@ def test_lm_nll_independent_of_batch_size(tok):
     assert nll1 == pytest.approx(nll3, rel=1e-5)
 
 
-def test_multiple_choice_loglik_by_construction(tok):
+def test_multiple_choice_sum_rule_against_the_per_token_mean(tok):
+    """A hand case of TREC's collapse: the mean favours the multi-token label, the sum not."""
     vocab = len(tok)
-    a, b = _ids(tok, "yes")[0], _ids(tok, "no")[0]
-    # log p(a) = -1.0, log p(b) = -0.8; the other tokens share the remaining mass equally.
-    rest = math.log((1 - math.exp(-1.0) - math.exp(-0.8)) / (vocab - 2))
+    a, b, end = _ids(tok, "yes")[0], _ids(tok, "no")[0], tok.convert_tokens_to_ids("<|im_end|>")
+    # log p(a) = -1.0, log p(b) = -0.8, log p(end of turn) = -2.0 at every position; the other
+    # tokens share the remaining mass equally.
+    rest = math.log((1 - math.exp(-1.0) - math.exp(-0.8) - math.exp(-2.0)) / (vocab - 3))
     logprobs = torch.full((vocab,), rest)
-    logprobs[a], logprobs[b] = -1.0, -0.8
+    logprobs[a], logprobs[b], logprobs[end] = -1.0, -0.8, -2.0
     model = constant_llama(vocab, logprobs)
     prompt = format_prompt(tok, "Pick one")
     choices = ["yes", "nono"]  # one token "yes" vs two tokens "no" "no"
     assert _ids(tok, "nono") == [b, b]
     scores = choice_logliks(model, tok, prompt, choices)
-    assert [n for _, n in scores] == [1, 2]
-    assert [s for s, _ in scores] == pytest.approx([-1.0, -1.6], abs=1e-4)
-    # Sum: -1.0 > -1.6 picks "yes"; per-token mean: -0.8 > -1.0 picks "nono".
-    assert multiple_choice_loglik(model, tok, prompt, choices, length_norm="none") == 0
-    assert multiple_choice_loglik(model, tok, prompt, choices, length_norm="token") == 1
-    # Per character: -1.0 / 3 > -1.6 / 4.
-    assert multiple_choice_loglik(model, tok, prompt, choices, length_norm="char") == 0
+    # Each continuation ends with the end-of-turn token, as a reply does in training.
+    assert [sc.tokens for sc in scores] == [2, 3]
+    assert [sc.text for sc in scores] == ["yes<|im_end|>", "nono<|im_end|>"]
+    assert [sc.loglik for sc in scores] == pytest.approx([-3.0, -3.6], abs=1e-4)
+    # Sum: -3.0 > -3.6 picks "yes"; per-token mean: -1.2 > -1.5 picks the longer "nono".
+    assert multiple_choice_loglik(model, tok, prompt, choices) == 0
+    assert multiple_choice_loglik(model, tok, prompt, choices, norm="none") == 0
+    assert multiple_choice_loglik(model, tok, prompt, choices, norm="token_mean") == 1
+    # Per UTF-8 byte of label and marker: -3.0 / 13 > -3.6 / 14.
+    assert multiple_choice_loglik(model, tok, prompt, choices, norm="bytes") == 0
+    with pytest.raises(FedfmError, match="choice norm"):
+        multiple_choice_loglik(model, tok, prompt, choices, norm="char")  # type: ignore[arg-type]
 
 
 def test_multiple_choice_batched_matches_one_by_one_reference(tok):
@@ -262,10 +282,46 @@ def test_multiple_choice_batched_matches_one_by_one_reference(tok):
     choices = ["Paris", "The capital of France is Paris.", "no", "12 apples"]
     batched = choice_logliks(model, tok, prompt, choices, batch_size=3)
     p = _ids(tok, prompt)
-    for (score, n), choice in zip(batched, choices, strict=True):
-        c = _ids(tok, choice)
+    for sc, choice in zip(batched, choices, strict=True):
+        score, n = sc.loglik, sc.tokens
+        c = [*_ids(tok, choice), tok.convert_tokens_to_ids("<|im_end|>")]
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([p + c])).logits[0], -1)
         ref = sum(float(logp[len(p) - 1 + j, t]) for j, t in enumerate(c))
         assert n == len(c)
         assert score == pytest.approx(ref, abs=1e-4)
+
+
+def test_replies_say_whether_the_budget_cut_them(tok, yes7):
+    prompts = [format_prompt(tok, p) for p in PROMPTS[:2]]
+    assert generate_replies(yes7, tok, prompts, max_new_tokens=1) == [Reply("yes", True)] * 2
+    # "yes", " 7", end of turn: three tokens end the reply by itself.
+    assert generate_replies(yes7, tok, prompts, max_new_tokens=3) == [Reply("yes 7", False)] * 2
+
+
+def test_a_gsm8k_reply_cut_before_its_answer_is_truncated_not_read_for_a_number(tok, yes7):
+    rows = {
+        "domain": ["math", "spam"],
+        "metric": ["gsm8k", "choice"],
+        "instruction": ["12 - 5?", "Spam?"],
+        "output": ["12 - 5 = 7\n#### 7", "ham"],
+        "choices": [[], ["spam", "ham"]],
+        "answer": ["7", "ham"],
+        "input": ["", ""],
+        "id": ["m", "s"],
+    }
+    suite = datasets.Dataset.from_dict(rows)
+    # Two tokens: "yes 7" without its end-of-turn token. Its last number is the answer, but
+    # the reply was cut: no final number, score 0, counted under truncated.
+    cut, items = evaluate_instruction_items(yes7, tok, suite, max_new_tokens=2)
+    assert cut["gsm8k_acc/math"] == 0.0 and cut["truncated/math"] == 1.0
+    assert items[0]["truncated"] and items[0]["score"] == 0.0
+    done = evaluate_instructions(yes7, tok, suite, max_new_tokens=3)
+    assert done["gsm8k_acc/math"] == 1.0 and done["truncated/math"] == 0.0
+    # Per-domain budgets: the same result with only the maths domain given three tokens.
+    mixed = evaluate_instructions(yes7, tok, suite, max_new_tokens=2, budgets={"math": 3})
+    assert mixed["gsm8k_acc/math"] == 1.0 and mixed["truncated/spam"] == 1.0
+    # "yes 7" names neither spam nor ham: the histogram has a bin for that.
+    assert done["pred/spam/(none)"] == 1.0 and done["pred/spam/ham"] == 0.0
+    assert done["majority/spam"] == 1.0 and done["uniform/spam"] == 0.5
+    assert items[1]["label"] == "(none)"

@@ -39,26 +39,24 @@ def _metrics(folder: Path) -> list[dict]:
     return rows
 
 
-def test_kill_9_then_resume_is_bit_identical(tmp_path):
-    import toy  # noqa: F401
-
-    run(load_config(_cfg(tmp_path, "straight")), progress=False)
-
+def kill_mid_run(cfg: dict, folder: Path, rows: int = 4) -> None:
+    """Runs ``cfg`` in a child process and kills it with SIGKILL once ``folder`` logs ``rows``
+    rounds (a toy-task config; the test fails if the run ends first)."""
     script = textwrap.dedent(
         f"""
         import sys; sys.path.insert(0, {str(TESTS)!r})
         import toy
         from fedfm.config import load_config
         from fedfm.runtime import run
-        run(load_config({_cfg(tmp_path, "killed")!r}), progress=False)
+        run(load_config({cfg!r}), progress=False)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    metrics = tmp_path / "killed" / "metrics.jsonl"
+    metrics = folder / "metrics.jsonl"
     deadline = time.time() + 120
     try:
         while time.time() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
                 break
             if proc.poll() is not None:
                 break
@@ -67,6 +65,13 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path):
     finally:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+def test_kill_9_then_resume_is_bit_identical(tmp_path):
+    import toy  # noqa: F401
+
+    run(load_config(_cfg(tmp_path, "straight")), progress=False)
+    kill_mid_run(_cfg(tmp_path, "killed"), tmp_path / "killed")
     assert not (tmp_path / "killed" / "summary.json").exists()
     done = len(_metrics(tmp_path / "killed"))
     assert 4 <= done < 13

@@ -102,6 +102,8 @@ def test_privacy_json_summary_and_report(tmp_path: Path) -> None:
         "epsilon": report["run"]["epsilon"],
         "delta": 1e-5,
         "accountant": "rdp",
+        "noise": "secret",
+        "relation": "add or remove one record at one client",
     }
     run(_cfg(tmp_path, "tight", privacy={"accountant": "pld"}), progress=False)
     tight = _json(tmp_path / "tight" / "privacy.json")

@@ -33,14 +33,24 @@ REWRITE_KEYS = (
     ("fedsd/rows", "rows rewritten", 0),
     ("fedsd/kept_share", "rewrites kept", 3),
     ("fedsd/fallback_empty", "fallback: empty", 3),
+    ("fedsd/fallback_truncated", "fallback: cut by the token limit", 3),
+    ("fedsd/fallback_long_prompt", "fallback: prompt beyond the teacher's budget", 3),
     ("fedsd/fallback_leak", "fallback: leaked prompt", 3),
     ("fedsd/fallback_number", "fallback: final number changed (maths)", 3),
     ("fedsd/fallback_label", "fallback: label changed (classification)", 3),
     ("fedsd/answer_kept", "checked rewrites keeping the reference's answer", 3),
-    ("fedsd/length_ratio", "length ratio words(ỹ)/words(y), kept rewrites", 2),
+    ("fedsd/length_ratio", "length ratio Σ words(ỹ) / Σ words(y), kept rewrites", 2),
     ("fedsd/filler_raw", "filler-word rate of the references (kept rows)", 4),
     ("fedsd/filler_distilled", "filler-word rate of the kept rewrites", 4),
 )
+DOMAIN_KEYS = (
+    ("kept_share", "kept", 3),
+    ("fallback_truncated", "cut", 3),
+    ("fallback_long_prompt", "long prompt", 3),
+    ("answer_kept", "answer kept", 3),
+    ("length_ratio", "length ratio", 2),
+)
+"""Per-domain rewrite statistics (``fedsd/<key>/<domain>``) in the by-domain table."""
 DISTRIBUTION_KEYS = (
     ("js_raw", "JS divergence, raw answers (bits)"),
     ("js_distilled", "JS divergence, distilled answers (bits)"),
@@ -59,6 +69,7 @@ class RunAnalysis:
             ``js_distilled``, ``tfidf_distilled``; empty without a checkpoint.
         cosines: ``(round, mean, min)`` of the clients' update cosines, per logged round.
         rewrites: The round-0 rewrite statistics (``fedsd/...``); empty without rewrites.
+        rewrites_by_domain: ``{domain: {key: value}}`` of :data:`DOMAIN_KEYS`.
         notes: Why a part is missing.
     """
 
@@ -66,6 +77,7 @@ class RunAnalysis:
     distributions: dict[str, float] = field(default_factory=dict)
     cosines: list[tuple[int, float, float]] = field(default_factory=list)
     rewrites: dict[str, float] = field(default_factory=dict)
+    rewrites_by_domain: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -161,6 +173,18 @@ def rewrite_stats(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return {k: float(zero[k]) for k, _, _ in REWRITE_KEYS if k in zero}
 
 
+def rewrite_stats_by_domain(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """``{domain: {key: value}}`` of the round-0 per-domain rewrite statistics."""
+    zero = next((r for r in rows if int(r.get("round", -1)) == 0), {})
+    out: dict[str, dict[str, float]] = {}
+    for k, v in zero.items():
+        head, _, domain = k.rpartition("/")
+        key = head.removeprefix("fedsd/")
+        if head.startswith("fedsd/") and "/" not in key and domain:
+            out.setdefault(domain, {})[key] = float(v)
+    return out
+
+
 def analyze_run(run: Path) -> RunAnalysis:
     """Every analysis of one run folder (see the module doc).
 
@@ -169,7 +193,12 @@ def analyze_run(run: Path) -> RunAnalysis:
     """
     check_run_folder(run)
     rows = read_jsonl(run / "metrics.jsonl")
-    out = RunAnalysis(run.name, cosines=update_cosine_rows(rows), rewrites=rewrite_stats(rows))
+    out = RunAnalysis(
+        run.name,
+        cosines=update_cosine_rows(rows),
+        rewrites=rewrite_stats(rows),
+        rewrites_by_domain=rewrite_stats_by_domain(rows),
+    )
     try:
         out.distributions = distribution_analysis(run)
     except FedfmError as e:  # e.g. no checkpoint yet: the other parts still stand
@@ -213,6 +242,14 @@ def format_analyses(runs: Sequence[RunAnalysis], wins: Sequence[str] = ()) -> st
         ["statistic", *names],
         [[label, *(_f(r.rewrites.get(k), d) for r in runs)] for k, label, d in REWRITE_KEYS],
     )
+    by_domain = [
+        [r.name, d, *(_f(v.get(k), digits) for k, _, digits in DOMAIN_KEYS)]
+        for r in runs
+        for d, v in sorted(r.rewrites_by_domain.items())
+    ]
+    if by_domain:
+        lines += ["", "## Rewrite statistics by domain (shares of the domain's rows)", ""]
+        lines += _table(["run", "domain", *(label for _, label, _ in DOMAIN_KEYS)], by_domain)
     if wins:
         lines += ["", "## Head to head (each run over the first)", "", *wins]
     notes = [f"- {r.name}: {n}" for r in runs for n in r.notes]

@@ -1,4 +1,4 @@
-"""The ``fedfm`` command: run, report, analyze, reproduce, list, and the Flower commands.
+"""The ``fedfm`` command: run, report, analyze, eval, reproduce, list, and the Flower commands.
 
 Errors that fedfm raises on purpose print one line and exit with code 2 (bad config or
 input) or 1 (a run that failed, e.g. too few clients survived a round); no traceback.
@@ -123,18 +123,57 @@ def analyze(
     print(analyze_runs(runs))
 
 
+@app.command("eval")
+def eval_(
+    run: Annotated[Path, typer.Argument(help="a finished run folder with adapter/")],
+    tasks: Annotated[str, typer.Option("--tasks", help="lm-eval tasks, comma-separated")],
+    limit: Annotated[
+        int | None, typer.Option("--limit", help="documents per task (the first ones)")
+    ] = None,
+    include: Annotated[
+        list[Path] | None,
+        typer.Option("--include", help="a folder of lm-eval task YAML files (repeatable)"),
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="sequences per pass")] = 8,
+) -> None:
+    """Evaluate a run's global adapter with lm-evaluation-harness (the fedfm[lmeval] extra):
+    writes RUN/lm_eval.json and adds the scores to RUN/report.html."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("--tasks", "needs lm-evaluation-harness: pip install 'fedfm[lmeval]'")
+    from fedfm.harness import evaluate_run, format_results, parse_tasks
+
+    out = evaluate_run(run, parse_tasks(tasks), limit, include or [], batch_size)
+    print(format_results(out))
+    print(f"wrote {run / 'lm_eval.json'} and {run / 'report.html'}")
+
+
 @app.command()
 def reproduce(
     study: Annotated[str, typer.Argument(help="study name, e.g. fedekd")],
-    out: Annotated[Path, typer.Option(help="folder for runs")] = Path("runs/reproduce"),
+    out: Annotated[
+        Path, typer.Option(help="folder of the study folders (runs and study.json)")
+    ] = Path("runs/reproduce"),
     quick: Annotated[bool, typer.Option("--quick", help="a small grid for a smoke check")] = False,
+    jobs: Annotated[
+        int | None, typer.Option("--jobs", min=1, help="worker processes (default: the study's)")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="list the jobs and estimate their wall time")
+    ] = False,
+    report_dir: Annotated[
+        Path | None, typer.Option(help="folder of the report (default: the study's, docs/)")
+    ] = None,
 ) -> None:
-    """Run a reproduction study and write its markdown report in docs/."""
-    from fedfm.reproduce import STUDIES, load_studies
+    """Run a reproduction study and write its markdown report (readouts first)."""
+    from fedfm.reproduce.framework import reproduce as run_study
 
-    load_studies()
-    report = STUDIES.get(study)(out, quick)
-    Console().print(f"report written: {report}")
+    result = run_study(study, out, quick, jobs, dry_run, report_dir)
+    if isinstance(result, list):
+        print("\n".join(result))
+    else:
+        Console().print(f"report written: {result}")
 
 
 @app.command("list")

@@ -128,6 +128,45 @@ class ClientsConfig(Strict):
         return {r: f if isinstance(f, float | int) else [str(c) for c in f] for r, f in v.items()}
 
 
+class AdaptiveClipConfig(Strict):
+    """Adaptive clipping of DP-FedAvg by a noised quantile (Andrew et al., NeurIPS 2021).
+
+    Attributes:
+        target_quantile: γ, the share of client updates that should fall below the bound.
+        lr: η_C of the geometric update ``C ← C·exp(−η_C·(b̃ − γ))``.
+        count_stddev: σ_b, the noise std of the count of updates below the bound; None takes
+            Andrew et al.'s recommendation, the expected clients per round / 20.
+    """
+
+    target_quantile: float = Field(0.5, ge=0, le=1)
+    lr: float = Field(0.2, gt=0)
+    count_stddev: float | None = Field(None, gt=0)
+
+
+class UserLevelConfig(Strict):
+    """Client-level DP-FedAvg (McMahan et al., ICLR 2018; see :mod:`fedfm.core.userdp`).
+
+    Attributes:
+        clip: C, the bound on each client's update norm (the first bound when adaptive).
+        noise_multiplier: z: the noise on the sum of clipped updates has std ``z·C``; 0 clips
+            without noise (ε = ∞). None: calibrated from ``epsilon``.
+        epsilon: The client-level ε to reach after ``rounds`` rounds at ``privacy.delta``.
+        mode: ``server``: the server clips each update and adds the noise (it is trusted and
+            sees every raw update); ``client``: each client clips its own update and adds
+            its share ``z·C/√min_clients`` of the noise, so nothing unnoised leaves it.
+        min_clients: Client mode: the fewest replies a round needs for its shares to add up
+            to the full noise; a round with fewer leaves the model as it was.
+        adaptive: Adaptive clipping by a noised quantile; None: the bound stays ``clip``.
+    """
+
+    clip: float = Field(gt=0)
+    noise_multiplier: float | None = Field(None, ge=0)
+    epsilon: float | None = Field(None, gt=0)
+    mode: Literal["server", "client"] = "client"
+    min_clients: int | None = Field(None, ge=1)
+    adaptive: AdaptiveClipConfig | None = None
+
+
 class PrivacyConfig(Strict):
     """How the run's privacy ledger reports (see :mod:`fedfm.core.privacy`).
 
@@ -136,10 +175,18 @@ class PrivacyConfig(Strict):
             own ``delta`` is set. Must be below ``1/n`` for a client with ``n`` records.
         accountant: ``rdp`` (Rényi DP at Opacus's orders) or ``pld`` (privacy loss
             distributions, tighter and slower).
+        noise: Where a DP mechanism's noise comes from: ``secret`` (default), a secret each
+            client draws from OS entropy and keeps in its state (the server cannot
+            regenerate the noise); ``seeded``, from the run seed, so that two runs draw the
+            same noise (exact re-runs in simulation; no guarantee against anyone who knows
+            the seed).
+        user_level: Client-level DP-FedAvg of the aggregated tensors; None: off.
     """
 
     delta: float = Field(1e-5, gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = "rdp"
+    noise: Literal["secret", "seeded"] = "secret"
+    user_level: UserLevelConfig | None = None
 
 
 class LogConfig(Strict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import yaml
 
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
-from fedfm.algorithms.base import ALGORITHMS, Algorithm, kinds_of
+from fedfm.algorithms.base import ALGORITHMS, Algorithm
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
@@ -62,8 +63,8 @@ class Setup:
         return assign_roles(self.task.client_ids(), self.cfg.clients.roles, self.cfg.seed)
 
     def kinds(self) -> dict[str, MessageKind]:
-        """The algorithm's message kinds by name."""
-        return kinds_of(type(self.algo))
+        """This run's message kinds by name (DP ones in the form this config sends them)."""
+        return self.algo.message_kinds()
 
     def client_runner(self) -> ClientRunner:
         """The algorithm's client half, ready to serve any client of the run."""
@@ -108,6 +109,8 @@ def build(cfg: RunConfig) -> Setup:
     with config_fields(BUILD_FIELDS):
         task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
         algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
+    for kind in algo.message_kinds().values():
+        kind.check_declaration()  # nothing unnoised may leave a DP client
     n = len(task.client_ids())
     if cfg.clients.min_clients > n:
         raise ConfigError(
@@ -131,6 +134,8 @@ def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientState
     arrays = {**arrays, **algo.artefacts.state()}
     snap = store.snapshot()
     server = {"algo": meta, "rng": rng_state(), "privacy": algo.privacy.state()}
+    if algo.user_dp is not None:
+        server["user_dp"] = algo.user_dp.state_dict()
     save_checkpoint(
         folder.checkpoints, Checkpoint(rnd, arrays, server, snap["arrays"], snap["meta"])
     )
@@ -142,6 +147,27 @@ def _publish(folder: RunFolder, algo: Algorithm) -> None:
     algo.artefacts.publish(folder.root)
     if len(algo.privacy):
         algo.privacy.write(folder.privacy)
+
+
+ADAPTER = "adapter"
+"""The run folder's copy of the global LoRA adapter, in peft's format (``fedfm eval`` reads it)."""
+
+
+def _export_adapter(folder: RunFolder, algo: Algorithm) -> None:
+    """Writes the finished run's global adapter into ``adapter/`` (replaced whole, atomically:
+    written beside it, then renamed), when the algorithm has one."""
+    tmp, final = folder.root / f".{ADAPTER}.tmp", folder.root / ADAPTER
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not algo.export_adapter(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if final.exists():
+        old = folder.root / f".{ADAPTER}.old"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
 
 
 def _restore(
@@ -167,6 +193,8 @@ def _restore(
             own, artefacts = split_state(ck.server_arrays)
             algo.load_state_dict(own, ck.server_meta["algo"])
             algo.privacy.load_state(ck.server_meta.get("privacy", []))
+            if algo.user_dp is not None:
+                algo.user_dp.load_state_dict(ck.server_meta["user_dp"])
             store.restore(ck.client_arrays, ck.client_meta)
             set_rng_state(ck.server_meta["rng"])
         except Exception as e:  # a damaged checkpoint: try the one before
@@ -249,6 +277,7 @@ class Engine:
                 fed.rnd = cfg.rounds + 1
                 final = setup.algo.finish(fed)
             _publish(folder, setup.algo)
+            _export_adapter(folder, setup.algo)
             self.tb.close()
         summary = self._summary(folder, setup, final, time.perf_counter() - t0)
         display.final_table(folder.read_metrics(), summary.get("privacy"))
@@ -282,6 +311,8 @@ class Engine:
             # The failures that stopped the run (e.g. too few survivors) are kept.
             folder.append(folder.failures, fed.failures[nfail:])
             raise
+        if rnd > 0 and setup.algo.user_dp is not None:
+            row.update(setup.algo.user_dp.metrics())
         due = rnd % self.cfg.eval_every == 0 or rnd == self.cfg.rounds
         if (rnd == 0 and self.cfg.eval_before) or (rnd > 0 and due):
             evals = setup.algo.evaluate(fed)

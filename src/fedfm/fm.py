@@ -34,6 +34,7 @@ import contextlib
 import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import peft
@@ -41,9 +42,15 @@ import torch
 from torch import Tensor
 
 from fedfm.config import TrainConfig, validate_section
-from fedfm.data.prompt import PromptConfig, encode_example, fit_prompt, fit_template
+from fedfm.data.prompt import (
+    PromptConfig,
+    chat_prompt,
+    encode_example,
+    fit_prompt,
+    fit_template,
+)
 from fedfm.errors import ConfigError, UnknownNameError
-from fedfm.eval.generate import GenerationConfig, generate, pad_id_of
+from fedfm.eval.generate import GenerationConfig, Reply, generate_replies, pad_id_of
 from fedfm.models.causal_lm import TINY_MODELS, LMBundle
 from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
 from fedfm.models.lora import (
@@ -52,6 +59,8 @@ from fedfm.models.lora import (
     adapter_names,
     add_adapters,
     get_adapter_state,
+    load_adapter,
+    save_adapter,
     set_active,
     set_adapter_state,
     trainable_adapters,
@@ -334,6 +343,23 @@ class FoundationModel:
         """``{name: get_adapter(name)}``: one message array field per adapter."""
         return {name: self.get_adapter(name) for name in names}
 
+    def save_adapter(self, name: str, folder: str | Path) -> Path:
+        """Writes adapter ``name`` in peft's format into ``folder``
+        (``adapter_config.json``, ``adapter_model.safetensors``): plain peft loads it with
+        ``PeftModel.from_pretrained(base, folder)``, :meth:`read_adapter` into any handle."""
+        return save_adapter(self._peft([name]), name, folder)
+
+    def read_adapter(self, name: str, folder: str | Path) -> None:
+        """Loads a peft adapter folder (from :meth:`save_adapter`) as adapter ``name``,
+        replacing its tensors when it exists (see :func:`fedfm.models.lora.load_adapter`).
+
+        Raises:
+            AssetMissingError: ``folder`` holds no peft adapter.
+        """
+        if _ADAPTED.get(self.key) is None:  # peft needs one adapter to wrap the base
+            self.ensure_adapter(name, seed=0)
+        load_adapter(self._peft([]), name, folder)
+
     def load_adapter(
         self,
         name: str,
@@ -371,6 +397,21 @@ class FoundationModel:
         """
         return fit_template(self.tokenizer, template, fields or {}, self.prompt_cfg, system, cut)[0]
 
+    def full_prompt(
+        self, template: str, fields: Mapping[str, str] | None = None, *, system: str | None = None
+    ) -> tuple[str, int]:
+        """The prompt :meth:`prompt` makes, never cut, and its length in tokens: for callers
+        that give a long prompt the room it needs or leave the row out, rather than reading
+        text with its middle missing."""
+        user = template.format(**(fields or {}))
+        text = chat_prompt(self.tokenizer, user, system, self.prompt_cfg)
+        return text, len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def context_length(self) -> int:
+        """Tokens the base model attends over (``max_position_embeddings`` of its config)."""
+        return int(self.bundle.model.config.max_position_embeddings)
+
     def instruction_prompt(self, instruction: str, input: str = "") -> str:
         """The prompt of an instruction row exactly as in training and evaluation."""
         return fit_prompt(self.tokenizer, instruction, input, self.prompt_cfg)[0]
@@ -400,10 +441,24 @@ class FoundationModel:
             One reply per prompt, in order: the new tokens up to the first end-of-turn token,
             special tokens removed, whitespace stripped.
         """
+        replies = self.generate_replies(prompts, adapters, seed=seed, cfg=cfg, **overrides)
+        return [r.text for r in replies]
+
+    def generate_replies(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        adapters: Sequence[str],
+        *,
+        seed: int,
+        cfg: GenerationConfig | None = None,
+        **overrides: Any,
+    ) -> list[Reply]:
+        """:meth:`generate` with, for each reply, whether it ran into ``max_new_tokens``
+        (:class:`fedfm.eval.generate.Reply`)."""
         base = (cfg or GenerationConfig()).model_dump()
         cfg = validate_section(GenerationConfig, {**base, **overrides}, "generate")
         with self.use(adapters) as model, self.autocast():
-            return generate(
+            return generate_replies(
                 model,
                 self.tokenizer,
                 prompts,

@@ -10,8 +10,11 @@ Sections, in the order a reader asks for them:
    wall time, ε; each run's resolved config and the files it left (artefacts), folded.
 2. **Curves**: the primary metric, then the losses, over rounds, runs overlaid (one colour per
    run in every figure).
-3. **Breakdown**: per domain (``<metric>/<domain>`` keys of the final round, e.g.
-   ``score/movie`` of the instruction task).
+3. **Breakdown**: per domain (``<metric>/<domain>`` keys, e.g. ``score/movie`` of the
+   instruction task, and ``zeroshot/<metric>/<domain>`` of its held-out domains), the first
+   evaluated round (round 0: the untrained base) beside the last; then, for classification
+   domains, the **predicted-label histograms** beside the accuracy and the majority-class and
+   uniform baselines, so that a scorer collapsed onto one label shows at once.
 4. **Clients**: for personalised runs the mean and worst client over rounds, and every
    client's final values.
 5. **Communication** (from ``audit.jsonl``, the bytes that crossed the wire): bytes per round
@@ -21,6 +24,10 @@ Sections, in the order a reader asks for them:
 7. **Failures** (``failures.jsonl``) and **timings** (seconds per round, wall time).
 8. **Items** (``eval_items.jsonl``, for tasks that score items, e.g. LLM runs): a few held-out
    items of the last evaluated round with each run's answer and score side by side.
+9. **lm-evaluation-harness** (``lm_eval.json``, written by ``fedfm eval``): each task's scores.
+
+Numbers are written plainly: seconds and MiB with one decimal and their unit, metrics with at
+most four significant digits, counts as integers.
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from fedfm import plots
+from fedfm.core.audit import dp_clients, unprotected
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 
 REPORT = "report.html"
 ITEMS = "eval_items.jsonl"
+LM_EVAL = "lm_eval.json"
 LOSSES = ("train_loss", "loss")
 ITEMS_SHOWN = 8
 
@@ -57,6 +66,7 @@ class RunData:
     failures: list[dict[str, Any]] = field(default_factory=list)
     privacy: dict[str, Any] | None = None
     items: list[dict[str, Any]] = field(default_factory=list)
+    lm_eval: dict[str, Any] | None = None
 
     @property
     def primary(self) -> str:
@@ -87,6 +97,7 @@ def load_run(path: Path, summary: dict[str, Any] | None = None) -> RunData:
     cfg = path / "config.yaml"
     items = read_jsonl(path / ITEMS)
     privacy = path / "privacy.json"
+    harness = path / LM_EVAL
     return RunData(
         path=path,
         label=str(summary.get("name") or path.name),
@@ -98,6 +109,7 @@ def load_run(path: Path, summary: dict[str, Any] | None = None) -> RunData:
         failures=read_jsonl(path / "failures.jsonl"),
         privacy=read_json(privacy) if privacy.exists() else None,
         items=list(items[-1]["items"]) if items else [],
+        lm_eval=read_json(harness) if harness.exists() else None,
     )
 
 
@@ -119,11 +131,20 @@ def _esc(x: Any) -> str:
 
 
 def _num(v: Any, digits: int = 4) -> str:
+    """A number written plainly: integers with thousands separators, other numbers with at
+    most ``digits`` significant digits (``0.6667``, ``0.5``, ``161.9``, ``2.5e-05``)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return _esc("" if v is None else v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    return f"{v:.{digits}g}" if abs(v) >= 1e4 or (v != 0 and abs(v) < 1e-3) else f"{v:.4f}"
+    if isinstance(v, int) or (v.is_integer() and abs(v) < 1e15):
+        return f"{int(v):,}"
+    if abs(v) >= 10 ** (digits - 1):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}"
+    return f"{v:.{digits}g}"
+
+
+def _unit(v: Any, unit: str) -> str:
+    """``161.9 s``, ``28.1 MiB``: one decimal and the unit (empty for a missing value)."""
+    return "" if not isinstance(v, (int, float)) else f"{v:,.1f} {unit}"
 
 
 def _table(head: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "") -> str:
@@ -152,7 +173,7 @@ def _mib(n: float) -> float:
 def section_runs(runs: Sequence[RunData]) -> str:
     """The runs' headline figures and their configs."""
     head = ["run", "algorithm", "task", "rounds", "primary", "final", "best (round)"]
-    head += ["MiB up", "MiB down", "failed clients", "wall s", "epsilon"]
+    head += ["up", "down", "failed clients", "wall time", "epsilon"]
     rows = []
     for r in runs:
         s, p = r.summary, r.primary
@@ -168,10 +189,10 @@ def section_runs(runs: Sequence[RunData]) -> str:
                 p,
                 s.get("final", {}).get(p),
                 f"{_num(best.get(p))} ({best.get('round')})",
-                _mib(s.get("bytes_up", 0)),
-                _mib(s.get("bytes_down", 0)),
+                _unit(_mib(s.get("bytes_up", 0)), "MiB"),
+                _unit(_mib(s.get("bytes_down", 0)), "MiB"),
                 s.get("failed_clients", 0),
-                s.get("wall_s_this_session"),
+                _unit(s.get("wall_s_this_session"), "s"),
                 eps,
             ]
         )
@@ -211,40 +232,139 @@ def section_curves(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
     return "".join(out)
 
 
-def domain_breakdown(run: RunData) -> dict[str, dict[str, float]]:
-    """``{metric: {domain: value}}`` of the last round that has them (``metric/domain`` keys).
+ZEROSHOT = "zeroshot/"
+NOT_METRICS = ("local", "n", "pred", "majority", "uniform")
+"""Key prefixes that are not per-domain metrics: per-client values, counts, and the label
+histograms with their baselines (shown in their own table)."""
 
-    Only keys whose base metric is itself logged count (``score/movie`` beside ``score``),
-    so per-client (``local/...``) and zero-shot prefixes are not taken for domains.
+
+def _domain_key(row: Mapping[str, Any], key: str) -> tuple[str, str] | None:
+    """``(metric, domain)`` of a ``[zeroshot/]<metric>/<domain>`` key whose metric is logged."""
+    prefix = ZEROSHOT if key.startswith(ZEROSHOT) else ""
+    base, _, domain = key.removeprefix(prefix).partition("/")
+    if not domain or "/" in domain or f"{prefix}{base}" not in row:
+        return None
+    if base in NOT_METRICS or base.startswith("bytes") or not isinstance(row[key], (int, float)):
+        return None
+    return f"{prefix}{base}", domain
+
+
+def domain_breakdown(run: RunData, rnd: int | None = None) -> dict[str, dict[str, float]]:
+    """``{metric: {domain: value}}`` of round ``rnd`` (``None``: the last that has them).
+
+    Only keys whose base metric is itself logged count (``score/movie`` beside ``score``,
+    ``zeroshot/score/spam`` beside ``zeroshot/score``), so per-client (``local/...``) values,
+    counts and histograms are not taken for domains.
     """
-    for row in reversed(run.rows):
+    rows = [r for r in run.rows if rnd is None or r.get("round") == rnd]
+    for row in reversed(rows):
         found: dict[str, dict[str, float]] = defaultdict(dict)
         for k, v in row.items():
-            base, _, rest = k.partition("/")
-            domain = rest and "/" not in rest and base in row and isinstance(v, (int, float))
-            # Prefixes that are not metrics, and counts (``n/<domain>``: items evaluated).
-            skip = base in ("local", "zeroshot", "n") or base.startswith("bytes")
-            if domain and not skip:
-                found[base][rest] = float(v)
+            got = _domain_key(row, k)
+            if got is not None:
+                found[got[0]][got[1]] = float(v)
         if found:
             return dict(found)
     return {}
 
 
+def _evaluated_rounds(run: RunData) -> list[int]:
+    """The first and the last round with per-domain values (one when they are the same)."""
+    rounds = [int(r["round"]) for r in run.rows if domain_breakdown(run, int(r["round"]))]
+    return sorted({rounds[0], rounds[-1]}) if rounds else []
+
+
 def section_breakdown(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
-    """Per-domain values of the final round, runs side by side."""
-    per_run = {r.label: domain_breakdown(r) for r in runs}
+    """Per-domain values of the first (the untrained base) and last evaluated rounds."""
+    per_run: dict[str, dict[str, dict[str, float]]] = {}
+    colours: dict[str, str] = {}
+    for r in runs:
+        rounds = _evaluated_rounds(r)
+        for rnd in rounds:
+            label = f"{r.label}, round {rnd}"
+            per_run[label] = domain_breakdown(r, rnd)
+            # The run's colour for its last round, half transparent for round 0 beside it.
+            later = rnd != rounds[-1]
+            colours[label] = palette[r.label] + ("80" if later else "")
     metrics = list(dict.fromkeys(m for b in per_run.values() for m in b))
     if not metrics:
         return ""
-    out = ["<h2>Breakdown by domain</h2>"]
+    out = ["<h2>Breakdown by domain</h2><p>Round 0 is the untrained base model.</p>"]
     for m in metrics:
         domains = sorted({d for b in per_run.values() for d in b.get(m, {})})
         values = {lab: [b.get(m, {}).get(d) for d in domains] for lab, b in per_run.items()}
         values = {lab: v for lab, v in values.items() if any(x is not None for x in v)}
-        out.append(_img(plots.bars(domains, values, f"{m} by domain", m, palette), m))
+        out.append(_img(plots.bars(domains, values, f"{m} by domain", m, colours), m))
         out.append(_table(["run", *domains], [[lab, *v] for lab, v in values.items()]))
+    return "".join(out) + section_histograms(runs)
+
+
+def label_histograms(run: RunData, rnd: int) -> dict[str, dict[str, float]]:
+    """``{[zeroshot/]domain: {label: share, ..., "acc": .., "majority": .., "uniform": ..}}``."""
+    row = next((r for r in run.rows if r.get("round") == rnd), {})
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for k, v in row.items():
+        prefix = ZEROSHOT if k.startswith(ZEROSHOT) else ""
+        parts = k.removeprefix(prefix).split("/")
+        if parts[0] == "pred" and len(parts) == 3:
+            out[prefix + parts[1]][parts[2]] = float(v)
+    for domain, hist in out.items():
+        prefix = ZEROSHOT if domain.startswith(ZEROSHOT) else ""
+        name = domain.removeprefix(prefix)
+        for key in ("acc", "majority", "uniform"):
+            value = row.get(f"{prefix}{key}/{name}")
+            if isinstance(value, (int, float)):
+                hist[key] = float(value)
+    return dict(out)
+
+
+def section_histograms(runs: Sequence[RunData]) -> str:
+    """The predicted-label shares of each classification domain, round 0 and the last round,
+    beside the accuracy, the majority-class baseline and a uniform guess's expected accuracy."""
+    tables: dict[str, list[list[Any]]] = defaultdict(list)
+    labels: dict[str, list[str]] = defaultdict(list)
+    for r in runs:
+        for rnd in _evaluated_rounds(r):
+            for domain, hist in label_histograms(r, rnd).items():
+                names = [k for k in hist if k not in ("acc", "majority", "uniform")]
+                labels[domain] = list(dict.fromkeys([*labels[domain], *names]))
+                tables[domain].append([f"{r.label}, round {rnd}", hist])
+    if not tables:
+        return ""
+    out = [
+        "<h3>Predicted labels</h3><p>Share of each domain's items answered with each label;"
+        " <em>majority</em> is the accuracy of always answering the most frequent gold label,"
+        " <em>uniform</em> that of a uniform guess.</p>"
+    ]
+    for domain in sorted(tables):
+        head = ["run", *labels[domain], "acc", "majority", "uniform"]
+        rows = [
+            [lab, *(h.get(k) for k in [*labels[domain], "acc", "majority", "uniform"])]
+            for lab, h in tables[domain]
+        ]
+        out.append(f"<h4>{_esc(domain)}</h4>" + _table(head, rows))
     return "".join(out)
+
+
+def section_lm_eval(runs: Sequence[RunData]) -> str:
+    """Each run's lm-evaluation-harness scores (``fedfm eval``)."""
+    rows = []
+    for r in runs:
+        res = r.lm_eval or {}
+        for task, metrics in res.get("results", {}).items():
+            n = res.get("n_samples", {}).get(task, {}).get("effective")
+            for metric, value in metrics.items():
+                if not metric.endswith("stderr"):
+                    rows.append([r.label, task, metric, value, n])
+    if not rows:
+        return ""
+    versions = sorted({str((r.lm_eval or {}).get("lm_eval")) for r in runs if r.lm_eval})
+    return (
+        "<h2>lm-evaluation-harness</h2>"
+        f"<p>lm-eval {_esc(', '.join(versions))} on each run's global adapter"
+        " (<code>fedfm eval</code>).</p>"
+        + _table(["run", "task", "metric", "value", "documents"], rows)
+    )
 
 
 def section_clients(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
@@ -363,8 +483,28 @@ def _per_round_bytes(run: RunData) -> str:
     )
 
 
+def _dp_fields(r: RunData) -> str:
+    """What left the run's DP clients: any field that is not a DP output or public, in red."""
+    clients = dp_clients(r.audit)
+    if not clients:
+        return ""
+    bad = unprotected(r.audit)
+    if not bad:
+        return (
+            f'<p class="ok">Only DP mechanism outputs and public values left the '
+            f"{len(clients)} DP clients (audit ledger).</p>"
+        )
+    rows = [[b["kind"], b["field"], b["clients"], ", ".join(map(str, b["rounds"]))] for b in bad]
+    return (
+        '<p class="bad">Fields DP clients sent that are neither a DP mechanism\'s output nor'
+        " public (not covered by the ε above):</p>"
+        + _table(["kind", "field", "DP clients", "rounds"], rows, "bad")
+    )
+
+
 def section_privacy(runs: Sequence[RunData]) -> str:
-    """ε per mechanism and per client from each run's ``privacy.json``."""
+    """ε per mechanism and per client from each run's ``privacy.json``, its relation, where
+    its noise came from, and any unnoised field its DP clients sent (audit ledger)."""
     out: list[str] = []
     for r in runs:
         p = r.privacy
@@ -376,6 +516,16 @@ def section_privacy(runs: Sequence[RunData]) -> str:
             f"δ = {_num(p.get('delta'))} ({_esc(p.get('accountant'))}; worst client "
             f"{_esc(run_eps.get('worst_client'))}; {_esc(p.get('composition', ''))})</p>"
         )
+        if p.get("relation"):
+            out.append(f"<p>neighbouring relation: {_esc(p['relation'])}</p>")
+        if p.get("warning"):
+            out.append(f'<p class="bad">{_esc(p["warning"])}</p>')
+        if p.get("user_level"):
+            out.append(
+                "<p>client-level DP-FedAvg:</p>"
+                + _table(["", ""], [[k, v] for k, v in p["user_level"].items()])
+            )
+        out.append(_dp_fields(r))
         mech = [[k, v.get("epsilon_max")] for k, v in p.get("mechanisms", {}).items()]
         out.append(_table(["mechanism", "max ε over clients"], mech))
         clients = [
@@ -485,6 +635,7 @@ def render(runs: Sequence[RunData], title: str | None = None) -> str:
         section_privacy(runs),
         section_failures_and_time(runs, palette),
         section_items(runs),
+        section_lm_eval(runs),
     ]
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

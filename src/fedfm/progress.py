@@ -123,6 +123,7 @@ class RoundDisplay:
             self.console.print(
                 f"privacy: epsilon = {privacy['epsilon']:.4g} at delta = {privacy['delta']:g}"
                 f" (worst client, {privacy['accountant']} accountant; see privacy.json)"
+                + (f"\n{privacy['warning']}" if privacy.get("warning") else "")
             )
 
 

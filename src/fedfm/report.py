@@ -113,6 +113,10 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )
     table = "\n".join(lines)
+    for d, s, _ in summaries:  # a guarantee that does not hold against the server says so
+        warning = (s.get("privacy") or {}).get("warning")
+        if warning:
+            table += f"\n\n{d.name}: {warning}."
     from fedfm.eval.compare import win_rate_table
 
     wins = win_rate_table(run_dirs)  # runs whose task scored items

@@ -11,6 +11,7 @@ same config.
 from __future__ import annotations
 
 from collections.abc import Sized
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -20,7 +21,8 @@ from fedfm.core.artefacts import Artefacts
 from fedfm.core.federation import Federation, Handler
 from fedfm.core.messages import MessageKind
 from fedfm.core.privacy import PrivacyLedger
-from fedfm.errors import TooFewClientsError
+from fedfm.core.userdp import UserDP
+from fedfm.errors import ConfigError, TooFewClientsError
 from fedfm.registry import Registry
 
 if TYPE_CHECKING:
@@ -50,18 +52,49 @@ class Algorithm:
             (the engine checkpoints it and writes ``privacy.json``).
         artefacts: Files for the run folder (distilled sets, selection logs, synthetic data);
             the engine publishes, checkpoints and lists them.
+        update_kinds: The kinds whose replies carry the updates it aggregates (and, under
+            client-side DP-FedAvg, nothing else); empty: no ``privacy.user_level``.
+        user_dp: The run's client-level DP-FedAvg (:mod:`fedfm.core.userdp`), or None.
     """
 
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
     messages: ClassVar[tuple[MessageKind, ...]] = ()
     personalised: ClassVar[bool] = False
+    update_kinds: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         self.cfg = cfg
         self.task = task
         self.run = run
-        self.privacy = PrivacyLedger(run.privacy.delta, run.privacy.accountant)
+        self.privacy = PrivacyLedger(run.privacy.delta, run.privacy.accountant, run.privacy.noise)
         self.artefacts = Artefacts()
+        self.user_dp = self._user_dp(task, run)
+
+    def _user_dp(self, task: Task, run: RunConfig) -> UserDP | None:
+        """DP-FedAvg when ``privacy.user_level`` asks for it and the algorithm aggregates."""
+        cfg = run.privacy.user_level
+        if cfg is None:
+            return None
+        if not self.update_kinds:
+            raise ConfigError(
+                "privacy.user_level",
+                f"algorithm '{run.algorithm}' does not aggregate client updates by FedAvg;"
+                " client-level DP-FedAvg needs one that does",
+            )
+        return UserDP(cfg, run, len(task.client_ids()), self.privacy)
+
+    def message_kinds(self) -> dict[str, MessageKind]:
+        """This run's message kinds by name.
+
+        Under client-side DP-FedAvg the update kinds travel in their private form (only DP
+        outputs and public fields go up); an algorithm whose own DP depends on its config
+        overrides this.
+        """
+        kinds = kinds_of(type(self))
+        if self.user_dp is not None and self.user_dp.client_side:
+            for name in self.update_kinds:
+                kinds[name] = kinds[name].as_private()
+        return kinds
 
     @classmethod
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
@@ -100,6 +133,15 @@ class Algorithm:
         """One-off phase after the last round. Returns metrics for the summary."""
         return {}
 
+    def export_adapter(self, folder: Path) -> bool:
+        """Writes the global model's LoRA adapter in peft's format into ``folder``.
+
+        Called by the engine once the run has finished (the run's ``adapter/``, which
+        ``fedfm eval`` evaluates). Returns ``False``, writing nothing, when the algorithm's
+        global model is not a LoRA adapter of a foundation model.
+        """
+        return False
+
     # ----- checkpointing -----
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Server state as (tensors, JSON-able metadata)."""
@@ -110,7 +152,13 @@ class Algorithm:
 
     # ----- helpers for subclasses -----
     def sample(self, fed: Federation, role: str | None = None) -> list[str]:
-        """Clients for this round, by the run's sampling fraction."""
+        """Clients for this round, by the run's sampling fraction.
+
+        Under DP-FedAvg: Poisson sampling at that rate, the sampling its accountant assumes
+        (:meth:`fedfm.core.userdp.UserDP.sample`).
+        """
+        if self.user_dp is not None:
+            return self.user_dp.sample(fed)
         c = self.run.clients
         return fed.sample(c.fraction, role=role, min_clients=c.min_clients)
 

@@ -31,9 +31,15 @@ resumes between any two of them; ``R = algo.train_rounds``):
   resamples the synthetic set in proportion to the clipped votes (``selection: resample``) or
   keeps the top share (``selection: rank``, Aug-PE's alternative).
 
-Only noised counts, noised votes and post-DP-SGD adapters leave clients (the audit ledger
-shows each field). Every mechanism is registered per client in the privacy ledger: strong
-clients compose DP-SGD and profiling, weak clients profiling and voting (``privacy.json``).
+Only noised counts, noised votes and post-DP-SGD adapters leave clients: every message kind
+is declared private (:class:`~fedfm.core.messages.MessageKind`), so a reply with any other
+field is refused and the audit ledger marks each field a DP output. Every noise draw comes
+from the client's own secret (:mod:`fedfm.core.secret`) unless ``privacy.noise: seeded``.
+Every mechanism is registered per client in the privacy ledger: strong clients compose DP-SGD
+and profiling, weak clients profiling and voting (``privacy.json``); the server registers a
+strong client's DP-SGD from its plan (σ, the rate ``q = train.batch_size / n`` of the
+config's partition, ``train.steps``) when it asks the client, and the client keeps its own
+account in its state.
 The synthetic set before and after voting is a run artefact (``synthetic_initial.jsonl``,
 ``synthetic.jsonl``: ``code``, ``label``, ``text``), and ``heldout.json`` names the real
 held-out rows, so the ``synthetic`` text source (:mod:`fedfm.data.synthetic`) serves it to any
@@ -45,6 +51,8 @@ Choices of ours (the paper is silent; where a choice is a value, it is a config 
       model, and the order of independent mechanisms does not change their composition.
     * Clients without the ``strong`` role are weak (named ``weak`` or left ``default``);
       only weak clients vote, each once; strong clients do not vote.
+    * Strong clients' adapters are averaged with equal weights: a client's row count is not
+      sent, so the weights are public.
     * Each mechanism is calibrated at the same δ (``algo.delta``, default ``privacy.delta``);
       the ledger reports their composition at that δ with its accountant.
     * Resampling draws, with replacement, as many samples per code as the code was allotted
@@ -95,11 +103,11 @@ from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles, derive_seed
 from fedfm.core.groups import get_group, join_groups
-from fedfm.core.messages import Message, MessageKind, MetaSpec
+from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.privacy import analytic_gaussian_sigma
-from fedfm.core.replies import MetricMean, meta_number
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.secret import noise_seed
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
 from fedfm.eval.generate import GenerationConfig
@@ -116,17 +124,29 @@ STRONG = "strong"
 WEAK_ROLES = ("weak", "default")
 ADAPTER = "dpsyn"
 
+# Every client is a DP client: each reply carries only a mechanism's output (no loss, no
+# row count, no sampling rate that would reveal it).
 TRAIN = MessageKind(
     "train",
     down_arrays=("adapter", "weights"),  # one of them: LoRA or (finetune: full) every weight
     up_arrays=("adapter", "weights"),
-    up_meta=("num_examples", "loss", "dp"),
     roles=(STRONG,),
-    meta_specs={"dp": MetaSpec("metrics", required=True)},
+    dp_fields=("adapter", "weights"),
+    dp=True,
+    private=True,
 )
-PROFILE = MessageKind("profile", up_arrays=("counts",), no_grad=True)
+PROFILE = MessageKind(
+    "profile", up_arrays=("counts",), no_grad=True, dp_fields=("counts",), dp=True, private=True
+)
 VOTE = MessageKind(
-    "vote", down_meta=("texts", "codes"), up_arrays=("votes",), roles=WEAK_ROLES, no_grad=True
+    "vote",
+    down_meta=("texts", "codes"),
+    up_arrays=("votes",),
+    roles=WEAK_ROLES,
+    no_grad=True,
+    dp_fields=("votes",),
+    dp=True,
+    private=True,
 )
 
 
@@ -354,6 +374,7 @@ class DPSyn(Algorithm):
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.delta = cfg.delta if cfg.delta is not None else run.privacy.delta
         self.planned = cfg.train_rounds * run.train.steps
+        self.plan: dict[str, tuple[float, float]] = {}  # strong client -> (σ, q) of its DP-SGD
         self._check_plan(task, run)
         self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
         self.sigma_vote = analytic_gaussian_sigma(cfg.epsilon_vote, self.delta)
@@ -397,13 +418,16 @@ class DPSyn(Algorithm):
                 raise ConfigError(err.field, f"client {cid}: {err.reason}") from None
         if self.planned < 1:
             return
-        for rate in sorted(
-            {sample_rate(run.train.batch_size, len(task.client_data(c))) for c in self.strong}
-        ):
+        rates = {
+            c: sample_rate(run.train.batch_size, len(task.client_data(c))) for c in self.strong
+        }
+        for cid, rate in sorted(rates.items(), key=lambda x: x[1]):
             try:
-                self.dp_config(rate)
+                dp = self.dp_config(rate)
             except ConfigError as err:
                 raise ConfigError("algo.epsilon_train", err.reason) from None
+            sigma = dp.noise_multiplier if dp.noise_multiplier is not None else 0.0
+            self.plan[cid] = sigma, rate
 
     def dp_config(self, rate: float) -> DPSGDConfig:
         """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
@@ -444,10 +468,14 @@ class DPSyn(Algorithm):
             "vote": self.client_vote,
         }
 
+    def noise_seed(self, ctx: ClientContext, purpose: str) -> int:
+        """A noise seed from the client's secret (``seeded``: from the run seed)."""
+        return noise_seed(ctx, purpose, self.run.privacy.noise)
+
     def client_profile(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 2: this client's per-code counts plus analytic-Gaussian noise."""
         counts = code_counts(self.task.code_ids(ctx.data), len(self.codes))
-        out = noisy(counts, self.sigma_profile, ctx.rng_seed("profile-noise"))
+        out = noisy(counts, self.sigma_profile, self.noise_seed(ctx, "profile-noise"))
         return Message("profile", {"counts": {"counts": out}})
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
@@ -462,20 +490,17 @@ class DPSyn(Algorithm):
             "delta": self.delta,
             "steps": self.run.train.steps,
             "planned_steps": self.planned,
-            "seed": ctx.rng_seed("dp"),
+            "seed": self.noise_seed(ctx, "dp"),
             "field": "algo",
         }
         if self.full:
-            res, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
+            _, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
         else:
             self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
-            res = self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
+            self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
             out = self.fm.get_adapter(ADAPTER)
-        return Message(
-            "train",
-            {self.field: out},
-            {"num_examples": len(rows), "loss": res.loss, "dp": res.report()},
-        )
+        # The client's own account stays in its state; the server accounts from its plan.
+        return Message("train", {self.field: out})
 
     def client_vote(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 4: K-NN votes of the private samples within their code, plus noise."""
@@ -489,7 +514,7 @@ class DPSyn(Algorithm):
             np.asarray(codes, dtype=np.int64),
             self.cfg.k,
         )
-        out = noisy(torch.as_tensor(votes), self.sigma_vote, ctx.rng_seed("vote-noise"))
+        out = noisy(torch.as_tensor(votes), self.sigma_vote, self.noise_seed(ctx, "vote-noise"))
         return Message("vote", {"votes": {"votes": out}})
 
     # ----- server half -----
@@ -521,16 +546,16 @@ class DPSyn(Algorithm):
     def _train(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed, role=STRONG)
         msg = Message("train", {self.field: self.params})
-        delta, loss = self.opt.accumulator(self.params), MetricMean("loss")
-        for cid, r in fed.stream({c: msg for c in cids}, like={self.field: self.params}):
-            report = r.meta["dp"]
-            assert isinstance(report, dict)
-            self.privacy.add_dp_sgd_report(cid, report)
-            delta.add(r.arrays[self.field], meta_number(r, "num_examples"))
-            loss.add(r)
-        self.require(fed, loss.count, len(cids))
+        for cid in cids:  # every asked client ran DP-SGD as planned, answer or not
+            sigma, rate = self.plan[cid]
+            self.privacy.add_dp_sgd(cid, sigma, rate, self.run.train.steps, self.cfg.max_grad_norm)
+        delta, got = self.opt.accumulator(self.params), 0
+        for _, r in fed.stream({c: msg for c in cids}, like={self.field: self.params}):
+            delta.add(r.arrays[self.field], 1.0)  # public weights: every client counts once
+            got += 1
+        self.require(fed, got, len(cids))
         self.params = self.opt.apply_delta(self.params, delta.result())
-        return {"train_loss": loss.mean("loss"), "clients": loss.count}
+        return {"clients": got}
 
     def _generate(self, tuned: bool = True) -> dict[str, float]:
         assert self.profile is not None, "profiling runs in round 0"

@@ -30,8 +30,10 @@ aggregates: no extra bytes leave the clients.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import Field
 from torch import Tensor, nn
 from typing_extensions import override
@@ -56,11 +58,20 @@ from fedfm.core.replies import (
 )
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import client_config, get_params, local_round, set_params
+from fedfm.core.userdp import UPDATE_META, Skipped, UserDP, fold_reply
+from fedfm.errors import ConfigError
 from fedfm.eval.compare import UpdateCosines
+from fedfm.models.lora import save_active_adapter
 from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
 
 TRAIN = MessageKind(
-    "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
+    "train",
+    down_arrays=("params",),
+    down_meta=("clip",),
+    up_arrays=("params",),
+    up_meta=("num_examples", "loss", "clip_bit"),
+    meta_specs=UPDATE_META,
+    dp_fields=("params", "clip_bit"),
 )
 EVALUATE = MessageKind(
     "evaluate",
@@ -101,7 +112,12 @@ class FedAvgFamilyConfig(FedAvgConfig):
 
 
 def fit(
-    ctx: ClientContext, model: nn.Module, msg: Message, cfg: TrainConfig, data: Any = None
+    ctx: ClientContext,
+    model: nn.Module,
+    msg: Message,
+    cfg: TrainConfig,
+    data: Any = None,
+    dp: UserDP | None = None,
 ) -> Message:
     """Client half of a FedAvg round: the received parameters, trained locally, sent back.
 
@@ -111,6 +127,7 @@ def fit(
         msg: A ``train`` message with the global ``params``.
         cfg: Local-training settings (FedProx's ``prox_mu`` pulls towards the received ones).
         data: What to train on instead of the client's data (FedSD's distilled set).
+        dp: The run's DP-FedAvg; in client mode the reply is :func:`train_reply`'s.
 
     Returns:
         The ``train`` reply: the trained tensors of the received keys, the client's number
@@ -119,10 +136,32 @@ def fit(
     glob = msg.arrays["params"]
     set_params(model, glob)
     res = local_round(ctx, model, cfg, prox_ref=glob, data=data)
+    return train_reply(ctx, msg, get_params(model, list(glob)), res.loss, dp)
+
+
+def train_reply(
+    ctx: ClientContext,
+    msg: Message,
+    trained: dict[str, Tensor],
+    loss: float,
+    dp: UserDP | None = None,
+) -> Message:
+    """A ``train`` reply: the trained ``params``, the number of examples and the loss.
+
+    Under client-side DP-FedAvg a DP client sends only its clipped, noised parameters (and
+    the noisy count share of adaptive clipping): no loss, no size.
+    """
+    if dp is not None and dp.client_side:
+        noisy, meta = dp.privatise_params(ctx, msg.arrays["params"], trained, msg)
+        return Message("train", {"params": noisy}, dict(meta))
     n = ctx.task.num_examples(ctx.data)
-    return Message(
-        "train", {"params": get_params(model, list(glob))}, {"num_examples": n, "loss": res.loss}
-    )
+    return Message("train", {"params": trained}, {"num_examples": n, "loss": loss})
+
+
+def train_message(params: dict[str, Tensor], opt: ServerOptimizer) -> Message:
+    """A ``train`` message: the global ``params`` and, under client-side DP-FedAvg, the bound."""
+    dp = opt.user_dp
+    return Message("train", {"params": params}, dict(dp.down_meta()) if dp is not None else {})
 
 
 def evaluate_locally(ctx: ClientContext, model: nn.Module, msg: Message) -> Message:
@@ -166,17 +205,21 @@ def fedavg_round(
         TooFewClientsError: Fewer than ``min_clients`` valid replies.
     """
     cids = algo.sample(fed)
-    msg = Message("train", {"params": params})
+    msg = train_message(params, opt)
     delta, loss = opt.accumulator(params), MetricMean("loss")
     ups = UpdateCosines(params) if cosines else None
+    got = 0
     for cid, r in fed.stream({c: msg for c in cids}, like={"params": params}):
-        delta.add(r.arrays["params"], meta_number(r, "num_examples"))
-        loss.add(r)
+        fold_reply(delta, r, "params")
+        got += 1
+        if "loss" in r.meta:  # a DP client sends none
+            loss.add(r)
         if ups is not None:
             ups.add(cid, r.arrays["params"])
-    algo.require(fed, loss.count, len(cids))
-    new = opt.apply_delta(params, delta.result())
-    metrics = {"train_loss": loss.mean("loss"), "clients": loss.count}
+    algo.require(fed, got, len(cids))
+    new = opt.apply_delta(params, delta.result()) if got or opt.user_dp else dict(params)
+    metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
+    metrics["clients"] = got
     return new, {**metrics, **(ups.result() if ups is not None else {})}
 
 
@@ -199,6 +242,15 @@ def evaluate_global(
     if personal:
         out.update(evaluate_personal(fed, params))
     return out
+
+
+def export_global(model: nn.Module, params: dict[str, Tensor], folder: Path) -> bool:
+    """Writes the global ``params`` as a peft adapter when ``model`` is a LoRA-adapted LLM.
+
+    See :meth:`fedfm.algorithms.base.Algorithm.export_adapter`; ``False`` for other models.
+    """
+    set_params(model, params)
+    return save_active_adapter(model, folder)
 
 
 def evaluate_on_test(task: Task, model: nn.Module) -> dict[str, Any]:
@@ -247,6 +299,7 @@ class FedAvg(Algorithm):
 
     Config = FedAvgFamilyConfig
     messages = (TRAIN, EVALUATE, REFINE)
+    update_kinds = ("train",)
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
         if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: FedSD off
@@ -255,7 +308,7 @@ class FedAvg(Algorithm):
         self.cfg: FedAvgFamilyConfig = cfg
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.refinery = Refinery(cfg.fedsd) if cfg.fedsd.enabled else None
 
     @classmethod
@@ -284,7 +337,7 @@ class FedAvg(Algorithm):
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
         """See :func:`fit`; with FedSD, on the client's distilled set."""
         data = self.refinery.data(ctx) if self.refinery is not None else None
-        return fit(ctx, self._model, msg, self.train_cfg(), data)
+        return fit(ctx, self._model, msg, self.train_cfg(), data, self.user_dp)
 
     def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """See :func:`evaluate_locally`."""
@@ -305,6 +358,10 @@ class FedAvg(Algorithm):
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        return export_global(self._model, self.params, folder)
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -339,8 +396,11 @@ class FedProx(FedAvg):
 SCAFFOLD_TRAIN = MessageKind(
     "train",
     down_arrays=("params", "control"),
+    down_meta=("clip",),
     up_arrays=("delta_y", "delta_c"),
-    up_meta=("num_examples", "loss"),
+    up_meta=("num_examples", "loss", "clip_bit"),
+    meta_specs=UPDATE_META,
+    dp_fields=("delta_y", "clip_bit"),
 )
 
 
@@ -363,10 +423,23 @@ class Scaffold(Algorithm):
 
     Config = ScaffoldConfig
     messages = (SCAFFOLD_TRAIN, EVALUATE, REFINE)
+    update_kinds = ("train",)
 
     def __init__(self, cfg: ScaffoldConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: ScaffoldConfig = cfg
+        if self.user_dp is not None:
+            if not cfg.aggregator.plain:
+                raise ConfigError(
+                    "algo.aggregator", "privacy.user_level aggregates by its own noised sum"
+                )
+            if run.train.epochs is not None:
+                raise ConfigError(
+                    "train.epochs",
+                    "SCAFFOLD under privacy.user_level derives the control update from the"
+                    " noised model update and needs the same local steps everywhere: set"
+                    " train.steps",
+                )
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
         self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
@@ -408,13 +481,15 @@ class Scaffold(Algorithm):
         lr = client_config(ctx, self.run.train).lr  # the round's rate, as local_round used
         c_new = scaffold_client_control(c_i, c, glob, local, res.steps, lr)
         ctx.state.set_group("control", c_new)
+        delta_y = {k: local[k] - glob[k] for k in glob}
+        if self.user_dp is not None and self.user_dp.client_side:
+            # Only the clipped, noised Δy leaves; the server derives Δc from its noisy mean.
+            noisy, meta = self.user_dp.privatise(ctx, delta_y, msg)
+            return Message("train", {"delta_y": noisy}, dict(meta))
         n = self.task.num_examples(ctx.data)
         return Message(
             "train",
-            {
-                "delta_y": {k: local[k] - glob[k] for k in glob},
-                "delta_c": {k: c_new[k] - c_i[k] for k in c},
-            },
+            {"delta_y": delta_y, "delta_c": {k: c_new[k] - c_i[k] for k in c}},
             {"num_examples": n, "loss": res.loss},
         )
 
@@ -425,6 +500,8 @@ class Scaffold(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
+        if self.user_dp is not None:
+            return self._dp_round(fed, self.user_dp)
         cids = self.sample(fed)
         msg = Message("train", {"params": self.params, "control": self.control})
         like = {"delta_y": self.params, "delta_c": self.control}
@@ -441,9 +518,43 @@ class Scaffold(Algorithm):
         metrics = {"train_loss": loss.mean("loss"), "clients": loss.count}
         return {**metrics, **(ups.result() if ups is not None else {})}
 
+    def _dp_round(self, fed: Federation, dp: UserDP) -> dict[str, float]:
+        """A round under DP-FedAvg: Δ̃, the noised mean of the clients' Δy.
+
+        x ← x + η_g·Δ̃ and c ← c + q·(−c − Δ̃/(K·η_l)): the paper's control update for the
+        mean of Δc (Δc_i = −c − Δy_i/(K·η_l)) computed from Δ̃, with ``q`` for |S|/N (ours).
+        """
+        cids = self.sample(fed)
+        msg = Message(
+            "train", {"params": self.params, "control": self.control}, dict(dp.down_meta())
+        )
+        like = {"delta_y": self.params} if dp.client_side else None
+        acc = dp.accumulator({k: torch.zeros_like(v) for k, v in self.params.items()})
+        got, loss = 0, MetricMean("loss")
+        for _, r in fed.stream({c: msg for c in cids}, like=like):
+            acc.add_reply(r, "delta_y")
+            got += 1
+            if "loss" in r.meta:
+                loss.add(r)
+        self.require(fed, got, len(cids))
+        step = acc.result()
+        if not isinstance(step, Skipped):
+            k_lr = self.run.train.steps * self.run.train.lr
+            eta = self.cfg.lr_global
+            self.params = {k: (p + eta * step[k]).to(p.dtype) for k, p in self.params.items()}
+            self.control = {
+                k: (c + dp.q * (-c - step[k] / k_lr)).to(c.dtype) for k, c in self.control.items()
+            }
+        metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
+        return {**metrics, "clients": got}
+
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        return export_global(self._model, self.params, folder)
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -83,11 +83,18 @@ from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.replies import MetricMean, meta_number, summarise_by_prefix, weighted_mean_metric
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.train import get_params, local_round, set_params
+from fedfm.core.userdp import UPDATE_META, fold_reply
 from fedfm.errors import ConfigError, config_fields
 from fedfm.tasks.base import Task
 
 FORWARD = MessageKind(
-    "forward", down_arrays=("proxy",), up_arrays=("proxy",), up_meta=("num_examples", "loss")
+    "forward",
+    down_arrays=("proxy",),
+    down_meta=("clip",),
+    up_arrays=("proxy",),
+    up_meta=("num_examples", "loss", "clip_bit"),
+    meta_specs=UPDATE_META,
+    dp_fields=("proxy", "clip_bit"),  # under client-side DP-FedAvg
 )
 BACKWARD = MessageKind(
     "backward",
@@ -255,6 +262,7 @@ class FedeKD(Algorithm):
 
     Config = FedeKDConfig
     messages = (FORWARD, BACKWARD, EVALUATE)
+    update_kinds = ("forward", "backward")
     personalised = True
 
     def __init__(self, cfg: FedeKDConfig, task: Task, run: RunConfig) -> None:
@@ -267,7 +275,7 @@ class FedeKD(Algorithm):
         with config_fields(arch_fields("algo.proxy_arch", cfg.proxy_arch)):
             self._proxy = task.build_model(seed=run.seed, **cfg.proxy_arch)
         self.proxy: dict[str, Tensor] = get_params(self._proxy)
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.privates = PrivateModels(task, run.seed, cfg.private_archs)
 
     # ----- models -----
@@ -325,12 +333,12 @@ class FedeKD(Algorithm):
             loss_fn=loss_fn,
             extra_loss=kd,
         )
+        trained = get_params(proxy, list(glob))
+        if self.user_dp is not None and self.user_dp.client_side:
+            noisy, dp_meta = self.user_dp.privatise_params(ctx, glob, trained, msg)
+            return Message("forward", {"proxy": noisy}, dict(dp_meta))
         n = self.task.num_examples(ctx.data)
-        return Message(
-            "forward",
-            {"proxy": get_params(proxy, list(glob))},
-            {"num_examples": n, "loss": res.loss},
-        )
+        return Message("forward", {"proxy": trained}, {"num_examples": n, "loss": res.loss})
 
     def client_backward(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 3: supervised loss + λ·energy-gated KD from the global proxy."""
@@ -358,6 +366,8 @@ class FedeKD(Algorithm):
             extra_loss=kd if self.cfg.lam > 0 else None,
         )
         self.privates.save(ctx, private)
+        if self.user_dp is not None and self.user_dp.client_side:
+            return Message("backward")  # a DP client reports nothing of its private model
         meta: dict[str, Any] = {"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
         if stats["energy"]:
             meta["energy"] = sum(stats["energy"]) / len(stats["energy"])
@@ -369,21 +379,26 @@ class FedeKD(Algorithm):
     @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
-        msg = Message("forward", {"proxy": self.proxy})
+        dp_meta = self.user_dp.down_meta() if self.user_dp is not None else {}
+        msg = Message("forward", {"proxy": self.proxy}, dict(dp_meta))
         delta, fwd_loss, answered = self.opt.accumulator(self.proxy), MetricMean("loss"), []
         for cid, r in fed.stream({c: msg for c in cids}, like={"proxy": self.proxy}):
-            delta.add(r.arrays["proxy"], meta_number(r, "num_examples"))
-            fwd_loss.add(r)
+            fold_reply(delta, r, "proxy")
+            if "loss" in r.meta:  # a DP client sends none
+                fwd_loss.add(r)
             answered.append(cid)
         self.require(fed, answered, len(cids))
-        self.proxy = self.opt.apply_delta(self.proxy, delta.result())
+        if answered or self.user_dp is not None:
+            self.proxy = self.opt.apply_delta(self.proxy, delta.result())
         bwd = fed.broadcast(Message("backward", {"proxy": self.proxy}), answered)
         self.require(fed, bwd, len(answered))
-        out = {
-            "forward_loss": fwd_loss.mean("loss"),
-            "train_loss": weighted_mean_metric(bwd, "loss"),
-            "clients": len(bwd),
-        }
+        out: dict[str, float] = {}
+        if fwd_loss.count:
+            out["forward_loss"] = fwd_loss.mean("loss")
+        reported = [r for r in bwd.values() if "loss" in r.meta]
+        if reported:
+            out["train_loss"] = weighted_mean_metric(reported, "loss")
+        out["clients"] = len(bwd)
         gated = {c: r for c, r in bwd.items() if "energy" in r.meta}
         if gated:
             out["energy"] = weighted_mean_metric(gated, "energy")

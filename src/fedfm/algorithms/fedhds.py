@@ -24,7 +24,11 @@ FedHDS-Turbo (``algo.feature_model``) takes the features from a small separate f
 change, so each client computes them once and keeps them in its persistent state, and the
 ``select`` message then carries no adapter. Differential privacy (``algo.dp_sigma > 0``): each
 released coordinate is squashed by ``tanh`` and Gaussian noise of std ``dp_sigma`` is added on
-the client before it leaves; the server registers the mechanism in the run's privacy ledger.
+the client before it leaves, drawn from the client's own secret (:mod:`fedfm.core.secret`;
+``privacy.noise: seeded``: from the run seed); the server registers the mechanism in the run's
+privacy ledger. Only the coordinates are protected: the row count, the number of clusters,
+the timings and the trained adapter leave the client as they are, so this option is no
+guarantee against the server (the audit ledger and ``report.html`` show each such field).
 
 Baselines in this file (``algo.selection``, the :data:`SELECTIONS` registry):
 
@@ -97,6 +101,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -113,6 +118,7 @@ from fedfm.core.messages import Message, MessageKind, MetaSpec, MetaValue
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.replies import MetricMean, meta_number
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.secret import noise_seed
 from fedfm.core.train import client_config, local_train, num_steps
 from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
@@ -135,6 +141,7 @@ SELECT = MessageKind(
     up_arrays=("centroids", "points"),
     up_meta=("num_examples", "cluster_ids", "use_all", "feature_s", "cluster_s"),
     no_grad=True,
+    dp_fields=("centroids", "points"),  # with algo.dp_sigma > 0; the other fields are not
     meta_specs={
         "send": MetaSpec("str", required=True),
         "use_all": MetaSpec("bool", required=True),
@@ -673,7 +680,7 @@ class FedHDS(Algorithm):
     def _release(self, ctx: ClientContext, xy: np.ndarray) -> Tensor:
         """Coordinates as they leave the client: tanh and noise under DP, else as they are."""
         if self.cfg.dp_sigma > 0:
-            rng = np.random.default_rng(ctx.rng_seed("dp"))
+            rng = np.random.default_rng(noise_seed(ctx, "dp", self.run.privacy.noise))
             xy = privatise(xy, self.cfg.dp_sigma, rng, self.cfg.dp_scale)
         return torch.from_numpy(np.asarray(xy, dtype=np.float32).reshape(-1, 2))
 
@@ -708,6 +715,18 @@ class FedHDS(Algorithm):
             "train_s": time.perf_counter() - t0,
         }
         return Message("train", {ADAPTER: self.fm.get_adapter(ADAPTER)}, meta)
+
+    @override
+    def message_kinds(self) -> dict[str, MessageKind]:
+        """With DP the ``select`` kind's coordinates are DP outputs.
+
+        Its counts, cluster ids and timings, and the ``train`` kind's adapter, still leave
+        the client unnoised (the audit marks them, the report lists them).
+        """
+        kinds = super().message_kinds()
+        if self.cfg.dp_sigma > 0:
+            kinds["select"] = kinds["select"].noised()
+        return kinds
 
     # ----- server half -----
     def select_message(self, send: str) -> Message:
@@ -781,6 +800,12 @@ class FedHDS(Algorithm):
         # Every item with its Rouge-L goes to the run's eval_items.jsonl (paired statistics).
         rows = [{**i, "rougeL": _rouge_of(i)} for i in items]
         return {**metrics, **rouge_all(items), "items": rows}
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        self.fm.set_adapter(ADAPTER, self.params)
+        self.fm.save_adapter(ADAPTER, folder)
+        return True
 
     @override
     def finish(self, fed: Federation) -> dict[str, float]:

@@ -6,10 +6,14 @@ Bridges Distribution Gap in Language Model Fine-Tuning", sail-sg/sdft).
 
 Once before round 1, every client rewrites each answer ``y`` of its data with the global model
 as teacher, prompted with the instruction ``x`` and ``y`` as a reference:
-``ỹ ~ f(· | x, y)``. A rewrite that is empty, leaks the prompt or fails the task check falls back
-to ``y`` (counted by reason). The distilled set ``D_dist`` lives in the client's persistent
+``ỹ ~ f(· | x, y)``. A rewrite that is empty, stops at its token limit (an answer cut short,
+which training would close with an end-of-turn token: teaching the model to stop mid-answer),
+leaks the prompt or fails the task check falls back to ``y``, and so does a row whose prompt
+would not fit the teacher's prompt budget (its reference is never cut in the middle); each
+fallback is counted by reason. The distilled set ``D_dist`` lives in the client's persistent
 state (it survives resume) and is reused every round; only statistics leave the client (kept
-share, fallbacks by reason, answer-keeping share, length ratio, filler-word rates).
+share, fallbacks by reason, answer-keeping share, length ratio, filler-word rates; overall and
+per domain, as counts).
 FedSD alone is any server optimizer trained on ``(x, ỹ)`` instead of ``(x, y)``: the FedAvg
 family selects it with ``algo.fedsd.enabled: true``.
 
@@ -20,20 +24,24 @@ client's data, the prompt settings and the decoding settings, so they are cached
 Choices of ours (the paper is silent):
 
 * The instruction's input (``c``) is appended to the instruction in the prompt's
-  ``### Instruction:`` block, separated by a blank line; the prompt is fitted to
-  ``task.prompt.max_prompt_length`` by cutting the middle of the longer of reference and
-  instruction first, then of the other, so the closing ``### Response:`` marker always
-  survives, and so does a one-word label next to a long review.
+  ``### Instruction:`` block, separated by a blank line. The prompt is never cut: it may use
+  ``refinery.max_prompt_length`` tokens (default: the model's context less the decoding
+  budget, since a rewrite reads the whole reference), and a longer one falls back
+  (``long_prompt``) without generating. ``task.prompt.max_prompt_length`` (the training and
+  evaluation limit) does not apply to the teacher's prompt.
 * Task checks by the row's ``metric``: ``gsm8k`` rows must keep the reference's final number,
   ``choice`` rows must name the reference's label first (:func:`fedfm.eval.metrics.pick_choice`);
   free-text (``rouge``) rows have no check. A leak is any of METHODS.md's phrases anywhere in the
   rewrite (case-insensitive) or a rewrite starting with "Your turn".
-* Greedy decoding, 128 new tokens, by default. The teacher at round 0 has ``B = 0`` in every
+* Greedy decoding, 128 new tokens, by default; a rewrite that reaches the limit without its
+  end-of-turn token falls back (``truncated``). The teacher at round 0 has ``B = 0`` in every
   adapter (it equals the base model), so the cache key names it ``base``; a teacher with
   trained adapters is keyed by a hash of its tensors.
-* Length ratio: mean over kept rewrites of words(ỹ) / words(y); filler-word rate: share of
-  words in :data:`FILLER_WORDS` (hedges, intensifiers and discourse markers), over the kept
-  rewrites and over their references.
+* Length ratio: total words of the kept rewrites over total words of their references (a
+  ratio of sums: a mean of per-row ratios is dominated by one-word labels restated as
+  sentences); filler-word rate: share of words in :data:`FILLER_WORDS` (hedges, intensifiers
+  and discourse markers), over the kept rewrites and over their references. Every statistic
+  is also given per domain (``fedsd/<statistic>/<domain>``).
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from torch import Tensor
 from fedfm.core.federation import ClientContext, Federation, derive_seed
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.errors import FedfmError
-from fedfm.eval.generate import GenerationConfig
+from fedfm.eval.generate import GenerationConfig, Reply
 from fedfm.eval.metrics import gsm8k_number, pick_choice, resolve_answer
 from fedfm.registry import Registry
 from fedfm.tasks.base import FOUNDATION_MODEL, require
@@ -74,7 +82,6 @@ REWRITE_SYSTEM = (
 REWRITE_TEMPLATE = (
     "### Instruction:\n{instruction}\n\n### Reference Answer:\n{reference}\n\n### Response:\n"
 )
-REWRITE_CUT = ("reference", "instruction")  # the longer first; the template is never cut
 LEAK_PHRASES = (
     "reference answer",
     "your response",
@@ -83,7 +90,7 @@ LEAK_PHRASES = (
     "now it's your turn",
 )
 LEAK_START = "your turn"
-FALLBACK_REASONS = ("empty", "leak", "number", "label")
+FALLBACK_REASONS = ("empty", "truncated", "leak", "number", "label", "long_prompt")
 FILLER_WORDS = frozenset(
     {
         *("actually", "additionally", "basically", "certainly", "clearly", "definitely"),
@@ -93,7 +100,7 @@ FILLER_WORDS = frozenset(
     }
 )
 STATE_KEY = "fedsd"  # client-state meta: {"outputs": {row id: kept rewrite}}
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: uncut prompts, and whether each rewrite hit the token limit
 
 
 class RefineryConfig(BaseModel):
@@ -101,6 +108,9 @@ class RefineryConfig(BaseModel):
 
     Attributes:
         decoding: Decoding settings of the rewrites.
+        max_prompt_length: Tokens a rewrite prompt may take; a longer one falls back to the
+            reference (``long_prompt``). ``None``: the model's context less
+            ``decoding.max_new_tokens``.
         cache: Reuse cached rewrites of the same model, data and decoding settings.
         cache_dir: Folder of the cache; ``None``: ``$FEDFM_CACHE/fedsd`` or
             ``~/.cache/fedfm/fedsd``.
@@ -109,6 +119,7 @@ class RefineryConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     decoding: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=128))
+    max_prompt_length: int | None = Field(None, ge=1)
     cache: bool = True
     cache_dir: str | None = None
 
@@ -150,20 +161,23 @@ def _same_label(rewrite: str, row: Mapping[str, Any]) -> str | None:
     return None if pick_choice(rewrite, choices) == gold else "label"
 
 
-def fallback_reason(rewrite: str, row: Mapping[str, Any]) -> str | None:
+def fallback_reason(rewrite: str, row: Mapping[str, Any], truncated: bool = False) -> str | None:
     """Why ``rewrite`` must not replace the row's answer (one of :data:`FALLBACK_REASONS`).
 
     Args:
         rewrite: The teacher's text.
         row: The instruction row (``output``, ``metric``, ``answer``, ``choices``).
+        truncated: The rewrite reached its token limit without ending.
 
     Returns:
-        ``"empty"``, ``"leak"``, the task check's reason (``"number"``, ``"label"``), or
-        ``None`` when the rewrite is kept.
+        ``"empty"``, ``"truncated"``, ``"leak"``, the task check's reason (``"number"``,
+        ``"label"``), or ``None`` when the rewrite is kept.
     """
     text = rewrite.strip()
     if not text:
         return "empty"
+    if truncated:
+        return "truncated"
     low = text.lower()
     if any(p in low for p in LEAK_PHRASES) or low.startswith(LEAK_START):
         return "leak"
@@ -182,56 +196,93 @@ def filler_rate(texts: Sequence[str]) -> float:
     return sum(w in FILLER_WORDS for w in toks) / len(toks) if toks else 0.0
 
 
+COUNTS = (
+    "n",
+    "kept",
+    "checked",
+    "answer_kept",
+    *(f"fallback_{r}" for r in FALLBACK_REASONS),
+    "words_raw",
+    "words_distilled",
+    "filler_raw",
+    "filler_distilled",
+)
+"""What a client counts per domain: rows, kept rewrites, checked rows and those keeping the
+answer, fallbacks by reason, and words and filler words of the kept rewrites and of their
+references."""
+
+
 @dataclass
 class RewriteStats:
-    """What leaves a client: counts and rates, never a text.
+    """What leaves a client: counts per domain, never a text.
 
     Attributes:
-        n: Rows rewritten.
-        kept: Rewrites kept.
-        fallbacks: Fallbacks to the reference by reason.
-        checked: Rows with a task check.
-        answer_kept: Checked rows whose rewrite keeps the reference's answer.
-        length_ratio: Mean words(ỹ) / words(y) over kept rewrites (0 when none).
-        filler_raw: Filler-word rate of the references of the kept rewrites.
-        filler_distilled: Filler-word rate of the kept rewrites.
+        counts: ``{domain: {name: count}}`` for every name of :data:`COUNTS`.
         cached: Whether the rewrites came from the cache.
     """
 
-    n: int
-    kept: int
-    fallbacks: dict[str, int]
-    checked: int
-    answer_kept: int
-    length_ratio: float
-    filler_raw: float
-    filler_distilled: float
+    counts: dict[str, dict[str, int]]
     cached: bool = False
+
+    def total(self, name: str) -> int:
+        """Count ``name`` over every domain."""
+        return sum(c[name] for c in self.counts.values())
+
+    @property
+    def n(self) -> int:
+        """Rows."""
+        return self.total("n")
+
+    @property
+    def kept(self) -> int:
+        """Kept rewrites."""
+        return self.total("kept")
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """Fallbacks to the reference by reason."""
+        return {r: self.total(f"fallback_{r}") for r in FALLBACK_REASONS}
+
+    def rates(self) -> dict[str, float]:
+        """``length_ratio``, ``filler_raw`` and ``filler_distilled`` over every domain."""
+        return _rates({k: float(self.total(k)) for k in COUNTS})
 
     def meta(self) -> dict[str, Any]:
         """The reply's meta fields (see :data:`REFINE`)."""
         out: dict[str, Any] = {
             "num_examples": self.n,
             "kept": self.kept,
-            "checked": self.checked,
-            "answer_kept": self.answer_kept,
-            "length_ratio": self.length_ratio,
-            "filler_raw": self.filler_raw,
-            "filler_distilled": self.filler_distilled,
+            "checked": self.total("checked"),
+            "answer_kept": self.total("answer_kept"),
+            **self.rates(),
             "cached": self.cached,
+            "by_domain": {
+                f"{d}/{k}": v for d, c in sorted(self.counts.items()) for k, v in c.items()
+            },
         }
-        out.update({f"fallback_{r}": self.fallbacks.get(r, 0) for r in FALLBACK_REASONS})
+        out.update({f"fallback_{r}": n for r, n in self.fallbacks.items()})
         return out
 
 
+def _rates(c: Mapping[str, float]) -> dict[str, float]:
+    words_raw = c.get("words_raw", 0.0)
+    words = c.get("words_distilled", 0.0)
+    return {
+        "length_ratio": words / words_raw if words_raw else 0.0,
+        "filler_raw": c.get("filler_raw", 0.0) / words_raw if words_raw else 0.0,
+        "filler_distilled": c.get("filler_distilled", 0.0) / words if words else 0.0,
+    }
+
+
 def refine_rows(
-    rows: Sequence[Mapping[str, Any]], rewrites: Sequence[str]
+    rows: Sequence[Mapping[str, Any]], rewrites: Sequence[Reply | str | None]
 ) -> tuple[dict[str, str], RewriteStats]:
     """Filters the rewrites of ``rows``: the kept ones by row id, and the statistics.
 
     Args:
-        rows: Instruction rows with ``id, output, metric`` (and ``answer, choices``).
-        rewrites: One teacher text per row, in order.
+        rows: Instruction rows with ``id, output, metric`` (and ``answer, choices, domain``).
+        rewrites: One teacher reply per row, in order; a plain string is a reply that ended
+            by itself, ``None`` a row whose prompt did not fit (``long_prompt``).
 
     Returns:
         ``({str(id): rewrite}`` of the kept rewrites, statistics).
@@ -239,35 +290,33 @@ def refine_rows(
     if len(rows) != len(rewrites):
         raise FedfmError(f"{len(rewrites)} rewrites for {len(rows)} rows")
     kept: dict[str, str] = {}
-    fallbacks = dict.fromkeys(FALLBACK_REASONS, 0)
-    checked = answer_kept = 0
-    ratios: list[float] = []
-    refs: list[str] = []
-    for row, text in zip(rows, rewrites, strict=True):
-        reason = fallback_reason(text, row)
+    counts: dict[str, dict[str, int]] = {}
+    for row, got in zip(rows, rewrites, strict=True):
+        c = counts.setdefault(str(row.get("domain") or "all"), dict.fromkeys(COUNTS, 0))
+        c["n"] += 1
+        if got is None:
+            c["fallback_long_prompt"] += 1
+            continue
+        reply = Reply(got, False) if isinstance(got, str) else got
+        text = reply.text
+        reason = fallback_reason(text, row, reply.truncated)
         metric = str(row.get("metric") or "")
         if metric in REWRITE_CHECKS:
-            checked += 1
-            # The answer is kept when the text passes the task check (an empty or leaking
-            # rewrite is judged on its text all the same).
-            answer_kept += REWRITE_CHECKS.get(metric)(text.strip(), row) is None
+            c["checked"] += 1
+            # The answer is kept when the text passes the task check (an empty, cut or
+            # leaking rewrite is judged on its text all the same).
+            c["answer_kept"] += REWRITE_CHECKS.get(metric)(text.strip(), row) is None
         if reason is not None:
-            fallbacks[reason] += 1
+            c[f"fallback_{reason}"] += 1
             continue
         kept[str(row["id"])] = text.strip()
-        refs.append(str(row["output"]))
-        ratios.append(len(words(text)) / max(len(words(str(row["output"]))), 1))
-    stats = RewriteStats(
-        n=len(rows),
-        kept=len(kept),
-        fallbacks=fallbacks,
-        checked=checked,
-        answer_kept=int(answer_kept),
-        length_ratio=sum(ratios) / len(ratios) if ratios else 0.0,
-        filler_raw=filler_rate(refs),
-        filler_distilled=filler_rate(list(kept.values())),
-    )
-    return kept, stats
+        ref, new = words(str(row["output"])), words(text)
+        c["kept"] += 1
+        c["words_raw"] += len(ref)
+        c["words_distilled"] += len(new)
+        c["filler_raw"] += sum(w in FILLER_WORDS for w in ref)
+        c["filler_distilled"] += sum(w in FILLER_WORDS for w in new)
+    return kept, RewriteStats(counts)
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -293,21 +342,31 @@ class RewriteCache:
         """The file of ``key``."""
         return self.folder / f"{key}.json"
 
-    def get(self, key: str) -> list[str] | None:
+    def get(self, key: str) -> list[Reply | None] | None:
         """The cached rewrites of ``key``, or ``None`` (also for an unreadable file)."""
         try:
-            texts = json.loads(self.path(key).read_text())["rewrites"]
+            saved = json.loads(self.path(key).read_text())
+            texts, cut = saved["rewrites"], saved["truncated"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError):
             return None
-        return [str(t) for t in texts] if isinstance(texts, list) else None
+        if not isinstance(texts, list) or not isinstance(cut, list) or len(texts) != len(cut):
+            return None
+        return [
+            None if t is None else Reply(str(t), bool(c)) for t, c in zip(texts, cut, strict=True)
+        ]
 
-    def put(self, key: str, rewrites: Sequence[str]) -> None:
+    def put(self, key: str, rewrites: Sequence[Reply | None]) -> None:
         """Stores ``rewrites`` under ``key``; concurrent writers leave one whole file."""
         self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}.", suffix=".tmp")
+        body = {
+            "version": CACHE_VERSION,
+            "rewrites": [None if r is None else r.text for r in rewrites],
+            "truncated": [r is not None and r.truncated for r in rewrites],
+        }
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump({"version": CACHE_VERSION, "rewrites": list(rewrites)}, f)
+                json.dump(body, f)
             os.replace(tmp, self.path(key))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -335,6 +394,7 @@ def cache_key(
     decoding: GenerationConfig,
     teacher: str,
     seed: int,
+    prompt_budget: int | None = None,
 ) -> str:
     """The key of a client's rewrites: model, prompt settings, decoding, teacher and data."""
     spec = {
@@ -342,6 +402,7 @@ def cache_key(
         "model": fm.key,
         "autocast_bf16": fm.autocast_bf16,
         "prompt": fm.prompt_cfg.model_dump(),
+        "prompt_budget": prompt_budget,
         "system": REWRITE_SYSTEM,
         "template": REWRITE_TEMPLATE,
         "decoding": decoding.model_dump(),
@@ -368,6 +429,7 @@ REFINE = MessageKind(
         "filler_raw",
         "filler_distilled",
         "cached",
+        "by_domain",
         *(f"fallback_{r}" for r in FALLBACK_REASONS),
     ),
     no_grad=True,
@@ -380,6 +442,7 @@ REFINE = MessageKind(
         "filler_raw": _RATE,
         "filler_distilled": _RATE,
         "cached": MetaSpec("bool", required=True),
+        "by_domain": MetaSpec("metrics", required=True),
         **{f"fallback_{r}": _COUNT for r in FALLBACK_REASONS},
     },
 )
@@ -391,19 +454,19 @@ def _instruction(row: Mapping[str, Any]) -> str:
     return f"{row['instruction']}\n\n{extra}" if extra else str(row["instruction"])
 
 
-def rewrite_prompts(fm: FoundationModel, rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The SDFT rewrite prompt of each row, fitted to the prompt length (tail kept).
+def rewrite_prompts(
+    fm: FoundationModel, rows: Sequence[Mapping[str, Any]], budget: int
+) -> list[str | None]:
+    """The SDFT rewrite prompt of each row, whole, or ``None`` where it exceeds ``budget``.
 
-    The longer of reference and instruction loses its middle first, so a one-word label is
-    never cut away in favour of a long review, nor a worked solution in favour of a short
-    question.
+    A teacher that reads a reference with its middle cut out rewrites something else, so a
+    prompt is never cut: a row that does not fit falls back to its reference.
     """
-    prompts = []
+    prompts: list[str | None] = []
     for r in rows:
         fields = {"instruction": _instruction(r), "reference": str(r["output"])}
-        longer_ref = len(fields["reference"]) >= len(fields["instruction"])
-        cut = REWRITE_CUT if longer_ref else REWRITE_CUT[::-1]
-        prompts.append(fm.prompt(REWRITE_TEMPLATE, fields, system=REWRITE_SYSTEM, cut=cut))
+        text, n = fm.full_prompt(REWRITE_TEMPLATE, fields, system=REWRITE_SYSTEM)
+        prompts.append(text if n <= budget else None)
     return prompts
 
 
@@ -456,17 +519,32 @@ class Refinery:
         adapters: Sequence[str],
         teacher: str,
         seed: int,
-    ) -> tuple[list[str], bool]:
+    ) -> tuple[list[Reply | None], bool]:
         cache = RewriteCache(
             Path(self.cfg.cache_dir) if self.cfg.cache_dir else default_cache_dir()
         )
-        key = cache_key(fm, rows, self.cfg.decoding, teacher, seed)
+        budget = self.prompt_budget(fm)
+        key = cache_key(fm, rows, self.cfg.decoding, teacher, seed, budget)
         if self.cfg.cache and (hit := cache.get(key)) is not None and len(hit) == len(rows):
             return hit, True
-        texts = fm.generate(rewrite_prompts(fm, rows), adapters, seed=seed, cfg=self.cfg.decoding)
+        prompts = rewrite_prompts(fm, rows, budget)
+        todo = {i: p for i, p in enumerate(prompts) if p is not None}
+        replies: list[Reply | None] = [None] * len(rows)
+        if todo:
+            got = fm.generate_replies(
+                list(todo.values()), adapters, seed=seed, cfg=self.cfg.decoding
+            )
+            for i, reply in zip(todo, got, strict=True):
+                replies[i] = reply
         if self.cfg.cache:
-            cache.put(key, texts)
-        return texts, False
+            cache.put(key, replies)
+        return replies, False
+
+    def prompt_budget(self, fm: FoundationModel) -> int:
+        """Tokens a rewrite prompt may take (see :class:`RefineryConfig`)."""
+        if self.cfg.max_prompt_length is not None:
+            return self.cfg.max_prompt_length
+        return max(fm.context_length - self.cfg.decoding.max_new_tokens, 1)
 
     def data(self, ctx: ClientContext) -> InstructionData:
         """The client's distilled set ``D_dist`` (its raw data with the kept rewrites).
@@ -516,27 +594,37 @@ def _num(meta: Mapping[str, Any], key: str) -> float:
 def summarise_rewrites(stats: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Pools the clients' rewrite statistics (the meta of :data:`REFINE` replies).
 
-    Rates are weighted by the rows they are taken over: kept rows for the length ratio and
-    the filler rates, checked rows for the answer-keeping share.
+    Counts are summed over clients, per domain and in all, and turned into shares: of all rows
+    for ``kept_share`` and the fallbacks, of checked rows for ``answer_kept``, and of words for
+    the length ratio and the filler rates (:func:`refine_rows`).
+
+    Returns:
+        ``rows``, ``kept_share``, ``fallback_<reason>``, ``answer_kept``, ``length_ratio``,
+        ``filler_raw``, ``filler_distilled`` and each of them ``/<domain>``, and
+        ``cached_clients``.
     """
-    n = sum(_num(s, "num_examples") for s in stats)
-    kept = sum(_num(s, "kept") for s in stats)
-    checked = sum(_num(s, "checked") for s in stats)
-
-    def kept_mean(key: str) -> float:
-        return sum(_num(s, key) * _num(s, "kept") for s in stats) / kept if kept else 0.0
-
-    out = {
-        "rows": n,
-        "kept_share": kept / n if n else 0.0,
-        **{
-            f"fallback_{r}": sum(_num(s, f"fallback_{r}") for s in stats) / n if n else 0.0
-            for r in FALLBACK_REASONS
-        },
-        "answer_kept": sum(_num(s, "answer_kept") for s in stats) / checked if checked else 0.0,
-        "length_ratio": kept_mean("length_ratio"),
-        "filler_raw": kept_mean("filler_raw"),
-        "filler_distilled": kept_mean("filler_distilled"),
-        "cached_clients": float(sum(bool(s.get("cached")) for s in stats)),
-    }
+    by_domain: dict[str, dict[str, float]] = {}
+    for s in stats:
+        for key, value in dict(s.get("by_domain") or {}).items():
+            domain, _, name = str(key).rpartition("/")
+            c = by_domain.setdefault(domain, dict.fromkeys(COUNTS, 0.0))
+            c[name] = c.get(name, 0.0) + float(value)
+    total = {k: sum(c.get(k, 0.0) for c in by_domain.values()) for k in COUNTS}
+    out = _shares(total)
+    for domain, c in sorted(by_domain.items()):
+        out.update({f"{k}/{domain}": v for k, v in _shares(c).items()})
+    out["cached_clients"] = float(sum(bool(s.get("cached")) for s in stats))
     return out
+
+
+def _shares(c: Mapping[str, float]) -> dict[str, float]:
+    n, checked = c.get("n", 0.0), c.get("checked", 0.0)
+    return {
+        "rows": n,
+        "kept_share": c.get("kept", 0.0) / n if n else 0.0,
+        **{
+            f"fallback_{r}": c.get(f"fallback_{r}", 0.0) / n if n else 0.0 for r in FALLBACK_REASONS
+        },
+        "answer_kept": c.get("answer_kept", 0.0) / checked if checked else 0.0,
+        **_rates(c),
+    }

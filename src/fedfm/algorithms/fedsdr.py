@@ -35,6 +35,7 @@ Choices of ours (the paper is silent):
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -48,6 +49,7 @@ from fedfm.algorithms.fedavg import (
     evaluate_on_test,
     evaluate_personal,
     fedavg_round,
+    train_reply,
 )
 from fedfm.algorithms.fedsd import REFINE, Refinery, RefineryConfig, check_refinery_task
 from fedfm.config import RunConfig
@@ -120,6 +122,7 @@ class FedSDR(Algorithm):
 
     Config = FedSDRConfig
     messages = (TRAIN, EVALUATE, REFINE)
+    update_kinds = ("train",)
 
     def __init__(self, cfg: FedSDRConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
@@ -128,7 +131,7 @@ class FedSDR(Algorithm):
         # Reset, not ensure: the process-wide model may hold an R of an earlier run.
         self.fm.reset_adapter(R, seed=run.seed)
         self.params: dict[str, Tensor] = self.fm.get_adapter(R)
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.refinery = Refinery(cfg.refinery)
         self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
 
@@ -168,9 +171,7 @@ class FedSDR(Algorithm):
         steps_r = self.cfg.steps_r or num_steps(cfg, n)
         res = train_stage(fm, R, raw, task, self._stage_r, steps_r, prox=self.cfg.prox_mu > 0)
         ctx.state.set_group(S_GROUP, fm.get_adapter(S))  # never in a message
-        return Message(
-            "train", {"params": fm.get_adapter(R)}, {"num_examples": n, "loss": res.loss}
-        )
+        return train_reply(ctx, msg, fm.get_adapter(R), res.loss, self.user_dp)
 
     def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """The client's personal model (global LoRA-R + its own LoRA-S) on its local split."""
@@ -203,6 +204,13 @@ class FedSDR(Algorithm):
         if self.cfg.personal_eval:
             out.update(evaluate_personal(fed, self.params))
         return out
+
+    @override
+    def export_adapter(self, folder: Path) -> bool:
+        """The global model is the base with LoRA-R (LoRA-S never leaves its client)."""
+        self.fm.set_adapter(R, self.params)
+        self.fm.save_adapter(R, folder)
+        return True
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -9,9 +9,42 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-from fedfm.core.messages import Message, array_bytes, meta_bytes
+from fedfm.core.messages import Message, MessageKind, array_bytes, meta_bytes
+
+
+def dp_clients(rows: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Clients that sent at least one DP mechanism's output (``"privacy": "dp"``)."""
+    return {str(r["client"]) for r in rows if r.get("privacy") == "dp"}
+
+
+def unprotected(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Fields DP clients sent that are neither a DP mechanism's output nor public.
+
+    Args:
+        rows: The rows of ``audit.jsonl``.
+
+    Returns:
+        One row per (kind, field): how many DP clients sent it and in which rounds.
+    """
+    rows = list(rows)
+    private = dp_clients(rows)
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        if r["direction"] != "up" or str(r["client"]) not in private:
+            continue
+        if r.get("privacy") in ("dp", "public"):
+            continue
+        rec = found.setdefault((r["kind"], r["field"]), {"clients": set(), "rounds": set()})
+        rec["clients"].add(str(r["client"]))
+        rec["rounds"].add(int(r["round"]))
+    return [
+        {"kind": k, "field": f, "clients": len(v["clients"]), "rounds": sorted(v["rounds"])}
+        for (k, f), v in found.items()
+    ]
 
 
 class AuditLedger:
@@ -24,7 +57,16 @@ class AuditLedger:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path
         self.pending: list[dict] = []
+        self._kinds: dict[str, MessageKind] = {}
         self._bytes: dict[tuple[int, str, str], int] = defaultdict(int)  # (round, dir, type)
+
+    def declare(self, kinds: Mapping[str, MessageKind] | None) -> None:
+        """Sets the run's message kinds.
+
+        Each up row of a DP kind (``kind.dp``) then says whether its field is a DP output
+        (``"privacy": "dp"``), a public value (``"public"``) or neither (``"none"``).
+        """
+        self._kinds = dict(kinds or {})
 
     def record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
         """Adds one message's fields to the ledger.
@@ -38,6 +80,15 @@ class AuditLedger:
         Returns:
             Bytes recorded for this message.
         """
+        first = len(self.pending)
+        total = self._record(rnd, client, direction, msg)
+        kind = self._kinds.get(msg.kind)
+        if kind is not None and kind.dp and direction == "up":
+            for row in self.pending[first:]:
+                row["privacy"] = kind.privacy_of(row["field"]) or "none"
+        return total
+
+    def _record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
         total = 0
         for name, arrays in msg.arrays.items():
             nbytes = array_bytes(arrays)

@@ -37,9 +37,11 @@ Choices of ours: a Poisson batch larger than ``physical_batch_size`` runs as sev
 backward passes whose clipped per-sample gradients add up before the one noisy step (Opacus's
 virtual steps); an empty Poisson batch still takes a noise-only step, as with Opacus's own
 Poisson data loader; ``planned_steps`` is every round's local steps, as if the client took part
-in every round (an upper bound on what it spends); noise comes from a ``torch.Generator``
-seeded with ``derive_seed`` so runs are reproducible. That generator is not a cryptographically
-secure source (Opacus's ``secure_mode`` needs ``torchcsprng``).
+in every round (an upper bound on what it spends); Poisson batches and noise come from
+``torch.Generator`` s seeded from the caller's ``seed``, which a client draws from its own
+secret (:func:`fedfm.core.secret.noise_seed`; from the run seed only under
+``privacy.noise: seeded``). That generator is not a cryptographically secure source (Opacus's
+``secure_mode`` needs ``torchcsprng``).
 """
 
 from __future__ import annotations
@@ -427,7 +429,8 @@ def dp_train(
         delta: The δ to calibrate and report at (``dp.delta`` or the run's).
         steps: Steps of this call.
         planned_steps: Steps the client may take in the whole run (calibration).
-        seed: Seeds Poisson sampling and noise (e.g. ``ctx.rng_seed("dp")``).
+        seed: Seeds Poisson sampling and noise (``noise_seed(ctx, "dp", mode)``: the client's
+            secret, or ``ctx.rng_seed("dp")`` when seeded).
         pad_id: Padding token id.
         autocast: Context of each forward pass.
         key: Where the account lives in ``state.meta`` (one per privatised model).

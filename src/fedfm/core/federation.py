@@ -361,6 +361,7 @@ class Federation(ABC):
         self.seed = seed
         self.kinds = kinds
         self.ledger = ledger if ledger is not None else AuditLedger()
+        self.ledger.declare(kinds)  # it marks which fields of DP kinds are DP outputs
         self.rnd = 0
         self.failures: list[dict[str, Any]] = []
         self._roles = {c.cid: c.role for c in self.clients}

@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from fedfm.errors import MessageError, UpdateRejectedError
+from fedfm.errors import ConfigError, MessageError, UpdateRejectedError
 
 Arrays = dict[str, Tensor]
 MetaValue = bool | int | float | str | list[int] | list[float] | list[str] | dict[str, float] | None
@@ -143,6 +143,13 @@ class MessageKind:
             or activation is kept.
         meta_specs: Specs of meta fields (either direction) that differ from
             :data:`STANDARD_META`; a field with neither is any meta value with finite numbers.
+        dp_fields: Up fields that are a DP mechanism's output (noised on the client), when
+            the run privatises this kind.
+        public_fields: Up fields whose values were fixed before the client saw its data.
+        dp: In this run, ``dp_fields`` are DP outputs (the audit ledger marks them).
+        private: In this run, only DP clients send this kind and nothing unnoised may
+            leave them: every up field must be in ``dp_fields`` or ``public_fields``
+            (checked when the algorithm is built, and on every reply).
     """
 
     name: str
@@ -153,6 +160,49 @@ class MessageKind:
     roles: tuple[str, ...] = ()
     no_grad: bool = False
     meta_specs: Mapping[str, MetaSpec] = field(default_factory=dict, hash=False)
+    dp_fields: tuple[str, ...] = ()
+    public_fields: tuple[str, ...] = ()
+    dp: bool = False
+    private: bool = False
+
+    def as_private(self) -> MessageKind:
+        """This kind as DP clients send it: only its DP outputs and public fields travel up."""
+        allowed = set(self.dp_fields) | set(self.public_fields)
+        return replace(
+            self,
+            up_arrays=tuple(f for f in self.up_arrays if f in allowed),
+            up_meta=tuple(f for f in self.up_meta if f in allowed),
+            dp=True,
+            private=True,
+        )
+
+    def noised(self) -> MessageKind:
+        """This kind with its ``dp_fields`` marked as DP outputs, other fields allowed."""
+        return replace(self, dp=True)
+
+    def privacy_of(self, name: str) -> str | None:
+        """``"dp"`` or ``"public"`` for an up field of a DP kind, else None."""
+        if not self.dp:
+            return None
+        if name in self.dp_fields:
+            return "dp"
+        return "public" if name in self.public_fields else None
+
+    def check_declaration(self) -> None:
+        """Refuses a private kind with an up field that is neither a DP output nor public.
+
+        Raises:
+            ConfigError: Naming the field (``messages.<kind>.<field>``).
+        """
+        if not self.private:
+            return
+        for name in (*self.up_arrays, *self.up_meta):
+            if name not in self.dp_fields and name not in self.public_fields:
+                raise ConfigError(
+                    f"messages.{self.name}.{name}",
+                    "a DP client's message may carry only DP mechanism outputs (dp_fields)"
+                    " and values fixed before it saw its data (public_fields)",
+                )
 
     def spec(self, name: str) -> MetaSpec:
         """The spec of meta field ``name``."""
@@ -185,6 +235,13 @@ class MessageKind:
                     f"message '{self.name}' ({direction}): undeclared meta field '{name}'"
                     f" (declared: {', '.join(meta) or 'none'})"
                 )
+        if direction == "up" and self.private:
+            for name in (*msg.arrays, *msg.meta):
+                if self.privacy_of(name) is None:
+                    raise MessageError(
+                        f"message '{self.name}' (up): field '{name}' is neither a DP"
+                        " mechanism's output nor public"
+                    )
         for name in meta:
             spec = self.spec(name)
             if name not in msg.meta:

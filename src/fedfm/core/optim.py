@@ -68,6 +68,8 @@ from fedfm.core.aggregate import (
 )
 from fedfm.core.messages import Arrays
 from fedfm.core.robust import AggregatorConfig, robust_pseudo_gradient
+from fedfm.core.userdp import Skipped, UserDP
+from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 
 OptimizerName = Literal["fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi"]
@@ -351,13 +353,28 @@ class ServerOptimizer:
         cfg: Settings; defaults to plain FedAvg.
         aggregator: How client updates become Δ (:mod:`fedfm.core.robust`); defaults to the
             example-weighted mean of :func:`pseudo_gradient`.
+        user_dp: Client-level DP-FedAvg (:mod:`fedfm.core.userdp`): Δ is its clipped, noised
+            sum instead; it takes no robust rule.
+
+    Raises:
+        ConfigError: ``user_dp`` with a robust ``aggregator`` (``algo.aggregator``).
     """
 
     def __init__(
-        self, cfg: ServerOptConfig | None = None, aggregator: AggregatorConfig | None = None
+        self,
+        cfg: ServerOptConfig | None = None,
+        aggregator: AggregatorConfig | None = None,
+        user_dp: UserDP | None = None,
     ) -> None:
         self.cfg = cfg if cfg is not None else ServerOptConfig()
         self.aggregator = aggregator if aggregator is not None else AggregatorConfig()
+        self.user_dp = user_dp
+        if user_dp is not None and not self.aggregator.plain:
+            raise ConfigError(
+                "algo.aggregator",
+                "privacy.user_level aggregates by its own clipped, noised sum: leave the"
+                " aggregator at the mean",
+            )
         self._step_fn = SERVER_OPTIMIZERS.get(self.cfg.name)
         self._state: Arrays = {}
 
@@ -388,8 +405,11 @@ class ServerOptimizer:
 
         The example-weighted mean streams (one running sum, :func:`mean_delta`); a robust rule
         needs every update at once and keeps them (:class:`Buffered`). Both give the numbers
-        :meth:`step` gives for the same updates.
+        :meth:`step` gives for the same updates. Under DP-FedAvg it is the round's
+        :class:`~fedfm.core.userdp.DPSum`.
         """
+        if self.user_dp is not None:
+            return self.user_dp.accumulator(params)
         if self.aggregator.plain:
             return mean_delta(params)
         return Buffered(params, self._robust)
@@ -415,8 +435,11 @@ class ServerOptimizer:
             delta: Pseudo-gradient Δ.
 
         Returns:
-            The new global parameters.
+            The new global parameters (``params`` unchanged, optimizer state too, for a
+            round DP-FedAvg skipped).
         """
+        if isinstance(delta, Skipped):
+            return dict(params)
         new_params, new_state = self._step_fn(params, delta, self._state, self.cfg)
         bad = [k for k, t in new_params.items() if not bool(torch.isfinite(t).all())]
         if bad:

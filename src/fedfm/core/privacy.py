@@ -15,6 +15,16 @@ Mechanisms (each with its parameters, on the data of one client or of every clie
   (Balle & Wang, "Improving the Gaussian Mechanism for Differential Privacy", ICML 2018; see
   :func:`analytic_gaussian_sigma`), listed under its own kind so reports say how ``σ`` was
   chosen; it is accounted exactly like ``gaussian``.
+* ``dp-fedavg``: one round of client-level DP-FedAvg (:mod:`fedfm.core.userdp`): clients
+  Poisson-sampled at rate ``q``, Gaussian noise of multiplier ``σ / Δ`` on the sum of their
+  clipped updates, ``count`` rounds.
+
+Neighbouring relation. Every guarantee is for add/remove: ``example`` mechanisms (DP-SGD,
+counts, votes, centroids) for one record added to or removed from one client's data, their
+sensitivities computed for that change; ``client`` mechanisms (DP-FedAvg) for one client
+added or removed with all its records. A client-level guarantee implies the example-level one
+(one record changes one client), so the per-client composition below is an example-level
+bound; ``privacy.json`` names the relation of each mechanism and of the run.
 
 Whose data. A mechanism registered for a client touches that client's records only (its DP-SGD,
 its noisy count vector); one registered with ``client=None`` touches every client's records
@@ -38,9 +48,11 @@ Accountants (dp-accounting 0.6; ``privacy.accountant``):
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -48,8 +60,13 @@ from typing import Any, Literal
 from fedfm.errors import ConfigError
 
 Accountant = Literal["rdp", "pld"]
-KINDS = ("dp-sgd", "gaussian", "analytic-gaussian")
+Relation = Literal["example", "client"]
+KINDS = ("dp-sgd", "gaussian", "analytic-gaussian", "dp-fedavg")
 ALL = "*"  # the client field of mechanisms that touch every client's records
+RELATIONS: dict[str, str] = {
+    "example": "add or remove one record at one client",
+    "client": "add or remove one client with all its records",
+}
 
 # Opacus's RDPAccountant.DEFAULT_ALPHAS, so that DP-SGD epsilons agree with Opacus.
 RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
@@ -67,6 +84,7 @@ class Mechanism:
         sensitivity: L2 sensitivity of the query (DP-SGD: the clipping norm ``C``).
         sampling_rate: Poisson sampling rate of each run (1: no sampling).
         count: How many times it ran (DP-SGD: steps).
+        relation: The neighbouring relation its sensitivity is for (:data:`RELATIONS`).
     """
 
     kind: str
@@ -76,6 +94,7 @@ class Mechanism:
     sensitivity: float
     sampling_rate: float = 1.0
     count: int = 1
+    relation: str = "example"
 
     @property
     def noise_multiplier(self) -> float:
@@ -84,7 +103,15 @@ class Mechanism:
 
     def key(self) -> tuple[Any, ...]:
         """Everything but ``count``: runs with the same key are merged."""
-        return (self.kind, self.name, self.client, self.sigma, self.sensitivity, self.sampling_rate)
+        return (
+            self.kind,
+            self.name,
+            self.client,
+            self.sigma,
+            self.sensitivity,
+            self.sampling_rate,
+            self.relation,
+        )
 
     def event(self) -> Any:
         """The dp-accounting event of all its runs."""
@@ -98,6 +125,21 @@ class Mechanism:
         return dp_accounting.SelfComposedDpEvent(one, self.count)
 
 
+@contextlib.contextmanager
+def quiet_accounting() -> Iterator[None]:
+    """Silences dp-accounting's per-order warnings.
+
+    An RDP order whose series does not converge is left out of the bound, which stays valid.
+    """
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
 def epsilon_of(mechanisms: list[Mechanism], delta: float, accountant: Accountant = "rdp") -> float:
     """ε at ``delta`` of the composition of ``mechanisms`` (0 when there are none)."""
     import dp_accounting
@@ -109,7 +151,8 @@ def epsilon_of(mechanisms: list[Mechanism], delta: float, accountant: Accountant
         return math.inf
     event = dp_accounting.ComposedDpEvent([m.event() for m in mechanisms])
     acc = rdp.RdpAccountant(RDP_ORDERS) if accountant == "rdp" else pld.PLDAccountant()
-    return float(acc.compose(event).get_epsilon(delta))
+    with quiet_accounting():
+        return float(acc.compose(event).get_epsilon(delta))
 
 
 def analytic_gaussian_sigma(
@@ -144,15 +187,24 @@ class PrivacyLedger:
     Args:
         delta: The run's δ, at which every ε is reported.
         accountant: ``rdp`` (default) or ``pld`` (see the module doc).
+        noise: Where the noise came from (``secret`` or ``seeded``; see
+            :mod:`fedfm.core.secret`); ``seeded`` puts a warning in every report.
+
+    Attributes:
+        notes: Extra sections of the report (e.g. ``user_level``: DP-FedAvg's parameters).
     """
 
-    def __init__(self, delta: float = 1e-5, accountant: Accountant = "rdp") -> None:
+    def __init__(
+        self, delta: float = 1e-5, accountant: Accountant = "rdp", noise: str = "secret"
+    ) -> None:
         if not 0 < delta < 1:
             raise ConfigError("privacy.delta", f"must lie in (0, 1), got {delta}")
         if accountant not in ("rdp", "pld"):
             raise ConfigError("privacy.accountant", f"must be rdp or pld, got {accountant!r}")
         self.delta = delta
         self.accountant: Accountant = accountant
+        self.noise = noise
+        self.notes: dict[str, Any] = {}
         self._mechanisms: list[Mechanism] = []
         self._cache: dict[tuple[Any, ...], float] = {}
 
@@ -165,6 +217,8 @@ class PrivacyLedger:
             raise ConfigError("privacy.sigma", f"invalid mechanism parameters {mechanism}")
         if not 0 < mechanism.sampling_rate <= 1:
             raise ConfigError("privacy.sampling_rate", f"must lie in (0, 1], got {mechanism}")
+        if mechanism.relation not in RELATIONS:
+            raise ConfigError("privacy.relation", f"unknown relation {mechanism.relation!r}")
         if mechanism.count == 0:
             return
         for i, old in enumerate(self._mechanisms):
@@ -218,6 +272,7 @@ class PrivacyLedger:
         count: int = 1,
         name: str = "gaussian",
         analytic: bool = False,
+        relation: Relation = "example",
     ) -> None:
         """Registers ``count`` runs of Gaussian noise of std ``sigma``.
 
@@ -231,10 +286,20 @@ class PrivacyLedger:
             count: Runs of the mechanism.
             name: Name of the mechanism in reports.
             analytic: ``sigma`` was calibrated by the analytic Gaussian mechanism.
+            relation: The neighbouring relation ``sensitivity`` is for.
         """
         kind = "analytic-gaussian" if analytic else "gaussian"
         self.add(
-            Mechanism(kind, name, _client(client), float(sigma), float(sensitivity), 1.0, count)
+            Mechanism(
+                kind,
+                name,
+                _client(client),
+                float(sigma),
+                float(sensitivity),
+                1.0,
+                count,
+                relation,
+            )
         )
 
     # ----- reading -----
@@ -267,6 +332,20 @@ class PrivacyLedger:
             self._cache[key] = epsilon_of(mechanisms, self.delta, self.accountant)
         return self._cache[key]
 
+    def relation(self) -> str:
+        """The relation the run's ε is for: ``client`` when every mechanism is client-level."""
+        levels = {m.relation for m in self._mechanisms}
+        return "client" if levels == {"client"} else "example"
+
+    def statements(self) -> dict[str, str]:
+        """What the run's ε means: its neighbouring relation and where the noise came from."""
+        out = {"relation": RELATIONS[self.relation()]}
+        if self.noise == "seeded":
+            from fedfm.core.secret import SEEDED_WARNING
+
+            out["warning"] = SEEDED_WARNING
+        return out
+
     def report(self) -> dict[str, Any]:
         """The content of ``privacy.json``: ε per mechanism, per client and for the run."""
         clients: dict[str, Any] = {}
@@ -284,11 +363,15 @@ class PrivacyLedger:
         return {
             "delta": self.delta,
             "accountant": self.accountant,
+            "noise": self.noise,
+            **self.statements(),
+            "relations": {f"{m.kind}:{m.name}": RELATIONS[m.relation] for m in self._mechanisms},
             "composition": "per client, every mechanism on its records; run = worst client",
             "run": {"epsilon": clients[worst]["epsilon"] if worst else 0.0, "worst_client": worst},
             "mechanisms": {k: {"epsilon_max": v} for k, v in by_mechanism.items()},
             "clients": clients,
             "entries": [asdict(m) for m in self._mechanisms],
+            **self.notes,
         }
 
     def write(self, path: Path) -> None:
@@ -299,7 +382,13 @@ class PrivacyLedger:
 
     def summary(self) -> dict[str, Any]:
         """The run's ε, δ and accountant (for ``summary.json`` and the terminal)."""
-        return {"epsilon": self.epsilon(), "delta": self.delta, "accountant": self.accountant}
+        return {
+            "epsilon": self.epsilon(),
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "noise": self.noise,
+            **self.statements(),
+        }
 
     # ----- checkpointing -----
     def state(self) -> list[dict[str, Any]]:

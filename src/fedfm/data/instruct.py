@@ -73,7 +73,8 @@ class Domain:
         source: Registered source it is built from.
         metric: ``rouge``, ``gsm8k`` or ``choice``.
         choices: Label words in label order (choice domains), else empty.
-        templates: Instruction paraphrases; one is drawn per item.
+        templates: Instruction paraphrases; one is drawn per item. ``{choices}`` in a template
+            lists the label words in an order drawn per item (see :func:`listed_choices`).
         make: Turns the sampled source rows into ``instruction``-less items
             (``input``, ``output``, ``answer``) given the choices.
     """
@@ -136,11 +137,10 @@ DOMAINS: dict[str, Domain] = {
         "choice",
         ("negative", "neutral", "positive"),
         (
-            "Classify the sentiment of this drug review as positive, neutral or negative.",
-            "Read the patient's review of a medication. Was their experience positive, neutral "
-            "or negative? Answer with one word.",
-            "How does this patient feel about the drug they took? Reply with positive, neutral "
-            "or negative.",
+            "Classify the sentiment of this drug review as {choices}.",
+            "Read the patient's review of a medication. Was their experience {choices}? Answer "
+            "with one word.",
+            "How does this patient feel about the drug they took? Reply with {choices}.",
         ),
         _labelled(_review_with_condition),
     ),
@@ -149,9 +149,9 @@ DOMAINS: dict[str, Domain] = {
         "choice",
         ("negative", "positive"),  # label 0 = rotten, 1 = fresh
         (
-            "Is the sentiment of this movie review positive or negative?",
-            "Classify this film critic's snippet as positive or negative.",
-            "Did the critic like the movie? Answer positive or negative.",
+            "Is the sentiment of this movie review {choices}?",
+            "Classify this film critic's snippet as {choices}.",
+            "Did the critic like the movie? Answer {choices}.",
         ),
         _labelled(lambda r: str(r["text"])),
     ),
@@ -160,12 +160,9 @@ DOMAINS: dict[str, Domain] = {
         "choice",
         ("abbreviation", "description", "entity", "human", "location", "number"),
         (
-            "What kind of answer does this question ask for? Choose one of: abbreviation, "
-            "description, entity, human, location, number.",
-            "Classify the question by the type of its answer: abbreviation, description, "
-            "entity, human, location or number.",
-            "Which answer type fits this question: abbreviation, description, entity, human, "
-            "location or number? Reply with one word.",
+            "What kind of answer does this question ask for? Choose one of: {choices}.",
+            "Classify the question by the type of its answer: {choices}.",
+            "Which answer type fits this question: {choices}? Reply with one word.",
         ),
         _labelled(lambda r: str(r["text"])),
     ),
@@ -174,10 +171,10 @@ DOMAINS: dict[str, Domain] = {
         "choice",
         ("ham", "spam"),
         (
-            "Is this SMS message spam or ham (a normal message)? Answer spam or ham.",
+            "Is this SMS message spam or ham (a normal message)? Answer {choices}.",
             "Decide whether the following text message is spam or ham (legitimate). Reply with "
-            "one word: spam or ham.",
-            "Label this SMS as spam or ham.",
+            "one word: {choices}.",
+            "Label this SMS as {choices}.",
         ),
         _labelled(lambda r: str(r["text"])),
     ),
@@ -216,14 +213,32 @@ def _check_size(domain: str, field: str, wanted: int, available: int) -> None:
         )
 
 
+def listed_choices(domain: str, source_id: int) -> str:
+    """A domain's label words as an instruction lists them for one item: ``"a, b or c"``.
+
+    The order is drawn per item (seeded by domain and source row, so it does not depend on
+    which rows were sampled): listed always in one order, a small base model scored by summed
+    log-likelihood answered the first-listed TREC type (``abbreviation``, about 1.6% of TREC)
+    for 56 of 60 questions; in a drawn order its answers spread over the types
+    (docs/evaluation.md).
+    """
+    words = DOMAINS[domain].choices
+    order = np.random.default_rng([DOMAIN_ORDER.index(domain), source_id]).permutation(len(words))
+    listed = [words[i] for i in order]
+    return ", ".join(listed[:-1]) + " or " + listed[-1] if len(listed) > 1 else "".join(listed)
+
+
 def _items(name: str, rows: pd.DataFrame, rng: np.random.Generator) -> dict[str, list]:
     dom = DOMAINS[name]
     items = dom.make(rows, dom.choices)
     n = len(rows)
+    source_ids = rows["id"].to_numpy(dtype=np.int64)
     if "instruction" not in items:
         picks = rng.integers(0, len(dom.templates), size=n)
-        items["instruction"] = [dom.templates[i] for i in picks]
-    source_ids = rows["id"].to_numpy(dtype=np.int64)
+        items["instruction"] = [
+            dom.templates[i].format(choices=listed_choices(name, int(sid)))
+            for i, sid in zip(picks, source_ids, strict=True)
+        ]
     if n and int(source_ids.max()) >= ID_STRIDE:
         raise ValueError(f"{dom.source} ids exceed {ID_STRIDE}; widen ID_STRIDE")
     return {

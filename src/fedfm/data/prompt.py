@@ -239,9 +239,9 @@ def fit_template(
     after the other in that order (a field is emptied before the next is touched), and the
     removed span is marked with :data:`MIDDLE_CUT`. The template's own text, the chat
     template's tokens and every field not named in ``cut`` are never cut, so a marker that
-    ends the template (FedSDR's ``"### Response:\n"``) always survives, as do the head and
-    the tail of a cut field. FedSDR's rewrite prompt cuts ``("reference", "instruction")``:
-    the reference answer first, the instruction only if that is not enough.
+    ends the template (``"### Response:\n"``) always survives, as do the head and the tail of
+    a cut field. (FedSD's rewrite prompt is never cut: a reader that must restate a reference
+    is given all of it, or the row falls back; see :mod:`fedfm.algorithms.fedsd`.)
 
     Returns:
         The prompt string and its token ids (the exact tokenisation of the string).

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -101,6 +102,21 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
+@dataclass(frozen=True)
+class Reply:
+    """One generated reply.
+
+    Attributes:
+        text: The decoded new tokens up to (excluding) the first stop token, special tokens
+            skipped, surrounding whitespace stripped.
+        truncated: No stop token came within ``max_new_tokens``: the reply was cut by the
+            budget, not ended by the model.
+    """
+
+    text: str
+    truncated: bool
+
+
 def generate(
     bundle_or_model: Any,
     tokenizer: Any | None,
@@ -112,6 +128,33 @@ def generate(
     **generate_kwargs: Any,
 ) -> list[str]:
     """Continuations of ``prompts`` (greedy by default), one string per prompt, in order.
+
+    The texts of :func:`generate_replies`; see there for the arguments.
+    """
+    replies = generate_replies(
+        bundle_or_model,
+        tokenizer,
+        prompts,
+        max_new_tokens,
+        batch_size,
+        prompt_cfg,
+        seed,
+        **generate_kwargs,
+    )
+    return [r.text for r in replies]
+
+
+def generate_replies(
+    bundle_or_model: Any,
+    tokenizer: Any | None,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    batch_size: int = 8,
+    prompt_cfg: PromptConfig | None = None,
+    seed: int | None = None,
+    **generate_kwargs: Any,
+) -> list[Reply]:
+    """Replies to ``prompts`` (greedy by default), one per prompt, in order.
 
     Args:
         bundle_or_model: A causal LM, or an ``LMBundle`` (then ``tokenizer`` may be ``None``).
@@ -126,8 +169,7 @@ def generate(
             temperature=0.7`` for sampling (rewriting, synthetic data).
 
     Returns:
-        The decoded new tokens of each prompt, up to (excluding) the first end-of-turn/eos token,
-        special tokens skipped and surrounding whitespace stripped.
+        Each prompt's :class:`Reply`: its text and whether it hit ``max_new_tokens``.
     """
     model, tokenizer = unwrap_bundle(bundle_or_model, tokenizer)
     if batch_size < 1 or max_new_tokens < 1:
@@ -146,7 +188,7 @@ def generate(
     pad = pad_id_of(tokenizer)
     device = model_device(model)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    outputs: list[str] = [""] * len(rows)
+    outputs: list[Reply] = [Reply("", False)] * len(rows)
     with eval_mode(model), torch.inference_mode():
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
@@ -187,6 +229,9 @@ def _seeded(
     return fork()
 
 
-def _decode_until_stop(tokenizer: Any, ids: list[int], stops: Sequence[int]) -> str:
-    cut = next((k for k, t in enumerate(ids) if t in stops), len(ids))
-    return tokenizer.decode(ids[:cut], skip_special_tokens=True).strip()
+def _decode_until_stop(tokenizer: Any, ids: list[int], stops: Sequence[int]) -> Reply:
+    # A row without a stop token ran the whole budget: rows that stopped early are padded
+    # (with a stop or pad id) until the batch's last row stops or the budget ends.
+    cut = next((k for k, t in enumerate(ids) if t in stops), None)
+    text = tokenizer.decode(ids[: len(ids) if cut is None else cut], skip_special_tokens=True)
+    return Reply(text.strip(), truncated=cut is None)

@@ -2,20 +2,27 @@
 
 * :func:`lm_nll` — summed negative log-likelihood of the reference responses (response tokens and
   the end-of-turn token only, as in training) → :func:`fedfm.eval.metrics.perplexity`.
-* :func:`multiple_choice_loglik` — picks the choice whose tokens are most likely after the prompt,
-  the log-likelihood scoring of the LM Evaluation Harness (Gao et al., 2023).
+* :func:`multiple_choice_loglik` — picks the choice whose continuation (the label, then the
+  end-of-turn token) is most likely after the prompt: the summed log-likelihood of the LM
+  Evaluation Harness's ``acc`` (Gao et al., 2023), or divided by the continuation's UTF-8 byte
+  length (its ``acc_bytes``; ``acc_norm`` divides by characters, the same for ASCII labels).
+  Summing, not averaging per token: a per-token mean favours a label whose later tokens are
+  near-certain once its first is chosen (TREC's ``ab|brev|iation``), whatever the question.
 * :func:`evaluate_instructions` — per-row dispatch on the ``metric`` column of an instruction
-  suite (``rouge`` / ``gsm8k`` / ``choice``), overall and per-domain means;
-  :func:`evaluate_instruction_items` also returns every item (prompt, reference, answer, score).
+  suite (``rouge`` / ``gsm8k`` / ``choice``), overall and per-domain means, with what shows a
+  broken instrument beside them: each classification domain's predicted-label histogram and
+  its majority-class and uniform baselines, and each domain's share of generations cut by the
+  token budget; :func:`evaluate_instruction_items` also returns every item (prompt,
+  reference, answer, score).
 * :func:`head_to_head` — win rate of one model's items over another's.
 * :func:`evaluate_held_out_domain` — zero-shot evaluation on one domain left out of training.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -27,20 +34,34 @@ from fedfm.data.prompt import (
     PromptConfig,
     collate,
     encode_example,
+    end_of_turn_token,
     fit_prompt,
 )
 from fedfm.errors import FedfmError
-from fedfm.eval.generate import eval_mode, generate, model_device, pad_id_of, unwrap_bundle
+from fedfm.eval.generate import (
+    Reply,
+    eval_mode,
+    generate_replies,
+    model_device,
+    pad_id_of,
+    unwrap_bundle,
+)
 from fedfm.eval.metrics import (
-    choice_accuracy,
     gsm8k_correct,
     perplexity,
+    pick_choice,
     resolve_answer,
     rouge_l,
 )
 from fedfm.registry import Registry
 
-LengthNorm = Literal["token", "char", "none"]
+ChoiceNorm = Literal["none", "bytes", "token_mean"]
+"""How a choice's summed log-likelihood is compared: ``none`` (the sum, the harness's ``acc``),
+``bytes`` (divided by the continuation's UTF-8 bytes, ``acc_bytes``), ``token_mean`` (divided by
+its token count: biased towards multi-token labels, kept only to reproduce old figures)."""
+CHOICE_NORMS: tuple[str, ...] = ("none", "bytes", "token_mean")
+NO_LABEL = "(none)"
+"""The histogram bin of generations that name no label."""
 
 
 def _token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -110,17 +131,47 @@ def lm_nll(
     return nll, count
 
 
+@dataclass(frozen=True)
+class ChoiceScore:
+    """One choice scored as the continuation of a prompt.
+
+    Attributes:
+        loglik: Summed natural-log likelihood of the continuation's tokens.
+        tokens: Its token count (the end-of-turn token included when appended).
+        text: The continuation as text (label, then the end-of-turn token's text when
+            appended): what ``bytes`` normalisation measures.
+    """
+
+    loglik: float
+    tokens: int
+    text: str
+
+    def value(self, norm: ChoiceNorm) -> float:
+        """The score compared across choices under ``norm`` (see :data:`ChoiceNorm`)."""
+        if norm == "none":
+            return self.loglik
+        if norm == "bytes":
+            return self.loglik / max(len(self.text.encode("utf-8")), 1)
+        if norm == "token_mean":
+            return self.loglik / self.tokens
+        raise FedfmError(f"choice norm must be one of {', '.join(CHOICE_NORMS)}, got {norm!r}")
+
+
 def choice_logliks(
     model: nn.Module,
     tokenizer: Any,
     prompt: str | Sequence[int],
     choices: Sequence[str],
     batch_size: int = 16,
-) -> list[tuple[float, int]]:
-    """Summed log-likelihood and token count of each choice as the continuation of ``prompt``.
+    prompt_cfg: PromptConfig | None = None,
+    end_of_turn: bool = True,
+) -> list[ChoiceScore]:
+    """Summed log-likelihood of each choice as the continuation of ``prompt``.
 
-    All choices are scored in right-padded batches of ``batch_size`` sequences
-    ``prompt + choice``; choices are tokenised on their own with ``add_special_tokens=False``.
+    The continuation is the choice's tokens (tokenised on its own, ``add_special_tokens=False``)
+    followed, with ``end_of_turn``, by the end-of-turn token that closes a reply in training: a
+    label is scored as a whole answer, so ``"no"`` cannot win as the first word of
+    ``"no change"``. Sequences ``prompt + continuation`` are scored in right-padded batches.
     """
     if not choices:
         raise FedfmError("multiple choice needs at least one choice")
@@ -129,23 +180,26 @@ def choice_logliks(
         if isinstance(prompt, str)
         else list(prompt)
     )
+    end = end_of_turn_token(tokenizer, prompt_cfg) if end_of_turn else ""
+    end_ids = [tokenizer.convert_tokens_to_ids(end)] if end else []
     rows = []
     for choice in choices:
         ids = list(tokenizer(choice, add_special_tokens=False)["input_ids"])
         if not ids:
             raise FedfmError(f"choice {choice!r} has no tokens")
+        ids += end_ids
         rows.append(
             {"input_ids": prompt_ids + ids, "labels": [IGNORE_INDEX] * len(prompt_ids) + ids}
         )
     pad = pad_id_of(tokenizer)
-    scores: list[tuple[float, int]] = []
+    scores: list[ChoiceScore] = []
     with eval_mode(model), torch.inference_mode():
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
             lp = _token_logprobs(model, collate(chunk, pad)).sum(-1, dtype=torch.float64)
             scores += [
-                (float(s), len(r["input_ids"]) - len(prompt_ids))
-                for s, r in zip(lp, chunk, strict=True)
+                ChoiceScore(float(s), len(r["input_ids"]) - len(prompt_ids), choice + end)
+                for s, r, choice in zip(lp, chunk, choices[start : start + batch_size], strict=True)
             ]
     return scores
 
@@ -155,34 +209,30 @@ def multiple_choice_loglik(
     tokenizer: Any,
     prompt: str | Sequence[int],
     choices: Sequence[str],
-    length_norm: LengthNorm = "token",
+    norm: ChoiceNorm = "none",
     batch_size: int = 16,
+    prompt_cfg: PromptConfig | None = None,
 ) -> int:
-    """Index of the choice with the highest log-likelihood after ``prompt``.
+    """Index of the choice whose continuation is most likely after ``prompt``.
 
     Args:
         model: Causal LM.
         tokenizer: Its tokenizer.
         prompt: Complete prompt string (see :func:`fedfm.data.prompt.format_prompt`) or its ids.
         choices: Candidate answers.
-        length_norm: ``"token"`` (default) divides each summed log-likelihood by the choice's
-            token count (mean per-token log-likelihood); ``"char"`` divides by its character count
-            (the harness's ``acc_norm``); ``"none"`` compares raw sums, which favour short choices.
+        norm: ``"none"`` (default) compares summed log-likelihoods of label + end-of-turn
+            token; ``"bytes"`` divides them by the continuation's UTF-8 byte length;
+            ``"token_mean"`` by its token count (see :data:`ChoiceNorm`).
         batch_size: Sequences per forward pass.
+        prompt_cfg: Decides the end-of-turn token (chat template or not).
 
     Returns:
         Index into ``choices`` (the first on ties).
     """
-    scores = choice_logliks(model, tokenizer, prompt, choices, batch_size)
-    if length_norm == "token":
-        values = [s / n for s, n in scores]
-    elif length_norm == "char":
-        values = [s / max(len(c), 1) for (s, _), c in zip(scores, choices, strict=True)]
-    elif length_norm == "none":
-        values = [s for s, _ in scores]
-    else:
-        raise FedfmError(f"length_norm must be 'token', 'char' or 'none', got {length_norm!r}")
-    return int(np.argmax(values))
+    if norm not in CHOICE_NORMS:
+        raise FedfmError(f"choice norm must be one of {', '.join(CHOICE_NORMS)}, got {norm!r}")
+    scores = choice_logliks(model, tokenizer, prompt, choices, batch_size, prompt_cfg)
+    return int(np.argmax([sc.value(norm) for sc in scores]))
 
 
 @dataclass(frozen=True)
@@ -191,11 +241,12 @@ class RowMetric:
 
     Attributes:
         key: Name of the metric in results (``rougeL``, ``gsm8k_acc``, ``acc``).
-        score: ``(generation, row) -> value in [0, 1]``.
+        score: ``(generation, row, finished) -> value in [0, 1]``; ``finished`` is False for a
+            generation cut by its token budget.
     """
 
     key: str
-    score: Callable[[str, dict], float]
+    score: Callable[[str, dict, bool], float]
 
 
 ROW_METRICS: Registry[RowMetric] = Registry("instruction metric", "metric")
@@ -208,126 +259,150 @@ def _reference(row: dict) -> Any:
     return answer if answer not in (None, "") else row["output"]
 
 
+def _named_choice(gen: str, row: dict) -> int | None:
+    return pick_choice(gen, row["choices"])
+
+
 ROW_METRICS.register("rouge", help="ROUGE-L F of the generation vs output")(
-    RowMetric("rougeL", lambda gen, row: rouge_l(gen, row["output"]))
+    RowMetric("rougeL", lambda gen, row, _: rouge_l(gen, row["output"]))
 )
-ROW_METRICS.register("gsm8k", help="final-number accuracy vs answer")(
-    RowMetric("gsm8k_acc", lambda gen, row: float(gsm8k_correct(gen, _reference(row))))
+ROW_METRICS.register("gsm8k", help="final-number accuracy vs answer (0 when cut before it)")(
+    RowMetric("gsm8k_acc", lambda gen, row, done: float(gsm8k_correct(gen, _reference(row), done)))
 )
 ROW_METRICS.register("choice", help="accuracy of the choice named by the generation")(
-    RowMetric("acc", lambda gen, row: float(choice_accuracy(gen, row["choices"], _reference(row))))
+    RowMetric(
+        "acc",
+        lambda gen, row, _: float(
+            _named_choice(gen, row) == resolve_answer(_reference(row), row["choices"])
+        ),
+    )
 )
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How an instruction suite is scored (the task's evaluation fields).
+
+    Attributes:
+        prompt: Prompt format and truncation (prompts are cut to ``max_prompt_length``).
+        max_new_tokens: Generation budget of each item.
+        budgets: Per-domain budgets replacing ``max_new_tokens`` for that domain.
+        batch_size: Generation and scoring batch size.
+        choice_mode: ``choice`` rows are answered by generation (``generate``: the reply must
+            name the label) or by the most likely label (``loglik``).
+        choice_norm: Normalisation of ``loglik`` choice scores (:data:`ChoiceNorm`).
+        with_ppl: Also compute the perplexity of the reference outputs.
+    """
+
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    max_new_tokens: int = 64
+    budgets: Mapping[str, int] | None = None
+    batch_size: int = 8
+    choice_mode: Literal["generate", "loglik"] = "generate"
+    choice_norm: ChoiceNorm = "none"
+    with_ppl: bool = False
+
+    def budget(self, domain: str) -> int:
+        """The generation budget of ``domain``."""
+        return int((self.budgets or {}).get(domain, self.max_new_tokens))
 
 
 def evaluate_instructions(
-    model: Any,
-    tokenizer: Any,
-    dataset: Any,
-    prompt_cfg: PromptConfig | None = None,
-    max_new_tokens: int = 64,
-    batch_size: int = 8,
-    choice_mode: Literal["generate", "loglik"] = "generate",
-    length_norm: LengthNorm = "token",
-    with_ppl: bool = False,
+    model: Any, tokenizer: Any, dataset: Any, settings: EvalSettings | None = None, **kw: Any
 ) -> dict[str, float]:
     """Scores a model on an instruction suite, overall and per domain.
 
-    The means of :func:`evaluate_instruction_items`; see there for the arguments.
+    The means of :func:`evaluate_instruction_items`; ``kw`` are :class:`EvalSettings` fields.
     """
-    return evaluate_instruction_items(
-        model,
-        tokenizer,
-        dataset,
-        prompt_cfg,
-        max_new_tokens,
-        batch_size,
-        choice_mode,
-        length_norm,
-        with_ppl,
-    )[0]
+    return evaluate_instruction_items(model, tokenizer, dataset, settings, **kw)[0]
 
 
 def evaluate_instruction_items(
     model: Any,
     tokenizer: Any,
     dataset: Any,
-    prompt_cfg: PromptConfig | None = None,
-    max_new_tokens: int = 64,
-    batch_size: int = 8,
-    choice_mode: Literal["generate", "loglik"] = "generate",
-    length_norm: LengthNorm = "token",
-    with_ppl: bool = False,
+    settings: EvalSettings | None = None,
+    **kw: Any,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Scores a model on an instruction suite: the means and every item.
 
     Each row is scored by the metric its ``metric`` column names: ``rouge`` → ROUGE-L F of the
     greedy generation against ``output``; ``gsm8k`` → whether the generation's final number equals
-    that of ``answer`` (``output`` when ``answer`` is empty); ``choice`` → whether the generation
-    names the right choice (``choice_mode="generate"``) or the right choice has the highest
-    log-likelihood (``"loglik"``, normalised by ``length_norm``).
+    that of ``answer`` (``output`` when ``answer`` is empty; a generation cut by its budget
+    before a ``####`` answer has no final number and scores 0: it is counted under
+    ``truncated/<domain>``, not read for its last intermediate number); ``choice`` → whether
+    the generation names the right choice (``choice_mode="generate"``) or the right choice's
+    continuation is the most likely (``"loglik"``, compared under ``choice_norm``).
 
     Args:
         model: Causal LM or ``LMBundle`` (then ``tokenizer`` may be ``None``).
         tokenizer: Its tokenizer.
         dataset: ``datasets.Dataset`` with ``instruction, output, metric`` and optionally
             ``input, domain, choices, answer`` columns (a missing ``domain`` counts as ``"all"``).
-        prompt_cfg: Prompt format and truncation (prompts are cut to ``max_prompt_length``).
-        max_new_tokens: Generation budget.
-        batch_size: Generation and scoring batch size.
-        choice_mode: How ``choice`` rows are answered.
-        length_norm: Normalisation of ``loglik`` choice scores.
-        with_ppl: Also compute the perplexity of the reference outputs (``ppl``, ``ppl/<domain>``).
+        settings: How to score (:class:`EvalSettings`); ``kw`` replaces some of its fields.
+        **kw: :class:`EvalSettings` fields (``max_new_tokens=8, choice_mode="loglik"``).
 
     Returns:
         ``(metrics, items)``. ``metrics``: ``{key: mean}`` over all rows of each metric kind
         (``rougeL``, ``gsm8k_acc``, ``acc``), ``{key}/{domain}`` for each domain,
         ``score/{domain}`` (mean of the domain's row scores: its primary metric when, as in
         fedfm's suites, a domain uses one metric) and ``score`` (mean over domains of
-        ``score/{domain}``, so every domain weighs the same), plus ``n`` and ``n/{domain}`` row
-        counts. ``items``: one dict per row, in order, with ``id`` (the row's ``id``, else its
+        ``score/{domain}``, so every domain weighs the same), ``n`` and ``n/{domain}`` row
+        counts; ``truncated/{domain}`` (share of the domain's generations that ran into the
+        budget) and ``truncated`` (over every generation) where anything was generated; for
+        each ``choice`` domain ``pred/{domain}/{label}`` (share of its items answered with
+        each label, ``(none)`` for generations naming none), ``majority/{domain}`` (the
+        accuracy of always answering the most frequent gold label) and ``uniform/{domain}``
+        (the expected accuracy of a uniform guess, 1 / number of labels).
+        ``items``: one dict per row, in order, with ``id`` (the row's ``id``, else its
         index), ``domain``, ``metric`` (the key it counts towards), ``prompt``, ``reference``
         (what the answer was scored against), ``answer`` (the generation, or the picked
-        choice under ``loglik``) and ``score`` in [0, 1]: what head-to-head win rates
+        choice under ``loglik``), ``label`` (the label answered, choice rows only),
+        ``truncated`` and ``score`` in [0, 1]: what head-to-head win rates
         (:func:`head_to_head`) and distribution analyses need.
     """
     model, tokenizer = unwrap_bundle(model, tokenizer)
-    prompt_cfg = prompt_cfg or PromptConfig()
+    cfg = replace(settings or EvalSettings(), **kw)
+    if cfg.choice_norm not in CHOICE_NORMS:
+        raise FedfmError(
+            f"choice norm must be one of {', '.join(CHOICE_NORMS)}, got {cfg.choice_norm!r}"
+        )
     rows = _suite_rows(dataset)
-    fitted = [fit_prompt(tokenizer, r["instruction"], r["input"], prompt_cfg) for r in rows]
+    fitted = [fit_prompt(tokenizer, r["instruction"], r["input"], cfg.prompt) for r in rows]
     prompts = [ids for _, ids in fitted]
     for r in rows:
         ROW_METRICS.get(r["metric"])  # unknown metric names fail before any generation
 
     by_loglik = {
-        i for i, r in enumerate(rows) if r["metric"] == "choice" and choice_mode == "loglik"
+        i for i, r in enumerate(rows) if r["metric"] == "choice" and cfg.choice_mode == "loglik"
     }
     to_generate = [i for i in range(len(rows)) if i not in by_loglik]
-    generations = dict(
-        zip(
-            to_generate,
-            generate(
-                model,
-                tokenizer,
-                [prompts[i] for i in to_generate],
-                max_new_tokens,
-                batch_size,
-                prompt_cfg,
-            ),
-            strict=True,
-        )
-    )
+    replies = _generate_by_budget(model, tokenizer, rows, prompts, to_generate, cfg)
     values: list[tuple[str, str, float]] = []  # (domain, metric key, value)
     items: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
-        if i in generations:
+        label: str | None = None
+        if i in replies:
+            reply = replies[i]
             metric = ROW_METRICS.get(row["metric"])
-            key, answer, score = metric.key, generations[i], metric.score(generations[i], row)
+            key, answer = metric.key, reply.text
+            score = metric.score(reply.text, row, not reply.truncated)
+            if row["metric"] == "choice":
+                named = _named_choice(reply.text, row)
+                label = NO_LABEL if named is None else row["choices"][named]
         else:
             pick = multiple_choice_loglik(
-                model, tokenizer, prompts[i], row["choices"], length_norm, batch_size
+                model,
+                tokenizer,
+                prompts[i],
+                row["choices"],
+                cfg.choice_norm,
+                cfg.batch_size,
+                cfg.prompt,
             )
             gold = resolve_answer(_reference(row), row["choices"])
             key, answer, score = "acc", row["choices"][pick], float(pick == gold)
+            label = answer
         values.append((row["domain"], key, score))
         reference = row["output"] if row["metric"] == "rouge" else _reference(row)
         items.append(
@@ -338,13 +413,74 @@ def evaluate_instruction_items(
                 "prompt": fitted[i][0],
                 "reference": reference,
                 "answer": answer,
+                **({"label": label} if label is not None else {}),
+                "truncated": bool(i in replies and replies[i].truncated),
                 "score": score,
             }
         )
     results = _aggregate(values)
-    if with_ppl:
-        results.update(_perplexities(model, tokenizer, dataset, rows, prompt_cfg, batch_size))
+    results.update(instrument_readouts(rows, items, set(replies)))
+    if cfg.with_ppl:
+        results.update(_perplexities(model, tokenizer, dataset, rows, cfg.prompt, cfg.batch_size))
     return results, items
+
+
+def _generate_by_budget(
+    model: nn.Module,
+    tokenizer: Any,
+    rows: list[dict],
+    prompts: list[list[int]],
+    todo: list[int],
+    cfg: EvalSettings,
+) -> dict[int, Reply]:
+    """Greedy replies of rows ``todo``, each domain with its own budget (one pass per budget)."""
+    out: dict[int, Reply] = {}
+    by_budget: dict[int, list[int]] = defaultdict(list)
+    for i in todo:
+        by_budget[cfg.budget(rows[i]["domain"])].append(i)
+    for budget, idx in sorted(by_budget.items()):
+        got = generate_replies(
+            model, tokenizer, [prompts[i] for i in idx], budget, cfg.batch_size, cfg.prompt
+        )
+        out.update(zip(idx, got, strict=True))
+    return out
+
+
+def instrument_readouts(
+    rows: Sequence[Mapping[str, Any]], items: Sequence[Mapping[str, Any]], generated: set[int]
+) -> dict[str, float]:
+    """What shows a broken instrument (DESIGN.md principle 15), from scored items.
+
+    Returns:
+        ``truncated/<domain>`` and ``truncated`` over the generated items (row indices in
+        ``generated``); per ``choice`` domain ``pred/<domain>/<label>``, ``majority/<domain>``
+        and ``uniform/<domain>`` (see :func:`evaluate_instruction_items`).
+    """
+    out: dict[str, float] = {}
+    cut: dict[str, list[bool]] = defaultdict(list)
+    for i in sorted(generated):
+        cut[str(items[i]["domain"])].append(bool(items[i]["truncated"]))
+    for domain, flags in sorted(cut.items()):
+        out[f"truncated/{domain}"] = float(np.mean(flags))
+    if cut:
+        out["truncated"] = float(np.mean([f for flags in cut.values() for f in flags]))
+    by_domain: dict[str, list[int]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        if row["metric"] == "choice":
+            by_domain[str(row["domain"])].append(i)
+    for domain, idx in sorted(by_domain.items()):
+        # Labels by text: rows of one domain may list their choices in different orders.
+        labels = list(dict.fromkeys(str(c) for i in idx for c in rows[i]["choices"]))
+        answered = [str(items[i].get("label")) for i in idx]
+        gold = Counter(
+            str(rows[i]["choices"][resolve_answer(_reference(rows[i]), rows[i]["choices"])])
+            for i in idx
+        )
+        for label in labels + ([NO_LABEL] if NO_LABEL in answered else []):
+            out[f"pred/{domain}/{label}"] = answered.count(label) / len(idx)
+        out[f"majority/{domain}"] = max(gold.values()) / len(idx)
+        out[f"uniform/{domain}"] = 1.0 / len(labels)
+    return out
 
 
 def head_to_head(

@@ -134,10 +134,12 @@ def _canonical_number(token: str) -> str | None:
     return "0" if text in {"-0", ""} else text
 
 
-def gsm8k_number(text: str) -> str | None:
+def gsm8k_number(text: str, finished: bool = True) -> str | None:
     """The final numeric answer in ``text`` as a canonical string, or ``None``.
 
-    The first number after the last ``####`` is preferred; otherwise the last number in the text.
+    The first number after the last ``####`` is preferred; otherwise the last number in the text,
+    but only when the text is ``finished``: a reply cut by its token budget before a ``####``
+    answer has no final number (its last number is an intermediate step, not an answer).
     Thousands commas and ``$`` are removed and trailing decimal zeros dropped
     (``"#### 1,234"`` → ``"1234"``, ``"The answer is $18."`` → ``"18"``, ``"3.0"`` → ``"3"``).
     """
@@ -145,13 +147,19 @@ def gsm8k_number(text: str) -> str | None:
         found = _NUMBER.findall(text.rsplit("####", 1)[1])
         if found:
             return _canonical_number(found[0])
+    if not finished:
+        return None
     found = _NUMBER.findall(text)
     return _canonical_number(found[-1]) if found else None
 
 
-def gsm8k_correct(prediction: str, answer: str | int | float) -> bool:
-    """Whether the final number of ``prediction`` equals the answer's final number."""
-    pred = gsm8k_number(prediction)
+def gsm8k_correct(prediction: str, answer: str | int | float, finished: bool = True) -> bool:
+    """Whether the final number of ``prediction`` equals the answer's final number.
+
+    ``finished=False`` (the reply ran into its token budget) accepts only a ``####`` answer
+    (see :func:`gsm8k_number`).
+    """
+    pred = gsm8k_number(prediction, finished)
     ref = gsm8k_number(str(answer))
     return pred is not None and pred == ref
 

@@ -323,6 +323,22 @@ def save_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> P
     return folder
 
 
+def save_active_adapter(model: nn.Module, folder: str | Path) -> bool:
+    """Saves the one active adapter of a peft model (:func:`save_adapter`); ``False`` for a
+    model that is not a peft model (nothing is written).
+
+    Raises:
+        ConfigError: Several adapters are active (field ``lora.adapter``).
+    """
+    if not isinstance(model, peft.PeftModel):
+        return False
+    active = active_adapters(model)
+    if len(active) != 1:
+        raise ConfigError("lora.adapter", f"one active adapter needed to save, got {active}")
+    save_adapter(model, active[0], folder)
+    return True
+
+
 def load_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> None:
     """Loads an adapter saved by :func:`save_adapter` (or by plain peft) as adapter ``name``.
 

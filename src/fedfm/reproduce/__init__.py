@@ -1,23 +1,10 @@
-"""Reproduction studies: one command runs a grid of experiments and writes a report in docs/.
+"""Reproduction studies: ``fedfm reproduce NAME`` runs a grid of experiments and writes a report.
 
-Each study is a module in this package that registers a function
-``(out: Path, quick: bool) -> Path`` returning the report it wrote.
+Every study is one module of this package declared on :mod:`fedfm.reproduce.framework` (its
+jobs, what it reads of each run, its readouts and its report); the framework runs, records,
+reads and reports, and :mod:`fedfm.reproduce.stats` computes every standard error.
 """
 
-from __future__ import annotations
+from fedfm.reproduce.framework import STUDIES, load_studies
 
-import importlib
-import pkgutil
-from collections.abc import Callable
-from pathlib import Path
-
-from fedfm.registry import Registry
-
-Study = Callable[[Path, bool], Path]
-STUDIES: Registry[Study] = Registry("reproduction", "study")
-
-
-def load_studies() -> None:
-    """Imports every study module so that it registers itself."""
-    for mod in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{mod.name}")
+__all__ = ["STUDIES", "load_studies"]

@@ -17,24 +17,21 @@ all-MiniLM-L6-v2 on the server), at Dirichlet label skew α ∈ {0.1, 0.5}, for 
 
 then probes Lite0's features linearly (logistic regression on as many training images as the
 public set has) at several input sizes, so the report can say whether the teacher beats the
-student, and writes ``docs/fedrd.md`` (:mod:`fedfm.reproduce.fedrd_report`, which also
-registers the study). ``--quick`` runs a tiny grid and writes its report under the output
-folder, so it never replaces the committed report.
+student, and writes ``docs/fedrd.md`` (readouts first, then the tables; every number read
+from the runs' metrics and the probe's result). ``--quick`` runs a tiny grid and writes its
+report under the output folder, so it never replaces the committed report.
 
-Resumable as :mod:`fedfm.reproduce.fedekd` is: a finished run of the same config is skipped,
-an unfinished one resumes from its checkpoint, so rerunning the command after an
-interruption only runs what is missing. Jobs run seed by seed, so an interrupted grid has
-every cell at fewer seeds. Runs go one after another in one process with one torch thread:
-the foundation model's features (public set, evaluation rows, the adapter's images) are
-computed once per process and reused by every later run that reads the same rows.
+Jobs run seed by seed, so an interrupted grid has every cell at fewer seeds. By default
+they go one after another in one process with one torch thread: the foundation model's
+features (public set, evaluation rows, the adapter's images) are computed once per process
+and reused by every later run that reads the same rows.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
-import os
+import itertools
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +40,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fedfm.reproduce.fedekd import preset_data, run_status
+from fedfm import plots
+from fedfm.reproduce.framework import (
+    Compute,
+    Context,
+    Job,
+    Readout,
+    Run,
+    RunView,
+    Study,
+    merge,
+    preset,
+    register,
+)
+from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired
+from fedfm.reproduce.tables import head, row, side
 
 # ----------------------------------------------------------------------------- the grid
 
@@ -159,7 +170,7 @@ QUICK = Grid(
 )
 
 
-class Job(NamedTuple):
+class Cell(NamedTuple):
     """One run of the grid."""
 
     modality: str
@@ -177,10 +188,10 @@ class Job(NamedTuple):
         return METHODS[self.method].presets[self.modality]
 
 
-def jobs_of(grid: Grid) -> list[Job]:
+def cells(grid: Grid) -> list[Cell]:
     """Every run, seed by seed (an interrupted grid has every cell at fewer seeds)."""
     return [
-        Job(mod, a, s, m)
+        Cell(mod, a, s, m)
         for s in grid.seeds
         for mod in grid.modalities
         for a in grid.alphas
@@ -189,64 +200,31 @@ def jobs_of(grid: Grid) -> list[Job]:
     ]
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in extra.items():
-        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, Mapping) else v
-    return out
-
-
-def job_config(job: Job, grid: Grid, out: Path) -> dict[str, Any]:
+def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     """The run config of one job: the preset, the method's overrides, α, seed, study settings.
 
     The model arguments of the study's ``algo.teacher_options`` apply to the adapter's
     ``model_args.fm_size`` too, so both foundation-model paths see images of one size.
     """
-    data = preset_data(job.preset)
+    data = preset(job.preset)
     m = METHODS[job.method]
     ov = copy.deepcopy(grid.overrides.get(job.modality, {}))
     algo_ov = ov.pop("algo", {})
     size = algo_ov.get("teacher_options", {}).get("image_size")
     if m.public:
-        data["algo"] = _merge(data.get("algo", {}), {**algo_ov, **m.algo})
+        data["algo"] = merge(data.get("algo", {}), {**algo_ov, **m.algo})
     elif job.method == "adapter" and size is not None:
-        ov = _merge(ov, {"task": {"model_args": {"fm_size": size}}})
-    data = _merge(data, ov)
+        ov = merge(ov, {"task": {"model_args": {"fm_size": size}}})
+    data = merge(data, ov)
     data.update(
-        name=job.name,
         seed=job.seed,
         rounds=grid.rounds or int(data.get("rounds", 40)),
-        out_dir=str(out),
         eval_every=grid.eval_every,
         eval_before=False,
         plots=False,
-        threads=1,
     )
     data["partition"] = {**data.get("partition", {}), "alpha": job.alpha}
     return data
-
-
-# ----------------------------------------------------------------------------- running
-
-
-def run_job(cfg: dict[str, Any]) -> tuple[str, str | None, float]:
-    """Runs (or resumes, or skips) one config; returns (name, error or None, seconds)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import fedfm.algorithms.fedrd
-    import fedfm.tasks.text  # noqa: F401  (registers the text task)
-    from fedfm.config import load_config
-    from fedfm.runtime import run
-
-    t = time.perf_counter()
-    try:
-        status = run_status(cfg)
-        if status != "done":
-            resume = status == "partial"
-            run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
-        return cfg["name"], None, time.perf_counter() - t
-    except Exception as e:  # a failed run is reported in the study, not fatal to it
-        return cfg["name"], f"{type(e).__name__}: {e}", time.perf_counter() - t
 
 
 # ----------------------------------------------------------------------------- Lite0 probe
@@ -263,13 +241,14 @@ def lite0_probe(
     """
     import torch
     from sklearn.linear_model import LogisticRegression
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
     from fedfm.data.sources import load_source
     from fedfm.models.vision import imagenet_preprocess, load_efficientnet_lite0
 
     torch.set_num_threads(1)
     src = load_source("fashion_mnist")
+    assert src.train is not None and src.test is not None  # the source has both splits
     tr = src.train.shuffle(seed=seed).select(range(n_train))
     te = src.test.shuffle(seed=seed).select(range(n_test))
 
@@ -307,58 +286,749 @@ def lite0_probe(
 
 def public_size(grid: Grid) -> int:
     """The vision public set's size (the probe trains on as many images)."""
-    data = job_config(Job("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid, Path("."))
+    data = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
     return int(data["algo"].get("public_size", 500))
 
 
-# ----------------------------------------------------------------------------- the study
+def probe(inputs: Mapping[str, Path], folder: Path, **params: Any) -> dict[str, Any]:
+    """The probe as a computation of the study (its result, by input size)."""
+    del inputs, folder
+    return {str(k): v for k, v in lite0_probe(**params).items()}
 
 
-def run_grid(grid: Grid, out: Path, command: str) -> dict[str, Any]:
-    """Runs the probe and every job not done into ``out``; saves and returns ``study.json``.
+PROBE = "lite0-probe"
 
-    The saved file keeps the grid, the probe, the run times of this invocation merged with
-    those of earlier ones, and the failures of this invocation.
+
+def jobs(ctx: Context[Grid]) -> list[Job]:
+    """The Lite0 probe (when the grid has images), then every run."""
+    grid = ctx.grid
+    out: list[Job] = []
+    if "vision" in grid.modalities and grid.probe_sizes:
+        params = {"sizes": [int(s) for s in grid.probe_sizes], "n_train": public_size(grid)}
+        out.append(Compute(PROBE, probe, {**params, "n_test": grid.probe_test}))
+    return out + [Run(c.name, job_config(c, grid), group=c.method) for c in cells(grid)]
+
+
+# ----------------------------------------------------------------------------- reading runs
+
+
+@dataclass
+class RunResult:
+    """What the report reads from one run.
+
+    Attributes:
+        final: Metrics of the last evaluated round (``acc``, ``macro_f1``, ``teacher/acc``...).
+        curve: Round -> test accuracy at every evaluated round.
+        server: Means over rounds of the server's co-training metrics (``server_*``).
+        warmup: The warm-up's metrics (round 1), if any.
+        rounds: Last evaluated round.
+        bytes_up: Mean bytes sent up per round.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "study.json"
-    saved: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    times: dict[str, float] = dict(saved.get("times", {}))
-    wall = float(saved.get("wall_s", 0.0))
-    t0 = time.perf_counter()
-    probe = saved.get("probe")
-    want = [int(s) for s in grid.probe_sizes] if "vision" in grid.modalities else []
-    if want and (not isinstance(probe, dict) or sorted(map(int, probe)) != sorted(want)):
-        t = time.perf_counter()
-        try:
-            probe = lite0_probe(want, public_size(grid), grid.probe_test)
-        except Exception as e:  # reported, not fatal
-            probe = f"{type(e).__name__}: {e}"
-        times["probe"] = time.perf_counter() - t
-    failed: dict[str, str] = {}
 
-    def save(done: bool) -> dict[str, Any]:
-        d = {
-            "grid": dataclasses.asdict(grid),
-            "command": command,
-            "probe": probe,
-            "times": times,
-            "failed": failed,
-            "wall_s": wall + time.perf_counter() - t0,
-            "finished": done,
-            "cpus": os.cpu_count(),
-        }
-        path.write_text(json.dumps(d, indent=1))
-        return d
+    final: dict[str, float]
+    curve: dict[int, float]
+    server: dict[str, float]
+    warmup: dict[str, float]
+    rounds: int
+    bytes_up: float
 
-    save(False)
-    for job in jobs_of(grid):
-        cfg = job_config(job, grid, out)
-        if run_status(cfg) == "done":
+
+def read_run(view: RunView) -> RunResult | None:
+    """The run's results, or None when it has no evaluated round yet."""
+    rows = view.metrics
+    evals = [r for r in rows if "acc" in r and r.get("round", 0) > 0]
+    if not evals:
+        return None
+    trained = [r for r in rows if r.get("round", 0) >= 1]
+    keys = {k for r in trained for k in r if k.startswith("server_")}
+    server = {
+        k: float(np.mean([r[k] for r in trained if k in r]))
+        for k in keys
+        if k not in ("server_steps",)
+    }
+    # The last round's server metrics too: how far the public rows are fitted at the end.
+    server.update({f"{k}@last": float(trained[-1][k]) for k in keys if k in trained[-1]})
+    warm = {k: float(v) for r in trained[:1] for k, v in r.items() if k.startswith("warmup_")}
+    return RunResult(
+        final={k: float(v) for k, v in evals[-1].items() if isinstance(v, int | float)},
+        curve={int(r["round"]): float(r["acc"]) for r in evals},
+        server=server,
+        warmup=warm,
+        rounds=int(evals[-1]["round"]),
+        bytes_up=float(np.mean([r.get("bytes_up", 0) for r in trained])) if trained else 0.0,
+    )
+
+
+Results = dict[Cell, RunResult]
+
+
+def read(ctx: Context[Grid]) -> Results:
+    """Every finished-or-evaluated run of the grid that has results."""
+    res = {}
+    for job in cells(ctx.grid):
+        r = read_run(ctx.run(job.name))
+        if r is not None:
+            res[job] = r
+    return res
+
+
+def _seeds(
+    res: Results, grid: Grid, mod: str, alpha: float, method: str, value: Any
+) -> dict[int, float]:
+    """Seed -> ``value(run)`` of one cell (seeds whose run gives None left out)."""
+    runs = {s: res.get(Cell(mod, alpha, s, method)) for s in grid.seeds}
+    got = {s: value(r) for s, r in runs.items() if r is not None}
+    return {s: float(v) for s, v in got.items() if v is not None}
+
+
+def per_seed(
+    res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: str
+) -> dict[int, float]:
+    """Seed -> the final ``metric`` of one cell (seeds without that metric left out)."""
+    rounds = _rounds(grid, mod, method)
+    return _seeds(
+        res, grid, mod, alpha, method, lambda r: r.final.get(metric) if r.rounds == rounds else None
+    )
+
+
+def _rounds(grid: Grid, mod: str, method: str) -> int:
+    if grid.rounds is not None:
+        return grid.rounds
+    return int(preset(METHODS[method].presets[mod]).get("rounds", 40))
+
+
+def _server_seed(
+    res: Results, grid: Grid, mod: str, alpha: float, method: str, key: str
+) -> dict[int, float]:
+    return _seeds(res, grid, mod, alpha, method, lambda r: {**r.server, **r.warmup}.get(key))
+
+
+def curve_seed(
+    res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int
+) -> dict[int, float]:
+    """Seed -> test accuracy at round ``rnd``."""
+    return _seeds(res, grid, mod, alpha, method, lambda r: r.curve.get(rnd))
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _methods(grid: Grid, mod: str) -> list[str]:
+    return [m for m in grid.methods if mod in METHODS[m].presets]
+
+
+def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
+    """Mean ± SE over seeds of the final accuracy and macro-F1 per (α, method)."""
+    lines = head(["α", "method", "public rows", "acc", "macro-F1", "teacher path z_t acc", "seeds"])
+    for a in grid.alphas:
+        for m in _methods(grid, mod):
+            acc = mean_se(list(per_seed(res, grid, mod, a, m, "acc").values()))
+            f1 = mean_se(list(per_seed(res, grid, mod, a, m, "macro_f1").values()))
+            t = mean_se(list(per_seed(res, grid, mod, a, m, "teacher/acc").values()))
+            pub = "yes" if METHODS[m].public else "no"
+            lines.append(
+                row([f"{a:g}", METHODS[m].label, pub, acc.fmt(), f1.fmt(), t.fmt(), str(acc.n)])
+            )
+    return lines
+
+
+def _verdict(est: Estimate) -> str:
+    return side(est, "FedRD higher", "FedRD lower")
+
+
+def differences(grid: Grid, res: Results, mod: str, alpha: float) -> dict[str, dict[str, Any]]:
+    """FedRD minus every other method, paired by seed: accuracy and macro-F1 estimates."""
+    out = {}
+    for m in _methods(grid, mod):
+        if m == "fedrd":
             continue
-        name, err, secs = run_job(cfg)
-        times[name] = times.get(name, 0.0) + secs
-        if err:
-            failed[name] = err
-        save(False)
-    return save(True)
+        out[m] = {
+            metric: paired(
+                per_seed(res, grid, mod, alpha, "fedrd", metric),
+                per_seed(res, grid, mod, alpha, m, metric),
+            )
+            for metric in ("acc", "macro_f1")
+        }
+    return out
+
+
+def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
+    """The paired differences FedRD − method, per α."""
+    lines = head(["α", "FedRD minus", "Δ acc (mean ± SE)", "Δ macro-F1", "seeds", "accuracy"])
+    for a in grid.alphas:
+        for m, d in differences(grid, res, mod, a).items():
+            acc, f1 = d["acc"], d["macro_f1"]
+            lines.append(
+                row(
+                    [
+                        f"{a:g}",
+                        METHODS[m].label,
+                        acc.fmt(signed=True),
+                        f1.fmt(signed=True),
+                        str(acc.n),
+                        _verdict(acc),
+                    ]
+                )
+            )
+    return lines
+
+
+def teacher_lines(grid: Grid, res: Results, mod: str) -> list[str]:
+    """Whether the teacher path beats the student: FedRD's z_t accuracy (on the test subset)
+    next to the public fine-tuning control's student accuracy (on the whole test set)."""
+    lines = []
+    for a in grid.alphas:
+        for m in ("fedrd", "nophi"):
+            if m not in _methods(grid, mod):
+                continue
+            t = mean_se(list(per_seed(res, grid, mod, a, m, "teacher/acc").values()))
+            s = mean_se(list(per_seed(res, grid, mod, a, m, "acc").values()))
+            ctrl = mean_se(list(per_seed(res, grid, mod, a, "ft", "acc").values()))
+            if t.n:
+                lines.append(
+                    f"- α = {a:g}, {METHODS[m].label}: teacher path z_t {t.fmt()} vs its own"
+                    f" student {s.fmt()}; the public fine-tuning control's student {ctrl.fmt()}."
+                )
+    return lines
+
+
+def seeds_table(grid: Grid, res: Results, mod: str) -> list[str]:
+    """The final test accuracy of every run, seed by seed (what the means and SEs are of)."""
+    lines = head(["α", "method", *[f"seed {s}" for s in grid.seeds]])
+    for a in grid.alphas:
+        for m in _methods(grid, mod):
+            vals = per_seed(res, grid, mod, a, m, "acc")
+            cells = [f"{vals[s]:.3f}" if s in vals else "—" for s in grid.seeds]
+            lines.append(row([f"{a:g}", METHODS[m].label, *cells]))
+    return lines
+
+
+DROP = 0.2
+"""A fall of test accuracy this large between two evaluations flags a run as unstable."""
+
+
+def unstable_lines(grid: Grid, res: Results, mod: str) -> list[str]:
+    """Runs of ``mod`` whose test accuracy fell by more than :data:`DROP` between two
+    evaluations."""
+    lines = []
+    mine = {j: r for j, r in res.items() if j.modality == mod}
+    for job, r in sorted(mine.items(), key=lambda kv: kv[0].name):
+        rounds = sorted(r.curve)
+        for a, b in itertools.pairwise(rounds):
+            if r.curve[a] - r.curve[b] > DROP:
+                lines.append(
+                    f"- `{job.name}` ({METHODS[job.method].label}): test accuracy"
+                    f" {r.curve[a]:.3f} at round {a}, {r.curve[b]:.3f} at round {b}."
+                )
+    return lines
+
+
+def curve_rounds(grid: Grid, res: Results) -> list[int]:
+    """Rounds evaluated in every run that has results."""
+    sets = [set(r.curve) for r in res.values()]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def curves_table(grid: Grid, res: Results, mod: str) -> list[str]:
+    """Mean ± SE test accuracy at each evaluated round, and FedRD − public fine-tuning."""
+    rounds = curve_rounds(grid, res)
+    lines = head(["α", "method", *[f"round {r}" for r in rounds]])
+    for a in grid.alphas:
+        for m in _methods(grid, mod):
+            cells = [mean_se(list(curve_seed(res, grid, mod, a, m, r).values())) for r in rounds]
+            lines.append(row([f"{a:g}", METHODS[m].label, *[c.fmt() for c in cells]]))
+        for ref in ("ft", "ab0"):
+            if ref in _methods(grid, mod) and "fedrd" in _methods(grid, mod):
+                diffs = [
+                    paired(
+                        curve_seed(res, grid, mod, a, "fedrd", r),
+                        curve_seed(res, grid, mod, a, ref, r),
+                    )
+                    for r in rounds
+                ]
+                label = f"**FedRD − {METHODS[ref].label}** (paired)"
+                lines.append(row([f"{a:g}", label, *[d.fmt(signed=True) for d in diffs]]))
+    return lines
+
+
+def teacher_table(grid: Grid, res: Results, mod: str) -> list[str]:
+    """The server's view: the teacher path, the public-set fit and CKA, public vs test."""
+    keys = [
+        ("warmup_ce_t", "warm-up CE(y, z_t), mean over its steps"),
+        ("server_ce_t@last", "public CE(y, z_t), last round"),
+        ("server_kl@last", "public KL(z_t‖z_s), last round"),
+        ("server_cka@last", "public CKA(f_t, f_s), last round"),
+        ("server_hint@last", "public hint loss, last round"),
+        ("server_loss@last", "server loss, last round"),
+    ]
+    lines = head(["α", "method", *[label for _, label in keys], "test CKA(f_t, f_s)"])
+    for a in grid.alphas:
+        for m in _methods(grid, mod):
+            if not METHODS[m].public:
+                continue
+            cells = [
+                mean_se(list(_server_seed(res, grid, mod, a, m, k).values())).fmt() for k, _ in keys
+            ]
+            cka = mean_se(list(per_seed(res, grid, mod, a, m, "cka_test").values())).fmt()
+            lines.append(row([f"{a:g}", METHODS[m].label, *cells, cka]))
+    return lines
+
+
+def probe_lines(probe: Any, grid: Grid, res: Results) -> list[str]:
+    """The Lite0 probe per input size next to the students' accuracy."""
+    if not probe:
+        return ["(not measured in this grid)", ""]
+    if isinstance(probe, str):
+        return [f"Probe failed: {probe}", ""]
+    rows = sorted(probe.items(), key=lambda kv: int(kv[0]))
+    n_train = rows[0][1].get("n_train", "?")
+    n_test = rows[0][1].get("n_test", "?")
+    lines = [
+        f"A linear probe (logistic regression) on EfficientNet-Lite0's pooled features of"
+        f" {n_train} Fashion-MNIST training images (as many as the public set), scored on"
+        f" {n_test} test images, one torch thread:",
+        "",
+        *head(["input size", "probe accuracy", "feature seconds / 100 images"]),
+        *[row([f"{s} px", f"{v['acc']:.3f}", f"{v['s_per_100']:.2f}"]) for s, v in rows],
+        "",
+    ]
+    size = _teacher_size(grid)
+    best = max(rows, key=lambda kv: kv[1]["acc"])
+    used = probe.get(str(size), probe.get(size)) if size is not None else None
+    for a in grid.alphas:
+        for m in ("fedavg", "ft"):
+            if m not in grid.methods:
+                continue
+            est = mean_se(list(per_seed(res, grid, "vision", a, m, "acc").values()))
+            if est.n and used:
+                gap = used["acc"] - est.mean
+                lines.append(
+                    f"- α = {a:g}: {METHODS[m].label} ends at {est.fmt()}; the probe at the"
+                    f" runs' {size} px is {used['acc']:.3f} ({gap:+.3f})."
+                )
+    lines += [
+        "",
+        f"The runs use {size} px; the best probe here is at {best[0]} px ({best[1]['acc']:.3f}).",
+        "",
+    ]
+    return lines
+
+
+def _teacher_size(grid: Grid) -> int | None:
+    if "vision" not in grid.modalities:
+        return None
+    data = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
+    size = data["algo"].get("teacher_options", {}).get("image_size")
+    return int(size) if size is not None else None
+
+
+def setup_table(grid: Grid) -> list[str]:
+    """One line per method: algorithm, data, client model, server, rounds and training."""
+    lines = head(
+        ["method", "preset", "algorithm", "data", "client model", "server", "rounds, clients"]
+    )
+    for mod in grid.modalities:
+        for m in _methods(grid, mod):
+            c = job_config(Cell(mod, grid.alphas[0], grid.seeds[0], m), grid)
+            t, al, p, tr = c["task"], c.get("algo", {}), c["partition"], c["train"]
+            sizes = [f"{k} {t[k]}" for k in ("max_train", "max_test") if t.get(k)]
+            data = f"{t['dataset']} ({', '.join(sizes)})" if sizes else t["dataset"]
+            server = "—"
+            if METHODS[m].public:
+                srv = al.get("server_train", {})
+                fm = (
+                    "no FM"
+                    if c["algorithm"] == "fedavg-ft"
+                    else f"{al.get('teacher')} {al.get('teacher_options', {})}"
+                )
+                # The vision public split is an algo field, the text one a task field.
+                public = al.get("public_size", t.get("public_size"))
+                parts = [fm, f"public {public}"]
+                parts += [f"{k}={al[k]}" for k in ("alpha", "beta") if al.get(k) is not None]
+                if al.get("warmup_epochs"):
+                    parts.append(f"warm-up {al['warmup_epochs']} epochs")
+                parts.append(
+                    f"{srv.get('epochs')} epoch(s)/round {srv.get('optimizer')} lr {srv.get('lr')}"
+                )
+                server = ", ".join(parts)
+            model = f"{t.get('model')} {t.get('model_args', {})}"
+            local = f"{tr.get('steps')} steps, bs {tr.get('batch_size')}, {tr.get('optimizer')}"
+            lines.append(
+                row(
+                    [
+                        METHODS[m].label,
+                        METHODS[m].presets[mod],
+                        c["algorithm"],
+                        data,
+                        model,
+                        server,
+                        f"{c['rounds']}, {p.get('num_clients')} clients ({local}"
+                        f" lr {tr.get('lr')})",
+                    ]
+                )
+            )
+    return lines
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
+    """Test accuracy over rounds (mean over seeds, ± SE bands): a row per modality, a column
+    per α."""
+    rounds = curve_rounds(grid, res)
+    if not rounds:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mods, alphas = list(grid.modalities), list(grid.alphas)
+    palette = plots.colours(METHODS[m].label for m in grid.methods)
+    fig, axes = plt.subplots(
+        len(mods), len(alphas), figsize=(5.5 * len(alphas), 3.6 * len(mods)), squeeze=False
+    )
+    for i, mod in enumerate(mods):
+        for ax, a in zip(axes[i], alphas, strict=True):
+            for m in _methods(grid, mod):
+                est = [mean_se(list(curve_seed(res, grid, mod, a, m, r).values())) for r in rounds]
+                mu = np.array([e.mean for e in est])
+                se = np.array([e.se if math.isfinite(e.se) else 0.0 for e in est])
+                colour = palette[METHODS[m].label]
+                ax.plot(rounds, mu, marker="o", ms=3, label=METHODS[m].label, color=colour)
+                ax.fill_between(rounds, mu - se, mu + se, alpha=0.15, color=colour)
+            ax.set_title(f"{mod}, Dirichlet α = {a:g}")
+            ax.set_xlabel("round")
+            ax.set_ylabel("test accuracy")
+            ax.grid(alpha=0.3)
+        axes[i][0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the page
+
+INTRO = """\
+Method: FedRD, *A Federated Learning and Knowledge Distillation Approach* (federated
+reprogramming knowledge distillation). Code: `src/fedfm/algorithms/fedrd.py` (FedRD, FedRD
+without φ, Fed-Hint, student FedAvg + public fine-tuning), `src/fedfm/models/fm_adapter.py`
+(the federated adapter on the frozen vision foundation model), `src/fedfm/core/cka.py`
+(linear CKA), this study: `src/fedfm/reproduce/fedrd.py`. This page is
+written by the study; do not edit it by hand.
+
+## The method in brief
+
+The server holds a frozen foundation model F_t, a trainable reprogramming module φ (a
+projection, two pre-norm residual MLP blocks and a projection to the student's feature
+width), the shared FC head g and the global student F_s; clients hold only the student.
+Each round: broadcast the student; clients train it with cross-entropy; FedAvg by n_k; then
+the server co-trains φ, g and the student on a small labelled public set with
+`L = CE(y, z_s) + α·CE(y, z_t) + β·(KL(z_t ‖ z_s) + L_CKA(f_t, f_s))`,
+z_t = g(φ(F_t(x))), z_s = g(F_s(x)), L_CKA = −linear CKA (widths may differ).
+
+## What is compared, and why
+
+FedRD's server trains on labelled public rows that plain student FedAvg never sees, so a
+gain over FedAvg can come from those rows alone. The claim under test is that the
+*foundation model* helps, so FedRD is compared with two **controls** that see the same public
+rows without distillation:
+
+- **student FedAvg + public fine-tuning** (`fedavg-ft`): after FedAvg the server fine-tunes
+  the student with CE on the same public rows, same epochs, batch size and optimizer as
+  FedRD's co-training; no foundation model is loaded;
+- **FedRD with α = β = 0**: FedRD's own run with the teacher terms weighted zero, so the
+  student sees only CE on the public rows; it keeps FedRD's warm-up, which trains g (the
+  student's head) through the teacher path before round 1 — the only way it differs from
+  the first control.
+
+Baselines: **FedRD without φ** (called `fedrd-kd` before; FedRD's loss with F_t's raw
+features fed to a separate trainable teacher head and to CKA), **Fed-Hint** (FitNets-style
+feature hints at the server: CE on the public rows plus β·mean((W f_s − F_t(x))²) with a
+learned regressor W; β in the setup table, chosen as the preset's comment says), **student
+FedAvg** without public rows, and a **federated adapter on the foundation model** (every
+client holds the frozen EfficientNet-Lite0, trains a residual adapter, a feature layer and a
+head on its features; only those travel). The paper's other federated KD baselines,
+**Fed-CRD, Fed-VID and SemCKD, are not implemented**.
+
+Choices of ours where the paper is silent: g *is* the student's head (it travels with the
+student and clients train it too); gradients of KL and CKA reach both sides (joint
+back-propagation); the server optimizer (Adam) is rebuilt every round; the warm-up trains φ
+and g (or the teacher head) with CE(y, z_t) alone for `warmup_epochs` before round 1 (the
+paper calls CE(y, z_t) critical but gives no schedule); Fed-Hint hints the student's
+penultimate (feature) layer, not a middle layer, onto F_t's pooled features, with the
+regressor kept across rounds; F_t's features are computed once and cached (F_t is frozen
+and there is no augmentation, so this is exact). The public set is disjoint by sample id
+from every client's data and from the test set (checked; an overlapping set is refused).
+"""
+
+SUBSTITUTIONS: list[tuple[str, str, str]] = [
+    (
+        "PMC-CLIP / LVM-Med, foundation models pretrained on medical images",
+        (
+            "EfficientNet-Lite0 pretrained on ImageNet (4.7 M parameters, the only vision "
+            "foundation model installed here)"
+        ),
+        (
+            "a large, domain-pretrained FM: the teacher here is small and its linear probe is "
+            'measured above; the claim "a strong FM helps a weak student" is tested only as '
+            "far as this FM is stronger than the student"
+        ),
+    ),
+    (
+        "COVID-CT and ISIC2018 (medical images, colour, high resolution)",
+        "Fashion-MNIST (28×28 grey product photos; no medical image set is installed)",
+        (
+            "the medical domain; the domain shift here is ImageNet photos → small grey "
+            "product images, a shift, but not the paper's shift from natural to medical "
+            "images"
+        ),
+    ),
+    (
+        "ResNet18 / ShuffleNet students",
+        "SmallCNN (2 conv blocks, 16/32 channels, 128-d features; about 0.2 M parameters)",
+        (
+            "the paper's student architectures; a small CNN keeps the seeded grid "
+            "affordable on 2 CPU cores"
+        ),
+    ),
+    (
+        "Fed-CRD, Fed-VID, SemCKD baselines",
+        "not implemented (Fed-Hint and FedRD without φ are)",
+        "three of the paper's KD comparisons",
+    ),
+    (
+        "GPU memory of clients (~70 MB vs ~1,297 MB)",
+        (
+            "not remeasured in this study (`benchmarks/client_memory.py` measures CPU "
+            "training memory of one client)"
+        ),
+        "the memory claim is not part of this page",
+    ),
+]
+"""(paper, here, what the substitution removes from the test of the claim)."""
+
+
+def scalerow(grid: Grid) -> tuple[str, str, str]:
+    """The row of the substitutions on scale, from the grid's FedRD config."""
+    c = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
+    t, al, tr = c["task"], c["algo"], c["train"]
+    size = al.get("teacher_options", {}).get("image_size")
+    here = (
+        f"{c['partition'].get('num_clients')} clients, {t.get('max_train')} training images in"
+        f" all ({t.get('local_test_fraction', 0.2):g} of each client's held out as its local"
+        f" test split), {tr.get('steps')} local steps per round, {c['rounds']} rounds,"
+        f" {al.get('public_size')} public images, the FM at {size} px"
+    )
+    return (
+        "the paper's client count, data sizes, input resolution and training budget",
+        here,
+        "scale: few clients and little private data (where a teacher should matter most);"
+        " the results do not speak for many clients, large private sets or long training",
+    )
+
+
+TEXT_ROW = (
+    "(the paper's setting is medical imaging only)",
+    "TREC question types (6 classes, 500 public questions carved out, 10 clients, half per"
+    " round) with a fastText-style student and all-MiniLM-L6-v2 (22 M parameters) as F_t;"
+    " federated LoRA on MiniLM (`fedrd-text-lora`) is not in this grid (every client step runs"
+    " the 22 M-parameter encoder: too slow for 3 seeds × 40 rounds on 2 shared CPU cores)",
+    "a second modality where the teacher path can beat the student; not medical text",
+)
+
+
+def substitution_lines(grid: Grid) -> list[str]:
+    """The substitutions as a table."""
+    rows = list(SUBSTITUTIONS)
+    if "vision" in grid.modalities:
+        rows.insert(3, scalerow(grid))
+    if "text" in grid.modalities:
+        rows.append(TEXT_ROW)
+    return [
+        "## Substitutions of the paper's models and data, and what they remove",
+        "",
+        *head(["paper", "here", "what the substitution removes from the test of the claim"]),
+        *[row(list(r)) for r in rows],
+        "",
+    ]
+
+
+def _fedrd_minus(grid: Grid, mod: str, alpha: float, other: str) -> Any:
+    return lambda r: paired(
+        per_seed(r, grid, mod, alpha, "fedrd", "acc"), per_seed(r, grid, mod, alpha, other, "acc")
+    )
+
+
+FM_SCOPE = (
+    "The FM is EfficientNet-Lite0 (ImageNet) on Fashion-MNIST, or MiniLM on TREC, not a medical"
+    " FM on medical images; seeds pair the partitions."
+)
+
+
+def readouts(grid: Grid) -> list[Readout[Results]]:
+    """Per modality and α: FedRD against the public fine-tuning control (the FM's part) and
+    against FedRD without φ (the reprogramming's part); the paper's other claims this study
+    does not test."""
+    out: list[Readout[Results]] = []
+    for mod in grid.modalities:
+        for a in grid.alphas:
+            where = f"{mod}, α = {a:g}"
+            if "ft" in _methods(grid, mod):
+                out.append(
+                    Readout(
+                        f"FedRD − student FedAvg + public fine-tuning, test accuracy, {where}",
+                        "paired over seeds",
+                        "the FM's distillation helps the student (beyond the public rows)",
+                        +1,
+                        _fedrd_minus(grid, mod, a, "ft"),
+                        scope="The paper compares with KD baselines only; this control sees the"
+                        f" same public rows without the FM. {FM_SCOPE}",
+                    )
+                )
+            if "nophi" in _methods(grid, mod):
+                out.append(
+                    Readout(
+                        f"FedRD − FedRD without φ, test accuracy, {where}",
+                        "paired over seeds",
+                        "reprogramming beats KD without it under non-IID data",
+                        +1,
+                        _fedrd_minus(grid, mod, a, "nophi"),
+                        scope=FM_SCOPE,
+                    )
+                )
+    return [
+        *out,
+        Readout(
+            "FedRD − Fed-CRD, Fed-VID, SemCKD",
+            "—",
+            "FedRD above the KD baselines",
+            +1,
+            lambda r: NONE,
+            scope="Not implemented here (Fed-Hint and FedRD without φ are).",
+            testable=False,
+        ),
+        Readout(
+            "client memory, federated LoRA / FedRD",
+            "—",
+            "about 70 MB against about 1,297 MB of GPU memory",
+            +1,
+            lambda r: NONE,
+            null=1.0,
+            scope="Not measured by this study (`benchmarks/client_memory.py` measures one"
+            " client's CPU training memory).",
+            testable=False,
+        ),
+    ]
+
+
+def body(ctx: Context[Grid], res: Results) -> list[str]:
+    """The method, the setup, per modality the results, the probe, the substitutions."""
+    grid = ctx.grid
+    jobs_ = cells(grid)
+    report = ctx.report or ctx.out / "fedrd.md"
+    fig = curves_figure(grid, res, report.parent / report.stem / "accuracy_over_rounds.png")
+    done = sum(
+        1 for j in jobs_ if j in res and res[j].rounds == _rounds(grid, j.modality, j.method)
+    )
+    lines = [
+        INTRO,
+        "## How to reproduce",
+        "",
+        "```",
+        ctx.command,
+        "```",
+        "",
+        f"- Grid: {', '.join(grid.modalities)} × Dirichlet α ∈"
+        f" {{{', '.join(f'{a:g}' for a in grid.alphas)}}} × seeds"
+        f" {{{', '.join(map(str, grid.seeds))}}} × methods"
+        f" ({', '.join(f'{len(_methods(grid, m))} {m}' for m in grid.modalities)}) ="
+        f" {len(jobs_)} runs; {done} finished. The seed draws the training pool, the public"
+        " set and the partition, so every method of a seed sees the same clients and public"
+        " rows: differences are paired by seed.",
+        f"- Test accuracy on the task's test set (Fashion-MNIST: its 10,000 test images;"
+        f" TREC: `max_test` held-out questions) is evaluated every {grid.eval_every}"
+        " rounds and after the last; the tables give the last round. Standard errors are over"
+        " seeds (sample SD / √n); a difference is *resolved* when it lies more than 2 SE from"
+        f" zero (with {len(grid.seeds)} seed(s) a lenient screen, not a test).",
+        "- Resumable: rerunning the command runs only what is missing and rewrites this page.",
+        *([f"- Quick grid (smoke check), overrides: {grid.overrides}."] if ctx.quick else []),
+        "",
+        *setup_table(grid),
+        "",
+    ]
+    for mod in grid.modalities:
+        lines += [
+            f"## Results ({mod})",
+            "",
+            "**Teacher path against the students** (z_t on the `teacher_eval_size` test"
+            " subset, students on the whole test set; mean ± SE over seeds):",
+            "",
+            *teacher_lines(grid, res, mod),
+            "",
+            "### Final accuracy and macro-F1 (mean ± SE over seeds)",
+            "",
+            "*teacher path z_t acc*: accuracy of g(φ(F_t(x))) (FedRD) or of the teacher head on"
+            " raw F_t features (FedRD without φ) on a fixed subset of the test set"
+            " (`teacher_eval_size` rows).",
+            "",
+            *results_table(grid, res, mod),
+            "",
+            "### FedRD minus each other method (paired by seed)",
+            "",
+            *differences_table(grid, res, mod),
+            "",
+            "### Accuracy over rounds (mean ± SE over seeds)",
+            "",
+            *curves_table(grid, res, mod),
+            "",
+            "### Final accuracy per seed",
+            "",
+            *seeds_table(grid, res, mod),
+            "",
+            f"Runs whose test accuracy fell by more than {DROP:g} between two evaluations"
+            " (a diverging run moves its cell's mean and SE far more than any method"
+            " difference):",
+            "",
+            *(unstable_lines(grid, res, mod) or ["- none"]),
+            "",
+            "### The server's view: teacher path, fit of the public rows, CKA",
+            "",
+            "Means over seeds of the server's co-training metrics on the public batches of the"
+            " last round, and the CKA between f_t and f_s on the test subset at the last"
+            " evaluation. A public CE(y, z_t) near zero with a high public CKA but a low test"
+            " CKA means the public rows are memorised and the distillation terms carry little.",
+            "",
+            *teacher_table(grid, res, mod),
+            "",
+        ]
+    if "vision" in grid.modalities:
+        probe = ctx.run(PROBE).result
+        lines += [
+            "## Is the teacher stronger than the student?",
+            "",
+            *probe_lines(probe, grid, res),
+        ]
+    lines += substitution_lines(grid)
+    if fig is not None:
+        lines += ["## Figures", "", f"![accuracy over rounds]({report.stem}/{fig.name})", ""]
+    return lines
+
+
+STUDY = register(
+    Study(
+        name="fedrd",
+        summary="FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
+        full=FULL,
+        quick=QUICK,
+        jobs=jobs,
+        read=read,
+        readouts=readouts,
+        title=lambda ctx: "FedRD: federated reprogramming knowledge distillation — reproduction",
+        body=body,
+        reports=("fedrd.md", None),
+    )
+)

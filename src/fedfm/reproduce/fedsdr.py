@@ -29,32 +29,27 @@ too noisy), free text by ROUGE-L, maths by the final number.
 
 Statistics (ours): all methods are evaluated on the same held-out items, so a difference is
 paired by item: per domain, the mean and SE (sd / √n) of the per-item score differences; the
-overall difference is the mean over domains, its SE √(Σ_d SE_d²) / D. One seed: the SE says
-what the item count can resolve, not the spread over seeds or partitions.
-
-Resumable: a finished run of the same config is skipped, an unfinished one resumed.
+overall difference is the mean over domains, its SE √(Σ_d SE_d²) / D
+(:func:`fedfm.reproduce.stats.mean_of`). One seed: the SE says what the item count can
+resolve, not the spread over seeds or partitions.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
-import os
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from fedfm.analyze import REWRITE_KEYS, distribution_analysis
-from fedfm.core.runfolder import read_jsonl
-from fedfm.reproduce import STUDIES
+from fedfm.analyze import REWRITE_KEYS, distribution_analysis, update_cosine_rows
+from fedfm.reproduce.framework import Context, Readout, Run, RunView, Study, preset, register
+from fedfm.reproduce.stats import NONE, Estimate, mean_of, paired
+from fedfm.reproduce.tables import head, marked, num, row, table
 
 METHODS = ("base", "fedsd", "fedsdr")
 LABELS = {"base": "base", "fedsd": "+FedSD", "fedsdr": "FedSDR"}
@@ -86,7 +81,6 @@ class Grid:
         task: Fields replacing the preset's ``task`` section (e.g. a tiny model in tests).
         label: Which grid it is, for the report's title.
         cache_dir: Folder of the rewrite cache; ``None``: the default.
-        threads: Torch threads of each run.
         rewrite_tokens: New tokens of each rewrite.
         eval_before: Evaluate the untrained model (round 0 of the first run).
         eval_per_domain: Held-out items evaluated per domain (the first ones of the test
@@ -101,7 +95,6 @@ class Grid:
     task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     label: str = "full grid"
     cache_dir: str | None = None
-    threads: int = 2
     rewrite_tokens: int = 128
     eval_before: bool = True
     eval_per_domain: int | None = None
@@ -121,30 +114,17 @@ QUICK = Grid(
     task={"max_new_tokens": 64},
     rewrite_tokens=128,
     label="quick grid",
-    threads=1,  # on shared cores a second thread mostly waits for the first
     eval_before=False,
     eval_per_domain=16,
 )
 FULL = Grid(OPTIMIZERS, rounds=3, steps=6, per_domain=32)
 
 
-def _preset(name: str) -> dict[str, Any]:
-    from fedfm.config import preset_dir
-
-    data = yaml.safe_load((preset_dir() / f"{name}.yaml").read_text())
-    assert isinstance(data, dict)
-    return data
-
-
-def job_config(grid: Grid, opt: str, method: str, out: Path) -> dict[str, Any]:
+def job_config(grid: Grid, opt: str, method: str) -> dict[str, Any]:
     """The run config of one (optimizer, method) cell."""
-    cfg = copy.deepcopy(_preset("fedsdr"))
-    cfg.update(name=f"{opt}-{method}", out_dir=str(out), rounds=grid.rounds, plots=False)
-    cfg.update(
-        eval_every=grid.rounds,
-        threads=grid.threads,
-        eval_before=grid.eval_before and (opt, method) == (grid.optimizers[0], "base"),
-    )
+    cfg = preset("fedsdr")
+    cfg.update(rounds=grid.rounds, plots=False, eval_every=grid.rounds)
+    cfg["eval_before"] = grid.eval_before and (opt, method) == (grid.optimizers[0], "base")
     cfg["task"]["source_options"].update(
         per_domain_train=grid.per_domain,
         per_domain_test=grid.per_domain,
@@ -177,239 +157,227 @@ def job_config(grid: Grid, opt: str, method: str, out: Path) -> dict[str, Any]:
     return cfg
 
 
-def run_grid(grid: Grid, out: Path) -> tuple[dict[str, str], float]:
-    """Runs the grid's missing runs; returns (errors by run, wall seconds of this call)."""
-    from fedfm.reproduce.fedekd import run_status
-
-    t0 = time.perf_counter()
-    errors: dict[str, str] = {}
-    for opt in grid.optimizers:
-        for method in METHODS:
-            cfg = job_config(grid, opt, method, out)
-            status = run_status(cfg)
-            if status == "done":
-                continue
-            start, load0 = time.perf_counter(), os.getloadavg()[0]
-            try:
-                from fedfm.config import load_config
-                from fedfm.runtime import run
-
-                resume = status == "partial"
-                run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
-            except Exception as e:  # one failed run is reported, the others still run
-                errors[cfg["name"]] = f"{type(e).__name__}: {e}"
-            _log_load(out, cfg["name"], time.perf_counter() - start, load0)
-    return errors, time.perf_counter() - t0
+def jobs(ctx: Context[Grid]) -> list[Run]:
+    """Every (optimizer, method) run, optimizer by optimizer (the first rewrites for all)."""
+    grid = ctx.grid
+    return [
+        Run(f"{o}-{m}", job_config(grid, o, m), group=m) for o in grid.optimizers for m in METHODS
+    ]
 
 
-LOAD_LOG = "study_load.jsonl"
+Results = dict[str, RunView]
 
 
-def _log_load(out: Path, name: str, wall_s: float, load_start: float) -> None:
-    """Appends the run's wall time and the machine's 1-min load average at its start and end
-    (the report states the load the times were measured at)."""
-    row = {"run": name, "wall_s": round(wall_s, 1), "load_start": load_start}
-    row["load_end"] = os.getloadavg()[0]
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / LOAD_LOG).open("a") as f:
-        f.write(json.dumps(row) + "\n")
+def read(ctx: Context[Grid]) -> Results:
+    """The finished runs, by name."""
+    names = [f"{o}-{m}" for o in ctx.grid.optimizers for m in METHODS]
+    return {n: ctx.run(n) for n in names if ctx.run(n).finished}
 
 
-def _load_line(out: Path) -> str:
-    rows = read_jsonl(out / LOAD_LOG, need_round=False)
-    if not rows:
-        return f"load average {os.getloadavg()[0]:.1f} when this report was written"
-    loads = [float(r[k]) for r in rows for k in ("load_start", "load_end")]
-    last = {str(r["run"]): float(r["wall_s"]) for r in rows}  # a rerun replaces its row
-    return (
-        f"1-min load average {min(loads):.1f}-{max(loads):.1f} at the starts and ends of "
-        f"the runs, which took {sum(last.values()) / 60:.1f} min from start to end "
-        f"(`{LOAD_LOG}`)"
-    )
-
-
-# ----------------------------------------------------------------------------- reading runs
-
-
-@dataclass
-class RunResult:
-    """What the report reads of one finished run."""
-
-    final: dict[str, Any]
-    items: list[dict[str, Any]]
-    rows: list[dict[str, Any]]
-    wall_s: float
-
-
-def read_run(run: Path) -> RunResult | None:
-    """The run's final metrics, last evaluated items and log rows (None when unfinished)."""
-    from fedfm.eval.compare import read_items
-
-    summary = run / "summary.json"
-    if not summary.exists():
-        return None
-    s = json.loads(summary.read_text())
-    rows = read_jsonl(run / "metrics.jsonl", need_round=False)
-    wall = sum(float(r.get("time_s", 0.0)) for r in rows)
-    return RunResult(s["final"], read_items(run), rows, wall)
-
-
-def paired_diff(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def paired_diff(a: RunView, b: RunView) -> dict[str, Estimate]:
     """Per-domain and overall mean score difference ``a − b`` over shared items, with SEs.
 
     Returns:
-        ``{domain: (mean, se, n)}`` and ``"overall": (mean over domains, √(Σ se²)/D, n)``.
+        ``{domain: Estimate}`` and ``"overall"``: the mean over domains (SE √(Σ SE²) / D).
     """
-    sb = {(it["id"], it.get("zeroshot", False)): float(it["score"]) for it in b}
-    by: dict[str, list[float]] = {}
-    for it in a:
+    sb = {(it["id"], it.get("zeroshot", False)): float(it["score"]) for it in b.items()}
+    by: dict[str, dict[Any, float]] = {}
+    for it in a.items():
         key = (it["id"], it.get("zeroshot", False))
-        if key in sb:
-            by.setdefault(str(it["domain"]), []).append(float(it["score"]) - sb[key])
-    out: dict[str, Any] = {}
-    for d, v in sorted(by.items()):
-        arr = np.asarray(v)
-        se = float(arr.std(ddof=1) / math.sqrt(len(arr))) if len(arr) > 1 else math.nan
-        out[d] = (float(arr.mean()), se, len(arr))
-    doms = [out[d] for d in sorted(by)]
-    if doms:
-        out["overall"] = (
-            float(np.mean([m for m, _, _ in doms])),
-            math.sqrt(sum(se**2 for _, se, _ in doms)) / len(doms),
-            sum(n for _, _, n in doms),
-        )
+        by.setdefault(str(it["domain"]), {})[key] = float(it["score"])
+    out = {d: paired(v, sb) for d, v in sorted(by.items())}
+    out = {d: e for d, e in out.items() if e.n}
+    if out:
+        out["overall"] = mean_of(list(out.values()))
     return out
+
+
+def _win(a: RunView, b: RunView) -> dict[str, float]:
+    from fedfm.eval.compare import win_rate
+
+    return win_rate(a.items(), b.items())
+
+
+def _overall(res: Results, opt: str, a: str, b: str) -> Estimate:
+    ra, rb = res.get(f"{opt}-{a}"), res.get(f"{opt}-{b}")
+    return paired_diff(ra, rb).get("overall", NONE) if ra and rb else NONE
+
+
+def _win_rate(res: Results, opt: str) -> Estimate:
+    ra, rb = res.get(f"{opt}-fedsd"), res.get(f"{opt}-base")
+    if not (ra and rb):
+        return NONE
+    w = _win(ra, rb)
+    return Estimate(w["win_rate"], w["se"], int(w["n"]))
+
+
+SCORES_NOTE = (
+    "The scores here are closeness to the clients' own held-out references (Rouge-L, label"
+    " likelihood, maths at a short budget), which rewards copying them; the paper's claim is"
+    " the general ability a model keeps (MMLU, BBH, CRASS, DROP, tasks no client trains on)."
+    " One seed: the SE covers the evaluated items only."
+)
+
+
+def readouts(grid: Grid) -> list[Readout[Results]]:
+    """+FedSD against base and FedSDR against +FedSD on the first optimizer, and the two
+    claims this grid cannot test."""
+    opt = grid.optimizers[0]
+    fedavg = PAPER.get(opt, PAPER["fedavg"])
+    return [
+        Readout(
+            f"+FedSD − base, overall held-out score of the clients' domains ({opt})",
+            "paired over items, mean over domains",
+            f"+FedSD above base (overall {fedavg[0]} → {fedavg[1]}, on general benchmarks)",
+            +1,
+            lambda r: _overall(r, opt, "fedsd", "base"),
+            scope=SCORES_NOTE,
+        ),
+        Readout(
+            f"+FedSD over base, head-to-head win rate ({opt}; ties half)",
+            "per item, SE of the outcomes",
+            f"above one half ({fedavg[2]}%)",
+            +1,
+            lambda r: _win_rate(r, opt),
+            null=0.5,
+            scope=SCORES_NOTE,
+        ),
+        Readout(
+            f"FedSDR − +FedSD, overall held-out score of the clients' domains ({opt})",
+            "paired over items, mean over domains",
+            "FedSDR above +FedSD (rectification by the raw answers)",
+            +1,
+            lambda r: _overall(r, opt, "fedsdr", "fedsd"),
+            scope=SCORES_NOTE,
+        ),
+        Readout(
+            "+FedSD − base, general ability kept (domains and text no client trains on)",
+            "—",
+            "+FedSD keeps more general ability (MMLU, BBH, CRASS, DROP)",
+            +1,
+            lambda r: NONE,
+            scope="This grid evaluates no untrained domain or general text and has no untrained"
+            " baseline, so it cannot test the paper's claim.",
+            testable=False,
+        ),
+        Readout(
+            "+FedSD − FedIT at +FedSD's update norm (matched drift)",
+            "—",
+            "the gain comes from the refinery, not from moving the model less",
+            +1,
+            lambda r: NONE,
+            scope="This grid has no FedIT run whose learning rate matches +FedSD's update norm,"
+            " so it cannot separate the refinery from a smaller drift.",
+            testable=False,
+        ),
+    ]
 
 
 # ----------------------------------------------------------------------------- the report
 
 
-def _f(x: float, digits: int = 3, signed: bool = False) -> str:
-    return "—" if not math.isfinite(x) else f"{x:{'+' if signed else ''}.{digits}f}"
-
-
-def _diff(d: tuple[float, float, int] | None) -> str:
-    if d is None:
-        return "—"
-    m, se, _ = d
-    mark = " *" if math.isfinite(se) and abs(m) > 2 * se else ""
-    return f"{_f(m, signed=True)} ± {_f(se)}{mark}"
-
-
-def _score_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
+def _score_table(grid: Grid, res: Results) -> list[str]:
     doms = list(grid.domains)
-    head = [
-        "optimizer",
-        "method",
-        *doms,
-        "overall",
-        "Δ overall vs base (± SE)",
-        "win rate vs base (± SE)",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    from fedfm.eval.compare import win_rate
-
+    header = ["optimizer", "method", *doms, "overall"]
+    header += ["Δ overall vs base (± SE)", "win rate vs base (± SE)"]
+    lines = head(header)
     for opt in grid.optimizers:
         base = res.get(f"{opt}-base")
         for method in METHODS:
             r = res.get(f"{opt}-{method}")
             if r is None:
-                lines.append(f"| {opt} | {LABELS[method]} |" + " — |" * (len(head) - 2))
+                lines.append(f"| {opt} | {LABELS[method]} |" + " — |" * (len(header) - 2))
                 continue
-            cells = [_f(float(r.final.get(f"score/{d}", math.nan))) for d in doms]
-            cells.append(_f(float(r.final.get("score", math.nan))))
+            cells = [num(r.final.get(f"score/{d}")) for d in doms] + [num(r.final.get("score"))]
             if method == "base" or base is None:
                 cells += ["", ""]
             else:
-                cells.append(_diff(paired_diff(r.items, base.items).get("overall")))
-                w = win_rate(r.items, base.items)
+                w = _win(r, base)
+                cells.append(marked(paired_diff(r, base).get("overall")))
                 cells.append(f"{100 * w['win_rate']:.1f}% ± {100 * w['se']:.1f}")
-            lines.append(f"| {opt} | {LABELS[method]} | " + " | ".join(cells) + " |")
+            lines.append(row([opt, LABELS[method], *cells]))
     return lines
 
 
-def _domain_diff_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
-    doms = list(grid.domains)
-    head = ["optimizer", "comparison", *doms]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    pairs = [("fedsd", "base"), ("fedsdr", "base"), ("fedsdr", "fedsd")]
+def _domain_diff_table(grid: Grid, res: Results) -> list[str]:
+    rows = []
     for opt in grid.optimizers:
-        for a, b in pairs:
+        for a, b in (("fedsd", "base"), ("fedsdr", "base"), ("fedsdr", "fedsd")):
             ra, rb = res.get(f"{opt}-{a}"), res.get(f"{opt}-{b}")
-            if ra is None or rb is None:
-                continue
-            d = paired_diff(ra.items, rb.items)
-            cells = [_diff(d.get(x)) for x in doms]
-            lines.append(f"| {opt} | {LABELS[a]} − {LABELS[b]} | " + " | ".join(cells) + " |")
-    return lines
+            if ra is not None and rb is not None:
+                d = paired_diff(ra, rb)
+                label = f"{LABELS[a]} − {LABELS[b]}"
+                rows.append([opt, label, *(marked(d.get(x)) for x in grid.domains)])
+    return table(["optimizer", "comparison", *grid.domains], rows)
 
 
-def _rewrite_lines(res: Mapping[str, RunResult]) -> list[str]:
+def _rewrite_lines(res: Results) -> list[str]:
     zero = next(
-        (r.rows[0] for r in res.values() if r.rows and "fedsd/kept_share" in r.rows[0]), None
+        (r.metrics[0] for r in res.values() if r.metrics and "fedsd/kept_share" in r.metrics[0]),
+        None,
     )
     if zero is None:
         return ["No run logged rewrite statistics."]
-    lines = ["| statistic | value |", "|---|---|"]
-    lines += [f"| {label} | {_f(float(zero[k]), d)} |" for k, label, d in REWRITE_KEYS if k in zero]
-    return lines
+    return table(
+        ["statistic", "value"],
+        [[label, num(float(zero[k]), d)] for k, label, d in REWRITE_KEYS if k in zero],
+    )
 
 
-def _cosine_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
+TRAINED_ON = {"base": "raw answers", "fedsd": "distilled", "fedsdr": "LoRA-R on raw, S active"}
+
+
+def _cosine_table(grid: Grid, res: Results) -> list[str]:
     """Mean / min pairwise cosine of the clients' updates per round, by method."""
-    from fedfm.analyze import update_cosine_rows
-
     rounds = range(1, grid.rounds + 1)
-    head = ["optimizer", "method", "trained on", *(f"round {r} mean / min" for r in rounds)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    data = {"base": "raw answers", "fedsd": "distilled", "fedsdr": "LoRA-R on raw, S active"}
+    rows = []
     for opt in grid.optimizers:
         for method in METHODS:
             r = res.get(f"{opt}-{method}")
             if r is None:
                 continue
-            cos = {k: (m, lo) for k, m, lo in update_cosine_rows(r.rows)}
+            cos = {k: (m, lo) for k, m, lo in update_cosine_rows(r.metrics)}
             cells = [f"{cos[k][0]:.4f} / {cos[k][1]:.4f}" if k in cos else "—" for k in rounds]
-            lines.append(
-                f"| {opt} | {LABELS[method]} | {data[method]} | " + " | ".join(cells) + " |"
-            )
-    return lines
+            rows.append([opt, LABELS[method], TRAINED_ON[method], *cells])
+    header = ["optimizer", "method", "trained on", *(f"round {r} mean / min" for r in rounds)]
+    return table(header, rows)
 
 
-def _bytes_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
+def _bytes_table(grid: Grid, res: Results) -> list[str]:
     """Uplink bytes per training round from the audit ledger (the rows' ``bytes_up*``)."""
-    head = ["optimizer", "method", "uplink array bytes / round", "uplink meta bytes / round"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for opt in grid.optimizers:
         for method in METHODS:
             r = res.get(f"{opt}-{method}")
             if r is None:
                 continue
-            rows = [x for x in r.rows if int(x["round"]) > 0]
-            arrays = sorted({int(x.get("bytes_up_arrays", 0)) for x in rows})
-            meta = sorted({int(x.get("bytes_up_meta", 0)) for x in rows})
-            cells = [", ".join(f"{v:,}" for v in arrays), ", ".join(f"{v:,}" for v in meta)]
+            trained = [x for x in r.metrics if int(x["round"]) > 0]
+            cells = [
+                ", ".join(f"{v:,}" for v in sorted({int(x.get(key, 0)) for x in trained}))
+                for key in ("bytes_up_arrays", "bytes_up_meta")
+            ]
             label = "base (FedIT)" if method == "base" else LABELS[method]
-            lines.append(f"| {opt} | {label} | " + " | ".join(cells) + " |")
-    return lines
+            rows.append([opt, label, *cells])
+    header = ["optimizer", "method", "uplink array bytes / round", "uplink meta bytes / round"]
+    return table(header, rows)
 
 
-def _round_times(res: Mapping[str, RunResult]) -> tuple[float, float]:
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
+
+
+def _round_times(res: Results) -> tuple[float, float]:
     """Mean seconds of a training round without evaluation and of the final evaluation (the
     last round's time less the run's earlier training rounds' mean, at least 0)."""
     train, evals = [], []
     for r in res.values():
-        by = {int(x["round"]): float(x.get("time_s", 0.0)) for x in r.rows}
+        by = {k: float(x.get("time_s", 0.0)) for k, x in r.rounds.items()}
         last = max(by)
         plain = [t for k, t in by.items() if 0 < k < last]
         if plain:
             train.append(float(np.mean(plain)))
             evals.append(max(by[last] - train[-1], 0.0))
     return _mean(train), _mean(evals)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(np.mean(values)) if values else math.nan
 
 
 def _rewrite_time(made: Sequence[float], read: Sequence[float], runs: int) -> str:
@@ -427,16 +395,18 @@ def _rewrite_time(made: Sequence[float], read: Sequence[float], runs: int) -> st
     return "no run rewrote"
 
 
-def _eval_counts(res: Mapping[str, RunResult]) -> str:
+def _eval_counts(res: Results) -> str:
     """The evaluated items per domain, as the runs' items show them (e.g. ``16``)."""
-    counts = {n for r in res.values() for n in Counter(str(i["domain"]) for i in r.items).values()}
+    counts = {
+        n for r in res.values() for n in Counter(str(i["domain"]) for i in r.items()).values()
+    }
     if not counts:
         return "no"
     lo, hi = min(counts), max(counts)
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-def _full_grid_lines(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
+def _full_grid_lines(grid: Grid, res: Results) -> list[str]:
     train, ev = _round_times(res)
     n_full = len(OPTIMIZERS) * len(METHODS)
     lines = [
@@ -449,7 +419,7 @@ def _full_grid_lines(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
     ]
     if math.isfinite(train) and math.isfinite(ev):
         steps = FULL.steps / grid.steps
-        tokens = int(_preset("fedsdr")["task"]["max_new_tokens"])
+        tokens = int(preset("fedsdr")["task"]["max_new_tokens"])
         ours = int(grid.task.get("max_new_tokens", tokens))
         items = (FULL.eval_per_domain or FULL.per_domain) / (
             grid.eval_per_domain or grid.per_domain
@@ -489,47 +459,18 @@ def _scoring(domains: Sequence[str]) -> str:
     return ", ".join(f"{how} ({', '.join(ds)})" for how, ds in by.items())
 
 
-def write_report(
-    grid: Grid,
-    out: Path,
-    report: Path,
-    command: str,
-    errors: Mapping[str, str],
-    wall_s: float,
-) -> Path:
-    """Writes the markdown report from the runs in ``out``."""
-    res: dict[str, RunResult] = {}
-    for opt in grid.optimizers:
-        for method in METHODS:
-            r = read_run(out / f"{opt}-{method}")
-            if r is not None:
-                res[f"{opt}-{method}"] = r
-    first = f"{grid.optimizers[0]}-fedsd"
-    dist = (
-        distribution_analysis(out / first, job_config(grid, grid.optimizers[0], "fedsd", out))
-        if first in res
-        else None
-    )
+def _setup_lines(ctx: Context[Grid], res: Results) -> list[str]:
     from fedfm.config import load_config
     from fedfm.engine import resolve
 
-    ref_cfg = load_config(job_config(grid, grid.optimizers[0], "fedsdr", out))
+    grid = ctx.grid
+    ref_cfg = load_config(job_config(grid, grid.optimizers[0], "fedsdr"))
     algo_cfg, task_cfg = resolve(ref_cfg)  # with every default filled in
     task, train = task_cfg.model_dump(), ref_cfg.train.model_dump()
-    run_wall = sum(r.wall_s for r in res.values())
-    zeros = [r.rows[0] for r in res.values() if r.rows and "fedsd/rows" in r.rows[0]]
+    zeros = [r.metrics[0] for r in res.values() if r.metrics and "fedsd/rows" in r.metrics[0]]
     made = [float(z["time_s"]) for z in zeros if not z.get("fedsd/cached_clients")]
-    read = [float(z["time_s"]) for z in zeros if z.get("fedsd/cached_clients")]
-    base0 = next((r.rows[0] for r in res.values() if r.rows and "score" in r.rows[0]), None)
-    lines = [
-        f"# FedSDR reproduction ({grid.label})",
-        "",
-        "FedSDR (ICML 2026, arXiv 2605.18028; METHODS.md section 1): FedSD rewrites of every "
-        "client's answers by the global model before round 1, dual-stream LoRA (LoRA-S on the "
-        "rewrites, LoRA-R on the raw answers), only LoRA-R aggregated. Generated by "
-        f"`{command}` (`src/fedfm/reproduce/fedsdr.py`); every number below is read from the "
-        "runs' folders.",
-        "",
+    read_ = [float(z["time_s"]) for z in zeros if z.get("fedsd/cached_clients")]
+    return [
         "## Setup",
         "",
         f"- Model: {task['model']} (bfloat16 autocast: {task.get('autocast_bf16', False)}), "
@@ -545,19 +486,34 @@ def write_report(
         " may not reach its final number).",
         f"- Rewrites: SDFT prompt, decoding {algo_cfg.refinery.decoding}; "
         "generated once and cached.",
-        f"- Wall time: {run_wall / 60:.1f} min summed over the runs' rounds "
-        f"({len(res)} runs; {_rewrite_time(made, read, len(zeros))}); the invocation that "
-        "wrote this report "
-        f"{wall_s / 60:.1f} min (finished runs are not run again). "
-        f"Machine: 2 CPU cores shared with other jobs, {_load_line(out)}; one thread per "
-        "run.",
+        f"- Wall time: {sum(r.wall_s for r in res.values()) / 60:.1f} min summed over the runs'"
+        f" rounds ({len(res)} runs; {_rewrite_time(made, read_, len(zeros))}); one thread per"
+        " run (the jobs' times and the machine's load are at the end).",
         "",
+    ]
+
+
+def body(ctx: Context[Grid], res: Results) -> list[str]:
+    """Setup, held-out scores, rewrites, answer distributions, cosines, bytes, the full grid."""
+    grid = ctx.grid
+    first = f"{grid.optimizers[0]}-fedsd"
+    cfg = job_config(grid, grid.optimizers[0], "fedsd")
+    dist = distribution_analysis(ctx.out / first, cfg) if first in res else None
+    base0 = next(
+        (r.metrics[0] for r in res.values() if r.metrics and "score" in r.metrics[0]), None
+    )
+    lines = [
+        "FedSDR (ICML 2026, arXiv 2605.18028; METHODS.md section 1): FedSD rewrites of every "
+        "client's answers by the global model before round 1, dual-stream LoRA (LoRA-S on the "
+        "rewrites, LoRA-R on the raw answers), only LoRA-R aggregated.",
+        "",
+        *_setup_lines(ctx, res),
     ]
     if base0 is not None:
         lines += [
             f"The untrained model (round 0 of `{grid.optimizers[0]}-base`): overall "
-            f"{_f(float(base0['score']))}; "
-            + ", ".join(f"{d} {_f(float(base0.get(f'score/{d}', math.nan)))}" for d in grid.domains)
+            f"{num(float(base0['score']))}; "
+            + ", ".join(f"{d} {num(base0.get(f'score/{d}'))}" for d in grid.domains)
             + ".",
             "",
         ]
@@ -576,9 +532,10 @@ def write_report(
         "",
         "### The paper's table (overall score base → +FedSD, win rate)",
         "",
-        "| optimizer | base | +FedSD | win rate |",
-        "|---|---|---|---|",
-        *[f"| {o} | {b} | {s} | {w}% |" for o, (b, s, w) in PAPER.items()],
+        *table(
+            ["optimizer", "base", "+FedSD", "win rate"],
+            [[o, b, s, f"{w}%"] for o, (b, s, w) in PAPER.items()],
+        ),
         "",
         "## Rewrite statistics (the rewrite paradox)",
         "",
@@ -593,12 +550,23 @@ def write_report(
     ]
     if dist is not None:
         lines += [
-            "| measure | raw | distilled | paper raw → distilled |",
-            "|---|---|---|---|",
-            f"| JS divergence (bits, mean over client pairs) | {_f(dist['js_raw'], 4)} | "
-            f"{_f(dist['js_distilled'], 4)} | {PAPER_JS[0]} → {PAPER_JS[1]} |",
-            f"| TF-IDF cosine (mean over client pairs) | {_f(dist['tfidf_raw'], 4)} | "
-            f"{_f(dist['tfidf_distilled'], 4)} | {PAPER_TFIDF[0]} → {PAPER_TFIDF[1]} |",
+            *table(
+                ["measure", "raw", "distilled", "paper raw → distilled"],
+                [
+                    [
+                        "JS divergence (bits, mean over client pairs)",
+                        num(dist["js_raw"], 4),
+                        num(dist["js_distilled"], 4),
+                        f"{PAPER_JS[0]} → {PAPER_JS[1]}",
+                    ],
+                    [
+                        "TF-IDF cosine (mean over client pairs)",
+                        num(dist["tfidf_raw"], 4),
+                        num(dist["tfidf_distilled"], 4),
+                        f"{PAPER_TFIDF[0]} → {PAPER_TFIDF[1]}",
+                    ],
+                ],
+            ),
             "",
             f"Distilled answers: the kept rewrites of `{first}`'s clients (fallback rows keep the "
             "reference).",
@@ -622,30 +590,32 @@ def write_report(
         "",
         *_bytes_table(grid, res),
         "",
+        *_full_grid_lines(grid, res),
     ]
-    lines += _full_grid_lines(grid, res)
-    if errors:
-        lines += ["## Failed runs", "", *[f"- `{k}`: {v}" for k, v in sorted(errors.items())], ""]
     missing = [f"{o}-{m}" for o in grid.optimizers for m in METHODS if f"{o}-{m}" not in res]
     if missing:
         lines += [
             "## Runs not finished",
             "",
-            f"{', '.join(f'`{m}`' for m in missing)}: their rows above are empty. `{command}` "
-            "finishes them (finished runs are skipped, an unfinished one resumes from its last "
+            f"{', '.join(f'`{m}`' for m in missing)}: their rows above are empty. `{ctx.command}`"
+            " finishes them (finished runs are skipped, an unfinished one resumes from its last "
             "checkpoint) and rewrites this report.",
             "",
         ]
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text("\n".join(lines))
-    return report
+    return lines
 
 
-@STUDIES.register("fedsdr", "FedSDR: base vs +FedSD vs FedSDR per server optimizer")
-def fedsdr_study(out: Path, quick: bool) -> Path:
-    """The registered study: either grid writes docs/fedsdr.md (its title names the grid)."""
-    grid = QUICK if quick else FULL
-    out = Path(out) / ("fedsdr-quick" if quick else "fedsdr")
-    errors, wall = run_grid(grid, out)
-    command = "fedfm reproduce fedsdr" + (" --quick" if quick else "")
-    return write_report(grid, out, Path("docs") / "fedsdr.md", command, errors, wall)
+STUDY = register(
+    Study(
+        name="fedsdr",
+        summary="FedSDR: base vs +FedSD vs FedSDR per server optimizer",
+        full=FULL,
+        quick=QUICK,
+        jobs=jobs,
+        read=read,
+        readouts=readouts,
+        title=lambda ctx: f"FedSDR reproduction ({ctx.grid.label})",
+        body=body,
+        reports=("fedsdr.md", "fedsdr.md"),
+    )
+)

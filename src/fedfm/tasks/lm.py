@@ -14,8 +14,13 @@ model's chat template with the loss on response tokens only (:mod:`fedfm.data.pr
 Evaluation is :func:`fedfm.eval.llm.evaluate_instructions` on held-out items: each domain is
 scored by its own metric (ROUGE-L, GSM8K final-number accuracy, label accuracy) and the headline
 ``score`` is the mean over domains of each domain's score, so every domain weighs the same.
-One domain can be held out of training entirely (``heldout_domain``) and is then reported
-separately as ``zeroshot/...``.
+Any set of domains can be held out of training entirely (``heldout_domains``, with their own
+item count ``zeroshot_items``): they are scored per item like the rest and reported as
+``zeroshot/...`` (``zeroshot/score`` can be the run's primary metric). Beside the scores, each
+classification domain logs its predicted-label histogram with the majority-class and uniform
+baselines, and each domain the share of generations cut by its token budget
+(:func:`fedfm.eval.llm.instrument_readouts`); a budget below the 90th percentile of a domain's
+reference lengths is warned about when the task is built.
 
 Memory: the frozen base model is loaded once per process (keyed by name, dtype and arguments)
 and shared by every simulated client; :meth:`InstructionTask.build_model` returns one cached
@@ -23,7 +28,8 @@ and shared by every simulated client; :meth:`InstructionTask.build_model` return
 
 Choices of ours (not from a paper): held-out evaluation items are the first
 ``max_eval // domains`` test items of each domain (the suite draws them at random already), so
-every domain is represented; batches group rows of similar length (``bucket``, like
+every domain is represented, and as many of each zero-shot domain unless ``zeroshot_items``
+says otherwise; batches group rows of similar length (``bucket``, like
 ``group_by_length`` in transformers' Trainer) to waste less compute on padding; sources without
 a ``metric`` column are scored with ROUGE-L.
 """
@@ -31,6 +37,7 @@ a ``metric`` column are scored with ROUGE-L.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,7 +45,7 @@ from typing import Any, Literal
 import datasets
 import numpy as np
 import peft
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from fedfm.config import validate_section
@@ -48,13 +55,17 @@ from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
 from fedfm.data.sources import load_source
 from fedfm.errors import ConfigError, FedfmError
 from fedfm.eval.generate import pad_id_of
-from fedfm.eval.llm import evaluate_instruction_items
+from fedfm.eval.llm import ROW_METRICS, ChoiceNorm, EvalSettings, evaluate_instruction_items
 from fedfm.fm import FoundationModel
 from fedfm.models.causal_lm import LMBundle, check_lm_setup
 from fedfm.models.lora import LoraConfigSpec
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, TASKS, Task, TaskConfig
 
+log = logging.getLogger("fedfm")
+
 ZEROSHOT = "zeroshot/"
+BUDGET_PERCENTILE = 90
+"""A generation budget below this percentile of a domain's reference lengths is warned about."""
 
 
 class InstructionConfig(TaskConfig):
@@ -82,11 +93,25 @@ class InstructionConfig(TaskConfig):
         max_train: Cap on training rows (a seeded random subset) before partitioning.
         max_eval: Held-out items evaluated (split evenly over domains); ``None``: all.
         max_new_tokens: Generation budget of each evaluated item.
+        domain_max_new_tokens: Budgets of some domains replacing ``max_new_tokens`` (e.g.
+            ``{math: 256}``: GSM8K solutions run to about 113 SmolLM2 tokens at the median).
         eval_batch_size: Prompts per generation/scoring batch.
         choice_mode: Classification items are answered by generation (``generate``: the reply
             must name the label) or by the most likely label (``loglik``).
+        choice_norm: How ``loglik`` compares labels: ``none`` (summed log-likelihood of label
+            and end-of-turn token, lm-evaluation-harness's ``acc``), ``bytes`` (divided by its
+            UTF-8 bytes, ``acc_bytes``) or ``token_mean`` (per-token mean: biased towards
+            multi-token labels; only to reproduce old figures).
         eval_ppl: Also report the perplexity of the reference responses (``ppl``).
-        heldout_domain: A domain kept out of every client's data and evaluated zero-shot.
+        train_domains: The only domains clients train on and that are scored as seen
+            (``None``: every domain not held out).
+        heldout_domains: Domains kept out of every client's data and evaluated zero-shot.
+        heldout_domain: One held-out domain (the same as ``heldout_domains: [name]``).
+        zeroshot_items: Test items evaluated per held-out domain; ``None``: as many as each
+            seen domain gets from ``max_eval`` (all when ``max_eval`` is ``None``).
+        primary: The run's headline metric: ``score`` (default), a metric kind (``acc``,
+            ``rougeL``, ``gsm8k_acc``), either with ``/<domain>``, or the same under
+            ``zeroshot/`` for the held-out domains.
         bucket: Batch rows of similar length together (less padding).
         pad_to_multiple_of: Pad training batches to a multiple of this many tokens. Fewer
             distinct batch shapes mean fewer compiled kernels: bfloat16 matmuls on CPU keep
@@ -108,12 +133,43 @@ class InstructionConfig(TaskConfig):
     max_train: int | None = Field(None, ge=1)
     max_eval: int | None = Field(60, ge=1)
     max_new_tokens: int = Field(64, ge=1)
+    domain_max_new_tokens: dict[str, int] = Field(default_factory=dict)
     eval_batch_size: int = Field(16, ge=1)
     choice_mode: Literal["generate", "loglik"] = "generate"
+    choice_norm: ChoiceNorm = "none"
     eval_ppl: bool = True
+    train_domains: list[str] | None = None
+    heldout_domains: list[str] = Field(default_factory=list)
     heldout_domain: str | None = None
+    zeroshot_items: int | None = Field(None, ge=1)
+    primary: str = "score"
     bucket: bool = True
     pad_to_multiple_of: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _one_heldout_list(self) -> InstructionConfig:
+        if self.heldout_domain is not None:
+            if self.heldout_domains and self.heldout_domains != [self.heldout_domain]:
+                raise ValueError("set heldout_domains or heldout_domain, not both")
+            self.heldout_domains = [self.heldout_domain]
+        if len(set(self.heldout_domains)) != len(self.heldout_domains):
+            raise ValueError(f"heldout_domains {self.heldout_domains} names a domain twice")
+        bad = {d: n for d, n in self.domain_max_new_tokens.items() if n < 1}
+        if bad:
+            raise ValueError(f"domain_max_new_tokens must be >= 1, got {bad}")
+        return self
+
+    def settings(self) -> EvalSettings:
+        """The evaluation settings these fields make."""
+        return EvalSettings(
+            prompt=self.prompt,
+            max_new_tokens=self.max_new_tokens,
+            budgets=dict(self.domain_max_new_tokens),
+            batch_size=self.eval_batch_size,
+            choice_mode=self.choice_mode,
+            choice_norm=self.choice_norm,
+            with_ppl=self.eval_ppl,
+        )
 
 
 @dataclass
@@ -123,7 +179,7 @@ class InstructionData:
     Attributes:
         rows: Columns ``id, instruction, input, output, domain, metric`` (and, for the suite,
             ``choices, answer``).
-        heldout: Rows of the zero-shot domain (server test data only), else ``None``.
+        heldout: Rows of the zero-shot domains (server test data only), else ``None``.
         encoded: Token ids, masks and response-only labels, filled on first use and kept, so
             each client's data is tokenised once per process.
     """
@@ -211,6 +267,19 @@ def shared_peft_model(
     return fm.model
 
 
+def foundation_model_for(cfg: InstructionConfig) -> FoundationModel:
+    """The handle on the task's model: its base, dtype, LoRA and prompt settings, autocast."""
+    return FoundationModel(
+        cfg.model,
+        cfg.dtype,
+        cfg.model_args,
+        lora=cfg.lora,
+        prompt=cfg.prompt,
+        autocast_bf16=cfg.autocast_bf16,
+        quantization=cfg.quantization,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -248,8 +317,10 @@ class InstructionTask(Task):
         per_domain = self._per_domain_eval(test)
         self._test = InstructionData(
             _first_per_domain(test, per_domain),
-            _first_per_domain(zeroshot, per_domain) if zeroshot is not None else None,
+            self._zeroshot_items(zeroshot, per_domain) if zeroshot is not None else None,
         )
+        self._check_primary()
+        self._budget_p90 = self._warn_short_budgets()
 
     # ----- construction helpers -----
     def _split(
@@ -267,23 +338,102 @@ class InstructionTask(Task):
     def _hold_out(
         self, train: datasets.Dataset, test: datasets.Dataset
     ) -> tuple[datasets.Dataset, datasets.Dataset, datasets.Dataset | None]:
-        """``(train, test)`` without the held-out domain, and that domain's test rows."""
-        domain = self.cfg.heldout_domain
-        if domain is None:
+        """``(train, test)`` of the training domains, and the held-out domains' test rows."""
+        held, only = self.cfg.heldout_domains, self.cfg.train_domains
+        if not held and only is None:
             return train, test, None
-        domains = sorted(set(train["domain"]))
-        if domain not in domains:
+        domains = sorted(set(train["domain"]) | set(test["domain"]))
+        for name, wanted in (("heldout_domains", held), ("train_domains", only or [])):
+            unknown = [d for d in wanted if d not in domains]
+            if unknown:
+                raise ConfigError(
+                    f"task.{name}", f"{unknown} are not domains of the data ({domains})"
+                )
+        both = sorted(set(held) & set(only or []))
+        if both:
             raise ConfigError(
-                "task.heldout_domain", f"'{domain}' is not a domain of the data ({domains})"
+                "task.heldout_domains", f"{both} are also training domains (task.train_domains)"
             )
-        if len(domains) < 2:
-            raise ConfigError("task.heldout_domain", "holding out the only domain leaves no data")
-        seen = _rows_where(train, domain, keep=False)
-        test_seen = _rows_where(test, domain, keep=False)
-        zeroshot = _rows_where(test, domain, keep=True)
-        if len(zeroshot) == 0:
-            raise ConfigError("task.heldout_domain", f"no held-out test items of '{domain}'")
-        return seen, test_seen, zeroshot
+        seen = set(only) if only is not None else set(domains) - set(held)
+        if not seen & set(train["domain"]):
+            raise ConfigError("task.heldout_domains", "holding these out leaves no training data")
+        zeroshot = _rows_where(test, set(held)) if held else None
+        if zeroshot is not None:
+            empty = sorted(set(held) - set(zeroshot["domain"]))
+            if empty:
+                raise ConfigError("task.heldout_domains", f"no test items of {empty}")
+        return _rows_where(train, seen), _rows_where(test, seen), zeroshot
+
+    def _zeroshot_items(self, rows: datasets.Dataset, per_domain: int | None) -> datasets.Dataset:
+        """The first ``zeroshot_items`` (else ``per_domain``) test items of each held-out domain.
+
+        Raises:
+            ConfigError: A held-out domain has fewer test items than ``zeroshot_items``.
+        """
+        want = self.cfg.zeroshot_items
+        if want is not None:
+            have = _domain_counts(rows)
+            short = {d: n for d, n in have.items() if n < want}
+            if short:
+                raise ConfigError(
+                    "task.zeroshot_items",
+                    f"{want} items asked per held-out domain, but there are fewer test items"
+                    f" ({short})",
+                )
+        return _first_per_domain(rows, want if want is not None else per_domain)
+
+    def _check_primary(self) -> None:
+        """Refuses a primary metric no evaluation of this task logs (field ``task.primary``)."""
+        name = self.cfg.primary
+        zero = name.startswith(ZEROSHOT)
+        rows = self._test.heldout if zero else self._test.rows
+        if rows is None:
+            raise ConfigError("task.primary", f"'{name}' needs task.heldout_domains")
+        kinds = {ROW_METRICS.get(m).key for m in set(rows["metric"]) if m in ROW_METRICS}
+        metric, _, domain = name.removeprefix(ZEROSHOT).partition("/")
+        domains = set(rows["domain"])
+        if metric not in kinds | {"score"} or (domain and domain not in domains):
+            choices = sorted(kinds | {"score"})
+            raise ConfigError(
+                "task.primary",
+                f"'{name}' is not logged: use {'zeroshot/' if zero else ''}one of {choices},"
+                f" optionally /<domain> of {sorted(domains)}",
+            )
+        self.primary = name
+
+    def _warn_short_budgets(self) -> dict[str, int]:
+        """Warns about every generating domain whose budget is below the 90th percentile of its
+        reference lengths (tokens of the reference and the end-of-turn token).
+
+        Returns:
+            That percentile per generating domain (kept in :meth:`stats`).
+        """
+        rows = [self._test.rows, *([self._test.heldout] if self._test.heldout else [])]
+        settings = self.cfg.settings()
+        lengths: dict[str, list[int]] = {}
+        for part in rows:
+            for out, domain, metric in zip(
+                part["output"], part["domain"], part["metric"], strict=True
+            ):
+                if metric == "choice" and settings.choice_mode == "loglik":
+                    continue  # scored without generating
+                ids = self.tokenizer(out, add_special_tokens=False)["input_ids"]
+                lengths.setdefault(domain, []).append(len(ids) + 1)
+        p90 = {d: int(np.ceil(np.percentile(v, BUDGET_PERCENTILE))) for d, v in lengths.items()}
+        for domain, need in sorted(p90.items()):
+            budget = settings.budget(domain)
+            if budget < need:
+                log.warning(
+                    "task.max_new_tokens: domain '%s' has %d new tokens, below the %dth"
+                    " percentile of its reference lengths (%d tokens): its answers will be cut"
+                    " (set task.domain_max_new_tokens.%s)",
+                    domain,
+                    budget,
+                    BUDGET_PERCENTILE,
+                    need,
+                    domain,
+                )
+        return p90
 
     def _partition_section(self, train: datasets.Dataset) -> dict[str, Any]:
         section = {"seed": self.run.seed, "by": "domain", **self.run.partition}
@@ -323,15 +473,7 @@ class InstructionTask(Task):
     def foundation_model(self) -> FoundationModel:
         """The handle on the shared base and its adapters that LLM algorithms use."""
         if self._fm is None:
-            self._fm = FoundationModel(
-                self.cfg.model,
-                self.cfg.dtype,
-                self.cfg.model_args,
-                lora=self.cfg.lora,
-                prompt=self.cfg.prompt,
-                autocast_bf16=self.cfg.autocast_bf16,
-                quantization=self.cfg.quantization,
-            )
+            self._fm = foundation_model_for(self.cfg)
         return self._fm
 
     @property
@@ -429,13 +571,14 @@ class InstructionTask(Task):
         return out.loss, out
 
     def evaluate(self, model: nn.Module, data: InstructionData) -> dict[str, float]:
-        """Per-domain and overall metrics on ``data``; ``zeroshot/...`` for the held-out domain.
+        """Per-domain and overall metrics on ``data``; ``zeroshot/...`` for held-out domains.
 
         Returns:
             ``score`` (mean over domains), ``score/<domain>``, each metric kind overall and
             per domain (``rougeL``, ``gsm8k_acc``, ``acc``), ``ppl`` when ``eval_ppl``, counts
-            ``n``; and ``zeroshot/score``, ``zeroshot/<metric>``, ``zeroshot/n`` when a domain
-            is held out.
+            ``n``, the instrument readouts (``truncated/<domain>``, ``pred/<domain>/<label>``,
+            ``majority/<domain>``, ``uniform/<domain>``); and every such key under
+            ``zeroshot/`` for the held-out domains (``zeroshot/score``, ...).
         """
         return self.evaluate_items(model, data)[0]
 
@@ -444,7 +587,8 @@ class InstructionTask(Task):
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """:meth:`evaluate` plus every evaluated item (see
         :func:`fedfm.eval.llm.evaluate_instruction_items`): ``id, domain, metric, prompt,
-        reference, answer, score`` and ``zeroshot`` (whether it is of the held-out domain)."""
+        reference, answer, truncated, score`` and ``zeroshot`` (whether it is of a held-out
+        domain)."""
         out: dict[str, float] = {}
         items: list[dict[str, Any]] = []
         if len(data.rows):
@@ -453,7 +597,7 @@ class InstructionTask(Task):
             items += [{**item, "zeroshot": False} for item in seen]
         if data.heldout is not None and len(data.heldout):
             zero, unseen = self._evaluate_rows(model, data.heldout)
-            out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items() if "/" not in k})
+            out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items()})
             items += [{**item, "zeroshot": True} for item in unseen]
         return out, items
 
@@ -461,16 +605,7 @@ class InstructionTask(Task):
         self, model: nn.Module, rows: datasets.Dataset
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         with self.autocast():
-            return evaluate_instruction_items(
-                model,
-                self.tokenizer,
-                rows,
-                self.cfg.prompt,
-                max_new_tokens=self.cfg.max_new_tokens,
-                batch_size=self.cfg.eval_batch_size,
-                choice_mode=self.cfg.choice_mode,
-                with_ppl=self.cfg.eval_ppl,
-            )
+            return evaluate_instruction_items(model, self.tokenizer, rows, self.cfg.settings())
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -479,7 +614,12 @@ class InstructionTask(Task):
             "test_size": len(self._test.rows),
             "test_domains": _domain_counts(self._test.rows),
             "heldout_domain": self.cfg.heldout_domain,
+            "heldout_domains": list(self.cfg.heldout_domains),
             "heldout_test_size": len(self._test.heldout) if self._test.heldout else 0,
+            "heldout_test_domains": _domain_counts(self._test.heldout)
+            if self._test.heldout
+            else {},
+            "reference_tokens_p90": dict(self._budget_p90),
         }
 
 
@@ -492,9 +632,9 @@ def _with_eval_columns(ds: datasets.Dataset) -> datasets.Dataset:
     return ds
 
 
-def _rows_where(ds: datasets.Dataset, domain: str, keep: bool) -> datasets.Dataset:
-    """Rows whose domain is (``keep``) or is not ``domain``, in order."""
-    return ds.select([i for i, d in enumerate(ds["domain"]) if (d == domain) == keep])
+def _rows_where(ds: datasets.Dataset, domains: set[str]) -> datasets.Dataset:
+    """Rows whose domain is one of ``domains``, in order."""
+    return ds.select([i for i, d in enumerate(ds["domain"]) if d in domains])
 
 
 def _first_per_domain(ds: datasets.Dataset, k: int | None) -> datasets.Dataset:

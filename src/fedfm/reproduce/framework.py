@@ -1,0 +1,938 @@
+"""The study framework: a study declares what it runs, reads, compares and reports; this
+module does the rest, once, for every study (``docs/studies.md``).
+
+A study (:class:`Study`) declares its **jobs** (:class:`Run`: a config, or a function that
+builds it from the measured values of the runs it *needs*; :class:`Compute`: post-processing
+of other jobs, or a measurement that is not a run; the list is asked for again after every
+wave, so measured values can also decide which jobs follow), what it **reads** of its runs
+(:class:`RunView`), its **readouts** (:class:`Readout`, fixed in code, judged by
+:func:`fedfm.reproduce.stats.verdict`) and the sections of its **report**. The framework
+runs the jobs (worker processes with one torch thread each; a finished run of the same
+config skipped, an unfinished one resumed by the engine's ``--resume``), records one
+``study.json`` per study folder (each job's status, wall and CPU time and the machine's load;
+each invocation), lists and times the jobs for ``--dry-run``, and writes the report with the
+readouts first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import importlib
+import json
+import math
+import multiprocessing as mp
+import os
+import pkgutil
+import platform
+import resource
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from functools import cache, cached_property
+from pathlib import Path
+from queue import Empty
+from typing import Any, Generic, TypeVar
+
+import yaml
+
+from fedfm.core.runfolder import read_json, read_jsonl
+from fedfm.errors import ConfigError
+from fedfm.registry import Registry
+from fedfm.reproduce.stats import Estimate, verdict
+from fedfm.reproduce.tables import DASH, head, num, row
+
+G = TypeVar("G")  # a study's grid
+R = TypeVar("R")  # what a study reads from its runs
+
+RECORD = "study.json"
+RESULT = "result.json"
+
+# ----------------------------------------------------------------------------- jobs
+
+
+class Unmet(Exception):
+    """A job's needs do not allow it (e.g. a measured value is missing): it is skipped."""
+
+
+ConfigFn = Callable[[Mapping[str, "RunView"]], Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run of the engine.
+
+    Attributes:
+        name: Its folder under the study folder (unique in the study).
+        config: The run config, or a function of the jobs named in ``needs`` (their views by
+            name) that builds it from their measured values; it raises :class:`Unmet` when
+            they do not allow the run. The framework sets ``name``, ``out_dir`` and
+            ``threads: 1``.
+        needs: Jobs that must have finished before this one is configured.
+        group: Jobs of one group cost about the same (``--dry-run`` estimates from them).
+    """
+
+    name: str
+    config: Mapping[str, Any] | ConfigFn
+    needs: tuple[str, ...] = ()
+    group: str = ""
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A job that is not a run: post-processing of the jobs it needs, or a measurement.
+
+    ``fn(inputs, folder, **params)`` gets the folders of ``needs`` by name and its own folder,
+    and returns a JSON mapping, kept in ``<folder>/result.json`` with ``params`` and a
+    fingerprint of its inputs; it is computed again only when either changes. ``fn`` must be a
+    module-level function: it may run in a worker process.
+    """
+
+    name: str
+    fn: Callable[..., Mapping[str, Any]]
+    params: Mapping[str, Any] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()
+    group: str = ""
+
+
+Job = Run | Compute
+
+
+@cache
+def _preset_json(name: str) -> str:
+    from fedfm.config import load_config
+
+    return json.dumps(load_config(name).model_dump(mode="json"))
+
+
+def preset(name: str) -> dict[str, Any]:
+    """A preset as a validated, complete config mapping (a fresh copy)."""
+    data: dict[str, Any] = json.loads(_preset_json(name))
+    return data
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s fields, recursing where both hold a mapping (a new mapping)."""
+    out = copy.deepcopy(dict(base))
+    for key, value in over.items():
+        old = out.get(key)
+        out[key] = (
+            merge(old, value)
+            if isinstance(value, Mapping) and isinstance(old, Mapping)
+            else copy.deepcopy(value)
+        )
+    return out
+
+
+def _comparable(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A config without the output folder (moving a study's folder keeps its runs)."""
+    return {k: v for k, v in cfg.items() if k != "out_dir"}
+
+
+def run_status(cfg: Mapping[str, Any]) -> str:
+    """``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
+    of this config) or ``done`` (a finished run of this config)."""
+    from fedfm.config import load_config
+
+    root = Path(cfg["out_dir"]) / cfg["name"]
+    saved = root / "config.yaml"
+    if not saved.exists():
+        return "new"
+    try:
+        old = yaml.safe_load(saved.read_text())
+    except yaml.YAMLError:
+        return "changed"
+    new = load_config(dict(cfg)).model_dump(mode="json")
+    if not isinstance(old, dict) or _comparable(old) != _comparable(new):
+        return "changed"
+    try:
+        summary = json.loads((root / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return "partial"
+    return "done" if summary.get("rounds") == new["rounds"] else "partial"
+
+
+# ----------------------------------------------------------------------------- reading runs
+
+
+class RunView:
+    """What a study reads of one job's folder; each file is read once, when first asked for.
+
+    Args:
+        folder: The run folder (or a computation's folder).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._items: dict[int | None, list[dict[str, Any]]] = {}
+
+    @property
+    def name(self) -> str:
+        """The job's name."""
+        return self.folder.name
+
+    def _json(self, name: str) -> Any:
+        path = self.folder / name
+        return read_json(path) if path.exists() else None
+
+    @cached_property
+    def summary(self) -> dict[str, Any] | None:
+        """``summary.json`` (None before the run has finished)."""
+        return self._json("summary.json")
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run has finished (it wrote its summary)."""
+        return self.summary is not None
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The summary's metrics of the last evaluation."""
+        return dict((self.summary or {}).get("final", {}))
+
+    @property
+    def finish(self) -> dict[str, Any]:
+        """The summary's values of the phase after the rounds (``finish``)."""
+        return dict((self.summary or {}).get("finish", {}))
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        """``config.yaml`` as the run saved it (every default filled in)."""
+        path = self.folder / "config.yaml"
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+        return data if isinstance(data, dict) else {}
+
+    @cached_property
+    def metrics(self) -> list[dict[str, Any]]:
+        """``metrics.jsonl``: one row per logged round."""
+        return read_jsonl(self.folder / "metrics.jsonl", need_round=False)
+
+    @cached_property
+    def rounds(self) -> dict[int, dict[str, Any]]:
+        """The metrics rows by round."""
+        return {int(r["round"]): r for r in self.metrics}
+
+    @cached_property
+    def client_metrics(self) -> list[dict[str, Any]]:
+        """``client_metrics.jsonl``: per evaluated round, every client's metrics."""
+        return read_jsonl(self.folder / "client_metrics.jsonl", need_round=False)
+
+    @cached_property
+    def audit(self) -> list[dict[str, Any]]:
+        """``audit.jsonl``: every field that crossed the wire."""
+        return read_jsonl(self.folder / "audit.jsonl", need_round=False)
+
+    @cached_property
+    def privacy(self) -> dict[str, Any]:
+        """``privacy.json``: the privacy ledger (empty without DP)."""
+        return self._json("privacy.json") or {}
+
+    @cached_property
+    def partition(self) -> dict[str, Any]:
+        """``partition.json``: the partition's statistics."""
+        return self._json("partition.json") or {}
+
+    @cached_property
+    def result(self) -> dict[str, Any] | None:
+        """A computation's result (None before it has run)."""
+        saved = self._json(RESULT)
+        return None if saved is None else dict(saved["result"])
+
+    def items(self, rnd: int | None = None) -> list[dict[str, Any]]:
+        """The items evaluated in round ``rnd`` (the last evaluated round when None); none
+        when the run kept no items."""
+        from fedfm.eval.compare import read_items
+
+        if rnd not in self._items:
+            try:
+                self._items[rnd] = read_items(self.folder, rnd)
+            except ConfigError:
+                self._items[rnd] = []
+        return self._items[rnd]
+
+    @property
+    def wall_s(self) -> float:
+        """Wall seconds summed over the run's logged rounds."""
+        return sum(float(r.get("time_s", 0.0)) for r in self.metrics)
+
+    def audit_bytes(self, kind: str, direction: str = "up") -> int:
+        """Bytes of the audited fields of one message kind in one direction, all rounds."""
+        return sum(
+            int(r["bytes"]) for r in self.audit if r["kind"] == kind and r["direction"] == direction
+        )
+
+
+# ----------------------------------------------------------------------------- readouts
+
+
+@dataclass(frozen=True)
+class Readout(Generic[R]):
+    """A comparison a study exists for, fixed in code before its runs.
+
+    Attributes:
+        name: What is compared, e.g. ``FedHDS − FedIT, Rouge-L of the held-out domain``.
+        statistic: How the estimate is paired, e.g. ``paired over items``.
+        paper: The paper's claim in words (its direction and, where given, its figure).
+        direction: +1 when the paper says the value lies above ``null``, −1 below.
+        value: The estimate, from what the study read.
+        null: The value of no difference (0; 1 for a ratio).
+        digits: Decimals of the estimate in the report.
+        scope: What this grid can and cannot test about the claim.
+        testable: False when this grid cannot test the claim at all (the value is shown,
+            the verdict says so).
+    """
+
+    name: str
+    statistic: str
+    paper: str
+    direction: int
+    value: Callable[[R], Estimate]
+    null: float = 0.0
+    digits: int = 3
+    scope: str = ""
+    testable: bool = True
+
+    def judge(self, data: R) -> tuple[Estimate, str]:
+        """The estimate and its verdict."""
+        est = self.value(data)
+        if not self.testable:
+            return est, "cannot be tested by this grid"
+        return est, verdict(est, self.direction, self.null)
+
+
+def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
+    """The report's opening section: every readout, its estimate and its verdict."""
+    lines = [
+        "## Readouts",
+        "",
+        "Fixed in code before the runs (`readouts` of the study's module); the verdict rule:"
+        " in the paper's direction by more than 2 SE, against it by more than 2 SE, or not"
+        " resolved (within 2 SE of no difference).",
+        "",
+        *head(["", "readout", "estimate", "statistic", "the paper", "verdict"]),
+    ]
+    notes: dict[str, list[str]] = {}  # one note for the readouts that share it
+    for i, r in enumerate(readouts, start=1):
+        est, word = r.judge(data)
+        shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
+        lines.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
+        if r.scope:
+            notes.setdefault(r.scope, []).append(f"R{i}")
+    return [*lines, "", *[f"- {', '.join(ids)}: {text}" for text, ids in notes.items()], ""]
+
+
+# ----------------------------------------------------------------------------- studies
+
+
+@dataclass(frozen=True)
+class Study(Generic[G, R]):
+    """A reproduction study, declared on the framework.
+
+    Attributes:
+        name: Its key (``fedfm reproduce NAME``) and its folder's name.
+        summary: One line for the registry.
+        full: The default grid.
+        quick: The ``--quick`` grid.
+        jobs: The jobs of a grid, given what is measured so far (asked again after each wave).
+        read: What the readouts and the report read from the study folder.
+        readouts: The comparisons the study exists for, per grid (fixed in code).
+        title: The report's title.
+        body: The report's sections after the readouts.
+        reports: Report files of the full and the quick grid, relative to the report folder
+            (``docs/`` by default); None: ``<name>-quick.md`` in the study folder.
+        workers: Worker processes by default, of the full and the quick grid (at most the
+            machine's cores).
+        later: What ``--dry-run`` cannot list yet (jobs that measured values decide).
+    """
+
+    name: str
+    summary: str
+    full: Any
+    quick: Any
+    jobs: Callable[[Context[Any]], Sequence[Job]]
+    read: Callable[[Context[Any]], R]
+    readouts: Callable[[Any], Sequence[Readout[R]]]
+    title: Callable[[Context[Any]], str]
+    body: Callable[[Context[Any], R], list[str]]
+    reports: tuple[str | None, str | None]
+    workers: tuple[int, int] = (1, 1)
+    later: str = ""
+
+
+STUDIES: Registry[Study[Any, Any]] = Registry("reproduction", "study")
+
+
+def register(study: Study[Any, Any]) -> Study[Any, Any]:
+    """Registers a study under its name."""
+    return STUDIES.register(study.name, study.summary)(study)
+
+
+def load_studies() -> None:
+    """Imports every module of the package, so that each study registers itself."""
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"fedfm.reproduce.{mod.name}")
+
+
+@dataclass
+class Context(Generic[G]):
+    """One invocation of a study: its grid, its folder, its record and what it has done.
+
+    Attributes:
+        study: The study's name.
+        grid: The grid.
+        quick: Whether it is the ``--quick`` grid.
+        out: The study folder (its runs and ``study.json``).
+        command: The command line the report names.
+        workers: Worker processes.
+        report: The report being written (figures go beside it).
+    """
+
+    study: str
+    grid: G
+    quick: bool
+    out: Path
+    command: str
+    workers: int = 1
+    report: Path | None = None
+    done: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
+    _views: dict[str, RunView] = field(default_factory=dict)
+
+    @cached_property
+    def record(self) -> Record:
+        """The study folder's ``study.json``."""
+        return Record(self.out / RECORD)
+
+    def run(self, name: str) -> RunView:
+        """The view of a job's folder (cached until the job runs again)."""
+        if name not in self._views:
+            self._views[name] = RunView(self.out / name)
+        return self._views[name]
+
+    def settled(self, names: Iterable[str]) -> bool:
+        """Whether none of these jobs is left to run in this invocation."""
+        return all(n in self.done or n in self.failed for n in names)
+
+
+# ----------------------------------------------------------------------------- study.json
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+class Record:
+    """``study.json``: each job's status, wall and CPU time and the machine's load, and each
+    invocation. Written atomically after every change, so a killed invocation leaves it whole.
+
+    Args:
+        path: The file (read when it exists; a file of another shape starts a new record).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        data: Any = None
+        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
+            data = json.loads(path.read_text())
+        ok = isinstance(data, dict) and isinstance(data.get("jobs"), dict)
+        self.jobs: dict[str, dict[str, Any]] = data["jobs"] if ok else {}
+        self.invocations: list[dict[str, Any]] = data.get("invocations", []) if ok else []
+        self.study: dict[str, Any] = data.get("study", {}) if ok else {}
+
+    def save(self) -> None:
+        """Writes the file (replacing it in one step)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        data = {"study": self.study, "jobs": self.jobs, "invocations": self.invocations}
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(self.path)
+
+    def job(self, job: Job) -> dict[str, Any]:
+        """A job's entry, created on first use."""
+        kind = "run" if isinstance(job, Run) else "compute"
+        entry = self.jobs.setdefault(job.name, {"wall_s": 0.0, "cpu_s": 0.0, "attempts": 0})
+        entry.update(kind=kind, needs=list(job.needs), group=job.group or kind)
+        return entry
+
+    def mark(self, job: Job, status: str, save: bool = True, **values: Any) -> None:
+        """Sets a job's status (and any values) and saves."""
+        self.job(job).update(status=status, updated=_now(), **values)
+        if save:
+            self.save()
+
+    def measured(self, job: Job, m: Mapping[str, Any]) -> None:
+        """Adds one execution's measurements to a job's entry and saves."""
+        e = self.job(job)
+        e["wall_s"] = float(e.get("wall_s", 0.0)) + m["wall_s"]
+        e["cpu_s"] = float(e.get("cpu_s", 0.0)) + m["cpu_s"]
+        e["attempts"] = int(e.get("attempts", 0)) + 1
+        e.update(load_start=m["load_start"], load_end=m["load_end"], pid=m["pid"])
+        status = "failed" if m["error"] else "done"
+        self.mark(job, status, error=m["error"])
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_all() -> float:
+    """User + system CPU of this process and its reaped children (the worker processes)."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return _cpu_self() + kids.ru_utime + kids.ru_stime
+
+
+# ----------------------------------------------------------------------------- executing jobs
+
+_STARTED: Any = None  # a worker's queue of (job, pid) start notices to the parent
+
+
+def _offline() -> None:
+    # Offline assets ship inside packages; a worker never reaches for a hub either.
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _init_worker(queue: Any) -> None:
+    global _STARTED
+    _STARTED = queue
+    # Before torch is imported in this fresh interpreter: one thread for every math library.
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[key] = "1"
+    _offline()
+
+
+def _run_config(cfg: dict[str, Any], resume: bool) -> None:
+    import fedfm.algorithms
+    import fedfm.tasks  # noqa: F401  (every algorithm and task registered)
+    from fedfm.config import load_config
+    from fedfm.runtime import run
+
+    run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
+
+
+def _compute(spec: Mapping[str, Any]) -> None:
+    folder = Path(spec["folder"])
+    inputs = {k: Path(v) for k, v in spec["inputs"].items()}
+    result = spec["fn"](inputs, folder, **spec["params"])
+    folder.mkdir(parents=True, exist_ok=True)
+    saved = {"params": spec["params"], "inputs": spec["fingerprint"], "result": dict(result)}
+    tmp = folder / "result.tmp"
+    tmp.write_text(json.dumps(saved, indent=1))
+    tmp.replace(folder / RESULT)
+
+
+def execute(spec: dict[str, Any]) -> dict[str, Any]:
+    """Executes one job (in a worker process or in this one); returns its measurements.
+
+    A failing job returns its error: it is recorded in the study, not fatal to it.
+    """
+    if _STARTED is not None:
+        _STARTED.put((spec["name"], os.getpid()))
+    t0, cpu0, load0 = time.perf_counter(), _cpu_self(), os.getloadavg()[0]
+    error = None
+    try:
+        if spec["kind"] == "run":
+            _run_config(spec["config"], spec["resume"])
+        else:
+            _compute(spec)
+    except Exception as e:  # reported in study.json and the report
+        error = f"{type(e).__name__}: {e}"
+    return {
+        "name": spec["name"],
+        "error": error,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": _cpu_self() - cpu0,
+        "load_start": load0,
+        "load_end": os.getloadavg()[0],
+        "pid": os.getpid(),
+    }
+
+
+def _fingerprint(inputs: Mapping[str, Path]) -> str:
+    """A hash of the needed jobs' outcomes (their summary or result files)."""
+    h = hashlib.sha256()
+    for name, folder in sorted(inputs.items()):
+        h.update(name.encode())
+        for fname in ("summary.json", RESULT):
+            if (folder / fname).exists():
+                h.update((folder / fname).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class _Step:
+    """What a job needs next: ``wait`` (for a need), ``skip``, ``done`` or ``todo``."""
+
+    what: str
+    reason: str = ""
+    spec: dict[str, Any] = field(default_factory=dict)
+
+
+def _prepare(job: Job, ctx: Context[Any]) -> _Step:
+    """Whether a job can run now, and how (its resolved config or computation)."""
+    for n in job.needs:
+        if n in ctx.failed:
+            return _Step("skip", f"needs {n}, which did not finish ({ctx.failed[n]})")
+        if n not in ctx.done:
+            return _Step("wait", n)
+    views = {n: ctx.run(n) for n in job.needs}
+    if isinstance(job, Run):
+        try:
+            cfg = dict(job.config(views) if callable(job.config) else job.config)
+        except Unmet as e:
+            return _Step("skip", str(e))
+        cfg.update(name=job.name, out_dir=str(ctx.out), threads=1)
+        status = run_status(cfg)
+        if status == "done":
+            return _Step("done")
+        spec = {"kind": "run", "name": job.name, "config": cfg, "resume": status == "partial"}
+        return _Step("todo", status, spec)
+    folder = ctx.out / job.name
+    inputs = {n: ctx.out / n for n in job.needs}
+    fp = _fingerprint(inputs)
+    saved = None
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        saved = json.loads((folder / RESULT).read_text())
+    params = json.loads(json.dumps(dict(job.params)))  # as saved: JSON types
+    if isinstance(saved, dict) and saved.get("params") == params and saved.get("inputs") == fp:
+        return _Step("done")
+    spec = {"kind": "compute", "name": job.name, "fn": job.fn, "params": params}
+    spec.update(inputs={k: str(v) for k, v in inputs.items()}, folder=str(folder), fingerprint=fp)
+    return _Step("todo", "new", spec)
+
+
+def _plan(study: Study[Any, Any], ctx: Context[Any]) -> list[Job]:
+    jobs = list(study.jobs(ctx))
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"study {study.name}: job names repeat: {', '.join(dup)}")
+    for j in jobs:
+        for n in j.needs:
+            if n not in names:
+                raise ValueError(f"study {study.name}: job {j.name} needs unknown job {n}")
+    return jobs
+
+
+def _finished(job: Job, m: Mapping[str, Any], ctx: Context[Any]) -> None:
+    ctx.record.measured(job, m)
+    ctx._views.pop(job.name, None)  # the folder changed: read it again
+    if m["error"]:
+        ctx.failed[job.name] = m["error"]
+    else:
+        ctx.done.add(job.name)
+
+
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[tuple[ProcessPoolExecutor, Any]]:
+    # spawn: fresh interpreters, no forked torch thread pools.
+    mpc = mp.get_context("spawn")
+    queue = mpc.Queue()
+    pool = ProcessPoolExecutor(workers, mp_context=mpc, initializer=_init_worker, initargs=(queue,))
+    try:
+        yield pool, queue
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _drain(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
+    """Records the jobs that workers have started (with their process ids)."""
+    while True:
+        try:
+            name, pid = queue.get_nowait()
+        except Empty:
+            return
+        if name not in ctx.done and name not in ctx.failed:  # a late notice of a finished job
+            ctx.record.mark(jobs[name], "running", pid=pid)
+
+
+def _run_wave(wave: Sequence[tuple[Job, dict[str, Any]]], ctx: Context[Any]) -> bool:
+    """Executes one wave of jobs; returns False when a worker died (the invocation stops)."""
+    if ctx.workers <= 1 or len(wave) == 1:
+        for job, spec in wave:
+            ctx.record.mark(job, "running", pid=os.getpid())
+            _finished(job, execute(spec), ctx)
+        return True
+    by_name = {job.name: job for job, _ in wave}
+    with _pool(min(ctx.workers, len(wave))) as (pool, queue):
+        futures: dict[Future[dict[str, Any]], Job] = {
+            pool.submit(execute, spec): job for job, spec in wave
+        }
+        while futures:
+            finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
+            _drain(queue, by_name, ctx)
+            for fut in finished:
+                job = futures.pop(fut)
+                try:
+                    _finished(job, fut.result(), ctx)
+                except BrokenProcessPool:
+                    ctx.failed[job.name] = "interrupted: a worker process died"
+                    n = int(ctx.record.job(job).get("interrupted", 0)) + 1
+                    ctx.record.mark(job, "interrupted", error=ctx.failed[job.name], interrupted=n)
+    return not any(e.startswith("interrupted") for e in ctx.failed.values())
+
+
+def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
+    """Runs every job of the study that is not done, wave by wave, into ``ctx.out``.
+
+    A wave is every job whose needs are done; after it the study lists its jobs again.
+    Each job's status and cost, and this invocation's, are recorded in ``study.json``.
+    """
+    rec = ctx.record
+    rec.study = {"name": study.name, "grid": "quick" if ctx.quick else "full"}
+    for entry in rec.jobs.values():  # a killed invocation left these behind
+        if entry.get("status") == "running":
+            entry["status"] = "interrupted"
+    inv: dict[str, Any] = {"started": _now(), "command": ctx.command, "workers": ctx.workers}
+    inv.update(cpus=os.cpu_count(), load_start=list(os.getloadavg()), ran=0)
+    rec.invocations.append(inv)
+    t0, cpu0 = time.perf_counter(), _cpu_all()
+    try:
+        while True:
+            wave: list[tuple[Job, dict[str, Any]]] = []
+            moved = False
+            for job in _plan(study, ctx):
+                if job.name in ctx.done or job.name in ctx.failed:
+                    continue
+                step = _prepare(job, ctx)
+                if step.what == "done":
+                    ctx.done.add(job.name)
+                    if rec.jobs.get(job.name, {}).get("status") != "done":
+                        rec.mark(job, "done", save=False)
+                    moved = True
+                elif step.what == "skip":
+                    ctx.failed[job.name] = f"skipped: {step.reason}"
+                    rec.mark(job, "skipped", error=step.reason)
+                    moved = True
+                elif step.what == "todo":
+                    wave.append((job, step.spec))
+            if wave:
+                inv["ran"] += len(wave)
+                if not _run_wave(wave, ctx):
+                    break
+            elif not moved:
+                break
+    except BaseException:
+        for name, entry in rec.jobs.items():
+            if entry.get("status") == "running":
+                entry["status"] = "interrupted"
+                ctx.failed.setdefault(name, "interrupted")
+        raise
+    finally:
+        inv.update(wall_s=time.perf_counter() - t0, cpu_s=_cpu_all() - cpu0)
+        inv.update(load_end=list(os.getloadavg()), failed=len(ctx.failed))
+        rec.save()
+
+
+# ----------------------------------------------------------------------------- dry run
+
+
+def _wall_of(name: str, ctx: Context[Any]) -> float | None:
+    """A finished job's measured wall seconds: recorded, or logged by the run itself."""
+    entry = ctx.record.jobs.get(name, {})
+    if entry.get("status") == "done" and entry.get("attempts"):
+        return float(entry["wall_s"])
+    view = ctx.run(name)
+    return view.wall_s if view.finished and view.metrics else None
+
+
+MEASURED = " (configured from its measured values)"
+
+
+def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
+    """The jobs, each with its status and estimated seconds, and the total estimate.
+
+    A job's estimate is its own wall time when an earlier invocation ran it, else the mean
+    of the finished jobs of its group (the study's cost classes), else of every finished
+    job; jobs that measured values configure are listed with what they wait for.
+    """
+    steps: dict[str, _Step] = {}
+    while True:  # what is done now, in dependency order; a study may list more once it is
+        jobs = _plan(study, ctx)
+        for job in (j for j in jobs if j.name not in steps):
+            steps[job.name] = _prepare(job, ctx)
+            if steps[job.name].what == "done":
+                ctx.done.add(job.name)
+        if len(_plan(study, ctx)) == len(jobs):
+            break
+    walls = {j.name: w for j in jobs if j.name in ctx.done and (w := _wall_of(j.name, ctx))}
+    groups: dict[str, list[float]] = {}
+    for j in jobs:
+        if j.name in walls:
+            groups.setdefault(j.group or type(j).__name__, []).append(walls[j.name])
+    every = [w for ws in groups.values() for w in ws]
+    lines = head(["job", "kind", "needs", "status", "estimate s"])
+    left: list[float | None] = []
+    for job in jobs:
+        step = steps[job.name]
+        status = {
+            "done": "done (skipped)",
+            "skip": f"skipped: {step.reason}",
+            "wait": f"after {step.reason}"
+            + (MEASURED if callable(getattr(job, "config", 0)) else ""),
+            "todo": f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}",
+        }[step.what]
+        est: float | None = None
+        if step.what in ("todo", "wait"):
+            mine = ctx.record.jobs.get(job.name, {})
+            same = groups.get(job.group or type(job).__name__) or every
+            if mine.get("attempts"):  # its own time, when an earlier invocation ran it
+                est = float(mine["wall_s"]) / int(mine["attempts"])
+            elif same:
+                est = sum(same) / len(same)
+            left.append(est)
+        kind = "run" if isinstance(job, Run) else "compute"
+        lines.append(row([job.name, kind, ", ".join(job.needs) or DASH, status, num(est, 0)]))
+    known = [x for x in left if x is not None]
+    total = sum(known) / max(1, min(ctx.workers, len(left)))
+    unknown = len(left) - len(known)
+    summary = f"{len(jobs)} jobs, {len(jobs) - len(left)} done or skipped, {len(left)} to run"
+    if known:
+        summary += (
+            f" with {ctx.workers} worker(s): about {total / 60:.1f} min from the times of the"
+            f" {len(every)} finished jobs in {ctx.out} (a lower bound where jobs wait for others"
+            + (f"; {unknown} job(s) without a measurement to go by" if unknown else "")
+            + ")."
+        )
+    elif left:
+        summary += f": no estimate, no job in {ctx.out} has finished and measured its time."
+    return [*lines, "", summary, *([f"Later: {study.later}"] if study.later else [])]
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _machine() -> str:
+    return f"{os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()})"
+
+
+def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
+    """The section on the jobs' status, wall and CPU time and the machine's load."""
+    rec = ctx.record
+    ran = [i for i in rec.invocations if i.get("ran")]
+    lines = ["## Jobs, time and load", ""]
+    if ran:
+        wall = sum(float(i.get("wall_s", 0.0)) for i in ran) / 60
+        cpu = sum(float(i.get("cpu_s", 0.0)) for i in ran) / 60
+        lines.append(
+            f"From `{RECORD}`: {len(ran)} invocation(s) ran jobs, wall {wall:.1f} min, CPU"
+            f" time of all processes {cpu:.1f} min, on {_machine()} shared with other work"
+            " (the load average says how much: wall time on a busy machine overstates a"
+            " study's own cost, which the CPU time measures):"
+        )
+        for i in ran:
+            ls, le = (num((i.get(k) or [math.nan])[0], 1) for k in ("load_start", "load_end"))
+            lines.append(
+                f"- {i.get('started', '?')}: {i['ran']} jobs with {i.get('workers', 1)}"
+                f" worker(s), wall {float(i.get('wall_s', 0.0)) / 60:.1f} min, CPU"
+                f" {float(i.get('cpu_s', 0.0)) / 60:.1f} min; 1-minute load average {ls} at"
+                f" the start, {le} at the end."
+            )
+    else:
+        lines.append(f"No invocation that ran jobs is recorded in `{RECORD}` (on {_machine()}).")
+    # A large grid is summed by group (the study's cost classes), a small one job by job.
+    entries = [(j, rec.jobs.get(j.name, {})) for j in jobs]
+    by: dict[str, list[dict[str, Any]]] = {}
+    for j, e in entries:
+        by.setdefault(j.name if len(jobs) <= 40 else (j.group or "jobs"), []).append(e)
+    lines += ["", *head("job or group | jobs | status | wall s | CPU s | load at start → end")]
+    for key, es in by.items():
+        status = ", ".join(sorted({str(e.get("status", "not run")) for e in es}))
+        timed = [e for e in es if e.get("attempts")]
+        wall, cpu = (sum(float(e[k]) for e in timed) for k in ("wall_s", "cpu_s"))
+        ends = (timed[0].get("load_start"), timed[-1].get("load_end")) if timed else (None, None)
+        load = f"{num(ends[0], 1)} → {num(ends[1], 1)}" if timed else DASH
+        lines.append(
+            row([key, len(es), status, *(num(x if timed else None, 0) for x in (wall, cpu)), load])
+        )
+    errors = [(j.name, e["error"]) for j, e in entries if e.get("error")]
+    if errors:
+        lines += ["", "Jobs that did not finish:", "", *[f"- `{n}`: {x}" for n, x in errors]]
+    return [*lines, ""]
+
+
+def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None = None) -> Path:
+    """Where the report of this grid goes: ``folder`` (``docs/`` by default) / its file."""
+    file = study.reports[1 if ctx.quick else 0]
+    if file is None:
+        return (folder or ctx.out) / f"{study.name}-quick.md"
+    return (folder or Path("docs")) / file
+
+
+def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
+    """Writes the report from the study folder: title, readouts, the study's sections, the
+    jobs' times."""
+    ctx.report = path
+    data = study.read(ctx)
+    jobs = _plan(study, ctx)
+    lines = [
+        f"# {study.title(ctx)}",
+        "",
+        f"Written by `{ctx.command}` from the runs in `{ctx.out}`"
+        f" (`src/fedfm/reproduce/{study.name}.py`); every number below is read from the runs'"
+        " folders. Do not edit this page by hand.",
+        "",
+        *readout_lines(study.readouts(ctx.grid), data),
+        *study.body(ctx, data),
+        *time_lines(ctx, jobs),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
+
+
+def open_study(
+    study: Study[Any, Any],
+    out: Path,
+    quick: bool = False,
+    grid: Any = None,
+    workers: int | None = None,
+    command: str | None = None,
+) -> Context[Any]:
+    """The context of one invocation: ``out`` is the study folder itself."""
+    return Context(
+        study=study.name,
+        grid=grid if grid is not None else (study.quick if quick else study.full),
+        quick=quick,
+        out=Path(out),
+        command=command or f"fedfm reproduce {study.name}" + (" --quick" if quick else ""),
+        workers=workers or min(study.workers[1 if quick else 0], os.cpu_count() or 1),
+    )
+
+
+def run_study(study: Study[Any, Any], ctx: Context[Any], report: Path | None = None) -> Path:
+    """Runs what is missing of the study and writes its report; returns the report's path."""
+    run_jobs(study, ctx)
+    return write_report(study, ctx, report or report_path(study, ctx))
+
+
+def reproduce(
+    name: str,
+    out: Path,
+    quick: bool = False,
+    workers: int | None = None,
+    dry_run_only: bool = False,
+    report_dir: Path | None = None,
+) -> Path | list[str]:
+    """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``.
+
+    Returns:
+        The report written, or with ``dry_run_only`` the lines of the job list.
+
+    Raises:
+        ConfigError: An unknown study, or fewer than one worker.
+    """
+    load_studies()
+    study = STUDIES.get(name)
+    if workers is not None and workers < 1:
+        raise ConfigError("jobs", f"must be at least 1, got {workers}")
+    _offline()
+    ctx = open_study(study, Path(out) / (f"{name}-quick" if quick else name), quick, None, workers)
+    if dry_run_only:
+        return dry_run(study, ctx)
+    return run_study(study, ctx, report_path(study, ctx, report_dir))
