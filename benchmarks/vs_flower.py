@@ -14,7 +14,21 @@ client on 127.0.0.1, each SuperNode with its fedfm warm worker, or Flower's proc
 message with ``--isolation subprocess``) and reports each SuperNode's peak memory: the
 resident set of the SuperNode process, its children and its worker, sampled every 0.2 s.
 
+The LLM case (``--llm``): FedIT on SmolLM2-135M-Instruct (LoRA r=8 on q,k,v,o, bfloat16
+autocast), 10 clients, 2 rounds, the same local steps on the same token batches, once by fedfm's
+embedded runtime and once by a plain Flower simulation laid out as FlowerTune lays it out: a
+ServerApp running Flower's own FedAvg strategy over the LoRA arrays, and a ClientApp whose
+``train`` loads the base model from disk and wraps it with peft on every call (FlowerTune's
+``get_model``), sets the received adapter, trains and replies. Each side runs in a fresh
+process; its wall time and the peak of the resident memory summed over its process tree (Ray's
+workers and daemons included) are measured from outside, and the final global adapters of the
+two sides are compared. Both sides get every core: Flower one Ray actor of one thread per core
+(each client its own process), fedfm as many torch threads in its one process
+(``--llm-threads``). The ratios flower/fedfm of wall time and of peak memory are printed
+last.
+
 Usage: .venv/bin/python benchmarks/vs_flower.py [--repeats 1] [--steps 20] [--skip-deploy]
+       .venv/bin/python benchmarks/vs_flower.py --llm [--llm-steps 4]
 """
 
 from __future__ import annotations
@@ -22,11 +36,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -165,6 +183,218 @@ def deployment(out: str, steps: int, clients: int, isolation: str) -> tuple[floa
         P.stop(procs)
 
 
+# ----------------------------------------------------------------------------- the LLM case
+
+LLM_CLIENTS, LLM_ROUNDS, LLM_BATCH = 10, 2, 4
+LORA = {
+    "r": 8,
+    "alpha": 16,
+    "dropout": 0.0,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+
+
+def llm_config(out: str, steps: int, name: str, threads: int = 1) -> dict[str, Any]:
+    """FedIT on SmolLM2; dropout 0 so that both sides train the same numbers without RNG."""
+    return {
+        "name": name,
+        "algorithm": "fedavg",
+        "rounds": LLM_ROUNDS,
+        "seed": 0,
+        "task": {
+            "kind": "instruction",
+            "model": "smollm2-135m-instruct",
+            "autocast_bf16": True,
+            "source_options": {"per_domain_train": 20, "per_domain_test": 1},
+            "lora": LORA,
+            "prompt": {"max_length": 128, "max_prompt_length": 96},
+            "pad_to_multiple_of": 32,
+            # fedfm evaluates after the last round; the smallest evaluation it allows (one item
+            # per domain, one log-likelihood pass) is charged to fedfm, Flower evaluates nothing.
+            "max_eval": 1,
+            "choice_mode": "loglik",
+            "eval_ppl": False,
+            "max_new_tokens": 1,
+        },
+        "partition": {"scheme": "iid", "num_clients": LLM_CLIENTS},
+        "train": {"steps": steps, "batch_size": LLM_BATCH, "optimizer": "adamw", "lr": 5e-4},
+        "eval_before": False,
+        "out_dir": out,
+        "plots": False,
+        "threads": threads,
+    }
+
+
+def llm_prepare(out: str, steps: int) -> None:
+    """Writes what the Flower side needs: each (round, client)'s token batches, exactly those
+    fedfm's clients draw, its example count, and fedfm's initial adapter."""
+    import torch
+
+    from fedfm.core.federation import derive_seed
+    from fedfm.engine import build
+
+    setup = build(load_config(llm_config(out, steps, "prepare")))
+    task, seed = setup.task, setup.cfg.seed
+    # The initial global adapter is the one fedfm's FedAvg drew when it was built.
+    init = {k: v.clone() for k, v in setup.algo.params.items()}  # type: ignore[attr-defined]
+    work: dict[str, Any] = {"init": init, "clients": {}}
+    for cid in task.client_ids():
+        data = task.client_data(cid)
+        rounds = {}
+        for rnd in range(1, LLM_ROUNDS + 1):
+            it = task.batches(data, LLM_BATCH, derive_seed(seed, rnd, cid, "batches"))
+            rounds[rnd] = [next(it) for _ in range(steps)]
+        work["clients"][cid] = {"n": task.num_examples(data), "batches": rounds}
+    torch.save(work, Path(out) / "flower_work.pt")
+
+
+def flowertune_apps(out: str, steps: int) -> tuple[Any, Any]:
+    """A FlowerTune-style ServerApp (Flower's FedAvg) and ClientApp (loads the base per call)."""
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+
+    work_file = Path(out) / "flower_work.pt"
+    client_app, server_app = ClientApp(), ServerApp()
+
+    def get_model() -> Any:  # FlowerTune's models.get_model: the base from disk, then peft
+        import peft
+        from transformers import AutoModelForCausalLM
+
+        from fedfm.models.causal_lm import smollm2_dir
+
+        base = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
+        config = peft.LoraConfig(
+            r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+            target_modules=LORA["target_modules"], task_type="CAUSAL_LM",
+        )  # fmt: skip
+        return peft.get_peft_model(base, config)
+
+    @client_app.train()
+    def train(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)
+        cid = str(context.node_config["partition-id"])
+        rnd = int(msg.content["config"]["server-round"])
+        model = get_model()
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=False)
+        client = torch.load(work_file, weights_only=False)["clients"][cid]
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
+        model.train()
+        for batch in client["batches"][rnd][:steps]:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        state = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+        reply = RecordDict(
+            {"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": client["n"]})}
+        )
+        return Message(content=reply, reply_to=msg)
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        init = torch.load(work_file, weights_only=False)["init"]
+        strategy = FedAvg(
+            fraction_train=1.0,
+            fraction_evaluate=0.0,
+            min_train_nodes=LLM_CLIENTS,
+            min_available_nodes=LLM_CLIENTS,
+        )
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(init),
+            num_rounds=LLM_ROUNDS,
+            train_config=ConfigRecord({}),
+        )
+        torch.save(result.arrays.to_torch_state_dict(), Path(out) / "flower_final.pt")
+
+    return server_app, client_app
+
+
+def llm_child(side: str, out: str, steps: int, threads: int) -> None:
+    """One side of the LLM case in this fresh process."""
+    import torch
+
+    if side == "fedfm":
+        from fedfm.core.checkpoint import checkpoints_newest_first, load_checkpoint
+        from fedfm.core.groups import get_group
+
+        cfg = load_config(llm_config(out, steps, "fedfm-llm", threads))
+        run(cfg, overwrite=True, progress=False)
+        last = checkpoints_newest_first(Path(out) / cfg.name / "checkpoints")[0]
+        final = get_group(load_checkpoint(last).server_arrays, "params")
+        torch.save(final, Path(out) / "fedfm_final.pt")
+        return
+    from flwr.simulation import run_simulation
+
+    from fedfm.runtime.flower.options import flower_env, quiet_flower
+
+    server_app, client_app = flowertune_apps(out, steps)
+    backend = {
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False},
+    }
+    with flower_env():
+        quiet_flower(False)
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=LLM_CLIENTS,
+            backend_config=backend,  # type: ignore[arg-type]
+        )
+
+
+def llm_side(side: str, out: str, steps: int, threads: int) -> tuple[float, int]:
+    """Runs one side in a fresh process: (wall seconds, peak RSS summed over its tree)."""
+    cmd = [sys.executable, __file__, "--llm-child", side, "--out", out]
+    cmd += ["--llm-steps", str(steps), "--llm-threads", str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with PeakRss({side: [proc.pid]}, every_s=0.25) as mem:
+        _, stderr = proc.communicate()
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{side} failed:\n{stderr[-3000:]}")
+    return wall, mem.peak[side]
+
+
+def llm_case(steps: int, threads: int) -> None:
+    import torch
+
+    from fedfm.models.causal_lm import smollm2_dir
+
+    smollm2_dir()  # convert once here, so that neither side pays for it
+    with tempfile.TemporaryDirectory() as out:
+        llm_prepare(out, steps)
+        emb_wall, emb_mem = llm_side("fedfm", out, steps, threads)
+        print(
+            f"fedfm embedded ({threads} torch threads): {emb_wall:.1f} s,"
+            f" peak RSS {emb_mem / 2**30:.2f} GiB",
+            flush=True,
+        )
+        fl_wall, fl_mem = llm_side("flower", out, steps, 1)
+        print(f"Flower simulation (FlowerTune layout, {os.cpu_count()} Ray actors of 1 thread):"
+              f" {fl_wall:.1f} s, peak RSS summed over"
+              f" processes {fl_mem / 2**30:.2f} GiB", flush=True)  # fmt: skip
+        ours = torch.load(Path(out) / "fedfm_final.pt")
+        theirs = torch.load(Path(out) / "flower_final.pt")
+        keys = sorted(set(ours) & set(theirs))
+        gap = max(float((ours[k] - theirs[k]).abs().max()) for k in keys) if keys else float("nan")
+        scale = max(float(ours[k].abs().max()) for k in keys) if keys else float("nan")
+        print(
+            f"final global adapters: {len(keys)} of {len(ours)} tensors in common, max |fedfm -"
+            f" flower| = {gap:.2e} (max |value| {scale:.2e})"
+        )
+    work = f"FedIT SmolLM2 LoRA, {LLM_CLIENTS} clients x {LLM_ROUNDS} rounds x {steps} steps"
+    print(f"{work}: ratio flower/fedfm wall time {fl_wall / emb_wall:.2f}, peak memory"
+          f" {fl_mem / emb_mem:.2f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=1)
@@ -172,7 +402,23 @@ def main() -> None:
     ap.add_argument("--sim-cpus", type=int, default=None, help="CPUs for Ray (default: all)")
     ap.add_argument("--skip-deploy", action="store_true")
     ap.add_argument("--isolation", default="process", choices=["process", "subprocess"])
+    ap.add_argument("--llm", action="store_true", help="the FedIT SmolLM2 case instead")
+    ap.add_argument("--llm-steps", type=int, default=4, help="local steps per client and round")
+    ap.add_argument(
+        "--llm-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="fedfm's torch threads (default: every core, as many as Flower's Ray actors)",
+    )
+    ap.add_argument("--llm-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.llm_child is not None:
+        llm_child(args.llm_child, args.out, args.llm_steps, args.llm_threads)
+        return
+    if args.llm:
+        llm_case(args.llm_steps, args.llm_threads)
+        return
     with tempfile.TemporaryDirectory() as out:
         emb_cfg = config(out, args.steps, "embedded")
         sim_cfg = config(out, args.steps, "flower-sim")

@@ -77,7 +77,31 @@ def build() -> Catalog:
             for k, f in AggregatorConfig.model_fields.items()
             if k != "name"
         ],
+        "recipe_options": _recipe_rows(),
     }
+
+
+def _recipe_rows() -> list[list[str]]:
+    """The device and the LLM recipe knobs (FlowerTune's), with the values each takes."""
+    from typing import get_args
+
+    from fedfm.config import BNB_OPTIMIZERS, LrSchedule, TrainConfig
+    from fedfm.devices import DEVICE_NAMES
+
+    optimizers = get_args(TrainConfig.model_fields["optimizer"].annotation)
+    schedules = get_args(LrSchedule.model_fields["name"].annotation)
+    return [
+        ["device=", " | ".join(DEVICE_NAMES), "auto: CUDA when present, else the CPU"],
+        ["train.optimizer=", " | ".join(optimizers), f"{', '.join(BNB_OPTIMIZERS)}: CUDA"],
+        ["train.schedule.name=", " | ".join(schedules),
+         "clients' local lr over rounds (cosine: FlowerTune's cosine_annealing)"],
+        ["train.schedule.min_lr=", "number <= train.lr", "where cosine ends"],
+        ["train.schedule.warmup_rounds=", "integer < rounds", "linear warm-up to train.lr"],
+        ["task.lora.target_modules=", "\\[names] | auto | all-linear",
+         "auto: peft's default attention projections of the architecture"],
+        ["task.lora.use_dora=", "true | false", "DoRA: magnitude + direction (peft)"],
+        ["task.quantization=", "4bit | 8bit", "QLoRA NF4 / LLM.int8 base: CUDA"],
+    ]  # fmt: skip
 
 
 def _aggregating(algorithms: Registry[Any], field: str) -> list[str]:
@@ -116,7 +140,25 @@ def render(data: Catalog, out: Console) -> None:
             for key, meaning in data["aggregator_options"]:
                 opts.add_row(key, meaning)
             out.print(opts)
+    out.print(_recipe_table(data["recipe_options"]))
     out.print("[bold]presets[/]: " + ", ".join(preset_names()))
+
+
+def _recipe_table(rows: list[list[str]]) -> Table:
+    import importlib.util
+
+    bnb = "installed" if importlib.util.find_spec("bitsandbytes") else "not installed"
+    table = Table(
+        title=f"devices and LLM recipe options (bitsandbytes {bnb})",
+        show_edge=False,
+        title_justify="left",
+    )
+    table.add_column("key=VALUE", no_wrap=True)
+    table.add_column("values")
+    table.add_column("meaning")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def dumps(data: Catalog) -> str:
@@ -135,13 +177,17 @@ def dumps(data: Catalog) -> str:
     )
     return (
         f'{{\n "registries": [\n{sections}\n ],\n "used_by": {one(data["used_by"])},\n'
-        f' "aggregator_options": [\n{rows(data["aggregator_options"], "  ")}\n ]\n}}\n'
+        f' "aggregator_options": [\n{rows(data["aggregator_options"], "  ")}\n ],\n'
+        f' "recipe_options": [\n{rows(data["recipe_options"], "  ")}\n ]\n}}\n'
     )
 
 
 def main() -> None:
     """``python -m fedfm.catalog [PATH]``: writes the manifest (default: the package's)."""
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else manifest_path()
+    args = sys.argv[1:]
+    if len(args) > 1 or (args and args[0].startswith("-")):
+        sys.exit("usage: python -m fedfm.catalog [PATH]")
+    path = Path(args[0]) if args else manifest_path()
     path.write_text(dumps(build()), encoding="utf-8")
     print(f"wrote {path}")
 

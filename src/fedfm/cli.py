@@ -48,10 +48,40 @@ def run(
     from fedfm.runtime import run as run_config
 
     cfg = load_run_config(config, overrides or [], resume, flower_commands.algo_keys)
+    from fedfm.plan import make_plan, plan_fits_or_warn
+
+    plan = make_plan(cfg)
+    Console().print(plan.summary(), soft_wrap=True, markup=False)
+    plan_fits_or_warn(plan, strict=False)
+    if cfg.torch_device().type != "cpu":
+        logging.getLogger("fedfm").warning(
+            "device %s: the plan is sized for it, but training, generation and evaluation"
+            " still compute on the CPU",
+            cfg.device,
+        )
     summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
     from fedfm.progress import summary_line
 
     Console().print(summary_line(summary, Path(cfg.out_dir) / cfg.name))
+
+
+@app.command()
+def plan(
+    config: Annotated[str, typer.Argument(help="preset name or YAML file")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides")] = None,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="exit 2 when the run does not fit the device")
+    ] = False,
+) -> None:
+    """Print a run's memory plan (server and client: parameters, peak memory by part, bytes
+    per round) and whether it fits its device; loads no weights, writes nothing."""
+    from fedfm.algorithms import algo_keys
+    from fedfm.config import load_config
+    from fedfm.plan import make_plan, plan_fits_or_warn
+
+    made = make_plan(load_config(config, overrides or [], algo_keys))
+    print(made.table())
+    plan_fits_or_warn(made, strict)
 
 
 @app.command()

@@ -18,8 +18,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from fedfm import devices
 from fedfm.errors import ConfigError
 
 log = logging.getLogger("fedfm")
@@ -31,21 +39,71 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+"""bitsandbytes' AdamW variants: 8-bit optimizer state (Dettmers et al., "8-bit Optimizers via
+Block-wise Quantization", ICLR 2022) and paged state that spills to CPU memory under pressure
+(QLoRA's paged optimizers). They need CUDA and ``pip install 'fedfm[quant]'``."""
+
+
+class LrSchedule(Strict):
+    """The clients' local learning rate over rounds; ``train.lr`` is its maximum.
+
+    ``cosine`` anneals from ``train.lr`` to ``min_lr`` as FlowerTune's ``cosine_annealing``
+    does: round ``t`` of ``T`` trains at ``min_lr + (lr - min_lr)(1 + cos(pi t / T)) / 2``.
+    ``warmup_rounds`` ``W > 0`` first rises linearly (round ``t <= W`` at ``lr t / W``), and the
+    schedule then runs over the remaining ``T - W`` rounds. The rate is a function of the
+    round alone, so a resumed run trains exactly as an uninterrupted one.
+
+    Attributes:
+        name: ``constant`` or ``cosine``.
+        min_lr: The rate ``cosine`` ends at (at most ``train.lr``).
+        warmup_rounds: Rounds of linear warm-up (fewer than the run's rounds).
+    """
+
+    name: Literal["constant", "cosine"] = "constant"
+    min_lr: float = Field(0.0, ge=0)
+    warmup_rounds: int = Field(0, ge=0)
+
+    def is_constant(self) -> bool:
+        """Whether every round trains at ``train.lr``."""
+        return self.name == "constant" and not self.warmup_rounds
+
+
 class TrainConfig(Strict):
     """Local training shared by every algorithm (see :func:`fedfm.core.train.local_train`).
 
-    Exactly one of ``steps`` and ``epochs`` is used: ``epochs`` wins when set.
+    Exactly one of ``steps`` and ``epochs`` is used: ``epochs`` wins when set. ``optimizer``
+    also takes bitsandbytes' 8-bit and paged AdamW (:data:`BNB_OPTIMIZERS`).
     """
 
     steps: int = Field(10, ge=1)
     epochs: float | None = Field(None, gt=0)
     batch_size: int = Field(32, ge=1)
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    optimizer: Literal[
+        "sgd", "adam", "adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+    ] = "sgd"
     lr: float = Field(0.05, gt=0)
+    schedule: LrSchedule = Field(default_factory=LrSchedule)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     clip_norm: float | None = Field(None, gt=0)
     prox_mu: float = Field(0.0, ge=0)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _bnb_installed(cls, v: str) -> str:
+        if v in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"{v} needs the bitsandbytes package: pip install 'fedfm[quant]'")
+        return v
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> TrainConfig:
+        if self.schedule.min_lr > self.lr:
+            raise ConfigError(
+                "train.schedule.min_lr",
+                f"{self.schedule.min_lr:g} is above train.lr ({self.lr:g}), the schedule's maximum",
+            )
+        return self
 
 
 class ClientsConfig(Strict):
@@ -172,8 +230,36 @@ class RunConfig(Strict):
     eval_before: bool = True
     out_dir: str = "runs"
     threads: int | None = Field(None, ge=1)
+    device: str = Field(
+        "auto", description="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps"
+    )
     plots: bool = True
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        return devices.check(v)
+
+    @model_validator(mode="after")
+    def _fits_the_run(self) -> RunConfig:
+        warmup = self.train.schedule.warmup_rounds
+        if warmup and warmup >= self.rounds:
+            raise ConfigError(
+                "train.schedule.warmup_rounds",
+                f"{warmup} warm-up rounds leave none of the run's {self.rounds} rounds",
+            )
+        if self.train.optimizer in BNB_OPTIMIZERS and self.torch_device().type != "cuda":
+            raise ConfigError(
+                "train.optimizer",
+                f"{self.train.optimizer} needs a CUDA device; device {self.device!r} is"
+                f" {self.torch_device()} here",
+            )
+        return self
+
+    def torch_device(self) -> Any:
+        """The ``torch.device`` that ``device`` resolves to on this machine."""
+        return devices.resolve(self.device)
 
     @field_validator("name")
     @classmethod

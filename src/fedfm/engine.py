@@ -87,6 +87,7 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     task_cls = TASKS.get(str(task_kind))
     algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
     task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
+    task_cls.check_run(task_cfg, cfg)  # what the task needs of the run (the device)
     validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")
     algo_cls.check_task(algo_cfg, task_cls, task_cfg)  # optional task capabilities
     return algo_cfg, task_cfg

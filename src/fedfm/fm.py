@@ -51,7 +51,7 @@ from fedfm.data.prompt import (
 )
 from fedfm.errors import ConfigError, UnknownNameError
 from fedfm.eval.generate import GenerationConfig, Reply, generate_replies, pad_id_of
-from fedfm.models.causal_lm import LMBundle
+from fedfm.models.causal_lm import TINY_MODELS, LMBundle
 from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
 from fedfm.models.lora import (
     LoraConfigSpec,
@@ -78,31 +78,48 @@ _BASES: dict[str, LMBundle] = {}
 _ADAPTED: dict[str, peft.PeftModel] = {}
 
 
-def base_key(name: str, dtype: str = "float32", args: Mapping[str, Any] | None = None) -> str:
+def base_key(
+    name: str,
+    dtype: str = "float32",
+    args: Mapping[str, Any] | None = None,
+    quantization: str | None = None,
+) -> str:
     """The key under which a base model is shared in this process."""
-    return json.dumps([name, dtype, dict(args or {})], sort_keys=True, default=str)
+    parts: list[Any] = [name, dtype, dict(args or {})]
+    if quantization is not None:  # unquantised keys stay as they always were
+        parts.append(quantization)
+    return json.dumps(parts, sort_keys=True, default=str)
 
 
-def shared_base(name: str, dtype: str = "float32", args: dict[str, Any] | None = None) -> LMBundle:
+def shared_base(
+    name: str,
+    dtype: str = "float32",
+    args: dict[str, Any] | None = None,
+    quantization: str | None = None,
+) -> LMBundle:
     """The process-wide frozen base model and tokenizer for ``(name, dtype, args)``.
 
     Loaded on first use and then shared by every simulated client and every task of the
     process. Once an adapter exists, its linear layers carry LoRA wrappers (inactive adapters
-    leave its outputs unchanged).
+    leave its outputs unchanged). With ``quantization`` (``4bit``/``8bit``) the base is loaded
+    quantised by bitsandbytes and ``dtype`` is its compute dtype.
 
     Raises:
         ConfigError: ``name`` is not a causal language model (field ``task.model``).
     """
     args = dict(args or {})
-    key = base_key(name, dtype, args)
+    key = base_key(name, dtype, args, quantization)
     if key not in _BASES:
         kwargs = dict(args)
-        if name != "tiny-llama":  # the tiny test model is built in float32, then cast below
+        if name not in TINY_MODELS:  # the tiny test models are built in float32, then cast
             kwargs["dtype"] = dtype
+        if quantization is not None:
+            kwargs["quantization"] = quantization
         bundle = build_model(name, **kwargs)
         if not isinstance(bundle, LMBundle):
             raise ConfigError("task.model", f"'{name}' is not a causal language model")
-        bundle.model.to(getattr(torch, dtype))
+        if quantization is None:  # a quantised model keeps the dtypes bitsandbytes chose
+            bundle.model.to(getattr(torch, dtype))
         _BASES[key] = bundle
     return _BASES[key]
 
@@ -122,6 +139,8 @@ class FoundationModel:
         prompt: Prompt formatting and length limits.
         autocast_bf16: Run forward passes (generation, features, DP-SGD) under bfloat16
             autocast.
+        quantization: ``4bit`` or ``8bit``: the base is loaded quantised (see
+            :func:`shared_base`).
     """
 
     def __init__(
@@ -133,6 +152,7 @@ class FoundationModel:
         lora: LoraConfigSpec | None = None,
         prompt: PromptConfig | None = None,
         autocast_bf16: bool = False,
+        quantization: str | None = None,
     ) -> None:
         self.name = name
         self.dtype = dtype
@@ -140,13 +160,14 @@ class FoundationModel:
         self.lora = lora or LoraConfigSpec()
         self.prompt_cfg = prompt or PromptConfig()
         self.autocast_bf16 = autocast_bf16
-        self.key = base_key(name, dtype, self.args)
+        self.quantization = quantization
+        self.key = base_key(name, dtype, self.args, quantization)
 
     # ----- the shared model -----
     @property
     def bundle(self) -> LMBundle:
         """The frozen base model and its tokenizer (loaded on first use)."""
-        return shared_base(self.name, self.dtype, self.args)
+        return shared_base(self.name, self.dtype, self.args, self.quantization)
 
     @property
     def tokenizer(self) -> Any:

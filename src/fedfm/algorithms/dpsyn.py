@@ -481,10 +481,11 @@ class DPSyn(Algorithm):
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 1: DP-SGD on the received adapter (or weights) over "code → text" rows."""
         from fedfm.core.dp import sample_rate
+        from fedfm.core.train import client_config
 
         rows = self.rows(ctx.cid, ctx.data)
         kw: dict[str, Any] = {
-            "train": self.run.train,
+            "train": client_config(ctx, self.run.train),  # the round's scheduled lr
             "dp": self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
             "delta": self.delta,
             "steps": self.run.train.steps,

@@ -57,7 +57,7 @@ from fedfm.core.replies import (
     weighted_mean_metric,
 )
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.train import get_params, local_round, set_params
+from fedfm.core.train import client_config, get_params, local_round, set_params
 from fedfm.core.userdp import UPDATE_META, Skipped, UserDP, fold_reply
 from fedfm.errors import ConfigError
 from fedfm.eval.compare import UpdateCosines
@@ -478,7 +478,8 @@ class Scaffold(Algorithm):
         data = self.refinery.data(ctx) if self.refinery is not None else None
         res = local_round(ctx, model, self.run.train, grad_correction=corr, data=data)
         local = get_params(model, list(glob))
-        c_new = scaffold_client_control(c_i, c, glob, local, res.steps, self.run.train.lr)
+        lr = client_config(ctx, self.run.train).lr  # the round's rate, as local_round used
+        c_new = scaffold_client_control(c_i, c, glob, local, res.steps, lr)
         ctx.state.set_group("control", c_new)
         delta_y = {k: local[k] - glob[k] for k in glob}
         if self.user_dp is not None and self.user_dp.client_side:

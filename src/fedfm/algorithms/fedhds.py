@@ -119,7 +119,7 @@ from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.replies import MetricMean, meta_number
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secret import noise_seed
-from fedfm.core.train import local_train, num_steps
+from fedfm.core.train import client_config, local_train, num_steps
 from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
@@ -703,7 +703,7 @@ class FedHDS(Algorithm):
         ids = rows.ids()
         coreset = rows.subset([ids[keep[p]] for p in positions])
         self.fm.set_adapter(ADAPTER, msg.arrays[ADAPTER])
-        cfg = self.run.train
+        cfg = client_config(ctx, self.run.train)
         t0 = time.perf_counter()
         batches = self.task.batches(coreset, cfg.batch_size, ctx.rng_seed("batches"))
         with self.fm.use([ADAPTER], [ADAPTER]) as model:

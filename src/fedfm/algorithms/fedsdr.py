@@ -58,7 +58,7 @@ from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.train import TrainResult, local_train, num_steps, trainable
+from fedfm.core.train import TrainResult, client_config, local_train, num_steps, trainable
 from fedfm.fm import FoundationModel
 from fedfm.tasks.base import Task, TaskConfig
 
@@ -160,7 +160,7 @@ class FedSDR(Algorithm):
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 1 (LoRA-S on ``D_dist``), stage 2 (LoRA-R on ``D_raw``); uploads LoRA-R."""
-        fm, task, cfg = self.fm, self.task, self.run.train
+        fm, task, cfg = self.fm, self.task, client_config(ctx, self.run.train)
         fm.set_adapter(R, msg.arrays["params"])
         self._load_s(ctx, fresh=self.cfg.reset_s)
         n = task.num_examples(ctx.data)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from fedfm.config import TrainConfig
+from fedfm.config import BNB_OPTIMIZERS, TrainConfig
 
 if TYPE_CHECKING:
     from fedfm.core.federation import ClientContext
@@ -46,8 +46,59 @@ def num_steps(cfg: TrainConfig, num_examples: int) -> int:
     return cfg.steps
 
 
+def scheduled_lr(cfg: TrainConfig, rnd: int, rounds: int) -> float:
+    """The local learning rate of round ``rnd`` of ``rounds`` under ``cfg.schedule``.
+
+    See :class:`fedfm.config.LrSchedule` for the formula. Phases outside the rounds (round 0
+    before them, ``rounds + 1`` after) train at the rate of the nearest round.
+    """
+    sched = cfg.schedule
+    t = min(max(rnd, 1), max(rounds, 1))
+    warm = sched.warmup_rounds
+    if warm and t <= warm:
+        return cfg.lr * t / warm
+    if sched.name == "constant":
+        return cfg.lr
+    # FlowerTune's cosine_annealing over the rounds after the warm-up.
+    span = max(rounds - warm, 1)
+    return sched.min_lr + 0.5 * (cfg.lr - sched.min_lr) * (
+        1 + math.cos(math.pi * (t - warm) / span)
+    )
+
+
+def round_config(cfg: TrainConfig, rnd: int, rounds: int) -> TrainConfig:
+    """``cfg`` with ``lr`` set to the round's :func:`scheduled_lr` (``cfg`` itself if constant)."""
+    if cfg.schedule.is_constant():
+        return cfg
+    return cfg.model_copy(update={"lr": scheduled_lr(cfg, rnd, rounds)})
+
+
+def client_config(ctx: ClientContext, cfg: TrainConfig) -> TrainConfig:
+    """The local-training settings of this client's round (what its handler trains with).
+
+    :func:`round_config` at ``ctx.rnd`` of the run's rounds.
+    """
+    if cfg.schedule.is_constant():
+        return cfg
+    return round_config(cfg, ctx.rnd, ctx.task.run.rounds)
+
+
 def make_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Builds the local optimizer named in ``cfg``."""
+    """Builds the local optimizer named in ``cfg``.
+
+    The bitsandbytes optimizers (``adamw_8bit``, ``paged_adamw_8bit``, ``paged_adamw_32bit``)
+    are imported only when named; the config refuses them without bitsandbytes or CUDA.
+    """
+    if cfg.optimizer in BNB_OPTIMIZERS:
+        import bitsandbytes as bnb
+
+        cls = {
+            "adamw_8bit": bnb.optim.AdamW8bit,
+            "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+            "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+        }[cfg.optimizer]
+        optimizer: torch.optim.Optimizer = cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return optimizer
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
@@ -138,7 +189,8 @@ def local_round(
 
     Batches come from the task, shuffled with a seed of (run seed, round, client,
     ``purpose``); the number of steps follows ``cfg`` (steps, or epochs over the client's
-    examples) unless ``steps`` is given.
+    examples) unless ``steps`` is given; the learning rate follows ``cfg.schedule`` at the
+    context's round (:func:`client_config`).
 
     Args:
         ctx: The client's context (its data and task).
@@ -158,6 +210,7 @@ def local_round(
     """
     task = ctx.task
     data = ctx.data if data is None else data
+    cfg = client_config(ctx, cfg)
     n = steps or num_steps(cfg, task.num_examples(data))
     batches = task.batches(data, cfg.batch_size, ctx.rng_seed(purpose))
     return local_train(model, batches, loss_fn or task.loss, cfg, n, **kw)

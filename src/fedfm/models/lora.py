@@ -23,6 +23,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import peft
 import pydantic
@@ -38,6 +39,10 @@ class AdapterStateError(FedfmError, ValueError):
     """An adapter state does not fit the adapter: unknown or missing keys, or wrong shapes."""
 
 
+AUTO = "auto"
+ALL_LINEAR = "all-linear"
+
+
 class LoraConfigSpec(pydantic.BaseModel):
     """LoRA hyper-parameters shared by every adapter of a run.
 
@@ -45,7 +50,13 @@ class LoraConfigSpec(pydantic.BaseModel):
         r: Rank of ``A`` and ``B``.
         alpha: Scale numerator; the update is scaled by ``alpha / r``.
         dropout: Dropout on the adapter input, active in train mode only.
-        target_modules: Names of the linear layers to adapt (suffixes of module names).
+        target_modules: Names of the linear layers to adapt (suffixes of module names);
+            ``auto``: the architecture's attention projections as peft's own defaults name
+            them (``q_proj, v_proj`` for Llama, Qwen2, Gemma; :func:`auto_targets`);
+            ``all-linear``: every linear layer except the output head (QLoRA's choice).
+        use_dora: DoRA (Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", ICML 2024):
+            each adapted weight is split into a magnitude vector and a direction that LoRA
+            updates; the magnitude is one more trainable adapter tensor per layer.
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
@@ -53,19 +64,69 @@ class LoraConfigSpec(pydantic.BaseModel):
     r: int = pydantic.Field(8, gt=0)
     alpha: float = pydantic.Field(16.0, gt=0)
     dropout: float = pydantic.Field(0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] = pydantic.Field(
+    target_modules: list[str] | Literal["auto", "all-linear"] = pydantic.Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
     )
+    use_dora: bool = False
 
-    def to_peft(self, task_type: str | None = None) -> peft.LoraConfig:
+    @pydantic.field_validator("target_modules", mode="before")
+    @classmethod
+    def _names_or_keyword(cls, v: object) -> object:
+        if isinstance(v, str) and v not in (AUTO, ALL_LINEAR):
+            raise ValueError(f"must be a list of module names, '{AUTO}' or '{ALL_LINEAR}'")
+        return v
+
+    def targets(self, model_type: str | None) -> list[str] | str:
+        """The ``target_modules`` peft gets for a model of ``model_type`` (``auto`` resolved).
+
+        Raises:
+            ConfigError: ``auto`` for an architecture peft has no defaults for (field
+                ``task.lora.target_modules``).
+        """
+        if self.target_modules == AUTO:
+            return auto_targets(model_type)
+        if self.target_modules == ALL_LINEAR:
+            return ALL_LINEAR
+        return list(self.target_modules)
+
+    def to_peft(
+        self, task_type: str | None = None, model_type: str | None = None
+    ) -> peft.LoraConfig:
         """The equivalent ``peft.LoraConfig`` (peft's default init: ``B = 0``)."""
         return peft.LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
-            target_modules=list(self.target_modules),
+            target_modules=self.targets(model_type),
+            use_dora=self.use_dora,
             task_type=task_type,
         )
+
+
+def auto_targets(model_type: str | None) -> list[str]:
+    """The LoRA targets peft uses by default for an architecture (its attention projections).
+
+    Read from peft's own table (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``), the
+    one ``peft.LoraConfig(target_modules=None)`` consults, so fedfm adapts what peft would.
+
+    Raises:
+        ConfigError: peft has no entry for ``model_type`` (field ``task.lora.target_modules``).
+    """
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as KNOWN
+
+    if model_type is None or model_type not in KNOWN:
+        raise ConfigError(
+            "task.lora.target_modules",
+            f"'auto' knows no LoRA targets for architecture {model_type!r}; list the linear"
+            " layers to adapt (e.g. [q_proj, v_proj]) or use all-linear",
+        )
+    return list(KNOWN[model_type])
+
+
+def model_type_of(model: nn.Module) -> str | None:
+    """The transformers ``model_type`` of a model or of the base inside a ``PeftModel``."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None)
 
 
 def add_adapters(
@@ -98,7 +159,7 @@ def add_adapters(
         if name in existing:
             raise ConfigError("lora.adapters", f"adapter '{name}' already exists")
     can_generate = getattr(model, "can_generate", lambda: False)()
-    config = spec.to_peft("CAUSAL_LM" if can_generate else None)
+    config = spec.to_peft("CAUSAL_LM" if can_generate else None, model_type_of(model))
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)

@@ -99,6 +99,18 @@ class Task(ABC):
         self.cfg = cfg
         self.run = run
 
+    @classmethod
+    def check_run(cls, cfg: TaskConfig, run: RunConfig) -> None:
+        """Refuses a task config that does not fit the rest of the run (e.g. its ``device``).
+
+        Called when the config is loaded, after the task's own section is validated and
+        before any data or model is loaded.
+
+        Raises:
+            ConfigError: Naming the task field that does not fit.
+        """
+        return None  # most tasks need nothing of the run
+
     @abstractmethod
     def client_ids(self) -> list[str]:
         """All client ids, in a stable order."""

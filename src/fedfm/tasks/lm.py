@@ -56,8 +56,8 @@ from fedfm.data.sources import load_source
 from fedfm.errors import ConfigError, FedfmError
 from fedfm.eval.generate import pad_id_of
 from fedfm.eval.llm import ROW_METRICS, ChoiceNorm, EvalSettings, evaluate_instruction_items
-from fedfm.fm import FoundationModel, shared_base
-from fedfm.models.causal_lm import LMBundle
+from fedfm.fm import FoundationModel
+from fedfm.models.causal_lm import LMBundle, check_lm_setup
 from fedfm.models.lora import LoraConfigSpec
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, TASKS, Task, TaskConfig
 
@@ -79,6 +79,9 @@ class InstructionConfig(TaskConfig):
         model_args: Arguments of the model builder (``vocab``, ``hidden`` for ``tiny-llama``).
         dtype: Dtype of the frozen base weights. ``bfloat16`` halves their memory; peft keeps
             the adapter in float32 either way.
+        quantization: Load the frozen base quantised by bitsandbytes: ``4bit`` (QLoRA's NF4)
+            or ``8bit``; needs CUDA and ``pip install 'fedfm[quant]'``. Adapters stay float32
+            and travel as without it.
         autocast_bf16: Run forward passes (training and evaluation) under CPU/GPU bfloat16
             autocast: about 1.4x faster than float32 for SmolLM2 on a CPU with AVX512-BF16.
         lora: LoRA rank, scale, dropout and target modules.
@@ -121,6 +124,7 @@ class InstructionConfig(TaskConfig):
     model: str = "smollm2-135m-instruct"
     model_args: dict[str, Any] = Field(default_factory=dict)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    quantization: Literal["4bit", "8bit"] | None = None
     autocast_bf16: bool = False
     lora: LoraConfigSpec = Field(default_factory=LoraConfigSpec)
     prompt: PromptConfig = Field(default_factory=PromptConfig)
@@ -247,8 +251,9 @@ def shared_peft_model(
     spec: LoraConfigSpec,
     adapter: str = "default",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> peft.PeftModel:
-    """The process-wide ``PeftModel`` on :func:`shared_base`, with ``adapter`` freshly made.
+    """The process-wide ``PeftModel`` on the shared base, with ``adapter`` freshly made.
 
     ``adapter`` is (re)created from ``spec`` with its ``A`` matrices drawn from ``seed`` and
     ``B = 0``, then made the only active and trainable adapter; other adapters keep their
@@ -256,7 +261,7 @@ def shared_peft_model(
     first returned: callers that need several live adapters use
     :class:`fedfm.fm.FoundationModel`.
     """
-    fm = FoundationModel(name, dtype, args, lora=spec)
+    fm = FoundationModel(name, dtype, args, lora=spec, quantization=quantization)
     fm.reset_adapter(adapter, seed, spec)
     fm.set_active([adapter], [adapter])
     return fm.model
@@ -271,6 +276,7 @@ def foundation_model_for(cfg: InstructionConfig) -> FoundationModel:
         lora=cfg.lora,
         prompt=cfg.prompt,
         autocast_bf16=cfg.autocast_bf16,
+        quantization=cfg.quantization,
     )
 
 
@@ -456,6 +462,11 @@ class InstructionTask(Task):
 
     # ----- the shared model -----
     @classmethod
+    def check_run(cls, cfg: TaskConfig, run: Any) -> None:
+        assert isinstance(cfg, InstructionConfig)
+        check_lm_setup(cfg.model, cfg.model_args, cfg.lora, cfg.quantization, run.device)
+
+    @classmethod
     def provides(cls, cfg: TaskConfig) -> frozenset[str]:
         return frozenset({FOUNDATION_MODEL, ITEM_RESULTS})
 
@@ -468,7 +479,7 @@ class InstructionTask(Task):
     @property
     def bundle(self) -> LMBundle:
         """The shared frozen base model and its tokenizer (loaded on first use)."""
-        return shared_base(self.cfg.model, self.cfg.dtype, self.cfg.model_args)
+        return self.foundation_model().bundle
 
     @property
     def tokenizer(self) -> Any:
@@ -520,6 +531,7 @@ class InstructionTask(Task):
             spec,
             overrides.get("adapter", "default"),
             seed,
+            self.cfg.quantization,
         )
 
     def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:

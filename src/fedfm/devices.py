@@ -1,0 +1,128 @@
+"""Devices: the ``device`` config value, its checks, and what a device supports.
+
+A leaf module (it imports only ``fedfm.errors``, and torch inside the functions), so the config
+layer can validate ``device`` without importing torch for the common values.
+
+``device`` takes ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``. ``auto`` is CUDA when torch
+sees a CUDA device, else the CPU. It never picks Apple's MPS: on MPS, float64 (FedHDS's
+features, the accountants' inputs) is missing, Opacus's per-sample gradients and some
+generation kernels fall back to the CPU or are unsupported, and bfloat16 autocast depends on
+the macOS version, so a run that works on the CPU could fail or differ there. ``mps`` is
+accepted when asked for by name.
+
+Autocast: bfloat16 where the device computes it natively (CPUs, CUDA from compute capability
+8.0, Ampere on), else float16 with a gradient scaler (:func:`needs_grad_scaler`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N", "mps")
+_PATTERN = re.compile(r"auto|cpu|mps|cuda(?::(\d+))?")
+
+
+def check(name: str) -> str:
+    """Validates a ``device`` value against this machine.
+
+    Args:
+        name: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+
+    Returns:
+        ``name`` unchanged (``auto`` stays ``auto``: it is resolved when used).
+
+    Raises:
+        ValueError: The name is unknown, or names a device this machine does not have (the
+            reason reads as one line; the config layer adds the field).
+    """
+    m = _PATTERN.fullmatch(name)
+    if m is None:
+        raise ValueError(f"unknown device {name!r} (choose from {', '.join(DEVICE_NAMES)})")
+    if name in ("auto", "cpu"):
+        return name
+    import torch
+
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name!r} asked for, but torch sees no CUDA device on this machine")
+        index, count = int(m.group(1) or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"{name!r} asked for, but this machine has {count} CUDA device(s)")
+    elif not torch.backends.mps.is_available():
+        raise ValueError("'mps' asked for, but torch sees no MPS device on this machine")
+    return name
+
+
+def resolve(name: str = "auto") -> torch.device:
+    """The torch device a ``device`` value stands for on this machine.
+
+    Args:
+        name: A value :func:`check` accepts.
+
+    Returns:
+        ``cuda`` (device 0) for ``auto`` when CUDA is present, else ``cpu``; other names as
+        given.
+
+    Raises:
+        ValueError: See :func:`check`.
+    """
+    import torch
+
+    check(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """Whether autocast on ``device`` can compute in bfloat16 natively."""
+    import torch
+
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return device.type == "cpu"
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where :func:`supports_bf16`, else float16."""
+    import torch
+
+    return torch.bfloat16 if supports_bf16(device) else torch.float16
+
+
+def needs_grad_scaler(device: torch.device) -> bool:
+    """Whether training under :func:`autocast_dtype` needs a gradient scaler (float16 only)."""
+    import torch
+
+    return autocast_dtype(device) == torch.float16
+
+
+def memory_available(device: torch.device) -> int:
+    """Bytes a run could still use on ``device``: free device memory, or available RAM.
+
+    For the CPU (and MPS, which shares it) psutil's ``available`` RAM; for CUDA the free
+    memory of that device as the driver reports it.
+    """
+    if device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def describe(device: torch.device) -> str:
+    """One short phrase for logs: ``cpu`` or ``cuda:0 (NVIDIA H100, 80.0 GiB)``."""
+    if device.type != "cuda":
+        return device.type
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return f"cuda:{index} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
