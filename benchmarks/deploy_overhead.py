@@ -14,7 +14,7 @@ worker's task build on its first message). The start-up (SuperLink, ``flwr run``
 ServerApp process, handshakes) is reported apart, as the wall time outside the rounds.
 
 Idle memory: the resident set of SuperNode 0 (the SuperNode process with its children, and
-its warm worker), read five times over a second and the median taken, once when the worker
+its warm worker), its peak over one second sampled every 0.2 s, once when the worker
 is ready and no run has started, and once after the run (the worker keeps the task it
 built).
 
@@ -31,18 +31,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from fedfm.config import load_config
 from fedfm.runtime import run
 from fedfm.runtime.flower import deploy as D
 from fedfm.runtime.flower import processes as P
+from vs_flower import PeakRss  # this folder: the script's own
 
 PRESET = "tabular-fedavg"
 
@@ -81,29 +79,11 @@ def final(run_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in rows(run_dir)[-1].items() if k != "time_s"}
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and its descendants."""
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def idle_rss(procs: list[P.Proc]) -> list[float]:
-    """Median over a second of each process tree's resident MiB (SuperNode, worker)."""
-    reads = []
-    for _ in range(5):
-        reads.append([tree_rss(p.popen.pid) / 2**20 for p in procs])
-        time.sleep(0.2)
-    return [statistics.median(col) for col in zip(*reads, strict=True)]
+    """Peak over one second of each process tree's resident MiB (SuperNode, worker)."""
+    with PeakRss({"node": [p.popen.pid for p in procs]}) as mem:
+        time.sleep(1.0)
+    return [b / 2**20 for b in mem.parts["node"]]
 
 
 def wait_ready(worker: P.Proc, timeout_s: float = 300.0) -> None:
@@ -200,7 +180,8 @@ def main() -> None:
             f" {r['emb_per_exchange']:.3f} s embedded; final metrics equal: {r['equal']}"
         )
     r0 = results[0]
-    for when, mib in (("before its first run", r0["idle_before"]), ("after the run", r0["idle_after"])):
+    for when, key in (("before its first run", "idle_before"), ("after the run", "idle_after")):
+        mib = r0[key]
         print(
             f"idle SuperNode {when}: {sum(mib):.0f} MiB resident"
             f" (SuperNode {mib[0]:.0f} MiB + warm worker {mib[1]:.0f} MiB)"

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from fedfm.runtime.flower import pacing as N
 from fedfm.runtime.flower import server as S
-from fedfm.runtime.flower import supernode as N
 from fedfm.runtime.flower.options import FlowerOptions
 
 
@@ -187,3 +187,32 @@ def test_the_pinned_flower_supernode_loop_has_the_pauses_that_are_paced():
     import time
 
     assert loop.time is time
+
+
+def test_quick_object_pulls_reach_every_pull_and_undo_themselves():
+    pytest.importorskip("flwr")
+    from flwr.supercore.inflatable import inflatable_utils as inflatable
+
+    funcs = [inflatable.pull_objects, inflatable.pull_and_inflate_object_from_tree]
+    # flwr 1.42 retries an object that is not uploaded yet after 1 s, doubling up to 10 s.
+    assert [
+        (f.__kwdefaults__["initial_backoff"], f.__kwdefaults__["backoff_cap"]) for f in funcs
+    ] == [
+        (1, 10),
+        (1, 10),
+    ]
+    # The message pulls of the SuperNode and of the ServerApp's grid leave them as they are.
+    from flwr.superlink.grid import http_grid
+    from flwr.supernode import start_client_internal as loop
+
+    for module in (loop, http_grid):
+        assert "initial_backoff" not in inspect.getsource(module)
+    undo = N.quick_object_pulls()
+    try:
+        for f in funcs:
+            assert f.__kwdefaults__["initial_backoff"] == N.FIRST_OBJECT_RETRY_S == 0.02
+            assert f.__kwdefaults__["backoff_cap"] == N.OBJECT_RETRY_CAP_S == 2.0
+            assert f.__kwdefaults__["max_tries_per_object"] == 500  # Flower's patience kept
+    finally:
+        undo()
+    assert [f.__kwdefaults__["initial_backoff"] for f in funcs] == [1, 1]

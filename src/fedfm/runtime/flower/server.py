@@ -24,6 +24,7 @@ from fedfm.core.state import ClientStateStore
 from fedfm.engine import Engine, FederationFactory, Setup
 from fedfm.errors import FedfmError
 from fedfm.runtime.flower.options import FlowerOptions
+from fedfm.runtime.flower.pacing import pinned, quick_object_pulls
 from fedfm.runtime.flower.payload import SESSIONS_FILE
 from fedfm.runtime.flower.wire import (
     CLIENT_ERROR_CODE,
@@ -375,6 +376,8 @@ def server_main(grid: Grid, payload: Payload) -> dict[str, Any]:
     """
 
     cfg = payload.run_config()
+    if _deployed(grid) and pinned():
+        quick_object_pulls()  # replies are pulled as soon as they show: see pacing
     made: list[FlowerFederation] = []
     make = flower_federation_factory(grid, payload)
 
@@ -397,6 +400,13 @@ def server_main(grid: Grid, payload: Payload) -> dict[str, Any]:
     finally:
         if made:  # also when the run failed: who was missing is often why
             report_absent(Path(cfg.out_dir) / cfg.name, made[0].absent())
+
+
+def _deployed(grid: Grid) -> bool:
+    """Whether ``grid`` is the deployment engine's (it pulls messages' objects over HTTP)."""
+    from flwr.superlink.grid.http_grid import HttpGrid
+
+    return isinstance(grid, HttpGrid)
 
 
 def report_absent(run_dir: Path, absent: Mapping[str, str]) -> None:
