@@ -18,6 +18,10 @@ its warm worker), its peak over one second sampled every 0.2 s, once when the wo
 is ready and no run has started, and once after the run (the worker keeps the task it
 built).
 
+CPU: the CPU seconds per exchange of those rounds spent by the deployment's processes, by
+part (the server's: SuperLink, ServerApp and the ``flwr`` CLI; the SuperNodes; their
+workers), to tell waiting from work on a loaded machine.
+
 ``--supernode flower`` runs Flower's own ``flower-supernode`` (3 s between empty polls)
 instead of fedfm's paced one, to measure what the pacing saves. The figures are printed
 last, with the machine's load average.
@@ -29,12 +33,16 @@ Usage: .venv/bin/python benchmarks/deploy_overhead.py [--nodes 3 10] [--rounds 8
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from fedfm.config import load_config
 from fedfm.runtime import run
@@ -95,6 +103,61 @@ def wait_ready(worker: P.Proc, timeout_s: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+class RoundsCpu:
+    """CPU seconds the deployment's processes spend in rounds 2..R, by part.
+
+    Watches ``metrics.jsonl``: the processes below this one (SuperLink, ServerApp, the
+    ``flwr`` CLI; SuperNodes; workers) are read when round 1's line appears and again when
+    the last round's does.
+
+    Args:
+        run_dir: The deployment run's folder.
+        rounds: Its rounds.
+        parts: Process id -> part name for the SuperNodes and workers (others: ``server``).
+    """
+
+    def __init__(self, run_dir: Path, rounds: int, parts: dict[int, str]) -> None:
+        self.run_dir, self.rounds, self.parts = run_dir, rounds, parts
+        self.reads: list[dict[int, tuple[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _read(self) -> dict[int, tuple[str, float]]:
+        out = {}
+        for p in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                out[p.pid] = (self.parts.get(p.pid, "server"), t.user + t.system)
+        return out
+
+    def _watch(self) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        for lines in (2, self.rounds + 1):  # round 0 and round 1 done; the last round done
+            while not self._stop.is_set():
+                if path.exists() and len(path.read_text().splitlines()) >= lines:
+                    self.reads.append(self._read())
+                    break
+                self._stop.wait(0.05)
+
+    def per_part(self) -> dict[str, float]:
+        """Part -> CPU seconds between the two reads (processes alive at both)."""
+        if len(self.reads) < 2:
+            return {}
+        (a, b), out = self.reads, {}
+        for pid, (part, secs) in b.items():
+            if pid in a:
+                out[part] = out.get(part, 0.0) + secs - a[pid][1]
+        return out
+
+    def __enter__(self) -> RoundsCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def measure(out: str, nodes: int, rounds: int, paced: bool) -> dict[str, Any]:
     """One embedded and one deployment run with ``nodes`` clients; their figures."""
     first = 2
@@ -118,22 +181,25 @@ def measure(out: str, nodes: int, rounds: int, paced: bool) -> dict[str, Any]:
             wait_ready(p)
         before = idle_rss(node0)
         cfg = load_config(PRESET, [*overrides(out, f"dep{nodes}", nodes, rounds), "runtime=flower"])
+        parts = {p.popen.pid: "SuperNodes" for p in procs[0::2]}
+        parts.update({p.popen.pid: "workers" for p in procs[1::2]})
+        dep_dir = Path(out) / f"dep{nodes}"
         t0 = time.perf_counter()
-        D.serve(
-            cfg,
-            overwrite=True,
-            options={"node_wait_s": 300, "timeout_s": 600},
-            host="127.0.0.1",
-            port=port,
-            echo=False,
-            work_dir=work / "serve",
-            progress=False,
-        )
+        with RoundsCpu(dep_dir, rounds, parts) as cpu:
+            D.serve(
+                cfg,
+                overwrite=True,
+                options={"node_wait_s": 300, "timeout_s": 600},
+                host="127.0.0.1",
+                port=port,
+                echo=False,
+                work_dir=work / "serve",
+                progress=False,
+            )
         dep_wall = time.perf_counter() - t0
         after = idle_rss(node0)
     finally:
         P.stop(procs)
-    dep_dir = Path(out) / f"dep{nodes}"
     n = exchanges(dep_dir, first)
     assert n == exchanges(emb_dir, first), "the two runs made different exchanges"
     dep_s, emb_s = round_seconds(dep_dir, first), round_seconds(emb_dir, first)
@@ -149,6 +215,7 @@ def measure(out: str, nodes: int, rounds: int, paced: bool) -> dict[str, Any]:
         "equal": final(dep_dir) == final(emb_dir),
         "idle_before": before,
         "idle_after": after,
+        "cpu": {part: secs / n for part, secs in sorted(cpu.per_part().items())},
     }
 
 
@@ -179,6 +246,8 @@ def main() -> None:
             f" {r['dep_per_exchange']:.3f} s each on the deployment engine,"
             f" {r['emb_per_exchange']:.3f} s embedded; final metrics equal: {r['equal']}"
         )
+        cpu = ", ".join(f"{part} {secs:.3f} s" for part, secs in r["cpu"].items())
+        print(f"  CPU per exchange, all processes of each part together: {cpu}")
     r0 = results[0]
     for when, key in (("before its first run", "idle_before"), ("after the run", "idle_after")):
         mib = r0[key]
