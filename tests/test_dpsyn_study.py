@@ -35,6 +35,8 @@ TINY = Grid(
     max_length=48,
     max_prompt_length=24,
     prompt_template="Write a {code} review.",
+    probe_templates=("Write a {code} review.",),
+    probe_samples=2,
     k=2,
     seeds=3,
     test_rows=30,
@@ -48,7 +50,16 @@ TINY = Grid(
     algo={"embedder": "hashed-ngrams", "generation": {"batch_size": 8}},
     label="test grid",
 )
-NAMES = ["strong2", "strong1", "base", "embed", "vote-strong2", "vote-strong1", "vote-base"]
+NAMES = [
+    "strong2",
+    "strong1",
+    "base",
+    "embed",
+    "prompts",
+    "vote-strong2",
+    "vote-strong1",
+    "vote-base",
+]
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -75,6 +86,10 @@ def test_the_grid_runs_through_the_framework_and_a_second_call_runs_nothing(done
     record = json.loads((out / "study.json").read_text())
     assert {n: record["jobs"][n]["status"] for n in NAMES} == dict.fromkeys(NAMES, "done")
     assert "did not finish" not in report.read_text()
+    probe = json.loads((out / "prompts" / "result.json").read_text())["result"]
+    tried = probe["templates"]["Write a {code} review."]
+    assert tried["prompt_whole"] and tried["on_code"]["n"] == 2 * TINY.probe_samples
+    assert "`Write a {code} review.`" in report.read_text()
 
 
 def test_each_generator_stops_once_its_pool_is_generated_and_saved(done: Any) -> None:

@@ -74,6 +74,7 @@ from fedfm.reproduce.tables import DASH, head, marked, num, row
 
 PRESET = "dpsyn-rotten-tomatoes"
 EMBED = "embed"
+PROBE = "prompts"
 EMBEDDINGS = "embeddings.npz"
 PREDICTIONS = "predictions.npz"
 
@@ -106,6 +107,9 @@ class Grid:
         max_length: Tokens per training row (prompt and review).
         max_prompt_length: Tokens of the prompt (the chat template's system turn included).
         prompt_template: The prompt of a code.
+        probe_templates: Prompts the base model is tried with before the study (the
+            preset's, the chosen one, a descriptive one naming what the codes mean).
+        probe_samples: Samples per code and probed prompt.
         k: Votes per private sample.
         threshold: ``H`` subtracted from the summed noisy votes.
         epsilon_votes: ε_vote values of the offline voting.
@@ -123,15 +127,23 @@ class Grid:
     strong: tuple[int, ...] = (1, 4)
     epsilon_train: float = 8.0
     train_rounds: int = 3
-    steps: int = 20
+    steps: int = 8
     batch_size: int = 32
     lr: float = 2e-3
     pool: int = 400
     size: int = 200
     max_new_tokens: int = 40
-    max_length: int = 112
-    max_prompt_length: int = 64
-    prompt_template: str = "Write a {code} movie review."
+    max_length: int = 128
+    max_prompt_length: int = 80
+    prompt_template: str = "Write a one-sentence {code} movie review."
+    probe_templates: tuple[str, ...] = (
+        "Write a {code} movie review.",
+        "Write a one-sentence {code} movie review.",
+        "Write a {code} movie review in one sentence (on Rotten Tomatoes, a rotten review is"
+        " negative: the critic disliked the film; a fresh review is positive: the critic"
+        " liked it).",
+    )
+    probe_samples: int = 32
     k: int = 8
     threshold: float = 0.0
     epsilon_votes: tuple[float, ...] = (1.0, 4.0)
@@ -159,16 +171,19 @@ class Grid:
         return max(self.strong)
 
 
-# Sizes: docs/dpsyn.md "Reproduction" gives the measured time per stage they come from.
+# Sized from one measured run on this machine's shared cores (docs/dpsyn.md, "Reproduction"):
+# about 15 CPU seconds per DP-SGD step of batch 32 and 0.85 per generated sample, so the
+# 4-strong generator (96 client steps and a pool of 400) is the critical path with two workers.
 FULL = Grid()
 QUICK = Grid(
     rows=250,
     train_rounds=2,
-    steps=15,
+    steps=5,
     pool=200,
     size=100,
     seeds=10,
     test_rows=1000,
+    probe_samples=16,
     label="quick grid",
 )
 
@@ -215,7 +230,7 @@ def generator_config(grid: Grid, strong: int) -> dict[str, Any]:
         k=grid.k,
         vote_threshold=grid.threshold,
         prompt_template=grid.prompt_template,
-        physical_batch_size=grid.batch_size,
+        physical_batch_size=min(grid.batch_size, 16),
         eval={"enabled": False, "embedder": None},
     )
     algo["generation"]["max_new_tokens"] = grid.max_new_tokens
@@ -240,6 +255,12 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     ]
     base = generator_config(grid, 0)
     out.append(Compute(EMBED, embed_real, {"config": base}, group="embed"))
+    probe = {
+        "config": base,
+        "templates": list(grid.probe_templates),
+        "per_code": grid.probe_samples,
+    }
+    out.append(Compute(PROBE, probe_prompts, probe, (EMBED,), "probe"))
     for s in order:
         params = {
             "voters": voters(grid, s),
@@ -309,6 +330,60 @@ def embed_real(
         "frechet_real": frechet_distance(sample, arrays["test/emb"]),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def ceiling_agrees(emb: Mapping[str, np.ndarray], x: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """``(P,)`` whether the ceiling (logistic regression on every client's real rows, from
+    ``embeddings.npz``) predicts each sample's own label: does the text read as its code?"""
+    from fedfm.eval.synthetic import logreg_predict
+
+    ids = sorted(emb_ids(emb), key=int)
+    real_x = np.concatenate([emb[f"emb/{c}"] for c in ids])
+    real_y = np.concatenate([emb[f"y/{c}"] for c in ids])
+    return np.asarray(logreg_predict(real_x, real_y, x) == labels)
+
+
+def probe_prompts(
+    inputs: Mapping[str, Path],
+    folder: Path,
+    config: Mapping[str, Any],
+    templates: Sequence[str],
+    per_code: int,
+) -> dict[str, Any]:
+    """The base model tried with each prompt template: how many of its samples read as their
+    code to the ceiling (on-code), how many the token budget cut, what they look like."""
+    from fedfm.core.federation import derive_seed
+    from fedfm.eval.generate import GenerationConfig
+    from fedfm.models.embedders import get_embedder
+
+    t0 = time.perf_counter()
+    task = _task(config)
+    fm, labels = task.foundation_model(), task.code_labels()
+    gen = GenerationConfig(**config["algo"]["generation"])
+    emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
+    embed = get_embedder(str(config["algo"]["embedder"]))
+    out: dict[str, Any] = {}
+    for template in templates:
+        texts, ys, cut, examples, whole = [], [], [], {}, True
+        for j, code in enumerate(task.codes()):
+            instruction = template.format(code=code)
+            prompt = fm.instruction_prompt(instruction)
+            whole = whole and instruction in prompt
+            seed = derive_seed(config["seed"], "probe", template, j)
+            replies = fm.generate_replies([prompt] * per_code, [], seed=seed, cfg=gen)
+            texts += [r.text for r in replies]
+            ys += [labels[j]] * per_code
+            cut += [r.truncated for r in replies]
+            examples[code] = [r.text for r in replies[:2]]
+        agree = ceiling_agrees(emb, np.asarray(embed(texts)), np.asarray(ys))
+        out[template] = {
+            "on_code": mean_se(agree.astype(float).tolist()).__dict__,
+            "truncated": float(np.mean(cut)),
+            "prompt_whole": whole,
+            "words": float(np.mean([len(t.split()) for t in texts])),
+            "examples": examples,
+        }
+    return {"templates": out, "per_code": per_code, "seconds": time.perf_counter() - t0}
 
 
 @dataclass
@@ -443,9 +518,7 @@ def vote_offline(
     test_x = emb["test/emb"]
     clean = clean_votes(emb, pool_emb, pool.codes, int(algo["k"]), voters)
     threshold = float(algo["vote_threshold"])
-    real_x = np.concatenate([emb[f"emb/{c}"] for c in sorted(emb_ids(emb), key=int)])
-    real_y = np.concatenate([emb[f"y/{c}"] for c in sorted(emb_ids(emb), key=int)])
-    on_code = logreg_predict(real_x, real_y, pool_emb) == pool.labels  # (P,) the ceiling agrees
+    on_code = ceiling_agrees(emb, pool_emb, pool.labels)  # (P,)
 
     preds: dict[str, list[np.ndarray]] = {}
     stats: dict[str, dict[str, list[float]]] = {}
@@ -588,6 +661,7 @@ class Results:
     Attributes:
         grid: The grid.
         embed: The ``embed`` computation's result (``None`` before it ran).
+        probe: The prompt probe's result (``None`` before it ran).
         y: ``(N,)`` labels of the real test rows.
         votes: Each pool's offline voting result, by its generator's strong clients.
         preds: Each pool's predictions on the test rows, ``(seeds, N)`` per selection key
@@ -597,6 +671,7 @@ class Results:
 
     grid: Grid
     embed: dict[str, Any] | None = None
+    probe: dict[str, Any] | None = None
     y: np.ndarray | None = None
     votes: dict[int, dict[str, Any]] = field(default_factory=dict)
     preds: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
@@ -610,7 +685,7 @@ class Results:
 
 def read(ctx: Context[Grid]) -> Results:
     """The finished generators, the embedding's result and every offline voting."""
-    res = Results(ctx.grid)
+    res = Results(ctx.grid, probe=ctx.run(PROBE).result)
     emb = ctx.run(EMBED).result
     if emb is not None:
         res.embed = emb
@@ -923,6 +998,7 @@ def _instrument_lines(res: Results) -> list[str]:
         )
     lines += [
         "",
+        *_probe_lines(res),
         *_training_lines(res),
         "",
         "Generated samples (the first three of each code):",
@@ -933,6 +1009,28 @@ def _instrument_lines(res: Results) -> list[str]:
             for t in texts:
                 short = t.replace("\n", " ").replace("|", "/")
                 lines.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
+    return [*lines, ""]
+
+
+def _probe_lines(res: Results) -> list[str]:
+    if res.probe is None:
+        return []
+    n = res.probe["per_code"]
+    lines = [
+        f"The base model tried with each prompt ({n} samples per code; on-code: the ceiling"
+        " classifier reads the sample as its code, ± SE over samples; 0.5 is chance for two"
+        " codes). The study generates with"
+        f" `{res.grid.prompt_template}`.",
+        "",
+        *head("prompt | on-code | cut by the token budget | mean words | a sample of each code"),
+    ]
+    for template, v in res.probe["templates"].items():
+        est = Estimate(**v["on_code"])
+        shown = " / ".join(str(t[0]).replace("|", "/")[:90] for t in v["examples"].values() if t)
+        cut = "" if v.get("prompt_whole", True) else " (prompt cut)"
+        lines.append(
+            row([f"`{template}`{cut}", est.fmt(), num(v["truncated"]), num(v["words"], 1), shown])
+        )
     return [*lines, ""]
 
 
@@ -1158,5 +1256,6 @@ STUDY = register(
         title=lambda ctx: f"DP federated text generation: do the votes select? ({ctx.grid.label})",
         body=body,
         reports=("dpsyn-study.md", "dpsyn-quick.md"),
+        workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
     )
 )
