@@ -73,7 +73,7 @@ def done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[int
     out, report = tmp / "runs", tmp / "report.md"
     ran = []
     for _ in range(2):
-        ctx = open_study(study.STUDY, out, grid=TINY, command="test")
+        ctx = open_study(study.STUDY, out, grid=TINY, command="test", workers=1)
         run_study(study.STUDY, ctx, report)
         ran.append(ctx.record.invocations[-1]["ran"])
     return out, report, ran

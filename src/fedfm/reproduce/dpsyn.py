@@ -748,6 +748,16 @@ def f1_level(res: Results, a: Side) -> Estimate:
     return mean_se(macro_f1_rows(p, res.y).tolist())
 
 
+def predicted(res: Results, a: Side, classes: int) -> list[float]:
+    """The share of test rows predicted as each class, averaged over seeds (a classifier that
+    collapses onto one class shows here before in its accuracy)."""
+    p = res.preds.get(a[0], {}).get(a[1])
+    if p is None or not classes:
+        return []
+    shares = [np.bincount(r.astype(np.int64), minlength=classes) / len(r) for r in p]
+    return [float(x) for x in np.mean(shares, axis=0)]
+
+
 def seed_values(res: Results, a: Side, what: str) -> list[float]:
     """A per-seed value of one selection (``frechet``, ``distinct``, ``on_code``)."""
     sel = res.votes.get(a[0], {}).get("selections", {}).get(a[1], {})
@@ -1112,7 +1122,11 @@ def _signal_lines(res: Results) -> list[str]:
 
 
 def _scores_lines(res: Results) -> list[str]:
-    lines = head("pool | selection | accuracy | macro-F1 | Fréchet (distinct) | distinct | on-code")
+    names = (res.embed or {}).get("class_names", [])
+    lines = head(
+        "pool | selection | accuracy | macro-F1 | Fréchet (distinct) | distinct | on-code"
+        " | test rows predicted as " + " / ".join(names)
+    )
     for s in sorted(res.votes):
         for key in _keys(res.grid):
             if key not in res.preds.get(s, {}):
@@ -1128,6 +1142,7 @@ def _scores_lines(res: Results) -> list[str]:
                         mean_se(seed_values(res, side, "frechet")).fmt(),
                         num(float(np.mean(seed_values(res, side, "distinct"))), 1),
                         num(float(np.mean(seed_values(res, side, "on_code")))),
+                        " / ".join(num(x, 2) for x in predicted(res, side, len(names))),
                     ]
                 )
             )
@@ -1222,7 +1237,8 @@ def _privacy_lines(res: Results) -> list[str]:
 
 def _scope_lines(grid: Grid, res: Results) -> list[str]:
     return [
-        "- Model: SmolLM2-135M-Instruct with a LoRA adapter; the paper fine-tunes GPT-2 (Yelp)"
+        f"- Model: {generator_config(grid, grid.few)['task']['lm']} with a LoRA adapter; the"
+        " paper fine-tunes GPT-2 (Yelp)"
         " and GPT-2-large (PubMed) in full.",
         f"- Data and clients: {grid.clients} clients of {grid.rows} Rotten Tomatoes snippets"
         " with one binary code; the paper has 100 Yelp clients of 15,000 reviews (business"
