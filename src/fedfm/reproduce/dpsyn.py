@@ -1077,6 +1077,27 @@ def _training_lines(res: Results) -> list[str]:
     return lines
 
 
+def _sizing_lines(grid: Grid) -> list[str]:
+    """What the grid's sizes promise before any run: the expected mass against the noise."""
+    from fedfm.core.privacy import analytic_gaussian_sigma
+
+    n = len(voters(grid, grid.few))
+    mass = n * grid.rows * math.sqrt(grid.k) / grid.pool
+    delta = float(generator_config(grid, grid.few)["privacy"]["delta"])
+    noise = [analytic_gaussian_sigma(e, delta) * math.sqrt(n) for e in grid.epsilon_votes]
+    shown = ", ".join(
+        f"{x:.1f} at ε_vote {e:g}" for x, e in zip(noise, grid.epsilon_votes, strict=True)
+    )
+    # The earlier grid: K = 4, 9 voters of 100 rows, 200 samples, ε_vote 1.
+    before = 9 * 100 * math.sqrt(4) / 200, analytic_gaussian_sigma(1.0, delta) * math.sqrt(9)
+    return [
+        f"Sized for it: K = {grid.k}, {n} voters of {grid.rows} rows and a pool of {grid.pool}"
+        f" give an expected {mass:.1f} votes per entry against a noise SD of {shown} (the"
+        f" earlier grid, K = 4 and 9 voters of 100 rows for 200 samples: {before[0]:.1f}"
+        f" against {before[1]:.1f} at ε_vote 1)."
+    ]
+
+
 def _signal_lines(res: Results) -> list[str]:
     eps = res.grid.epsilon_votes
     lines = [
@@ -1084,6 +1105,8 @@ def _signal_lines(res: Results) -> list[str]:
         " (private samples × √K) / pool; the noise on each entry of the sum has SD σ·√voters."
         " What selects is the spread of the clean votes over the entries (their SD), against"
         " that noise.",
+        "",
+        *_sizing_lines(res.grid),
         "",
         *head(
             [
