@@ -127,11 +127,11 @@ class Grid:
     strong: tuple[int, ...] = (1, 4)
     epsilon_train: float = 8.0
     train_rounds: int = 3
-    steps: int = 8
+    steps: int = 5
     batch_size: int = 32
     lr: float = 2e-3
-    pool: int = 400
-    size: int = 200
+    pool: int = 300
+    size: int = 150
     max_new_tokens: int = 40
     max_length: int = 128
     max_prompt_length: int = 80
@@ -143,7 +143,7 @@ class Grid:
         " negative: the critic disliked the film; a fresh review is positive: the critic"
         " liked it).",
     )
-    probe_samples: int = 32
+    probe_samples: int = 16
     k: int = 8
     threshold: float = 0.0
     epsilon_votes: tuple[float, ...] = (1.0, 4.0)
@@ -171,19 +171,19 @@ class Grid:
         return max(self.strong)
 
 
-# Sized from one measured run on this machine's shared cores (docs/dpsyn.md, "Reproduction"):
-# about 15 CPU seconds per DP-SGD step of batch 32 and 0.85 per generated sample, so the
-# 4-strong generator (96 client steps and a pool of 400) is the critical path with two workers.
+# Sized from a measured run on this machine (docs/dpsyn.md, "Reproduction"): about 19 CPU
+# seconds per DP-SGD step of batch 32 and 0.85 per generated sample on one thread, so the grid
+# is about 40 CPU minutes, most of it the 4-strong generator (60 client steps, 300 samples).
 FULL = Grid()
 QUICK = Grid(
     rows=250,
-    train_rounds=2,
+    train_rounds=1,
     steps=5,
-    pool=200,
-    size=100,
+    pool=150,
+    size=75,
     seeds=10,
     test_rows=1000,
-    probe_samples=16,
+    probe_samples=8,
     label="quick grid",
 )
 
