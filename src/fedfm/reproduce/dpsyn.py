@@ -1259,6 +1259,18 @@ def _privacy_lines(res: Results) -> list[str]:
 
 
 def _scope_lines(grid: Grid, res: Results) -> list[str]:
+    ses = [
+        acc_diff(res, (p, f"votes/{e:g}"), (p, "uniform")).se
+        for p in (0, grid.few)
+        for e in grid.epsilon_votes
+    ]
+    ses = [x for x in ses if math.isfinite(x)]
+    resolution = (
+        f" A readout of voting resolves an accuracy difference of about {2 * max(ses):.3f}"
+        f" (2 SE, the largest of R1 to R{len(ses)})."
+        if ses
+        else ""
+    )
     return [
         f"- Model: {generator_config(grid, grid.few)['task']['lm']} with a LoRA adapter; the"
         " paper fine-tunes GPT-2 (Yelp)"
@@ -1278,7 +1290,7 @@ def _scope_lines(grid: Grid, res: Results) -> list[str]:
         " seeds × test rows' resolution (the SEs above). What it cannot: the spread of"
         " generation and DP-SGD between runs (one pool per generator), so a difference"
         " between pools is a difference between two draws of the generators; and the paper's"
-        " larger scales.",
+        f" larger scales.{resolution}",
         "",
     ]
 
