@@ -8,7 +8,7 @@ controls the paper's comparison lacks (docs/studies.md, docs/dpsyn.md):
 * **Three generators**, each a run of the algorithm that stops once its pool is generated
   and saved (``rounds = train_rounds + 1``: profiling, DP fine-tuning, generation; no vote):
   the base model (``train_rounds: 0``), 1 strong client of 20 and 4 strong of 20 (DP-SGD at
-  ε_train 8). Each generates a **pool** larger than the set kept (400 for 200).
+  ε_train 8). Each generates a **pool** larger than the set kept (300 for 150).
 * **Offline voting** on each saved pool (:class:`~fedfm.reproduce.framework.Compute` jobs):
   the weak clients' votes exactly as the algorithm computes them (its pure functions
   :func:`~fedfm.algorithms.dpsyn.knn_votes`, :func:`~fedfm.algorithms.dpsyn.noisy`,
@@ -22,6 +22,10 @@ controls the paper's comparison lacks (docs/studies.md, docs/dpsyn.md):
 * **Scores** of each selection on the full real test split: logistic regression on MiniLM
   embeddings trained on the selection alone (``fedfm.eval.synthetic``), accuracy and
   macro-F1, and the Fréchet distance of the selection's distinct samples to the test rows.
+* **The instrument first**: the real test labels and the majority baseline, the ceiling
+  (the same classifier on every client's real rows), each pool's truncation share and
+  *on-code* share (the ceiling reads a sample as its own code), the base model tried with
+  several prompts (``prompts``), DP-SGD's update norm, the votes' spread against the noise.
 
 Statistics: every selection of every seed is scored on the same test rows, so a difference
 of two selections is an array ``d[seed, row]``; its SE combines the spread over seeds (the
@@ -33,7 +37,9 @@ the spread of generation, which a second run seed would show.
 Choices of ours: the base pool is voted on by the weak clients of the fewest-strong
 generator; the offline vote noise is seeded per (seed, ε, client) — it simulates the weak
 clients' mechanism to measure its distribution, as a deployment's client secrets would draw
-it; the votes and the scores use the algorithm's embedder.
+it; the votes and the scores use the algorithm's embedder; *top by votes* keeps each code's
+quota (as the draws do), not ``rank``'s ``keep_fraction``, so that all four selections have
+the same size and code mix.
 """
 
 from __future__ import annotations
