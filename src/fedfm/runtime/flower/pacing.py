@@ -119,7 +119,7 @@ def pace(loop: ModuleType, paced: PacedTime) -> Callable[[], None]:
             paced.replied()
 
     loop.time = paced  # type: ignore[attr-defined]
-    loop._push_messages = push_messages
+    loop._push_messages = push_messages  # type: ignore[attr-defined]
 
     def undo() -> None:
         loop.time, loop._push_messages = saved_time, saved_push  # type: ignore[attr-defined]
