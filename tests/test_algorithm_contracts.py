@@ -93,6 +93,7 @@ def test_fedavg_aggregate_is_the_example_weighted_mean_of_the_client_updates() -
     cfg = FedAvgConfig.model_validate({"server_opt": {"name": "fedavg", "lr": 0.5}})
     algo = FedAvg(cfg, task, run)
     algo.params = {"w": t(0.0, 8.0)}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     given = {"0": (t(2.0, 8.0), 1), "1": (t(0.0, 4.0), 2), "2": (t(4.0, 0.0), 5)}
     fed = FakeFederation(
         list(given),
@@ -104,8 +105,12 @@ def test_fedavg_aggregate_is_the_example_weighted_mean_of_the_client_updates() -
     # Δ = Σ n_k/n·(θ_k − θ) = 1/8·[2, 0] + 2/8·[0, −4] + 5/8·[4, −8] = [2.75, −6]
     # (averaged uniformly it would be [2, −4]); θ ← θ + η·Δ with η = 0.5
     close(algo.params["w"], [1.375, 5.0])
-    # train_loss is weighted alike: (1·1 + 2·2 + 5·5) / 8
-    assert metrics == {"train_loss": 30 / 8, "clients": 3}
+    # train_loss is weighted alike: (1·1 + 2·2 + 5·5) / 8; update_norm = ‖[1.375, −3]‖
+    assert metrics == {
+        "train_loss": 30 / 8,
+        "clients": 3,
+        "update_norm": pytest.approx((1.375**2 + 9) ** 0.5),
+    }
 
 
 # ----------------------------------------------------------------------------- FedProx
@@ -119,6 +124,7 @@ def _one_client_round(algorithm: str, mu: float) -> tuple[Message, dict[str, Ten
         else FedAvg(FedAvgConfig(), task, run)
     )  # fmt: skip
     algo.params = linear(0.0, 0.0)
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     fed, replies = _live(algo, task)
     algo.round(fed)
     return replies[0][2], algo.params
@@ -166,6 +172,7 @@ def test_scaffold_on_a_two_client_quadratic_follows_the_paper() -> None:
     )
     algo = Scaffold(ScaffoldConfig(lr_global=1.0), task, run)
     algo.params, algo.control = linear(0.0, 0.0), linear(0.0, 0.0)
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     fed, replies = _live(algo, task)
 
     def bias(field: str) -> dict[str, float]:
@@ -349,6 +356,7 @@ def test_personal_evaluation_scores_the_global_model_on_each_client_split() -> N
     task, run = _task({"0": ([1.0], [3.0]), "1": ([2.0], [0.0])})
     algo = FedAvg(FedAvgConfig(personal_eval=True), task, run)
     algo.params = linear(1.0, 0.0)  # predicts x
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     fed, _ = _live(algo, task)
     out = algo.evaluate(fed)
     # Client 0: |1 − 3| = 2; client 1: |2 − 0| = 2 -> rmse 2 on both, loss (mse) 4.
@@ -364,6 +372,7 @@ def test_a_robust_rule_replaces_the_mean_in_fedavg_rounds() -> None:
     cfg = FedAvgConfig.model_validate({"aggregator": {"name": "median"}})
     algo = FedAvg(cfg, task, run)
     algo.params = {"w": t(0.0)}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     given = {"0": 1.0, "1": 2.0, "2": 30.0}  # one outlier
     fed = FakeFederation(
         list(given),

@@ -38,6 +38,7 @@ def test_fedavg_round_by_hand() -> None:
     task, run = _setup()
     algo = FedAvg(FedAvgConfig(), task, run)
     algo.params = {"w": t(1.0, 2.0)}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     answers = {"0": _train_reply(t(3.0, 2.0), 1, 0.5), "1": _train_reply(t(1.0, 6.0), 3, 1.0)}
 
     def reply(cid: str, msg: Message) -> Message:
@@ -51,8 +52,8 @@ def test_fedavg_round_by_hand() -> None:
     metrics = algo.round(fed)
     # Δ = 1/4·([3,2]−[1,2]) + 3/4·([1,6]−[1,2]) = 1/4·[2,0] + 3/4·[0,4] = [0.5, 3]; θ + Δ
     torch.testing.assert_close(algo.params["w"], t(1.5, 5.0))
-    # train_loss = (1·0.5 + 3·1.0) / 4
-    assert metrics == {"train_loss": 0.875, "clients": 2}
+    # train_loss = (1·0.5 + 3·1.0) / 4; update_norm = ‖[1.5, 5] − [1, 2]‖ = √(0.5² + 3²)
+    assert metrics == {"train_loss": 0.875, "clients": 2, "update_norm": pytest.approx(9.25**0.5)}
     assert {f["client"]: f["error"] for f in fed.failures} == {
         "2": "RuntimeError: disk full",
         "3": "update rejected: client 3: field params.w: shape (3,), expected (2,)",
@@ -72,6 +73,7 @@ def test_fedavg_with_server_momentum_by_hand() -> None:
     cfg = FedAvgConfig.model_validate({"server_opt": {"name": "fedavgm", "momentum": 0.5}})
     algo = FedAvg(cfg, task, run)
     algo.params = {"w": t(1.0, 2.0)}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     answers = {"0": _train_reply(t(3.0, 2.0), 1, 0.5), "1": _train_reply(t(1.0, 6.0), 3, 1.0)}
     fed = FakeFederation(["0", "1"], answers, kinds=algo.messages)
     algo.round(fed)
@@ -88,6 +90,7 @@ def test_too_few_replies_and_undeclared_fields_are_refused() -> None:
     algo = FedAvg(FedAvgConfig(), task, run)
     fed = FakeFederation(["0", "1"], {"0": _train_reply(t(1.0), 1, 0.0)}, kinds=algo.messages)
     algo.params = {"w": t(0.0)}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     with pytest.raises(TooFewClientsError, match="only 1 of 2 clients answered"):
         algo.round(fed)
     assert fed.failures[0]["error"] == "client 1: no canned reply to 'train'"
@@ -99,6 +102,7 @@ def test_scaffold_round_by_hand() -> None:
     task, run = _setup()
     algo = Scaffold(ScaffoldConfig(lr_global=1.0), task, run)
     algo.params, algo.control = {"w": t(1.0, 2.0)}, {"w": t(0.0, 0.0)}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
 
     def reply(cid: str, msg: Message) -> Message:
         if cid in ("2", "3"):

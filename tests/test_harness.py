@@ -10,14 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
-import datasets
 import pytest
 
-from fedfm.data.prompt import format_prompt
-from fedfm.eval.llm import choice_logliks, evaluate_instruction_items
-from fedfm.harness import check_run, load_model
+from fedfm.harness import fedfm_choice_scores
 from fedfm.runtime import run
 from test_cli_contract import _main, _yaml
 from test_lm_task import _cfg
@@ -26,23 +22,6 @@ pytest.importorskip("lm_eval")
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 ITEMS = [json.loads(x) for x in (TASKS / "trec20.jsonl").read_text().splitlines()]
-
-
-def _suite(items: list[dict[str, Any]]) -> datasets.Dataset:
-    """The task's documents as instruction-suite rows, for fedfm's scorer."""
-    labels = [it["choices"][it["gold"]] for it in items]
-    return datasets.Dataset.from_dict(
-        {
-            "id": [it["id"] for it in items],
-            "instruction": [it["instruction"] for it in items],
-            "input": [it["input"] for it in items],
-            "output": labels,
-            "answer": labels,
-            "choices": [it["choices"] for it in items],
-            "domain": ["qtype"] * len(items),
-            "metric": ["choice"] * len(items),
-        }
-    )
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -63,34 +42,6 @@ def _same_up_to_a_constant(ours: list[list[float]], theirs: list[list[float]], t
     for a, b in zip(ours, theirs, strict=True):
         shift = b[0] - a[0]
         assert [x + shift for x in a] == pytest.approx(b, abs=tol)
-
-
-def _fedfm_scores(run_dir: Path, items: list[dict[str, Any]]) -> tuple[float, list[list[float]]]:
-    """fedfm's own accuracy and log-likelihoods on the items, with the run's adapter."""
-    fm = load_model(check_run(run_dir), run_dir)
-    with fm.autocast():
-        metrics, _ = evaluate_instruction_items(
-            fm.model,
-            fm.tokenizer,
-            _suite(items),
-            prompt=fm.prompt_cfg,
-            choice_mode="loglik",
-            choice_norm="none",
-        )
-        logliks = [
-            [
-                sc.loglik
-                for sc in choice_logliks(
-                    fm.model,
-                    fm.tokenizer,
-                    format_prompt(fm.tokenizer, it["instruction"], it["input"], fm.prompt_cfg),
-                    it["choices"],
-                    prompt_cfg=fm.prompt_cfg,
-                )
-            ]
-            for it in items
-        ]
-    return metrics["acc"], logliks
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +68,7 @@ def test_fedfm_eval_on_a_tiny_run_equals_fedfm_scorer(tiny_run: Path, monkeypatc
     assert code == 0, err
     saved = json.loads((tiny_run / "lm_eval.json").read_text())
     assert saved["n_samples"]["fedfm_trec20"]["effective"] == 6 and saved["chat_template"]
-    acc, logliks = _fedfm_scores(tiny_run, ITEMS[:6])
+    acc, logliks = fedfm_choice_scores(tiny_run, ITEMS[:6])
     assert saved["results"]["fedfm_trec20"]["acc"] == pytest.approx(acc)
     harness = [
         s["logliks"] for s in sorted(saved["samples"]["fedfm_trec20"], key=lambda s: s["doc_id"])
@@ -180,7 +131,7 @@ def test_fedfm_eval_on_smollm2_equals_fedfm_scorer(tmp_path: Path, monkeypatch, 
     code, _, err = _main(argv, monkeypatch, capsys)
     assert code == 0, err
     saved = json.loads((folder / "lm_eval.json").read_text())
-    acc, logliks = _fedfm_scores(folder, ITEMS)
+    acc, logliks = fedfm_choice_scores(folder, ITEMS)
     harness_acc = saved["results"]["fedfm_trec20"]["acc"]
     print(f"fedfm_trec20 on base SmolLM2: lm-eval acc {harness_acc}, fedfm acc {acc}")
     assert saved["results"]["fedfm_trec20"]["acc"] == pytest.approx(acc)

@@ -318,6 +318,7 @@ def test_dp_fedavg_round_by_hand_with_uniform_weights_and_the_fixed_denominator(
     task, run_cfg = _toy_run()
     algo = FedAvg(FedAvgConfig(), task, run_cfg)
     algo.params = {"w": torch.tensor([1.0, 2.0])}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     ups = {"0": [4.0, 6.0], "1": [1.0, 2.5], "2": [1.0, 2.0], "3": [0.0, 2.0]}  # norms 5, .5, 0, 1
 
     def reply(cid: str, msg: Message) -> Message:
@@ -336,6 +337,7 @@ def test_dp_scaffold_derives_the_control_update_from_the_noised_mean() -> None:
     task, run_cfg = _toy_run(mode="client", min_clients=2)
     algo = Scaffold(ScaffoldConfig(lr_global=1.0), task, run_cfg)
     algo.params, algo.control = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, 0.0])}
+    algo.origin = dict(algo.params)  # update_norm's θ_0
     kinds = algo.message_kinds().values()
     dys = {"0": [0.6, 0.8], "1": [0.0, 0.4], "2": [0.2, 0.0], "3": [0.0, 0.0]}  # all within C
 

@@ -133,6 +133,9 @@ def eval_(
         typer.Option("--include", help="a folder of lm-eval task YAML files (repeatable)"),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="sequences per pass")] = 8,
+    float32: Annotated[
+        bool, typer.Option("--float32", help="without the run's bfloat16 autocast")
+    ] = False,
 ) -> None:
     """Evaluate a run's global adapter with lm-evaluation-harness (the fedfm[lmeval] extra):
     writes RUN/lm_eval.json and adds the scores to RUN/report.html."""
@@ -142,7 +145,9 @@ def eval_(
         raise ConfigError("--tasks", "needs lm-evaluation-harness: pip install 'fedfm[lmeval]'")
     from fedfm.harness import evaluate_run, format_results, parse_tasks
 
-    out = evaluate_run(run, parse_tasks(tasks), limit, include or [], batch_size)
+    out = evaluate_run(
+        run, parse_tasks(tasks), limit, include or [], batch_size, autocast=not float32
+    )
     print(format_results(out))
     print(f"wrote {run / 'lm_eval.json'} and {run / 'report.html'}")
 

@@ -23,6 +23,7 @@ the two agree for ASCII labels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -126,6 +127,7 @@ def evaluate_run(
     limit: int | None = None,
     include: Sequence[Path] = (),
     batch_size: int = 8,
+    autocast: bool = True,
 ) -> dict[str, Any]:
     """Runs lm-eval on the run's adapter, writes ``RUN/lm_eval.json`` and the report.
 
@@ -135,6 +137,9 @@ def evaluate_run(
         limit: Documents per task (the first ones); ``None``: all.
         include: Extra folders of task YAML files.
         batch_size: Sequences per forward pass.
+        autocast: The run's bfloat16 autocast (when it used one); ``False``: float32. Under
+            bfloat16 a log-likelihood depends on the batch it was computed in (rounding of
+            padded shapes), so only float32 scores equal fedfm's to a few 1e-3.
 
     Returns:
         What ``lm_eval.json`` holds.
@@ -156,7 +161,7 @@ def evaluate_run(
     fm = load_model(cfg, run)
     lm = HFLM(pretrained=fm.model, tokenizer=fm.tokenizer, batch_size=batch_size)
     chat = uses_chat_template(fm.tokenizer, fm.prompt_cfg)
-    with fm.autocast():
+    with fm.autocast() if autocast else contextlib.nullcontext():
         res = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(tasks),
@@ -174,6 +179,7 @@ def evaluate_run(
         "limit": limit,
         "adapter": ADAPTER,
         "chat_template": chat,
+        "autocast_bf16": bool(autocast and fm.autocast_bf16),
         "results": _numbers(res.get("results", {})),
         "n_samples": res.get("n-samples", {}),
         "samples": {t: [_sample(s) for s in rows] for t, rows in res.get("samples", {}).items()},
@@ -227,3 +233,61 @@ def format_results(out: dict[str, Any]) -> str:
         n = out.get("n_samples", {}).get(task, {}).get("effective")
         lines.append(f"{task}: {shown}" + (f" ({n} documents)" if n else ""))
     return "\n".join(lines)
+
+
+def fedfm_choice_scores(
+    run: Path, docs: Sequence[dict[str, Any]], autocast: bool = True
+) -> tuple[float, list[list[float]]]:
+    """fedfm's own scorer on a local multiple-choice task, with the run's adapter.
+
+    What ``fedfm eval``'s numbers are checked against: the documents of a task in the
+    instruction suite's schema (``id``, ``instruction``, ``input``, ``choices``, ``gold``, as in
+    ``tests/lm_eval_tasks``) scored by :func:`fedfm.eval.llm.evaluate_instruction_items` with
+    ``choice_norm: none``, under the run's autocast or (``autocast=False``) in float32.
+
+    Returns:
+        The accuracy, and per document each choice's summed log-likelihood (label and
+        end-of-turn marker) in the order of ``choices``.
+    """
+    import datasets
+
+    from fedfm.data.prompt import format_prompt
+    from fedfm.eval.llm import choice_logliks, evaluate_instruction_items
+
+    labels = [d["choices"][d["gold"]] for d in docs]
+    rows = datasets.Dataset.from_dict(
+        {
+            "id": [d["id"] for d in docs],
+            "instruction": [d["instruction"] for d in docs],
+            "input": [d["input"] for d in docs],
+            "output": labels,
+            "answer": labels,
+            "choices": [d["choices"] for d in docs],
+            "domain": ["local"] * len(docs),
+            "metric": ["choice"] * len(docs),
+        }
+    )
+    fm = load_model(check_run(run), run)
+    with fm.autocast() if autocast else contextlib.nullcontext():
+        metrics, _ = evaluate_instruction_items(
+            fm.model,
+            fm.tokenizer,
+            rows,
+            prompt=fm.prompt_cfg,
+            choice_mode="loglik",
+            choice_norm="none",
+        )
+        logliks = [
+            [
+                sc.loglik
+                for sc in choice_logliks(
+                    fm.model,
+                    fm.tokenizer,
+                    format_prompt(fm.tokenizer, d["instruction"], d["input"], fm.prompt_cfg),
+                    d["choices"],
+                    prompt_cfg=fm.prompt_cfg,
+                )
+            ]
+            for d in docs
+        ]
+    return float(metrics["acc"]), logliks
