@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Collection
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -353,7 +353,10 @@ def config_error(err: ValidationError, prefix: str = "") -> ConfigError:
     return ConfigError(field, f"{msg}{got_s}")
 
 
-def validate_section(model: type[BaseModel], data: dict[str, Any], prefix: str) -> BaseModel:
+Section = TypeVar("Section", bound=BaseModel)
+
+
+def validate_section(model: type[Section], data: dict[str, Any], prefix: str) -> Section:
     """Validates a sub-section (``algo``, ``task``, ``partition``) with its own model."""
     try:
         return model.model_validate(data)

@@ -26,7 +26,8 @@ import secrets
 from collections.abc import MutableMapping
 from typing import Any, Literal
 
-from fedfm.core.federation import ClientContext, derive_seed
+from fedfm.core.federation import ClientContext
+from fedfm.core.seeding import derive_seed
 
 NoiseMode = Literal["secret", "seeded"]
 SECRET = "dp_secret"  # ClientState.meta key of a client's key and draw counter

@@ -70,12 +70,13 @@ import torch
 from torch import Tensor
 
 from fedfm.core.aggregate import Aggregator, compute_dtype
-from fedfm.core.federation import ClientContext, Federation, derive_seed
+from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Arrays, Message, MetaSpec
 from fedfm.core.privacy import Mechanism as _Mechanism
 from fedfm.core.privacy import PrivacyLedger, epsilon_of, quiet_accounting
 from fedfm.core.replies import meta_number
 from fedfm.core.secret import SecretStream, noise_seed
+from fedfm.core.seeding import derive_seed
 from fedfm.errors import ConfigError
 
 if TYPE_CHECKING:
