@@ -49,7 +49,7 @@ needs_alpaca = pytest.mark.skipif(
 )
 # hf needs a path (tested with local files below); synthetic a run folder (tests/test_dpsyn.py)
 OFFLINE = [n for n in SOURCES if n not in ("hf", "synthetic")]
-NEEDS_ALPACA = {"alpaca_demo", "instruct_suite"}
+NEEDS_ALPACA = {"alpaca_demo", "instruct_suite", "c4_demo"}
 
 
 def _ids(ds: datasets.Dataset) -> np.ndarray:
@@ -70,6 +70,7 @@ def test_every_source_loads_with_standard_columns(name: str) -> None:
         "image-classification": {"id", "image", "label"},
         "text-classification": {"id", "text", "label"},
         "instruction": {"id", "instruction", "input", "output", "domain"},
+        "text": {"id", "text"},
     }[kind]
     for ds in splits:
         assert expected <= set(ds.column_names)

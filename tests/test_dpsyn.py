@@ -248,6 +248,11 @@ def test_roles_take_fractions_or_explicit_ids() -> None:
         ({"clients__roles": {"weak": 1.0}}, "clients.roles"),
         ({"rounds": 4}, "rounds"),
         ({"algo__embedder": "nope"}, "algo.embedder"),
+        # 16 tokens hold the chat template but cut "Write a rotten review." to "Write a rot".
+        (
+            {"task__prompt": {"max_length": 48, "max_prompt_length": 16}},
+            "task.prompt.max_prompt_length",
+        ),
     ],
 )
 def test_bad_values_fail_at_load_naming_the_field(tmp_path: Path, over: Any, field: str) -> None:
@@ -558,6 +563,7 @@ def test_a_code_without_allotment_is_logged_and_left_out(
     with caplog.at_level("WARNING", logger="fedfm"):
         metrics = algo._generate()
     assert metrics.pop("time/generate_s") >= 0
+    assert 0 <= metrics.pop("truncated") <= 1  # the share of samples cut by the token budget
     assert metrics == {"synthetic": 16, "codes_without_samples": 1}
     assert "rotten" in caplog.text
     rows = _jsonl_text(algo.artefacts.read_bytes("synthetic_initial.jsonl").decode())

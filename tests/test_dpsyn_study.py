@@ -1,4 +1,5 @@
-"""The dpsyn reproduction study: its grid, resumability, paired statistics and report."""
+"""The dpsyn study: generators that stop after generation, offline voting equal to the
+algorithm's, its four selections, the two-way statistics and the report, on a tiny grid."""
 
 from __future__ import annotations
 
@@ -7,162 +8,231 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from fedfm.algorithms.dpsyn import DPSynConfig, select
 from fedfm.config import load_config
+from fedfm.core.federation import derive_seed
+from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.reproduce import STUDIES, load_studies
 from fedfm.reproduce import dpsyn as study
-from fedfm.reproduce.dpsyn import FULL, QUICK, Cell, Data, Grid
+from fedfm.reproduce.dpsyn import FULL, QUICK, Grid
 from fedfm.reproduce.framework import open_study, run_study
-from fedfm.reproduce.tables import num
+from fedfm.runtime import run
 
 TINY = Grid(
-    data=(Data("rotten_tomatoes", clients=4, rows=40, strong=(0.5,)),),
-    partitions=("iid",),
-    epsilons=(8.0,),
-    test_rows=30,
+    clients=4,
+    rows=30,
+    strong=(1, 2),
     train_rounds=1,
     steps=2,
     batch_size=8,
-    num_samples=16,
+    lr=1e-2,
+    pool=16,
+    size=8,
     max_new_tokens=6,
     max_length=48,
+    max_prompt_length=24,
+    prompt_template="Write a {code} review.",
+    probe_templates=("Write a {code} review.",),
+    probe_samples=2,
     k=2,
-    clf_steps=10,
+    seeds=3,
+    test_rows=30,
+    bootstrap=50,
     task={
         "lm": "tiny-llama",
         "lm_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 31},
         "lora": {"r": 4, "alpha": 8},
         "autocast_bf16": False,
-        "max_test": 30,
     },
     algo={"embedder": "hashed-ngrams", "generation": {"batch_size": 8}},
     label="test grid",
 )
+NAMES = [
+    "strong2",
+    "strong1",
+    "base",
+    "embed",
+    "prompts",
+    "vote-strong2",
+    "vote-strong1",
+    "vote-base",
+]
 
 
-def _rows(run: Path) -> dict[int, dict[str, Any]]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return {int(r["round"]): r for r in map(json.loads, lines)}
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 @pytest.fixture(scope="module")
-def done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int, int]:
-    """The tiny grid run twice: (runs folder, report, runs of the 1st call, of the 2nd)."""
+def done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[int]]:
+    """The tiny grid run twice: (study folder, report, jobs run by each invocation)."""
     tmp = tmp_path_factory.mktemp("dpsyn-study")
     out, report = tmp / "runs", tmp / "report.md"
-    ran, stamps = [], {}
-    for i in range(2):
-        ctx = open_study(study.STUDY, out, grid=TINY, command="test")
+    ran = []
+    for _ in range(2):
+        ctx = open_study(study.STUDY, out, grid=TINY, command="test", workers=1)
         run_study(study.STUDY, ctx, report)
         ran.append(ctx.record.invocations[-1]["ran"])
-        if i == 0:
-            stamps = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
-    assert stamps == {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
-    return out, report, ran[0], ran[1]
+    return out, report, ran
 
 
-def test_the_grid_runs_and_a_second_invocation_runs_nothing(done: Any) -> None:
-    out, report, first, second = done
-    names = [c.name for c in TINY.cells()]
-    assert names == ["rotten_tomatoes-iid-floor-seed0", "rotten_tomatoes-iid-s0.5-e8-seed0"]
-    assert (first, second) == (2, 0)
-    for name in names:
-        assert (out / name / "summary.json").exists()
+def test_the_grid_runs_through_the_framework_and_a_second_call_runs_nothing(done: Any) -> None:
+    out, report, ran = done
+    assert [j.name for j in study.jobs(open_study(study.STUDY, out, grid=TINY))] == NAMES
+    assert ran == [len(NAMES), 0]
+    record = json.loads((out / "study.json").read_text())
+    assert {n: record["jobs"][n]["status"] for n in NAMES} == dict.fromkeys(NAMES, "done")
     assert "did not finish" not in report.read_text()
+    probe = json.loads((out / "prompts" / "result.json").read_text())["result"]
+    tried = probe["templates"]["Write a {code} review."]
+    assert tried["prompt_whole"] and tried["on_code"]["n"] == 2 * TINY.probe_samples
+    assert "`Write a {code} review.`" in report.read_text()
 
 
-def test_the_report_prints_the_numbers_of_the_runs(done: Any) -> None:
-    out, report, _, _ = done
-    text = report.read_text().splitlines()
-    for cell in TINY.cells():
-        rows = _rows(out / cell.name)
-        r = 0 if cell.epsilon is None else TINY.train_rounds
-        for rnd, label in ((r + 1, "generated"), (r + 2, "after voting")):
-            line = next(x for x in text if x.startswith(f"| `{cell.name}` |") and label in x)
-            cells = [c.strip() for c in line.split("|")[3:-2]]
-            want = [num(rows[rnd].get(m)) for m, _, _ in study.METRICS]
-            assert cells == want
-    floor = _rows(out / TINY.cells()[0].name)[1]
-    line = next(x for x in text if "ceiling" in x)
-    assert num(floor["real/acc"]) in line.split("|")[3]
-    strong = json.loads((out / TINY.cells()[1].name / "summary.json").read_text())["finish"]
-    privacy = text[text.index("## Privacy per run") :]
-    line = next(x for x in privacy if x.startswith(f"| `{TINY.cells()[1].name}` | "))
-    assert f"{strong['epsilon/strong']:.2f}" in line and f"{strong['epsilon/weak']:.2f}" in line
+def test_each_generator_stops_once_its_pool_is_generated_and_saved(done: Any) -> None:
+    out, _, _ = done
+    for strong in TINY.generators:
+        folder = out / study.pool_name(strong)
+        rounds = TINY.train_rounds if strong else 0
+        rows = _jsonl(folder / "metrics.jsonl")
+        assert [r["round"] for r in rows] == list(range(rounds + 2))  # profile .. generation
+        pool = _jsonl(folder / "artefacts" / "synthetic_initial.jsonl")
+        profile = json.loads((folder / "artefacts" / "profile.json").read_text())
+        assert len(pool) == sum(profile["allotment"]) and abs(len(pool) - TINY.pool) <= 1
+        assert all(isinstance(r["truncated"], bool) for r in pool)
+        assert rows[-1]["truncated"] == pytest.approx(np.mean([r["truncated"] for r in pool]))
+        assert not (folder / "artefacts" / "synthetic.jsonl").exists()
+        assert not (folder / "artefacts" / "votes.json").exists()
+        assert {a["kind"] for a in _jsonl(folder / "audit.jsonl")} <= {"profile", "train"}
+        ledger = json.loads((folder / "privacy.json").read_text())
+        assert not any("vote" in m for m in ledger["mechanisms"])
+        assert json.loads((folder / "summary.json").read_text())["rounds"] == rounds + 1
+        norms = [r.get("update_norm") for r in rows[1 : rounds + 1]]
+        assert all(n is not None and n > 0 for n in norms)  # DP-SGD moved the adapter
 
 
-def test_items_reproduce_the_logged_scores_and_pair_over_test_rows(done: Any) -> None:
-    out, _, _, _ = done
-    cell = TINY.cells()[1]
-    res = study.read(open_study(study.STUDY, out, grid=TINY))[cell.name]
-    for rnd, name in ((2, "gen"), (3, "vote")):
-        row, items = _rows(out / cell.name)[rnd], res.items[name]
-        assert len(items) == TINY.test_rows
-        for clf, prefix in study.CLASSIFIERS:
-            acc = sum(int(it[clf]) == it["y"] for it in items) / len(items)
-            assert acc == pytest.approx(row[f"{prefix}acc"])
-            assert study.macro_f1_of(items, clf) == pytest.approx(row[f"{prefix}macro_f1"])
-    d = study.acc_diff(res.items["vote"], res.items["gen"], "logreg")
-    assert d.mean == pytest.approx(res.vote["acc"] - res.gen["acc"]) and d.n == TINY.test_rows
+def test_offline_voting_is_the_algorithms_vote_round(tmp_path: Path) -> None:
+    """The study's functions, given the run's seeded noise, give the run's votes and set."""
+    cfg = study.generator_config(TINY, 1)
+    cfg.update(name="whole", out_dir=str(tmp_path), rounds=TINY.train_rounds + 2)
+    cfg["privacy"]["noise"] = "seeded"
+    run(load_config(cfg), progress=False)
+    folder = tmp_path / "whole"
+    emb = study.embed_real({}, tmp_path / "emb", cfg)
+    assert emb["train_rows"] == TINY.clients * TINY.rows
+    arrays = dict(np.load(tmp_path / "emb" / study.EMBEDDINGS))
+    pool = study._read_pool(folder)
+    from fedfm.models.embedders import get_embedder
+
+    pool_emb = get_embedder("hashed-ngrams")([r["text"] for r in pool.rows])
+    weak = study.voters(TINY, 1)
+    clean = study.clean_votes(arrays, pool_emb, pool.codes, TINY.k, weak)
+    sigma = analytic_gaussian_sigma(float(cfg["algo"]["epsilon_vote"]), cfg["privacy"]["delta"])
+    vote_round = TINY.train_rounds + 2
+    seeds = {c: derive_seed(TINY.seed, vote_round, c, "vote-noise") for c in weak}
+    total = study.noisy_total(clean, sigma, seeds, TINY.threshold)
+    saved = json.loads((folder / "artefacts" / "votes.json").read_text())
+    assert total.tolist() == pytest.approx(saved["clipped"])
+    rng = np.random.default_rng(derive_seed(TINY.seed, "resample"))
+    kept = study.selections(total, pool.codes, pool.allotment, TINY.size, rng, "votes")
+    final = _jsonl(folder / "artefacts" / "synthetic.jsonl")
+    assert kept == [r["source_id"] for r in final]
 
 
-def test_paired_differences_by_hand() -> None:
-    a = [{"id": i, "y": 0, "m": p} for i, p in enumerate([0, 0, 0, 1])]  # 3 of 4 right
-    b = [{"id": i, "y": 0, "m": p} for i, p in enumerate([0, 1, 1, 1])]  # 1 of 4 right
-    d = study.acc_diff(a, b, "m")  # per-row differences 0, 1, 1, 0
-    assert d.mean == 0.5 and d.n == 4
-    assert d.se == pytest.approx(math.sqrt(1 / 3) / 2)  # sd (ddof 1) of [0,1,1,0] / √4
-    f = study.f1_diff(a, a, "m")
-    assert f.mean == 0 and f.se == 0  # a set against itself: every resample differs by 0
-    g = study.f1_diff(a, b, "m")
-    assert g.mean == pytest.approx(study.macro_f1_of(a, "m") - study.macro_f1_of(b, "m"))
-    assert g.se > 0
+def test_the_four_selections_keep_each_codes_share() -> None:
+    codes = np.array([0] * 6 + [1] * 4)
+    votes = np.array([0.0, 0.0, 9.0, 1.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0])
+    allotment, size = [6, 4], 5  # code 0 keeps round(3) = 3, code 1 round(2) = 2
+    for kind in ("votes", "uniform", "top", "subset"):
+        kept = study.selections(votes, codes, allotment, size, np.random.default_rng(0), kind)
+        assert [int(codes[i]) for i in kept].count(0) == 3 and len(kept) == 5
+    top = study.selections(votes, codes, allotment, size, np.random.default_rng(0), "top")
+    assert top == [0, 2, 3, 6, 7]  # the most votes of each code, ties to the lower index
+    for s in range(20):
+        sub = study.selections(None, codes, allotment, size, np.random.default_rng(s), "subset")
+        assert len(set(sub)) == 5  # without replacement
+        by = study.selections(votes, codes, allotment, size, np.random.default_rng(s), "votes")
+        assert set(by) <= {2, 3, 7}  # only voted samples
+    # A uniform draw with replacement is the algorithm's draw given equal votes.
+    cfg = DPSynConfig(num_samples=10, resample_size=size)
+    rng = np.random.default_rng(7)
+    mine = study.selections(None, codes, allotment, size, rng, "uniform")
+    assert mine == select(np.zeros(10), codes, allotment, cfg, seed=7)[0]
 
 
-def test_with_and_without_voting_come_from_one_run() -> None:
-    names = [c.name for c in FULL.cells()]
-    assert len(names) == len(set(names))
-    assert not any("vote" in n for n in names)  # no separate "without voting" runs
-    per_group = 1 + 3 * 3  # floor + 3 strong shares × 3 ε (Rotten Tomatoes)
-    assert sum(n.startswith("rotten_tomatoes-iid-") for n in names) == per_group
-    quick = [(c.data, c.partition, c.setting) for c in QUICK.cells()]
-    first = [s for d, p, s in quick if (d, p) == ("rotten_tomatoes", "iid")]
-    assert first == ["floor", "s0.1-e8", "s0.1-einf", "s0.5-e8", "s0.1-e1"]  # settings' order
-    # The other groups run only their own settings, each after its floor.
-    assert quick[len(first) :] == [
-        ("rotten_tomatoes", "noniid", "floor"),
-        ("rotten_tomatoes", "noniid", "s0.1-e8"),
-        ("drug_reviews", "iid", "floor"),
-        ("drug_reviews", "iid", "s0.1-e8"),
-    ]
+def test_readouts_pair_the_saved_predictions_over_seeds_and_rows(done: Any) -> None:
+    out, report, _ = done
+    res = study.read(open_study(study.STUDY, out, grid=TINY))
+    assert set(res.votes) == set(TINY.generators) and res.y is not None
+    preds = np.load(out / "vote-strong1" / study.PREDICTIONS)
+    a, b = preds["votes/1"], preds["uniform"]
+    assert a.shape == (TINY.seeds, TINY.test_rows)
+    d = (a == res.y).astype(float) - (b == res.y).astype(float)
+    est = study.acc_diff(res, (1, "votes/1"), (1, "uniform"))
+    assert est.mean == pytest.approx(d.mean()) and est.n == d.size
+    want = math.sqrt(d.mean(1).var(ddof=1) / TINY.seeds + d.mean(0).var(ddof=1) / d.shape[1])
+    assert est.se == pytest.approx(want)
+    text = report.read_text()
+    first = text.index("## Readouts")
+    assert text.index("## Setup") > first  # the report opens with its readouts
+    readouts = study.readouts(TINY)
+    assert len(readouts) == 2 * len(TINY.epsilon_votes) + 1 + len(TINY.epsilon_votes)
+    line = next(x for x in text.splitlines() if x.startswith("| R2 |"))
+    assert est.fmt(signed=True) in line
+    sel = res.votes[1]["selections"]
+    assert len(sel["subset"]["distinct"]) == TINY.seeds
+    assert all(n == TINY.size for n in sel["subset"]["distinct"])
+    assert all(n <= TINY.size for n in sel["uniform"]["distinct"])
 
 
-@pytest.mark.parametrize("grid", [QUICK, FULL])
-def test_every_cell_is_a_valid_config(grid: Grid, tmp_path: Path) -> None:
-    for cell in grid.cells():
-        cfg = load_config(study.job_config(grid, cell))
-        assert cfg.rounds == (2 if cell.epsilon is None else grid.train_rounds + 2)
+def test_the_claim_is_untestable_when_the_premise_fails(done: Any) -> None:
+    out, _, _ = done
+    res = study.read(open_study(study.STUDY, out, grid=TINY))
+    rs = study.readouts(TINY)
+    premise, claim = rs[2 * len(TINY.epsilon_votes)], rs[-1]
+    holds = study.verdict(premise.value(res), +1) == study.IN_DIRECTION
+    _, word = claim.judge(res)
+    assert (word == "cannot be tested by this grid") == (not holds)
+    fake = study.Results(TINY, y=np.array([0, 1, 0, 1]))
+    fake.preds = {
+        1: {"subset": np.array([[0, 1, 0, 1], [0, 1, 0, 0]]), "votes/1": np.ones((2, 4))},
+        2: {"subset": np.array([[1, 0, 1, 0], [1, 0, 1, 1]])},  # many strong: worse
+    }
+    assert claim.judge(fake)[1] == "cannot be tested by this grid"
+    fake.preds[2]["subset"], fake.preds[1]["subset"] = (
+        fake.preds[1]["subset"],
+        fake.preds[2]["subset"],
+    )
+    assert claim.judge(fake)[1] != "cannot be tested by this grid"
 
 
-def test_floor_cell_has_no_fine_tuning_and_computes_the_ceiling(tmp_path: Path) -> None:
-    cfg = study.job_config(QUICK, Cell("rotten_tomatoes", "iid", 0, 0.1, None))
-    assert cfg["algo"]["train_rounds"] == 0 and cfg["algo"]["eval"]["references"]
-    other = study.job_config(QUICK, Cell("rotten_tomatoes", "iid", 0, 0.5, math.inf))
-    assert other["algo"]["epsilon_train"] == "inf" and not other["algo"]["eval"]["references"]
-    assert other["clients"]["roles"]["strong"] == 0.5
+def test_privacy_composes_the_runs_ledger_with_the_offline_vote(done: Any) -> None:
+    out, _, _ = done
+    res = study.read(open_study(study.STUDY, out, grid=TINY))
+    run_ledger = json.loads((out / "strong1" / "privacy.json").read_text())
+    for eps, p in res.votes[1]["privacy"].items():
+        assert (
+            p["mechanisms"]["dp-sgd:train"]
+            == run_ledger["mechanisms"]["dp-sgd:train"]["epsilon_max"]
+        )
+        assert p["weak"] > p["mechanisms"]["analytic-gaussian:profile"]  # profile + vote
+        assert p["mechanisms"]["analytic-gaussian:vote"] == pytest.approx(float(eps), rel=0.3)
+        assert p["strong"] == pytest.approx(run_ledger["run"]["epsilon"])  # strong never vote
+
+
+def test_every_generator_of_the_default_grids_is_a_valid_config() -> None:
+    for grid in (QUICK, FULL):
+        for strong in grid.generators:
+            cfg = load_config(study.generator_config(grid, strong))
+            assert cfg.rounds == (grid.train_rounds if strong else 0) + 1
+            assert cfg.algo["num_samples"] == grid.pool > grid.size
+        assert len(study.voters(grid, grid.few)) == grid.clients - grid.few
+        assert len(study.voters(grid, 0)) == grid.clients - grid.few  # base: the same voters
 
 
 def test_the_study_is_registered() -> None:
     load_studies()
     assert STUDIES.get("dpsyn") is study.STUDY
-
-
-def test_time_estimate_scales_the_measured_runs(done: Any) -> None:
-    out, _, _, _ = done
-    res = study.read(open_study(study.STUDY, out, grid=TINY))
-    est = study.estimate_seconds(TINY, res)
-    measured = sum(r.wall_s for r in res.values())
-    assert est is not None and est > 0
-    profile = sum(r.stage_seconds()["profile"] for r in res.values())
-    assert est == pytest.approx(measured - profile)  # same grid, same counts: exact

@@ -57,6 +57,38 @@ def test_scaffold_keeps_control_variates_in_client_state(tmp_path):
     assert {a["field"] for a in audit if a["direction"] == "up"} >= {"delta_y", "delta_c"}
 
 
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_update_norm_is_the_global_drift_from_the_start(tmp_path, algorithm):
+    from fedfm.core.artefacts import split_state
+    from fedfm.core.checkpoint import latest_checkpoint, load_checkpoint
+    from fedfm.core.groups import get_group
+    from fedfm.engine import build
+
+    _run(tmp_path, "u", algorithm, rounds=3, plots=False)
+    rows = [json.loads(x) for x in (tmp_path / "u" / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(str(tmp_path / "u" / "config.yaml"))
+    start = build(cfg).algo.params  # θ_0: rebuilt from the run's seed
+    ck = load_checkpoint(latest_checkpoint(tmp_path / "u" / "checkpoints"))
+    end = get_group(split_state(ck.server_arrays)[0], "params")
+    drift = sum(float(((end[k].double() - start[k].double()) ** 2).sum()) for k in start) ** 0.5
+    assert rows[-1]["update_norm"] == pytest.approx(drift, rel=1e-9) and drift > 0
+    assert "update_norm" not in rows[0]  # round 0 trains nothing
+    assert all(r["update_norm"] > 0 for r in rows[1:])
+
+
+def test_update_norm_by_hand():
+    import torch
+
+    from fedfm.core.aggregate import update_norm
+
+    origin = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+    moved = {"w": torch.tensor([4.0, 2.0]), "b": torch.tensor([-3.5])}
+    assert update_norm(moved, origin) == pytest.approx(5.0)  # √(3² + 4²)
+    assert update_norm(origin, origin) == 0.0
+    with pytest.raises(ValueError, match="update_norm"):
+        update_norm({"w": moved["w"]}, origin)
+
+
 def test_local_only_shares_no_tensors(tmp_path):
     _run(tmp_path, "l", "local", rounds=2, plots=False)
     audit = [json.loads(x) for x in (tmp_path / "l" / "audit.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fedfm.algorithms.fedhds import (
     FedHDS,
+    cluster,
     flatten_features,
     inter_client_select,
     privatise,
@@ -41,7 +42,9 @@ def _cfg(tmp_path: Path, name: str, clients: int = 6, **algo: Any) -> Any:
             "eval_before": False,
             "out_dir": str(tmp_path),
             "plots": False,
-            "algo": {"min_cluster_size": 2, **algo},
+            # Eight tiny-model points per client have no density structure at the official
+            # count (min_samples 2 neighbours): at one neighbour these rounds select and train.
+            "algo": {"min_cluster_size": 2, "min_samples": 1, "server_min_samples": 1, **algo},
             "task": {
                 "kind": "instruction",
                 "model": "tiny-llama",
@@ -112,6 +115,85 @@ def test_inter_client_selection_keeps_the_centroid_nearest_each_global_centre() 
     chosen, labels = inter_client_select(pts, 2)
     assert sorted(chosen) == [1, 4]
     assert labels[6] == -1 and labels[0] == labels[2] == labels[4] != labels[1]
+
+
+# Two tight pairs inside each loose group: counting the point itself among its neighbours
+# (scikit-learn's default with min_samples = min_cluster_size = 2) makes the pairs clusters
+# of their own; the hdbscan package's count (the official code's) keeps each group whole.
+GROUPS = np.array(
+    [
+        *([0, 0], [0.1, 0], [1, 0], [1.1, 0], [0.5, 0.8]),
+        *([6, 6], [6.1, 6], [7, 6], [7.1, 6], [6.5, 6.9], [6.5, 5.2]),
+        *([-5, 4], [-4.9, 4], [-5.4, 4.6]),
+    ]
+)
+
+
+def _mixtures(count: int) -> list[np.ndarray]:
+    """Seeded 2-D Gaussian mixtures of 8-60 points and 1-5 components."""
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(count):
+        n, k = int(rng.integers(8, 60)), int(rng.integers(1, 6))
+        centres = rng.normal(size=(k, 2)) * 6
+        out.append(centres[rng.integers(0, k, n)] + rng.normal(size=(n, 2)))
+    return out
+
+
+def _package_centres(fitted: Any) -> np.ndarray:
+    k = int(fitted.labels_.max()) + 1
+    return np.array([fitted.weighted_cluster_centroid(g) for g in range(k)]).reshape(-1, 2)
+
+
+def test_clusters_as_the_official_code_calls_the_hdbscan_package() -> None:
+    hdbscan = pytest.importorskip("hdbscan")
+    from sklearn.cluster import HDBSCAN
+
+    official = hdbscan.HDBSCAN(min_cluster_size=2, allow_single_cluster=False).fit(GROUPS)
+    ours = cluster(GROUPS, 2)
+    assert ours.labels.tolist() == official.labels_.tolist() == [1] * 5 + [0] * 6 + [2] * 3
+    # Its Boruvka tree gives some points other membership probabilities (ties, see the next
+    # test), so the weighted centres move a little; the member nearest each is the same.
+    theirs = _package_centres(official)
+    assert np.allclose(ours.centres, theirs, atol=5e-3)
+    nearest = [np.argmin(np.linalg.norm(GROUPS - c, axis=1)) for c in theirs]
+    assert ours.nearest.tolist() == nearest == [6, 1, 11]
+    # The count before the fix splits the groups into their pairs.
+    before = HDBSCAN(min_cluster_size=2, copy=True).fit_predict(GROUPS)
+    assert before.max() + 1 == 5 and before.tolist() != ours.labels.tolist()
+    # min_samples is the package's count too, and capped at n - 1 as the package caps it.
+    wide = hdbscan.HDBSCAN(min_cluster_size=2, min_samples=4).fit(GROUPS).labels_
+    assert _same_partition(cluster(GROUPS, 2, min_samples=4).labels, wide)
+    assert wide.max() + 1 == 2  # fewer clusters than at min_samples 2: the count matters
+    for n in (2, 3, 5, 11):
+        small = hdbscan.HDBSCAN(min_cluster_size=2, min_samples=7).fit(GROUPS[:n]).labels_
+        assert _same_partition(cluster(GROUPS[:n], 2, min_samples=7).labels, small)
+
+
+def test_labels_and_centres_equal_the_package_under_its_prim_tree() -> None:
+    """Exactly equal on every mixture; its default Boruvka tree orders tied merges otherwise
+    (``pytest -s`` prints how often the partition differs: the figures of the module doc)."""
+    hdbscan = pytest.importorskip("hdbscan")
+    differ = more = fewer = 0
+    for x in _mixtures(200):
+        prim = hdbscan.HDBSCAN(min_cluster_size=2, algorithm="prims_kdtree").fit(x)
+        ours = cluster(x, 2)
+        assert ours.labels.tolist() == prim.labels_.tolist()
+        assert np.allclose(ours.centres, _package_centres(prim))
+        boruvka = hdbscan.HDBSCAN(min_cluster_size=2).fit(x).labels_
+        if not _same_partition(boruvka, ours.labels):
+            differ += 1
+            more += int(boruvka.max() > ours.labels.max())
+            fewer += int(boruvka.max() < ours.labels.max())
+    print(f"Boruvka's partition differs on {differ} of 200: {more} more clusters, {fewer} fewer")
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two labelings make the same clusters and the same noise (ids may differ)."""
+    if not np.array_equal(a == -1, b == -1):
+        return False
+    pairs = set(zip(a.tolist(), b.tolist(), strict=True))
+    return len(pairs) == len({x for x, _ in pairs}) == len({y for _, y in pairs})
 
 
 def _select_reply(xy: list[list[float]], n: int = 10) -> Message:

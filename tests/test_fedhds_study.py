@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import yaml
 
 from fedfm.reproduce import fedhds as study
@@ -17,43 +20,97 @@ TINY_TASK = {
     "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
     "prompt": {"max_length": 96, "max_prompt_length": 64},
 }
+TURBO = {"vocab": "small", "hidden": 16, "layers": 1, "heads": 2, "seed": 3}
+GRID = study.Grid(
+    24,
+    4,
+    5,
+    1,
+    heldout_tokens=4,
+    math_tokens=4,
+    clients=4,
+    fraction=1.0,
+    task=TINY_TASK,
+    partition={"min_size": 2},
+    # tiny-model points have no density structure at two neighbours: one lets FedHDS select
+    algo={"min_samples": 1, "server_min_samples": 1},
+    turbo_model="tiny-llama",
+    turbo_args=TURBO,
+)
 
 
-def test_quick_grid_reports_the_measured_numbers(tmp_path: Path) -> None:
-    methods = ("fedhds", "fedit", "random", "fedhds-x4")
-    grid = study.Grid(
-        16, 2, 4, 1.0, 1, 5, 4, methods=methods, task=TINY_TASK, partition={"min_size": 2}
-    )
-    ctx = open_study(study.STUDY, tmp_path, quick=True, grid=grid, command="cmd")
-    report = run_study(study.STUDY, ctx, tmp_path / "r.md")
-    text = report.read_text()
-    hds = json.loads((tmp_path / "fedhds" / "summary.json").read_text())
-    fedit = json.loads((tmp_path / "fedit" / "summary.json").read_text())
-    # Random ran after FedHDS, at the data fraction FedHDS measured.
-    cfg = yaml.safe_load((tmp_path / "random" / "config.yaml").read_text())
-    assert cfg["algo"]["random_budget"] == round(hds["finish"]["data_fraction"], 6)
-    assert fedit["finish"]["data_fraction"] == 1.0
+def _heldout(folder: Path, rnd: int | None = None) -> dict[str, float]:
+    """Item id -> Rouge-L of the held-out items of one evaluation, read from the file."""
+    rows = [json.loads(x) for x in (folder / "eval_items.jsonl").read_text().splitlines()]
+    want = max(r["round"] for r in rows) if rnd is None else rnd
+    items = next(r["items"] for r in rows if r["round"] == want)
+    return {str(i["id"]): float(i["rougeL"]) for i in items if i.get("zeroshot")}
+
+
+def _mean_se(d: list[float]) -> str:
+    return f"{np.mean(d):+.3f} ± {np.std(d, ddof=1) / math.sqrt(len(d)):.3f}"
+
+
+def _summary(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((path / "summary.json").read_text())
+    return data
+
+
+def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path) -> None:
+    ctx = open_study(study.STUDY, tmp_path, grid=GRID, command="cmd")
+    text = run_study(study.STUDY, ctx, tmp_path / "r.md").read_text()
+    names = ["fedit", "fedit-s1", "fedhds", "fedhds-s1", "turbo", "random", "count"]
     record = json.loads((tmp_path / "study.json").read_text())
-    assert record["jobs"]["random"]["needs"] == ["fedhds"]
+    assert sorted(record["jobs"]) == sorted(names)
     assert {j["status"] for j in record["jobs"].values()} == {"done"}
-    row = next(line for line in text.splitlines() if line.startswith("| FedHDS |"))
-    assert f"{hds['final']['rougeL_all']:.3f}" in row
-    assert f"{hds['finish']['data_fraction']:.4f}" in row
-    assert "## Not run" not in text
-    selected = ctx.run("fedhds").audit_bytes("select")
-    assert selected > 0 and f"| {selected:,} |" in row
-    # The readouts come first; the time ratio is FedIT's training seconds over FedHDS's.
-    assert text.index("## Readouts") < text.index("## Setup")
-    ratio = fedit["finish"]["total_train_s"] / hds["finish"]["total_train_s"]
-    r4 = next(x for x in text.splitlines() if x.startswith("| R4 |"))
-    assert f"| {ratio:.1f} |" in r4 and "no SE" in r4
-    # The longer control runs 4x the rounds and is compared with FedIT in words.
-    x4 = json.loads((tmp_path / "fedhds-x4" / "summary.json").read_text())
-    assert x4["rounds"] == 4 * grid.rounds
-    assert f"FedHDS, 4× the rounds: Rouge-L {x4['final']['rougeL_all']:.3f}" in text
-    assert "Before training" in text  # FedIT's round-0 evaluation of the base model
+    cfgs = {n: yaml.safe_load((tmp_path / n / "config.yaml").read_text()) for n in names}
+    assert all(c["task"]["heldout_domains"] == ["general"] for c in cfgs.values())
+    assert cfgs["fedit-s1"]["seed"] == 1 and cfgs["fedit"]["seed"] == 0
+    assert [n for n in names if cfgs[n]["eval_before"]] == ["fedit"]  # the base, once
+    assert cfgs["turbo"]["algo"]["feature_model"] == "tiny-llama"
+    assert (cfgs["count"]["algo"]["min_samples"], cfgs["fedhds"]["algo"]["min_samples"]) == (1, 1)
+    # Random ran after FedHDS, at the data fraction FedHDS measured.
+    hds = _summary(tmp_path / "fedhds")
+    assert cfgs["random"]["algo"]["random_budget"] == round(hds["finish"]["data_fraction"], 6)
+    assert record["jobs"]["random"]["needs"] == ["fedhds"]
+    # Only the held-out domain is scored zero-shot, and no client trained on it.
+    items = [
+        json.loads(x) for x in (tmp_path / "fedit" / "eval_items.jsonl").read_text().splitlines()
+    ]
+    assert [r["round"] for r in items] == [0, 1]
+    held = {i["domain"] for r in items for i in r["items"] if i["zeroshot"]}
+    assert held == {"general"} and len(_heldout(tmp_path / "fedit")) == GRID.heldout_items
+    part = json.loads((tmp_path / "fedit" / "partition.json").read_text())
+    assert part["labels"] == list(study.TRAINED) and part["heldout_domains"] == ["general"]
+    # The readouts come first; R1 pairs items after averaging each over the two seeds.
+    assert text.index("## Readouts") < text.index("## Setup") < text.index("## The instrument")
+    mine = [_heldout(tmp_path / n) for n in ("fedhds", "fedhds-s1")]
+    ref = [_heldout(tmp_path / n) for n in ("fedit", "fedit-s1")]
+    d = [
+        float(np.mean([m[i] for m in mine]) - np.mean([r[i] for r in ref])) for i in sorted(ref[0])
+    ]
+    r1 = next(x for x in text.splitlines() if x.startswith("| R1 |"))
+    assert f"| {_mean_se(d)} |" in r1
+    rnd = _heldout(tmp_path / "random")
+    r2 = next(x for x in text.splitlines() if x.startswith("| R2 |"))
+    assert f"| {_mean_se([mine[0][i] - rnd[i] for i in sorted(rnd)])} |" in r2
+    # R3: FedIT's client training seconds over FedHDS's, per seed, mean ± SE over seeds.
+    ratios = [
+        _summary(tmp_path / a)["finish"]["total_train_s"]
+        / _summary(tmp_path / b)["finish"]["total_train_s"]
+        for a, b in (("fedit", "fedhds"), ("fedit-s1", "fedhds-s1"))
+    ]
+    r3 = next(x for x in text.splitlines() if x.startswith("| R3 |"))
+    se = np.std(ratios, ddof=1) / math.sqrt(2)
+    assert f"| {np.mean(ratios):.1f} ± {se:.1f} |" in r3
+    # The base row is FedIT's round 0; the data fraction before and after the fix is shown.
+    base = np.mean(list(_heldout(tmp_path / "fedit", 0).values()))
+    assert f"| untrained base (round 0) | {base:.3f} |" in text
+    count = _summary(tmp_path / "count")["finish"]["data_fraction"]
+    assert f"| before (sklearn's count) | {count:.4f} |" in text
+    assert "R1 per seed" in text and "## Not run" not in text
     # A second invocation runs nothing again.
-    again = open_study(study.STUDY, tmp_path, quick=True, grid=grid, command="cmd")
+    again = open_study(study.STUDY, tmp_path, grid=GRID, command="cmd")
     run_study(study.STUDY, again, tmp_path / "r.md")
     record = json.loads((tmp_path / "study.json").read_text())
-    assert [i["ran"] for i in record["invocations"]] == [4, 0]
+    assert [i["ran"] for i in record["invocations"]] == [7, 0]

@@ -485,6 +485,7 @@ def test_the_study_runs_and_reports_what_it_measured(
     import dataclasses
 
     from fedfm.reproduce import fedsdr as study
+    from fedfm.reproduce.framework import RunView, open_study, run_jobs, run_study
 
     _echo_teacher(monkeypatch)
     tiny = {
@@ -493,57 +494,66 @@ def test_the_study_runs_and_reports_what_it_measured(
         "autocast_bf16": False,
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "prompt": {"max_length": 160, "max_prompt_length": 128},
-        "max_new_tokens": 4,
     }
     grid = dataclasses.replace(
         study.QUICK,
-        optimizers=("fedavg", "fedadam"),
         rounds=2,
         steps=1,
+        steps_s=1,
         per_domain=3,
+        seen_items=2,
+        zeroshot_items=3,
+        docs=3,
+        doc_tokens=16,
         domains=("general", "math", "medical"),
         task=tiny,
         cache_dir=str(tmp_path / "cache"),
     )
-    # The study's --quick grid replaced by the tiny one, its report in the default docs/.
-    from fedfm.reproduce.framework import RunView, open_study, report_path, run_jobs, run_study
-
-    monkeypatch.chdir(tmp_path)
-    runs = tmp_path / "runs" / "fedsdr-quick"
-    ctx = open_study(study.STUDY, runs, quick=True, grid=grid)
-    report = run_study(study.STUDY, ctx, report_path(study.STUDY, ctx))
-    names = {f"{o}-{m}" for o in grid.optimizers for m in study.METHODS}
-    assert report == Path("docs/fedsdr.md")
-    assert {p.name for p in runs.iterdir() if p.is_dir()} == names
+    runs = tmp_path / "fedsdr-quick"
+    ctx = open_study(study.STUDY, runs, quick=True, grid=grid, command="cmd")
+    report = run_study(study.STUDY, ctx, tmp_path / "r.md")
     record = json.loads((runs / "study.json").read_text())
-    assert set(record["jobs"]) == names
+    assert set(record["jobs"]) == {*study.METHODS, "lengths"}
     assert {j["status"] for j in record["jobs"].values()} == {"done"}
+    assert record["jobs"]["matched"]["needs"] == ["fedit", "fedsd"]
     text = report.read_text()
-    assert "did not finish" not in text and "(quick grid)" in text
-    res, base = RunView(runs / "fedadam-fedsdr"), RunView(runs / "fedadam-base")
-    assert res.finished and base.finished
-    d = study.paired_diff(res, base)["overall"]
-    assert f"{d.mean:+.3f} ± {d.se:.3f}" in text
-    assert "| JS divergence" in text and "| rewrites kept |" in text
-    for r in res.metrics[1:]:  # the cosines FedSDR's server logged, per round
-        assert f"{r['update_cos/mean']:.4f} / {r['update_cos/min']:.4f}" in text
-    # FedSDR's uplink arrays equal FedIT's (the base) round for round, as the report shows.
-    up = {int(r["bytes_up_arrays"]) for r in res.metrics[1:]}
-    assert up == {int(r["bytes_up_arrays"]) for r in base.metrics[1:]} and len(up) == 1
-    size = f"{up.pop():,}"
-    assert f"| fedadam | FedSDR | {size} |" in text
-    assert f"| fedadam | base (FedIT) | {size} |" in text
-    assert "Estimate (not a measurement)" in text
-    assert "Runs not finished" not in text
-    # The readouts open the report; the two claims this grid cannot test say so.
-    assert text.index("## Readouts") < text.index("## Setup")
-    assert text.count("**cannot be tested by this grid**") == 2
-    # A grid with runs that are not there yet: the report names them and the resume command.
-    more = dataclasses.replace(grid, optimizers=("fedavg", "fedyogi"))
-    partial = study.STUDY.body(open_study(study.STUDY, runs, grid=more, command="cmd"), {})
-    named = "`fedyogi-base`, `fedyogi-fedsd`, `fedyogi-fedsdr`: their rows above are empty"
-    assert named in "\n".join(partial)
-    # A second call finds every run done and runs nothing.
-    again = open_study(study.STUDY, runs, quick=True, grid=grid)
+    assert text.index("## Readouts") < text.index("## Setup") and "did not finish" not in text
+    views = {m: RunView(runs / m) for m in study.METHODS}
+    # Every run logs its update norm; the control's lr is FedIT's rescaled by the norm ratio.
+    norms = {m: float(v.final["update_norm"]) for m, v in views.items()}
+    assert all(n > 0 for n in norms.values())
+    lr = float(views["matched"].config["train"]["lr"])
+    assert lr == pytest.approx(grid.lr * norms["fedsd"] / norms["fedit"])
+    assert f"{norms['matched'] / norms['fedsd']:.3f}× +FedSD's" in text
+    # Nothing was generated at evaluation: general and maths items carry only their NLL.
+    items = views["fedsd"].items()
+    general = [it for it in items if it["domain"] == "general"]
+    assert general and all(it["score"] is None and it["nll_tokens"] > 0 for it in general)
+    assert not any(k.startswith("truncated") for k in views["fedsd"].final)
+    # The readouts' numbers, by hand from the items: +FedSD − FedIT on zero-shot accuracy.
+    res = study.read(ctx)
+    per = []
+    for d in grid.zeroshot:
+        a = {it["id"]: it["score"] for it in views["fedsd"].items() if it["domain"] == d}
+        b = {it["id"]: it["score"] for it in views["fedit"].items() if it["domain"] == d}
+        per.append(sum(a[k] - b[k] for k in a) / len(a))
+    got = study.diff(res, "fedsd", "fedit", "acc", grid)
+    assert got.mean == pytest.approx(sum(per) / len(per)) and got.n == 2 * grid.zeroshot_items
+    r2 = next(x for x in text.splitlines() if x.startswith("| R2 |"))
+    assert got.fmt(3, signed=True) in r2
+    # C4 per document: the base is FedIT's round 0, paired over the same documents.
+    c4 = study.diff(res, "fedit", study.BASE, "text", grid)
+    assert c4.n == grid.docs and math.isfinite(c4.mean)
+    r1 = next(x for x in text.splitlines() if x.startswith("| R1 |"))
+    assert c4.fmt(3, signed=True) in r1
+    assert text.count("**cannot be tested by this grid**") == 1
+    # The instrument: label histograms with their baselines, reference lengths, fallbacks.
+    assert "| base (round 0) |" in text and "answered ham" in text and "majority" in text
+    assert "| train | general |" in text and "fallback truncated" in text
+    zero = views["fedsd"].rounds[0]
+    n = zero["fedsd/rows"]
+    assert f"| all | {n:.0f} | {n * zero['fedsd/kept_share']:.0f} |" in text
+    # A second call finds every job done and runs nothing.
+    again = open_study(study.STUDY, runs, quick=True, grid=grid, command="cmd")
     run_jobs(study.STUDY, again)
     assert again.record.invocations[-1]["ran"] == 0 and not again.failed

@@ -19,9 +19,12 @@ from fedfm.eval.llm import (
     evaluate_held_out_domain,
     evaluate_instruction_items,
     evaluate_instructions,
+    head_to_head,
     lm_nll,
     multiple_choice_loglik,
+    reference_nlls,
     split_held_out_domain,
+    text_nlls,
 )
 from fedfm.models.generation import Reply, generate, generate_replies
 
@@ -231,6 +234,55 @@ def test_evaluate_with_perplexity_and_held_out_domain(tok):
     }
     with pytest.raises(FedfmError, match="not in dataset"):
         split_held_out_domain(suite, "law")
+
+
+def test_per_item_nll_sums_to_the_perplexity_and_likelihood_only_generates_nothing(
+    tok, monkeypatch
+):
+    model = tiny_llama(len(tok), init=0.02)
+    suite = _suite()
+    per = reference_nlls(model, tok, suite, PromptConfig(), batch_size=3)
+    nll, n = lm_nll(model, tok, suite, PromptConfig(), batch_size=2)
+    assert all(p is not None for p in per)
+    assert sum(p[0] for p in per) == pytest.approx(nll, rel=1e-6)  # type: ignore[index]
+    assert sum(p[1] for p in per) == n  # type: ignore[index]
+
+    def no_generation(*args, **kw):
+        raise AssertionError("likelihood_only generated")
+
+    monkeypatch.setattr("fedfm.eval.llm.generate_replies", no_generation)
+    res, items = evaluate_instruction_items(
+        model, tok, suite, choice_mode="loglik", with_ppl=True, likelihood_only=True
+    )
+    # General and maths are not scored, only their references' NLL is measured.
+    assert [it["metric"] for it in items] == ["nll"] * 4 + ["acc"] * 3
+    assert [it["score"] is None for it in items] == [True] * 4 + [False] * 3
+    assert res["score"] == res["score/medical"] and "score/general" not in res
+    assert not any(k.startswith("truncated") for k in res)
+    general = [it for it in items if it["domain"] == "general"]
+    total = sum(it["nll"] for it in general), sum(it["nll_tokens"] for it in general)
+    assert res["ppl/general"] == pytest.approx(math.exp(total[0] / total[1]), rel=1e-5)
+    assert [it["nll_tokens"] for it in items] == [p[1] for p in per]  # type: ignore[index]
+    assert [it["nll"] for it in items] == pytest.approx([p[0] for p in per])  # type: ignore[index]
+    # Items without a score are left out of a head-to-head.
+    assert head_to_head(items, items)["n"] == 3
+    with pytest.raises(FedfmError, match="likelihood_only needs"):
+        evaluate_instruction_items(model, tok, suite, with_ppl=True, likelihood_only=True)
+
+
+def test_text_nll_of_uniform_logits_is_log_vocab_per_token_after_the_first(tok):
+    model = tiny_llama(len(tok))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: uniform over the vocabulary
+    texts = ["What is the capital of France?", "Paris", "yes"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    got = text_nlls(model, tok, texts, max_tokens=4, batch_size=2)
+    for (nll, n, scored), x in zip(got, ids, strict=True):
+        k = min(len(x), 4)
+        assert n == k - 1  # the first token has no prefix to be predicted from
+        assert nll == pytest.approx(n * math.log(len(tok)), rel=1e-5)
+        assert scored == tok.decode(x[:4])
+    assert len(ids[0]) > 4 and got[0][1] == 3  # a long text is scored on its first tokens
 
 
 def test_unknown_metric_is_refused_before_generation(tok, yes7):

@@ -155,6 +155,58 @@ def test_evaluate_reports_each_domain_and_the_zero_shot_domain(task) -> None:
     assert task.evaluate(task.build_model(seed=0), task.client_test_data("0")) == {}
 
 
+def test_likelihood_only_scores_labels_references_and_held_out_text(tmp_path, monkeypatch) -> None:
+    def no_generation(*args: Any, **kw: Any) -> None:
+        raise AssertionError("likelihood_only generated")
+
+    monkeypatch.setattr("fedfm.eval.llm.generate_replies", no_generation)
+    section = {
+        "heldout_domain": "spam",
+        "choice_mode": "loglik",
+        "likelihood_only": True,
+        "text_nll": {"corpus": "c4_demo", "docs": 5, "max_tokens": 16},
+        "primary": "zeroshot/score",
+    }
+    task = build(_cfg(tmp_path, task=section)).task
+    out, items = task.evaluate_items(task.build_model(seed=0), task.test_data())
+    by = {d: [it for it in items if it["domain"] == d] for d in ("general", "movie", "c4_demo")}
+    # General is not generated: no score, its references' NLL per item.
+    assert {it["metric"] for it in by["general"]} == {"nll"} and "score/general" not in out
+    assert all(it["score"] is None and it["nll_tokens"] > 0 for it in by["general"])
+    assert out["score"] == out["score/movie"] and "zeroshot/acc/spam" in out
+    # The documents: per-token NLL over every scored token, one item each, ids of their own.
+    docs = by["c4_demo"]
+    assert [it["id"] for it in docs] == [f"c4_demo/{i}" for i in range(5)]
+    assert all(it["nll_tokens"] == 15 and it["score"] is None for it in docs)
+    nll = sum(it["nll"] for it in docs) / sum(it["nll_tokens"] for it in docs)
+    assert out["text_nll/c4_demo"] == pytest.approx(nll)
+    assert out["text_docs/c4_demo"] == 5 and out["text_tokens/c4_demo"] == 75
+    assert task.stats()["text_docs"] == 5
+    # A client's local split holds no documents.
+    local = task.evaluate(task.build_model(seed=0), task.client_test_data("0"))
+    assert "text_nll/c4_demo" not in local
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"likelihood_only": True}, "likelihood_only"),  # choice_mode generate
+        ({"likelihood_only": True, "choice_mode": "loglik", "eval_ppl": False}, "likelihood_only"),
+        ({"text_nll": {"corpus": "poetry"}}, r"task\.text_nll\.corpus"),
+        ({"text_nll": {"corpus": "alpaca_demo"}}, "not plain text"),
+        ({"text_nll": {"docs": 301}}, r"task\.text_nll\.docs"),
+        ({"text_nll": {"max_tokens": 1}}, "max_tokens"),
+        (
+            {"likelihood_only": True, "choice_mode": "loglik", "primary": "rougeL"},
+            r"task\.primary",
+        ),
+    ],
+)
+def test_bad_likelihood_settings_name_the_field(tmp_path, section, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        build(_cfg(tmp_path, task=section))
+
+
 def test_fedavg_over_lora_sends_only_adapter_tensors(tmp_path) -> None:
     cfg = _cfg(tmp_path, name="fedit")
     summary = run(cfg, progress=False)

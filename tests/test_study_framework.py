@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -202,7 +203,7 @@ def test_dry_run_lists_the_jobs_and_estimates_from_measured_times(tmp_path, monk
     argv = ["reproduce", "fedhds", "--quick", "--dry-run", "--out", str(tmp_path / "r")]
     code, out, err = _main(argv, monkeypatch, capsys)
     assert code == 0 and "| random | run | fedhds | after fedhds" in out, err
-    assert "9 jobs, 0 done or skipped, 9 to run" in out and not (tmp_path / "r").exists()
+    assert "5 jobs, 0 done or skipped, 5 to run" in out and not (tmp_path / "r").exists()
     assert _main(["reproduce", "fedhds", "--jobs", "0"], monkeypatch, capsys)[0] == 2
 
 
@@ -295,6 +296,40 @@ def test_macro_f1_bootstrap_is_paired_deterministic_and_exact_at_its_point():
     # The resamples are paired: the SE is the spread of f1(a) − f1(b) on the same rows.
     boot = stats.paired_bootstrap(4, lambda idx: float(len(set(idx.tolist()))), 50, seed=1)
     assert boot.mean == 4.0 and boot.n == 4
+
+
+def test_crossed_statistics_by_hand():
+    # d[seed, row]: seed means 1, 2 (s² = 0.5), row means 1, 2, 1.5 (s² = 0.25):
+    # SE² = 0.5 / 2 + 0.25 / 3.
+    d = [[0.0, 2.0, 1.0], [2.0, 2.0, 2.0]]
+    est = stats.crossed(d)
+    assert est.mean == pytest.approx(1.5) and est.n == 6
+    assert est.se == pytest.approx(math.sqrt(0.5 / 2 + 0.25 / 3))
+    # One seed: the SE of the rows alone, as paired over rows.
+    one = stats.crossed([[0.0, 1.0, 1.0, 0.0]])
+    assert one.se == pytest.approx(math.sqrt(1 / 3) / 2)  # sd of 0, 1, 1, 0 over √4
+    assert stats.crossed([]) == stats.NONE
+    # The two-way bootstrap of a mean: close to the formula on a larger array, exact at its point.
+    rng = np.random.default_rng(0)
+    big = rng.normal(size=(20, 1)) + rng.normal(size=(1, 300)) + rng.normal(size=(20, 300))
+    boot = stats.crossed_bootstrap(big.shape, lambda si, ri: float(big[si][:, ri].mean()), 400)
+    assert boot.mean == pytest.approx(big.mean())
+    assert boot.se == pytest.approx(stats.crossed(big).se, rel=0.25)
+    same = stats.crossed_bootstrap((3, 4), lambda si, ri: 0.0, 20)
+    assert same.se == 0 and same.n == 12
+
+
+def test_macro_f1_of_each_row_is_the_scorers():
+    y = np.array([0, 1, 1, 0, 2])
+    pred = np.array([[0, 0, 1, 2, 2], [1, 1, 1, 1, 1], [0, 1, 1, 0, 2]])
+    want = [macro_f1(torch.tensor(p), torch.tensor(y)) for p in pred]
+    assert stats.macro_f1_rows(pred, y).tolist() == pytest.approx(want)
+
+
+def test_a_readout_whose_premise_fails_cannot_be_tested():
+    r = Readout("x", "s", "p", +1, lambda d: Estimate(1.0, 0.1, 5), testable=lambda d: d > 0)
+    assert r.judge(1)[1] == stats.IN_DIRECTION
+    assert r.judge(0)[1] == "cannot be tested by this grid"
 
 
 def test_the_verdict_rule():

@@ -169,7 +169,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     embedded = cfg.runtime != "flower"
     if embedded:  # one base and one data set; the server evaluates between trainings
         evaluation = server.parts.get("evaluation", 0)
-        training = client.peak - client.parts["weights"] - data
+        training = client.peak - client.parts.get("weights", 0) - data
         process = server.peak - evaluation + max(evaluation, training)
     else:
         process = client.peak
@@ -349,9 +349,14 @@ def _model_sides(cfg: RunConfig, task: Any) -> tuple[Side, Side, list[str]]:
     """Parameters and their state for a task without an LLM, its model built on ``meta``."""
     import torch
 
+    from fedfm.engine import BUILD_FIELDS
+    from fedfm.errors import ConfigError, config_fields
+
     try:
-        with torch.device("meta"):
+        with config_fields(BUILD_FIELDS), torch.device("meta"):
             model = task.build_model(seed=cfg.seed)
+    except ConfigError:  # refused as the run would refuse it, named by its config path
+        raise
     except Exception as err:  # a builder that reads weights from disk cannot run on meta
         note = f"the model was not counted: its builder needs real weights ({type(err).__name__})"
         return Side("server", 0, 0), Side("client", 0, 0), [note]

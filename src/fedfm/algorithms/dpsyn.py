@@ -41,7 +41,8 @@ strong client's DP-SGD from its plan (σ, the rate ``q = train.batch_size / n`` 
 config's partition, ``train.steps``) when it asks the client, and the client keeps its own
 account in its state.
 The synthetic set before and after voting is a run artefact (``synthetic_initial.jsonl``,
-``synthetic.jsonl``: ``code``, ``label``, ``text``), and ``heldout.json`` names the real
+``synthetic.jsonl``: ``code``, ``label``, ``text``, and ``truncated``: whether the sample ran
+into ``max_new_tokens``; the generation round logs their share), and ``heldout.json`` names the real
 held-out rows, so the ``synthetic`` text source (:mod:`fedfm.data.synthetic`) serves it to any
 downstream ``fedfm run``. After generation and after voting the set is evaluated
 (:mod:`fedfm.eval.synthetic`): classifiers trained on it alone, tested on the real held-out set.
@@ -75,6 +76,8 @@ Choices of ours (the paper is silent; where a choice is a value, it is a config 
       ``max_grad_norm``, as for LoRA); tied input and output embeddings are one tensor, its
       per-sample gradient the sum of both uses (Opacus). The shared base gets its
       pretrained weights back after every call, so other runs of the process are unaffected.
+    * Each training round logs ``update_norm``, ``‖θ_r − θ_0‖₂`` of the LoRA adapter (how far
+      DP-SGD has moved it from its initialisation).
     * Each round's row times its stages (``time/generate_s``, ``time/eval_s``,
       ``time/eval_real_s``, ``time/floor_s``, ``time/vote_clients_s``), and the evaluated
       rows keep each classifier's prediction per held-out row (``eval_items.jsonl``) so that
@@ -106,7 +109,7 @@ from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.privacy import analytic_gaussian_sigma
-from fedfm.core.robust import AggregatorConfig
+from fedfm.core.robust import AggregatorConfig, update_norms
 from fedfm.core.secret import noise_seed
 from fedfm.core.seeding import derive_seed
 from fedfm.data.synthetic import HELDOUT
@@ -299,6 +302,53 @@ def knn_votes(
     return votes
 
 
+def clip_votes(total: np.ndarray, threshold: float) -> np.ndarray:
+    """The server's summed noisy votes after PrE-Text's threshold: ``max(h − H, 0)``."""
+    return np.maximum(total - threshold, 0.0)
+
+
+def quotas(
+    codes: np.ndarray, allotment: list[int], size: int, scope: Literal["code", "all"] = "code"
+) -> list[tuple[np.ndarray, int]]:
+    """The groups a selection draws from and how many samples each keeps.
+
+    Args:
+        codes: ``(S,)`` code of each synthetic sample.
+        allotment: ``s_j`` of each code.
+        size: Samples to keep in all.
+        scope: ``code``: one group per code, keeping ``round(s_j · size / Σ s)``; ``all``: the
+            whole set, keeping ``size``.
+
+    Returns:
+        ``(indices of the group's samples, samples to keep)`` per group (per code, in order).
+    """
+    if scope == "all":
+        return [(np.arange(len(codes)), size)]
+    scale = size / max(sum(allotment), 1)
+    return [(np.flatnonzero(codes == j), round(s * scale)) for j, s in enumerate(allotment)]
+
+
+def draw_by_votes(
+    votes: np.ndarray, idx: np.ndarray, want: int, rng: np.random.Generator, replace: bool = True
+) -> list[int]:
+    """``want`` of the samples ``idx``, drawn in proportion to their votes.
+
+    Uniformly when their votes sum to 0; with or without replacement. A uniform draw is this
+    function given equal votes (``np.ones``): the same code path, so a uniform control draws
+    exactly as the resampling does when nobody voted.
+    """
+    v = votes[idx]
+    if float(v.sum()) <= 0:
+        v = np.ones_like(v)
+    return idx[rng.choice(len(idx), size=want, replace=replace, p=v / v.sum())].tolist()
+
+
+def top_by_votes(votes: np.ndarray, idx: np.ndarray, keep: int) -> list[int]:
+    """The ``keep`` samples of ``idx`` with the most votes (ties to the lower index), sorted."""
+    top = np.argsort(-votes[idx], kind="stable")[:keep]
+    return sorted(idx[top].tolist())
+
+
 def select(
     votes: np.ndarray,
     codes: np.ndarray,
@@ -320,27 +370,17 @@ def select(
     """
     rng = np.random.default_rng(seed)
     size = cfg.resample_size or cfg.num_samples
-    scale = size / max(sum(allotment), 1)
     unvoted: list[int] = []
-    if cfg.resample_scope == "all":
-        groups = [np.arange(len(votes))]
-        wants = [size]
-    else:
-        groups = [np.flatnonzero(codes == j) for j in range(len(allotment))]
-        wants = [round(s * scale) for s in allotment]
     kept: list[int] = []
-    for j, (idx, want) in enumerate(zip(groups, wants, strict=True)):
+    for j, (idx, want) in enumerate(quotas(codes, allotment, size, cfg.resample_scope)):
         if not len(idx):
             continue
-        v = votes[idx]
-        if float(v.sum()) <= 0:
+        if float(votes[idx].sum()) <= 0:
             unvoted.append(j)
-            v = np.ones_like(v)
         if cfg.selection == "rank":
-            top = np.argsort(-v, kind="stable")[: max(1, math.ceil(cfg.keep_fraction * len(idx)))]
-            kept += sorted(idx[top].tolist())
+            kept += top_by_votes(votes, idx, max(1, math.ceil(cfg.keep_fraction * len(idx))))
         else:
-            kept += idx[rng.choice(len(idx), size=want, p=v / v.sum())].tolist()
+            kept += draw_by_votes(votes, idx, want, rng)
     return kept, unvoted
 
 
@@ -372,11 +412,15 @@ class DPSyn(Algorithm):
             # A fresh init even when an earlier run of this process left the slot trained.
             self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
             self.params = self.fm.get_adapter(ADAPTER)
+        # θ_0, for the update norm ‖θ_r − θ_0‖ each training round logs (LoRA only: a copy of
+        # every weight would double a full fine-tuning's memory).
+        self.start = None if self.full else dict(self.params)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.delta = cfg.delta if cfg.delta is not None else run.privacy.delta
         self.planned = cfg.train_rounds * run.train.steps
         self.plan: dict[str, tuple[float, float]] = {}  # strong client -> (σ, q) of its DP-SGD
         self._check_plan(task, run)
+        self._check_prompts()
         self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
         self.sigma_vote = analytic_gaussian_sigma(cfg.epsilon_vote, self.delta)
         self._rows: dict[str, list[dict[str, list[int]]]] = {}  # encoded rows per client
@@ -429,6 +473,22 @@ class DPSyn(Algorithm):
                 raise ConfigError("algo.epsilon_train", err.reason) from None
             sigma = dp.noise_multiplier if dp.noise_multiplier is not None else 0.0
             self.plan[cid] = sigma, rate
+
+    def _check_prompts(self) -> None:
+        """Refuses a prompt budget that cuts a code's instruction.
+
+        The model would not see the code: every code would be trained and generated from
+        the same prompt.
+        """
+        for code in self.codes:
+            instruction = self.cfg.prompt_template.format(code=code)
+            if instruction not in self.fm.instruction_prompt(instruction):
+                limit = self.fm.prompt_cfg.max_prompt_length
+                raise ConfigError(
+                    "task.prompt.max_prompt_length",
+                    f"{limit} tokens cut the prompt of code {code!r} ({instruction!r}) short of"
+                    " the code; raise it",
+                )
 
     def dp_config(self, rate: float) -> DPSGDConfig:
         """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
@@ -556,7 +616,11 @@ class DPSyn(Algorithm):
             got += 1
         self.require(fed, got, len(cids))
         self.params = self.opt.apply_delta(self.params, delta.result())
-        return {"clients": got}
+        out: dict[str, float] = {"clients": got}
+        if self.start is not None:
+            moved = {k: v - self.start[k] for k, v in self.params.items()}
+            out["update_norm"] = update_norms([moved])[0]
+        return out
 
     def _generate(self, tuned: bool = True) -> dict[str, float]:
         assert self.profile is not None, "profiling runs in round 0"
@@ -576,6 +640,10 @@ class DPSyn(Algorithm):
         return {
             "synthetic": len(self.synthetic),
             "codes_without_samples": len(empty),
+            # Share of samples cut by max_new_tokens (not ended by the model).
+            "truncated": float(np.mean([r["truncated"] for r in self.synthetic]))
+            if self.synthetic
+            else 0.0,
             "time/generate_s": took,
         }
 
@@ -599,7 +667,7 @@ class DPSyn(Algorithm):
         for j, s in enumerate(allotment):
             if s == 0:
                 continue
-            texts = self.fm.generate(
+            replies = self.fm.generate_replies(
                 [self.prompt(j)] * s,
                 adapters,
                 seed=derive_seed(self.run.seed, "generate", j),
@@ -611,9 +679,10 @@ class DPSyn(Algorithm):
                     "code": self.codes[j],
                     "code_id": j,
                     "label": labels[j],
-                    "text": t,
+                    "text": r.text,
+                    "truncated": r.truncated,
                 }
-                for i, t in enumerate(texts)
+                for i, r in enumerate(replies)
             ]
         return out
 
@@ -641,7 +710,7 @@ class DPSyn(Algorithm):
             self.require(fed, got, len(weak))
         else:
             log.warning("dpsyn: no weak client to vote; the synthetic set is kept as generated")
-        clipped = np.maximum(total - self.cfg.vote_threshold, 0.0)
+        clipped = clip_votes(total, self.cfg.vote_threshold)
         assert self.profile is not None
         allotment = allot(self.profile, self.cfg.num_samples)
         seed = derive_seed(self.run.seed, "resample")

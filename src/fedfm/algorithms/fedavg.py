@@ -25,7 +25,9 @@ optimizer, FedProx and SCAFFOLD: a round-0 exchange in which each client rewrite
 with the global model, then local training on the rewrites instead of the raw answers.
 ``algo.update_cosines`` logs the mean and minimum pairwise cosine between the round's client
 updates (FedSDR's "raw vs distilled" analysis), computed by the server from the replies it
-aggregates: no extra bytes leave the clients.
+aggregates: no extra bytes leave the clients. Every round logs ``update_norm``, the global
+model's drift from its start ‖θ_t − θ_0‖ (L2 over the trainable tensors; FedSDR's study
+matches a control's drift to it).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing_extensions import override
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.algorithms.fedsd import REFINE, FedSDConfig, Refinery, check_refinery_task
 from fedfm.config import RunConfig, TrainConfig
+from fedfm.core.aggregate import update_norm
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
@@ -180,6 +183,7 @@ def fedavg_round(
     params: dict[str, Tensor],
     opt: ServerOptimizer,
     cosines: bool = False,
+    origin: dict[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Server half of a FedAvg round: send ``params`` to the sampled clients, aggregate.
 
@@ -196,10 +200,13 @@ def fedavg_round(
         cosines: Also the pairwise cosines of the clients' updates ``θ_i − θ``, from the
             replies the server aggregates anyway (no extra bytes leave clients); it keeps
             every client's update until the round ends.
+        origin: The global parameters θ_0 the run started from: the metrics then hold
+            ``update_norm`` = ‖θ_new − θ_0‖.
 
     Returns:
         The new parameters and the round's metrics (``train_loss``, ``clients``; with
-        ``cosines``, ``update_cos/mean`` and ``update_cos/min`` over client pairs).
+        ``cosines``, ``update_cos/mean`` and ``update_cos/min`` over client pairs; with
+        ``origin``, ``update_norm``).
 
     Raises:
         TooFewClientsError: Fewer than ``min_clients`` valid replies.
@@ -220,6 +227,8 @@ def fedavg_round(
     new = opt.apply_delta(params, delta.result()) if got or opt.user_dp else dict(params)
     metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
     metrics["clients"] = got
+    if origin is not None:
+        metrics["update_norm"] = update_norm(new, origin)
     return new, {**metrics, **(ups.result() if ups is not None else {})}
 
 
@@ -308,6 +317,8 @@ class FedAvg(Algorithm):
         self.cfg: FedAvgFamilyConfig = cfg
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
+        # θ_0, for update_norm: rebuilt from the seed, so a resumed run has it too.
+        self.origin = {k: v.clone() for k, v in self.params.items()}
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.refinery = Refinery(cfg.fedsd) if cfg.fedsd.enabled else None
 
@@ -353,7 +364,7 @@ class FedAvg(Algorithm):
     @override
     def round(self, fed: Federation) -> dict[str, float]:
         self.params, metrics = fedavg_round(
-            self, fed, self.params, self.opt, self.cfg.update_cosines
+            self, fed, self.params, self.opt, self.cfg.update_cosines, self.origin
         )
         return metrics
 
@@ -444,6 +455,7 @@ class Scaffold(Algorithm):
                 )
         self._model = task.build_model(seed=run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
+        self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0, for update_norm
         self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
         self.refinery = Refinery(cfg.fedsd) if cfg.fedsd.enabled else None
 
@@ -520,6 +532,7 @@ class Scaffold(Algorithm):
         self.require(fed, loss.count, len(cids))
         self.params, self.control = sums.apply(len(fed.client_ids()), self.cfg.lr_global)
         metrics = {"train_loss": loss.mean("loss"), "clients": loss.count}
+        metrics["update_norm"] = update_norm(self.params, self.origin)
         return {**metrics, **(ups.result() if ups is not None else {})}
 
     def _dp_round(self, fed: Federation, dp: UserDP) -> dict[str, float]:
@@ -550,7 +563,7 @@ class Scaffold(Algorithm):
                 k: (c + dp.q * (-c - step[k] / k_lr)).to(c.dtype) for k, c in self.control.items()
             }
         metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
-        return {**metrics, "clients": got}
+        return {**metrics, "clients": got, "update_norm": update_norm(self.params, self.origin)}
 
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:

@@ -17,6 +17,7 @@ the rewrite prompt is SDFT's (Yang et al. 2024, sail-sg/sdft). Summary in METHOD
    the client's state across rounds, or is reset every round (``algo.reset_s``).
    ``algo.update_cosines`` logs the pairwise cosines of the clients' LoRA-R updates, computed
    by the server from the uploads it aggregates anyway (no extra bytes leave the clients).
+   Every round logs ``update_norm``, LoRA-R's drift from its start ‖θ_t − θ_0‖.
 
 The global model, evaluated by the server, is the base with ``LoRA-R`` alone; ``personal_eval``
 scores each client's ``LoRA-R + LoRA-S`` on its local test split.
@@ -132,6 +133,7 @@ class FedSDR(Algorithm):
         # Reset, not ensure: the process-wide model may hold an R of an earlier run.
         self.fm.reset_adapter(R, seed=run.seed)
         self.params: dict[str, Tensor] = self.fm.get_adapter(R)
+        self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.refinery = Refinery(cfg.refinery)
         self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
@@ -192,7 +194,7 @@ class FedSDR(Algorithm):
     @override
     def round(self, fed: Federation) -> dict[str, float]:
         self.params, metrics = fedavg_round(
-            self, fed, self.params, self.opt, self.cfg.update_cosines
+            self, fed, self.params, self.opt, self.cfg.update_cosines, self.origin
         )
         return metrics
 

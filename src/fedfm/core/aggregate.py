@@ -310,3 +310,21 @@ def pseudo_gradient(
     for u, w in zip(updates, ws, strict=True):
         acc.add(u, w)
     return acc.result()
+
+
+def update_norm(params: Mapping[str, Tensor], origin: Mapping[str, Tensor]) -> float:
+    """The L2 norm of ``params − origin`` over every tensor, ``√(Σ_k ‖θ_k − θ0_k‖²)``.
+
+    A run's drift from its starting point (``update_norm`` of the FedAvg family and FedSDR:
+    ‖θ_t − θ_0‖ of the global trainable tensors), summed in float64.
+
+    Raises:
+        ValueError: The two hold other names or shapes.
+    """
+    check_keys(origin, params, "update_norm")
+    total = 0.0
+    for k, ref in origin.items():
+        check_shape(ref, params[k], f"update_norm: {k!r}")
+        d = params[k].detach().to("cpu", torch.float64) - ref.detach().to("cpu", torch.float64)
+        total += float((d * d).sum())
+    return math.sqrt(total)

@@ -11,7 +11,8 @@ explicit features and standard columns:
 * image: ``image`` (``Array2D`` uint8, H×W) and ``label``;
 * text classification: ``text`` and ``label``, plus source-specific string columns that can serve
   as natural client ids (``movie``, ``condition``, ``product``);
-* instruction: ``instruction``, ``input``, ``output``, ``domain``.
+* instruction: ``instruction``, ``input``, ``output``, ``domain``;
+* text: ``text`` alone (plain documents, e.g. for the NLL of held-out general text).
 
 Sources are registered in :data:`SOURCES` and loaded with :func:`load_source`, which caches per
 process on (name, options). Cached results are shared: treat them as read-only (``datasets``
@@ -51,6 +52,7 @@ KINDS = (
     "image-classification",
     "text-classification",
     "instruction",
+    "text",
 )
 
 
@@ -903,6 +905,28 @@ def alpaca_demo() -> LoadedSource:
         }
     )
     return LoadedSource(_INFOS["alpaca_demo"], ds, None)
+
+
+TEXT_FEATURES = datasets.Features({"id": datasets.Value("int64"), "text": datasets.Value("string")})
+
+
+@register_source(
+    SourceInfo(
+        "c4_demo",
+        "text",
+        "llamafactory==0.9.5 (source archive data/)",
+        "Apache-2.0 (package); C4 content ODC-BY",
+        "C4 demo: 300 English web documents (plain text, no labels)",
+    )
+)
+def c4_demo() -> LoadedSource:
+    """LLaMA-Factory's ``c4_demo.jsonl``: 300 documents of C4 (Raffel et al. 2020), in file
+    order (fetch with ``python -m fedfm.data.assets``)."""
+    path = llamafactory_data_dir() / "c4_demo.jsonl"
+    lines = [line for line in path.read_text("utf-8").splitlines() if line.strip()]
+    texts = [str(json.loads(line)["text"]) for line in lines]
+    ds = build_dataset({"id": np.arange(len(texts), dtype=np.int64), "text": texts}, TEXT_FEATURES)
+    return LoadedSource(_INFOS["c4_demo"], ds, None)
 
 
 _CALC = re.compile(r"<<[^>]*>>")

@@ -1,7 +1,9 @@
 """Evaluators for instruction-tuned causal language models.
 
 * :func:`lm_nll` — summed negative log-likelihood of the reference responses (response tokens and
-  the end-of-turn token only, as in training) → :func:`fedfm.eval.metrics.perplexity`.
+  the end-of-turn token only, as in training) → :func:`fedfm.eval.metrics.perplexity`;
+  :func:`reference_nlls` per row (paired comparisons of fidelity to the references).
+* :func:`text_nlls` — NLL per token of plain documents (held-out general text, no template).
 * :func:`multiple_choice_loglik` — picks the choice whose continuation (the label, then the
   end-of-turn token) is most likely after the prompt: the summed log-likelihood of the LM
   Evaluation Harness's ``acc`` (Gao et al., 2023), or divided by the continuation's UTF-8 byte
@@ -81,21 +83,51 @@ def _token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
     return torch.where(keep, picked, torch.zeros_like(picked))
 
 
-def _encoded_rows(tokenizer: Any, dataset: Any, prompt_cfg: PromptConfig) -> list[dict]:
-    """Encoded rows; raw rows are encoded here (a loop, not ``Dataset.map``: no cache files or
-    progress bars for an evaluation pass). Rows with an empty reference are skipped."""
+def _encoded_rows(tokenizer: Any, dataset: Any, prompt_cfg: PromptConfig) -> list[dict | None]:
+    """Encoded rows, in order; raw rows are encoded here (a loop, not ``Dataset.map``: no cache
+    files or progress bars for an evaluation pass). A row with an empty reference is None."""
     if "labels" in dataset.column_names:
         return [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
     if "output" not in dataset.column_names or "instruction" not in dataset.column_names:
         raise FedfmError("lm_nll needs 'instruction' and 'output' columns (or encoded 'labels')")
-    rows = []
-    for r in dataset:
-        enc = encode_example(
-            tokenizer, r["instruction"], r.get("input") or "", r["output"], prompt_cfg
-        )
-        if enc is not None:
-            rows.append(enc)
-    return rows
+    return [
+        encode_example(tokenizer, r["instruction"], r.get("input") or "", r["output"], prompt_cfg)
+        for r in dataset
+    ]
+
+
+def _scored_nlls(
+    model: nn.Module, tokenizer: Any, rows: Sequence[dict | None], batch_size: int
+) -> list[tuple[float, int] | None]:
+    """Per encoded row (None: not scored), in order: the summed NLL of its ``labels`` tokens
+    (those not ``-100``, each given its prefix) and their count."""
+    kept = [(i, r) for i, r in enumerate(rows) if r is not None]
+    kept.sort(key=lambda ir: len(ir[1]["input_ids"]))  # similar lengths together: less padding
+    pad = pad_id_of(tokenizer)
+    out: list[tuple[float, int] | None] = [None] * len(rows)
+    with eval_mode(model), torch.inference_mode():
+        for start in range(0, len(kept), batch_size):
+            chunk = kept[start : start + batch_size]
+            batch = collate([r for _, r in chunk], pad)
+            sums = _token_logprobs(model, batch).sum(-1, dtype=torch.float64)
+            counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1)
+            for (i, _), s, c in zip(chunk, sums.tolist(), counts.tolist(), strict=True):
+                out[i] = (-float(s), int(c))
+    return out
+
+
+def reference_nlls(
+    model: nn.Module,
+    tokenizer: Any,
+    dataset: Any,
+    prompt_cfg: PromptConfig | None = None,
+    batch_size: int = 8,
+) -> list[tuple[float, int] | None]:
+    """Per row of an instruction dataset, in order: the summed NLL (natural log) of its
+    response tokens and the end-of-turn token (as in training) and their count; None for a
+    row with an empty reference. Arguments as :func:`lm_nll`."""
+    rows = _encoded_rows(tokenizer, dataset, prompt_cfg or PromptConfig())
+    return _scored_nlls(model, tokenizer, rows, batch_size)
 
 
 def lm_nll(
@@ -118,17 +150,28 @@ def lm_nll(
     Returns:
         ``(nll_sum, n_tokens)``; ``perplexity(nll_sum, n_tokens)`` gives the perplexity.
     """
-    prompt_cfg = prompt_cfg or PromptConfig()
-    rows = _encoded_rows(tokenizer, dataset, prompt_cfg)
-    rows.sort(key=lambda r: len(r["input_ids"]))  # order is irrelevant to a sum; less padding
-    pad = pad_id_of(tokenizer)
-    nll, count = 0.0, 0
-    with eval_mode(model), torch.inference_mode():
-        for start in range(0, len(rows), batch_size):
-            batch = collate(rows[start : start + batch_size], pad)
-            nll -= float(_token_logprobs(model, batch).sum(dtype=torch.float64))
-            count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    return nll, count
+    per = [p for p in reference_nlls(model, tokenizer, dataset, prompt_cfg, batch_size) if p]
+    return sum(p[0] for p in per), sum(p[1] for p in per)
+
+
+def text_nlls(
+    model: nn.Module, tokenizer: Any, texts: Sequence[str], max_tokens: int, batch_size: int = 8
+) -> list[tuple[float, int, str]]:
+    """Per plain document, in order: the summed NLL (natural log) of its first ``max_tokens``
+    tokens after the first, their count, and the scored text.
+
+    A document is read as a language model reads text in pretraining: no chat template and
+    no special tokens; its first token has no prefix to be predicted from and is not counted
+    (a document of one token scores ``(0.0, 0)``).
+    """
+    ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"])[:max_tokens] for t in texts]
+    rows = [{"input_ids": x, "labels": x} for x in ids]
+    scored = _scored_nlls(model, tokenizer, rows, batch_size)
+    out = []
+    for got, x in zip(scored, ids, strict=True):
+        nll, n = got if got is not None else (0.0, 0)
+        out.append((nll, n, str(tokenizer.decode(x))))
+    return out
 
 
 @dataclass(frozen=True)
@@ -291,7 +334,10 @@ class EvalSettings:
         choice_mode: ``choice`` rows are answered by generation (``generate``: the reply must
             name the label) or by the most likely label (``loglik``).
         choice_norm: Normalisation of ``loglik`` choice scores (:data:`ChoiceNorm`).
-        with_ppl: Also compute the perplexity of the reference outputs.
+        with_ppl: Also compute the perplexity of the reference outputs (and each item's NLL).
+        likelihood_only: Generate nothing: ``choice`` rows are scored by log-likelihood
+            (needs ``choice_mode="loglik"``), the other rows only by their reference's NLL
+            (needs ``with_ppl``; they have no score).
     """
 
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -301,6 +347,7 @@ class EvalSettings:
     choice_mode: Literal["generate", "loglik"] = "generate"
     choice_norm: ChoiceNorm = "none"
     with_ppl: bool = False
+    likelihood_only: bool = False
 
     def budget(self, domain: str) -> int:
         """The generation budget of ``domain``."""
@@ -332,7 +379,9 @@ def evaluate_instruction_items(
     before a ``####`` answer has no final number and scores 0: it is counted under
     ``truncated/<domain>``, not read for its last intermediate number); ``choice`` → whether
     the generation names the right choice (``choice_mode="generate"``) or the right choice's
-    continuation is the most likely (``"loglik"``, compared under ``choice_norm``).
+    continuation is the most likely (``"loglik"``, compared under ``choice_norm``). With
+    ``likelihood_only`` nothing is generated: rows of the generating metrics are not scored
+    (their item's ``metric`` is ``nll``, its ``score`` None), only their reference's NLL.
 
     Args:
         model: Causal LM or ``LMBundle`` (then ``tokenizer`` may be ``None``).
@@ -358,8 +407,10 @@ def evaluate_instruction_items(
         index), ``domain``, ``metric`` (the key it counts towards), ``prompt``, ``reference``
         (what the answer was scored against), ``answer`` (the generation, or the picked
         choice under ``loglik``), ``label`` (the label answered, choice rows only),
-        ``truncated`` and ``score`` in [0, 1]: what head-to-head win rates
-        (:func:`head_to_head`) and distribution analyses need.
+        ``truncated`` and ``score`` in [0, 1] (None for a row not scored); with ``with_ppl``
+        also ``nll`` and ``nll_tokens``, the summed NLL of the reference's tokens (and the
+        end-of-turn token) and their count: what head-to-head win rates
+        (:func:`head_to_head`), paired differences and distribution analyses need.
     """
     model, tokenizer = unwrap_bundle(model, tokenizer)
     cfg = replace(settings or EvalSettings(), **kw)
@@ -367,6 +418,8 @@ def evaluate_instruction_items(
         raise FedfmError(
             f"choice norm must be one of {', '.join(CHOICE_NORMS)}, got {cfg.choice_norm!r}"
         )
+    if cfg.likelihood_only and (cfg.choice_mode != "loglik" or not cfg.with_ppl):
+        raise FedfmError("likelihood_only needs choice_mode 'loglik' and with_ppl")
     rows = _suite_rows(dataset)
     fitted = [fit_prompt(tokenizer, r["instruction"], r["input"], cfg.prompt) for r in rows]
     prompts = [ids for _, ids in fitted]
@@ -376,13 +429,18 @@ def evaluate_instruction_items(
     by_loglik = {
         i for i, r in enumerate(rows) if r["metric"] == "choice" and cfg.choice_mode == "loglik"
     }
-    to_generate = [i for i in range(len(rows)) if i not in by_loglik]
+    others = [i for i in range(len(rows)) if i not in by_loglik]
+    unscored = set(others) if cfg.likelihood_only else set()
+    to_generate = [i for i in others if i not in unscored]
     replies = _generate_by_budget(model, tokenizer, rows, prompts, to_generate, cfg)
     values: list[tuple[str, str, float]] = []  # (domain, metric key, value)
     items: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
         label: str | None = None
-        if i in replies:
+        score: float | None
+        if i in unscored:
+            key, answer, score = "nll", "", None
+        elif i in replies:
             reply = replies[i]
             metric = ROW_METRICS.get(row["metric"])
             key, answer = metric.key, reply.text
@@ -403,7 +461,8 @@ def evaluate_instruction_items(
             gold = resolve_answer(_reference(row), row["choices"])
             key, answer, score = "acc", row["choices"][pick], float(pick == gold)
             label = answer
-        values.append((row["domain"], key, score))
+        if score is not None:
+            values.append((row["domain"], key, score))
         reference = row["output"] if row["metric"] == "rouge" else _reference(row)
         items.append(
             {
@@ -418,10 +477,14 @@ def evaluate_instruction_items(
                 "score": score,
             }
         )
-    results = _aggregate(values)
+    results = _aggregate(values) if values else {}
     results.update(instrument_readouts(rows, items, set(replies)))
     if cfg.with_ppl:
-        results.update(_perplexities(model, tokenizer, dataset, rows, cfg.prompt, cfg.batch_size))
+        ppl, nlls = _perplexities(model, tokenizer, dataset, rows, cfg.prompt, cfg.batch_size)
+        results.update(ppl)
+        for item, got in zip(items, nlls, strict=True):
+            if got is not None:
+                item.update(nll=got[0], nll_tokens=got[1])
     return results, items
 
 
@@ -486,7 +549,8 @@ def instrument_readouts(
 def head_to_head(
     a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], tie: float = 0.0
 ) -> dict[str, float]:
-    """Win rate of evaluation ``a`` over ``b`` on the items both scored (matched by ``id``).
+    """Win rate of evaluation ``a`` over ``b`` on the items both scored (matched by ``id``;
+    items without a score, e.g. those scored by likelihood only, are left out).
 
     An item is a win when ``a``'s score exceeds ``b``'s by more than ``tie``, a loss in the
     opposite case and a tie otherwise; ``win_rate = (wins + ties / 2) / n``, so two equal
@@ -503,10 +567,10 @@ def head_to_head(
     Raises:
         FedfmError: The two evaluations share no item.
     """
-    scores_b = {item["id"]: item["score"] for item in b}
+    scores_b = {item["id"]: item["score"] for item in b if item.get("score") is not None}
     outcome: dict[str, list[float]] = defaultdict(list)  # domain -> 1 win, 0.5 tie, 0 loss
     for item in a:
-        if item["id"] in scores_b:
+        if item["id"] in scores_b and item.get("score") is not None:
             diff = float(item["score"]) - float(scores_b[item["id"]])
             outcome[item["domain"]].append(1.0 if diff > tie else 0.0 if diff < -tie else 0.5)
     every = [v for values in outcome.values() for v in values]
@@ -564,19 +628,24 @@ def _perplexities(
     rows: list[dict],
     prompt_cfg: PromptConfig,
     batch_size: int,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], list[tuple[float, int] | None]]:
+    """``ppl/<domain>`` and ``ppl`` of the references, and each row's ``(NLL, tokens)``."""
     out: dict[str, float] = {}
+    per: list[tuple[float, int] | None] = [None] * len(rows)
     totals = [0.0, 0]
     for domain in sorted({r["domain"] for r in rows}):
         idx = [i for i, r in enumerate(rows) if r["domain"] == domain]
-        nll, n = lm_nll(model, tokenizer, dataset.select(idx), prompt_cfg, batch_size)
+        got = reference_nlls(model, tokenizer, dataset.select(idx), prompt_cfg, batch_size)
+        for i, g in zip(idx, got, strict=True):
+            per[i] = g
+        nll, n = sum(g[0] for g in got if g), sum(g[1] for g in got if g)
         if n:
             out[f"ppl/{domain}"] = perplexity(nll, n)
         totals[0] += nll
         totals[1] += n
     if totals[1]:
         out["ppl"] = perplexity(totals[0], int(totals[1]))
-    return out
+    return out, per
 
 
 def split_held_out_domain(dataset: Any, domain: str) -> tuple[Any, Any]:

@@ -1,837 +1,1302 @@
-"""DP federated text generation study: DP noise, strong-client share and weak clients' votes.
+"""DP federated text generation study: do the weak clients' votes select better samples?
 
-``fedfm reproduce dpsyn`` runs :mod:`fedfm.algorithms.dpsyn` ("Resource-Adaptive Federated
-Text Generation with Differential Privacy", ICLR 2026, arXiv:2603.07027) on the presets'
-stand-ins for the paper's data sets, Rotten Tomatoes (``dpsyn-rotten-tomatoes``: fresh/rotten
-as codes, for the paper's Yelp ratings) and drugs.com reviews (``dpsyn-drug-reviews``:
-sentiment as codes, the medical stand-in), over a grid of
+``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` ("Resource-Adaptive Federated
+Text Generation with Differential Privacy", ICLR 2026, arXiv:2603.07027) on Rotten Tomatoes
+(``rotten``/``fresh`` as control codes, the stand-in for the paper's Yelp ratings), with the
+controls the paper's comparison lacks (docs/studies.md, docs/dpsyn.md):
 
-* code distributions: IID, and non-IID (Dirichlet over the label, α = 0.5);
-* strong-client fractions (``clients.roles.strong``): 10 % and 50 %, and 5 % where there are
-  20 clients;
-* ``epsilon_train`` ∈ {1, 8, ∞};
-* with and without voting: **one run gives both**. Round ``R + 1`` evaluates the generated
-  set (``synthetic_initial.jsonl``: without voting), round ``R + 2`` the set resampled by the
-  weak clients' votes (``synthetic.jsonl``: with voting), so the two are paired by
-  construction (same model, same generated samples, same test rows).
+* **Three generators**, each a run of the algorithm that stops once its pool is generated
+  and saved (``rounds = train_rounds + 1``: profiling, DP fine-tuning, generation; no vote):
+  the base model (``train_rounds: 0``), 1 strong client of 20 and 4 strong of 20 (DP-SGD at
+  ε_train 8). Each generates a **pool** larger than the set kept (300 for 150).
+* **Offline voting** on each saved pool (:class:`~fedfm.reproduce.framework.Compute` jobs):
+  the weak clients' votes exactly as the algorithm computes them (its pure functions
+  :func:`~fedfm.algorithms.dpsyn.knn_votes`, :func:`~fedfm.algorithms.dpsyn.noisy`,
+  :func:`~fedfm.algorithms.dpsyn.clip_votes`, :func:`~fedfm.algorithms.dpsyn.quotas`,
+  :func:`~fedfm.algorithms.dpsyn.draw_by_votes`, :func:`~fedfm.algorithms.dpsyn.top_by_votes`)
+  over many seeds of the vote noise and of the draw, at several ε_vote, and four selections
+  of the same size from each pool: **by votes** with replacement (the algorithm's
+  ``resample``), a **uniform draw with replacement** (the duplication-matched control),
+  **top by votes** (``rank``), a **uniform draw without replacement** (no voting: a random
+  subset, distributed as a generated set of that size).
+* **Scores** of each selection on the full real test split: logistic regression on MiniLM
+  embeddings trained on the selection alone (``fedfm.eval.synthetic``), accuracy and
+  macro-F1, and the Fréchet distance of the selection's distinct samples to the test rows.
+* **The instrument first**: the real test labels and the majority baseline, the ceiling
+  (the same classifier on every client's real rows), each pool's truncation share and
+  *on-code* share (the ceiling reads a sample as its own code), the base model tried with
+  several prompts (``prompts``), DP-SGD's update norm, the votes' spread against the noise.
 
-Per (data set, code distribution, seed) the grid adds a **floor** run, ``train_rounds: 0``
-(the un-fine-tuned base model generates; its voting row is the floor with voting), which also
-computes the **ceiling** (``algo.eval.references``: the same classifiers trained on every
-client's real training rows). It uses the smallest strong fraction of its data set, so its
-voters are the weak clients of that fraction (strong clients never vote).
+Statistics: every selection of every seed is scored on the same test rows, so a difference
+of two selections is an array ``d[seed, row]``; its SE combines the spread over seeds (the
+vote noise and the draw) and over test rows (:func:`fedfm.reproduce.stats.crossed`; macro-F1
+by the two-way bootstrap :func:`fedfm.reproduce.stats.crossed_bootstrap`). A pool is one draw
+of its generator (one DP-SGD noise, one sampling): comparisons *between* pools do not include
+the spread of generation, which a second run seed would show.
 
-The report (``docs/dpsyn-study.md``, or ``docs/dpsyn-quick.md`` for ``--quick``) reads every
-number from the runs' folders: downstream accuracy and macro-F1 of both classifiers (logistic
-regression on MiniLM embeddings, fedfm's small text classifier), the Fréchet distance of
-MiniLM embeddings, each mechanism's ε and their composition per role, bytes and wall time
-per stage, beside the paper's findings.
-
-Statistics (ours): every set of a data set and code distribution is scored on the same real
-held-out rows, and each run keeps every classifier's prediction per row (``eval_items.jsonl``),
-so a difference between two sets is **paired over test rows**: for accuracy, the mean and SE
-(sd / √n) of the per-row differences of correctness; for macro-F1, the SE of the difference
-over 1,000 paired bootstrap resamples of the test rows (seeded). These SEs say what the test
-rows can resolve for these particular synthetic sets; they do not include the spread over
-seeds (another draw of DP noise, sampling and generation), which is larger; with several
-seeds, the report also gives the paired SE over seeds (:mod:`fedfm.reproduce.stats`). A
-difference is marked ``*`` when it is more than 2 SE from zero.
+Choices of ours: the base pool is voted on by the weak clients of the fewest-strong
+generator; the offline vote noise is seeded per (seed, ε, client) — it simulates the weak
+clients' mechanism to measure its distribution, as a deployment's client secrets would draw
+it; the votes and the scores use the algorithm's embedder; *top by votes* keeps each code's
+quota (as the draws do), not ``rank``'s ``keep_fraction``, so that all four selections have
+the same size and code mix.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedfm.reproduce.framework import Context, Readout, Run, RunView, Study, merge, preset, register
-from fedfm.reproduce.stats import BOOTSTRAP, NONE, Estimate, macro_f1_diff, paired
-from fedfm.reproduce.tables import head, marked, num, row
-
-PRESETS = {"rotten_tomatoes": "dpsyn-rotten-tomatoes", "drug_reviews": "dpsyn-drug-reviews"}
-NAMES = {"rotten_tomatoes": "Rotten Tomatoes", "drug_reviews": "drugs.com reviews"}
-PARTITIONS: dict[str, dict[str, Any]] = {
-    "iid": {"scheme": "iid"},
-    # min_size 5: no Dirichlet(0.5) split of 20 clients × 50 rows gave every client 10 rows.
-    "noniid": {"scheme": "dirichlet", "by": "label", "alpha": 0.5, "min_size": 5},
-}
-FLOOR = "floor"
-# (metric, label, higher is better): what the report tabulates per set.
-METRICS = (
-    ("acc", "logreg acc", True),
-    ("macro_f1", "logreg F1", True),
-    ("clf/acc", "clf acc", True),
-    ("clf/macro_f1", "clf F1", True),
-    ("frechet", "Fréchet", False),
+from fedfm.reproduce.framework import (
+    Compute,
+    Context,
+    Job,
+    Readout,
+    Run,
+    RunView,
+    Study,
+    merge,
+    preset,
+    register,
 )
-CLASSIFIERS = (("logreg", ""), ("clf", "clf/"))
+from fedfm.reproduce.stats import (
+    IN_DIRECTION,
+    NONE,
+    Estimate,
+    crossed,
+    crossed_bootstrap,
+    macro_f1_rows,
+    mean_se,
+    verdict,
+)
+from fedfm.reproduce.tables import DASH, head, marked, num, row
 
+PRESET = "dpsyn-rotten-tomatoes"
+EMBED = "embed"
+PROBE = "prompts"
+EMBEDDINGS = "embeddings.npz"
+PREDICTIONS = "predictions.npz"
 
-@dataclass(frozen=True)
-class Data:
-    """A data set of the grid.
-
-    Attributes:
-        name: The text source (``rotten_tomatoes`` or ``drug_reviews``; its preset is used).
-        clients: Clients of the federation.
-        rows: Training rows per client (``None``: the source's whole training split).
-        strong: Strong-client fractions of its cells.
-    """
-
-    name: str
-    clients: int
-    rows: int | None
-    strong: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One run: a data set, a code distribution, a seed and a (strong, ε) setting.
-
-    ``epsilon`` is ``None`` for the floor run (no fine-tuning).
-    """
-
-    data: str
-    partition: str
-    seed: int
-    strong: float
-    epsilon: float | None
-
-    @property
-    def setting(self) -> str:
-        """``floor`` or e.g. ``s0.1-e8`` / ``s0.5-einf``."""
-        if self.epsilon is None:
-            return FLOOR
-        return f"s{self.strong:g}-e{self.epsilon:g}"
-
-    @property
-    def name(self) -> str:
-        """Run folder name, e.g. ``rotten_tomatoes-iid-s0.1-e8-seed0``."""
-        return f"{self.data}-{self.partition}-{self.setting}-seed{self.seed}"
+# Selections of one pool: (key, what it is). "pool" is the whole pool, once.
+SELECTIONS = (
+    ("votes", "by votes, with replacement (the algorithm's resampling)"),
+    ("uniform", "uniform, with replacement (the duplication-matched control)"),
+    ("top", "top by votes (distinct)"),
+    ("subset", "uniform, without replacement (no voting)"),
+)
+VOTED = ("votes", "top")  # the selections that read the votes (one per ε)
 
 
 @dataclass(frozen=True)
 class Grid:
-    """A study grid (every run has ``train_rounds + 2`` rounds after profiling).
+    """The study's sizes.
 
     Attributes:
-        data: Data sets with their clients and strong fractions.
-        partitions: Code distributions (keys of :data:`PARTITIONS`).
-        epsilons: ``epsilon_train`` values (``math.inf``: no noise, no clipping).
-        seeds: Run seeds (each fixes partition, roles, noise, sampling).
-        settings: When set, only these (strong, ε) settings (a subset of the product).
-        groups: When set, only these (data set, distribution) groups, each with its own
-            settings (``None``: ``settings``), in this order; otherwise every data set with
-            every distribution.
-        test_rows: Real held-out rows (``task.max_test``).
-        train_rounds: Fine-tuning rounds ``R``.
+        clients: Clients of the federation (IID over Rotten Tomatoes).
+        rows: Training rows per client.
+        strong: Strong clients of the fine-tuned generators (the base model is the third).
+        epsilon_train: ε of each strong client's DP-SGD.
+        train_rounds: Fine-tuning rounds.
         steps: DP-SGD steps per round.
         batch_size: Expected Poisson batch of DP-SGD.
-        num_samples: Synthetic samples ``s``.
+        lr: Learning rate of the strong clients' AdamW.
+        pool: Samples each generator generates.
+        size: Samples each selection keeps.
         max_new_tokens: Tokens per generated review.
         max_length: Tokens per training row (prompt and review).
+        max_prompt_length: Tokens of the prompt (the chat template's system turn included).
+        prompt_template: The prompt of a code.
+        probe_templates: Prompts the base model is tried with before the study (the
+            preset's, the chosen one, a descriptive one naming what the codes mean).
+        probe_samples: Samples per code and probed prompt.
         k: Votes per private sample.
-        clf_steps: Adam steps of the small downstream text classifier.
-        task: Fields replacing the preset's ``task`` fields (e.g. a tiny model in tests).
-        algo: Fields replacing the preset's ``algo`` fields (e.g. a small embedder in tests).
+        threshold: ``H`` subtracted from the summed noisy votes.
+        epsilon_votes: ε_vote values of the offline voting.
+        seeds: Seeds of the vote noise and the draws.
+        seed: The runs' seed (partition, roles, generation).
+        test_rows: Real test rows (``None``: the whole test split).
+        bootstrap: Resamples of the two-way bootstrap of macro-F1.
+        task: Fields replacing the preset's ``task`` fields (a tiny model in tests).
+        algo: Fields replacing the preset's ``algo`` fields (a small embedder in tests).
         label: Which grid it is, for the report's title.
     """
 
-    data: tuple[Data, ...]
-    partitions: tuple[str, ...] = ("iid", "noniid")
-    epsilons: tuple[float, ...] = (1.0, 8.0, math.inf)
-    seeds: tuple[int, ...] = (0,)
-    settings: tuple[tuple[float, float], ...] | None = None
-    groups: tuple[tuple[str, str, tuple[tuple[float, float], ...] | None], ...] | None = None
-    test_rows: int = 200
+    clients: int = 20
+    rows: int = 500
+    strong: tuple[int, ...] = (1, 4)
+    epsilon_train: float = 8.0
     train_rounds: int = 3
-    steps: int = 10
-    batch_size: int = 8
-    num_samples: int = 200
-    max_new_tokens: int = 32
-    max_length: int = 64
-    k: int = 4
-    clf_steps: int = 200
-    task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    algo: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    steps: int = 5
+    batch_size: int = 32
+    lr: float = 2e-3
+    pool: int = 300
+    size: int = 150
+    max_new_tokens: int = 40
+    max_length: int = 128
+    max_prompt_length: int = 80
+    prompt_template: str = "Write a one-sentence {code} movie review."
+    probe_templates: tuple[str, ...] = (
+        "Write a {code} movie review.",
+        "Write a one-sentence {code} movie review.",
+        "Write a {code} movie review in one sentence (on Rotten Tomatoes, a rotten review is"
+        " negative: the critic disliked the film; a fresh review is positive: the critic"
+        " liked it).",
+    )
+    probe_samples: int = 16
+    k: int = 8
+    threshold: float = 0.0
+    epsilon_votes: tuple[float, ...] = (1.0, 4.0)
+    seeds: int = 20
+    seed: int = 0
+    test_rows: int | None = None
+    bootstrap: int = 1000
+    task: Mapping[str, Any] = field(default_factory=dict)
+    algo: Mapping[str, Any] = field(default_factory=dict)
     label: str = "full grid"
 
-    def cells(self) -> list[Cell]:
-        """Every run: per (seed, data set, distribution) the floor first, then the settings
-        (in ``settings``' order when given, so a grid cut short has run the first ones)."""
-        out: list[Cell] = []
-        for seed in self.seeds:
-            for d, part, settings in self._groups():
-                pairs = [(s, e) for s in d.strong for e in self.epsilons]
-                if settings is not None:
-                    pairs = [p for p in settings if p in pairs]
-                out.append(Cell(d.name, part, seed, min(d.strong), None))
-                out += [Cell(d.name, part, seed, s, e) for s, e in pairs]
-        return out
+    @property
+    def generators(self) -> tuple[int, ...]:
+        """Strong clients of each generator, the base model (0) first."""
+        return (0, *self.strong)
 
-    def _groups(self) -> list[tuple[Data, str, tuple[tuple[float, float], ...] | None]]:
-        if self.groups is None:
-            return [(d, part, self.settings) for d in self.data for part in self.partitions]
-        return [(self.spec(name), part, st) for name, part, st in self.groups]
+    @property
+    def few(self) -> int:
+        """The fewest strong clients (their weak clients also vote on the base pool)."""
+        return min(self.strong)
 
-    def pairs(self) -> list[tuple[Data, str]]:
-        """The (data set, distribution) groups of the grid, in run order."""
-        return [(d, part) for d, part, _ in self._groups()]
-
-    def spec(self, name: str) -> Data:
-        """The :class:`Data` of source ``name``."""
-        return next(d for d in self.data if d.name == name)
+    @property
+    def many(self) -> int:
+        """The most strong clients."""
+        return max(self.strong)
 
 
-# Sized for about 20 minutes on 2 idle cores from one profiled run (docs/dpsyn.md: time by stage):
-# Rotten Tomatoes, IID, 10 clients of 100 reviews; 1 strong client (10 %) at ε = 8, ∞ and 1,
-# 5 strong clients (50 %) at ε = 8; plus the floor run (which also computes the ceiling). Then
-# the same 10 % at ε = 8 (and its floor) on non-IID Rotten Tomatoes and on IID drugs.com
-# reviews, so that voting and fine-tuning are seen on both data sets and both distributions.
+# Sized from a measured run on this machine (docs/dpsyn.md, "Reproduction"): about 19 CPU
+# seconds per DP-SGD step of batch 32 and 0.85 per generated sample on one thread, so the grid
+# is about 40 CPU minutes, most of it the 4-strong generator (60 client steps, 300 samples).
+FULL = Grid()
 QUICK = Grid(
-    data=(
-        Data("rotten_tomatoes", clients=10, rows=100, strong=(0.1, 0.5)),
-        Data("drug_reviews", clients=10, rows=100, strong=(0.1,)),
-    ),
-    partitions=("iid", "noniid"),
-    epsilons=(1.0, 8.0, math.inf),
-    groups=(
-        ("rotten_tomatoes", "iid", ((0.1, 8.0), (0.1, math.inf), (0.5, 8.0), (0.1, 1.0))),
-        ("rotten_tomatoes", "noniid", ((0.1, 8.0),)),
-        ("drug_reviews", "iid", ((0.1, 8.0),)),
-    ),
+    rows=250,
+    train_rounds=1,
+    steps=5,
+    pool=150,
+    size=75,
+    seeds=10,
+    test_rows=1000,
+    probe_samples=8,
     label="quick grid",
 )
-FULL = Grid(
-    data=(
-        Data("rotten_tomatoes", clients=20, rows=50, strong=(0.05, 0.1, 0.5)),
-        Data("drug_reviews", clients=10, rows=None, strong=(0.1, 0.5)),
-    ),
-)
 
 
-def job_config(grid: Grid, cell: Cell) -> dict[str, Any]:
-    """The run config of one cell (its data set's preset with the grid's sizes)."""
-    spec = grid.spec(cell.data)
-    cfg = preset(PRESETS[cell.data])
-    rounds = 0 if cell.epsilon is None else grid.train_rounds
-    cfg.update(seed=cell.seed, rounds=rounds + 2, plots=False, eval_every=1, eval_before=False)
+def pool_name(strong: int) -> str:
+    """The generator run of ``strong`` strong clients: ``base``, ``strong1``, ``strong4``."""
+    return "base" if strong == 0 else f"strong{strong}"
+
+
+def vote_name(strong: int) -> str:
+    """The offline voting job of a pool."""
+    return f"vote-{pool_name(strong)}"
+
+
+def strong_fraction(grid: Grid, strong: int) -> float:
+    """``clients.roles.strong`` of ``strong`` clients (the base model: the fewest's roles).
+
+    Half a client above the count, so that ``floor(fraction · clients)`` is the count
+    whatever the rounding of the product.
+    """
+    return (max(strong, grid.few) + 0.5) / grid.clients
+
+
+def voters(grid: Grid, strong: int) -> list[str]:
+    """The weak clients of a generator's federation (the roles every process computes)."""
+    from fedfm.core.federation import assign_roles
+
+    cids = [str(i) for i in range(grid.clients)]
+    roles = assign_roles(cids, {"strong": strong_fraction(grid, strong)}, grid.seed)
+    return [c.cid for c in roles if c.role != "strong"]
+
+
+def generator_config(grid: Grid, strong: int) -> dict[str, Any]:
+    """The run config of a generator: it stops once its pool is generated and saved."""
+    cfg = preset(PRESET)
+    rounds = grid.train_rounds if strong else 0
+    cfg.update(seed=grid.seed, rounds=rounds + 1, plots=False, eval_before=False, eval_every=1)
     algo = cfg["algo"]
     algo.update(
         train_rounds=rounds,
-        num_samples=grid.num_samples,
+        epsilon_train=grid.epsilon_train,
+        num_samples=grid.pool,
+        resample_size=grid.size,
         k=grid.k,
-        physical_batch_size=grid.batch_size,
-        eval={"clf_steps": grid.clf_steps, "references": cell.epsilon is None, "floor": False},
-    )
-    algo["epsilon_train"] = (
-        "inf" if cell.epsilon is None or math.isinf(cell.epsilon) else cell.epsilon
+        vote_threshold=grid.threshold,
+        prompt_template=grid.prompt_template,
+        physical_batch_size=min(grid.batch_size, 16),
+        eval={"enabled": False, "embedder": None},
     )
     algo["generation"]["max_new_tokens"] = grid.max_new_tokens
     task = cfg["task"]
-    task["max_train"] = None if spec.rows is None else spec.rows * spec.clients
-    task["max_test"] = grid.test_rows
-    task["prompt"] = {"max_length": grid.max_length, "max_prompt_length": grid.max_length // 2}
-    cfg["partition"] = {**PARTITIONS[cell.partition], "num_clients": spec.clients}
-    cfg["clients"] = {"roles": {"strong": cell.strong}}
-    cfg["train"].update(steps=grid.steps, batch_size=grid.batch_size)
+    task.update(max_train=grid.rows * grid.clients, max_test=grid.test_rows)
+    task["prompt"] = {"max_length": grid.max_length, "max_prompt_length": grid.max_prompt_length}
+    cfg["partition"] = {"scheme": "iid", "num_clients": grid.clients}
+    cfg["clients"] = {"roles": {"strong": strong_fraction(grid, strong)}}
+    cfg["train"].update(steps=grid.steps, batch_size=grid.batch_size, lr=grid.lr)
     cfg["task"], cfg["algo"] = merge(task, grid.task), merge(algo, grid.algo)
     return cfg
 
 
-def jobs(ctx: Context[Grid]) -> list[Run]:
-    """Every cell, floor first per group (:meth:`Grid.cells`)."""
-    return [Run(c.name, job_config(ctx.grid, c), group=c.setting) for c in ctx.grid.cells()]
+def jobs(ctx: Context[Grid]) -> list[Job]:
+    """The generators (the longest first, so that two workers start it at once), the
+    embedding of the real rows, one offline voting per pool."""
+    grid = ctx.grid
+    order = sorted(grid.generators, reverse=True)
+    out: list[Job] = [
+        Run(pool_name(s), generator_config(grid, s), group="generate" if s == 0 else "fine-tune")
+        for s in order
+    ]
+    base = generator_config(grid, 0)
+    out.append(Compute(EMBED, embed_real, {"config": base}, group="embed"))
+    probe = {
+        "config": base,
+        "templates": list(grid.probe_templates),
+        "per_code": grid.probe_samples,
+    }
+    out.append(Compute(PROBE, probe_prompts, probe, (EMBED,), "probe"))
+    for s in order:
+        params = {
+            "voters": voters(grid, s),
+            "epsilon_votes": list(grid.epsilon_votes),
+            "seeds": grid.seeds,
+            "size": grid.size,
+        }
+        out.append(Compute(vote_name(s), vote_offline, params, (pool_name(s), EMBED), "vote"))
+    return out
 
 
-# ----------------------------------------------------------------------------- reading runs
+# ----------------------------------------------------------------------------- computations
+
+
+def _task(config: Mapping[str, Any]) -> Any:
+    """The run's task (its partition and test split), without the algorithm."""
+    import fedfm.tasks  # noqa: F401  (every task registered)
+    from fedfm.config import load_config
+    from fedfm.engine import resolve
+    from fedfm.tasks.base import TASKS
+
+    cfg = load_config(dict(config))
+    _, task_cfg = resolve(cfg)
+    return TASKS.get(task_cfg.kind)(task_cfg, cfg)
+
+
+def embed_real(
+    inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Embeds every client's training rows and the real test rows once (``embeddings.npz``)
+    and measures the instrument on real data: the test labels, the majority baseline and
+    the ceiling (the classifier trained on every client's real rows)."""
+    from fedfm.eval.synthetic import frechet_distance, logreg_predict, scores
+    from fedfm.models.embedders import get_embedder
+
+    t0 = time.perf_counter()
+    task = _task(config)
+    embed = get_embedder(str(config["algo"]["embedder"]))
+    arrays: dict[str, Any] = {}
+    for cid in task.client_ids():
+        data = task.client_data(cid)
+        arrays[f"emb/{cid}"] = np.asarray(embed(task.texts(data)), np.float32)
+        arrays[f"code/{cid}"] = task.code_ids(data).numpy()
+        arrays[f"y/{cid}"] = data.y.numpy()
+    test = task.test_data()
+    arrays["test/emb"] = np.asarray(embed(task.texts(test)), np.float32)
+    arrays["test/y"], arrays["test/id"] = test.y.numpy(), test.ids.numpy()
+    train_x = np.concatenate([arrays[f"emb/{c}"] for c in task.client_ids()])
+    train_y = np.concatenate([arrays[f"y/{c}"] for c in task.client_ids()])
+    arrays["ceiling/pred"] = logreg_predict(train_x, train_y, arrays["test/emb"])
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(folder / EMBEDDINGS, **arrays)
+    y = arrays["test/y"]
+    counts = np.bincount(y, minlength=task.num_classes)
+    rng = np.random.default_rng(0)
+    sample = train_x[rng.choice(len(train_x), min(len(train_x), 2 * len(y)), replace=False)]
+    return {
+        "codes": task.codes(),
+        "code_labels": task.code_labels(),
+        "class_names": list(task.src.class_names or []),
+        "clients": len(task.client_ids()),
+        "train_rows": len(train_y),
+        "test_rows": len(y),
+        "test_labels": counts.tolist(),
+        "majority": float(counts.max() / counts.sum()),
+        "ceiling": scores(arrays["ceiling/pred"], y),
+        "frechet_real": frechet_distance(sample, arrays["test/emb"]),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def ceiling_agrees(emb: Mapping[str, np.ndarray], x: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """``(P,)`` whether the ceiling (logistic regression on every client's real rows, from
+    ``embeddings.npz``) predicts each sample's own label: does the text read as its code?"""
+    from fedfm.eval.synthetic import logreg_predict
+
+    ids = sorted(emb_ids(emb), key=int)
+    real_x = np.concatenate([emb[f"emb/{c}"] for c in ids])
+    real_y = np.concatenate([emb[f"y/{c}"] for c in ids])
+    return np.asarray(logreg_predict(real_x, real_y, x) == labels)
+
+
+def probe_prompts(
+    inputs: Mapping[str, Path],
+    folder: Path,
+    config: Mapping[str, Any],
+    templates: Sequence[str],
+    per_code: int,
+) -> dict[str, Any]:
+    """The base model tried with each prompt template: how many of its samples read as their
+    code to the ceiling (on-code), how many the token budget cut, what they look like."""
+    from fedfm.core.seeding import derive_seed
+    from fedfm.models.embedders import get_embedder
+    from fedfm.models.generation import GenerationConfig
+
+    t0 = time.perf_counter()
+    task = _task(config)
+    fm, labels = task.foundation_model(), task.code_labels()
+    gen = GenerationConfig(**config["algo"]["generation"])
+    emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
+    embed = get_embedder(str(config["algo"]["embedder"]))
+    out: dict[str, Any] = {}
+    for template in templates:
+        texts, ys, cut, examples, whole = [], [], [], {}, True
+        for j, code in enumerate(task.codes()):
+            instruction = template.format(code=code)
+            prompt = fm.instruction_prompt(instruction)
+            whole = whole and instruction in prompt
+            seed = derive_seed(config["seed"], "probe", template, j)
+            replies = fm.generate_replies([prompt] * per_code, [], seed=seed, cfg=gen)
+            texts += [r.text for r in replies]
+            ys += [labels[j]] * per_code
+            cut += [r.truncated for r in replies]
+            examples[code] = [r.text for r in replies[:2]]
+        agree = ceiling_agrees(emb, np.asarray(embed(texts)), np.asarray(ys))
+        out[template] = {
+            "on_code": mean_se(agree.astype(float).tolist()).__dict__,
+            "truncated": float(np.mean(cut)),
+            "prompt_whole": whole,
+            "words": float(np.mean([len(t.split()) for t in texts])),
+            "examples": examples,
+        }
+    return {"templates": out, "per_code": per_code, "seconds": time.perf_counter() - t0}
 
 
 @dataclass
-class RunResult:
-    """What the report reads of one finished run.
+class _Pool:
+    """A saved pool with what the offline voting reads of it."""
+
+    rows: list[dict[str, Any]]
+    codes: np.ndarray  # (P,) code ids
+    labels: np.ndarray  # (P,) class labels
+    allotment: list[int]
+    config: dict[str, Any]
+    privacy: dict[str, Any]
+
+
+def _read_pool(run: Path) -> _Pool:
+    import yaml
+
+    rows = [
+        json.loads(x)
+        for x in (run / "artefacts" / "synthetic_initial.jsonl").read_text().split("\n")
+        if x
+    ]
+    profile = json.loads((run / "artefacts" / "profile.json").read_text())
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    privacy_path = run / "privacy.json"
+    privacy = json.loads(privacy_path.read_text()) if privacy_path.exists() else {}
+    return _Pool(
+        rows,
+        np.asarray([r["code_id"] for r in rows], np.int64),
+        np.asarray([r["label"] for r in rows], np.int64),
+        [int(x) for x in profile["allotment"]],
+        cfg,
+        privacy,
+    )
+
+
+def clean_votes(
+    emb: Mapping[str, np.ndarray],
+    pool_emb: np.ndarray,
+    pool_codes: np.ndarray,
+    k: int,
+    voter_ids: Sequence[str],
+) -> dict[str, np.ndarray]:
+    """Each voter's vote histogram before noise (:func:`~fedfm.algorithms.dpsyn.knn_votes`
+    of its rows' embeddings ``emb/<cid>`` and codes ``code/<cid>``), by client id."""
+    from fedfm.algorithms.dpsyn import knn_votes
+
+    return {
+        c: knn_votes(emb[f"emb/{c}"], emb[f"code/{c}"], pool_emb, pool_codes, k) for c in voter_ids
+    }
+
+
+def noisy_total(
+    clean: Mapping[str, np.ndarray], sigma: float, seeds: Mapping[str, int], threshold: float
+) -> np.ndarray:
+    """The server's clipped sum of the voters' noisy histograms, as the algorithm's vote
+    round computes it (each client's :func:`~fedfm.algorithms.dpsyn.noisy`, summed in
+    client order, then :func:`~fedfm.algorithms.dpsyn.clip_votes`)."""
+    import torch
+
+    from fedfm.algorithms.dpsyn import clip_votes, noisy
+
+    total = np.zeros(len(next(iter(clean.values()))), dtype=np.float64)
+    for cid, votes in clean.items():
+        total += noisy(torch.as_tensor(votes), sigma, seeds[cid]).numpy()
+    return clip_votes(total, threshold)
+
+
+def selections(
+    votes: np.ndarray | None,
+    codes: np.ndarray,
+    allotment: list[int],
+    size: int,
+    rng: np.random.Generator,
+    kind: str,
+) -> list[int]:
+    """One selection of ``size`` samples, per code as the algorithm allots them.
+
+    ``kind``: ``votes`` (in proportion to ``votes``, with replacement), ``top`` (most
+    votes), ``uniform`` (with replacement) or ``subset`` (without replacement).
+    """
+    from fedfm.algorithms.dpsyn import draw_by_votes, quotas, top_by_votes
+
+    ones = np.ones(len(codes))
+    kept: list[int] = []
+    for idx, want in quotas(codes, allotment, size):
+        if not len(idx):
+            continue
+        if kind == "top":
+            assert votes is not None
+            kept += top_by_votes(votes, idx, min(want, len(idx)))
+        elif kind == "votes":
+            assert votes is not None
+            kept += draw_by_votes(votes, idx, want, rng)
+        else:
+            replace = kind == "uniform"
+            kept += draw_by_votes(ones, idx, want if replace else min(want, len(idx)), rng, replace)
+    return kept
+
+
+def vote_offline(
+    inputs: Mapping[str, Path],
+    folder: Path,
+    voters: Sequence[str],
+    epsilon_votes: Sequence[float],
+    seeds: int,
+    size: int,
+) -> dict[str, Any]:
+    """Votes on a saved pool offline over ``seeds`` draws at each ε_vote, selects four ways
+    and scores every selection on the real test rows (predictions in ``predictions.npz``).
+
+    Args:
+        inputs: The generator run and the ``embed`` computation.
+        folder: This job's folder.
+        voters: The weak clients that vote.
+        epsilon_votes: ε of each voter's noisy histogram.
+        seeds: Draws of the vote noise and of each selection.
+        size: Samples each selection keeps.
+    """
+    from fedfm.core.privacy import analytic_gaussian_sigma
+    from fedfm.core.seeding import derive_seed
+    from fedfm.eval.synthetic import frechet_distance, logreg_predict
+    from fedfm.models.embedders import get_embedder
+
+    t0 = time.perf_counter()
+    run = next(p for n, p in inputs.items() if n != EMBED)
+    pool = _read_pool(run)
+    emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
+    algo, privacy_cfg = pool.config["algo"], pool.config["privacy"]
+    delta = float(algo["delta"] if algo.get("delta") is not None else privacy_cfg["delta"])
+    pool_emb = np.asarray(get_embedder(str(algo["embedder"]))([r["text"] for r in pool.rows]))
+    test_x = emb["test/emb"]
+    clean = clean_votes(emb, pool_emb, pool.codes, int(algo["k"]), voters)
+    threshold = float(algo["vote_threshold"])
+    on_code = ceiling_agrees(emb, pool_emb, pool.labels)  # (P,)
+
+    preds: dict[str, list[np.ndarray]] = {}
+    stats: dict[str, dict[str, list[float]]] = {}
+
+    def score(key: str, kept: list[int]) -> None:
+        pred = logreg_predict(pool_emb[kept], pool.labels[kept], test_x)
+        preds.setdefault(key, []).append(pred.astype(np.int8))
+        distinct = sorted(set(kept))
+        st = stats.setdefault(key, {"distinct": [], "frechet": [], "on_code": []})
+        st["distinct"].append(len(distinct))
+        st["frechet"].append(
+            frechet_distance(pool_emb[distinct], test_x) if len(distinct) > 1 else math.nan
+        )
+        st["on_code"].append(float(on_code[kept].mean()))
+
+    score("pool", list(range(len(pool.rows))))
+    run_seed = int(pool.config["seed"])
+    for s in range(seeds):
+        for kind in ("uniform", "subset"):
+            rng = np.random.default_rng(derive_seed(run_seed, "offline", kind, s))
+            score(kind, selections(None, pool.codes, pool.allotment, size, rng, kind))
+        for eps in epsilon_votes:
+            sigma = analytic_gaussian_sigma(float(eps), delta)
+            noise = {c: derive_seed(run_seed, "offline-vote-noise", eps, s, c) for c in voters}
+            total = noisy_total(clean, sigma, noise, threshold)
+            for kind in VOTED:
+                rng = np.random.default_rng(derive_seed(run_seed, "offline", kind, eps, s))
+                score(
+                    f"{kind}/{eps:g}",
+                    selections(total, pool.codes, pool.allotment, size, rng, kind),
+                )
+    folder.mkdir(parents=True, exist_ok=True)
+    stacked: dict[str, Any] = {k: np.stack(v) for k, v in preds.items()}
+    np.savez_compressed(folder / PREDICTIONS, **stacked)
+    mass = np.sum(list(clean.values()), axis=0)  # (P,) the votes before noise
+    return {
+        "pool": _describe(pool, on_code),
+        "signal": _signal(
+            mass, pool.codes, len(voters), epsilon_votes, delta, int(algo["k"]), emb, voters
+        ),
+        "correlation_votes_on_code": _corr(mass, on_code.astype(float)),
+        "selections": stats,
+        "privacy": _privacy(pool, voters, epsilon_votes, delta),
+        "voters": list(voters),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def emb_ids(emb: Mapping[str, np.ndarray]) -> list[str]:
+    """The client ids of an ``embeddings.npz``."""
+    return [k.split("/", 1)[1] for k in emb if k.startswith("emb/")]
+
+
+def _describe(pool: _Pool, on_code: np.ndarray) -> dict[str, Any]:
+    texts = [str(r["text"]) for r in pool.rows]
+    by_code: dict[str, list[str]] = {}
+    for r in pool.rows:
+        by_code.setdefault(str(r["code"]), []).append(str(r["text"]))
+    return {
+        "samples": len(texts),
+        "distinct_texts": len(set(texts)),
+        "per_code": {c: len(v) for c, v in by_code.items()},
+        "allotment": pool.allotment,
+        "truncated": float(np.mean([bool(r.get("truncated", False)) for r in pool.rows])),
+        "empty": sum(not t.strip() for t in texts),
+        "words": float(np.mean([len(t.split()) for t in texts])),
+        "on_code": float(on_code.mean()),
+        "examples": {c: v[:3] for c, v in by_code.items()},
+    }
+
+
+def _signal(
+    mass: np.ndarray,
+    codes: np.ndarray,
+    n_voters: int,
+    epsilon_votes: Sequence[float],
+    delta: float,
+    k: int,
+    emb: Mapping[str, np.ndarray],
+    voter_ids: Sequence[str],
+) -> dict[str, Any]:
+    """The votes' signal (their spread over the pool's entries) against the noise's scale."""
+    from fedfm.core.privacy import analytic_gaussian_sigma
+
+    noise = {
+        f"{e:g}": analytic_gaussian_sigma(float(e), delta) * math.sqrt(n_voters)
+        for e in epsilon_votes
+    }
+    return {
+        "voters": n_voters,
+        "private_samples": int(sum(len(emb[f"code/{c}"]) for c in voter_ids)),
+        "k": k,
+        "mass_mean": float(mass.mean()),
+        "mass_sd": float(mass.std(ddof=1)) if len(mass) > 1 else math.nan,
+        "mass_max": float(mass.max()),
+        "zero_share": float(np.mean(mass == 0)),
+        "noise_sd": noise,
+    }
+
+
+def _corr(a: np.ndarray, b: np.ndarray) -> float:
+    if len(a) < 2 or a.std() == 0 or b.std() == 0:
+        return math.nan
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def _privacy(
+    pool: _Pool, voter_ids: Sequence[str], epsilon_votes: Sequence[float], delta: float
+) -> dict[str, Any]:
+    """Composed ε per role: the run's ledger (profiling, DP-SGD) plus the offline vote."""
+    from fedfm.core.privacy import PrivacyLedger, analytic_gaussian_sigma
+
+    out: dict[str, Any] = {}
+    pc = pool.config["privacy"]
+    for eps in epsilon_votes:
+        ledger = PrivacyLedger(float(pc["delta"]), pc["accountant"], pc["noise"])
+        ledger.load_state(list(pool.privacy.get("entries", [])))
+        sigma = analytic_gaussian_sigma(float(eps), delta)
+        for c in voter_ids:
+            ledger.add_gaussian(c, sigma, 1.0, name="vote", analytic=True)
+        rep = ledger.report()
+        weak = [rep["clients"][c]["epsilon"] for c in voter_ids if c in rep["clients"]]
+        strong = [v["epsilon"] for c, v in rep["clients"].items() if c not in voter_ids]
+        out[f"{eps:g}"] = {
+            "mechanisms": {k: v["epsilon_max"] for k, v in rep["mechanisms"].items()},
+            "weak": max(weak) if weak else math.nan,
+            "strong": max(strong) if strong else math.nan,
+            "sigma_vote": sigma,
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Results:
+    """What the report reads of the study folder.
 
     Attributes:
-        cell: The cell.
-        rows: ``metrics.jsonl`` by round.
-        items: Per-test-row predictions by set (``gen``, ``vote``, ``real``).
-        summary: ``summary.json``.
-        privacy: ``privacy.json``.
-        config: ``config.yaml`` (every default filled in).
+        grid: The grid.
+        embed: The ``embed`` computation's result (``None`` before it ran).
+        probe: The prompt probe's result (``None`` before it ran).
+        y: ``(N,)`` labels of the real test rows.
+        votes: Each pool's offline voting result, by its generator's strong clients.
+        preds: Each pool's predictions on the test rows, ``(seeds, N)`` per selection key
+            (``votes/<ε>``, ``top/<ε>``, ``uniform``, ``subset``; ``pool``: ``(1, N)``).
+        runs: The generator runs that finished, by strong clients.
     """
 
-    cell: Cell
-    rows: dict[int, dict[str, Any]]
-    items: dict[str, list[dict[str, Any]]]
-    summary: dict[str, Any]
-    privacy: dict[str, Any]
-    config: dict[str, Any]
+    grid: Grid
+    embed: dict[str, Any] | None = None
+    probe: dict[str, Any] | None = None
+    y: np.ndarray | None = None
+    votes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    preds: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    runs: dict[int, RunView] = field(default_factory=dict)
 
-    @property
-    def train_rounds(self) -> int:
-        """``R``."""
-        return int(self.config["algo"]["train_rounds"])
-
-    @property
-    def steps(self) -> int:
-        """DP-SGD steps per round."""
-        return int(self.config["train"]["steps"])
-
-    @property
-    def num_samples(self) -> int:
-        """Synthetic samples ``s``."""
-        return int(self.config["algo"]["num_samples"])
-
-    @property
-    def strong_clients(self) -> int:
-        """Clients with the strong role (as :func:`fedfm.core.federation.assign_roles`)."""
-        return math.floor(
-            float(self.config["clients"]["roles"]["strong"])
-            * int(self.config["partition"]["num_clients"])
-        )
-
-    @property
-    def gen(self) -> dict[str, Any]:
-        """The row of the generated set (without voting)."""
-        return self.rows.get(self.train_rounds + 1, {})
-
-    @property
-    def vote(self) -> dict[str, Any]:
-        """The row of the voted set (with voting)."""
-        return self.rows.get(self.train_rounds + 2, {})
-
-    def stage_seconds(self) -> dict[str, float]:
-        """Wall seconds of profiling, fine-tuning, generation (+ evaluation), voting (+ eval)."""
-        r = self.train_rounds
-        return {
-            "profile": float(self.rows.get(0, {}).get("time_s", 0.0)),
-            "train": sum(float(self.rows.get(i, {}).get("time_s", 0.0)) for i in range(1, r + 1)),
-            "generate": float(self.gen.get("time_s", 0.0)),
-            "vote": float(self.vote.get("time_s", 0.0)),
-        }
-
-    @property
-    def wall_s(self) -> float:
-        """Wall seconds summed over the run's rounds."""
-        return sum(self.stage_seconds().values())
+    def correct(self, strong: int, key: str) -> np.ndarray | None:
+        """``(seeds, N)`` correctness of one selection's classifiers (``None`` when missing)."""
+        p = self.preds.get(strong, {}).get(key)
+        return None if p is None or self.y is None else (p == self.y[None, :]).astype(float)
 
 
-def read_run(view: RunView, cell: Cell) -> RunResult | None:
-    """The run's logs, items, summary and ledger (``None`` when it has not finished)."""
-    s = view.summary
-    if s is None or len(view.rounds) < int(s["rounds"]) + 1:
-        return None
-    items: dict[str, list[dict[str, Any]]] = {}
-    for rnd in sorted(view.rounds):
-        for it in view.items(rnd):
-            items.setdefault(str(it["set"]), []).append(it)
-    return RunResult(cell, view.rounds, items, s, view.privacy, view.config)
-
-
-def read(ctx: Context[Grid]) -> dict[str, RunResult]:
-    """Every finished run of the grid, by run name."""
-    res: dict[str, RunResult] = {}
-    for cell in ctx.grid.cells():
-        r = read_run(ctx.run(cell.name), cell)
-        if r is not None:
-            res[cell.name] = r
+def read(ctx: Context[Grid]) -> Results:
+    """The finished generators, the embedding's result and every offline voting."""
+    res = Results(ctx.grid, probe=ctx.run(PROBE).result)
+    emb = ctx.run(EMBED).result
+    if emb is not None:
+        res.embed = emb
+        with np.load(ctx.out / EMBED / EMBEDDINGS) as z:
+            res.y = np.asarray(z["test/y"])
+    for s in ctx.grid.generators:
+        view = ctx.run(pool_name(s))
+        if view.finished:
+            res.runs[s] = view
+        vote = ctx.run(vote_name(s)).result
+        if vote is not None and (ctx.out / vote_name(s) / PREDICTIONS).exists():
+            res.votes[s] = vote
+            with np.load(ctx.out / vote_name(s) / PREDICTIONS) as z:
+                res.preds[s] = {k: np.asarray(z[k]) for k in z.files}
     return res
 
 
 # ----------------------------------------------------------------------------- statistics
 
-
-def _correct(items: Sequence[Mapping[str, Any]], clf: str) -> dict[int, float]:
-    return {int(it["id"]): float(int(it[clf]) == int(it["y"])) for it in items if clf in it}
+Side = tuple[int, str]  # (strong clients of the pool, selection key)
 
 
-def acc_diff(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], clf: str) -> Estimate:
-    """Accuracy of ``a`` minus that of ``b`` over their shared test rows, with the paired SE
-    (sd / √n of the per-row differences of correctness)."""
-    return paired(_correct(a, clf), _correct(b, clf))
+def acc_diff(res: Results, a: Side, b: Side) -> Estimate:
+    """Accuracy of selection ``a`` minus ``b``, over the seeds and the test rows (two-way SE,
+    :func:`fedfm.reproduce.stats.crossed`); seeds pair by index."""
+    ca, cb = res.correct(*a), res.correct(*b)
+    if ca is None or cb is None or a == b:
+        return NONE
+    s = min(len(ca), len(cb))
+    return crossed(ca[:s] - cb[:s])
 
 
-def f1_diff(
-    a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], clf: str, seed: int = 0
-) -> Estimate:
-    """Macro-F1 of ``a`` minus that of ``b`` over their shared test rows, with the SE of a
-    paired bootstrap of the rows (:func:`fedfm.reproduce.stats.macro_f1_diff`)."""
-    pa = {int(it["id"]): (int(it[clf]), int(it["y"])) for it in a if clf in it}
-    pb = {int(it["id"]): int(it[clf]) for it in b if clf in it}
-    ids = sorted(set(pa) & set(pb))
-    y, xa, xb = [pa[i][1] for i in ids], [pa[i][0] for i in ids], [pb[i] for i in ids]
-    return macro_f1_diff(y, xa, xb, seed)
+def acc_level(res: Results, a: Side) -> Estimate:
+    """Accuracy of one selection, with the two-way SE over its seeds and the test rows."""
+    ca = res.correct(*a)
+    return NONE if ca is None else crossed(ca)
 
 
-def macro_f1_of(items: Sequence[Mapping[str, Any]], clf: str) -> float:
-    """Macro-F1 of one set's predictions (as the run computed it)."""
-    import torch
+def f1_diff(res: Results, a: Side, b: Side, seed: int = 0) -> Estimate:
+    """Macro-F1 of ``a`` minus ``b`` (each seed's, averaged over seeds), with the SE of the
+    two-way bootstrap over seeds and test rows."""
+    pa, pb = res.preds.get(a[0], {}).get(a[1]), res.preds.get(b[0], {}).get(b[1])
+    if pa is None or pb is None or res.y is None or a == b:
+        return NONE
+    s, y = min(len(pa), len(pb)), res.y
 
-    from fedfm.tasks.base import macro_f1
+    def diff(si: np.ndarray, ri: np.ndarray) -> float:
+        fa = macro_f1_rows(pa[si][:, ri], y[ri])
+        fb = macro_f1_rows(pb[si][:, ri], y[ri])
+        return float(np.mean(fa - fb))
 
-    got = [(int(it[clf]), int(it["y"])) for it in items if clf in it]
-    return macro_f1(torch.tensor([p for p, _ in got]), torch.tensor([t for _, t in got]))
+    return crossed_bootstrap((s, len(y)), diff, res.grid.bootstrap, seed)
+
+
+def f1_level(res: Results, a: Side) -> Estimate:
+    """Macro-F1 of one selection: mean and SE over its seeds."""
+    p = res.preds.get(a[0], {}).get(a[1])
+    if p is None or res.y is None:
+        return NONE
+    return mean_se(macro_f1_rows(p, res.y).tolist())
+
+
+def predicted(res: Results, a: Side, classes: int) -> list[float]:
+    """The share of test rows predicted as each class, averaged over seeds (a classifier that
+    collapses onto one class shows here before in its accuracy)."""
+    p = res.preds.get(a[0], {}).get(a[1])
+    if p is None or not classes:
+        return []
+    shares = [np.bincount(r.astype(np.int64), minlength=classes) / len(r) for r in p]
+    return [float(x) for x in np.mean(shares, axis=0)]
+
+
+def seed_values(res: Results, a: Side, what: str) -> list[float]:
+    """A per-seed value of one selection (``frechet``, ``distinct``, ``on_code``)."""
+    sel = res.votes.get(a[0], {}).get("selections", {}).get(a[1], {})
+    return [float(x) for x in sel.get(what, [])]
+
+
+def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
+    """A per-seed value of ``a`` minus ``b``, mean and SE over seeds (paired by index)."""
+    va, vb = seed_values(res, a, what), seed_values(res, b, what)
+    n = min(len(va), len(vb))
+    return mean_se([x - y for x, y in zip(va[:n], vb[:n], strict=True)])
+
+
+# ----------------------------------------------------------------------------- readouts
+
+STAT = "paired over seeds × test rows (two-way SE)"
+POOL_OF = {"base": "the base model's pool"}
+
+
+def pool_label(grid: Grid, strong: int) -> str:
+    """``the base model's pool``, ``the 1-strong pool``."""
+    return "the base model's pool" if strong == 0 else f"the {strong}-strong pool"
+
+
+def _acc(a: Side, b: Side) -> Callable[[Results], Estimate]:
+    """A readout's value: :func:`acc_diff` of ``a`` and ``b``."""
+    return lambda r: acc_diff(r, a, b)
+
+
+def readouts(grid: Grid) -> list[Readout[Results]]:
+    """Voting against its duplication-matched control (base and fewest-strong pools, each
+    ε_vote), the premise of the paper's first claim, and the claim's direction."""
+    few, many = grid.few, grid.many
+    out: list[Readout[Results]] = []
+    for eps in grid.epsilon_votes:
+        for s in (0, few):
+            out.append(
+                Readout(
+                    f"by votes − uniform, both with replacement ({grid.size} of {grid.pool}),"
+                    f" {pool_label(grid, s)}, ε_vote {eps:g}",
+                    STAT,
+                    "the votes select better samples than chance (voting raises downstream"
+                    " scores; Yelp, 1% strong: about +0.20 F1)",
+                    +1,
+                    _acc((s, f"votes/{eps:g}"), (s, "uniform")),
+                    scope="Both draw the same number with replacement, so duplication is"
+                    " matched: the difference is the votes'. Logistic-regression accuracy on"
+                    " the real test rows; one pool per generator (the SE covers the vote"
+                    " noise, the draws and the test rows, not another generation).",
+                )
+            )
+    premise: Readout[Results] = Readout(
+        f"{many} strong − {few} strong without voting (uniform {grid.size} of {grid.pool},"
+        " without replacement)",
+        STAT,
+        "more strong clients help without voting (the premise of claim 1; Yelp: 10% strong"
+        " 0.6280 without voting)",
+        +1,
+        _acc((many, "subset"), (few, "subset")),
+        scope="One pool per generator: the SE covers the draws and the test rows, not"
+        " another DP-SGD run or generation.",
+    )
+    out.append(premise)
+
+    def premise_holds(r: Results) -> bool:
+        return verdict(premise.value(r), +1) == IN_DIRECTION
+
+    for eps in grid.epsilon_votes:
+        out.append(
+            Readout(
+                f"{few} strong with voting (ε_vote {eps:g}) − {many} strong without",
+                STAT,
+                "few strong clients with voting reach many without (Yelp: 1% strong with"
+                " voting 0.6149, 10% without 0.6280)",
+                +1,
+                _acc((few, f"votes/{eps:g}"), (many, "subset")),
+                scope=f"Testable only where the premise (R{len(out)}) holds in the paper's"
+                " direction: otherwise more strong clients do not help here, and the claim"
+                " cannot be tested at this scale.",
+                testable=premise_holds,
+            )
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------- the report
 
 
 def _eps(x: Any) -> str:
-    if x is None:
-        return "—"
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return DASH
     return "∞" if not math.isfinite(float(x)) else f"{float(x):.2f}"
 
 
-def _eps_name(eps: float) -> str:
-    return "∞" if math.isinf(eps) else f"{eps:g}"
+def _sel_label(key: str) -> str:
+    kind, _, eps = key.partition("/")
+    what = dict(SELECTIONS).get(kind, "the whole pool")
+    return f"{what}, ε_vote {eps}" if eps else what
 
 
-def _setting(cell: Cell, spec: Data) -> str:
-    if cell.epsilon is None:
-        return "base model (floor)"
-    strong = math.floor(cell.strong * spec.clients)
-    eps = "∞" if math.isinf(cell.epsilon) else f"{cell.epsilon:g}"
-    return f"{100 * cell.strong:g}% strong ({strong}), ε_train {eps}"
+def _keys(grid: Grid) -> list[str]:
+    """Every selection key of a pool, in the report's order."""
+    voted = [f"{kind}/{e:g}" for e in grid.epsilon_votes for kind in VOTED]
+    return ["pool", "subset", "uniform", *voted]
 
 
-def _metric_row(name: str, label: str, vals: Mapping[str, Any], prefix: str, last: Any) -> str:
-    return row([f"`{name}`", label, *(num(vals.get(f"{prefix}{m}")) for m, _, _ in METRICS), last])
-
-
-def _results_table(grid: Grid, res: Mapping[str, RunResult], data: str, part: str) -> list[str]:
-    lines = head(["run", "set", *[lab for _, lab, _ in METRICS], "distinct samples"])
-    spec = grid.spec(data)
-    for cell in grid.cells():
-        if (cell.data, cell.partition) != (data, part) or cell.name not in res:
-            continue
-        r = res[cell.name]
-        if cell.epsilon is None and "real/acc" in r.gen:
-            n_real = int(r.gen.get("real/n", 0))
-            label = f"real training rows (ceiling, {n_real})"
-            lines.append(_metric_row(cell.name, label, r.gen, "real/", "—"))
-        label = _setting(cell, spec)
-        synthetic, kept = int(r.gen["synthetic"]), int(r.vote["distinct_kept"])
-        lines.append(_metric_row(cell.name, f"{label}: generated", r.gen, "", synthetic))
-        lines.append(_metric_row(cell.name, f"{label}: after voting", r.vote, "", kept))
-    return lines
-
-
-Comparison = tuple[str, str, Any, Any]
-
-
-def comparisons(grid: Grid, res: Mapping[str, RunResult]) -> list[Comparison]:
-    """The differences the report states: (group, comparison, items of a, items of b).
-
-    Per (data set, distribution, seed): voting in each run (after − before); DP (ε − ∞ at
-    the same strong share, without voting); more strong clients (largest − smallest share at
-    ε 8); the paper's two claims (fewest strong with voting − most strong without, at ε 8;
-    ε 8 with voting − ε ∞ without, at the smallest share); fine-tuning over the floor.
-    """
-    out: list[Comparison] = []
-    for d, part in grid.pairs():
-        for seed in grid.seeds:
-            out += _group(grid, res, d, part, seed)
-    return out
-
-
-def _group(
-    grid: Grid, res: Mapping[str, RunResult], d: Data, part: str, seed: int
-) -> list[Comparison]:
-    group = f"{NAMES[d.name]}, {part}, seed {seed}"
-
-    def get(strong: float, eps: float | None) -> RunResult | None:
-        return res.get(Cell(d.name, part, seed, strong, eps).name)
-
-    def gen(r: RunResult) -> Any:
-        return r.items.get("gen")
-
-    def vote(r: RunResult) -> Any:
-        return r.items.get("vote")
-
-    lo, hi = min(d.strong), max(d.strong)
-    cells = [c for c in grid.cells() if (c.data, c.partition, c.seed) == (d.name, part, seed)]
-    runs = [(c, res[c.name]) for c in cells if c.name in res]
-    out: list[Comparison] = [(group, f"voting: {_setting(c, d)}", vote(r), gen(r)) for c, r in runs]
-    for strong in d.strong:
-        inf = get(strong, math.inf)
-        for eps in (e for e in grid.epsilons if math.isfinite(e)):
-            r = get(strong, eps)
-            if r is not None and inf is not None:
-                label = f"DP: ε {eps:g} − ε ∞, {100 * strong:g}% strong, generated"
-                out.append((group, label, gen(r), gen(inf)))
-    a, b = get(hi, 8.0), get(lo, 8.0)
-    if a is not None and b is not None and hi != lo:
-        label = f"strong share: {100 * hi:g}% − {100 * lo:g}%, ε 8, generated"
-        out.append((group, label, gen(a), gen(b)))
-        label = f"paper claim 1: {100 * lo:g}% + voting − {100 * hi:g}% without, ε 8"
-        out.append((group, label, vote(b), gen(a)))
-    a, b = get(lo, 8.0), get(lo, math.inf)
-    if a is not None and b is not None:
-        label = f"paper claim 2: ε 8 + voting − ε ∞ without, {100 * lo:g}% strong"
-        out.append((group, label, vote(a), gen(b)))
-    floor = get(lo, None)
-    if floor is not None:
-        for c, r in runs:
-            if c.epsilon is not None:
-                label = f"fine-tuning: {_setting(c, d)} − floor, generated"
-                out.append((group, label, gen(r), gen(floor)))
-    return out
-
-
-def _diff_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
-    lines = head(["group", "comparison", "Δ logreg acc", "Δ logreg F1", "Δ clf acc", "Δ clf F1"])
-    for group, label, a, b in comparisons(grid, res):
-        if not a or not b:
-            continue
-        cells = []
-        for clf, _ in CLASSIFIERS:
-            cells += [marked(acc_diff(a, b, clf)), marked(f1_diff(a, b, clf))]
-        lines.append(row([group, label, *cells]))
-    return lines
-
-
-def _seed_table(grid: Grid, res: Mapping[str, RunResult]) -> list[str]:
-    """Voting's effect paired over seeds (only with two seeds or more)."""
-    if len(grid.seeds) < 2:
-        return []
+def body(ctx: Context[Grid], res: Results) -> list[str]:
+    """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
+    grid = ctx.grid
     lines = [
-        "### Voting over seeds",
+        '"Resource-Adaptive Federated Text Generation with Differential Privacy" (ICLR 2026, '
+        "arXiv:2603.07027; `algorithm: dpsyn`, docs/dpsyn.md). "
+        f"{len(res.runs)} of {len(grid.generators)} generators and {len(res.votes)} of"
+        f" {len(grid.generators)} offline votings finished.",
         "",
-        "Mean over seeds of (after − before voting), ± the paired SE over seeds.",
+        "## Setup",
         "",
-        *head(
-            "data set | distribution | setting | Δ logreg acc | Δ logreg F1 | Δ clf acc | Δ clf F1"
-        ),
+        *_setup_lines(grid),
+        "",
+        "## The instrument",
+        "",
+        *_instrument_lines(res),
+        "## The votes' signal against their noise",
+        "",
+        *_signal_lines(res),
+        "## Scores of each selection on the real test rows",
+        "",
+        "Logistic regression on the selection's embeddings alone, tested on every real test"
+        " row. Accuracy: mean over seeds and rows ± the two-way SE; macro-F1: mean ± SE over"
+        " seeds; Fréchet: distance of the selection's distinct samples to the test rows (lower"
+        " is closer), mean ± SE over seeds; distinct: distinct samples kept (mean); on-code:"
+        " share of the selection whose code the real-data classifier (the ceiling) predicts.",
+        "",
+        *_scores_lines(res),
+        "## Differences within a pool",
+        "",
+        f"a − b over the same seeds (index-paired) and test rows. Δ accuracy ± the two-way SE"
+        f" (seeds × rows); Δ macro-F1 ± the SE of {grid.bootstrap} two-way bootstrap"
+        " resamples (seeds and rows drawn independently); Δ Fréchet and Δ on-code ± the SE"
+        " over seeds; `*`: more than 2 SE from zero. *by votes − uniform* and *top − subset*"
+        " match duplication (both with, both without replacement): their difference is the"
+        " votes'. *uniform − subset* is duplication alone; *by votes − subset* is what the"
+        " paper's with/without-voting comparison measures (votes and duplication together).",
+        "",
+        *_within_lines(res),
+        "## Between pools",
+        "",
+        "Without voting: a uniform draw without replacement from each pool (as many as a"
+        " selection keeps). A pool is one draw of its generator: these SEs do not include"
+        " another DP-SGD run or generation.",
+        "",
+        *_between_lines(res),
+        "## Privacy per role",
+        "",
+        "Composed per client with the runs' accountant at their δ: the run's ledger"
+        " (`privacy.json`: profiling for everyone, DP-SGD for the strong clients) plus each"
+        " weak client's offline vote (analytic Gaussian, sensitivity 1); the worst client of"
+        " each role.",
+        "",
+        *_privacy_lines(res),
+        "## What the paper's setting has that this one does not",
+        "",
+        *_scope_lines(grid, res),
     ]
-    keys = {(c.data, c.partition, c.strong, c.epsilon) for c in grid.cells()}
-    for data, part, strong, eps in sorted(keys, key=lambda k: (k[0], k[1], k[2], k[3] or -1.0)):
-        runs = {s: res.get(Cell(data, part, s, strong, eps).name) for s in grid.seeds}
-        cells = []
-        for m in ("acc", "macro_f1", "clf/acc", "clf/macro_f1"):
-            after = {s: float(r.vote[m]) for s, r in runs.items() if r is not None and m in r.vote}
-            before = {s: float(r.gen[m]) for s, r in runs.items() if r is not None and m in r.gen}
-            cells.append(paired(after, before).fmt(signed=True))
-        setting = _setting(Cell(data, part, 0, strong, eps), grid.spec(data))
-        lines.append(row([NAMES[data], part, setting, *cells]))
-    return [*lines, ""]
-
-
-def _privacy_table(res: Mapping[str, RunResult]) -> list[str]:
-    header = (
-        "run | σ DP-SGD | ε DP-SGD | ε profiling | ε voting"
-        " | ε strong (DP-SGD + profiling) | ε weak (profiling + voting) | voters"
-    )
-    lines = head(header)
-    for name, r in res.items():
-        fin = r.summary.get("finish", {})
-        mech = {k: v["epsilon_max"] for k, v in r.privacy.get("mechanisms", {}).items()}
-        sigmas = [e["sigma"] for e in r.privacy.get("entries", []) if e.get("kind") == "dp-sgd"]
-        sgd = mech.get("dp-sgd:train")
-        cells = [
-            num(max(sigmas), 3) if sigmas else "—",
-            _eps(sgd),
-            _eps(mech.get("analytic-gaussian:profile")),
-            _eps(mech.get("analytic-gaussian:vote")),
-            _eps(fin.get("epsilon/strong")),
-            _eps(fin.get("epsilon/weak")),
-            str(int(r.vote.get("voters", 0))),
-        ]
-        lines.append(row([f"`{name}`", *cells]))
     return lines
-
-
-def _budget_table(res: Mapping[str, RunResult]) -> list[str]:
-    header = (
-        "run | MB up | MB down | profile s | fine-tuning s | generation + eval s"
-        " | (generation s) | voting + eval s | (clients' votes s) | total s"
-    )
-    lines = head(header)
-    for name, r in res.items():
-        st = r.stage_seconds()
-        cells = [
-            num(r.summary.get("bytes_up", 0) / 1e6, 2),
-            num(r.summary.get("bytes_down", 0) / 1e6, 2),
-            num(st["profile"], 1),
-            num(st["train"], 0),
-            num(st["generate"], 0),
-            num(r.gen.get("time/generate_s"), 0),
-            num(st["vote"], 0),
-            num(r.vote.get("time/vote_clients_s"), 0),
-            num(r.wall_s, 0),
-        ]
-        lines.append(row([f"`{name}`", *cells]))
-    return lines
-
-
-def estimate_seconds(grid: Grid, res: Mapping[str, RunResult]) -> float | None:
-    """An estimate of ``grid``'s wall time from measured runs (``None`` without any).
-
-    Fine-tuning: the measured seconds per strong-client DP-SGD step (mean over the runs that
-    fine-tuned) times each cell's strong clients × rounds × steps; generation (with its
-    evaluation): the measured mean seconds per synthetic sample times the cell's samples;
-    voting (with its evaluation): the measured mean seconds per voter times its weak clients.
-    """
-    trained = [r for r in res.values() if r.train_rounds > 0 and r.strong_clients > 0]
-    if not trained:
-        return None
-    per_step = float(
-        np.mean(
-            [
-                r.stage_seconds()["train"] / (r.strong_clients * r.train_rounds * r.steps)
-                for r in trained
-            ]
-        )
-    )
-    per_sample = float(
-        np.mean([r.stage_seconds()["generate"] / max(r.num_samples, 1) for r in res.values()])
-    )
-    per_voter = float(
-        np.mean(
-            [r.stage_seconds()["vote"] / max(int(r.vote.get("voters", 0)), 1) for r in res.values()]
-        )
-    )
-    total = 0.0
-    for cell in grid.cells():
-        spec = grid.spec(cell.data)
-        strong = math.floor(cell.strong * spec.clients)
-        if cell.epsilon is not None:
-            total += per_step * strong * grid.train_rounds * grid.steps
-        total += per_sample * grid.num_samples + per_voter * (spec.clients - strong)
-    return total
-
-
-PAPER_FINDINGS = (
-    "IID Yelp, ε = 8: 1% strong clients with voting reach accuracy 0.6149, about that of 10% "
-    "strong without voting (0.6280); 20% strong with voting (F1 0.6285) beat 40% strong "
-    "without (0.6168); at 1% strong, voting raises the rating F1 by about 0.20.",
-    "IID PubMed, ε = 8: 5% strong with voting (0.8028) beat 20% strong without DP (0.7968); "
-    "voting brings DP results to or above the non-DP baseline.",
-    "Non-IID (10% strong): on some Yelp splits ε = 8 with voting beats ε = ∞ without; on "
-    "PubMed, ε = ∞ is below ε = 8 under strong skew (clipping and noise as a regulariser).",
-)
 
 
 def _setup_lines(grid: Grid) -> list[str]:
     from fedfm.config import load_config
     from fedfm.engine import resolve
 
-    cell = next((c for c in grid.cells() if c.epsilon is not None), grid.cells()[0])
-    run_cfg = load_config(job_config(grid, cell))
-    algo, task = resolve(run_cfg)  # every default filled in
-    a, t = algo.model_dump(), task.model_dump()
-    lines = [
-        f"- Generator: {t['lm']} (bfloat16 autocast: {t['autocast_bf16']}), LoRA r = "
-        f"{t['lora']['r']} on {', '.join(t['lora']['target_modules'])}; {grid.train_rounds} "
-        f"rounds × {grid.steps} DP-SGD steps (expected Poisson batch {grid.batch_size}, "
-        f"clipping {a['max_grad_norm']:g}, {run_cfg.train.optimizer} lr {run_cfg.train.lr:g}), "
-        f"server optimizer {a['server_opt']['name']}; training rows of at most "
-        f"{grid.max_length} tokens.",
-        f"- Generation: s = {grid.num_samples} samples allotted by the noisy profile, "
-        f"temperature {a['generation']['temperature']:g}, top-p {a['generation']['top_p']:g}, "
-        f"{grid.max_new_tokens} new tokens. Voting: {a['embedder']} embeddings, K = {grid.k}, "
-        f"threshold {a['vote_threshold']:g}, {a['selection']} within each code.",
-        f"- Privacy: ε_profile = {a['epsilon_profile']:g}, ε_vote = {a['epsilon_vote']:g}, "
-        f"δ = {run_cfg.privacy.delta:g} for every mechanism, {run_cfg.privacy.accountant} "
-        "accountant (it reports an analytic Gaussian calibrated for ε = 1 as about 1.1).",
-        f"- Evaluation: {grid.test_rows} real held-out rows per data set; logistic "
-        f"regression (C = {a['eval']['logreg_c']:g}) on {a['eval']['embedder'] or a['embedder']} "
-        f"embeddings and the small text classifier ({a['eval']['clf_steps']} Adam steps), both "
-        "trained on the synthetic set alone.",
-        f"- Seeds: {', '.join(map(str, grid.seeds))}.",
+    cfg = generator_config(grid, grid.few)
+    algo, task = resolve(load_config(cfg))  # every default filled in
+    a, t, tr = algo.model_dump(), task.model_dump(), cfg["train"]
+    test = "every real test row" if grid.test_rows is None else f"{grid.test_rows} real test rows"
+    return [
+        f"- Data: {t['dataset']} ({', '.join(map(str, _codes(grid)))} as control codes), IID over"
+        f" {grid.clients} clients of {grid.rows} training rows; scores on {test}.",
+        f"- Generators: {t['lm']} (bfloat16 autocast: {t['autocast_bf16']}), prompt"
+        f" `{grid.prompt_template}` in its chat template (at most {grid.max_prompt_length}"
+        f" prompt tokens, none cut); the base model, and LoRA r = {t['lora']['r']} on"
+        f" {', '.join(t['lora']['target_modules'])} fine-tuned by"
+        f" {', '.join(map(str, grid.strong))}"
+        f" strong client(s) of {grid.clients} with DP-SGD at ε_train {grid.epsilon_train:g}:"
+        f" {grid.train_rounds} rounds × {grid.steps} steps, expected Poisson batch"
+        f" {grid.batch_size}, clipping {a['max_grad_norm']:g}, {tr['optimizer']} lr"
+        f" {grid.lr:g}, equal-weight averaging. Each generates a pool of {grid.pool} samples"
+        f" (temperature {a['generation']['temperature']:g}, top-p {a['generation']['top_p']:g},"
+        f" at most {grid.max_new_tokens} new tokens), allotted by its noisy profile"
+        f" (ε_profile {a['epsilon_profile']:g}), and stops (`rounds = train_rounds + 1`).",
+        f"- Offline voting: the weak clients of the generator's federation (the base pool: those"
+        f" of {grid.few} strong) embed their rows with {a['embedder']}, each votes for its"
+        f" K = {grid.k} nearest samples of its code (weight 1/√K), adds analytic-Gaussian noise"
+        f" for ε_vote ∈ {{{', '.join(f'{e:g}' for e in grid.epsilon_votes)}}} (δ ="
+        f" {cfg['privacy']['delta']:g}); the server clips at H = {grid.threshold:g}. "
+        f"{grid.seeds} seeds of the noise and of each draw; every selection keeps"
+        f" {grid.size} samples, per code in the proportion of the allotment.",
+        "- Statistics: a difference of two selections is `d[seed, row]` (every seed scored on"
+        " every test row). Its SE combines both factors: SE² = s²(per-seed means)/S +"
+        " s²(per-row means)/N, conservative by the seed × row interaction (counted twice);"
+        " macro-F1's by a bootstrap that draws seeds and rows independently. Verdicts: the"
+        " framework's 2-SE rule.",
     ]
-    for d in grid.data:
-        rows = "all" if d.rows is None else str(d.rows)
-        parts = [part for dd, part in grid.pairs() if dd.name == d.name]
+
+
+def _codes(grid: Grid) -> list[str]:
+    return ["rotten", "fresh"] if not grid.task.get("dataset") else [str(grid.task["dataset"])]
+
+
+def _instrument_lines(res: Results) -> list[str]:
+    e = res.embed
+    if e is None:
+        return ["The embedding of the real rows has not run yet.", ""]
+    names = e["class_names"]
+    hist = ", ".join(f"{n} {c}" for n, c in zip(names, e["test_labels"], strict=True))
+    ceiling = e["ceiling"]
+    lines = [
+        f"- Real test rows: {e['test_rows']} ({hist}); the majority class is"
+        f" {num(e['majority'])} of them, the uniform guess 1/{len(names)}. The ceiling, the"
+        f" same classifier trained on all {e['train_rows']} real training rows: accuracy"
+        f" {num(ceiling['acc'])}, macro-F1 {num(ceiling['macro_f1'])}; the Fréchet distance of"
+        f" real training rows to the test rows is {num(e['frechet_real'])} (what a perfect"
+        " generator would reach).",
+        "",
+        *head(
+            "pool | samples | distinct texts | per code | cut by the token budget | empty"
+            " | mean words | on-code (ceiling agrees) | whole-pool accuracy"
+        ),
+    ]
+    for s, v in sorted(res.votes.items()):
+        p = v["pool"]
+        per_code = ", ".join(f"{c} {n}" for c, n in p["per_code"].items())
+        acc = acc_level(res, (s, "pool"))
         lines.append(
-            f"- {NAMES[d.name]}: {d.clients} clients, {rows} training rows each, strong "
-            f"fractions {', '.join(f'{100 * s:g}%' for s in d.strong)} "
-            f"({', '.join(str(math.floor(s * d.clients)) for s in d.strong)} clients); "
-            f"code distributions {', '.join(parts)}"
-            + (
-                f" (non-IID: Dirichlet α = {PARTITIONS['noniid']['alpha']:g} over the label)."
-                if "noniid" in parts
-                else "."
+            row(
+                [
+                    pool_label(res.grid, s),
+                    p["samples"],
+                    p["distinct_texts"],
+                    per_code,
+                    num(p["truncated"]),
+                    p["empty"],
+                    num(p["words"], 1),
+                    num(p["on_code"]),
+                    acc.fmt(),
+                ]
+            )
+        )
+    lines += [
+        "",
+        *_probe_lines(res),
+        *_training_lines(res),
+        "",
+        "Generated samples (the first three of each code):",
+        "",
+    ]
+    for s, v in sorted(res.votes.items()):
+        for code, texts in v["pool"]["examples"].items():
+            for t in texts:
+                short = t.replace("\n", " ").replace("|", "/")
+                lines.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
+    return [*lines, ""]
+
+
+def _probe_lines(res: Results) -> list[str]:
+    if res.probe is None:
+        return []
+    n = res.probe["per_code"]
+    lines = [
+        f"The base model tried with each prompt ({n} samples per code; on-code: the ceiling"
+        " classifier reads the sample as its code, ± SE over samples; 0.5 is chance for two"
+        " codes). The study generates with"
+        f" `{res.grid.prompt_template}`.",
+        "",
+        *head("prompt | on-code | cut by the token budget | mean words | a sample of each code"),
+    ]
+    for template, v in res.probe["templates"].items():
+        est = Estimate(**v["on_code"])
+        shown = " / ".join(str(t[0]).replace("|", "/")[:90] for t in v["examples"].values() if t)
+        cut = "" if v.get("prompt_whole", True) else " (prompt cut)"
+        lines.append(
+            row([f"`{template}`{cut}", est.fmt(), num(v["truncated"]), num(v["words"], 1), shown])
+        )
+    return [*lines, ""]
+
+
+def _training_lines(res: Results) -> list[str]:
+    lines = [
+        "DP-SGD moved the adapter by (‖θ_r − θ_0‖₂ after each round, from `metrics.jsonl`):",
+        "",
+        *head("pool | σ DP-SGD | ε DP-SGD | update norm per round | fine-tuning s | generation s"),
+    ]
+    for s, view in sorted(res.runs.items()):
+        rounds = view.rounds
+        r_train = int(view.config.get("algo", {}).get("train_rounds", 0))
+        norms = [rounds.get(i, {}).get("update_norm") for i in range(1, r_train + 1)]
+        sigmas = [
+            m["sigma"] / m["sensitivity"]
+            for m in view.privacy.get("entries", [])
+            if m["kind"] == "dp-sgd"
+        ]
+        mech = view.privacy.get("mechanisms", {}).get("dp-sgd:train", {}).get("epsilon_max")
+        train_s = sum(float(rounds.get(i, {}).get("time_s", 0.0)) for i in range(1, r_train + 1))
+        gen_s = rounds.get(r_train + 1, {}).get("time/generate_s")
+        lines.append(
+            row(
+                [
+                    pool_label(res.grid, s),
+                    num(max(sigmas), 3) if sigmas else DASH,
+                    _eps(mech),
+                    ", ".join(num(n, 2) for n in norms) or DASH,
+                    num(train_s, 0),
+                    num(gen_s, 0),
+                ]
             )
         )
     return lines
 
 
-def _diff(
-    res: Mapping[str, RunResult],
-    cell: Cell,
-    a: tuple[float, float | None, str],
-    b: tuple[float, float | None, str],
-) -> Estimate:
-    """Logistic-regression accuracy of one set minus another's, paired over test rows.
+def _sizing_lines(grid: Grid) -> list[str]:
+    """What the grid's sizes promise before any run: the expected mass against the noise."""
+    from fedfm.core.privacy import analytic_gaussian_sigma
 
-    ``a`` and ``b`` are (strong share, ε_train or None for the floor, ``gen`` or ``vote``)
-    in the group of ``cell`` (its data set, distribution and seed).
-    """
-    ra, rb = (res.get(dataclasses.replace(cell, strong=x[0], epsilon=x[1]).name) for x in (a, b))
-    if a == b or ra is None or rb is None or a[2] not in ra.items or b[2] not in rb.items:
-        return NONE
-    return acc_diff(ra.items[a[2]], rb.items[b[2]], "logreg")
-
-
-ONE_SEED = (
-    "One seed: the SE covers the test rows, not another draw of the DP noise, sampling or"
-    " generation."
-)
-DUPLICATES = (
-    "Voting resamples s of s with replacement, which keeps at most about 63% distinct samples"
-    " even under uniform votes; without a duplication-matched control the change cannot be"
-    " credited to the votes."
-)
-
-
-def readouts(grid: Grid) -> list[Readout[dict[str, RunResult]]]:
-    """Voting, more strong clients (the premise of claim 1), the paper's two claims, and the
-    control this grid lacks; on the first group of the grid, logistic-regression accuracy."""
-    d, part = grid.pairs()[0]
-    lo, hi = min(d.strong), max(d.strong)
-    cell = Cell(d.name, part, grid.seeds[0], lo, 8.0)
-    where = f"{NAMES[d.name]}, {part}, ε 8"
+    n = len(voters(grid, grid.few))
+    mass = n * grid.rows * math.sqrt(grid.k) / grid.pool
+    delta = float(generator_config(grid, grid.few)["privacy"]["delta"])
+    noise = [analytic_gaussian_sigma(e, delta) * math.sqrt(n) for e in grid.epsilon_votes]
+    shown = ", ".join(
+        f"{x:.1f} at ε_vote {e:g}" for x, e in zip(noise, grid.epsilon_votes, strict=True)
+    )
+    # The earlier grid: K = 4, 9 voters of 100 rows, 200 samples, ε_vote 1.
+    before = 9 * 100 * math.sqrt(4) / 200, analytic_gaussian_sigma(1.0, delta) * math.sqrt(9)
     return [
-        Readout(
-            f"voting − no voting, {100 * lo:g}% strong, {where}",
-            "paired over test rows",
-            "voting raises downstream scores (Yelp, 1% strong: about +0.20 F1)",
-            +1,
-            lambda r: _diff(r, cell, (lo, 8.0, "vote"), (lo, 8.0, "gen")),
-            scope=f"{DUPLICATES} {ONE_SEED}",
-        ),
-        Readout(
-            "voted − a uniform draw with replacement (the duplication-matched control)",
-            "—",
-            "the votes select better samples",
-            +1,
-            lambda r: NONE,
-            scope="This grid keeps no generated pool to redraw from, so it has no such control.",
-            testable=False,
-        ),
-        Readout(
-            f"{100 * hi:g}% − {100 * lo:g}% strong without voting, {where}",
-            "paired over test rows",
-            "more strong clients help (the premise of claim 1; Yelp 10% strong: 0.6280)",
-            +1,
-            lambda r: _diff(r, cell, (hi, 8.0, "gen"), (lo, 8.0, "gen")),
-            scope=ONE_SEED,
-        ),
-        Readout(
-            f"{100 * lo:g}% strong with voting − {100 * hi:g}% without, {where}",
-            "paired over test rows",
-            "few strong clients with voting reach many without (Yelp 0.6149 vs 0.6280)",
-            +1,
-            lambda r: _diff(r, cell, (lo, 8.0, "vote"), (hi, 8.0, "gen")),
-            scope=f"Meaningful only where the premise (the row above) holds. {ONE_SEED}",
-        ),
-        Readout(
-            f"ε 8 with voting − ε ∞ without, {100 * lo:g}% strong, {NAMES[d.name]}, {part}",
-            "paired over test rows",
-            "on some non-IID splits ε 8 with voting beats ε ∞ without",
-            +1,
-            lambda r: _diff(r, cell, (lo, 8.0, "vote"), (lo, math.inf, "gen")),
-            scope=f"{DUPLICATES} {ONE_SEED}",
-        ),
+        f"Sized for it: K = {grid.k}, {n} voters of {grid.rows} rows and a pool of {grid.pool}"
+        f" give an expected {mass:.1f} votes per entry against a noise SD of {shown} (the"
+        f" earlier grid, K = 4 and 9 voters of 100 rows for 200 samples: {before[0]:.1f}"
+        f" against {before[1]:.1f} at ε_vote 1)."
     ]
 
 
-def body(ctx: Context[Grid], res: dict[str, RunResult]) -> list[str]:
-    """Setup, scores, differences, privacy, budget, the paper's findings, the full grid."""
-    grid = ctx.grid
+def _signal_lines(res: Results) -> list[str]:
+    eps = res.grid.epsilon_votes
     lines = [
-        '"Resource-Adaptive Federated Text Generation with Differential Privacy" (ICLR 2026, '
-        "arXiv:2603.07027; `algorithm: dpsyn`, docs/dpsyn.md); "
-        f"{len(res)} of {len(grid.cells())} runs finished.",
+        "Each private sample casts K votes of 1/√K, so the votes' mass per pool entry is"
+        " (private samples × √K) / pool; the noise on each entry of the sum has SD σ·√voters."
+        " What selects is the spread of the clean votes over the entries (their SD), against"
+        " that noise.",
         "",
-        "## Setup",
+        *_sizing_lines(res.grid),
         "",
-        *_setup_lines(grid),
-        "",
-        '"Without voting" and "with voting" are rounds R + 1 and R + 2 of the same run '
-        "(the generated set, then the set resampled by the weak clients' votes).",
-        "",
-        "## Downstream scores on the real held-out rows",
-        "",
-        "Classifiers trained only on each set; `logreg`: logistic regression on MiniLM "
-        "embeddings, `clf`: fedfm's small text classifier; Fréchet: distance between the "
-        "set's and the held-out rows' MiniLM embeddings (lower is closer). Distinct samples: "
-        "generated samples, and after voting the distinct ones the resampling kept.",
-        "",
+        *head(
+            [
+                "pool",
+                "voters",
+                "private samples",
+                "K",
+                "clean votes per entry: mean",
+                "SD",
+                "max",
+                "entries without a vote",
+                *[f"noise SD, ε_vote {e:g}" for e in eps],
+                "corr(votes, on-code)",
+            ]
+        ),
     ]
-    for d, part in grid.pairs():
-        lines += [f"### {NAMES[d.name]}, {part}", "", *_results_table(grid, res, d.name, part), ""]
-    lines += [
-        "## Differences",
-        "",
-        "a − b over the same held-out rows; ± the paired SE over test rows (accuracy: sd/√n of "
-        "per-row correctness differences; macro-F1: SD of "
-        f"{BOOTSTRAP} paired bootstrap resamples of the rows); `*`: more than 2 SE from zero. "
-        "These SEs cover the test rows only, not another draw of the DP noise, sampling or "
-        "generation (one seed per cell unless stated).",
-        "",
-        *_diff_table(grid, res),
-        "",
-        *_seed_table(grid, res),
-        "## Privacy per run",
-        "",
-        "ε of each mechanism (worst client) and their composition per role (worst client of "
-        "the role), from `privacy.json` and `summary.json` (`finish`); ∞ for ε_train = ∞.",
-        "",
-        *_privacy_table(res),
-        "",
-        "## Budget and wall time",
-        "",
-        "Bytes on the wire summed over the run (adapters down and up, counts, synthetic texts "
-        "to the voters, votes); seconds per stage from `metrics.jsonl` (one thread, CPU shared "
-        "with other jobs, so the times are upper bounds of an idle machine's).",
-        "",
-        *_budget_table(res),
-        "",
-        f"Summed over the runs: {sum(r.wall_s for r in res.values()) / 60:.1f} min.",
-        "",
-        "## The paper's findings",
-        "",
-        *[f"- {p}" for p in PAPER_FINDINGS],
-        "",
-        "Compare with the rows `voting`, `paper claim 1` and `paper claim 2` above; the "
-        "data sets, model (SmolLM2-135M with LoRA instead of GPT-2 fine-tuned in full), client "
-        "counts and budgets here are far smaller than the paper's.",
-        "",
-        *_full_grid_lines(res),
-    ]
-    return lines
+    for s, v in sorted(res.votes.items()):
+        g = v["signal"]
+        lines.append(
+            row(
+                [
+                    pool_label(res.grid, s),
+                    g["voters"],
+                    g["private_samples"],
+                    g["k"],
+                    num(g["mass_mean"], 1),
+                    num(g["mass_sd"], 1),
+                    num(g["mass_max"], 1),
+                    num(g["zero_share"]),
+                    *[num(g["noise_sd"].get(f"{e:g}"), 1) for e in eps],
+                    num(v.get("correlation_votes_on_code")),
+                ]
+            )
+        )
+    return [*lines, ""]
 
 
-def _full_grid_lines(res: Mapping[str, RunResult]) -> list[str]:
-    est = estimate_seconds(FULL, res)
-    when = (
-        f"an estimate from the measured runs above (not a measurement): about "
-        f"{est / 3600:.1f} h on one thread"
-        if est is not None
-        else "not estimated (no run fine-tuned)"
+def _scores_lines(res: Results) -> list[str]:
+    names = (res.embed or {}).get("class_names", [])
+    lines = head(
+        "pool | selection | accuracy | macro-F1 | Fréchet (distinct) | distinct | on-code"
+        " | test rows predicted as " + " / ".join(names)
     )
-    data = "; ".join(
-        f"{NAMES[d.name]}: {d.clients} clients of "
-        f"{'all' if d.rows is None else d.rows} rows, strong "
-        f"{', '.join(f'{100 * x:g}%' for x in d.strong)}"
-        for d in FULL.data
+    for s in sorted(res.votes):
+        for key in _keys(res.grid):
+            if key not in res.preds.get(s, {}):
+                continue
+            side = (s, key)
+            lines.append(
+                row(
+                    [
+                        pool_label(res.grid, s),
+                        _sel_label(key),
+                        acc_level(res, side).fmt(),
+                        f1_level(res, side).fmt(),
+                        mean_se(seed_values(res, side, "frechet")).fmt(),
+                        num(float(np.mean(seed_values(res, side, "distinct"))), 1),
+                        num(float(np.mean(seed_values(res, side, "on_code")))),
+                        " / ".join(num(x, 2) for x in predicted(res, side, len(names))),
+                    ]
+                )
+            )
+    return [*lines, ""]
+
+
+def _diff_cells(res: Results, a: Side, b: Side) -> list[str]:
+    return [
+        marked(acc_diff(res, a, b)),
+        marked(f1_diff(res, a, b)),
+        marked(seed_diff(res, a, b, "frechet")),
+        marked(seed_diff(res, a, b, "on_code")),
+    ]
+
+
+DIFF_HEAD = "Δ accuracy | Δ macro-F1 | Δ Fréchet | Δ on-code"
+
+
+def _within_lines(res: Results) -> list[str]:
+    lines = head(f"pool | comparison | {DIFF_HEAD}")
+    for s in sorted(res.votes):
+        pairs = [("uniform − subset (duplication alone)", "uniform", "subset")]
+        for e in res.grid.epsilon_votes:
+            pairs += [
+                (f"by votes − uniform, ε_vote {e:g}", f"votes/{e:g}", "uniform"),
+                (f"top − subset, ε_vote {e:g}", f"top/{e:g}", "subset"),
+                (f"by votes − subset, ε_vote {e:g}", f"votes/{e:g}", "subset"),
+            ]
+        for label, a, b in pairs:
+            lines.append(row([pool_label(res.grid, s), label, *_diff_cells(res, (s, a), (s, b))]))
+    return [*lines, ""]
+
+
+def _between_lines(res: Results) -> list[str]:
+    grid = res.grid
+    lines = head(f"comparison | {DIFF_HEAD}")
+    pairs = [
+        (f"{s} strong − base model, no voting", (s, "subset"), (0, "subset")) for s in grid.strong
+    ]
+    pairs.append(
+        (
+            f"{grid.many} strong − {grid.few} strong, no voting",
+            (grid.many, "subset"),
+            (grid.few, "subset"),
+        )
+    )
+    for e in grid.epsilon_votes:
+        pairs.append(
+            (
+                f"{grid.few} strong by votes (ε_vote {e:g}) − {grid.many} strong, no voting",
+                (grid.few, f"votes/{e:g}"),
+                (grid.many, "subset"),
+            )
+        )
+    for label, a, b in pairs:
+        lines.append(row([label, *_diff_cells(res, a, b)]))
+    return [*lines, ""]
+
+
+def _privacy_lines(res: Results) -> list[str]:
+    lines = head(
+        "pool | ε_vote asked | σ vote | ε DP-SGD | ε profiling | ε vote (RDP)"
+        " | ε strong (DP-SGD + profiling) | ε weak (profiling + vote)"
+    )
+    for s, v in sorted(res.votes.items()):
+        for e, p in v["privacy"].items():
+            m = p["mechanisms"]
+            lines.append(
+                row(
+                    [
+                        pool_label(res.grid, s),
+                        e,
+                        num(p["sigma_vote"], 3),
+                        _eps(m.get("dp-sgd:train")),
+                        _eps(m.get("analytic-gaussian:profile")),
+                        _eps(m.get("analytic-gaussian:vote")),
+                        _eps(p["strong"]),
+                        _eps(p["weak"]),
+                    ]
+                )
+            )
+    return [
+        *lines,
+        "",
+        "The RDP accountant reports an analytic Gaussian calibrated for ε = 1 as about 1.1"
+        " (its conversion is loose; `privacy.accountant: pld` is tight). The noise of the"
+        " generator runs came from each client's own secret (`privacy.noise: secret`); the"
+        " offline vote's is seeded (a simulation of the mechanism's distribution).",
+        "",
+    ]
+
+
+def _scope_lines(grid: Grid, res: Results) -> list[str]:
+    ses = [
+        acc_diff(res, (p, f"votes/{e:g}"), (p, "uniform")).se
+        for p in (0, grid.few)
+        for e in grid.epsilon_votes
+    ]
+    ses = [x for x in ses if math.isfinite(x)]
+    resolution = (
+        f" A readout of voting resolves an accuracy difference of about {2 * max(ses):.3f}"
+        f" (2 SE, the largest of R1 to R{len(ses)})."
+        if ses
+        else ""
     )
     return [
-        "## The full grid",
-        "",
-        f"`fedfm reproduce dpsyn` runs {len(FULL.cells())} runs ({data};"
-        f" {' and '.join(FULL.partitions)} code distributions; ε_train ∈"
-        f" {{{', '.join(_eps_name(e) for e in FULL.epsilons)}}}; a floor run per data set and"
-        f" distribution; seeds {', '.join(map(str, FULL.seeds))}; the same sizes per run as"
-        " above) and writes `docs/dpsyn-study.md`. Its time: "
-        f"{when} (fine-tuning time per strong-client DP step, generation time per sample and"
-        " voting time per voter, each the mean over these runs, times the full grid's counts;"
-        " these runs shared their cores, so an idle machine takes less).",
+        f"- Model: {generator_config(grid, grid.few)['task']['lm']} with a LoRA adapter; the"
+        " paper fine-tunes GPT-2 (Yelp)"
+        " and GPT-2-large (PubMed) in full.",
+        f"- Data and clients: {grid.clients} clients of {grid.rows} Rotten Tomatoes snippets"
+        " with one binary code; the paper has 100 Yelp clients of 15,000 reviews (business"
+        " category × rating as codes) and 20 PubMed clients of 2,250 abstracts.",
+        f"- Fine-tuning: {grid.train_rounds} rounds × {grid.steps} DP-SGD steps of batch"
+        f" {grid.batch_size}; the paper trains for many epochs over far more rows, where"
+        " DP-SGD's noise averages out.",
+        f"- Strong shares: {', '.join(f'{s} of {grid.clients}' for s in grid.strong)}; the"
+        " paper compares 1% with 10% and 20% with 40% of 100 clients.",
+        f"- Voting: {len(voters(grid, grid.few))} weak clients of {grid.rows} rows; the paper's"
+        " weak clients hold thousands of rows each, so its votes' mass per entry is far larger"
+        " against the same noise.",
+        "- What the grid resolves: within a pool, the votes' effect against chance at the"
+        " seeds × test rows' resolution (the SEs above). What it cannot: the spread of"
+        " generation and DP-SGD between runs (one pool per generator), so a difference"
+        " between pools is a difference between two draws of the generators; and the paper's"
+        f" larger scales.{resolution}",
         "",
     ]
 
@@ -839,14 +1304,15 @@ def _full_grid_lines(res: Mapping[str, RunResult]) -> list[str]:
 STUDY = register(
     Study(
         name="dpsyn",
-        summary="DP federated text generation: DP noise, strong share, voting",
+        summary="DP federated text generation: the weak clients' votes against chance",
         full=FULL,
         quick=QUICK,
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: f"DP federated text generation: reproduction ({ctx.grid.label})",
+        title=lambda ctx: f"DP federated text generation: do the votes select? ({ctx.grid.label})",
         body=body,
         reports=("dpsyn-study.md", "dpsyn-quick.md"),
+        workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
     )
 )

@@ -282,7 +282,8 @@ class Readout(Generic[R]):
         digits: Decimals of the estimate in the report.
         scope: What this grid can and cannot test about the claim.
         testable: False when this grid cannot test the claim at all (the value is shown,
-            the verdict says so).
+            the verdict says so); or a function of what the study read, for a claim whose
+            premise the runs must show first (e.g. "more strong clients help").
     """
 
     name: str
@@ -293,12 +294,12 @@ class Readout(Generic[R]):
     null: float = 0.0
     digits: int = 3
     scope: str = ""
-    testable: bool = True
+    testable: bool | Callable[[R], bool] = True
 
     def judge(self, data: R) -> tuple[Estimate, str]:
         """The estimate and its verdict."""
         est = self.value(data)
-        if not self.testable:
+        if not (self.testable(data) if callable(self.testable) else self.testable):
             return est, "cannot be tested by this grid"
         return est, verdict(est, self.direction, self.null)
 

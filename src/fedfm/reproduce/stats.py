@@ -12,6 +12,11 @@ for every kind of unit (its keys are seeds, item ids or row ids).
 A statistic that is not a mean over units (macro-F1) gets its SE from a paired bootstrap:
 the same resampled rows for both sides (:func:`paired_bootstrap`, :func:`macro_f1_diff`).
 
+Where every seed is scored on every test row (seeds of a noise draw, each scored on the same
+held-out rows), the two are crossed random factors: :func:`crossed` gives the SE of a mean
+over both, :func:`crossed_bootstrap` that of a statistic such as macro-F1 (Owen 2007, "The
+pigeonhole bootstrap").
+
 A value is *resolved* when it lies more than two standard errors from zero (about a 95 %
 interval under normality; with 5 seeds, 4 degrees of freedom, the t quantile is 2.78, so 2 SE
 is a lenient screen, not a test). :func:`verdict` applies that rule to a readout: in the
@@ -109,6 +114,77 @@ def mean_of(parts: Sequence[Estimate]) -> Estimate:
         return NONE
     se = math.sqrt(sum(p.se**2 for p in parts)) / len(parts)
     return Estimate(float(np.mean([p.mean for p in parts])), se, sum(p.n for p in parts))
+
+
+def crossed(d: np.ndarray) -> Estimate:
+    """The mean of a ``(seeds, rows)`` array of paired differences, with a two-way SE.
+
+    ``d[s, i]`` is a − b for seed ``s`` on test row ``i``. Seeds and rows are crossed random
+    factors, so the SE combines both: ``SE² = s²_seeds / S + s²_rows / N``, where
+    ``s²_seeds`` is the sample variance (ddof 1) of the ``S`` per-seed means (over rows) and
+    ``s²_rows`` that of the ``N`` per-row means (over seeds). Each term also holds the
+    interaction's share ``σ²_e / (S·N)`` once, so the sum counts it twice: slightly
+    conservative. A factor with one level contributes nothing (one seed: the SE of rows alone,
+    as :func:`paired` over rows). ``n`` is ``S·N``.
+    """
+    d = np.asarray(d, dtype=float)
+    if d.ndim != 2 or d.size == 0:
+        return NONE
+    s_count, n_count = d.shape
+    var = 0.0
+    if s_count > 1:
+        var += float(d.mean(1).var(ddof=1)) / s_count
+    if n_count > 1:
+        var += float(d.mean(0).var(ddof=1)) / n_count
+    se = math.sqrt(var) if d.size > 1 else math.nan
+    return Estimate(float(d.mean()), se, int(d.size))
+
+
+def crossed_bootstrap(
+    shape: tuple[int, int],
+    diff: Callable[[np.ndarray, np.ndarray], float],
+    resamples: int = BOOTSTRAP,
+    seed: int = 0,
+) -> Estimate:
+    """A statistic's difference over ``(seeds, rows)`` with the SE of a two-way bootstrap.
+
+    Each resample draws the seeds and, independently, the test rows with replacement (the
+    pigeonhole bootstrap of Owen 2007, as conservative as :func:`crossed`), the same for both
+    sides.
+
+    Args:
+        shape: ``(S, N)``: seeds and rows.
+        diff: The statistic of a minus that of b, given index arrays of seeds ``[S]`` and rows
+            ``[N]`` (e.g. the mean over the seeds of each seed's macro-F1 difference).
+        resamples: Bootstrap resamples (seeded).
+        seed: Seed of the resampling.
+    """
+    s_count, n_count = shape
+    if s_count == 0 or n_count == 0:
+        return NONE
+    rng = np.random.default_rng(seed)
+    boots = [
+        diff(rng.integers(0, s_count, s_count), rng.integers(0, n_count, n_count))
+        for _ in range(resamples)
+    ]
+    full = diff(np.arange(s_count), np.arange(n_count))
+    return Estimate(float(full), float(np.std(boots, ddof=1)), s_count * n_count)
+
+
+def macro_f1_rows(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Macro-F1 of each row of predictions ``pred`` ``(S, N)`` against ``y`` ``(N,)``.
+
+    :func:`fedfm.tasks.base.macro_f1` per row (the mean over the classes present in ``y`` or
+    in that row's predictions), vectorised for the bootstrap.
+    """
+    pred, y = np.asarray(pred), np.asarray(y)
+    f1 = []
+    for c in np.union1d(np.unique(pred), np.unique(y)):
+        is_pred, is_true = pred == c, (y == c)[None, :]
+        denom = is_pred.sum(1) + is_true.sum()
+        tp = (is_pred & is_true).sum(1)
+        f1.append(np.where(denom > 0, 2 * tp / np.maximum(denom, 1), np.nan))
+    return np.nanmean(np.stack(f1), axis=0)
 
 
 def paired_bootstrap(

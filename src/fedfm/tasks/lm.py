@@ -16,7 +16,10 @@ scored by its own metric (ROUGE-L, GSM8K final-number accuracy, label accuracy) 
 ``score`` is the mean over domains of each domain's score, so every domain weighs the same.
 Any set of domains can be held out of training entirely (``heldout_domains``, with their own
 item count ``zeroshot_items``): they are scored per item like the rest and reported as
-``zeroshot/...`` (``zeroshot/score`` can be the run's primary metric). Beside the scores, each
+``zeroshot/...`` (``zeroshot/score`` can be the run's primary metric). Held-out general text
+(``text_nll``: plain documents such as C4's) is scored by its NLL per token, and
+``likelihood_only`` scores without generating anything (labels by log-likelihood, the other
+items by their reference's NLL, kept per item). Beside the scores, each
 classification domain logs its predicted-label histogram with the majority-class and uniform
 baselines, and each domain the share of generations cut by its token budget
 (:func:`fedfm.eval.llm.instrument_readouts`); a budget below the 90th percentile of a domain's
@@ -45,16 +48,22 @@ from typing import Any, Literal, cast
 import datasets
 import numpy as np
 import peft
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from fedfm.config import validate_section
 from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
-from fedfm.data.sources import load_source
+from fedfm.data.sources import SOURCES, load_source, source_info
 from fedfm.errors import ConfigError, FedfmError
-from fedfm.eval.llm import ROW_METRICS, ChoiceNorm, EvalSettings, evaluate_instruction_items
+from fedfm.eval.llm import (
+    ROW_METRICS,
+    ChoiceNorm,
+    EvalSettings,
+    evaluate_instruction_items,
+    text_nlls,
+)
 from fedfm.fm import FoundationModel
 from fedfm.models.causal_lm import LMBundle, check_lm_setup
 from fedfm.models.generation import pad_id_of
@@ -64,8 +73,26 @@ from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, TASKS, Task, TaskCo
 log = logging.getLogger("fedfm")
 
 ZEROSHOT = "zeroshot/"
+TEXT_NLL = "text_nll"
 BUDGET_PERCENTILE = 90
 """A generation budget below this percentile of a domain's reference lengths is warned about."""
+
+
+class TextNLLConfig(BaseModel):
+    """Held-out general text scored by its NLL per token (``task.text_nll``).
+
+    Attributes:
+        corpus: A source of kind ``text`` (``c4_demo``: 300 C4 documents).
+        docs: The first ``docs`` documents; ``None``: all.
+        max_tokens: Tokens scored per document (its first ones; the first token itself has
+            no prefix and is not counted).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    corpus: str = "c4_demo"
+    docs: int | None = Field(None, ge=1)
+    max_tokens: int = Field(256, ge=2)
 
 
 class InstructionConfig(TaskConfig):
@@ -102,7 +129,12 @@ class InstructionConfig(TaskConfig):
             and end-of-turn token, lm-evaluation-harness's ``acc``), ``bytes`` (divided by its
             UTF-8 bytes, ``acc_bytes``) or ``token_mean`` (per-token mean: biased towards
             multi-token labels; only to reproduce old figures).
-        eval_ppl: Also report the perplexity of the reference responses (``ppl``).
+        eval_ppl: Also report the perplexity of the reference responses (``ppl``), and keep
+            each evaluated item's NLL.
+        likelihood_only: Generate nothing at evaluation: classification items are scored by
+            log-likelihood (needs ``choice_mode: loglik``), the others only by their
+            reference's NLL (needs ``eval_ppl``).
+        text_nll: Also score held-out general text by its NLL per token (``text_nll/<corpus>``).
         train_domains: The only domains clients train on and that are scored as seen
             (``None``: every domain not held out).
         heldout_domains: Domains kept out of every client's data and evaluated zero-shot.
@@ -138,6 +170,8 @@ class InstructionConfig(TaskConfig):
     choice_mode: Literal["generate", "loglik"] = "generate"
     choice_norm: ChoiceNorm = "none"
     eval_ppl: bool = True
+    likelihood_only: bool = False
+    text_nll: TextNLLConfig | None = None
     train_domains: list[str] | None = None
     heldout_domains: list[str] = Field(default_factory=list)
     heldout_domain: str | None = None
@@ -157,6 +191,11 @@ class InstructionConfig(TaskConfig):
         bad = {d: n for d, n in self.domain_max_new_tokens.items() if n < 1}
         if bad:
             raise ValueError(f"domain_max_new_tokens must be >= 1, got {bad}")
+        if self.likelihood_only and (self.choice_mode != "loglik" or not self.eval_ppl):
+            raise ValueError(
+                "likelihood_only generates nothing: it needs choice_mode: loglik and eval_ppl:"
+                f" true (got {self.choice_mode!r} and {self.eval_ppl})"
+            )
         return self
 
     def settings(self) -> EvalSettings:
@@ -169,6 +208,7 @@ class InstructionConfig(TaskConfig):
             choice_mode=self.choice_mode,
             choice_norm=self.choice_norm,
             with_ppl=self.eval_ppl,
+            likelihood_only=self.likelihood_only,
         )
 
 
@@ -180,12 +220,15 @@ class InstructionData:
         rows: Columns ``id, instruction, input, output, domain, metric`` (and, for the suite,
             ``choices, answer``).
         heldout: Rows of the zero-shot domains (server test data only), else ``None``.
+        documents: Plain documents of ``task.text_nll`` (``id``, ``text``; server test data
+            only), else ``None``.
         encoded: Token ids, masks and response-only labels, filled on first use and kept, so
             each client's data is tokenised once per process.
     """
 
     rows: datasets.Dataset
     heldout: datasets.Dataset | None = None
+    documents: datasets.Dataset | None = None
     encoded: list[dict[str, list[int]]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -318,6 +361,7 @@ class InstructionTask(Task):
         self._test = InstructionData(
             _first_per_domain(test, per_domain),
             self._zeroshot_items(zeroshot, per_domain) if zeroshot is not None else None,
+            _documents(cfg.text_nll) if cfg.text_nll is not None else None,
         )
         self._check_primary()
         self._budget_p90 = self._warn_short_budgets()
@@ -389,11 +433,17 @@ class InstructionTask(Task):
         rows = self._test.heldout if zero else self._test.rows
         if rows is None:
             raise ConfigError("task.primary", f"'{name}' needs task.heldout_domains")
-        kinds = {ROW_METRICS.get(m).key for m in set(rows["metric"]) if m in ROW_METRICS}
+        # Likelihood only: the classification rows alone are scored.
+        scored = [
+            (m, d)
+            for m, d in zip(rows["metric"], rows["domain"], strict=True)
+            if m in ROW_METRICS and (m == "choice" or not self.cfg.likelihood_only)
+        ]
+        kinds = {ROW_METRICS.get(m).key for m, _ in scored} | ({"score"} if scored else set())
         metric, _, domain = name.removeprefix(ZEROSHOT).partition("/")
-        domains = set(rows["domain"])
-        if metric not in kinds | {"score"} or (domain and domain not in domains):
-            choices = sorted(kinds | {"score"})
+        domains = {d for _, d in scored}
+        if metric not in kinds or (domain and domain not in domains):
+            choices = sorted(kinds)
             raise ConfigError(
                 "task.primary",
                 f"'{name}' is not logged: use {'zeroshot/' if zero else ''}one of {choices},"
@@ -415,7 +465,9 @@ class InstructionTask(Task):
             for out, domain, metric in zip(
                 part["output"], part["domain"], part["metric"], strict=True
             ):
-                if metric == "choice" and settings.choice_mode == "loglik":
+                if settings.likelihood_only or (
+                    metric == "choice" and settings.choice_mode == "loglik"
+                ):
                     continue  # scored without generating
                 ids = self.tokenizer(out, add_special_tokens=False)["input_ids"]
                 lengths.setdefault(domain, []).append(len(ids) + 1)
@@ -577,8 +629,9 @@ class InstructionTask(Task):
             ``score`` (mean over domains), ``score/<domain>``, each metric kind overall and
             per domain (``rougeL``, ``gsm8k_acc``, ``acc``), ``ppl`` when ``eval_ppl``, counts
             ``n``, the instrument readouts (``truncated/<domain>``, ``pred/<domain>/<label>``,
-            ``majority/<domain>``, ``uniform/<domain>``); and every such key under
-            ``zeroshot/`` for the held-out domains (``zeroshot/score``, ...).
+            ``majority/<domain>``, ``uniform/<domain>``); every such key under
+            ``zeroshot/`` for the held-out domains (``zeroshot/score``, ...); and with
+            ``text_nll``, ``text_nll/<corpus>``, ``text_tokens/<corpus>``, ``text_docs/<corpus>``.
         """
         return self.evaluate_items(model, data)[0]
 
@@ -599,6 +652,41 @@ class InstructionTask(Task):
             zero, unseen = self._evaluate_rows(model, data.heldout)
             out.update({f"{ZEROSHOT}{k}": v for k, v in zero.items()})
             items += [{**item, "zeroshot": True} for item in unseen]
+        if data.documents is not None and self.cfg.text_nll is not None:
+            text, docs = self._evaluate_documents(model, data.documents, self.cfg.text_nll)
+            out.update(text)
+            items += docs
+        return out, items
+
+    def _evaluate_documents(
+        self, model: nn.Module, docs: datasets.Dataset, cfg: TextNLLConfig
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """``text_nll/<corpus>`` (NLL per token over every scored token), ``text_tokens`` and
+        ``text_docs``, and one item per document (``nll``, ``nll_tokens``, no score)."""
+        with self.autocast():
+            got = text_nlls(
+                model, self.tokenizer, docs["text"], cfg.max_tokens, self.cfg.eval_batch_size
+            )
+        nll, n = sum(g[0] for g in got), sum(g[1] for g in got)
+        c = cfg.corpus
+        out = {f"{TEXT_NLL}/{c}": nll / n if n else float("nan")}
+        out.update({f"text_tokens/{c}": float(n), f"text_docs/{c}": float(len(got))})
+        items = [
+            {
+                "id": f"{c}/{i}",
+                "domain": c,
+                "metric": TEXT_NLL,
+                "prompt": "",
+                "reference": text,
+                "answer": "",
+                "truncated": False,
+                "score": None,
+                "nll": s,
+                "nll_tokens": k,
+                "zeroshot": True,
+            }
+            for i, (s, k, text) in zip(docs["id"], got, strict=True)
+        ]
         return out, items
 
     def _evaluate_rows(
@@ -620,7 +708,26 @@ class InstructionTask(Task):
             if self._test.heldout
             else {},
             "reference_tokens_p90": dict(self._budget_p90),
+            "text_docs": len(self._test.documents) if self._test.documents else 0,
         }
+
+
+def _documents(cfg: TextNLLConfig) -> datasets.Dataset:
+    """The first ``cfg.docs`` documents of the text source ``cfg.corpus``.
+
+    Raises:
+        ConfigError: The corpus is not a registered text source, or has fewer documents.
+    """
+    field = "task.text_nll"
+    if cfg.corpus not in SOURCES:
+        raise ConfigError(f"{field}.corpus", f"unknown source '{cfg.corpus}'")
+    kind = source_info(cfg.corpus).kind
+    if kind != "text":
+        raise ConfigError(f"{field}.corpus", f"'{cfg.corpus}' is a {kind} set, not plain text")
+    docs = load_source(cfg.corpus).train
+    if cfg.docs is not None and cfg.docs > len(docs):
+        raise ConfigError(f"{field}.docs", f"{cfg.docs} asked, '{cfg.corpus}' has {len(docs)}")
+    return docs if cfg.docs is None else docs.select(range(cfg.docs))
 
 
 def _with_eval_columns(ds: datasets.Dataset) -> datasets.Dataset:

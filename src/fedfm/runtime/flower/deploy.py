@@ -51,6 +51,9 @@ APP_NAME = "fedfm-flower-app"
 
 CONNECTION = "fedfm"
 
+#: The SuperNode command fedfm runs: Flower's ``flower-supernode`` with paced polls.
+SUPERNODE_MODULE = "fedfm.runtime.flower.supernode"
+
 
 APP_PYPROJECT = f"""\
 [build-system]
@@ -143,6 +146,7 @@ def supernode_command(
     auth_key: Path | None = None,
     state_dir: Path | None = None,
     isolation: str = "process",
+    paced: bool = True,
 ) -> list[str]:
     """The ``flower-supernode`` command line of one fedfm client.
 
@@ -156,11 +160,15 @@ def supernode_command(
         state_dir: Folder for this node's client-state snapshots (resume).
         isolation: ``"process"`` (a fedfm warm worker serves the ClientApp) or
             ``"subprocess"`` (Flower starts a ClientApp process per message).
+        paced: Run Flower's SuperNode with fedfm's short polls
+            (:mod:`fedfm.runtime.flower.supernode`); False runs ``flower-supernode`` as
+            Flower ships it (a 3 s pause after every empty poll).
     """
     node_config = f"partition-id={partition_id} num-partitions={num_partitions}"
     if state_dir is not None:
         node_config += f' state-dir="{state_dir.resolve()}"'
-    cmd = [bin_path("flower-supernode"), "--superlink", superlink, "--node-config", node_config]
+    exe = [sys.executable, "-m", SUPERNODE_MODULE] if paced else [bin_path("flower-supernode")]
+    cmd = [*exe, "--superlink", superlink, "--node-config", node_config]
     cmd += ["--host", "127.0.0.1", "--port", str(runtime_port), "--isolation", isolation]
     cmd += (
         ["--insecure"]
@@ -382,6 +390,7 @@ def start_client(
     env_extra: Mapping[str, str] | None = None,
     name: str | None = None,
     die_with_parent: bool = False,
+    paced: bool = True,
 ) -> list[Proc]:
     """Starts the SuperNode of one client (and its warm worker); returns without waiting.
 
@@ -398,6 +407,7 @@ def start_client(
         env_extra: Extra environment variables (e.g. ``PYTHONPATH`` for plugins).
         name: Name of the node's processes and logs (default ``supernode-<partition>``).
         die_with_parent: End the processes with the calling thread (see :func:`start`).
+        paced: Shorten the SuperNode's polls (see :func:`supernode_command`).
 
     Returns:
         The started processes (stop them with :func:`stop`).
@@ -416,6 +426,7 @@ def start_client(
         auth_key,
         state,
         isolation,
+        paced,
     )
     name = name or f"supernode-{partition_id}"
     node = start(name, cmd, env, log_dir, die_with_parent)

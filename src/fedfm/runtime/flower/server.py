@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from fedfm.core.state import ClientStateStore
 from fedfm.engine import Engine, FederationFactory, Setup
 from fedfm.errors import FedfmError
 from fedfm.runtime.flower.options import FlowerOptions
+from fedfm.runtime.flower.pacing import pinned, quick_object_pulls
 from fedfm.runtime.flower.payload import SESSIONS_FILE
 from fedfm.runtime.flower.wire import (
     CLIENT_ERROR_CODE,
@@ -45,6 +46,9 @@ log = logging.getLogger("fedfm")
 # (MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE in flwr 1.42): nothing shows the node received it.
 # Other codes come from the SuperNode's side (the ClientApp failed or crashed there).
 UNCONFIRMED_CODES = frozenset({3, 5})
+
+#: The first pause between two pulls for replies (seconds); it doubles up to ``poll_s``.
+FIRST_POLL_S = 0.01
 
 
 def run_sessions(run_dir: Path, resumed_from: int) -> dict[str, Any]:
@@ -280,37 +284,62 @@ class FlowerFederation(Federation):
 class _Inbox:
     """Replies of one exchange, pulled from the grid as they come in.
 
-    Flower's own ``send_and_receive`` polls every 3 s; polling from 10 ms up to ``poll_s``
-    keeps short exchanges short. The wait for all replies of an exchange ends ``timeout_s``
-    after the messages were pushed.
+    Flower's own ``send_and_receive`` sleeps 3 s between two pulls; this one pulls at once,
+    then waits from :data:`FIRST_POLL_S`, doubling up to ``poll_s``, and starts again from
+    :data:`FIRST_POLL_S` whenever a reply came in (the others often follow close behind).
+    The wait for all replies of an exchange ends ``timeout_s`` after the messages were
+    pushed.
+
+    Args:
+        grid: The ServerApp's grid (its ``pull_messages``).
+        pending: Ids of the pushed messages whose replies are awaited.
+        options: Flower options (``timeout_s``, ``poll_s``).
+        clock: Monotonic clock (seconds).
+        sleep: Sleeps for the given seconds.
     """
 
-    def __init__(self, grid: Grid, pending: set[str], options: FlowerOptions) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        pending: set[str],
+        options: FlowerOptions,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.grid = grid
         self.pending = pending
         self.got: dict[str, Any] = {}
-        self.start = time.monotonic()
+        self._clock = clock
+        self._sleep = sleep
+        self.start = clock()
         self.deadline = self.start + options.timeout_s
         self.poll_s = options.poll_s
-        self._sleep = 0.01
+        self._pause = FIRST_POLL_S
 
     def waited(self) -> float:
         """Seconds since the messages were pushed."""
-        return time.monotonic() - self.start
+        return self._clock() - self.start
 
     def take(self, message_id: str) -> Any:
-        """The reply to ``message_id`` (removed from the inbox), or None if none came in time."""
+        """The reply to ``message_id`` (removed from the inbox), or None if none came in time.
+
+        Replies to other messages that arrive meanwhile stay in the inbox, still encoded.
+        """
         while message_id not in self.got and message_id in self.pending:
-            for reply in self.grid.pull_messages(list(self.pending)):
-                rid = reply.metadata.reply_to_message_id
-                if rid in self.pending:
-                    self.got[rid] = reply
-                    self.pending.discard(rid)
-            if message_id in self.got or time.monotonic() >= self.deadline:
+            self._pull()
+            if message_id in self.got or self._clock() >= self.deadline:
                 break
-            time.sleep(self._sleep)
-            self._sleep = min(self._sleep * 2, self.poll_s)
+            self._sleep(min(self._pause, max(self.deadline - self._clock(), 0.0)))
+            self._pause = min(self._pause * 2, self.poll_s)
         return self.got.pop(message_id, None)
+
+    def _pull(self) -> None:
+        for reply in self.grid.pull_messages(list(self.pending)):
+            rid = reply.metadata.reply_to_message_id
+            if rid in self.pending:
+                self.got[rid] = reply
+                self.pending.discard(rid)
+                self._pause = FIRST_POLL_S
 
 
 class ClientFailed(FedfmError):
@@ -347,6 +376,8 @@ def server_main(grid: Grid, payload: Payload) -> dict[str, Any]:
     """
 
     cfg = payload.run_config()
+    if _deployed(grid) and pinned():
+        quick_object_pulls()  # replies are pulled as soon as they show: see pacing
     made: list[FlowerFederation] = []
     make = flower_federation_factory(grid, payload)
 
@@ -369,6 +400,13 @@ def server_main(grid: Grid, payload: Payload) -> dict[str, Any]:
     finally:
         if made:  # also when the run failed: who was missing is often why
             report_absent(Path(cfg.out_dir) / cfg.name, made[0].absent())
+
+
+def _deployed(grid: Grid) -> bool:
+    """Whether ``grid`` is the deployment engine's (it pulls messages' objects over HTTP)."""
+    from flwr.superlink.grid.http_grid import HttpGrid
+
+    return isinstance(grid, HttpGrid)
 
 
 def report_absent(run_dir: Path, absent: Mapping[str, str]) -> None:

@@ -119,6 +119,10 @@ def serve(
     """
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
 
+    from fedfm.runtime.flower.pacing import pinned, quick_object_pulls
+
+    if pinned():
+        quick_object_pulls()  # a task shows before its message's objects are all in
     certs = root_certificates.read_bytes() if root_certificates else None
     if parent_pid is not None:
         _exit_with(parent_pid)
