@@ -8,7 +8,9 @@ same) included. ``from a import b`` is an edge to ``a.b`` when ``a.b`` is a modu
 how Python loads packages, and registering packages import their own modules.
 
 The layers (DESIGN.md principle 16, :data:`LAYERS`): a module may import its own top-level
-package or module and those listed before it, never one listed after it.
+package or module and those listed before it, never one listed after it. The core sits below
+``config`` and ``data``: it owns the config sections it reads (``core.settings``) and the batch
+format it trains on (``core.batching``), which ``config`` and ``data`` re-export.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ LAYERS = (
     "registry",
     "devices",
     "tblog",
+    "core",
     "config",
     "data",
-    "core",
     "models",
     "eval",
     "fm",

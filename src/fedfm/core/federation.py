@@ -30,6 +30,7 @@ from fedfm.core.messages import (
     validate_reply,
 )
 from fedfm.core.seeding import derive_seed
+from fedfm.core.settings import RunView
 from fedfm.core.state import ClientState
 from fedfm.errors import ConfigError, FedfmError, MessageError
 
@@ -40,12 +41,12 @@ class ClientTask(Protocol):
     """What the core needs of a task on a client: its data, batches, loss and evaluation.
 
     :class:`fedfm.tasks.base.Task` provides it; the core never imports the task layer.
-
-    Attributes:
-        run: The run config (the core reads ``run.rounds`` for learning-rate schedules).
     """
 
-    run: Any
+    @property
+    def run(self) -> RunView:
+        """The run config (the core reads ``run.rounds`` for learning-rate schedules)."""
+        ...
 
     def client_data(self, cid: str) -> Any:
         """Training data of one client."""

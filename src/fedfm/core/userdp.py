@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,10 +77,8 @@ from fedfm.core.privacy import PrivacyLedger, epsilon_of, quiet_accounting
 from fedfm.core.replies import meta_number
 from fedfm.core.secret import SecretStream, noise_seed
 from fedfm.core.seeding import derive_seed
+from fedfm.core.settings import RunView, UserLevelConfig
 from fedfm.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fedfm.config import RunConfig, UserLevelConfig
 
 log = logging.getLogger("fedfm")
 
@@ -218,7 +216,7 @@ class UserDP:
     """
 
     def __init__(
-        self, cfg: UserLevelConfig, run: RunConfig, num_clients: int, ledger: PrivacyLedger
+        self, cfg: UserLevelConfig, run: RunView, num_clients: int, ledger: PrivacyLedger
     ) -> None:
         self.cfg = cfg
         self.run = run
