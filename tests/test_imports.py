@@ -182,3 +182,15 @@ def test_imports_go_down_the_layers() -> None:
 
 def test_the_engine_imports_no_runtime() -> None:
     assert not {m for m in import_graph()["fedfm.engine"] if m.startswith("fedfm.runtime")}
+
+
+def test_the_design_doc_draws_the_layers_in_order() -> None:
+    doc = (SRC.parent / "docs" / "design.md").read_text(encoding="utf-8")
+    section = doc.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    drawn = [
+        name.strip("`").removesuffix("/").removesuffix(".py")
+        for line in section.splitlines()
+        if line.startswith("| `")
+        for name in line.split("|")[1].replace(",", " ").split()
+    ]
+    assert tuple(drawn) == LAYERS

@@ -23,7 +23,7 @@ internals. What it offers:
 
 Per-client adapters. In the embedded runtime one process holds one slot per adapter name,
 shared by every simulated client. A client's own adapter (FedSDR's ``LoRA-S``) lives in its
-:class:`~fedfm.core.federation.ClientState` and is put into the slot at the start of each
+:class:`~fedfm.core.state.ClientState` and is put into the slot at the start of each
 handler with :meth:`FoundationModel.load_adapter`, which re-initialises the slot (seeded) for a
 client that has no state yet instead of leaving the previous client's tensors there.
 """

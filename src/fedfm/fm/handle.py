@@ -404,7 +404,7 @@ class FoundationModel:
                 :meth:`instruction_prompt`) or token id lists.
             adapters: Adapters active while generating (``[]``: the base model).
             seed: Seeds sampling without touching the global RNG; derive it with
-                :func:`fedfm.core.federation.derive_seed` (e.g. ``ctx.rng_seed("rewrite")``).
+                :func:`fedfm.core.seeding.derive_seed` (e.g. ``ctx.rng_seed("rewrite")``).
                 The same prompts, seed and batch size give the same text.
             cfg: Decoding settings; greedy, 64 new tokens, batches of 16 by default.
             **overrides: Fields of ``cfg`` to change for this call (``do_sample=True``, ...).
