@@ -13,8 +13,8 @@ setup: $(STAMP)
 quickstart: $(STAMP)
 	.venv/bin/fedfm run quickstart --overwrite
 
-# Static checks first (ruff with docstring rules for core/ and algorithms/, mypy on core/,
-# algorithms/ and runtime/; settings in pyproject.toml), then the tests.
+# Static checks first (ruff with docstring rules for core/ and algorithms/, mypy on all of
+# src/fedfm; settings in pyproject.toml), then the tests.
 test: $(STAMP) lint
 	.venv/bin/python -m pytest -q -ra
 

@@ -32,8 +32,8 @@ from fedfm.core.dp import DPSGDConfig, dp_step, grad_sample_hooks
 from fedfm.core.train import local_train, make_optimizer, trainable
 from fedfm.data.prompt import PromptConfig, collate
 from fedfm.data.sources import load_source
-from fedfm.eval.generate import pad_id_of
 from fedfm.fm import FoundationModel
+from fedfm.models.generation import pad_id_of
 from fedfm.models.lora import LoraConfigSpec
 
 

@@ -28,8 +28,8 @@ import torch
 
 from fedfm.data.prompt import stop_token_ids
 from fedfm.data.sources import load_source
-from fedfm.eval.generate import pad_id_of
 from fedfm.fm import FoundationModel
+from fedfm.models.generation import pad_id_of
 from fedfm.models.lora import LoraConfigSpec
 
 

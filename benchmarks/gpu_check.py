@@ -111,7 +111,7 @@ def dp_step(model: Any, task: Any, tokenizer: Any) -> dict:
     from fedfm.core.dp import DPSGDConfig, dp_train
     from fedfm.core.federation import ClientState
     from fedfm.core.train import get_params, set_params
-    from fedfm.eval.generate import pad_id_of
+    from fedfm.models.generation import pad_id_of
 
     rows = task.encode(task.client_data("0"))[:8]
     start = get_params(model)

@@ -39,8 +39,8 @@ from fedfm.eval.compare import (
     win_rate_runs,
     win_rate_table,
 )
-from fedfm.eval.generate import GenerationConfig, Reply
 from fedfm.fm import FoundationModel
+from fedfm.models.generation import GenerationConfig, Reply
 from fedfm.runtime import run as run_experiment
 
 TINY = {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 8}

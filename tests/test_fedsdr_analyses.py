@@ -21,8 +21,8 @@ from fedfm.config import load_config
 from fedfm.core.fake import FakeFederation
 from fedfm.core.messages import Message
 from fedfm.eval.compare import UpdateCosines, js_divergence, tfidf_cosine
-from fedfm.eval.generate import Reply
 from fedfm.fm import FoundationModel
+from fedfm.models.generation import Reply
 from fedfm.runtime import run as run_experiment
 from test_cli_contract import _main
 from test_fedsdr import _cfg

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import fedfm.fm as fmod
+import fedfm.fm.handle as fmod
 from fedfm.config import load_config
 from fedfm.core.train import local_train
 from fedfm.data.prompt import PromptConfig
@@ -238,7 +238,7 @@ def test_sampling_is_seeded_without_the_global_rng() -> None:
 
 
 def test_each_row_stops_at_its_own_end_of_turn() -> None:
-    from fedfm.eval.generate import generate
+    from fedfm.models.generation import generate
     from test_llm_eval import bigram_llama
 
     tok = small_tokenizer()

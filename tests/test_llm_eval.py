@@ -14,7 +14,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fedfm.data.prompt import PromptConfig, format_prompt
 from fedfm.errors import FedfmError, UnknownNameError
-from fedfm.eval.generate import Reply, generate, generate_replies
 from fedfm.eval.llm import (
     choice_logliks,
     evaluate_held_out_domain,
@@ -27,6 +26,7 @@ from fedfm.eval.llm import (
     split_held_out_domain,
     text_nlls,
 )
+from fedfm.models.generation import Reply, generate, generate_replies
 
 CHATML = (
     "{% for message in messages %}"

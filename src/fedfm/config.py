@@ -15,12 +15,11 @@ import re
 from collections.abc import Callable, Collection
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -28,82 +27,14 @@ from pydantic import (
 )
 
 from fedfm import devices
+
+# The sections the core owns, re-exported: configs are imported from here.
+from fedfm.core.settings import BNB_OPTIMIZERS, Strict, TrainConfig, UserLevelConfig
+from fedfm.core.settings import AdaptiveClipConfig as AdaptiveClipConfig
+from fedfm.core.settings import LrSchedule as LrSchedule
 from fedfm.errors import ConfigError
 
 log = logging.getLogger("fedfm")
-
-
-class Strict(BaseModel):
-    """Base for config sections: unknown keys are errors, values are validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
-"""bitsandbytes' AdamW variants: 8-bit optimizer state (Dettmers et al., "8-bit Optimizers via
-Block-wise Quantization", ICLR 2022) and paged state that spills to CPU memory under pressure
-(QLoRA's paged optimizers). They need CUDA and ``pip install 'fedfm[quant]'``."""
-
-
-class LrSchedule(Strict):
-    """The clients' local learning rate over rounds; ``train.lr`` is its maximum.
-
-    ``cosine`` anneals from ``train.lr`` to ``min_lr`` as FlowerTune's ``cosine_annealing``
-    does: round ``t`` of ``T`` trains at ``min_lr + (lr - min_lr)(1 + cos(pi t / T)) / 2``.
-    ``warmup_rounds`` ``W > 0`` first rises linearly (round ``t <= W`` at ``lr t / W``), and the
-    schedule then runs over the remaining ``T - W`` rounds. The rate is a function of the
-    round alone, so a resumed run trains exactly as an uninterrupted one.
-
-    Attributes:
-        name: ``constant`` or ``cosine``.
-        min_lr: The rate ``cosine`` ends at (at most ``train.lr``).
-        warmup_rounds: Rounds of linear warm-up (fewer than the run's rounds).
-    """
-
-    name: Literal["constant", "cosine"] = "constant"
-    min_lr: float = Field(0.0, ge=0)
-    warmup_rounds: int = Field(0, ge=0)
-
-    def is_constant(self) -> bool:
-        """Whether every round trains at ``train.lr``."""
-        return self.name == "constant" and not self.warmup_rounds
-
-
-class TrainConfig(Strict):
-    """Local training shared by every algorithm (see :func:`fedfm.core.train.local_train`).
-
-    Exactly one of ``steps`` and ``epochs`` is used: ``epochs`` wins when set. ``optimizer``
-    also takes bitsandbytes' 8-bit and paged AdamW (:data:`BNB_OPTIMIZERS`).
-    """
-
-    steps: int = Field(10, ge=1)
-    epochs: float | None = Field(None, gt=0)
-    batch_size: int = Field(32, ge=1)
-    optimizer: Literal[
-        "sgd", "adam", "adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
-    ] = "sgd"
-    lr: float = Field(0.05, gt=0)
-    schedule: LrSchedule = Field(default_factory=LrSchedule)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    clip_norm: float | None = Field(None, gt=0)
-    prox_mu: float = Field(0.0, ge=0)
-
-    @field_validator("optimizer")
-    @classmethod
-    def _bnb_installed(cls, v: str) -> str:
-        if v in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(f"{v} needs the bitsandbytes package: pip install 'fedfm[quant]'")
-        return v
-
-    @model_validator(mode="after")
-    def _min_below_max(self) -> TrainConfig:
-        if self.schedule.min_lr > self.lr:
-            raise ConfigError(
-                "train.schedule.min_lr",
-                f"{self.schedule.min_lr:g} is above train.lr ({self.lr:g}), the schedule's maximum",
-            )
-        return self
 
 
 class ClientsConfig(Strict):
@@ -126,45 +57,6 @@ class ClientsConfig(Strict):
             raise ValueError("role fractions sum to more than 1")
         # Client ids are strings; YAML reads [0, 3] as integers.
         return {r: f if isinstance(f, float | int) else [str(c) for c in f] for r, f in v.items()}
-
-
-class AdaptiveClipConfig(Strict):
-    """Adaptive clipping of DP-FedAvg by a noised quantile (Andrew et al., NeurIPS 2021).
-
-    Attributes:
-        target_quantile: γ, the share of client updates that should fall below the bound.
-        lr: η_C of the geometric update ``C ← C·exp(−η_C·(b̃ − γ))``.
-        count_stddev: σ_b, the noise std of the count of updates below the bound; None takes
-            Andrew et al.'s recommendation, the expected clients per round / 20.
-    """
-
-    target_quantile: float = Field(0.5, ge=0, le=1)
-    lr: float = Field(0.2, gt=0)
-    count_stddev: float | None = Field(None, gt=0)
-
-
-class UserLevelConfig(Strict):
-    """Client-level DP-FedAvg (McMahan et al., ICLR 2018; see :mod:`fedfm.core.userdp`).
-
-    Attributes:
-        clip: C, the bound on each client's update norm (the first bound when adaptive).
-        noise_multiplier: z: the noise on the sum of clipped updates has std ``z·C``; 0 clips
-            without noise (ε = ∞). None: calibrated from ``epsilon``.
-        epsilon: The client-level ε to reach after ``rounds`` rounds at ``privacy.delta``.
-        mode: ``server``: the server clips each update and adds the noise (it is trusted and
-            sees every raw update); ``client``: each client clips its own update and adds
-            its share ``z·C/√min_clients`` of the noise, so nothing unnoised leaves it.
-        min_clients: Client mode: the fewest replies a round needs for its shares to add up
-            to the full noise; a round with fewer leaves the model as it was.
-        adaptive: Adaptive clipping by a noised quantile; None: the bound stays ``clip``.
-    """
-
-    clip: float = Field(gt=0)
-    noise_multiplier: float | None = Field(None, ge=0)
-    epsilon: float | None = Field(None, gt=0)
-    mode: Literal["server", "client"] = "client"
-    min_clients: int | None = Field(None, ge=1)
-    adaptive: AdaptiveClipConfig | None = None
 
 
 class PrivacyConfig(Strict):
@@ -353,7 +245,10 @@ def config_error(err: ValidationError, prefix: str = "") -> ConfigError:
     return ConfigError(field, f"{msg}{got_s}")
 
 
-def validate_section(model: type[BaseModel], data: dict[str, Any], prefix: str) -> BaseModel:
+Section = TypeVar("Section", bound=BaseModel)
+
+
+def validate_section(model: type[Section], data: dict[str, Any], prefix: str) -> Section:
     """Validates a sub-section (``algo``, ``task``, ``partition``) with its own model."""
     try:
         return model.model_validate(data)

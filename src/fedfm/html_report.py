@@ -441,7 +441,7 @@ def section_audit(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
         for row in r.audit:
             per[(row["direction"], row["round"])] += int(row["bytes"])
         for d in ("up", "down"):
-            pts = sorted((rnd, _mib(b)) for (dd, rnd), b in per.items() if dd == d)
+            pts = sorted((float(rnd), _mib(b)) for (dd, rnd), b in per.items() if dd == d)
             series[f"{r.label} ({d})"] = pts
             styles[f"{r.label} ({d})"] = "-" if d == "up" else ":"
     if any(series.values()):

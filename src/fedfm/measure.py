@@ -105,10 +105,12 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
 
     import fedfm.tasks.text  # noqa: F401
     from fedfm.algorithms.base import ALGORITHMS
+    from fedfm.algorithms.fedavg import FedAvg
     from fedfm.algorithms.fedrd import FedRD
     from fedfm.config import load_config
-    from fedfm.core.federation import ClientContext, ClientState
+    from fedfm.core.federation import ClientContext
     from fedfm.core.messages import Message
+    from fedfm.core.state import ClientState
     from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
@@ -123,6 +125,7 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
     with RssSampler() as mem:
         base, base_anon = mem.rss(), mem.anon()
         algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)  # builds the client's model
+        assert isinstance(algo, FedAvg | FedRD), f"{cfg.algorithm} is not FedAvg-style"
         model = algo.model()
         ctx = ClientContext(cid, "default", 1, cfg.seed, task, ClientState())
         reply = algo.handlers()["train"](ctx, Message("train", {"params": algo.params}))

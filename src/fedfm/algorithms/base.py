@@ -121,7 +121,7 @@ class Algorithm:
         """One round (``fed.rnd``): talk to clients, update the server state, return metrics."""
         raise NotImplementedError
 
-    def evaluate(self, fed: Federation) -> dict[str, float]:
+    def evaluate(self, fed: Federation) -> dict[str, Any]:
         """Evaluation after a round; may message clients for personalised metrics.
 
         A ``"per_client"`` entry (client id -> metric -> value) is logged by the engine to

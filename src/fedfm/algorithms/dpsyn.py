@@ -104,18 +104,19 @@ from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
-from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles, derive_seed
+from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.core.robust import AggregatorConfig, update_norms
 from fedfm.core.secret import noise_seed
+from fedfm.core.seeding import derive_seed
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
-from fedfm.eval.generate import GenerationConfig
 from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
 from fedfm.models.embedders import get_embedder, known_embedder
+from fedfm.models.generation import GenerationConfig
 from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
 
 if TYPE_CHECKING:

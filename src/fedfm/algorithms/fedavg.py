@@ -292,11 +292,11 @@ def _metrics(reply: Message) -> dict[str, float]:
 
 
 def refine_locally(
-    ctx: ClientContext, model: nn.Module, msg: Message, refinery: Refinery
+    ctx: ClientContext, task: Task, model: nn.Module, msg: Message, refinery: Refinery
 ) -> Message:
     """Client half of FedSD's round 0: the received parameters rewrite the client's answers."""
     set_params(model, msg.arrays["params"])
-    fm = ctx.task.foundation_model()
+    fm = task.foundation_model()
     return refinery.rewrite(ctx, fm, fm.active, msg.arrays["params"])
 
 
@@ -342,7 +342,9 @@ class FedAvg(Algorithm):
         out: dict[str, Handler] = {"train": self.client_train, "evaluate": self.client_evaluate}
         if self.refinery is not None:
             refinery = self.refinery
-            out["refine"] = lambda ctx, msg: refine_locally(ctx, self._model, msg, refinery)
+            out["refine"] = lambda ctx, msg: refine_locally(
+                ctx, self.task, self._model, msg, refinery
+            )
         return out
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:
@@ -476,7 +478,9 @@ class Scaffold(Algorithm):
         }
         if self.refinery is not None:
             refinery = self.refinery
-            out["refine"] = lambda ctx, msg: refine_locally(ctx, self._model, msg, refinery)
+            out["refine"] = lambda ctx, msg: refine_locally(
+                ctx, self.task, self._model, msg, refinery
+            )
         return out
 
     def client_train(self, ctx: ClientContext, msg: Message) -> Message:

@@ -68,7 +68,7 @@ from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
-from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.kd import (
     GATES,
@@ -82,6 +82,7 @@ from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.replies import MetricMean, meta_number, summarise_by_prefix, weighted_mean_metric
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_round, set_params
 from fedfm.core.userdp import UPDATE_META, fold_reply
 from fedfm.errors import ConfigError, config_fields

@@ -124,13 +124,14 @@ from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import RunConfig
-from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import Message, MessageKind, MetaSpec, MetaValue
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.replies import MetricMean, meta_number
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secret import noise_seed
+from fedfm.core.seeding import derive_seed
 from fedfm.core.train import client_config, local_train, num_steps
 from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l

@@ -101,11 +101,12 @@ from fedfm.algorithms.fedavg import (
 )
 from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.cka import cka_loss, linear_cka
-from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.kd import kd_kl
 from fedfm.core.messages import Message
 from fedfm.core.optim import ServerOptimizer
+from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry

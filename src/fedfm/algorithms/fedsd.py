@@ -59,11 +59,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from fedfm.core.federation import ClientContext, Federation, derive_seed
+from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
+from fedfm.core.seeding import derive_seed
 from fedfm.errors import FedfmError
-from fedfm.eval.generate import GenerationConfig, Reply
 from fedfm.eval.metrics import gsm8k_number, pick_choice, resolve_answer
+from fedfm.models.generation import GenerationConfig, Reply
 from fedfm.registry import Registry
 from fedfm.tasks.base import FOUNDATION_MODEL, require
 

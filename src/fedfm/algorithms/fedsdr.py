@@ -54,11 +54,12 @@ from fedfm.algorithms.fedavg import (
 )
 from fedfm.algorithms.fedsd import REFINE, Refinery, RefineryConfig, check_refinery_task
 from fedfm.config import RunConfig
-from fedfm.core.federation import ClientContext, Federation, Handler, derive_seed
+from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.seeding import derive_seed
 from fedfm.core.train import TrainResult, client_config, local_train, num_steps, trainable
 from fedfm.fm import FoundationModel
 from fedfm.tasks.base import Task, TaskConfig

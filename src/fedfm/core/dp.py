@@ -61,10 +61,11 @@ from opacus.accountants.utils import get_noise_multiplier
 from opacus.optimizers import DPOptimizer
 from torch import Tensor, nn
 
-from fedfm.config import TrainConfig
-from fedfm.core.federation import ClientState, derive_seed
+from fedfm.core.batching import IGNORE_INDEX, collate
+from fedfm.core.seeding import derive_seed
+from fedfm.core.settings import TrainConfig
+from fedfm.core.state import ClientState
 from fedfm.core.train import make_optimizer, trainable
-from fedfm.data.prompt import IGNORE_INDEX, collate
 from fedfm.errors import ConfigError, FedfmError
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]

@@ -10,78 +10,67 @@ Runtimes (embedded, Flower) implement :class:`Federation`; algorithms are writte
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
 import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fedfm.core.audit import AuditLedger
-from fedfm.core.groups import get_group
 from fedfm.core.messages import (
-    Arrays,
     Message,
     MessageKind,
     array_bytes,
     meta_bytes,
     validate_reply,
 )
+from fedfm.core.seeding import derive_seed
+from fedfm.core.settings import RunView
+from fedfm.core.state import ClientState
 from fedfm.errors import ConfigError, FedfmError, MessageError
-
-if TYPE_CHECKING:
-    from fedfm.tasks.base import Task
 
 log = logging.getLogger("fedfm")
 
 
-def derive_seed(*parts: object) -> int:
-    """A stable 63-bit seed from any parts (run seed, round, client id, purpose).
+class ClientTask(Protocol):
+    """What the core needs of a task on a client: its data, batches, loss and evaluation.
 
-    Randomness in fedfm is derived from such seeds rather than from global RNG state, so a
-    resumed run and a run on another runtime draw the same numbers.
-    """
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-@dataclass
-class ClientState:
-    """Per-client state that persists across rounds and across resume.
-
-    Attributes:
-        arrays: Named tensors (private models, local adapters, control variates).
-        meta: Small JSON-able values.
+    :class:`fedfm.tasks.base.Task` provides it; the core never imports the task layer.
     """
 
-    arrays: dict[str, Tensor] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
+    @property
+    def run(self) -> RunView:
+        """The run config (the core reads ``run.rounds`` for learning-rate schedules)."""
+        ...
 
-    def get_group(self, prefix: str) -> Arrays:
-        """Returns the tensors stored under ``prefix/`` with the prefix removed."""
-        return get_group(self.arrays, prefix)
+    def client_data(self, cid: str) -> Any:
+        """Training data of one client."""
+        ...
 
-    def set_group(self, prefix: str, arrays: Mapping[str, Tensor]) -> None:
-        """Replaces the tensors under ``prefix/`` with detached CPU copies of ``arrays``."""
-        p = prefix + "/"
-        for k in [k for k in self.arrays if k.startswith(p)]:
-            del self.arrays[k]
-        for k, v in arrays.items():
-            self.arrays[p + k] = v.detach().to("cpu", copy=True)
+    def client_test_data(self, cid: str) -> Any:
+        """Held-out local data of one client."""
+        ...
 
-    def copy(self) -> ClientState:
-        """A copy a handler may change freely without touching this state.
+    def num_examples(self, data: Any) -> int:
+        """Number of examples in ``data``."""
+        ...
 
-        Handlers replace tensors rather than edit them in place, so the tensor dict is copied
-        shallowly (no tensor data is copied) and the metadata deeply.
-        """
-        return ClientState(arrays=dict(self.arrays), meta=copy.deepcopy(self.meta))
+    def batches(self, data: Any, batch_size: int, seed: int) -> Iterator[Any]:
+        """An endless iterator of shuffled batches."""
+        ...
+
+    def loss(self, model: Any, batch: Any) -> tuple[Tensor, Any]:
+        """Task loss and model outputs for a batch."""
+        ...
+
+    def evaluate(self, model: Any, data: Any) -> dict[str, float]:
+        """Metrics of ``model`` on ``data``."""
+        ...
 
 
 @dataclass
@@ -101,7 +90,7 @@ class ClientContext:
     role: str
     rnd: int
     seed: int
-    task: Task
+    task: ClientTask
     state: ClientState
 
     @property
@@ -298,7 +287,7 @@ class ClientRunner:
     handlers: Mapping[str, Handler]
     kinds: Mapping[str, MessageKind]
     roles: Mapping[str, str]
-    task: Task
+    task: ClientTask
     seed: int
 
     def call(

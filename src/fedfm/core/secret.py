@@ -7,7 +7,7 @@ against the server such noise is worth nothing. In the ``secret`` mode (the defa
 client draws a 256-bit key from the operating system's entropy (:mod:`secrets`) the first
 time it runs a DP mechanism, and every later noise seed is ``derive_seed(key, draw, purpose)``
 for a draw counter that only grows. Key and counter live in the client's persistent
-:class:`~fedfm.core.federation.ClientState` (``meta["dp_secret"]``): never in a message, never
+:class:`~fedfm.core.state.ClientState` (``meta["dp_secret"]``): never in a message, never
 derived from the run seed, round or client id. A checkpointed or snapshotted state therefore
 resumes the client's own stream exactly where it stopped; on the Flower runtime client states
 are kept on the client's node only, so the key never leaves that machine.
@@ -26,7 +26,8 @@ import secrets
 from collections.abc import MutableMapping
 from typing import Any, Literal
 
-from fedfm.core.federation import ClientContext, derive_seed
+from fedfm.core.federation import ClientContext
+from fedfm.core.seeding import derive_seed
 
 NoiseMode = Literal["secret", "seeded"]
 SECRET = "dp_secret"  # ClientState.meta key of a client's key and draw counter

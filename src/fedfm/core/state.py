@@ -1,6 +1,8 @@
-"""Client-state store of the embedded runtime.
+"""Client state: what a client keeps across rounds, and the embedded runtime's store of it.
 
-Only trainable per-client tensors (private models, local adapters, control variates) live
+:class:`ClientState` is one client's persistent tensors and metadata (every runtime and
+handler uses it). :class:`ClientStateStore` keeps the states of the embedded runtime: only
+trainable per-client tensors (private models, local adapters, control variates) live
 here; frozen shared models never do. States stay in memory up to a byte budget, and the
 least recently used are spilled to disk as safetensors beyond it, so 100 simulated LLM
 clients cost little more memory than one.
@@ -8,16 +10,53 @@ clients cost little more memory than one.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
-from fedfm.core.federation import ClientState
-from fedfm.core.messages import array_bytes
+from fedfm.core.groups import get_group
+from fedfm.core.messages import Arrays, array_bytes
+
+
+@dataclass
+class ClientState:
+    """Per-client state that persists across rounds and across resume.
+
+    Attributes:
+        arrays: Named tensors (private models, local adapters, control variates).
+        meta: Small JSON-able values.
+    """
+
+    arrays: dict[str, Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def get_group(self, prefix: str) -> Arrays:
+        """Returns the tensors stored under ``prefix/`` with the prefix removed."""
+        return get_group(self.arrays, prefix)
+
+    def set_group(self, prefix: str, arrays: Mapping[str, Tensor]) -> None:
+        """Replaces the tensors under ``prefix/`` with detached CPU copies of ``arrays``."""
+        p = prefix + "/"
+        for k in [k for k in self.arrays if k.startswith(p)]:
+            del self.arrays[k]
+        for k, v in arrays.items():
+            self.arrays[p + k] = v.detach().to("cpu", copy=True)
+
+    def copy(self) -> ClientState:
+        """A copy a handler may change freely without touching this state.
+
+        Handlers replace tensors rather than edit them in place, so the tensor dict is copied
+        shallowly (no tensor data is copied) and the metadata deeply.
+        """
+        return ClientState(arrays=dict(self.arrays), meta=copy.deepcopy(self.meta))
 
 
 def save_state(state: ClientState, folder: Path, stem: str) -> None:

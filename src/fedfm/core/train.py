@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from fedfm.config import BNB_OPTIMIZERS, TrainConfig
+from fedfm.core.settings import BNB_OPTIMIZERS, TrainConfig
 
 if TYPE_CHECKING:
     from fedfm.core.federation import ClientContext
@@ -49,7 +49,7 @@ def num_steps(cfg: TrainConfig, num_examples: int) -> int:
 def scheduled_lr(cfg: TrainConfig, rnd: int, rounds: int) -> float:
     """The local learning rate of round ``rnd`` of ``rounds`` under ``cfg.schedule``.
 
-    See :class:`fedfm.config.LrSchedule` for the formula. Phases outside the rounds (round 0
+    See :class:`fedfm.core.settings.LrSchedule` for the formula. Phases outside the rounds (round 0
     before them, ``rounds + 1`` after) train at the rate of the nearest round.
     """
     sched = cfg.schedule

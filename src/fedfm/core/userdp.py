@@ -63,23 +63,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fedfm.core.aggregate import Aggregator, compute_dtype
-from fedfm.core.federation import ClientContext, Federation, derive_seed
+from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Arrays, Message, MetaSpec
 from fedfm.core.privacy import Mechanism as _Mechanism
 from fedfm.core.privacy import PrivacyLedger, epsilon_of, quiet_accounting
 from fedfm.core.replies import meta_number
 from fedfm.core.secret import SecretStream, noise_seed
+from fedfm.core.seeding import derive_seed
+from fedfm.core.settings import RunView, UserLevelConfig
 from fedfm.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fedfm.config import RunConfig, UserLevelConfig
 
 log = logging.getLogger("fedfm")
 
@@ -217,7 +216,7 @@ class UserDP:
     """
 
     def __init__(
-        self, cfg: UserLevelConfig, run: RunConfig, num_clients: int, ledger: PrivacyLedger
+        self, cfg: UserLevelConfig, run: RunView, num_clients: int, ledger: PrivacyLedger
     ) -> None:
         self.cfg = cfg
         self.run = run

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import datasets
 import numpy as np
@@ -254,7 +255,7 @@ def _items(name: str, rows: pd.DataFrame, rng: np.random.Generator) -> dict[str,
 
 
 def _concat(parts: Sequence[dict[str, list]]) -> datasets.Dataset:
-    cols = {k: [v for p in parts for v in p[k]] for k in SUITE_FEATURES}
+    cols: dict[str, Any] = {k: [v for p in parts for v in p[k]] for k in SUITE_FEATURES}
     cols["id"] = np.asarray(cols["id"], dtype=np.int64)
     return build_dataset(cols, SUITE_FEATURES)
 

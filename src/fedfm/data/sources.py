@@ -677,9 +677,9 @@ def digits() -> LoadedSource:
 
 
 def _text_dataset(
-    ids: Sequence[int],
+    ids: Sequence[int] | np.ndarray,
     texts: Sequence[str],
-    labels: Sequence[int],
+    labels: Sequence[int] | np.ndarray,
     names: list[str],
     extra: Mapping[str, Sequence[str]] | None = None,
 ) -> datasets.Dataset:
@@ -780,8 +780,9 @@ def trec() -> LoadedSource:
             seen[question] = (coarse, fine)
     questions = list(seen)
     labels = [TREC_CLASSES.index(seen[q][0]) for q in questions]
-    fine = [f"{seen[q][0]}:{seen[q][1]}" for q in questions]
-    ds = _text_dataset(range(len(questions)), questions, labels, TREC_CLASSES, {"fine_label": fine})
+    fine_labels = [f"{seen[q][0]}:{seen[q][1]}" for q in questions]
+    extra = {"fine_label": fine_labels}
+    ds = _text_dataset(range(len(questions)), questions, labels, TREC_CLASSES, extra)
     return _text_source("trec", ds, None, list(TREC_CLASSES))
 
 
@@ -866,7 +867,7 @@ INSTRUCTION_FEATURES = datasets.Features(
 
 
 def instruction_dataset(
-    rows: Mapping[str, Sequence[Any]], extra: Mapping[str, Any] | None = None
+    rows: Mapping[str, Sequence[Any] | np.ndarray], extra: Mapping[str, Any] | None = None
 ) -> datasets.Dataset:
     """Builds an instruction dataset from columns ``id, instruction, input, output, domain``.
 

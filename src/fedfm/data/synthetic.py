@@ -81,8 +81,9 @@ def synthetic(path: str, heldout: str | None = None) -> LoadedSource:
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     names = [str(n) for n in meta["class_names"]]
     rows = read_jsonl(file)
-    labels = [row.get("label") for row in rows]
-    if any(not isinstance(y, int) or not 0 <= y < len(names) for y in labels):
+    raw = [row.get("label") for row in rows]
+    labels = [y for y in raw if isinstance(y, int) and 0 <= y < len(names)]
+    if len(labels) != len(raw):
         raise ConfigError(
             "task.source_options.path", f"{file}: every row needs a label in [0, {len(names)})"
         )
@@ -90,8 +91,9 @@ def synthetic(path: str, heldout: str | None = None) -> LoadedSource:
     wanted = np.asarray(meta["ids"], dtype=np.int64)
     # Synthetic ids follow every real id, so no synthetic row shares an id with a real one.
     first = 1 + max(int(np.max(s["id"])) for s in (real.train, real.test) if s is not None)
-    ids = range(first, first + len(rows))
-    train = _text_dataset(ids, [str(r["text"]) for r in rows], labels, names)
+    train = _text_dataset(
+        range(first, first + len(rows)), [str(r["text"]) for r in rows], labels, names
+    )
     parts = []
     for split in (real.train, real.test):
         if split is None:

@@ -1,2 +1,4 @@
-"""Metrics (:mod:`fedfm.eval.metrics`), generation (:mod:`fedfm.eval.generate`) and LLM evaluators
-(:mod:`fedfm.eval.llm`)."""
+"""Metrics (:mod:`fedfm.eval.metrics`), LLM evaluators (:mod:`fedfm.eval.llm`), run comparisons
+(:mod:`fedfm.eval.compare`) and synthetic-data evaluation (:mod:`fedfm.eval.synthetic`).
+
+Generation itself is a model operation (:mod:`fedfm.models.generation`), below this package."""

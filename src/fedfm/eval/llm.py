@@ -40,20 +40,20 @@ from fedfm.data.prompt import (
     fit_prompt,
 )
 from fedfm.errors import FedfmError
-from fedfm.eval.generate import (
-    Reply,
-    eval_mode,
-    generate_replies,
-    model_device,
-    pad_id_of,
-    unwrap_bundle,
-)
 from fedfm.eval.metrics import (
     gsm8k_correct,
     perplexity,
     pick_choice,
     resolve_answer,
     rouge_l,
+)
+from fedfm.models.generation import (
+    Reply,
+    eval_mode,
+    generate_replies,
+    model_device,
+    pad_id_of,
+    unwrap_bundle,
 )
 from fedfm.registry import Registry
 
@@ -296,7 +296,7 @@ ROW_METRICS: Registry[RowMetric] = Registry("instruction metric", "metric")
 """Scorers selected by the ``metric`` column of an instruction suite."""
 
 
-def _reference(row: dict) -> Any:
+def _reference(row: Mapping[str, Any]) -> Any:
     # The suite's ``answer`` column holds the short gold answer; ``output`` is the fallback.
     answer = row.get("answer")
     return answer if answer not in (None, "") else row["output"]

@@ -28,8 +28,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fedfm.config import TrainConfig
+from fedfm.eval.metrics import tensor_macro_f1 as macro_f1
 from fedfm.models.embedders import known_embedder
-from fedfm.tasks.base import macro_f1
 
 
 class SyntheticEvalConfig(BaseModel):

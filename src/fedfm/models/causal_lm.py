@@ -634,7 +634,7 @@ def format_chat(
     """Renders a user turn (and optional system turn) with the chat template, ready to reply."""
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 @torch.no_grad()
@@ -646,7 +646,7 @@ def generate_text(
     chat: bool = True,
     system: str | None = None,
     batch_size: int = 16,
-    **generate_kwargs: object,
+    **generate_kwargs: Any,
 ) -> list[str]:
     """Generates a reply to each prompt, batched and left-padded; greedy unless told otherwise.
 
@@ -665,7 +665,7 @@ def generate_text(
     """
     if batch_size <= 0:
         raise ConfigError("generate.batch_size", f"must be positive, got {batch_size}")
-    from fedfm.eval.generate import generate  # one generation path for the whole package
+    from fedfm.models.generation import generate  # one generation path for the whole package
 
     texts = [format_chat(tokenizer, p, system) for p in prompts] if chat else list(prompts)
     return generate(model, tokenizer, texts, max_new_tokens, batch_size, **generate_kwargs)

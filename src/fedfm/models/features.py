@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from fedfm.errors import ConfigError
-from fedfm.eval.generate import eval_mode, model_device, pad_id_of
+from fedfm.models.generation import eval_mode, model_device, pad_id_of
 
 Pool = Literal["last", "mean"]
 
@@ -195,8 +195,9 @@ class BackboneFeatures:
         self.backbone = backbone
         self.tokenizer = tokenizer
         self.autocast = autocast
-        self._layers = int(backbone.config.num_hidden_layers)
-        self._hidden = int(backbone.config.hidden_size)
+        config: Any = backbone.config
+        self._layers = int(config.num_hidden_layers)
+        self._hidden = int(config.hidden_size)
 
     @property
     def num_layers(self) -> int:

@@ -24,6 +24,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +34,14 @@ from typing_extensions import override
 from fedfm.errors import ConfigError
 from fedfm.models.registry import MODELS
 
+if TYPE_CHECKING:
+    from fedfm.models.vision import EfficientNetLite0
+
 _CACHE_ROWS = 200_000  # features kept per process (1280 floats each: about 1 GB at most)
 
 
 @cache
-def _frozen_lite0(pretrained: bool) -> nn.Module:
+def _frozen_lite0(pretrained: bool) -> EfficientNetLite0:
     """The process's one frozen EfficientNet-Lite0 (eval mode, no gradients)."""
     from fedfm.models.vision import load_efficientnet_lite0
 

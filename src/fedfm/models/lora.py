@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import peft
 import pydantic
@@ -95,7 +96,7 @@ class LoraConfigSpec(pydantic.BaseModel):
         """The equivalent ``peft.LoraConfig`` (peft's default init: ``B = 0``)."""
         return peft.LoraConfig(
             r=self.r,
-            lora_alpha=self.alpha,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]  # peft reads a float scale too
             lora_dropout=self.dropout,
             target_modules=self.targets(model_type),
             use_dora=self.use_dora,
@@ -199,10 +200,11 @@ def set_active(peft_model: peft.PeftModel, active: list[str], trainable: list[st
         raise ConfigError("lora.trainable", f"adapters {idle} are trainable but not active")
     # The outer PeftModel.set_adapter refuses a list; the tuner underneath accepts one. It also
     # makes every active adapter trainable, so freeze the others afterwards.
-    peft_model.base_model.set_adapter(list(active))
+    tuner: Any = peft_model.base_model
+    tuner.set_adapter(list(active))
     frozen = [name for name in active if name not in trainable]
     if frozen:
-        peft_model.base_model.set_requires_grad(frozen, requires_grad=False)
+        tuner.set_requires_grad(frozen, requires_grad=False)
     adapter_params = _adapter_param_ids(peft_model)
     for param in peft_model.parameters():
         if id(param) not in adapter_params:
@@ -211,7 +213,8 @@ def set_active(peft_model: peft.PeftModel, active: list[str], trainable: list[st
 
 def active_adapters(peft_model: peft.PeftModel) -> list[str]:
     """Adapters currently used in the forward pass."""
-    active = peft_model.base_model.active_adapter
+    tuner: Any = peft_model.base_model
+    active = tuner.active_adapter
     return [active] if isinstance(active, str) else list(active)
 
 
@@ -255,7 +258,7 @@ def set_adapter_state(peft_model: peft.PeftModel, name: str, state: dict[str, Te
     _check_adapter(peft_model, name)
     expected = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
     _check_state(f"adapter '{name}'", expected, state)
-    result = set_peft_model_state_dict(peft_model, state, adapter_name=name)
+    result: Any = set_peft_model_state_dict(peft_model, state, adapter_name=name)
     if result.unexpected_keys:  # cannot happen after the check unless peft renames keys
         raise AdapterStateError(
             f"adapter '{name}': peft did not place {result.unexpected_keys[:3]}"
@@ -361,7 +364,8 @@ def load_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> N
     training = peft_model.training  # peft's load_adapter switches the model to eval mode
     peft_model.load_adapter(str(folder), adapter_name=name, is_trainable=False)
     peft_model.train(training)
-    peft_model.base_model.set_requires_grad([name], requires_grad=False)
+    tuner: Any = peft_model.base_model
+    tuner.set_requires_grad([name], requires_grad=False)
 
 
 def _check_adapter(peft_model: peft.PeftModel, name: str) -> None:
@@ -372,7 +376,7 @@ def _check_adapter(peft_model: peft.PeftModel, name: str) -> None:
         raise UnknownNameError("lora.adapter", f"unknown adapter '{name}' (have {have})")
 
 
-def _check_state(what: str, expected: dict[str, Tensor], state: dict[str, Tensor]) -> None:
+def _check_state(what: str, expected: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> None:
     missing = sorted(set(expected) - set(state))
     unknown = sorted(set(state) - set(expected))
     if missing or unknown:

@@ -358,9 +358,9 @@ def probe_prompts(
 ) -> dict[str, Any]:
     """The base model tried with each prompt template: how many of its samples read as their
     code to the ceiling (on-code), how many the token budget cut, what they look like."""
-    from fedfm.core.federation import derive_seed
-    from fedfm.eval.generate import GenerationConfig
+    from fedfm.core.seeding import derive_seed
     from fedfm.models.embedders import get_embedder
+    from fedfm.models.generation import GenerationConfig
 
     t0 = time.perf_counter()
     task = _task(config)
@@ -509,8 +509,8 @@ def vote_offline(
         seeds: Draws of the vote noise and of each selection.
         size: Samples each selection keeps.
     """
-    from fedfm.core.federation import derive_seed
     from fedfm.core.privacy import analytic_gaussian_sigma
+    from fedfm.core.seeding import derive_seed
     from fedfm.eval.synthetic import frechet_distance, logreg_predict
     from fedfm.models.embedders import get_embedder
 

@@ -18,11 +18,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
 from fedfm.errors import ConfigError
+from fedfm.eval.metrics import tensor_macro_f1 as macro_f1
 from fedfm.registry import Registry
 
 if TYPE_CHECKING:
@@ -265,23 +265,6 @@ def require(
             f"{needed_for} needs {CAPABILITIES[capability]}; task '{task_cfg.kind}' does not"
             " provide it with this config",
         )
-
-
-def macro_f1(pred: Tensor, y: Tensor) -> float:
-    """Unweighted mean of per-class F1 = 2·TP / (2·TP + FP + FN) over the classes present in
-    ``y`` or ``pred`` (both ``[N]`` class indices).
-
-    Equal to ``sklearn.metrics.f1_score(y, pred, average="macro", zero_division=0)`` (tested);
-    written out because sklearn validates its inputs on every call (about 4 ms), which
-    dominated the evaluation of small models evaluated on every client every few rounds.
-    """
-    labels = torch.unique(torch.cat([y, pred]))  # [L]
-    is_pred = pred[:, None] == labels[None, :]  # [N, L]
-    is_true = y[:, None] == labels[None, :]
-    tp = (is_pred & is_true).sum(0).double()
-    # Every label occurs in y or pred, so the denominator tp+fp + tp+fn is at least 1.
-    f1 = 2 * tp / (is_pred.sum(0) + is_true.sum(0)).double()
-    return float(f1.mean())
 
 
 def classification_metrics(logits: Tensor, y: Tensor) -> dict[str, float]:

@@ -43,7 +43,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import datasets
 import numpy as np
@@ -52,12 +52,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from fedfm.config import validate_section
-from fedfm.core.federation import derive_seed
+from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
 from fedfm.data.sources import SOURCES, load_source, source_info
 from fedfm.errors import ConfigError, FedfmError
-from fedfm.eval.generate import pad_id_of
 from fedfm.eval.llm import (
     ROW_METRICS,
     ChoiceNorm,
@@ -67,6 +66,7 @@ from fedfm.eval.llm import (
 )
 from fedfm.fm import FoundationModel
 from fedfm.models.causal_lm import LMBundle, check_lm_setup
+from fedfm.models.generation import pad_id_of
 from fedfm.models.lora import LoraConfigSpec
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, TASKS, Task, TaskConfig
 
@@ -307,7 +307,7 @@ def shared_peft_model(
     fm = FoundationModel(name, dtype, args, lora=spec, quantization=quantization)
     fm.reset_adapter(adapter, seed, spec)
     fm.set_active([adapter], [adapter])
-    return fm.model
+    return cast(peft.PeftModel, fm.model)
 
 
 def foundation_model_for(cfg: InstructionConfig) -> FoundationModel:

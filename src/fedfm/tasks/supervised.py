@@ -16,7 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from torch import Tensor, nn
 
 from fedfm.config import validate_section
-from fedfm.core.federation import derive_seed
+from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.sources import LoadedSource, column_array, load_source
 from fedfm.errors import ConfigError

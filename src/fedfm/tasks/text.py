@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from fedfm.config import validate_section
-from fedfm.core.federation import derive_seed
+from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.sources import LoadedSource, load_source
 from fedfm.errors import ConfigError
@@ -342,11 +342,14 @@ class EncoderLoraClassifier(nn.Module):
         spec = LoraConfigSpec(
             r=r, alpha=alpha, dropout=dropout, target_modules=list(target_modules)
         )
-        transformer = st[0]
+        transformer: Any = st[0]
         # ``auto_model`` is a read-only alias of ``model`` in sentence-transformers.
         transformer.model = add_adapters(transformer.model, ["client"], spec)
         self.encoder = st
-        self.feature_dim = int(st.get_embedding_dimension())
+        dim = st.get_embedding_dimension()
+        if dim is None:
+            raise ConfigError("task.model_args.encoder", f"'{encoder}' has no embedding width")
+        self.feature_dim = int(dim)
         self.head = nn.Linear(self.feature_dim, num_classes)
 
     def features(self, texts: Sequence[str]) -> Tensor:

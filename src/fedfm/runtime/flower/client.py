@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedfm.core.federation import ClientState, error_reason
-from fedfm.core.state import load_state, save_state
+from fedfm.core.federation import error_reason
+from fedfm.core.state import ClientState, load_state, save_state
 from fedfm.engine import build
 from fedfm.errors import ConfigError, MessageError
 from fedfm.runtime.flower.wire import (

@@ -1,32 +1,4 @@
-"""The foundation-model handle: the one way an algorithm uses an LLM (DESIGN.md principle 11).
-
-A task that has a causal LM hands out a :class:`FoundationModel` from
-:meth:`fedfm.tasks.base.Task.foundation_model`; algorithms call only its methods, never task
-internals. What it offers:
-
-* **Adapters as named, live objects.** The frozen base is loaded once per process and wrapped
-  once by peft; every handle on the same base (model name, dtype, arguments) sees the same
-  ``PeftModel`` and so the same adapters. Adapters are created on demand with a seeded init
-  (``A`` drawn from the seed without touching the global RNG, ``B = 0``, so a new adapter leaves
-  the model unchanged); creating, resetting or deleting one never changes another. A new
-  adapter starts inactive and frozen. :meth:`FoundationModel.use` chooses which adapters take
-  part in the forward pass (their deltas add up: ``W0·h + s·B_r·A_r·h + s·B_s·A_s·h``) and which
-  receive gradients, and restores the previous choice on exit.
-* **Adapter tensors** (:meth:`FoundationModel.get_adapter`, :meth:`FoundationModel.set_adapter`):
-  keys never name the adapter, so a client's ``global`` state loads into the server's copy or
-  into any adapter of the same shape. A message carries exactly the adapters put in it, one
-  array field per adapter.
-* **Batched, seeded generation** with a chosen adapter set (:meth:`FoundationModel.generate`),
-  prompts that keep their tail (:meth:`FoundationModel.prompt`), **all-layer features**
-  (:meth:`FoundationModel.features`) and **DP-SGD on adapters**
-  (:meth:`FoundationModel.dp_train`).
-
-Per-client adapters. In the embedded runtime one process holds one slot per adapter name,
-shared by every simulated client. A client's own adapter (FedSDR's ``LoRA-S``) lives in its
-:class:`~fedfm.core.federation.ClientState` and is put into the slot at the start of each
-handler with :meth:`FoundationModel.load_adapter`, which re-initialises the slot (seeded) for a
-client that has no state yet instead of leaving the previous client's tensors there.
-"""
+"""The :class:`FoundationModel` handle and the process-wide shared bases it wraps."""
 
 from __future__ import annotations
 
@@ -50,9 +22,9 @@ from fedfm.data.prompt import (
     fit_template,
 )
 from fedfm.errors import ConfigError, UnknownNameError
-from fedfm.eval.generate import GenerationConfig, Reply, generate_replies, pad_id_of
 from fedfm.models.causal_lm import TINY_MODELS, LMBundle
 from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
+from fedfm.models.generation import GenerationConfig, Reply, generate_replies, pad_id_of
 from fedfm.models.lora import (
     LoraConfigSpec,
     active_adapters,
@@ -69,7 +41,7 @@ from fedfm.models.registry import build_model
 
 if TYPE_CHECKING:
     from fedfm.core.dp import DPResult, DPSGDConfig
-    from fedfm.core.federation import ClientState
+    from fedfm.core.state import ClientState
 
 Arrays = dict[str, Tensor]
 
@@ -432,7 +404,7 @@ class FoundationModel:
                 :meth:`instruction_prompt`) or token id lists.
             adapters: Adapters active while generating (``[]``: the base model).
             seed: Seeds sampling without touching the global RNG; derive it with
-                :func:`fedfm.core.federation.derive_seed` (e.g. ``ctx.rng_seed("rewrite")``).
+                :func:`fedfm.core.seeding.derive_seed` (e.g. ``ctx.rng_seed("rewrite")``).
                 The same prompts, seed and batch size give the same text.
             cfg: Decoding settings; greedy, 64 new tokens, batches of 16 by default.
             **overrides: Fields of ``cfg`` to change for this call (``do_sample=True``, ...).
@@ -454,7 +426,7 @@ class FoundationModel:
         **overrides: Any,
     ) -> list[Reply]:
         """:meth:`generate` with, for each reply, whether it ran into ``max_new_tokens``
-        (:class:`fedfm.eval.generate.Reply`)."""
+        (:class:`fedfm.models.generation.Reply`)."""
         base = (cfg or GenerationConfig()).model_dump()
         cfg = validate_section(GenerationConfig, {**base, **overrides}, "generate")
         with self.use(adapters) as model, self.autocast():

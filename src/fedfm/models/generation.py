@@ -24,7 +24,7 @@ import pydantic
 import torch
 from torch import nn
 
-from fedfm.core.federation import derive_seed
+from fedfm.core.seeding import derive_seed
 from fedfm.data.prompt import PromptConfig, stop_token_ids
 from fedfm.errors import FedfmError
 
@@ -172,6 +172,7 @@ def generate_replies(
         Each prompt's :class:`Reply`: its text and whether it hit ``max_new_tokens``.
     """
     model, tokenizer = unwrap_bundle(bundle_or_model, tokenizer)
+    lm: Any = model  # a transformers model: ``generate`` is not an nn.Module attribute
     if batch_size < 1 or max_new_tokens < 1:
         raise FedfmError(
             f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}"
@@ -194,7 +195,7 @@ def generate_replies(
             idx = order[start : start + batch_size]
             ids, mask = left_pad([rows[i] for i in idx], pad)
             with _seeded(seed, start, device):
-                out = model.generate(
+                out = lm.generate(
                     input_ids=ids.to(device),
                     attention_mask=mask.to(device),
                     max_new_tokens=max_new_tokens,

@@ -1,0 +1,34 @@
+"""Foundation models through one handle (DESIGN.md principle 11).
+
+A task that has a causal LM hands out a :class:`FoundationModel` from
+:meth:`fedfm.tasks.base.Task.foundation_model`; algorithms call only its methods, never task
+internals. What it offers:
+
+* **Adapters as named, live objects.** The frozen base is loaded once per process and wrapped
+  once by peft; every handle on the same base (model name, dtype, arguments) sees the same
+  ``PeftModel`` and so the same adapters. Adapters are created on demand with a seeded init
+  (``A`` drawn from the seed without touching the global RNG, ``B = 0``, so a new adapter leaves
+  the model unchanged); creating, resetting or deleting one never changes another. A new
+  adapter starts inactive and frozen. :meth:`FoundationModel.use` chooses which adapters take
+  part in the forward pass (their deltas add up: ``W0·h + s·B_r·A_r·h + s·B_s·A_s·h``) and which
+  receive gradients, and restores the previous choice on exit.
+* **Adapter tensors** (:meth:`FoundationModel.get_adapter`, :meth:`FoundationModel.set_adapter`):
+  keys never name the adapter, so a client's ``global`` state loads into the server's copy or
+  into any adapter of the same shape. A message carries exactly the adapters put in it, one
+  array field per adapter.
+* **Batched, seeded generation** with a chosen adapter set (:meth:`FoundationModel.generate`),
+  prompts that keep their tail (:meth:`FoundationModel.prompt`), **all-layer features**
+  (:meth:`FoundationModel.features`) and **DP-SGD on adapters**
+  (:meth:`FoundationModel.dp_train`).
+
+Per-client adapters. In the embedded runtime one process holds one slot per adapter name,
+shared by every simulated client. A client's own adapter (FedSDR's ``LoRA-S``) lives in its
+:class:`~fedfm.core.state.ClientState` and is put into the slot at the start of each
+handler with :meth:`FoundationModel.load_adapter`, which re-initialises the slot (seeded) for a
+client that has no state yet instead of leaving the previous client's tensors there.
+"""
+
+from fedfm.fm.handle import FoundationModel, base_key, shared_base
+from fedfm.models.generation import GenerationConfig, Reply
+
+__all__ = ["FoundationModel", "GenerationConfig", "Reply", "base_key", "shared_base"]
