@@ -39,12 +39,12 @@ from fedfm.data.prompt import (
     end_of_turn_token,
     fit_prompt,
 )
+from fedfm.devices import model_device
 from fedfm.errors import FedfmError
 from fedfm.eval.generate import (
     Reply,
     eval_mode,
     generate_replies,
-    model_device,
     pad_id_of,
     unwrap_bundle,
 )

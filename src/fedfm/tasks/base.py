@@ -99,6 +99,11 @@ class Task(ABC):
         self.cfg = cfg
         self.run = run
 
+    @property
+    def device(self) -> torch.device:
+        """Where this task's models live and compute: the run's ``device`` on this machine."""
+        return self.run.torch_device()  # type: ignore[no-any-return]
+
     @classmethod
     def check_run(cls, cfg: TaskConfig, run: RunConfig) -> None:
         """Refuses a task config that does not fit the rest of the run (e.g. its ``device``).
