@@ -119,15 +119,15 @@ def shared_base(
         kwargs = dict(args)
         if name not in TINY_MODELS:  # the tiny test models are built in float32, then cast
             kwargs["dtype"] = dtype
+        if quantization is not None:  # bitsandbytes places the weights as it quantises them
+            kwargs["quantization"] = quantization
             if device is not None:
                 kwargs["device"] = device
-        if quantization is not None:
-            kwargs["quantization"] = quantization
         bundle = build_model(name, **kwargs)
         if not isinstance(bundle, LMBundle):
             raise ConfigError("task.model", f"'{name}' is not a causal language model")
         if quantization is None:  # a quantised model keeps the dtypes bitsandbytes chose
-            bundle.model.to(device=device, dtype=getattr(torch, dtype))
+            bundle.model.to(device=device, dtype=getattr(torch, dtype))  # built on the CPU
         _BASES[key] = bundle
     return _BASES[key]
 
