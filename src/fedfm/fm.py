@@ -127,7 +127,8 @@ def shared_base(
         if not isinstance(bundle, LMBundle):
             raise ConfigError("task.model", f"'{name}' is not a causal language model")
         if quantization is None:  # a quantised model keeps the dtypes bitsandbytes chose
-            bundle.model.to(device=device, dtype=getattr(torch, dtype))  # built on the CPU
+            # Built on the CPU; in place (transformers types .to narrowly).
+            torch.nn.Module.to(bundle.model, device=device, dtype=getattr(torch, dtype))
         _BASES[key] = bundle
     return _BASES[key]
 

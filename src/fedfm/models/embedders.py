@@ -22,7 +22,7 @@ from fedfm.registry import Registry
 Embedder = Callable[[Sequence[str]], np.ndarray]
 """Texts -> ``(n, dim)`` float32, each row of L2 norm 1 (0 for a text with nothing to embed)."""
 
-EMBEDDERS: Registry[Callable[[], Embedder]] = Registry("embedder", "algo.embedder")
+EMBEDDERS: Registry[Callable[..., Embedder]] = Registry("embedder", "algo.embedder")
 
 
 @functools.cache

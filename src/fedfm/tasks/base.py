@@ -102,7 +102,7 @@ class Task(ABC):
     @property
     def device(self) -> torch.device:
         """Where this task's models live and compute: the run's ``device`` on this machine."""
-        return self.run.torch_device()  # type: ignore[no-any-return]
+        return self.run.torch_device()
 
     @classmethod
     def check_run(cls, cfg: TaskConfig, run: RunConfig) -> None:

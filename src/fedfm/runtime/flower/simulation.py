@@ -73,7 +73,7 @@ def run_flower_sim(
             server_app=make_server_app(payload, sink),
             client_app=make_client_app(client_payload(payload) if cuda else payload),
             num_supernodes=num_clients,
-            backend_config=backend,  # type: ignore[arg-type]
+            backend_config=backend,
             verbose_logging=opts.verbose,
         )
     if "error" in sink:
