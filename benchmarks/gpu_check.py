@@ -18,16 +18,33 @@ their largest magnitude, and at least 6 of the 8 greedy replies are identical (a
 flip a token and the rest of a reply with it). Tokens per second are printed for each device
 (training: non-padding tokens; generation: new tokens). Exit code 1 when a check fails.
 
+Where the tensors lived (the check that nothing computes on the CPU by mistake): on each
+device, every stage above records the device of the token ids that reached the model's input
+embedding (a forward pre-hook), of the frozen base weights and of the trainable adapters, and
+of what the stage hands back (the averaged update, the DP step's update: CPU tensors, as
+messages are); and the peak memory of the stage (CUDA: ``torch.cuda.max_memory_allocated``
+from a reset before the stage; CPU: the process's peak resident set so far). Then, on the
+compared device only, **the quickstart round**: ``fedfm run quickstart`` itself for one round
+(evaluation before and after, generation included) with ``device=<device>``, through the
+embedded runtime, printing its wall time, peak memory, the devices the model's inputs came
+on, and the devices of every array in the clients' replies (what leaves a client: all
+``cpu``). A stage whose inputs reached the model on another device than the model's, or a
+reply tensor off the CPU, fails the check.
+
 Without CUDA it says so and exits 0.
 
 Usage: .venv/bin/python benchmarks/gpu_check.py [--model smollm2-135m-instruct] [--device cuda]
-  (``--model`` also takes a hub id or folder, e.g. HuggingFaceTB/SmolLM2-1.7B-Instruct)
+  [--no-quickstart]
+  (``--model`` also takes a hub id or folder, e.g. HuggingFaceTB/SmolLM2-1.7B-Instruct;
+  ``--device cpu`` runs every stage twice on the CPU, a self-check of this script)
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,16 +75,22 @@ def load(model: str, device: torch.device) -> Any:
     return add_adapters(bundle.model, ["default"], spec, seed=0), bundle.tokenizer
 
 
+def model_overrides(model: str) -> list[str]:
+    """The quickstart's overrides that put ``model`` in place of SmolLM2-135M."""
+    if model == "smollm2-135m-instruct":
+        return []
+    return ["task.model=causal-lm", f"task.model_args.name_or_path={model}"]
+
+
 def task_data(model: str) -> Any:
     """The quickstart's instruction task (data only; the model is loaded separately)."""
     from fedfm.config import load_config
     from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
-    overrides = ["task.autocast_bf16=false"]
-    if model != "smollm2-135m-instruct":
-        overrides += ["task.model=causal-lm", f"task.model_args.name_or_path={model}"]
-    cfg = load_config("quickstart", overrides)
+    cfg = load_config(
+        "quickstart", ["device=cpu", "task.autocast_bf16=false", *model_overrides(model)]
+    )
     _, task_cfg = resolve(cfg)
     return TASKS.get(task_cfg.kind)(task_cfg, cfg)
 
@@ -149,6 +172,91 @@ def generation(model: Any, tokenizer: Any, device: torch.device) -> tuple[list, 
     return replies, logits, new_tokens, seconds
 
 
+class Inputs:
+    """Records the device of the token ids reaching ``model``'s input embedding."""
+
+    def __init__(self, model: Any) -> None:
+        self.seen: set[str] = set()
+        hook = lambda _m, args: self.seen.add(str(args[0].device))  # noqa: E731
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(hook)
+
+    def take(self) -> set[str]:
+        """The devices seen since the last call."""
+        seen, self.seen = self.seen, set()
+        return seen
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device: torch.device) -> str:
+    """Peak memory of the stage (CUDA) or of the process so far (CPU: resident set)."""
+    if device.type == "cuda":
+        return f"peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return f"process peak RSS {rss:,.0f} MiB"
+
+
+def devices_of(tensors: Any) -> set[str]:
+    """Devices of the tensors in a ``name -> tensor`` dict, or of a model's parameters."""
+    values = tensors.values() if isinstance(tensors, dict) else tensors
+    return {str(t.device) for t in values if isinstance(t, torch.Tensor)}
+
+
+def placement(model: Any) -> tuple[set[str], set[str]]:
+    """Devices of the frozen base weights and of the trainable tensors."""
+    frozen = devices_of(p for p in model.parameters() if not p.requires_grad)
+    return frozen, devices_of(p for p in model.parameters() if p.requires_grad)
+
+
+def quickstart_round(model: str, device: torch.device) -> list[str]:
+    """``fedfm run quickstart`` for one round on ``device``; the failures it shows.
+
+    Prints its wall time, peak memory, where the model's inputs and the clients' replies were.
+    """
+    from fedfm.config import load_config
+    from fedfm.core import federation
+    from fedfm.engine import resolve
+    from fedfm.progress import summary_line
+    from fedfm.runtime import run as run_config
+    from fedfm.tasks.lm import foundation_model_for
+
+    replies: set[str] = set()
+    check = federation.validate_reply
+
+    def recorded(cid: str, reply: Any, like: Any) -> None:
+        replies.update(d for field in reply.arrays.values() for d in devices_of(field))
+        check(cid, reply, like)
+
+    with tempfile.TemporaryDirectory() as out:
+        overrides = [f"device={device}", "rounds=1", "eval_every=1", "name=gpu-check"]
+        cfg = load_config("quickstart", [*overrides, f"out_dir={out}", *model_overrides(model)])
+        _, task_cfg = resolve(cfg)
+        base = foundation_model_for(task_cfg, cfg.torch_device()).bundle.model  # the run's base
+        inputs = Inputs(base)
+        federation.validate_reply = recorded  # type: ignore[assignment]
+        reset_peak(device)
+        try:
+            summary, seconds = timed(device, lambda: run_config(cfg, progress=False))
+        finally:
+            federation.validate_reply = check
+            inputs.close()
+        frozen, _ = placement(base)
+        seen = inputs.take()
+        print(
+            f"quickstart round on {device}: {seconds:.1f} s, {peak(device)}; base weights on"
+            f" {sorted(frozen)}, model inputs on {sorted(seen)}, reply tensors on"
+            f" {sorted(replies)}; {summary_line(summary, out)}",
+            flush=True,
+        )
+    return [] if seen == frozen and replies == {"cpu"} else ["quickstart round"]
+
+
 def _take(it: Any, n: int) -> Any:
     for _ in range(n):
         yield next(it)
@@ -167,6 +275,9 @@ def main() -> int:
     ap.add_argument(
         "--device", default="cuda", help="the device to compare with the CPU (cpu: a self-check)"
     )
+    ap.add_argument(
+        "--no-quickstart", action="store_true", help="skip the quickstart round on the device"
+    )
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: torch sees none on this machine, so there is nothing to compare")
@@ -175,24 +286,40 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     task = task_data(args.model)
     results: dict[str, dict[str, Any]] = {}
+    failed: list[str] = []
     for name in ("cpu", f"{args.device} "):  # the space keeps a cpu self-check's two entries
         device = torch.device(name.strip())
         model, tokenizer = load(args.model, device)
+        inputs = Inputs(model)
+        frozen, adapters = placement(model)
+        print(f"{device}: base weights on {sorted(frozen)}, adapters on {sorted(adapters)}")
+        reset_peak(device)
         update, tokens, seconds = fedit_round(model, task, device)
+        seen = {"FedIT round": (inputs.take(), devices_of(update), peak(device))}
+        reset_peak(device)
         try:
             dp = dp_step(model, task, tokenizer)
         except Exception as err:  # report, and go on to the other checks
             dp = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        seen["DP-SGD step"] = (inputs.take(), devices_of(dp), peak(device))
+        reset_peak(device)
         replies, logits, new, gen_s = generation(model, tokenizer, device)
+        seen["generation"] = (inputs.take(), devices_of({"logits": logits}), peak(device))
+        inputs.close()
         results[name] = {"fedit": update, "dp": dp, "replies": replies, "logits": logits}
+        for stage, (where, out, mem) in seen.items():
+            print(f"  {stage}: model inputs on {sorted(where)}, results on {sorted(out)}, {mem}")
+            if where != frozen:  # the inputs reached the model where its weights are
+                failed.append(f"{stage} on {device} (model inputs)")
         print(
             f"{name.strip()}: training {tokens / seconds:,.0f} tokens/s, generation"
             f" {new / gen_s:,.1f} new tokens/s",
             flush=True,
         )
         del model
+    if not args.no_quickstart:
+        failed += quickstart_round(args.model, torch.device(args.device))
     cpu, gpu = results["cpu"], results[f"{args.device} "]
-    failed = []
     fedit = relative(cpu["fedit"], gpu["fedit"])
     print(f"FedIT round: relative difference of the global update {fedit:.2e}")
     failed += ["FedIT round"] if fedit > TOLERANCE else []

@@ -53,12 +53,9 @@ def run(
     plan = make_plan(cfg)
     Console().print(plan.summary(), soft_wrap=True, markup=False)
     plan_fits_or_warn(plan, strict=False)
-    if cfg.torch_device().type != "cpu":
-        logging.getLogger("fedfm").warning(
-            "device %s: the plan is sized for it, but training, generation and evaluation"
-            " still compute on the CPU",
-            cfg.device,
-        )
+    from fedfm.devices import describe
+
+    Console().print(f"device {cfg.device}: {describe(cfg.torch_device())}", markup=False)
     summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
     from fedfm.progress import summary_line
 

@@ -12,15 +12,21 @@ accepted when asked for by name.
 
 Autocast: bfloat16 where the device computes it natively (CPUs, CUDA from compute capability
 8.0, Ampere on), else float16 with a gradient scaler (:func:`needs_grad_scaler`).
+
+Placement: a model lives on the run's device; what it computes on follows the model
+(:func:`model_device`, :func:`to_device`), and what leaves a client (messages, client state,
+checkpoints) is copied back to the CPU where it leaves (``fedfm.core.train.get_params``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 DEVICE_NAMES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 _PATTERN = re.compile(r"auto|cpu|mps|cuda(?::(\d+))?")
@@ -126,3 +132,45 @@ def describe(device: torch.device) -> str:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     return f"cuda:{index} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Device of the model's first parameter (CPU for a parameterless module)."""
+    import torch
+
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it on ``device`` (tuples, lists and dicts walked).
+
+    Anything else (texts, ids, numbers) is returned as it is; a tensor already there is not
+    copied, so on the CPU this changes nothing.
+    """
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def bf16_autocast(
+    device: torch.device, enabled: bool = True
+) -> contextlib.AbstractContextManager[Any]:
+    """bfloat16 autocast on ``device`` when ``enabled`` and :func:`supports_bf16`, else a no-op.
+
+    Where bfloat16 is not native (CUDA before compute capability 8.0, MPS) the forward passes
+    stay in the model's dtype: float16 autocast would need a gradient scaler in every training
+    path (local SGD, DP-SGD's clipped per-sample gradients), and without one its gradients
+    underflow.
+    """
+    if not (enabled and supports_bf16(device)):
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

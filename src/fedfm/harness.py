@@ -112,10 +112,11 @@ def load_model(cfg: dict[str, Any], run: Path) -> Any:
     from fedfm.engine import resolve
     from fedfm.tasks.lm import InstructionConfig, foundation_model_for
 
-    _, task_cfg = resolve(load_config(cfg))
+    run_cfg = load_config(cfg)
+    _, task_cfg = resolve(run_cfg)
     if not isinstance(task_cfg, InstructionConfig):
         raise ConfigError("run", f"task.kind '{task_cfg.kind}' has no causal LM to evaluate")
-    fm = foundation_model_for(task_cfg)
+    fm = foundation_model_for(task_cfg, run_cfg.torch_device())
     fm.read_adapter(EVAL_ADAPTER, run / ADAPTER)
     fm.set_active([EVAL_ADAPTER])
     return fm

@@ -567,7 +567,7 @@ class DPSyn(Algorithm):
         """Stage 4: K-NN votes of the private samples within their code, plus noise."""
         texts, codes = msg.meta["texts"], msg.meta["codes"]
         assert isinstance(texts, list) and isinstance(codes, list)
-        embed = get_embedder(self.cfg.embedder)
+        embed = get_embedder(self.cfg.embedder, str(self.task.device))
         votes = knn_votes(
             embed(self.task.texts(ctx.data)),
             self.task.code_ids(ctx.data).numpy(),
@@ -801,7 +801,7 @@ class DPSyn(Algorithm):
         return out
 
     def _embed_eval(self) -> Any:
-        return get_embedder(self.cfg.eval.embedder or self.cfg.embedder)
+        return get_embedder(self.cfg.eval.embedder or self.cfg.embedder, str(self.task.device))
 
     def _test_embeddings(self) -> np.ndarray:
         if self._test_emb is None:

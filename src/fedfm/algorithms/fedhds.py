@@ -621,7 +621,7 @@ class FedHDS(Algorithm):
             assert self.cfg.feature_model is not None
             with config_fields(FEATURE_FIELDS):
                 self._feature_model = load_feature_model(
-                    self.cfg.feature_model, **self.cfg.feature_model_args
+                    self.cfg.feature_model, self.task.device, **self.cfg.feature_model_args
                 )
         return self._feature_model
 

@@ -108,6 +108,7 @@ from fedfm.core.messages import Message
 from fedfm.core.optim import ServerOptimizer
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_train, num_steps, set_params
+from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 from fedfm.tasks.base import (
@@ -203,8 +204,11 @@ def efficientnet_lite0_teacher(
     model = load_efficientnet_lite0(pretrained=pretrained)
 
     def encode(x: Tensor) -> Tensor:
+        device = model_device(model)  # the module may be moved after it is built
         chunks = [
-            model.features(imagenet_preprocess(x[s : s + batch_size], size=image_size))
+            model.features(
+                imagenet_preprocess(x[s : s + batch_size].to(device), size=image_size)
+            ).cpu()
             for s in range(0, len(x), batch_size)
         ]
         return torch.cat(chunks) if chunks else torch.zeros(0, FEATURE_DIM)
@@ -808,7 +812,8 @@ class FedRD(Algorithm):
             self._teacher = TEACHERS.get(name)(**self.cfg.teacher_options)
             for p in self._teacher.module.parameters():
                 p.requires_grad_(False)
-            self._teacher.module.eval()
+            # Its features come back to the CPU (they are cached per process).
+            self._teacher.module.to(self.task.device).eval()
         return self._teacher
 
     def _teacher_name(self) -> str:
@@ -841,7 +846,8 @@ class FedRD(Algorithm):
         torch.manual_seed(derive_seed(self.run.seed, "fedrd-server-init"))
         classes = as_student(student).head.out_features
         parts = objective.build(c, name, fm_dim, head_in, classes)
-        self._srv = ServerHalf(name, key, self.teacher, public, feats, CoTrainer(student, parts))
+        cotrainer = CoTrainer(student, parts).to(self.task.device)  # φ, heads: CPU-initialised
+        self._srv = ServerHalf(name, key, self.teacher, public, feats, cotrainer)
         self._check_student_width(student, public, head_in)
         if c.teacher_eval_size and self._srv.cotrainer.has_teacher_path:
             test = self.task.test_data()
@@ -857,7 +863,8 @@ class FedRD(Algorithm):
 
     def _check_student_width(self, student: nn.Module, public: Any, head_in: int) -> None:
         with torch.no_grad():
-            width = as_student(student).features(self.task.inputs(public, [0, 1])).shape[-1]
+            x = to_device(self.task.inputs(public, [0, 1]), model_device(student))
+            width = as_student(student).features(x).shape[-1]
         if width != head_in:
             raise ConfigError(
                 "task.model",
@@ -966,11 +973,14 @@ class FedRD(Algorithm):
         model.eval()
         data, feats = srv.eval_data, srv.eval_feats
         assert feats is not None
-        f_t, z_t = model.teacher(feats)
+        device = model_device(model)
+        f_t, z_t = (t.cpu() for t in model.teacher(feats.to(device)))
         student = as_student(model.student)
         f_s = torch.cat(
             [
-                student.features(self.task.inputs(data, range(s, min(s + 256, len(data)))))
+                student.features(
+                    to_device(self.task.inputs(data, range(s, min(s + 256, len(data)))), device)
+                ).cpu()
                 for s in range(0, len(data), 256)
             ]
         )

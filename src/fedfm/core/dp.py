@@ -41,7 +41,9 @@ in every round (an upper bound on what it spends); Poisson batches and noise com
 ``torch.Generator`` s seeded from the caller's ``seed``, which a client draws from its own
 secret (:func:`fedfm.core.secret.noise_seed`; from the run seed only under
 ``privacy.noise: seeded``). That generator is not a cryptographically secure source (Opacus's
-``secure_mode`` needs ``torchcsprng``).
+``secure_mode`` needs ``torchcsprng``). The noise is drawn on the CPU and moved to each
+gradient's device (:class:`CPUNoiseDPOptimizer`), so a seeded run adds the same noise on any
+device; per-sample gradients, clipping and the step run where the model is.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch import Tensor, nn
 
 from fedfm.core.batching import IGNORE_INDEX, collate
@@ -343,6 +346,29 @@ def release(model: nn.Module) -> None:
             handle.remove()
 
 
+class CPUNoiseDPOptimizer(DPOptimizer):
+    """Opacus's ``DPOptimizer`` whose Gaussian noise is drawn from a CPU generator.
+
+    Opacus draws the noise on the device of each gradient with a generator of that device, so
+    the same seed gives other numbers on a GPU than on the CPU. Here the draw is the one
+    Opacus makes on the CPU (same calls, same order), then moved to the gradient's device.
+    """
+
+    def add_noise(self) -> None:
+        """Adds ``N(0, (σ·C)²)`` noise, drawn on the CPU, to each clipped gradient sum."""
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            summed = p.summed_grad
+            noise = _generate_noise(
+                std=self.noise_multiplier * self.max_grad_norm,
+                reference=torch.empty(summed.shape, dtype=summed.dtype),  # CPU: shape, dtype
+                generator=self.generator,
+                secure_mode=self.secure_mode,
+            )
+            p.grad = (summed + noise.to(summed.device)).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+
 def dp_step(
     gsm: nn.Module,
     optimizer: DPOptimizer,
@@ -463,10 +489,10 @@ def dp_train(
     try:
         batches = poisson_batches(n, rate, steps, seed)
         if dp.private:
-            noise = torch.Generator(device=params[0].device)
+            noise = torch.Generator()  # on the CPU: see CPUNoiseDPOptimizer
             noise.manual_seed(derive_seed(seed, "dp-noise"))
             with grad_sample_hooks(model) as gsm:
-                private = DPOptimizer(
+                private = CPUNoiseDPOptimizer(
                     optimizer,
                     noise_multiplier=sigma,
                     max_grad_norm=dp.max_grad_norm,

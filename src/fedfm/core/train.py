@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fedfm.core.settings import BNB_OPTIMIZERS, TrainConfig
+from fedfm.devices import model_device, to_device
 
 if TYPE_CHECKING:
     from fedfm.core.federation import ClientContext
@@ -129,7 +130,7 @@ def local_train(
 
     Args:
         model: The model; only parameters with ``requires_grad`` are trained.
-        batches: An endless iterator of batches.
+        batches: An endless iterator of batches (each is moved to the model's device).
         loss_fn: ``(model, batch) -> (loss, outputs)``.
         cfg: Optimizer, learning rate, clipping and ``prox_mu``.
         steps: Number of optimizer steps (see :func:`num_steps`).
@@ -148,12 +149,15 @@ def local_train(
     params = list(named.values())
     opt = optimizer or make_optimizer(params, cfg)
     mu = cfg.prox_mu if prox_ref is not None else 0.0
-    ref = {n: prox_ref[n] for n in named} if mu > 0 and prox_ref is not None else {}
+    # Reference weights and corrections arrive as CPU tensors (messages, client state).
+    ref = {n: prox_ref[n].to(p.device) for n, p in named.items()} if mu > 0 and prox_ref else {}
+    corr = {n: c.to(named[n].device) for n, c in (grad_correction or {}).items() if n in named}
+    device = model_device(model)
     was_training = model.training
     model.train()
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     for _ in range(steps):
-        batch = next(batches)
+        batch = to_device(next(batches), device)
         loss, out = loss_fn(model, batch)
         if extra_loss is not None:
             loss = loss + extra_loss(model, batch, out)
@@ -166,7 +170,7 @@ def local_train(
         if grad_correction is not None:
             for n, p in named.items():
                 if p.grad is not None:
-                    p.grad.add_(grad_correction[n])
+                    p.grad.add_(corr[n])
         if cfg.clip_norm is not None:
             nn.utils.clip_grad_norm_(params, cfg.clip_norm)
         opt.step()

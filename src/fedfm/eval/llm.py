@@ -39,6 +39,7 @@ from fedfm.data.prompt import (
     end_of_turn_token,
     fit_prompt,
 )
+from fedfm.devices import model_device
 from fedfm.errors import FedfmError
 from fedfm.eval.metrics import (
     gsm8k_correct,
@@ -51,7 +52,6 @@ from fedfm.models.generation import (
     Reply,
     eval_mode,
     generate_replies,
-    model_device,
     pad_id_of,
     unwrap_bundle,
 )

@@ -21,6 +21,7 @@ from fedfm.data.prompt import (
     fit_prompt,
     fit_template,
 )
+from fedfm.devices import bf16_autocast, model_device
 from fedfm.errors import ConfigError, UnknownNameError
 from fedfm.models.causal_lm import TINY_MODELS, LMBundle
 from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
@@ -55,11 +56,14 @@ def base_key(
     dtype: str = "float32",
     args: Mapping[str, Any] | None = None,
     quantization: str | None = None,
+    device: torch.device | None = None,
 ) -> str:
-    """The key under which a base model is shared in this process."""
+    """The key under which a base model is shared in this process (one base per device)."""
     parts: list[Any] = [name, dtype, dict(args or {})]
     if quantization is not None:  # unquantised keys stay as they always were
         parts.append(quantization)
+    if device is not None and device.type != "cpu":  # so do the CPU's
+        parts.append(str(device))
     return json.dumps(parts, sort_keys=True, default=str)
 
 
@@ -68,8 +72,10 @@ def shared_base(
     dtype: str = "float32",
     args: dict[str, Any] | None = None,
     quantization: str | None = None,
+    device: torch.device | None = None,
 ) -> LMBundle:
-    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)``.
+    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)`` on
+    ``device`` (the CPU when ``None``).
 
     Loaded on first use and then shared by every simulated client and every task of the
     process. Once an adapter exists, its linear layers carry LoRA wrappers (inactive adapters
@@ -80,18 +86,21 @@ def shared_base(
         ConfigError: ``name`` is not a causal language model (field ``task.model``).
     """
     args = dict(args or {})
-    key = base_key(name, dtype, args, quantization)
+    key = base_key(name, dtype, args, quantization, device)
     if key not in _BASES:
         kwargs = dict(args)
         if name not in TINY_MODELS:  # the tiny test models are built in float32, then cast
             kwargs["dtype"] = dtype
-        if quantization is not None:
+        if quantization is not None:  # bitsandbytes places the weights as it quantises them
             kwargs["quantization"] = quantization
+            if device is not None:
+                kwargs["device"] = device
         bundle = build_model(name, **kwargs)
         if not isinstance(bundle, LMBundle):
             raise ConfigError("task.model", f"'{name}' is not a causal language model")
         if quantization is None:  # a quantised model keeps the dtypes bitsandbytes chose
-            bundle.model.to(getattr(torch, dtype))
+            # Built on the CPU; in place (transformers types .to narrowly).
+            torch.nn.Module.to(bundle.model, device=device, dtype=getattr(torch, dtype))
         _BASES[key] = bundle
     return _BASES[key]
 
@@ -113,6 +122,8 @@ class FoundationModel:
             autocast.
         quantization: ``4bit`` or ``8bit``: the base is loaded quantised (see
             :func:`shared_base`).
+        device: Where the base lives and computes (the CPU when ``None``); every handle on
+            the same base and device shares it.
     """
 
     def __init__(
@@ -125,6 +136,7 @@ class FoundationModel:
         prompt: PromptConfig | None = None,
         autocast_bf16: bool = False,
         quantization: str | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.name = name
         self.dtype = dtype
@@ -133,13 +145,14 @@ class FoundationModel:
         self.prompt_cfg = prompt or PromptConfig()
         self.autocast_bf16 = autocast_bf16
         self.quantization = quantization
-        self.key = base_key(name, dtype, self.args, quantization)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.key = base_key(name, dtype, self.args, quantization, self.device)
 
     # ----- the shared model -----
     @property
     def bundle(self) -> LMBundle:
         """The frozen base model and its tokenizer (loaded on first use)."""
-        return shared_base(self.name, self.dtype, self.args, self.quantization)
+        return shared_base(self.name, self.dtype, self.args, self.quantization, self.device)
 
     @property
     def tokenizer(self) -> Any:
@@ -166,11 +179,9 @@ class FoundationModel:
         return int(self.bundle.model.config.hidden_size)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bfloat16 autocast on the model's device when ``autocast_bf16``, else a no-op."""
-        if not self.autocast_bf16:
-            return contextlib.nullcontext()
-        device = next(self.bundle.model.parameters()).device.type
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        """bfloat16 autocast on the model's device when ``autocast_bf16`` and the device
+        computes bfloat16 natively (:func:`fedfm.devices.bf16_autocast`), else a no-op."""
+        return bf16_autocast(model_device(self.bundle.model), self.autocast_bf16)
 
     # ----- adapters -----
     def adapters(self) -> list[str]:

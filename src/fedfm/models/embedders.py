@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -21,20 +22,27 @@ from fedfm.registry import Registry
 Embedder = Callable[[Sequence[str]], np.ndarray]
 """Texts -> ``(n, dim)`` float32, each row of L2 norm 1 (0 for a text with nothing to embed)."""
 
-EMBEDDERS: Registry[Callable[[], Embedder]] = Registry("embedder", "algo.embedder")
+EMBEDDERS: Registry[Callable[..., Embedder]] = Registry("embedder", "algo.embedder")
 
 
 @functools.cache
-def get_embedder(name: str) -> Embedder:
-    """The embedder ``name``, built once per process.
+def get_embedder(name: str, device: str = "cpu") -> Embedder:
+    """The embedder ``name``, built once per process and device.
+
+    Args:
+        name: A registered embedder.
+        device: Where its model computes (a builder without a ``device`` argument, such as
+            ``hashed-ngrams``, has no model and ignores it).
 
     Raises:
         UnknownNameError: No such embedder (field ``algo.embedder``).
     """
+    builder = EMBEDDERS.get(name)
+    takes_device = "device" in inspect.signature(builder).parameters
     # Ordinary weights even when first asked inside a no-grad handler (inference mode), so
     # the server can use the same embedder outside it.
     with torch.inference_mode(False):
-        return EMBEDDERS.get(name)()
+        return builder(device=device) if takes_device else builder()
 
 
 def known_embedder(name: str) -> str:
@@ -49,10 +57,10 @@ def known_embedder(name: str) -> str:
 
 
 @EMBEDDERS.register("all-minilm-l6-v2", "all-MiniLM-L6-v2 sentence embeddings (384-d)")
-def _minilm() -> Embedder:
+def _minilm(device: str = "cpu") -> Embedder:
     from fedfm.models.encoder import MINILM, encode, load_sentence_encoder
 
-    model = load_sentence_encoder(MINILM)
+    model = load_sentence_encoder(MINILM, device=device)
 
     def embed(texts: Sequence[str]) -> np.ndarray:
         return encode(model, list(texts), batch_size=64, normalize=True)

@@ -28,8 +28,9 @@ import peft
 import torch
 from torch import Tensor, nn
 
+from fedfm.devices import model_device
 from fedfm.errors import ConfigError
-from fedfm.models.generation import eval_mode, model_device, pad_id_of
+from fedfm.models.generation import eval_mode, pad_id_of
 
 Pool = Literal["last", "mean"]
 
@@ -289,13 +290,15 @@ class EncoderFeatures(BackboneFeatures):
         ]
 
 
-def load_feature_model(name: str, **args: Any) -> LayerFeatures:
+def load_feature_model(name: str, device: Any = None, **args: Any) -> LayerFeatures:
     """A separate feature model from the model registry.
 
     Args:
         name: A causal LM (``tiny-llama``, ``smollm2-135m-instruct``, ``causal-lm`` with
             ``name_or_path``) or a sentence encoder (``all-minilm-l6-v2``,
             ``sentence-encoder``).
+        device: Where the model computes (a ``torch.device``; the CPU when ``None``);
+            features come back on the CPU either way.
         **args: Arguments of the registry builder.
 
     Raises:
@@ -308,7 +311,9 @@ def load_feature_model(name: str, **args: Any) -> LayerFeatures:
 
     built = build_model(name, **args)
     if isinstance(built, LMBundle):
+        if device is not None:
+            torch.nn.Module.to(built.model, device)  # in place (transformers types .to narrowly)
         return CausalLMFeatures(built.model, built.tokenizer)
     if isinstance(built, SentenceTransformer):
-        return EncoderFeatures(built)
+        return EncoderFeatures(built.to(device) if device is not None else built)
     raise ConfigError("features.model", f"'{name}' gives no text features")

@@ -146,7 +146,7 @@ class FMAdapter(nn.Module):
 
     def features(self, x: Tensor) -> Tensor:
         """Images ``[B, C, H, W]`` in [0, 1] -> adapted features ``[B, hidden]``."""
-        f = self._fm(x)
+        f = self._fm(x).to(x.device)  # the frozen features are computed and cached on the CPU
         f = f + self.fc2(F.relu(self.fc1(self.norm(f))))
         return F.relu(self.proj(f))
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from fedfm.core.seeding import derive_seed
 from fedfm.data.prompt import PromptConfig, stop_token_ids
+from fedfm.devices import model_device
 from fedfm.errors import FedfmError
 
 
@@ -74,12 +75,6 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         model.train(was_training)
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Device of the model's first parameter (CPU for a parameterless module)."""
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 def pad_id_of(tokenizer: Any) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
@@ -98,6 +99,11 @@ class Task(ABC):
     def __init__(self, cfg: TaskConfig, run: RunConfig) -> None:
         self.cfg = cfg
         self.run = run
+
+    @property
+    def device(self) -> torch.device:
+        """Where this task's models live and compute: the run's ``device`` on this machine."""
+        return self.run.torch_device()
 
     @classmethod
     def check_run(cls, cfg: TaskConfig, run: RunConfig) -> None:

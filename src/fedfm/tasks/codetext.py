@@ -137,6 +137,7 @@ class ControlTextTask(TextTask):
                 lora=self.cfg.lora,
                 prompt=self.cfg.prompt,
                 autocast_bf16=self.cfg.autocast_bf16,
+                device=self.device,
             )
         return self._fm
 

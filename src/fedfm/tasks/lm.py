@@ -48,6 +48,7 @@ from typing import Any, Literal, cast
 import datasets
 import numpy as np
 import peft
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
@@ -56,6 +57,7 @@ from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
 from fedfm.data.sources import SOURCES, load_source, source_info
+from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError, FedfmError
 from fedfm.eval.llm import (
     ROW_METRICS,
@@ -295,8 +297,10 @@ def shared_peft_model(
     adapter: str = "default",
     seed: int = 0,
     quantization: str | None = None,
+    device: torch.device | None = None,
 ) -> peft.PeftModel:
-    """The process-wide ``PeftModel`` on the shared base, with ``adapter`` freshly made.
+    """The process-wide ``PeftModel`` on the shared base (on ``device``, the CPU when
+    ``None``), with ``adapter`` freshly made.
 
     ``adapter`` is (re)created from ``spec`` with its ``A`` matrices drawn from ``seed`` and
     ``B = 0``, then made the only active and trainable adapter; other adapters keep their
@@ -304,14 +308,17 @@ def shared_peft_model(
     first returned: callers that need several live adapters use
     :class:`fedfm.fm.FoundationModel`.
     """
-    fm = FoundationModel(name, dtype, args, lora=spec, quantization=quantization)
+    fm = FoundationModel(name, dtype, args, lora=spec, quantization=quantization, device=device)
     fm.reset_adapter(adapter, seed, spec)
     fm.set_active([adapter], [adapter])
     return cast(peft.PeftModel, fm.model)
 
 
-def foundation_model_for(cfg: InstructionConfig) -> FoundationModel:
-    """The handle on the task's model: its base, dtype, LoRA and prompt settings, autocast."""
+def foundation_model_for(
+    cfg: InstructionConfig, device: torch.device | None = None
+) -> FoundationModel:
+    """The handle on the task's model: its base, dtype, LoRA and prompt settings, autocast,
+    on ``device`` (the CPU when ``None``)."""
     return FoundationModel(
         cfg.model,
         cfg.dtype,
@@ -320,6 +327,7 @@ def foundation_model_for(cfg: InstructionConfig) -> FoundationModel:
         prompt=cfg.prompt,
         autocast_bf16=cfg.autocast_bf16,
         quantization=cfg.quantization,
+        device=device,
     )
 
 
@@ -525,7 +533,7 @@ class InstructionTask(Task):
     def foundation_model(self) -> FoundationModel:
         """The handle on the shared base and its adapters that LLM algorithms use."""
         if self._fm is None:
-            self._fm = foundation_model_for(self.cfg)
+            self._fm = foundation_model_for(self.cfg, self.device)
         return self._fm
 
     @property
@@ -584,6 +592,7 @@ class InstructionTask(Task):
             overrides.get("adapter", "default"),
             seed,
             self.cfg.quantization,
+            self.device,
         )
 
     def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:
@@ -617,9 +626,8 @@ class InstructionTask(Task):
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
         """Mean cross-entropy over response tokens (labels are -100 elsewhere)."""
-        device = next(model.parameters()).device
         with self.autocast():
-            out = model(**{k: v.to(device) for k, v in batch.items()})
+            out = model(**to_device(batch, model_device(model)))
         return out.loss, out
 
     def evaluate(self, model: nn.Module, data: InstructionData) -> dict[str, float]:

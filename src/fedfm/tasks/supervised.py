@@ -19,6 +19,7 @@ from fedfm.config import validate_section
 from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.sources import LoadedSource, column_array, load_source
+from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError
 from fedfm.models.registry import build_model
 from fedfm.tasks.base import (
@@ -224,9 +225,13 @@ class SupervisedTask(Task):
         torch.manual_seed(seed)
         if self.cfg.kind == "tabular" or name == "mlp":  # an MLP flattens images itself
             in_dim = int(np.prod(self.input_shape()))
-            return build_model(name, in_dim=in_dim, out_dim=self.num_classes, **args)
-        c, h, _ = self.input_shape()
-        return build_model(name, in_channels=c, num_classes=self.num_classes, image_size=h, **args)
+            model = build_model(name, in_dim=in_dim, out_dim=self.num_classes, **args)
+        else:
+            c, h, _ = self.input_shape()
+            model = build_model(
+                name, in_channels=c, num_classes=self.num_classes, image_size=h, **args
+            )
+        return model.to(self.device)  # initialised on the CPU: the same weights on any device
 
     def batches(
         self, data: TensorData, batch_size: int, seed: int
@@ -242,7 +247,7 @@ class SupervisedTask(Task):
                 yield data.x[idx], data.y[idx]
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        x, y = batch
+        x, y = to_device(batch, model_device(model))
         out = model(x)
         if self.kind == "regression":
             return nn.functional.mse_loss(out.squeeze(-1), y), out
@@ -250,10 +255,15 @@ class SupervisedTask(Task):
 
     @torch.no_grad()
     def predict(self, model: nn.Module, data: TensorData, batch_size: int = 1024) -> Tensor:
-        """Model outputs on ``data`` in eval mode: logits ``[N, C]`` or predictions ``[N]``."""
+        """Model outputs on ``data`` in eval mode: logits ``[N, C]`` or predictions ``[N]``,
+        on the CPU (computed on the model's device)."""
         was = model.training
         model.eval()
-        outs = [model(data.x[s : s + batch_size]) for s in range(0, len(data), batch_size)]
+        device = model_device(model)
+        outs = [
+            model(data.x[s : s + batch_size].to(device)).cpu()
+            for s in range(0, len(data), batch_size)
+        ]
         model.train(was)
         out = torch.cat(outs) if outs else torch.zeros(0, self.num_classes)
         return out.squeeze(-1) if self.kind == "regression" else out

@@ -31,6 +31,7 @@ from fedfm.config import validate_section
 from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.sources import LoadedSource, load_source
+from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError
 from fedfm.models.registry import MODELS, build_model
 from fedfm.models.students import PAD_ID, HashingTokenizer
@@ -221,7 +222,7 @@ class TextTask(Task):
                     "task.model_args.vocab_size",
                     f"{args['vocab_size']} differs from the tokenizer's {self.cfg.vocab_size}",
                 )
-        return build_model(name, num_classes=self.num_classes, **args)
+        return build_model(name, num_classes=self.num_classes, **args).to(self.device)
 
     def batches(
         self, data: TextData, batch_size: int, seed: int
@@ -237,17 +238,20 @@ class TextTask(Task):
                 yield data.inputs(idx), data.y[idx]
 
     def loss(self, model: nn.Module, batch: tuple[Any, Tensor]) -> tuple[Tensor, Tensor]:
-        x, y = batch
+        x, y = to_device(batch, model_device(model))  # texts stay a list of strings
         out = model(x)
         return nn.functional.cross_entropy(out, y), out
 
     @torch.no_grad()
     def predict(self, model: nn.Module, data: TextData, batch_size: int = 256) -> Tensor:
-        """Logits ``[N, C]`` of ``model`` on ``data`` in eval mode."""
+        """Logits ``[N, C]`` of ``model`` on ``data`` in eval mode, on the CPU."""
         was = model.training
         model.eval()
-        idx = list(range(len(data)))
-        outs = [model(data.inputs(idx[s : s + batch_size])) for s in range(0, len(idx), batch_size)]
+        idx, device = list(range(len(data))), model_device(model)
+        outs = [
+            model(to_device(data.inputs(idx[s : s + batch_size]), device)).cpu()
+            for s in range(0, len(idx), batch_size)
+        ]
         model.train(was)
         return torch.cat(outs) if outs else torch.zeros(0, self.num_classes)
 
@@ -356,7 +360,7 @@ class EncoderLoraClassifier(nn.Module):
         """Texts -> [B, feature_dim] sentence embeddings (differentiable through LoRA)."""
         if isinstance(texts, str):
             raise ConfigError("texts", "expected a list of strings, got a single string")
-        feats = self.encoder.preprocess(list(texts))
+        feats = to_device(self.encoder.preprocess(list(texts)), model_device(self))
         return self.encoder(feats)["sentence_embedding"]
 
     def forward(self, texts: Sequence[str]) -> Tensor:

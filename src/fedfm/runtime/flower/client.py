@@ -55,12 +55,13 @@ class ClientRuntime:
 
     Args:
         payload: The run's payload.
+        device: This node's ``device`` in place of the run's (node config ``device``).
     """
 
-    def __init__(self, payload: Payload) -> None:
+    def __init__(self, payload: Payload, device: str | None = None) -> None:
 
         self.payload = payload
-        self.cfg = payload.run_config()
+        self.cfg = payload.run_config(device)
         self.options = payload.flower()
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
@@ -96,11 +97,11 @@ class ClientRuntime:
 _RUNTIMES: OrderedDict[str, ClientRuntime] = OrderedDict()
 
 
-def runtime_for(payload: Payload) -> ClientRuntime:
-    """The cached :class:`ClientRuntime` of a payload (built on first use)."""
-    key = payload.key()
+def runtime_for(payload: Payload, device: str | None = None) -> ClientRuntime:
+    """The cached :class:`ClientRuntime` of a payload on a device (built on first use)."""
+    key = payload.key() + (f"@{device}" if device else "")
     if key not in _RUNTIMES:
-        _RUNTIMES[key] = ClientRuntime(payload)
+        _RUNTIMES[key] = ClientRuntime(payload, device)
         while len(_RUNTIMES) > 2:
             _RUNTIMES.popitem(last=False)
     _RUNTIMES.move_to_end(key)
@@ -217,6 +218,12 @@ def _payload(context: Context, payload: Payload | None) -> Payload:
     return payload or Payload.from_context(context.run_config)
 
 
+def _runtime(context: Context, payload: Payload | None) -> ClientRuntime:
+    """This node's runtime, on the node's own ``device`` when its node config names one."""
+    device = context.node_config.get("device")
+    return runtime_for(_payload(context, payload), str(device) if device else None)
+
+
 def _error(message: FlowerMessage, err: BaseException) -> FlowerMessage:
     from flwr.app import Error
     from flwr.app import Message as FlowerMessage
@@ -232,7 +239,7 @@ def handle_hello(
     from flwr.app import Message as FlowerMessage
 
     try:
-        rt = runtime_for(_payload(context, payload))
+        rt = _runtime(context, payload)
         cid = rt.client_id(dict(context.node_config))
     except Exception as e:  # refused handshakes are reported to the server, never crash
         log.error("handshake refused: %s", error_reason(e))
@@ -253,7 +260,7 @@ def handle_message(
     from flwr.app import Message as FlowerMessage
 
     try:
-        rt = runtime_for(_payload(context, payload))
+        rt = _runtime(context, payload)
         cid = rt.client_id(dict(context.node_config))
         msg, head = records_to_message(message.content)
         if str(head.get("cid")) != cid:

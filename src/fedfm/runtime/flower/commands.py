@@ -61,6 +61,16 @@ def _existing(name: str, path: Path | None) -> Path | None:
     return path
 
 
+def _check_device(name: str) -> None:
+    """Refuses a ``--device`` this machine cannot compute on (one line naming ``device``)."""
+    from fedfm import devices
+
+    try:
+        devices.check(name)
+    except ValueError as err:
+        raise ConfigError("device", str(err)) from None
+
+
 def serve(
     config: Annotated[str, typer.Argument(help="preset name or YAML file")],
     overrides: Overrides = None,
@@ -124,6 +134,10 @@ def client(
     auth_key: Annotated[Path | None, typer.Option(help="node private key")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="client-state folder")] = None,
     isolation: Annotated[str, typer.Option(help="process or subprocess")] = "process",
+    device: Annotated[
+        str | None,
+        typer.Option(help="device this client computes on (auto, cpu, cuda, cuda:N, mps)"),
+    ] = None,
     wait: Annotated[
         float,
         typer.Option(
@@ -143,6 +157,8 @@ def client(
     """
     if not wait > 0:
         raise ConfigError("wait", f"must be more than 0 seconds (inf: no limit), got {wait:g}")
+    if device is not None:
+        _check_device(device)
     if not 0 <= partition_id < num_partitions:
         raise ConfigError("partition-id", f"{partition_id} is not in 0..{num_partitions - 1}")
     if (root_certificates is None) == (not insecure):
@@ -170,6 +186,7 @@ def client(
             state_dir=state,
             isolation=isolation,
             wait_s=wait,
+            device=device,
         )
     except Stopped as e:
         name = signal.Signals(e.signum).name

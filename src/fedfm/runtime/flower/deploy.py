@@ -147,6 +147,7 @@ def supernode_command(
     state_dir: Path | None = None,
     isolation: str = "process",
     paced: bool = True,
+    device: str | None = None,
 ) -> list[str]:
     """The ``flower-supernode`` command line of one fedfm client.
 
@@ -163,10 +164,14 @@ def supernode_command(
         paced: Run Flower's SuperNode with fedfm's short polls
             (:mod:`fedfm.runtime.flower.supernode`); False runs ``flower-supernode`` as
             Flower ships it (a 3 s pause after every empty poll).
+        device: The ``device`` this node computes on in place of the run's (node config
+            ``device``); None: the run's.
     """
     node_config = f"partition-id={partition_id} num-partitions={num_partitions}"
     if state_dir is not None:
         node_config += f' state-dir="{state_dir.resolve()}"'
+    if device is not None:
+        node_config += f' device="{device}"'
     exe = [sys.executable, "-m", SUPERNODE_MODULE] if paced else [bin_path("flower-supernode")]
     cmd = [*exe, "--superlink", superlink, "--node-config", node_config]
     cmd += ["--host", "127.0.0.1", "--port", str(runtime_port), "--isolation", isolation]
@@ -391,6 +396,7 @@ def start_client(
     name: str | None = None,
     die_with_parent: bool = False,
     paced: bool = True,
+    device: str | None = None,
 ) -> list[Proc]:
     """Starts the SuperNode of one client (and its warm worker); returns without waiting.
 
@@ -408,6 +414,7 @@ def start_client(
         name: Name of the node's processes and logs (default ``supernode-<partition>``).
         die_with_parent: End the processes with the calling thread (see :func:`start`).
         paced: Shorten the SuperNode's polls (see :func:`supernode_command`).
+        device: The node's own ``device`` (see :func:`supernode_command`).
 
     Returns:
         The started processes (stop them with :func:`stop`).
@@ -427,6 +434,7 @@ def start_client(
         state,
         isolation,
         paced,
+        device,
     )
     name = name or f"supernode-{partition_id}"
     node = start(name, cmd, env, log_dir, die_with_parent)
@@ -453,6 +461,7 @@ def client(
     isolation: str = "process",
     work_dir: Path | None = None,
     wait_s: float = WAIT_S,
+    device: str | None = None,
 ) -> int:
     """Runs one client's SuperNode until interrupted (``fedfm client``).
 
@@ -466,6 +475,9 @@ def client(
     it waits for the next one without limit). SIGTERM and SIGINT stop the SuperNode and its
     worker, remove the temporary folder and raise
     :class:`~fedfm.runtime.flower.processes.Stopped`.
+
+    ``device`` is what this machine computes on in place of the run's device (``fedfm client
+    --device``; checked by the caller).
 
     Returns:
         2: a refusal retrying cannot fix, or the wait ran out.
@@ -490,6 +502,7 @@ def client(
                 state,
                 isolation,
                 die_with_parent=True,
+                device=device,
             )
             try:
                 code = node.follow(procs)

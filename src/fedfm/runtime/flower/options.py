@@ -30,6 +30,11 @@ class FlowerOptions(BaseModel):
             (plugins that register tasks, algorithms or models).
         client_cpus: CPUs per simulated client (Ray actor); the machine's CPUs divided by
             this is the number of clients that run at once.
+        client_gpus: Share of a GPU per simulated client (Ray's ``num_gpus``) when the run's
+            device is CUDA: 0.25 runs four clients on each GPU at once. Default 1.0, one
+            client per GPU at a time: each Ray actor is its own process and loads its own
+            copy of the base, so sharing a GPU multiplies the base's memory. Ignored (0) when
+            the run computes on the CPU.
         sim_cpus: CPUs Ray may use in simulation (default: all).
         state_dir: Where ClientApps keep their clients' state snapshots for resume, when the
             SuperNode's node config does not say (``state-dir``). Simulation defaults to
@@ -45,6 +50,7 @@ class FlowerOptions(BaseModel):
     poll_s: float = Field(0.2, gt=0)
     imports: list[str] = Field(default_factory=list)
     client_cpus: float = Field(1.0, gt=0)
+    client_gpus: float = Field(1.0, gt=0, le=1)
     sim_cpus: int | None = Field(None, ge=1)
     state_dir: str | None = None
     verbose: bool = False

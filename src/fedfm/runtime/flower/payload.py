@@ -84,11 +84,16 @@ class Payload:
             )
         return cls.decode(str(text))
 
-    def run_config(self) -> RunConfig:
-        """The validated fedfm run config (plugins imported first)."""
+    def run_config(self, device: str | None = None) -> RunConfig:
+        """The validated fedfm run config (plugins imported first).
+
+        Args:
+            device: This machine's ``device`` in place of the run's (a deployment client's
+                ``fedfm client --device``); checked against this machine.
+        """
 
         import_plugins(self.flower().imports)
-        return load_config(self.config)
+        return load_config({**self.config, "device": device} if device else self.config)
 
     def flower(self) -> FlowerOptions:
         """The validated Flower options."""

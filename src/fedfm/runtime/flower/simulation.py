@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -61,11 +62,8 @@ def run_flower_sim(
         progress=progress,
     )
     sink: dict[str, Any] = {}
-    cpus = opts.sim_cpus or os.cpu_count() or 1
-    backend = {
-        "client_resources": {"num_cpus": opts.client_cpus, "num_gpus": 0.0},
-        "init_args": {"num_cpus": cpus, "include_dashboard": False, "log_to_driver": opts.verbose},
-    }
+    cuda = cfg.torch_device().type == "cuda"
+    backend = backend_config(opts, cuda)
     from flwr.simulation import run_simulation
 
     with flower_env(), warnings.catch_warnings():
@@ -73,9 +71,9 @@ def run_flower_sim(
         quiet_flower(opts.verbose)
         run_simulation(
             server_app=make_server_app(payload, sink),
-            client_app=make_client_app(payload),
+            client_app=make_client_app(client_payload(payload) if cuda else payload),
             num_supernodes=num_clients,
-            backend_config=backend,  # type: ignore[arg-type]
+            backend_config=backend,
             verbose_logging=opts.verbose,
         )
     if "error" in sink:
@@ -83,3 +81,25 @@ def run_flower_sim(
     if "summary" not in sink:
         raise FedfmError("the Flower simulation ended without running the ServerApp")
     return sink["summary"]
+
+
+def backend_config(opts: FlowerOptions, cuda: bool) -> dict[str, Any]:
+    """Ray's settings: each client actor's CPUs, and its share of a GPU when ``cuda``."""
+    cpus = opts.sim_cpus or os.cpu_count() or 1
+    return {
+        "client_resources": {
+            "num_cpus": opts.client_cpus,
+            "num_gpus": opts.client_gpus if cuda else 0.0,
+        },
+        "init_args": {"num_cpus": cpus, "include_dashboard": False, "log_to_driver": opts.verbose},
+    }
+
+
+def client_payload(payload: Payload) -> Payload:
+    """The payload the simulated clients of a CUDA run read: device ``cuda``.
+
+    Ray gives each client actor its share of a GPU by setting ``CUDA_VISIBLE_DEVICES`` to the
+    GPU it chose, which the actor then sees as ``cuda:0``; the run's own index (``cuda:1``)
+    names a GPU of the server's process and may not exist inside the actor.
+    """
+    return dataclasses.replace(payload, config={**payload.config, "device": "cuda"})
