@@ -1,39 +1,15 @@
 """FedeKD reproduction study: negative transfer with standard errors, the gate's β × λ grid,
 stronger skew, and negative transfer over a longer run.
 
-``fedfm reproduce fedekd`` runs, on the six ``fedekd-*`` presets (four classification sets,
-two regression sets):
-
-1. the **main grid**: two skewed settings (Dirichlet α = 0.1 with 4 clients, α = 0.5 with 10
-   clients), five seeds, the baselines (local-only with the shared and with
-   the private architectures, FedAvg, FedProx, ungated private/proxy KD at every λ) and FedeKD
-   at every (β, λ) of β ∈ {1, 2, 4, 8} × λ ∈ {0.5, 1, 2}, 15 rounds, clients evaluated every
-   3 rounds;
-2. the **choice of β and λ** by the rule below, on each client's validation split;
-3. with the chosen (β, λ): the **control** setting (α = 5, 10 clients, near-IID) with the
-   baselines, FedeKD at the chosen (β, λ) and at β = λ = 1 and ungated KD at their λ; and the
-   **long runs**: 60 rounds at α = 0.5 on three presets, five seeds, the same variants,
-   clients evaluated every 3 rounds, for negative transfer over rounds;
-
-and writes ``docs/fedekd.md`` with tables and figures. The study is declared on
-:mod:`fedfm.reproduce.framework`: the main grid's runs, then, once they have run, the runs
-that the rule's (β, λ) decides.
-``--quick`` runs a small grid in one process and writes its report under the output folder
-instead, so it never replaces the committed report.
-
-Splits (ours). Each client's partition is split once per seed into a local test split
-(``task.local_test_fraction`` = 25 %), a validation split (``local_val_fraction`` = 15 %, for
-every method, so all train on the same rows) and training rows. Metrics are read on three
-sets: the client's local test split (``local``: its own distribution, but a few rows on the
-smallest clients), the global test set shared by all clients (``test``: hundreds of rows, the
-powered measure; for FedAvg and FedProx every client's model is the global model), and the
-validation split (``val``, only to choose β and λ).
-
-Negative transfer references (ours): FedAvg and FedProx train the shared architecture
-(``task.model_args``) and are compared with ``local`` (that architecture trained alone); the
-private/proxy methods are compared with ``local-private`` (each client's own private
-architecture trained alone for the same budget), so architecture and federation are not
-confounded. Statistics: :mod:`fedfm.reproduce.stats`.
+``fedfm reproduce fedekd`` runs, on the six ``fedekd-*`` presets, the **main grid** (two
+skewed settings, five seeds, the baselines and FedeKD at every (β, λ)), chooses β and λ by the
+rule below on each client's validation split, then runs with the chosen (β, λ) the near-IID
+**control** setting and the **long runs** (60 rounds on three presets), and writes
+``docs/fedekd.md``; ``--quick`` writes its report under the output folder instead. The
+report's setup and statistics sections give the splits (local test, validation, training
+rows; the global test set) and the negative-transfer references (FedAvg and FedProx against
+the shared architecture alone, the private/proxy methods against each client's private
+architecture alone).
 
 The rule that chooses β and λ (stated before the grid ran; it never reads a test number):
 for every (dataset, skewed setting) cell of the main grid, the 12 gated configurations are
@@ -520,6 +496,7 @@ class Choice:
 
     @property
     def gate(self) -> tuple[float, float]:
+        """(β, λ)."""
         return (self.beta, self.lam)
 
 
@@ -666,14 +643,9 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
             cells = [st.label, v.label]
             for split in ("test", "local"):
                 cells.append(_est(res.get(cell, split, m, "value")).fmt(d))
-                if v.reference is None:
-                    cells += ["—"] * 3
-                    continue
-                cells += [
-                    _est(res.get(cell, split, m, "nt_mean")).fmt(d),
-                    _est(res.get(cell, split, m, "nt_worst")).fmt(d),
-                    _est(res.get(cell, split, m, "harmed")).fmt(1),
-                ]
+                stats = (("nt_mean", d), ("nt_worst", d), ("harmed", 1)) if v.reference else ()
+                cells += [_est(res.get(cell, split, m, st)).fmt(dg) for st, dg in stats]
+                cells += [] if v.reference else ["—"] * 3
             if len(metrics) > 1:
                 for split in ("test", "local"):
                     vals = res.get(cell, split, "macro_f1", "nt_mean")
@@ -717,22 +689,15 @@ def comparisons(choice: tuple[float, float]) -> list[Comparison]:
 
 def _pair(res: Results, comp: Comparison, preset: str, tag: str, split: str, stat: str) -> tuple:
     m = res.primary(preset)
-    a = res.get(CellKey(preset, tag, comp.a.key), split, m, stat)
-    b = res.get(CellKey(preset, tag, comp.b.key), split, m, stat)
-    return a, b
+    return tuple(res.get(CellKey(preset, tag, v.key), split, m, stat) for v in (comp.a, comp.b))
 
 
 def _pooled_classification(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> Estimate:
-    pairs = [
-        _pair(res, comp, p, t, split, stat)
-        for p in grid.presets
-        if res.kind(p) == "classification"
-        for t in tags
-    ]
-    pairs = [(a, b) for a, b in pairs if a and b]
-    return pooled_paired(pairs)
+    cls = [p for p in grid.presets if res.kind(p) == "classification"]
+    pairs = [_pair(res, comp, p, t, split, stat) for p in cls for t in tags]
+    return pooled_paired([(a, b) for a, b in pairs if a and b])
 
 
 def _tags(settings: Sequence[Setting]) -> list[str]:
@@ -828,12 +793,9 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
         groups.append(("control", _tags(grid.control_settings)))
     header = ["method"]
     for label, _ in groups:
-        header += [
-            f"classification pooled NT mean, global test, {label}",
-            f"cells NT > 0 / < 0 / cells, global test, {label}",
-            f"classification pooled NT mean, local split, {label}",
-            f"cells NT > 0 / < 0 / cells, local split, {label}",
-        ]
+        for where in ("global test", "local split"):
+            header.append(f"classification pooled NT mean, {where}, {label}")
+            header.append(f"cells NT > 0 / < 0 / cells, {where}, {label}")
     lines = head(header)
     for v in featured(choice):
         if v.reference is None:
@@ -864,8 +826,7 @@ def _validation_lines(grid: Grid, res: Results, choice: Choice | None) -> list[s
     lams = [float(x) for x in grid.lams]
     lines = [
         "Mean rank of each (β, λ) over the (dataset, setting) cells, by mean-client NT on the"
-        " validation split (1 = least harmful of the "
-        f"{len(grid.configs())} configurations):",
+        f" validation split (1 = least harmful of the {len(grid.configs())} configurations):",
         "",
         *head(["β \\ λ", *[f"λ={x:g}" for x in lams]]),
     ]
@@ -896,11 +857,6 @@ def _validation_lines(grid: Grid, res: Results, choice: Choice | None) -> list[s
 GATE_GRID_STATS = tuple(x for x in DIFF_STATS if x[1] != "harmed")
 
 
-def _gate_comparisons(grid: Grid) -> list[Comparison]:
-    """Every gated configuration against ungated KD at its λ."""
-    return [Comparison(gated(b, lam), ungated(lam)) for b, lam in grid.configs()]
-
-
 def _gate_grid_table(grid: Grid, res: Results) -> list[str]:
     """Every gated configuration against ungated KD at its λ, over the skewed settings."""
     tags = _tags(grid.settings)
@@ -909,7 +865,7 @@ def _gate_grid_table(grid: Grid, res: Results) -> list[str]:
     header += [f"Δ NT mean, global test, {_name(p)}" for p in regs]
     header += ["cells a better / b better (NT mean, global test, > 2 SE)"]
     lines = head(header)
-    for comp in _gate_comparisons(grid):
+    for comp in (Comparison(gated(b, lam), ungated(lam)) for b, lam in grid.configs()):
         cells = [comp.label]
         for split, stat, _ in GATE_GRID_STATS:
             cells.append(_pooled_classification(grid, res, comp, split, stat, tags).fmt(3, True))
@@ -934,9 +890,7 @@ def _key_rounds(rounds: Sequence[int], keep: Sequence[int] = (), k: int = 6) -> 
     return sorted({*(rounds[i] for i in idx), *(r for r in keep if r in rounds)})
 
 
-def _long_curve(
-    res: Results, grid: Grid, preset: str, v: Variant, split: str
-) -> dict[int, dict[int, float]]:
+def _long_curve(res: Results, grid: Grid, preset: str, v: Variant, split: str) -> dict:
     """Seed -> round -> mean-client NT of a long run (primary metric)."""
     cell = CellKey(preset, grid.long_setting.tag, v.key, True)
     return res.curves.get((cell, split, res.primary(preset)), {})
@@ -947,9 +901,7 @@ def _at(curve: Mapping[int, Mapping[int, float]], r: int) -> dict[int, float]:
     return {s: c[r] for s, c in curve.items() if r in c}
 
 
-def _curve_table(
-    grid: Grid, res: Results, preset: str, choice: tuple[float, float], split: str
-) -> list[str]:
+def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: str) -> list[str]:
     """Mean-client NT per method at key rounds of the long runs, and paired differences."""
     d = _digits(res.primary(preset))
     fed = [v for v in long_variants(choice) if v.reference is not None]
@@ -990,17 +942,15 @@ def _preset_summary(preset_name: str) -> str:
     skew = f"{p['scheme']} by {p.get('by', 'label')}" + (
         f" ({p['bins']} bins)" if p.get("bins") else ""
     )
+    cells = [f"{t['dataset']} ({t['kind']})", f"{t.get('model', 'mlp')} {t.get('model_args', {})}"]
+    cells += [a.get("private_archs"), a.get("proxy_arch"), f"{skew}, min {p.get('min_size')}"]
+    local = f"{tr.get('steps')} steps per stage, bs {tr.get('batch_size')},"
     return row(
         [
             _name(preset_name),
-            f"{t['dataset']} ({t['kind']})",
-            f"{t.get('model', 'mlp')} {t.get('model_args', {})}",
-            str(a.get("private_archs")),
-            str(a.get("proxy_arch")),
-            f"{skew}, min {p.get('min_size')}",
-            str(d.get("rounds")),
-            f"{tr.get('steps')} steps per stage, bs {tr.get('batch_size')},"
-            f" {tr.get('optimizer')} lr {tr.get('lr')}",
+            *cells,
+            d.get("rounds"),
+            f"{local} {tr.get('optimizer')} lr {tr.get('lr')}",
         ]
     )
 
@@ -1027,9 +977,7 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _nt_figure(
-    grid: Grid, res: Results, choice: tuple[float, float], path: Path, palette: dict[str, str]
-) -> Path:
+def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
     import matplotlib.pyplot as plt
 
@@ -1037,12 +985,8 @@ def _nt_figure(
     width = 0.8 / max(len(fed), 1)
     panels = [(label, ps, split) for label, ps in _groups(grid, res) for split in ("test", "local")]
     settings = grid.all_settings()
-    fig, axes = plt.subplots(
-        len(settings),
-        len(panels),
-        figsize=(3.6 * len(panels) + 1, 3.0 * len(settings)),
-        squeeze=False,
-    )
+    size = (3.6 * len(panels) + 1, 3.0 * len(settings))
+    fig, axes = plt.subplots(len(settings), len(panels), figsize=size, squeeze=False)
     for r, st in enumerate(settings):
         for c, (label, presets, split) in enumerate(panels):
             ax = axes[r, c]
@@ -1053,15 +997,8 @@ def _nt_figure(
                 x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
                 ses = [e.se if e.n > 1 else 0.0 for e in ests]
                 colour = palette[v.label]
-                ax.bar(
-                    x,
-                    [e.mean for e in ests],
-                    width,
-                    yerr=ses,
-                    capsize=2,
-                    label=v.label,
-                    color=colour,
-                )
+                means = [e.mean for e in ests]
+                ax.bar(x, means, width, yerr=ses, capsize=2, label=v.label, color=colour)
                 ax.scatter(x, worst, marker="v", s=12, color=colour)
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xticks(np.arange(len(presets)), [_name(p) for p in presets], fontsize=8)
@@ -1096,9 +1033,7 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _curves_figure(
-    grid: Grid, res: Results, choice: tuple[float, float], path: Path, palette: dict[str, str]
-) -> Path:
+def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Mean-client NT over the rounds of the long runs, ± SE bands, per set and split."""
     import matplotlib.pyplot as plt
 
@@ -1124,10 +1059,8 @@ def _curves_figure(
             plots.integer_rounds(ax)
             ax.set_ylabel(f"mean-client NT, {_unit(res.primary(p))}")
     axes[0, 0].legend(fontsize=6)
-    fig.suptitle(
-        f"Negative transfer over rounds, {grid.long_setting.label} (mean ± SE over seeds)",
-        fontsize=10,
-    )
+    title = f"Negative transfer over rounds, {grid.long_setting.label} (mean ± SE over seeds)"
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 
@@ -1289,20 +1222,16 @@ def _choice_lines(grid: Grid, res: Results, choice: Choice | None) -> list[str]:
     """The rule, its choice, whether the code's default follows it, and its evidence."""
     lines = ["## Choosing β and λ", "", RULE]
     if choice is None:
-        lines += ["No cell has every configuration's validation value: nothing was chosen.", ""]
-        return lines
+        return [
+            *lines,
+            "No cell has every configuration's validation value: nothing was chosen.",
+            "",
+        ]
     d_gate = default_gate()
     left_out = f"; {len(choice.missing)} incomplete cells left out" if choice.missing else ""
-    agree = (
-        "it agrees with the rule."
-        if d_gate == choice.gate
-        else "**it differs from the rule's choice**."
-    )
-    history = (
-        " (unchanged)."
-        if choice.gate == REFERENCE_GATE
-        else "; it was changed to the rule's choice."
-    )
+    same, kept = d_gate == choice.gate, choice.gate == REFERENCE_GATE
+    agree = "it agrees with the rule." if same else "**it differs from the rule's choice**."
+    history = " (unchanged)." if kept else "; it was changed to the rule's choice."
     lines += [
         f"**Chosen: β = {choice.beta:g}, λ = {choice.lam:g}** (mean rank"
         f" {choice.mean_rank[choice.gate]:.2f} over {len(choice.cells)} cells{left_out})."
