@@ -32,9 +32,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedfm import plots
-from fedfm.reproduce.framework import Context, Readout, Run, RunView, Study, preset, register
+from fedfm.reproduce.framework import (
+    Context,
+    Readout,
+    Run,
+    RunView,
+    Study,
+    preset,
+    register,
+)
 from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired, pooled_paired
-from fedfm.reproduce.tables import head, row, side
+from fedfm.reproduce.tables import command_lines, head, row, side
 
 # The gate setting FedeKD had as its default before the selection rule was first applied; the
 # study always runs it, so the report can compare it with the rule's choice.
@@ -1179,12 +1187,7 @@ def _setup_lines(ctx: Context[Grid], res: Results, gate: tuple[float, float]) ->
         else "."
     )
     return [
-        "## How to reproduce",
-        "",
-        "```",
-        ctx.command,
-        "```",
-        "",
+        *command_lines(ctx.command),
         f"- Main grid: {len(main_cells(grid))} runs = {len(grid.presets)} datasets ×"
         f" {len(grid.settings)} skewed settings × {len(grid.seeds)} seeds ×"
         f" {len(grid.main_variants())} variants (local-only with shared and with private archs,"

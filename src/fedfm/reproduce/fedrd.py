@@ -37,7 +37,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired
-from fedfm.reproduce.tables import head, row, side
+from fedfm.reproduce.tables import blocks, command_lines, head, row, side
 
 # ----------------------------------------------------------------------------- the grid
 
@@ -850,12 +850,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     done = sum(j in res and res[j].rounds == _rounds(grid, j.modality, j.method) for j in jobs_)
     lines = [
         INTRO,
-        "## How to reproduce",
-        "",
-        "```",
-        ctx.command,
-        "```",
-        "",
+        *command_lines(ctx.command),
         f"- Grid: {', '.join(grid.modalities)} × Dirichlet α ∈"
         f" {{{', '.join(f'{a:g}' for a in grid.alphas)}}} × seeds"
         f" {{{', '.join(map(str, grid.seeds))}}} × methods"
@@ -875,50 +870,33 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         "",
     ]
     for mod in grid.modalities:
-        lines += [
+        lines += blocks(
             f"## Results ({mod})",
-            "",
             "**Teacher path against the students** (z_t on the `teacher_eval_size` test"
             " subset, students on the whole test set; mean ± SE over seeds):",
-            "",
-            *teacher_lines(grid, res, mod),
-            "",
+            teacher_lines(grid, res, mod),
             "### Final accuracy and macro-F1 (mean ± SE over seeds)",
-            "",
             "*teacher path z_t acc*: accuracy of g(φ(F_t(x))) (FedRD) or of the teacher head on"
             " raw F_t features (FedRD without φ) on a fixed subset of the test set"
             " (`teacher_eval_size` rows).",
-            "",
-            *results_table(grid, res, mod),
-            "",
+            results_table(grid, res, mod),
             "### FedRD minus each other method (paired by seed)",
-            "",
-            *differences_table(grid, res, mod),
-            "",
+            differences_table(grid, res, mod),
             "### Accuracy over rounds (mean ± SE over seeds)",
-            "",
-            *curves_table(grid, res, mod),
-            "",
+            curves_table(grid, res, mod),
             "### Final accuracy per seed",
-            "",
-            *seeds_table(grid, res, mod),
-            "",
+            seeds_table(grid, res, mod),
             f"Runs whose test accuracy fell by more than {DROP:g} between two evaluations"
             " (a diverging run moves its cell's mean and SE far more than any method"
             " difference):",
-            "",
-            *(unstable_lines(grid, res, mod) or ["- none"]),
-            "",
+            unstable_lines(grid, res, mod) or ["- none"],
             "### The server's view: teacher path, fit of the public rows, CKA",
-            "",
             "Means over seeds of the server's co-training metrics on the public batches of the"
             " last round, and the CKA between f_t and f_s on the test subset at the last"
             " evaluation. A public CE(y, z_t) near zero with a high public CKA but a low test"
             " CKA means the public rows are memorised and the distillation terms carry little.",
-            "",
-            *teacher_table(grid, res, mod),
-            "",
-        ]
+            teacher_table(grid, res, mod),
+        )
     if "vision" in grid.modalities:
         probe = ctx.run(PROBE).result
         lines += [
