@@ -52,7 +52,7 @@ from fedfm.reproduce.stats import (
     mean_se,
     verdict,
 )
-from fedfm.reproduce.tables import DASH, head, marked, num, row
+from fedfm.reproduce.tables import DASH, blocks, head, marked, num, row
 
 PRESET = "dpsyn-rotten-tomatoes"
 EMBED = "embed"
@@ -825,33 +825,25 @@ def _keys(grid: Grid) -> list[str]:
 def body(ctx: Context[Grid], res: Results) -> list[str]:
     """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
     grid = ctx.grid
-    lines = [
+    return blocks(
         '"Resource-Adaptive Federated Text Generation with Differential Privacy" (ICLR 2026, '
         "arXiv:2603.07027; `algorithm: dpsyn`, docs/dpsyn.md). "
         f"{len(res.runs)} of {len(grid.generators)} generators and {len(res.votes)} of"
         f" {len(grid.generators)} offline votings finished.",
-        "",
         "## Setup",
-        "",
-        *_setup_lines(grid),
-        "",
+        _setup_lines(grid),
         "## The instrument",
-        "",
-        *_instrument_lines(res),
+        _instrument_lines(res),
         "## The votes' signal against their noise",
-        "",
-        *_signal_lines(res),
+        _signal_lines(res),
         "## Scores of each selection on the real test rows",
-        "",
         "Logistic regression on the selection's embeddings alone, tested on every real test"
         " row. Accuracy: mean over seeds and rows ± the two-way SE; macro-F1: mean ± SE over"
         " seeds; Fréchet: distance of the selection's distinct samples to the test rows (lower"
         " is closer), mean ± SE over seeds; distinct: distinct samples kept (mean); on-code:"
         " share of the selection whose code the real-data classifier (the ceiling) predicts.",
-        "",
-        *_scores_lines(res),
+        _scores_lines(res),
         "## Differences within a pool",
-        "",
         f"a − b over the same seeds (index-paired) and test rows. Δ accuracy ± the two-way SE"
         f" (seeds × rows); Δ macro-F1 ± the SE of {grid.bootstrap} two-way bootstrap"
         " resamples (seeds and rows drawn independently); Δ Fréchet and Δ on-code ± the SE"
@@ -859,28 +851,25 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         " match duplication (both with, both without replacement): their difference is the"
         " votes'. *uniform − subset* is duplication alone; *by votes − subset* is what the"
         " paper's with/without-voting comparison measures (votes and duplication together).",
-        "",
-        *_within_lines(res),
+        _within_lines(res),
         "## Between pools",
-        "",
         "Without voting: a uniform draw without replacement from each pool (as many as a"
         " selection keeps). A pool is one draw of its generator: these SEs do not include"
         " another DP-SGD run or generation.",
-        "",
-        *_between_lines(res),
+        _between_lines(res),
         "## Privacy per role",
-        "",
         "Composed per client with the runs' accountant at their δ: the run's ledger"
         " (`privacy.json`: profiling for everyone, DP-SGD for the strong clients) plus each"
         " weak client's offline vote (analytic Gaussian, sensitivity 1); the worst client of"
         " each role.",
-        "",
-        *_privacy_lines(res),
+        _privacy_lines(res),
+        "The RDP accountant reports an analytic Gaussian calibrated for ε = 1 as about 1.1"
+        " (its conversion is loose; `privacy.accountant: pld` is tight). The noise of the"
+        " generator runs came from each client's own secret (`privacy.noise: secret`); the"
+        " offline vote's is seeded (a simulation of the mechanism's distribution).",
         "## What the paper's setting has that this one does not",
-        "",
-        *_scope_lines(grid, res),
-    ]
-    return lines
+        _scope_lines(grid, res),
+    )
 
 
 def _setup_lines(grid: Grid) -> list[str]:
@@ -928,7 +917,7 @@ def _codes(grid: Grid) -> list[str]:
 def _instrument_lines(res: Results) -> list[str]:
     e = res.embed
     if e is None:
-        return ["The embedding of the real rows has not run yet.", ""]
+        return ["The embedding of the real rows has not run yet."]
     names = e["class_names"]
     hist = ", ".join(f"{n} {c}" for n, c in zip(names, e["test_labels"], strict=True))
     ceiling = e["ceiling"]
@@ -965,7 +954,7 @@ def _instrument_lines(res: Results) -> list[str]:
             for t in texts:
                 short = t.replace("\n", " ").replace("|", "/")
                 lines.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
-    return [*lines, ""]
+    return lines
 
 
 def _probe_lines(res: Results) -> list[str]:
@@ -1056,7 +1045,7 @@ def _signal_lines(res: Results) -> list[str]:
         lines.append(
             row([pool_label(res.grid, s), *cells, num(v.get("correlation_votes_on_code"))])
         )
-    return [*lines, ""]
+    return lines
 
 
 def _scores_lines(res: Results) -> list[str]:
@@ -1076,7 +1065,7 @@ def _scores_lines(res: Results) -> list[str]:
             cells.append(num(float(np.mean(seed_values(res, side, "on_code")))))
             cells.append(" / ".join(num(x, 2) for x in predicted(res, side, len(names))))
             lines.append(row([pool_label(res.grid, s), _sel_label(key), *cells]))
-    return [*lines, ""]
+    return lines
 
 
 def _diff_cells(res: Results, a: Side, b: Side) -> list[str]:
@@ -1099,7 +1088,7 @@ def _within_lines(res: Results) -> list[str]:
             ]
         for label, a, b in pairs:
             lines.append(row([pool_label(res.grid, s), label, *_diff_cells(res, (s, a), (s, b))]))
-    return [*lines, ""]
+    return lines
 
 
 def _between_lines(res: Results) -> list[str]:
@@ -1120,7 +1109,7 @@ def _between_lines(res: Results) -> list[str]:
     ]
     for label, a, b in pairs:
         lines.append(row([label, *_diff_cells(res, a, b)]))
-    return [*lines, ""]
+    return lines
 
 
 def _privacy_lines(res: Results) -> list[str]:
@@ -1134,15 +1123,7 @@ def _privacy_lines(res: Results) -> list[str]:
             cells = [_eps(p["mechanisms"].get(k)) for k in mech]
             cells += [_eps(p["strong"]), _eps(p["weak"])]
             lines.append(row([pool_label(res.grid, s), e, num(p["sigma_vote"], 3), *cells]))
-    return [
-        *lines,
-        "",
-        "The RDP accountant reports an analytic Gaussian calibrated for ε = 1 as about 1.1"
-        " (its conversion is loose; `privacy.accountant: pld` is tight). The noise of the"
-        " generator runs came from each client's own secret (`privacy.noise: secret`); the"
-        " offline vote's is seeded (a simulation of the mechanism's distribution).",
-        "",
-    ]
+    return lines
 
 
 def _scope_lines(grid: Grid, res: Results) -> list[str]:
@@ -1177,7 +1158,6 @@ def _scope_lines(grid: Grid, res: Results) -> list[str]:
         " generation and DP-SGD between runs (one pool per generator), so a difference"
         " between pools is a difference between two draws of the generators; and the paper's"
         f" larger scales.{resolution}",
-        "",
     ]
 
 
