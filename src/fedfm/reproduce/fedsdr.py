@@ -36,7 +36,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_of, paired
-from fedfm.reproduce.tables import DASH, marked, num, table
+from fedfm.reproduce.tables import DASH, blocks, marked, num, table
 
 METHODS = ("fedit", "fedsd", "fedsdr", "matched")
 LABELS = {
@@ -687,26 +687,19 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         "",
         *_setup_lines(ctx, res),
         *_instrument_lines(grid, res),
-        "## Kept ability and fidelity",
-        "",
-        "Means over items per domain (accuracy: higher is better; NLL per token, natural"
-        " log: lower is better); *mean* weighs every domain the same.",
-        "",
-        *_levels_table(grid, res),
-        "",
-        "Paired differences (mean ± SE; `*`: more than 2 SE from zero), over items per"
-        " domain then the mean over domains, over documents for C4:",
-        "",
-        *_diff_table(grid, res),
-        "",
-        "Per domain, zero-shot accuracy:",
-        "",
-        *_domain_table(grid, res, "acc", grid.zeroshot),
-        "",
-        "Per domain, reference NLL per token (fidelity):",
-        "",
-        *_domain_table(grid, res, "fidelity", grid.domains),
-        "",
+        *blocks(
+            "## Kept ability and fidelity",
+            "Means over items per domain (accuracy: higher is better; NLL per token, natural"
+            " log: lower is better); *mean* weighs every domain the same.",
+            _levels_table(grid, res),
+            "Paired differences (mean ± SE; `*`: more than 2 SE from zero), over items per"
+            " domain then the mean over domains, over documents for C4:",
+            _diff_table(grid, res),
+            "Per domain, zero-shot accuracy:",
+            _domain_table(grid, res, "acc", grid.zeroshot),
+            "Per domain, reference NLL per token (fidelity):",
+            _domain_table(grid, res, "fidelity", grid.domains),
+        ),
         *_norm_lines(grid, res),
         *_rewrite_lines(res, grid),
         *_analysis_lines(ctx, res),
@@ -714,14 +707,12 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     ]
     missing = [m for m in METHODS if m not in res.runs]
     if missing:
-        lines += [
+        lines += blocks(
             "## Runs not finished",
-            "",
             f"{', '.join(f'`{m}`' for m in missing)}: their rows above are empty. `{ctx.command}`"
             " finishes them (finished runs are skipped, an unfinished one resumes from its last"
             " checkpoint) and rewrites this report.",
-            "",
-        ]
+        )
     return lines
 
 
