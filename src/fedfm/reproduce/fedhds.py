@@ -29,7 +29,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import Estimate, mean_se, paired
-from fedfm.reproduce.tables import DASH, marked, num, ratio, table
+from fedfm.reproduce.tables import DASH, blocks, marked, num, ratio, table
 
 HELDOUT = "general"
 TRAINED = ("math", "medical", "movie", "qtype", "spam")
@@ -618,44 +618,36 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         ]
     lines += [
         *_instrument_lines(res),
-        "## Results",
-        "",
-        "### The held-out task",
-        "",
-        *_heldout_table(res),
-        "",
-        "Δ: mean per-item difference over the same held-out items (each item averaged over a"
-        " method's seeds first) with its SE; `*` marks more than 2 SE from zero.",
-        "",
-        *_seed_lines(res),
-        "### Data and compute",
-        "",
-        *_cost_table(res),
-        "",
-        "Speed-ups are FedIT's seconds (mean over its seeds) over the method's; the readouts"
-        " pair them seed by seed.",
-        "",
-        *_count_lines(res),
-        "### Seen domains (secondary)",
-        "",
-        *_seen_table(res),
-        "",
-        "Seen score: the mean over the five trained domains of each one's own metric (label"
-        " accuracy, GSM8K final-number accuracy); Δ paired over the seen items.",
-        "",
-        "## The paper's figures",
-        "",
-        "Dolly-15K, Dirichlet α = 0.5, the paper's 1.3B model (Table 2 Rouge-L on the held-out"
-        " category, Table 3 speed-up of the whole federated tuning), the closest of the paper's"
-        " settings to this study:",
-        "",
-        *table(
-            ["method", "paper Rouge-L %", "paper speed-up"],
-            [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER],
+        *blocks(
+            "## Results",
+            "### The held-out task",
+            _heldout_table(res),
+            "Δ: mean per-item difference over the same held-out items (each item averaged over"
+            " a method's seeds first) with its SE; `*` marks more than 2 SE from zero.",
         ),
-        "",
-        "## What differs from the paper's setting, and what this grid can resolve",
-        "",
+        *_seed_lines(res),
+        *blocks(
+            "### Data and compute",
+            _cost_table(res),
+            "Speed-ups are FedIT's seconds (mean over its seeds) over the method's; the"
+            " readouts pair them seed by seed.",
+        ),
+        *_count_lines(res),
+        *blocks(
+            "### Seen domains (secondary)",
+            _seen_table(res),
+            "Seen score: the mean over the five trained domains of each one's own metric (label"
+            " accuracy, GSM8K final-number accuracy); Δ paired over the seen items.",
+            "## The paper's figures",
+            "Dolly-15K, Dirichlet α = 0.5, the paper's 1.3B model (Table 2 Rouge-L on the"
+            " held-out category, Table 3 speed-up of the whole federated tuning), the closest of"
+            " the paper's settings to this study:",
+            table(
+                ["method", "paper Rouge-L %", "paper speed-up"],
+                [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER],
+            ),
+            "## What differs from the paper's setting, and what this grid can resolve",
+        ),
         "- Model: SmolLM2-135M-Instruct instead of 1.3B and 3B models; Turbo's feature model"
         " all-MiniLM-L6-v2 instead of GPT-2 (124M); LoRA on the attention projections only"
         " (the official code also adapts the MLP).",
