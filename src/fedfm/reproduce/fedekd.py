@@ -42,7 +42,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired, pooled_paired
-from fedfm.reproduce.tables import command_lines, head, row, side
+from fedfm.reproduce.tables import blocks, command_lines, head, row, side
 
 # The gate setting FedeKD had as its default before the selection rule was first applied; the
 # study always runs it, so the report can compare it with the rule's choice.
@@ -1267,10 +1267,8 @@ def _contrast_line(grid: Grid, res: Results) -> str:
 
 def _findings_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list[str]:
     """One table per comparison, and NT against local-only training."""
-    comps = comparisons(gate)
-    lines = [
+    return blocks(
         "## Findings",
-        "",
         "Each finding is a paired comparison a − b with its standard error over seeds (higher"
         " NT is better; fewer harmed clients is better; the verdicts account for the"
         " direction). Classification sets are pooled per seed (accuracy units); the regression"
@@ -1280,65 +1278,42 @@ def _findings_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list
         " distribution, where personalised methods are meant to help. The readouts above are"
         " rows of these tables; the table of every gated configuration against ungated KD and"
         " the long runs' curves follow the per-cell differences.",
-        "",
-    ]
-    for c in comps:
-        lines += [f"### {c.label}", "", *_findings_table(grid, res, c), ""]
-    lines += [
+        *(x for c in comparisons(gate) for x in (f"### {c.label}", _findings_table(grid, res, c))),
         "### Against local-only training",
-        "",
         "Is the method itself harmful for the mean client? Mean-client NT against the"
         " method's local-only reference, classification pooled (± SE over seeds), and the"
         " cells where it is above or below zero by more than 2 SE.",
-        "",
-        *_own_nt_table(grid, res, gate),
-        "",
-    ]
-    return lines
+        _own_nt_table(grid, res, gate),
+    )
 
 
 def _tables_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list[str]:
     """Per-cell paired differences, per-dataset results, the gate grid, the long runs."""
-    lines = ["## Paired differences per cell", ""]
-    for comp in comparisons(gate):
-        lines += [f"### {comp.label}", "", *_comparison_table(grid, res, comp), ""]
-    lines += [
+    comps = comparisons(gate)
+    lines = blocks(
+        "## Paired differences per cell",
+        *(x for c in comps for x in (f"### {c.label}", _comparison_table(grid, res, c))),
         "## Results per dataset",
-        "",
         "Mean ± SE over seeds at the last round; primary metric (accuracy or RMSE) of the mean"
         " client, its NT (mean and worst client) and the number of clients harmed, on the global"
         " test set and on the local test splits.",
-        "",
-    ]
-    for p in grid.presets:
-        lines += [f"### {_name(p)}", "", *_dataset_table(grid, res, p, gate), ""]
-    lines += [
+        *(x for p in grid.presets for x in (f"### {_name(p)}", _dataset_table(grid, res, p, gate))),
         "## The gate grid against ungated KD",
-        "",
         "Every gated configuration against ungated KD at the same λ (paired over seeds;"
         " classification pooled over datasets and skewed settings, each regression set pooled"
         " over the skewed settings). The rule saw none of these (test) numbers.",
-        "",
-        *_gate_grid_table(grid, res),
-        "",
-    ]
+        _gate_grid_table(grid, res),
+    )
     if grid.long_presets:
-        lines += [
+        lines += blocks(
             f"## Negative transfer over rounds ({grid.long_setting.label},"
             f" {grid.long_rounds} rounds)",
-            "",
             "Mean-client NT (primary metric) ± SE over seeds at key rounds, and paired"
             " differences. The figure `nt_curves.png` shows every evaluated round.",
-            "",
-        ]
+        )
         for p in grid.long_presets:
             for split, where in (("test", "global test set"), ("local", "local test splits")):
-                lines += [
-                    f"### {_name(p)}, {where}",
-                    "",
-                    *_curve_table(grid, res, p, gate, split),
-                    "",
-                ]
+                lines += blocks(f"### {_name(p)}, {where}", _curve_table(grid, res, p, gate, split))
     return lines
 
 
