@@ -1207,17 +1207,16 @@ def _setup_lines(ctx: Context[Grid], res: Results, gate: tuple[float, float]) ->
         " skipped and unfinished ones resumed when the command is run again.",
         *([f"- Local training overridden: {grid.train}."] if grid.train else []),
         "",
-        *head(
-            "preset | data | shared arch (FedAvg, FedProx, local) | private archs (cycled)"
-            " | proxy | skew (preset) | rounds (preset) | local training"
+        *blocks(
+            head(
+                "preset | data | shared arch (FedAvg, FedProx, local) | private archs (cycled)"
+                " | proxy | skew (preset) | rounds (preset) | local training"
+            )
+            + [_preset_summary(p) for p in grid.presets],
+            "Rows per client (over all seeds; a partition is split into local test 25 %,"
+            f" validation {grid.val_fraction:.0%} and training rows):",
+            _sizes_table(grid, res),
         ),
-        *[_preset_summary(p) for p in grid.presets],
-        "",
-        "Rows per client (over all seeds; a partition is split into local test 25 %, validation"
-        f" {grid.val_fraction:.0%} and training rows):",
-        "",
-        *_sizes_table(grid, res),
-        "",
     ]
 
 
@@ -1225,29 +1224,23 @@ def _choice_lines(grid: Grid, res: Results, choice: Choice | None) -> list[str]:
     """The rule, its choice, whether the code's default follows it, and its evidence."""
     lines = ["## Choosing β and λ", "", RULE]
     if choice is None:
-        return [
-            *lines,
-            "No cell has every configuration's validation value: nothing was chosen.",
-            "",
-        ]
+        return lines + blocks(
+            "No cell has every configuration's validation value: nothing was chosen."
+        )
     d_gate = default_gate()
     left_out = f"; {len(choice.missing)} incomplete cells left out" if choice.missing else ""
     same, kept = d_gate == choice.gate, choice.gate == REFERENCE_GATE
     agree = "it agrees with the rule." if same else "**it differs from the rule's choice**."
     history = " (unchanged)." if kept else "; it was changed to the rule's choice."
-    lines += [
+    return lines + blocks(
         f"**Chosen: β = {choice.beta:g}, λ = {choice.lam:g}** (mean rank"
         f" {choice.mean_rank[choice.gate]:.2f} over {len(choice.cells)} cells{left_out})."
         f" FedeKD's default in the code is β = {d_gate[0]:g}, λ = {d_gate[1]:g}: {agree}"
         f" Before the rule was applied the default was β = {REFERENCE_GATE[0]:g},"
         f" λ = {REFERENCE_GATE[1]:g}{history}",
-        "",
         _contrast_line(grid, res),
-        "",
-        *_validation_lines(grid, res, choice),
-        "",
-    ]
-    return lines
+        _validation_lines(grid, res, choice),
+    )
 
 
 def _contrast_line(grid: Grid, res: Results) -> str:
