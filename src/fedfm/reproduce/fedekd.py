@@ -428,10 +428,6 @@ class Results:
         return metrics_of(self.kind(preset))[0][0]
 
 
-def _kind_of(run: RunView) -> str:
-    return "regression" if (run.summary or {})["primary"] == "rmse" else "classification"
-
-
 def _finished(run: RunView) -> bool:
     return run.finished and bool(run.client_metrics)
 
@@ -451,7 +447,10 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
         run = ctx.run(job.name)
         if not _finished(run):
             continue
-        kind = res.kinds.setdefault(job.preset, _kind_of(run))
+        primary = (run.summary or {})["primary"]
+        kind = res.kinds.setdefault(
+            job.preset, "regression" if primary == "rmse" else "classification"
+        )
         cell = CellKey(job.preset, job.setting.tag, job.variant.key, job.long)
         if job.variant.reference is None and not job.long:
             res.sizes.setdefault((job.preset, job.setting.tag), {})[job.seed] = run.partition

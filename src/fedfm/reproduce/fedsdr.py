@@ -275,22 +275,16 @@ Measure = Callable[[Results, str, Grid], "dict[str, dict[Any, float]]"]
 """A measure of one method: ``{domain or corpus: {unit: value}}``."""
 
 
-def _acc(res: Results, m: str, grid: Grid) -> dict[str, dict[Any, float]]:
-    return kept_acc(res.items(m), grid.zeroshot)
-
-
-def _text(res: Results, m: str, grid: Grid) -> dict[str, dict[Any, float]]:
-    return {CORPUS: text_nll(res.items(m))}
-
-
-def _fid(res: Results, m: str, grid: Grid) -> dict[str, dict[Any, float]]:
-    return fidelity(res.items(m), grid.domains)
-
-
 MEASURES: dict[str, tuple[str, Measure]] = {
-    "acc": ("zero-shot label accuracy (movie, spam)", _acc),
-    "text": ("NLL per token, held-out C4 text", _text),
-    "fidelity": ("reference NLL per token, trained domains", _fid),
+    "acc": (
+        "zero-shot label accuracy (movie, spam)",
+        lambda res, m, grid: kept_acc(res.items(m), grid.zeroshot),
+    ),
+    "text": ("NLL per token, held-out C4 text", lambda res, m, _: {CORPUS: text_nll(res.items(m))}),
+    "fidelity": (
+        "reference NLL per token, trained domains",
+        lambda res, m, grid: fidelity(res.items(m), grid.domains),
+    ),
 }
 
 
