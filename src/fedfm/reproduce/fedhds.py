@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -336,7 +337,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                 "ratio per seed, mean ± SE over seeds",
                 "16.06× less for the whole tuning (Table 3)",
                 +1,
-                lambda r, keys=keys: cost_ratio(r, keys),
+                partial(cost_ratio, keys=keys),
                 null=1.0,
                 digits=1,
                 scope="Seconds measured on 2 shared cores (the load is under Jobs below); the"

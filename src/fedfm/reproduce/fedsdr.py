@@ -486,7 +486,12 @@ def _levels_table(grid: Grid, res: Results) -> list[str]:
     return table([*header, *(f"ref. NLL {d}" for d in grid.domains), "ref. NLL mean"], rows)
 
 
-PAIRS = (("fedit", BASE), ("fedsd", BASE), ("fedsd", "fedit"), ("fedsdr", "fedit"))
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("fedit", BASE),
+    ("fedsd", BASE),
+    ("fedsd", "fedit"),
+    ("fedsdr", "fedit"),
+)
 PAIRS += (("fedsdr", "fedsd"), ("matched", "fedit"), ("fedsd", "matched"))
 
 

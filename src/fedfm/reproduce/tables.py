@@ -64,7 +64,7 @@ def command_lines(command: str) -> list[str]:
 def blocks(*parts: str | Sequence[str]) -> list[str]:
     """Markdown blocks, each followed by a blank line: a string is one line (a heading, a
     paragraph), a sequence of lines one block (a table, a list; empty: the blank line only)."""
-    return [x for p in parts for x in ([p] if isinstance(p, str) else p) + [""]]
+    return [x for p in parts for x in [*([p] if isinstance(p, str) else p), ""]]
 
 
 def values(xs: Iterable[Any]) -> str:
