@@ -735,31 +735,24 @@ def _comparison_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     return lines
 
 
-def _better(est: Estimate, stat: str) -> int:
-    """+1 when a is better than b by more than 2 SE, −1 when worse, 0 otherwise (for the count
-    of harmed clients, fewer is better)."""
-    r = est.resolved()
-    return -r if stat == "harmed" else r
+def _sign(stat: str) -> int:
+    """+1 where a higher value is better, −1 for the count of harmed clients."""
+    return -1 if stat == "harmed" else 1
 
 
-def _verdict(est: Estimate, stat: str) -> str:
-    return side(est, "a better", "b better", -1 if stat == "harmed" else 1)
+def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
+    """Cells above zero and below zero (each by more than 2 SE, times ``sign``), and the cells
+    with an SE."""
+    rs = [e.resolved() * sign for e in ests if e.n >= 2]
+    return sum(r > 0 for r in rs), sum(r < 0 for r in rs), len(rs)
 
 
 def _cell_counts(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> tuple[int, int, int]:
     """Cells where a is better, where b is better (each by more than 2 SE), and cells."""
-    up = down = n = 0
-    for p in grid.presets:
-        for t in tags:
-            est = paired(*_pair(res, comp, p, t, split, stat))
-            if est.n < 2:
-                continue
-            n += 1
-            up += _better(est, stat) > 0
-            down += _better(est, stat) < 0
-    return up, down, n
+    ests = (paired(*_pair(res, comp, p, t, split, stat)) for p in grid.presets for t in tags)
+    return _tally(ests, _sign(stat))
 
 
 def _regression_pooled(
@@ -781,7 +774,7 @@ def _findings_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     for split, stat, title in DIFF_STATS:
         dig = 1 if stat == "harmed" else 3
         est = _pooled_classification(grid, res, comp, split, stat, skew)
-        cells = [title, est.fmt(dig, signed=True), _verdict(est, stat)]
+        cells = [title, est.fmt(dig, signed=True), side(est, "a better", "b better", _sign(stat))]
         if ctrl:
             cells.append(_pooled_classification(grid, res, comp, split, stat, ctrl).fmt(dig, True))
         for p in regs:
@@ -810,20 +803,17 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
         cells = [v.label]
         for _, tags in groups:
             for split in ("test", "local"):
-                pos = neg = n = 0
-                pooled = []
-                for p in grid.presets:
-                    for t in tags:
-                        vals = res.get(CellKey(p, t, v.key), split, res.primary(p), "nt_mean")
-                        if res.kind(p) == "classification" and vals:
-                            pooled.append((vals, dict.fromkeys(vals, 0.0)))
-                        est = _est(vals)
-                        if est.n < 2:
-                            continue
-                        n += 1
-                        pos += est.resolved() > 0
-                        neg += est.resolved() < 0
-                cells += [pooled_paired(pooled).fmt(3, True), f"{pos} / {neg} / {n}"]
+                vals = {
+                    p: [
+                        res.get(CellKey(p, t, v.key), split, res.primary(p), "nt_mean")
+                        for t in tags
+                    ]
+                    for p in grid.presets
+                }
+                cls = [x for p, xs in vals.items() if res.kind(p) == "classification" for x in xs]
+                pooled = pooled_paired([(x, dict.fromkeys(x, 0.0)) for x in cls if x])
+                pos, neg, n = _tally(_est(x) for xs in vals.values() for x in xs)
+                cells += [pooled.fmt(3, True), f"{pos} / {neg} / {n}"]
         lines.append(row(cells))
     return lines
 
