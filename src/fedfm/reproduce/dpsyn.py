@@ -2,44 +2,20 @@
 
 ``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` ("Resource-Adaptive Federated
 Text Generation with Differential Privacy", ICLR 2026, arXiv:2603.07027) on Rotten Tomatoes
-(``rotten``/``fresh`` as control codes, the stand-in for the paper's Yelp ratings), with the
-controls the paper's comparison lacks (docs/studies.md, docs/dpsyn.md):
-
-* **Three generators**, each a run of the algorithm that stops once its pool is generated
-  and saved (``rounds = train_rounds + 1``: profiling, DP fine-tuning, generation; no vote):
-  the base model (``train_rounds: 0``), 1 strong client of 20 and 4 strong of 20 (DP-SGD at
-  ε_train 8). Each generates a **pool** larger than the set kept (300 for 150).
-* **Offline voting** on each saved pool (:class:`~fedfm.reproduce.framework.Compute` jobs):
-  the weak clients' votes exactly as the algorithm computes them (its pure functions
-  :func:`~fedfm.algorithms.dpsyn.knn_votes`, :func:`~fedfm.algorithms.dpsyn.noisy`,
-  :func:`~fedfm.algorithms.dpsyn.clip_votes`, :func:`~fedfm.algorithms.dpsyn.quotas`,
-  :func:`~fedfm.algorithms.dpsyn.draw_by_votes`, :func:`~fedfm.algorithms.dpsyn.top_by_votes`)
-  over many seeds of the vote noise and of the draw, at several ε_vote, and four selections
-  of the same size from each pool: **by votes** with replacement (the algorithm's
-  ``resample``), a **uniform draw with replacement** (the duplication-matched control),
-  **top by votes** (``rank``), a **uniform draw without replacement** (no voting: a random
-  subset, distributed as a generated set of that size).
-* **Scores** of each selection on the full real test split: logistic regression on MiniLM
-  embeddings trained on the selection alone (``fedfm.eval.synthetic``), accuracy and
-  macro-F1, and the Fréchet distance of the selection's distinct samples to the test rows.
-* **The instrument first**: the real test labels and the majority baseline, the ceiling
-  (the same classifier on every client's real rows), each pool's truncation share and
-  *on-code* share (the ceiling reads a sample as its own code), the base model tried with
-  several prompts (``prompts``), DP-SGD's update norm, the votes' spread against the noise.
-
-Statistics: every selection of every seed is scored on the same test rows, so a difference
-of two selections is an array ``d[seed, row]``; its SE combines the spread over seeds (the
-vote noise and the draw) and over test rows (:func:`fedfm.reproduce.stats.crossed`; macro-F1
-by the two-way bootstrap :func:`fedfm.reproduce.stats.crossed_bootstrap`). A pool is one draw
-of its generator (one DP-SGD noise, one sampling): comparisons *between* pools do not include
-the spread of generation, which a second run seed would show.
+with the controls the paper's comparison lacks (docs/studies.md, docs/dpsyn.md): three
+generators (the base model, 1 and 4 strong clients of 20 with DP-SGD) each stop once their
+pool is saved; **offline voting** (:class:`~fedfm.reproduce.framework.Compute` jobs) replays
+the weak clients' votes with the algorithm's own pure functions over many seeds of the vote
+noise and the draw, at several ε_vote, and selects four ways of one size from each pool: by
+votes with replacement (the algorithm's ``resample``), uniform with replacement (the
+duplication-matched control), top by votes (``rank``) and uniform without replacement (no
+voting). Each selection is scored on the real test rows by a classifier trained on it alone;
+a difference ``d[seed, row]`` gets the two-way SE of :func:`fedfm.reproduce.stats.crossed`.
 
 Choices of ours: the base pool is voted on by the weak clients of the fewest-strong
-generator; the offline vote noise is seeded per (seed, ε, client) — it simulates the weak
-clients' mechanism to measure its distribution, as a deployment's client secrets would draw
-it; the votes and the scores use the algorithm's embedder; *top by votes* keeps each code's
-quota (as the draws do), not ``rank``'s ``keep_fraction``, so that all four selections have
-the same size and code mix.
+generator; the offline vote noise is seeded per (seed, ε, client), a simulation of the
+mechanism's distribution; *top by votes* keeps each code's quota (as the draws do), not
+``rank``'s ``keep_fraction``, so that all four selections have the same size and code mix.
 """
 
 from __future__ import annotations
@@ -76,7 +52,7 @@ from fedfm.reproduce.stats import (
     mean_se,
     verdict,
 )
-from fedfm.reproduce.tables import DASH, head, marked, num, row
+from fedfm.reproduce.tables import DASH, blocks, head, marked, num, row
 
 PRESET = "dpsyn-rotten-tomatoes"
 EMBED = "embed"
@@ -261,19 +237,13 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     ]
     base = generator_config(grid, 0)
     out.append(Compute(EMBED, embed_real, {"config": base}, group="embed"))
-    probe = {
-        "config": base,
-        "templates": list(grid.probe_templates),
-        "per_code": grid.probe_samples,
-    }
-    out.append(Compute(PROBE, probe_prompts, probe, (EMBED,), "probe"))
+    probe = {"config": base, "templates": list(grid.probe_templates)}
+    out.append(
+        Compute(PROBE, probe_prompts, {**probe, "per_code": grid.probe_samples}, (EMBED,), "probe")
+    )
     for s in order:
-        params = {
-            "voters": voters(grid, s),
-            "epsilon_votes": list(grid.epsilon_votes),
-            "seeds": grid.seeds,
-            "size": grid.size,
-        }
+        params = {"voters": voters(grid, s), "epsilon_votes": list(grid.epsilon_votes)}
+        params.update(seeds=grid.seeds, size=grid.size)
         out.append(Compute(vote_name(s), vote_offline, params, (pool_name(s), EMBED), "vote"))
     return out
 
@@ -407,11 +377,8 @@ class _Pool:
 def _read_pool(run: Path) -> _Pool:
     import yaml
 
-    rows = [
-        json.loads(x)
-        for x in (run / "artefacts" / "synthetic_initial.jsonl").read_text().split("\n")
-        if x
-    ]
+    text = (run / "artefacts" / "synthetic_initial.jsonl").read_text()
+    rows = [json.loads(x) for x in text.split("\n") if x]
     profile = json.loads((run / "artefacts" / "profile.json").read_text())
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     privacy_path = run / "privacy.json"
@@ -498,17 +465,9 @@ def vote_offline(
     seeds: int,
     size: int,
 ) -> dict[str, Any]:
-    """Votes on a saved pool offline over ``seeds`` draws at each ε_vote, selects four ways
-    and scores every selection on the real test rows (predictions in ``predictions.npz``).
-
-    Args:
-        inputs: The generator run and the ``embed`` computation.
-        folder: This job's folder.
-        voters: The weak clients that vote.
-        epsilon_votes: ε of each voter's noisy histogram.
-        seeds: Draws of the vote noise and of each selection.
-        size: Samples each selection keeps.
-    """
+    """Votes on a saved pool (``inputs``: the generator run and ``embed``) offline by the weak
+    clients ``voters`` over ``seeds`` draws at each ε_vote, selects ``size`` samples four ways
+    and scores every selection on the real test rows (predictions in ``predictions.npz``)."""
     from fedfm.core.privacy import analytic_gaussian_sigma
     from fedfm.core.seeding import derive_seed
     from fedfm.eval.synthetic import frechet_distance, logreg_predict
@@ -535,9 +494,8 @@ def vote_offline(
         distinct = sorted(set(kept))
         st = stats.setdefault(key, {"distinct": [], "frechet": [], "on_code": []})
         st["distinct"].append(len(distinct))
-        st["frechet"].append(
-            frechet_distance(pool_emb[distinct], test_x) if len(distinct) > 1 else math.nan
-        )
+        fd = frechet_distance(pool_emb[distinct], test_x) if len(distinct) > 1 else math.nan
+        st["frechet"].append(fd)
         st["on_code"].append(float(on_code[kept].mean()))
 
     score("pool", list(range(len(pool.rows))))
@@ -552,19 +510,15 @@ def vote_offline(
             total = noisy_total(clean, sigma, noise, threshold)
             for kind in VOTED:
                 rng = np.random.default_rng(derive_seed(run_seed, "offline", kind, eps, s))
-                score(
-                    f"{kind}/{eps:g}",
-                    selections(total, pool.codes, pool.allotment, size, rng, kind),
-                )
+                kept = selections(total, pool.codes, pool.allotment, size, rng, kind)
+                score(f"{kind}/{eps:g}", kept)
     folder.mkdir(parents=True, exist_ok=True)
     stacked: dict[str, Any] = {k: np.stack(v) for k, v in preds.items()}
     np.savez_compressed(folder / PREDICTIONS, **stacked)
     mass = np.sum(list(clean.values()), axis=0)  # (P,) the votes before noise
     return {
         "pool": _describe(pool, on_code),
-        "signal": _signal(
-            mass, pool.codes, len(voters), epsilon_votes, delta, int(algo["k"]), emb, voters
-        ),
+        "signal": _signal(mass, epsilon_votes, delta, int(algo["k"]), emb, voters),
         "correlation_votes_on_code": _corr(mass, on_code.astype(float)),
         "selections": stats,
         "privacy": _privacy(pool, voters, epsilon_votes, delta),
@@ -598,8 +552,6 @@ def _describe(pool: _Pool, on_code: np.ndarray) -> dict[str, Any]:
 
 def _signal(
     mass: np.ndarray,
-    codes: np.ndarray,
-    n_voters: int,
     epsilon_votes: Sequence[float],
     delta: float,
     k: int,
@@ -609,6 +561,7 @@ def _signal(
     """The votes' signal (their spread over the pool's entries) against the noise's scale."""
     from fedfm.core.privacy import analytic_gaussian_sigma
 
+    n_voters = len(voter_ids)
     noise = {
         f"{e:g}": analytic_gaussian_sigma(float(e), delta) * math.sqrt(n_voters)
         for e in epsilon_votes
@@ -780,7 +733,6 @@ def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
 # ----------------------------------------------------------------------------- readouts
 
 STAT = "paired over seeds × test rows (two-way SE)"
-POOL_OF = {"base": "the base model's pool"}
 
 
 def pool_label(grid: Grid, strong: int) -> str:
@@ -873,33 +825,25 @@ def _keys(grid: Grid) -> list[str]:
 def body(ctx: Context[Grid], res: Results) -> list[str]:
     """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
     grid = ctx.grid
-    lines = [
+    return blocks(
         '"Resource-Adaptive Federated Text Generation with Differential Privacy" (ICLR 2026, '
         "arXiv:2603.07027; `algorithm: dpsyn`, docs/dpsyn.md). "
         f"{len(res.runs)} of {len(grid.generators)} generators and {len(res.votes)} of"
         f" {len(grid.generators)} offline votings finished.",
-        "",
         "## Setup",
-        "",
-        *_setup_lines(grid),
-        "",
+        _setup_lines(grid),
         "## The instrument",
-        "",
-        *_instrument_lines(res),
+        _instrument_lines(res),
         "## The votes' signal against their noise",
-        "",
-        *_signal_lines(res),
+        _signal_lines(res),
         "## Scores of each selection on the real test rows",
-        "",
         "Logistic regression on the selection's embeddings alone, tested on every real test"
         " row. Accuracy: mean over seeds and rows ± the two-way SE; macro-F1: mean ± SE over"
         " seeds; Fréchet: distance of the selection's distinct samples to the test rows (lower"
         " is closer), mean ± SE over seeds; distinct: distinct samples kept (mean); on-code:"
         " share of the selection whose code the real-data classifier (the ceiling) predicts.",
-        "",
-        *_scores_lines(res),
+        _scores_lines(res),
         "## Differences within a pool",
-        "",
         f"a − b over the same seeds (index-paired) and test rows. Δ accuracy ± the two-way SE"
         f" (seeds × rows); Δ macro-F1 ± the SE of {grid.bootstrap} two-way bootstrap"
         " resamples (seeds and rows drawn independently); Δ Fréchet and Δ on-code ± the SE"
@@ -907,28 +851,25 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         " match duplication (both with, both without replacement): their difference is the"
         " votes'. *uniform − subset* is duplication alone; *by votes − subset* is what the"
         " paper's with/without-voting comparison measures (votes and duplication together).",
-        "",
-        *_within_lines(res),
+        _within_lines(res),
         "## Between pools",
-        "",
         "Without voting: a uniform draw without replacement from each pool (as many as a"
         " selection keeps). A pool is one draw of its generator: these SEs do not include"
         " another DP-SGD run or generation.",
-        "",
-        *_between_lines(res),
+        _between_lines(res),
         "## Privacy per role",
-        "",
         "Composed per client with the runs' accountant at their δ: the run's ledger"
         " (`privacy.json`: profiling for everyone, DP-SGD for the strong clients) plus each"
         " weak client's offline vote (analytic Gaussian, sensitivity 1); the worst client of"
         " each role.",
-        "",
-        *_privacy_lines(res),
+        _privacy_lines(res),
+        "The RDP accountant reports an analytic Gaussian calibrated for ε = 1 as about 1.1"
+        " (its conversion is loose; `privacy.accountant: pld` is tight). The noise of the"
+        " generator runs came from each client's own secret (`privacy.noise: secret`); the"
+        " offline vote's is seeded (a simulation of the mechanism's distribution).",
         "## What the paper's setting has that this one does not",
-        "",
-        *_scope_lines(grid, res),
-    ]
-    return lines
+        _scope_lines(grid, res),
+    )
 
 
 def _setup_lines(grid: Grid) -> list[str]:
@@ -976,7 +917,7 @@ def _codes(grid: Grid) -> list[str]:
 def _instrument_lines(res: Results) -> list[str]:
     e = res.embed
     if e is None:
-        return ["The embedding of the real rows has not run yet.", ""]
+        return ["The embedding of the real rows has not run yet."]
     names = e["class_names"]
     hist = ", ".join(f"{n} {c}" for n, c in zip(names, e["test_labels"], strict=True))
     ceiling = e["ceiling"]
@@ -997,21 +938,9 @@ def _instrument_lines(res: Results) -> list[str]:
         p = v["pool"]
         per_code = ", ".join(f"{c} {n}" for c, n in p["per_code"].items())
         acc = acc_level(res, (s, "pool"))
-        lines.append(
-            row(
-                [
-                    pool_label(res.grid, s),
-                    p["samples"],
-                    p["distinct_texts"],
-                    per_code,
-                    num(p["truncated"]),
-                    p["empty"],
-                    num(p["words"], 1),
-                    num(p["on_code"]),
-                    acc.fmt(),
-                ]
-            )
-        )
+        cells = [p["samples"], p["distinct_texts"], per_code, num(p["truncated"]), p["empty"]]
+        cells += [num(p["words"], 1), num(p["on_code"]), acc.fmt()]
+        lines.append(row([pool_label(res.grid, s), *cells]))
     lines += [
         "",
         *_probe_lines(res),
@@ -1025,7 +954,7 @@ def _instrument_lines(res: Results) -> list[str]:
             for t in texts:
                 short = t.replace("\n", " ").replace("|", "/")
                 lines.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
-    return [*lines, ""]
+    return lines
 
 
 def _probe_lines(res: Results) -> list[str]:
@@ -1044,9 +973,8 @@ def _probe_lines(res: Results) -> list[str]:
         est = Estimate(**v["on_code"])
         shown = " / ".join(str(t[0]).replace("|", "/")[:90] for t in v["examples"].values() if t)
         cut = "" if v.get("prompt_whole", True) else " (prompt cut)"
-        lines.append(
-            row([f"`{template}`{cut}", est.fmt(), num(v["truncated"]), num(v["words"], 1), shown])
-        )
+        cells = [est.fmt(), num(v["truncated"]), num(v["words"], 1), shown]
+        lines.append(row([f"`{template}`{cut}", *cells]))
     return [*lines, ""]
 
 
@@ -1060,26 +988,14 @@ def _training_lines(res: Results) -> list[str]:
         rounds = view.rounds
         r_train = int(view.config.get("algo", {}).get("train_rounds", 0))
         norms = [rounds.get(i, {}).get("update_norm") for i in range(1, r_train + 1)]
-        sigmas = [
-            m["sigma"] / m["sensitivity"]
-            for m in view.privacy.get("entries", [])
-            if m["kind"] == "dp-sgd"
-        ]
+        entries = view.privacy.get("entries", [])
+        sigmas = [m["sigma"] / m["sensitivity"] for m in entries if m["kind"] == "dp-sgd"]
         mech = view.privacy.get("mechanisms", {}).get("dp-sgd:train", {}).get("epsilon_max")
         train_s = sum(float(rounds.get(i, {}).get("time_s", 0.0)) for i in range(1, r_train + 1))
         gen_s = rounds.get(r_train + 1, {}).get("time/generate_s")
-        lines.append(
-            row(
-                [
-                    pool_label(res.grid, s),
-                    num(max(sigmas), 3) if sigmas else DASH,
-                    _eps(mech),
-                    ", ".join(num(n, 2) for n in norms) or DASH,
-                    num(train_s, 0),
-                    num(gen_s, 0),
-                ]
-            )
-        )
+        cells = [num(max(sigmas), 3) if sigmas else DASH, _eps(mech)]
+        cells += [", ".join(num(n, 2) for n in norms) or DASH, num(train_s, 0), num(gen_s, 0)]
+        lines.append(row([pool_label(res.grid, s), *cells]))
     return lines
 
 
@@ -1115,39 +1031,21 @@ def _signal_lines(res: Results) -> list[str]:
         *_sizing_lines(res.grid),
         "",
         *head(
-            [
-                "pool",
-                "voters",
-                "private samples",
-                "K",
-                "clean votes per entry: mean",
-                "SD",
-                "max",
-                "entries without a vote",
-                *[f"noise SD, ε_vote {e:g}" for e in eps],
-                "corr(votes, on-code)",
-            ]
+            "pool | voters | private samples | K | clean votes per entry: mean | SD | max"
+            " | entries without a vote | "
+            + " | ".join(f"noise SD, ε_vote {e:g}" for e in eps)
+            + " | corr(votes, on-code)"
         ),
     ]
     for s, v in sorted(res.votes.items()):
         g = v["signal"]
+        cells = [g["voters"], g["private_samples"], g["k"]]
+        cells += [num(g[k], 1) for k in ("mass_mean", "mass_sd", "mass_max")]
+        cells += [num(g["zero_share"]), *[num(g["noise_sd"].get(f"{e:g}"), 1) for e in eps]]
         lines.append(
-            row(
-                [
-                    pool_label(res.grid, s),
-                    g["voters"],
-                    g["private_samples"],
-                    g["k"],
-                    num(g["mass_mean"], 1),
-                    num(g["mass_sd"], 1),
-                    num(g["mass_max"], 1),
-                    num(g["zero_share"]),
-                    *[num(g["noise_sd"].get(f"{e:g}"), 1) for e in eps],
-                    num(v.get("correlation_votes_on_code")),
-                ]
-            )
+            row([pool_label(res.grid, s), *cells, num(v.get("correlation_votes_on_code"))])
         )
-    return [*lines, ""]
+    return lines
 
 
 def _scores_lines(res: Results) -> list[str]:
@@ -1161,30 +1059,18 @@ def _scores_lines(res: Results) -> list[str]:
             if key not in res.preds.get(s, {}):
                 continue
             side = (s, key)
-            lines.append(
-                row(
-                    [
-                        pool_label(res.grid, s),
-                        _sel_label(key),
-                        acc_level(res, side).fmt(),
-                        f1_level(res, side).fmt(),
-                        mean_se(seed_values(res, side, "frechet")).fmt(),
-                        num(float(np.mean(seed_values(res, side, "distinct"))), 1),
-                        num(float(np.mean(seed_values(res, side, "on_code")))),
-                        " / ".join(num(x, 2) for x in predicted(res, side, len(names))),
-                    ]
-                )
-            )
-    return [*lines, ""]
+            cells = [acc_level(res, side).fmt(), f1_level(res, side).fmt()]
+            cells.append(mean_se(seed_values(res, side, "frechet")).fmt())
+            cells.append(num(float(np.mean(seed_values(res, side, "distinct"))), 1))
+            cells.append(num(float(np.mean(seed_values(res, side, "on_code")))))
+            cells.append(" / ".join(num(x, 2) for x in predicted(res, side, len(names))))
+            lines.append(row([pool_label(res.grid, s), _sel_label(key), *cells]))
+    return lines
 
 
 def _diff_cells(res: Results, a: Side, b: Side) -> list[str]:
-    return [
-        marked(acc_diff(res, a, b)),
-        marked(f1_diff(res, a, b)),
-        marked(seed_diff(res, a, b, "frechet")),
-        marked(seed_diff(res, a, b, "on_code")),
-    ]
+    ests = [acc_diff(res, a, b), f1_diff(res, a, b)]
+    return [marked(e) for e in [*ests, *(seed_diff(res, a, b, w) for w in ("frechet", "on_code"))]]
 
 
 DIFF_HEAD = "Δ accuracy | Δ macro-F1 | Δ Fréchet | Δ on-code"
@@ -1202,33 +1088,28 @@ def _within_lines(res: Results) -> list[str]:
             ]
         for label, a, b in pairs:
             lines.append(row([pool_label(res.grid, s), label, *_diff_cells(res, (s, a), (s, b))]))
-    return [*lines, ""]
+    return lines
 
 
 def _between_lines(res: Results) -> list[str]:
     grid = res.grid
     lines = head(f"comparison | {DIFF_HEAD}")
+    few, many = grid.few, grid.many
     pairs = [
         (f"{s} strong − base model, no voting", (s, "subset"), (0, "subset")) for s in grid.strong
     ]
-    pairs.append(
+    pairs.append((f"{many} strong − {few} strong, no voting", (many, "subset"), (few, "subset")))
+    pairs += [
         (
-            f"{grid.many} strong − {grid.few} strong, no voting",
-            (grid.many, "subset"),
-            (grid.few, "subset"),
+            f"{few} strong by votes (ε_vote {e:g}) − {many} strong, no voting",
+            (few, f"votes/{e:g}"),
+            (many, "subset"),
         )
-    )
-    for e in grid.epsilon_votes:
-        pairs.append(
-            (
-                f"{grid.few} strong by votes (ε_vote {e:g}) − {grid.many} strong, no voting",
-                (grid.few, f"votes/{e:g}"),
-                (grid.many, "subset"),
-            )
-        )
+        for e in grid.epsilon_votes
+    ]
     for label, a, b in pairs:
         lines.append(row([label, *_diff_cells(res, a, b)]))
-    return [*lines, ""]
+    return lines
 
 
 def _privacy_lines(res: Results) -> list[str]:
@@ -1238,30 +1119,11 @@ def _privacy_lines(res: Results) -> list[str]:
     )
     for s, v in sorted(res.votes.items()):
         for e, p in v["privacy"].items():
-            m = p["mechanisms"]
-            lines.append(
-                row(
-                    [
-                        pool_label(res.grid, s),
-                        e,
-                        num(p["sigma_vote"], 3),
-                        _eps(m.get("dp-sgd:train")),
-                        _eps(m.get("analytic-gaussian:profile")),
-                        _eps(m.get("analytic-gaussian:vote")),
-                        _eps(p["strong"]),
-                        _eps(p["weak"]),
-                    ]
-                )
-            )
-    return [
-        *lines,
-        "",
-        "The RDP accountant reports an analytic Gaussian calibrated for ε = 1 as about 1.1"
-        " (its conversion is loose; `privacy.accountant: pld` is tight). The noise of the"
-        " generator runs came from each client's own secret (`privacy.noise: secret`); the"
-        " offline vote's is seeded (a simulation of the mechanism's distribution).",
-        "",
-    ]
+            mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")
+            cells = [_eps(p["mechanisms"].get(k)) for k in mech]
+            cells += [_eps(p["strong"]), _eps(p["weak"])]
+            lines.append(row([pool_label(res.grid, s), e, num(p["sigma_vote"], 3), *cells]))
+    return lines
 
 
 def _scope_lines(grid: Grid, res: Results) -> list[str]:
@@ -1279,8 +1141,7 @@ def _scope_lines(grid: Grid, res: Results) -> list[str]:
     )
     return [
         f"- Model: {generator_config(grid, grid.few)['task']['lm']} with a LoRA adapter; the"
-        " paper fine-tunes GPT-2 (Yelp)"
-        " and GPT-2-large (PubMed) in full.",
+        " paper fine-tunes GPT-2 (Yelp) and GPT-2-large (PubMed) in full.",
         f"- Data and clients: {grid.clients} clients of {grid.rows} Rotten Tomatoes snippets"
         " with one binary code; the paper has 100 Yelp clients of 15,000 reviews (business"
         " category × rating as codes) and 20 PubMed clients of 2,250 abstracts.",
@@ -1297,7 +1158,6 @@ def _scope_lines(grid: Grid, res: Results) -> list[str]:
         " generation and DP-SGD between runs (one pool per generator), so a difference"
         " between pools is a difference between two draws of the generators; and the paper's"
         f" larger scales.{resolution}",
-        "",
     ]
 
 

@@ -1,39 +1,15 @@
 """FedeKD reproduction study: negative transfer with standard errors, the gate's β × λ grid,
 stronger skew, and negative transfer over a longer run.
 
-``fedfm reproduce fedekd`` runs, on the six ``fedekd-*`` presets (four classification sets,
-two regression sets):
-
-1. the **main grid**: two skewed settings (Dirichlet α = 0.1 with 4 clients, α = 0.5 with 10
-   clients), five seeds, the baselines (local-only with the shared and with
-   the private architectures, FedAvg, FedProx, ungated private/proxy KD at every λ) and FedeKD
-   at every (β, λ) of β ∈ {1, 2, 4, 8} × λ ∈ {0.5, 1, 2}, 15 rounds, clients evaluated every
-   3 rounds;
-2. the **choice of β and λ** by the rule below, on each client's validation split;
-3. with the chosen (β, λ): the **control** setting (α = 5, 10 clients, near-IID) with the
-   baselines, FedeKD at the chosen (β, λ) and at β = λ = 1 and ungated KD at their λ; and the
-   **long runs**: 60 rounds at α = 0.5 on three presets, five seeds, the same variants,
-   clients evaluated every 3 rounds, for negative transfer over rounds;
-
-and writes ``docs/fedekd.md`` with tables and figures. The study is declared on
-:mod:`fedfm.reproduce.framework`: the main grid's runs, then, once they have run, the runs
-that the rule's (β, λ) decides.
-``--quick`` runs a small grid in one process and writes its report under the output folder
-instead, so it never replaces the committed report.
-
-Splits (ours). Each client's partition is split once per seed into a local test split
-(``task.local_test_fraction`` = 25 %), a validation split (``local_val_fraction`` = 15 %, for
-every method, so all train on the same rows) and training rows. Metrics are read on three
-sets: the client's local test split (``local``: its own distribution, but a few rows on the
-smallest clients), the global test set shared by all clients (``test``: hundreds of rows, the
-powered measure; for FedAvg and FedProx every client's model is the global model), and the
-validation split (``val``, only to choose β and λ).
-
-Negative transfer references (ours): FedAvg and FedProx train the shared architecture
-(``task.model_args``) and are compared with ``local`` (that architecture trained alone); the
-private/proxy methods are compared with ``local-private`` (each client's own private
-architecture trained alone for the same budget), so architecture and federation are not
-confounded. Statistics: :mod:`fedfm.reproduce.stats`.
+``fedfm reproduce fedekd`` runs, on the six ``fedekd-*`` presets, the **main grid** (two
+skewed settings, five seeds, the baselines and FedeKD at every (β, λ)), chooses β and λ by the
+rule below on each client's validation split, then runs with the chosen (β, λ) the near-IID
+**control** setting and the **long runs** (60 rounds on three presets), and writes
+``docs/fedekd.md``; ``--quick`` writes its report under the output folder instead. The
+report's setup and statistics sections give the splits (local test, validation, training
+rows; the global test set) and the negative-transfer references (FedAvg and FedProx against
+the shared architecture alone, the private/proxy methods against each client's private
+architecture alone).
 
 The rule that chooses β and λ (stated before the grid ran; it never reads a test number):
 for every (dataset, skewed setting) cell of the main grid, the 12 gated configurations are
@@ -56,9 +32,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedfm import plots
-from fedfm.reproduce.framework import Context, Readout, Run, RunView, Study, preset, register
+from fedfm.reproduce.framework import (
+    Context,
+    Readout,
+    Run,
+    RunView,
+    Study,
+    preset,
+    register,
+)
 from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired, pooled_paired
-from fedfm.reproduce.tables import head, row, side
+from fedfm.reproduce.tables import blocks, command_lines, head, row, side
 
 # The gate setting FedeKD had as its default before the selection rule was first applied; the
 # study always runs it, so the report can compare it with the rule's choice.
@@ -444,10 +428,6 @@ class Results:
         return metrics_of(self.kind(preset))[0][0]
 
 
-def _kind_of(run: RunView) -> str:
-    return "regression" if (run.summary or {})["primary"] == "rmse" else "classification"
-
-
 def _finished(run: RunView) -> bool:
     return run.finished and bool(run.client_metrics)
 
@@ -467,7 +447,10 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
         run = ctx.run(job.name)
         if not _finished(run):
             continue
-        kind = res.kinds.setdefault(job.preset, _kind_of(run))
+        primary = (run.summary or {})["primary"]
+        kind = res.kinds.setdefault(
+            job.preset, "regression" if primary == "rmse" else "classification"
+        )
         cell = CellKey(job.preset, job.setting.tag, job.variant.key, job.long)
         if job.variant.reference is None and not job.long:
             res.sizes.setdefault((job.preset, job.setting.tag), {})[job.seed] = run.partition
@@ -520,6 +503,7 @@ class Choice:
 
     @property
     def gate(self) -> tuple[float, float]:
+        """(β, λ)."""
         return (self.beta, self.lam)
 
 
@@ -666,14 +650,9 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
             cells = [st.label, v.label]
             for split in ("test", "local"):
                 cells.append(_est(res.get(cell, split, m, "value")).fmt(d))
-                if v.reference is None:
-                    cells += ["—"] * 3
-                    continue
-                cells += [
-                    _est(res.get(cell, split, m, "nt_mean")).fmt(d),
-                    _est(res.get(cell, split, m, "nt_worst")).fmt(d),
-                    _est(res.get(cell, split, m, "harmed")).fmt(1),
-                ]
+                stats = (("nt_mean", d), ("nt_worst", d), ("harmed", 1)) if v.reference else ()
+                cells += [_est(res.get(cell, split, m, st)).fmt(dg) for st, dg in stats]
+                cells += [] if v.reference else ["—"] * 3
             if len(metrics) > 1:
                 for split in ("test", "local"):
                     vals = res.get(cell, split, "macro_f1", "nt_mean")
@@ -717,22 +696,15 @@ def comparisons(choice: tuple[float, float]) -> list[Comparison]:
 
 def _pair(res: Results, comp: Comparison, preset: str, tag: str, split: str, stat: str) -> tuple:
     m = res.primary(preset)
-    a = res.get(CellKey(preset, tag, comp.a.key), split, m, stat)
-    b = res.get(CellKey(preset, tag, comp.b.key), split, m, stat)
-    return a, b
+    return tuple(res.get(CellKey(preset, tag, v.key), split, m, stat) for v in (comp.a, comp.b))
 
 
 def _pooled_classification(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> Estimate:
-    pairs = [
-        _pair(res, comp, p, t, split, stat)
-        for p in grid.presets
-        if res.kind(p) == "classification"
-        for t in tags
-    ]
-    pairs = [(a, b) for a, b in pairs if a and b]
-    return pooled_paired(pairs)
+    cls = [p for p in grid.presets if res.kind(p) == "classification"]
+    pairs = [_pair(res, comp, p, t, split, stat) for p in cls for t in tags]
+    return pooled_paired([(a, b) for a, b in pairs if a and b])
 
 
 def _tags(settings: Sequence[Setting]) -> list[str]:
@@ -763,31 +735,24 @@ def _comparison_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     return lines
 
 
-def _better(est: Estimate, stat: str) -> int:
-    """+1 when a is better than b by more than 2 SE, −1 when worse, 0 otherwise (for the count
-    of harmed clients, fewer is better)."""
-    r = est.resolved()
-    return -r if stat == "harmed" else r
+def _sign(stat: str) -> int:
+    """+1 where a higher value is better, −1 for the count of harmed clients."""
+    return -1 if stat == "harmed" else 1
 
 
-def _verdict(est: Estimate, stat: str) -> str:
-    return side(est, "a better", "b better", -1 if stat == "harmed" else 1)
+def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
+    """Cells above zero and below zero (each by more than 2 SE, times ``sign``), and the cells
+    with an SE."""
+    rs = [e.resolved() * sign for e in ests if e.n >= 2]
+    return sum(r > 0 for r in rs), sum(r < 0 for r in rs), len(rs)
 
 
 def _cell_counts(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> tuple[int, int, int]:
     """Cells where a is better, where b is better (each by more than 2 SE), and cells."""
-    up = down = n = 0
-    for p in grid.presets:
-        for t in tags:
-            est = paired(*_pair(res, comp, p, t, split, stat))
-            if est.n < 2:
-                continue
-            n += 1
-            up += _better(est, stat) > 0
-            down += _better(est, stat) < 0
-    return up, down, n
+    ests = (paired(*_pair(res, comp, p, t, split, stat)) for p in grid.presets for t in tags)
+    return _tally(ests, _sign(stat))
 
 
 def _regression_pooled(
@@ -809,7 +774,7 @@ def _findings_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     for split, stat, title in DIFF_STATS:
         dig = 1 if stat == "harmed" else 3
         est = _pooled_classification(grid, res, comp, split, stat, skew)
-        cells = [title, est.fmt(dig, signed=True), _verdict(est, stat)]
+        cells = [title, est.fmt(dig, signed=True), side(est, "a better", "b better", _sign(stat))]
         if ctrl:
             cells.append(_pooled_classification(grid, res, comp, split, stat, ctrl).fmt(dig, True))
         for p in regs:
@@ -828,12 +793,9 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
         groups.append(("control", _tags(grid.control_settings)))
     header = ["method"]
     for label, _ in groups:
-        header += [
-            f"classification pooled NT mean, global test, {label}",
-            f"cells NT > 0 / < 0 / cells, global test, {label}",
-            f"classification pooled NT mean, local split, {label}",
-            f"cells NT > 0 / < 0 / cells, local split, {label}",
-        ]
+        for where in ("global test", "local split"):
+            header.append(f"classification pooled NT mean, {where}, {label}")
+            header.append(f"cells NT > 0 / < 0 / cells, {where}, {label}")
     lines = head(header)
     for v in featured(choice):
         if v.reference is None:
@@ -841,20 +803,17 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
         cells = [v.label]
         for _, tags in groups:
             for split in ("test", "local"):
-                pos = neg = n = 0
-                pooled = []
-                for p in grid.presets:
-                    for t in tags:
-                        vals = res.get(CellKey(p, t, v.key), split, res.primary(p), "nt_mean")
-                        if res.kind(p) == "classification" and vals:
-                            pooled.append((vals, dict.fromkeys(vals, 0.0)))
-                        est = _est(vals)
-                        if est.n < 2:
-                            continue
-                        n += 1
-                        pos += est.resolved() > 0
-                        neg += est.resolved() < 0
-                cells += [pooled_paired(pooled).fmt(3, True), f"{pos} / {neg} / {n}"]
+                vals = {
+                    p: [
+                        res.get(CellKey(p, t, v.key), split, res.primary(p), "nt_mean")
+                        for t in tags
+                    ]
+                    for p in grid.presets
+                }
+                cls = [x for p, xs in vals.items() if res.kind(p) == "classification" for x in xs]
+                pooled = pooled_paired([(x, dict.fromkeys(x, 0.0)) for x in cls if x])
+                pos, neg, n = _tally(_est(x) for xs in vals.values() for x in xs)
+                cells += [pooled.fmt(3, True), f"{pos} / {neg} / {n}"]
         lines.append(row(cells))
     return lines
 
@@ -864,8 +823,7 @@ def _validation_lines(grid: Grid, res: Results, choice: Choice | None) -> list[s
     lams = [float(x) for x in grid.lams]
     lines = [
         "Mean rank of each (β, λ) over the (dataset, setting) cells, by mean-client NT on the"
-        " validation split (1 = least harmful of the "
-        f"{len(grid.configs())} configurations):",
+        f" validation split (1 = least harmful of the {len(grid.configs())} configurations):",
         "",
         *head(["β \\ λ", *[f"λ={x:g}" for x in lams]]),
     ]
@@ -896,11 +854,6 @@ def _validation_lines(grid: Grid, res: Results, choice: Choice | None) -> list[s
 GATE_GRID_STATS = tuple(x for x in DIFF_STATS if x[1] != "harmed")
 
 
-def _gate_comparisons(grid: Grid) -> list[Comparison]:
-    """Every gated configuration against ungated KD at its λ."""
-    return [Comparison(gated(b, lam), ungated(lam)) for b, lam in grid.configs()]
-
-
 def _gate_grid_table(grid: Grid, res: Results) -> list[str]:
     """Every gated configuration against ungated KD at its λ, over the skewed settings."""
     tags = _tags(grid.settings)
@@ -909,7 +862,7 @@ def _gate_grid_table(grid: Grid, res: Results) -> list[str]:
     header += [f"Δ NT mean, global test, {_name(p)}" for p in regs]
     header += ["cells a better / b better (NT mean, global test, > 2 SE)"]
     lines = head(header)
-    for comp in _gate_comparisons(grid):
+    for comp in (Comparison(gated(b, lam), ungated(lam)) for b, lam in grid.configs()):
         cells = [comp.label]
         for split, stat, _ in GATE_GRID_STATS:
             cells.append(_pooled_classification(grid, res, comp, split, stat, tags).fmt(3, True))
@@ -934,9 +887,7 @@ def _key_rounds(rounds: Sequence[int], keep: Sequence[int] = (), k: int = 6) -> 
     return sorted({*(rounds[i] for i in idx), *(r for r in keep if r in rounds)})
 
 
-def _long_curve(
-    res: Results, grid: Grid, preset: str, v: Variant, split: str
-) -> dict[int, dict[int, float]]:
+def _long_curve(res: Results, grid: Grid, preset: str, v: Variant, split: str) -> dict:
     """Seed -> round -> mean-client NT of a long run (primary metric)."""
     cell = CellKey(preset, grid.long_setting.tag, v.key, True)
     return res.curves.get((cell, split, res.primary(preset)), {})
@@ -947,9 +898,7 @@ def _at(curve: Mapping[int, Mapping[int, float]], r: int) -> dict[int, float]:
     return {s: c[r] for s, c in curve.items() if r in c}
 
 
-def _curve_table(
-    grid: Grid, res: Results, preset: str, choice: tuple[float, float], split: str
-) -> list[str]:
+def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: str) -> list[str]:
     """Mean-client NT per method at key rounds of the long runs, and paired differences."""
     d = _digits(res.primary(preset))
     fed = [v for v in long_variants(choice) if v.reference is not None]
@@ -990,17 +939,15 @@ def _preset_summary(preset_name: str) -> str:
     skew = f"{p['scheme']} by {p.get('by', 'label')}" + (
         f" ({p['bins']} bins)" if p.get("bins") else ""
     )
+    cells = [f"{t['dataset']} ({t['kind']})", f"{t.get('model', 'mlp')} {t.get('model_args', {})}"]
+    cells += [a.get("private_archs"), a.get("proxy_arch"), f"{skew}, min {p.get('min_size')}"]
+    local = f"{tr.get('steps')} steps per stage, bs {tr.get('batch_size')},"
     return row(
         [
             _name(preset_name),
-            f"{t['dataset']} ({t['kind']})",
-            f"{t.get('model', 'mlp')} {t.get('model_args', {})}",
-            str(a.get("private_archs")),
-            str(a.get("proxy_arch")),
-            f"{skew}, min {p.get('min_size')}",
-            str(d.get("rounds")),
-            f"{tr.get('steps')} steps per stage, bs {tr.get('batch_size')},"
-            f" {tr.get('optimizer')} lr {tr.get('lr')}",
+            *cells,
+            d.get("rounds"),
+            f"{local} {tr.get('optimizer')} lr {tr.get('lr')}",
         ]
     )
 
@@ -1027,9 +974,7 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _nt_figure(
-    grid: Grid, res: Results, choice: tuple[float, float], path: Path, palette: dict[str, str]
-) -> Path:
+def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
     import matplotlib.pyplot as plt
 
@@ -1037,12 +982,8 @@ def _nt_figure(
     width = 0.8 / max(len(fed), 1)
     panels = [(label, ps, split) for label, ps in _groups(grid, res) for split in ("test", "local")]
     settings = grid.all_settings()
-    fig, axes = plt.subplots(
-        len(settings),
-        len(panels),
-        figsize=(3.6 * len(panels) + 1, 3.0 * len(settings)),
-        squeeze=False,
-    )
+    size = (3.6 * len(panels) + 1, 3.0 * len(settings))
+    fig, axes = plt.subplots(len(settings), len(panels), figsize=size, squeeze=False)
     for r, st in enumerate(settings):
         for c, (label, presets, split) in enumerate(panels):
             ax = axes[r, c]
@@ -1053,15 +994,8 @@ def _nt_figure(
                 x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
                 ses = [e.se if e.n > 1 else 0.0 for e in ests]
                 colour = palette[v.label]
-                ax.bar(
-                    x,
-                    [e.mean for e in ests],
-                    width,
-                    yerr=ses,
-                    capsize=2,
-                    label=v.label,
-                    color=colour,
-                )
+                means = [e.mean for e in ests]
+                ax.bar(x, means, width, yerr=ses, capsize=2, label=v.label, color=colour)
                 ax.scatter(x, worst, marker="v", s=12, color=colour)
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xticks(np.arange(len(presets)), [_name(p) for p in presets], fontsize=8)
@@ -1096,9 +1030,7 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _curves_figure(
-    grid: Grid, res: Results, choice: tuple[float, float], path: Path, palette: dict[str, str]
-) -> Path:
+def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Mean-client NT over the rounds of the long runs, ± SE bands, per set and split."""
     import matplotlib.pyplot as plt
 
@@ -1124,10 +1056,8 @@ def _curves_figure(
             plots.integer_rounds(ax)
             ax.set_ylabel(f"mean-client NT, {_unit(res.primary(p))}")
     axes[0, 0].legend(fontsize=6)
-    fig.suptitle(
-        f"Negative transfer over rounds, {grid.long_setting.label} (mean ± SE over seeds)",
-        fontsize=10,
-    )
+    title = f"Negative transfer over rounds, {grid.long_setting.label} (mean ± SE over seeds)"
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 
@@ -1246,12 +1176,7 @@ def _setup_lines(ctx: Context[Grid], res: Results, gate: tuple[float, float]) ->
         else "."
     )
     return [
-        "## How to reproduce",
-        "",
-        "```",
-        ctx.command,
-        "```",
-        "",
+        *command_lines(ctx.command),
         f"- Main grid: {len(main_cells(grid))} runs = {len(grid.presets)} datasets ×"
         f" {len(grid.settings)} skewed settings × {len(grid.seeds)} seeds ×"
         f" {len(grid.main_variants())} variants (local-only with shared and with private archs,"
@@ -1271,17 +1196,16 @@ def _setup_lines(ctx: Context[Grid], res: Results, gate: tuple[float, float]) ->
         " skipped and unfinished ones resumed when the command is run again.",
         *([f"- Local training overridden: {grid.train}."] if grid.train else []),
         "",
-        *head(
-            "preset | data | shared arch (FedAvg, FedProx, local) | private archs (cycled)"
-            " | proxy | skew (preset) | rounds (preset) | local training"
+        *blocks(
+            head(
+                "preset | data | shared arch (FedAvg, FedProx, local) | private archs (cycled)"
+                " | proxy | skew (preset) | rounds (preset) | local training"
+            )
+            + [_preset_summary(p) for p in grid.presets],
+            "Rows per client (over all seeds; a partition is split into local test 25 %,"
+            f" validation {grid.val_fraction:.0%} and training rows):",
+            _sizes_table(grid, res),
         ),
-        *[_preset_summary(p) for p in grid.presets],
-        "",
-        "Rows per client (over all seeds; a partition is split into local test 25 %, validation"
-        f" {grid.val_fraction:.0%} and training rows):",
-        "",
-        *_sizes_table(grid, res),
-        "",
     ]
 
 
@@ -1289,33 +1213,23 @@ def _choice_lines(grid: Grid, res: Results, choice: Choice | None) -> list[str]:
     """The rule, its choice, whether the code's default follows it, and its evidence."""
     lines = ["## Choosing β and λ", "", RULE]
     if choice is None:
-        lines += ["No cell has every configuration's validation value: nothing was chosen.", ""]
-        return lines
+        return lines + blocks(
+            "No cell has every configuration's validation value: nothing was chosen."
+        )
     d_gate = default_gate()
     left_out = f"; {len(choice.missing)} incomplete cells left out" if choice.missing else ""
-    agree = (
-        "it agrees with the rule."
-        if d_gate == choice.gate
-        else "**it differs from the rule's choice**."
-    )
-    history = (
-        " (unchanged)."
-        if choice.gate == REFERENCE_GATE
-        else "; it was changed to the rule's choice."
-    )
-    lines += [
+    same, kept = d_gate == choice.gate, choice.gate == REFERENCE_GATE
+    agree = "it agrees with the rule." if same else "**it differs from the rule's choice**."
+    history = " (unchanged)." if kept else "; it was changed to the rule's choice."
+    return lines + blocks(
         f"**Chosen: β = {choice.beta:g}, λ = {choice.lam:g}** (mean rank"
         f" {choice.mean_rank[choice.gate]:.2f} over {len(choice.cells)} cells{left_out})."
         f" FedeKD's default in the code is β = {d_gate[0]:g}, λ = {d_gate[1]:g}: {agree}"
         f" Before the rule was applied the default was β = {REFERENCE_GATE[0]:g},"
         f" λ = {REFERENCE_GATE[1]:g}{history}",
-        "",
         _contrast_line(grid, res),
-        "",
-        *_validation_lines(grid, res, choice),
-        "",
-    ]
-    return lines
+        _validation_lines(grid, res, choice),
+    )
 
 
 def _contrast_line(grid: Grid, res: Results) -> str:
@@ -1335,10 +1249,8 @@ def _contrast_line(grid: Grid, res: Results) -> str:
 
 def _findings_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list[str]:
     """One table per comparison, and NT against local-only training."""
-    comps = comparisons(gate)
-    lines = [
+    return blocks(
         "## Findings",
-        "",
         "Each finding is a paired comparison a − b with its standard error over seeds (higher"
         " NT is better; fewer harmed clients is better; the verdicts account for the"
         " direction). Classification sets are pooled per seed (accuracy units); the regression"
@@ -1348,65 +1260,42 @@ def _findings_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list
         " distribution, where personalised methods are meant to help. The readouts above are"
         " rows of these tables; the table of every gated configuration against ungated KD and"
         " the long runs' curves follow the per-cell differences.",
-        "",
-    ]
-    for c in comps:
-        lines += [f"### {c.label}", "", *_findings_table(grid, res, c), ""]
-    lines += [
+        *(x for c in comparisons(gate) for x in (f"### {c.label}", _findings_table(grid, res, c))),
         "### Against local-only training",
-        "",
         "Is the method itself harmful for the mean client? Mean-client NT against the"
         " method's local-only reference, classification pooled (± SE over seeds), and the"
         " cells where it is above or below zero by more than 2 SE.",
-        "",
-        *_own_nt_table(grid, res, gate),
-        "",
-    ]
-    return lines
+        _own_nt_table(grid, res, gate),
+    )
 
 
 def _tables_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list[str]:
     """Per-cell paired differences, per-dataset results, the gate grid, the long runs."""
-    lines = ["## Paired differences per cell", ""]
-    for comp in comparisons(gate):
-        lines += [f"### {comp.label}", "", *_comparison_table(grid, res, comp), ""]
-    lines += [
+    comps = comparisons(gate)
+    lines = blocks(
+        "## Paired differences per cell",
+        *(x for c in comps for x in (f"### {c.label}", _comparison_table(grid, res, c))),
         "## Results per dataset",
-        "",
         "Mean ± SE over seeds at the last round; primary metric (accuracy or RMSE) of the mean"
         " client, its NT (mean and worst client) and the number of clients harmed, on the global"
         " test set and on the local test splits.",
-        "",
-    ]
-    for p in grid.presets:
-        lines += [f"### {_name(p)}", "", *_dataset_table(grid, res, p, gate), ""]
-    lines += [
+        *(x for p in grid.presets for x in (f"### {_name(p)}", _dataset_table(grid, res, p, gate))),
         "## The gate grid against ungated KD",
-        "",
         "Every gated configuration against ungated KD at the same λ (paired over seeds;"
         " classification pooled over datasets and skewed settings, each regression set pooled"
         " over the skewed settings). The rule saw none of these (test) numbers.",
-        "",
-        *_gate_grid_table(grid, res),
-        "",
-    ]
+        _gate_grid_table(grid, res),
+    )
     if grid.long_presets:
-        lines += [
+        lines += blocks(
             f"## Negative transfer over rounds ({grid.long_setting.label},"
             f" {grid.long_rounds} rounds)",
-            "",
             "Mean-client NT (primary metric) ± SE over seeds at key rounds, and paired"
             " differences. The figure `nt_curves.png` shows every evaluated round.",
-            "",
-        ]
+        )
         for p in grid.long_presets:
             for split, where in (("test", "global test set"), ("local", "local test splits")):
-                lines += [
-                    f"### {_name(p)}, {where}",
-                    "",
-                    *_curve_table(grid, res, p, gate, split),
-                    "",
-                ]
+                lines += blocks(f"### {_name(p)}, {where}", _curve_table(grid, res, p, gate, split))
     return lines
 
 

@@ -1,25 +1,10 @@
-"""FedHDS reproduction study: Rouge-L on a held-out task against FedIT, Random and the base.
+"""FedHDS reproduction study (Qin et al., ACL 2025 Findings): Rouge-L on a held-out task
+against FedIT, Random at FedHDS's data fraction, FedHDS-Turbo and the untrained base.
 
-The paper (Qin et al., ACL 2025 Findings) scores only tasks no client trained on (Dolly's
-held-out category, Natural-Instructions' test tasks): its argument is that FedIT, training on
-all of each client's few tasks, overfits them, which can only show on tasks not trained on.
-``fedfm reproduce fedhds`` therefore holds out ``general`` (open-ended Alpaca instructions,
-the analogue of Dolly's held-out category) and trains on the suite's other five domains
-(GSM8K maths and four classification tasks), split over 20 clients by Dirichlet(0.5) over
-domains, a quarter of them per round, for :data:`FULL`'s rounds at the official code's
-lr 3e-4. Methods: FedIT (every sampled client trains on all its rows), FedHDS, FedHDS-Turbo
-(all-MiniLM-L6-v2 features), Random (each client's rows at random, at the data fraction
-FedHDS measured: a job that needs FedHDS's run), FedHDS with HDBSCAN's ``min_samples``
-counted as before this study matched the official code (sklearn's count: the data fraction
-before and after the fix), and the untrained base (FedIT's round 0). FedIT and FedHDS run a
-second seed (partition, client sampling, LoRA initialisation and t-SNE all change with it).
-
-Every method is :mod:`fedfm.algorithms.fedhds` (FedIT is ``selection: all``), so all are
-evaluated alike and every evaluated item is kept: each difference is paired over the same
-held-out items (with two seeds, each item's difference is first averaged over the seeds).
-The held-out budget covers the 90th percentile of the references' token lengths; seen
-domains are secondary columns (classification by the likelihood of each label, GSM8K by its
-final number). Times and bytes are those the runs measured and audited.
+The paper scores only tasks no client trained on, where FedIT's overfitting of each client's
+few tasks can show: the study holds out ``general`` and trains on the suite's other five
+domains. Every method is :mod:`fedfm.algorithms.fedhds` (FedIT is ``selection: all``), so each
+difference is paired over the same held-out items; the report's setup gives the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -44,7 +30,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import Estimate, mean_se, paired
-from fedfm.reproduce.tables import DASH, marked, num, ratio, table
+from fedfm.reproduce.tables import DASH, blocks, marked, num, ratio, table
 
 HELDOUT = "general"
 TRAINED = ("math", "medical", "movie", "qtype", "spam")
@@ -302,11 +288,6 @@ def seed_delta(res: Results, a: str, b: str, i: int) -> Estimate:
     return paired(item_scores(ra[i], True), item_scores(rb[i], True))
 
 
-def first_seed_delta(res: Results, a: str, b: str) -> Estimate:
-    """``a`` − ``b`` on the held-out items, first seed of both (a method run once)."""
-    return seed_delta(res, a, b, 0)
-
-
 def cost_ratio(res: Results, keys: Sequence[str], of: str = "fedhds") -> Estimate:
     """FedIT's seconds over ``of``'s, per seed (the sum of ``keys`` of each run's finish),
     as the mean and SE over the seeds both ran."""
@@ -346,32 +327,30 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             "paired over items (first seed)",
             "FedHDS > Random at the same data budget (31.82 vs 31.41)",
             +1,
-            lambda r: first_seed_delta(r, "fedhds", "random"),
+            lambda r: seed_delta(r, "fedhds", "random", 0),
             scope="Random trains on as many rows as FedHDS selected, drawn at random: a gain"
             " over it credits the selection, not merely training on less (moving less).",
         ),
-        Readout(
-            "client training time, FedIT / FedHDS",
-            "ratio per seed, mean ± SE over seeds",
-            "16.06× less for the whole tuning (Table 3)",
-            +1,
-            lambda r: cost_ratio(r, TRAIN_S),
-            null=1.0,
-            digits=1,
-            scope="Seconds measured on 2 shared cores (the load is under Jobs below); the"
-            " ratio compares runs of one invocation.",
-        ),
-        Readout(
-            "client compute with features and clustering (and the server's selection),"
-            " FedIT / FedHDS",
-            "ratio per seed, mean ± SE over seeds",
-            "16.06× less for the whole tuning (Table 3)",
-            +1,
-            lambda r: cost_ratio(r, TOTAL_S),
-            null=1.0,
-            digits=1,
-            scope="Seconds measured on 2 shared cores (the load is under Jobs below); the"
-            " ratio compares runs of one invocation.",
+        *(
+            Readout(
+                name,
+                "ratio per seed, mean ± SE over seeds",
+                "16.06× less for the whole tuning (Table 3)",
+                +1,
+                partial(cost_ratio, keys=keys),
+                null=1.0,
+                digits=1,
+                scope="Seconds measured on 2 shared cores (the load is under Jobs below); the"
+                " ratio compares runs of one invocation.",
+            )
+            for name, keys in (
+                ("client training time, FedIT / FedHDS", TRAIN_S),
+                (
+                    "client compute with features and clustering (and the server's selection),"
+                    " FedIT / FedHDS",
+                    TOTAL_S,
+                ),
+            )
         ),
     ]
 
@@ -379,14 +358,13 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 # ----------------------------------------------------------------------------- the report
 
 
-def _finish(views: Sequence[RunView], key: str) -> float | None:
-    vals = [float(v.finish[key]) for v in views if key in v.finish]
+def _finish(views: Sequence[RunView], key: str, part: str = "finish") -> float | None:
+    vals = [float(getattr(v, part)[key]) for v in views if key in getattr(v, part)]
     return float(np.mean(vals)) if vals else None
 
 
 def _final(views: Sequence[RunView], key: str) -> float | None:
-    vals = [float(v.final[key]) for v in views if key in v.final]
-    return float(np.mean(vals)) if vals else None
+    return _finish(views, key, "final")
 
 
 def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
@@ -409,29 +387,17 @@ def _heldout_table(res: Results) -> list[str]:
     ref = res.of(REFERENCE)
     b = res.base()
     r0 = b.rounds.get(0, {}) if b is not None else {}
-    rows = [
-        [
-            "untrained base (round 0)",
-            num(float(np.mean(list(base.values()))) if base else None),
-            marked(paired(base, seed_mean(ref))) if base and ref else DASH,
-            DASH,
-            num(r0.get(f"zeroshot/truncated/{HELDOUT}"), 2),
-            num(r0.get("score"), 3),
-        ]
-    ]
+    base_row = [marked(paired(base, seed_mean(ref))) if base and ref else DASH, DASH]
+    base_row += [num(r0.get(f"zeroshot/truncated/{HELDOUT}"), 2), num(r0.get("score"), 3)]
+    rows = [["untrained base (round 0)", num(np.mean(list(base.values())) if base else None)]]
+    rows[0] += base_row
     for label, key, views in _rows(res):
         scores = seed_mean(views)
         vs_fedit = paired(scores, seed_mean(ref)) if ref and key != REFERENCE else None
-        rows.append(
-            [
-                label,
-                num(float(np.mean(list(scores.values()))) if scores else None),
-                marked(vs_fedit),
-                marked(paired(scores, base)) if base else DASH,
-                num(_final(views, f"zeroshot/truncated/{HELDOUT}"), 2),
-                num(_final(views, "score"), 3),
-            ]
-        )
+        cells = [label, num(np.mean(list(scores.values())) if scores else None), marked(vs_fedit)]
+        cells += [marked(paired(scores, base)) if base else DASH]
+        cells += [num(_final(views, f"zeroshot/truncated/{HELDOUT}"), 2)]
+        rows.append([*cells, num(_final(views, "score"), 3)])
     return table(
         "method | held-out Rouge-L | Δ vs FedIT ± SE | Δ vs base ± SE | held-out truncated"
         " | seen score (secondary)",
@@ -446,18 +412,11 @@ def _cost_table(res: Results) -> list[str]:
     for label, _, views in _rows(res):
         train, total = _finish(views, TRAIN_S[0]), _sum_finish(views, TOTAL_S)
         fc = _sum_finish(views, ("total_feature_s", "total_cluster_s"))
-        rows.append(
-            [
-                label,
-                num(_finish(views, "data_fraction"), 4),
-                num(train, 1),
-                ratio(ref_train, train) if ref_train and train else DASH,
-                num(fc, 1),
-                num(total, 1),
-                ratio(ref_total, total) if ref_total and total else DASH,
-                f"{int(np.mean([v.audit_bytes('select') for v in views])):,}" if views else DASH,
-            ]
-        )
+        cells = [label, num(_finish(views, "data_fraction"), 4), num(train, 1)]
+        cells += [ratio(ref_train, train) if ref_train and train else DASH, num(fc, 1)]
+        cells += [num(total, 1), ratio(ref_total, total) if ref_total and total else DASH]
+        sel = np.mean([v.audit_bytes("select") for v in views]) if views else None
+        rows.append([*cells, DASH if sel is None else f"{int(sel):,}"])
     return table(
         "method | data fraction | client train s | train speed-up | features + clustering s"
         " | client + server selection s | total speed-up | selection bytes up",
@@ -474,26 +433,18 @@ def _seen_table(res: Results) -> list[str]:
     rows = []
     ref = res.of(REFERENCE)
     for label, key, views in _rows(res):
-        cells = [label, num(_final(views, "score"))]
-        cells.append(
-            marked(paired(seed_mean(views, False), seed_mean(ref, False)))
-            if ref and key != REFERENCE and key
-            else DASH
-        )
-        cells += [num(_final(views, f"score/{d}"), 2) for d in TRAINED]
-        rows.append(cells)
+        vs = paired(seed_mean(views, False), seed_mean(ref, False))
+        cells = [
+            label,
+            num(_final(views, "score")),
+            marked(vs) if ref and key != REFERENCE and key else DASH,
+        ]
+        rows.append([*cells, *(num(_final(views, f"score/{d}"), 2) for d in TRAINED)])
     b = res.base()
     if b is not None and 0 in b.rounds:
         r0 = b.rounds[0]
-        rows.insert(
-            0,
-            [
-                "untrained base (round 0)",
-                num(r0.get("score")),
-                DASH,
-                *(num(r0.get(f"score/{d}"), 2) for d in TRAINED),
-            ],
-        )
+        cells = ["untrained base (round 0)", num(r0.get("score")), DASH]
+        rows.insert(0, [*cells, *(num(r0.get(f"score/{d}"), 2) for d in TRAINED)])
     return table(["method", "seen score", "Δ vs FedIT ± SE", *TRAINED], rows)
 
 
@@ -530,42 +481,27 @@ def _selection_stats(view: RunView) -> dict[str, float]:
     if clients:
         out["clusters per client"] = float(np.mean([len(r["clusters"]) for r in clients]))
         out["rows per client"] = float(np.mean([r["n"] for r in clients]))
-    if server:
-        out["centroids per round"] = float(np.mean([r.get("centroids", 0) for r in server]))
-        out["global clusters per round"] = float(
-            np.mean([r.get("global_clusters", 0) for r in server])
-        )
+    for key in ("centroids", "global_clusters") if server else ():
+        out[f"{key.replace('_', ' ')} per round"] = float(np.mean([r.get(key, 0) for r in server]))
     return out
 
 
 def _count_lines(res: Results) -> list[str]:
     """The data fraction before and after the fix of HDBSCAN's min_samples."""
-    pairs = [
-        (lab, res.runs.get(k))
-        for lab, k in (
-            ("after (the hdbscan package's count)", "fedhds"),
-            ("before (sklearn's count)", "count"),
-        )
-    ]
-    found = [(lab, v) for lab, v in pairs if v is not None]
+    labels = {"fedhds": "after (the hdbscan package's count)", "count": "before (sklearn's count)"}
+    found = [(lab, v) for k, lab in labels.items() if (v := res.runs.get(k)) is not None]
     if not found:
         return []
-    keys = [
-        "rows per client",
-        "clusters per client",
-        "centroids per round",
-        "global clusters per round",
+    keys = ["rows per client", "clusters per client", "centroids per round"]
+    keys.append("global clusters per round")
+    rows = [
+        [
+            lab,
+            num(v.finish.get("data_fraction"), 4),
+            *(num(_selection_stats(v).get(k), 1) for k in keys),
+        ]
+        for lab, v in found
     ]
-    rows = []
-    for lab, v in found:
-        st = _selection_stats(v)
-        rows.append(
-            [
-                lab,
-                num(v.finish.get("data_fraction"), 4),
-                *(num(st.get(k), 1) for k in keys),
-            ]
-        )
     return [
         "### HDBSCAN's min_samples before and after matching the official code",
         "",
@@ -590,14 +526,10 @@ def _instrument_lines(res: Results) -> list[str]:
     p90 = dict(b.partition.get("reference_tokens_p90", {}))
     grid = res.grid
     budget = {HELDOUT: grid.heldout_tokens, "math": grid.math_tokens}
+    cut = {d: f"{'zeroshot/' if d == HELDOUT else ''}truncated/{d}" for d in p90}
+    r0 = b.rounds.get(0, {})
     rows = [
-        [
-            d,
-            p90.get(d, DASH),
-            budget.get(d, DASH),
-            num(b.rounds.get(0, {}).get(f"{'zeroshot/' if d == HELDOUT else ''}truncated/{d}"), 2),
-            num(b.final.get(f"{'zeroshot/' if d == HELDOUT else ''}truncated/{d}"), 2),
-        ]
+        [d, p90.get(d, DASH), budget.get(d, DASH), *(num(x.get(cut[d]), 2) for x in (r0, b.final))]
         for d in sorted(p90)
     ]
     lines += [
@@ -608,21 +540,13 @@ def _instrument_lines(res: Results) -> list[str]:
         *table("domain | reference p90 | budget | truncated, base | truncated, FedIT", rows),
         "",
     ]
-    r0 = b.rounds.get(0, {})
     hist = []
     for d in TRAINED:
         preds = {k.rsplit("/", 1)[1]: v for k, v in r0.items() if k.startswith(f"pred/{d}/")}
         if preds:
             shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(preds.items()))
-            hist.append(
-                [
-                    d,
-                    num(r0.get(f"acc/{d}"), 3),
-                    num(r0.get(f"majority/{d}"), 3),
-                    num(r0.get(f"uniform/{d}"), 3),
-                    shares,
-                ]
-            )
+            hist.append([d, *(num(r0.get(f"{k}/{d}"), 3) for k in ("acc", "majority", "uniform"))])
+            hist[-1].append(shares)
     if hist:
         lines += [
             "The untrained base on the seen classification domains (round 0; label by the"
@@ -632,14 +556,11 @@ def _instrument_lines(res: Results) -> list[str]:
             "",
         ]
     fedit = res.of(REFERENCE)
+    pilot = paired(item_scores(fedit[0], True) if fedit else {}, base_scores(res))
     diffs = {
-        "FedHDS − FedIT (seeds averaged per item, R1)": paired(
-            seed_mean(res.of("fedhds")), seed_mean(fedit)
-        ),
-        "FedHDS − FedIT, first seed": first_seed_delta(res, "fedhds", REFERENCE),
-        "FedIT − base, first seed (the pilot's statistic)": paired(
-            item_scores(fedit[0], True) if fedit else {}, base_scores(res)
-        ),
+        "FedHDS − FedIT (seeds averaged per item, R1)": delta(res, "fedhds", REFERENCE),
+        "FedHDS − FedIT, first seed": seed_delta(res, "fedhds", REFERENCE, 0),
+        "FedIT − base, first seed (the pilot's statistic)": pilot,
     }
     rows = []
     for name, est in diffs.items():
@@ -698,44 +619,36 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         ]
     lines += [
         *_instrument_lines(res),
-        "## Results",
-        "",
-        "### The held-out task",
-        "",
-        *_heldout_table(res),
-        "",
-        "Δ: mean per-item difference over the same held-out items (each item averaged over a"
-        " method's seeds first) with its SE; `*` marks more than 2 SE from zero.",
-        "",
-        *_seed_lines(res),
-        "### Data and compute",
-        "",
-        *_cost_table(res),
-        "",
-        "Speed-ups are FedIT's seconds (mean over its seeds) over the method's; the readouts"
-        " pair them seed by seed.",
-        "",
-        *_count_lines(res),
-        "### Seen domains (secondary)",
-        "",
-        *_seen_table(res),
-        "",
-        "Seen score: the mean over the five trained domains of each one's own metric (label"
-        " accuracy, GSM8K final-number accuracy); Δ paired over the seen items.",
-        "",
-        "## The paper's figures",
-        "",
-        "Dolly-15K, Dirichlet α = 0.5, the paper's 1.3B model (Table 2 Rouge-L on the held-out"
-        " category, Table 3 speed-up of the whole federated tuning), the closest of the paper's"
-        " settings to this study:",
-        "",
-        *table(
-            ["method", "paper Rouge-L %", "paper speed-up"],
-            [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER],
+        *blocks(
+            "## Results",
+            "### The held-out task",
+            _heldout_table(res),
+            "Δ: mean per-item difference over the same held-out items (each item averaged over"
+            " a method's seeds first) with its SE; `*` marks more than 2 SE from zero.",
         ),
-        "",
-        "## What differs from the paper's setting, and what this grid can resolve",
-        "",
+        *_seed_lines(res),
+        *blocks(
+            "### Data and compute",
+            _cost_table(res),
+            "Speed-ups are FedIT's seconds (mean over its seeds) over the method's; the"
+            " readouts pair them seed by seed.",
+        ),
+        *_count_lines(res),
+        *blocks(
+            "### Seen domains (secondary)",
+            _seen_table(res),
+            "Seen score: the mean over the five trained domains of each one's own metric (label"
+            " accuracy, GSM8K final-number accuracy); Δ paired over the seen items.",
+            "## The paper's figures",
+            "Dolly-15K, Dirichlet α = 0.5, the paper's 1.3B model (Table 2 Rouge-L on the"
+            " held-out category, Table 3 speed-up of the whole federated tuning), the closest of"
+            " the paper's settings to this study:",
+            table(
+                ["method", "paper Rouge-L %", "paper speed-up"],
+                [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER],
+            ),
+            "## What differs from the paper's setting, and what this grid can resolve",
+        ),
         "- Model: SmolLM2-135M-Instruct instead of 1.3B and 3B models; Turbo's feature model"
         " all-MiniLM-L6-v2 instead of GPT-2 (124M); LoRA on the attention projections only"
         " (the official code also adapts the MLP).",

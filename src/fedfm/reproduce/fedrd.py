@@ -3,28 +3,11 @@ baselines and a client-side adapter on the foundation model, over seeds and roun
 
 ``fedfm reproduce fedrd`` runs, on Fashion-MNIST (SmallCNN students, a frozen
 EfficientNet-Lite0 on the server) and on TREC (a fastText-style student, a frozen
-all-MiniLM-L6-v2 on the server), at Dirichlet label skew α ∈ {0.1, 0.5}, for every seed:
-
-* **controls** for the labelled public rows the server trains on: student FedAvg + public
-  fine-tuning (``fedavg-ft``: the server's CE on the same public rows, same epochs, no
-  foundation model) and FedRD with α = β = 0 (public CE only, with FedRD's warm-up of g);
-* **FedRD**, **FedRD without φ** (``fedrd-nophi``, formerly ``fedrd-kd``) and **Fed-Hint**
-  (FitNets feature hints at the server), the KD baselines;
-* **student FedAvg** (no public rows) and, for images, a **federated adapter on the
-  foundation model** (clients hold the frozen Lite0 with a trainable adapter and head;
-  federated LoRA on MiniLM, ``fedrd-text-lora``, is a method here but not in the full grid:
-  every client step runs the encoder, too slow for seeds × 40 rounds on 2 CPU cores);
-
-then probes Lite0's features linearly (logistic regression on as many training images as the
-public set has) at several input sizes, so the report can say whether the teacher beats the
-student, and writes ``docs/fedrd.md`` (readouts first, then the tables; every number read
-from the runs' metrics and the probe's result). ``--quick`` runs a tiny grid and writes its
-report under the output folder, so it never replaces the committed report.
-
-Jobs run seed by seed, so an interrupted grid has every cell at fewer seeds. By default
-they go one after another in one process with one torch thread: the foundation model's
-features (public set, evaluation rows, the adapter's images) are computed once per process
-and reused by every later run that reads the same rows.
+all-MiniLM-L6-v2), at Dirichlet label skew α ∈ {0.1, 0.5}, seed by seed, every method of
+:data:`METHODS`, then probes Lite0's features linearly so the report can say whether the
+teacher beats the student (the report's introduction says what each method controls for).
+With one worker the runs go one after another in one process: the foundation model's
+features are computed once per process and reused by every later run on the same rows.
 """
 
 from __future__ import annotations
@@ -54,7 +37,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired
-from fedfm.reproduce.tables import head, row, side
+from fedfm.reproduce.tables import blocks, command_lines, head, row, side
 
 # ----------------------------------------------------------------------------- the grid
 
@@ -78,40 +61,25 @@ class Method:
     kind: str = "baseline"
 
 
+ONLY = {"adapter": ("vision",), "lora": ("text",)}  # the other methods have both modalities
 METHODS: dict[str, Method] = {
-    "fedavg": Method(
-        "student FedAvg (no public rows)",
-        {"vision": "fedrd-vision-fedavg", "text": "fedrd-text-fedavg"},
-        public=False,
-    ),
-    "ft": Method(
-        "student FedAvg + public fine-tuning",
-        {"vision": "fedrd-vision-ft", "text": "fedrd-text-ft"},
-        kind="control",
-    ),
-    "ab0": Method(
-        "FedRD, α = β = 0 (public CE only)",
-        {"vision": "fedrd-vision", "text": "fedrd-text"},
-        {"alpha": 0.0, "beta": 0.0},
-        kind="control",
-    ),
-    "fedrd": Method("FedRD", {"vision": "fedrd-vision", "text": "fedrd-text"}, kind="method"),
-    "nophi": Method(
-        "FedRD without φ", {"vision": "fedrd-vision-nophi", "text": "fedrd-text-nophi"}, kind="kd"
-    ),
-    "hint": Method(
-        "Fed-Hint (FitNets hints)",
-        {"vision": "fedrd-vision-hint", "text": "fedrd-text-hint"},
-        kind="kd",
-    ),
-    "adapter": Method(
-        "federated adapter on the FM (clients hold Lite0)",
-        {"vision": "fedrd-vision-adapter"},
-        public=False,
-    ),
-    "lora": Method(
-        "federated LoRA on the FM (clients hold MiniLM)", {"text": "fedrd-text-lora"}, public=False
-    ),
+    key: Method(
+        label,
+        {mod: f"fedrd-{mod}{suffix}" for mod in ONLY.get(key, ("vision", "text"))},
+        {"alpha": 0.0, "beta": 0.0} if key == "ab0" else {},
+        public=kind != "baseline",
+        kind=kind,
+    )
+    for key, label, suffix, kind in (
+        ("fedavg", "student FedAvg (no public rows)", "-fedavg", "baseline"),
+        ("ft", "student FedAvg + public fine-tuning", "-ft", "control"),
+        ("ab0", "FedRD, α = β = 0 (public CE only)", "", "control"),
+        ("fedrd", "FedRD", "", "method"),
+        ("nophi", "FedRD without φ", "-nophi", "kd"),
+        ("hint", "Fed-Hint (FitNets hints)", "-hint", "kd"),
+        ("adapter", "federated adapter on the FM (clients hold Lite0)", "-adapter", "baseline"),
+        ("lora", "federated LoRA on the FM (clients hold MiniLM)", "-lora", "baseline"),
+    )
 }
 """Every method; FedRD is compared with each of the others, seed by seed."""
 
@@ -372,23 +340,24 @@ def read(ctx: Context[Grid]) -> Results:
     return res
 
 
-def _seeds(
-    res: Results, grid: Grid, mod: str, alpha: float, method: str, value: Any
-) -> dict[int, float]:
+def _seeds(res: Results, grid: Grid, mod: str, alpha: float, method: str, value: Any) -> dict:
     """Seed -> ``value(run)`` of one cell (seeds whose run gives None left out)."""
     runs = {s: res.get(Cell(mod, alpha, s, method)) for s in grid.seeds}
     got = {s: value(r) for s, r in runs.items() if r is not None}
     return {s: float(v) for s, v in got.items() if v is not None}
 
 
-def per_seed(
-    res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: str
-) -> dict[int, float]:
+def per_seed(res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: str) -> dict:
     """Seed -> the final ``metric`` of one cell (seeds without that metric left out)."""
-    rounds = _rounds(grid, mod, method)
+    n = _rounds(grid, mod, method)
     return _seeds(
-        res, grid, mod, alpha, method, lambda r: r.final.get(metric) if r.rounds == rounds else None
+        res, grid, mod, alpha, method, lambda r: r.final.get(metric) if r.rounds == n else None
     )
+
+
+def _est(res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: str) -> Estimate:
+    """Mean ± SE over seeds of one cell's final ``metric``."""
+    return mean_se(list(per_seed(res, grid, mod, alpha, method, metric).values()))
 
 
 def _rounds(grid: Grid, mod: str, method: str) -> int:
@@ -397,15 +366,11 @@ def _rounds(grid: Grid, mod: str, method: str) -> int:
     return int(preset(METHODS[method].presets[mod]).get("rounds", 40))
 
 
-def _server_seed(
-    res: Results, grid: Grid, mod: str, alpha: float, method: str, key: str
-) -> dict[int, float]:
+def _server_seed(res: Results, grid: Grid, mod: str, alpha: float, method: str, key: str) -> dict:
     return _seeds(res, grid, mod, alpha, method, lambda r: {**r.server, **r.warmup}.get(key))
 
 
-def curve_seed(
-    res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int
-) -> dict[int, float]:
+def curve_seed(res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int) -> dict:
     """Seed -> test accuracy at round ``rnd``."""
     return _seeds(res, grid, mod, alpha, method, lambda r: r.curve.get(rnd))
 
@@ -422,34 +387,27 @@ def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
     lines = head(["α", "method", "public rows", "acc", "macro-F1", "teacher path z_t acc", "seeds"])
     for a in grid.alphas:
         for m in _methods(grid, mod):
-            acc = mean_se(list(per_seed(res, grid, mod, a, m, "acc").values()))
-            f1 = mean_se(list(per_seed(res, grid, mod, a, m, "macro_f1").values()))
-            t = mean_se(list(per_seed(res, grid, mod, a, m, "teacher/acc").values()))
+            acc, f1, t = (_est(res, grid, mod, a, m, k) for k in ("acc", "macro_f1", "teacher/acc"))
             pub = "yes" if METHODS[m].public else "no"
             lines.append(
-                row([f"{a:g}", METHODS[m].label, pub, acc.fmt(), f1.fmt(), t.fmt(), str(acc.n)])
+                row([f"{a:g}", METHODS[m].label, pub, acc.fmt(), f1.fmt(), t.fmt(), acc.n])
             )
     return lines
 
 
-def _verdict(est: Estimate) -> str:
-    return side(est, "FedRD higher", "FedRD lower")
-
-
 def differences(grid: Grid, res: Results, mod: str, alpha: float) -> dict[str, dict[str, Any]]:
     """FedRD minus every other method, paired by seed: accuracy and macro-F1 estimates."""
-    out = {}
-    for m in _methods(grid, mod):
-        if m == "fedrd":
-            continue
-        out[m] = {
-            metric: paired(
-                per_seed(res, grid, mod, alpha, "fedrd", metric),
-                per_seed(res, grid, mod, alpha, m, metric),
-            )
-            for metric in ("acc", "macro_f1")
-        }
-    return out
+    return {
+        m: {k: _minus(res, grid, mod, alpha, m, k) for k in ("acc", "macro_f1")}
+        for m in _methods(grid, mod)
+        if m != "fedrd"
+    }
+
+
+def _minus(res: Results, grid: Grid, mod: str, alpha: float, other: str, metric: str) -> Estimate:
+    """FedRD − ``other`` on the final ``metric``, paired by seed."""
+    mine = per_seed(res, grid, mod, alpha, "fedrd", metric)
+    return paired(mine, per_seed(res, grid, mod, alpha, other, metric))
 
 
 def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
@@ -458,17 +416,9 @@ def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
     for a in grid.alphas:
         for m, d in differences(grid, res, mod, a).items():
             acc, f1 = d["acc"], d["macro_f1"]
+            cells = [acc.fmt(signed=True), f1.fmt(signed=True), acc.n]
             lines.append(
-                row(
-                    [
-                        f"{a:g}",
-                        METHODS[m].label,
-                        acc.fmt(signed=True),
-                        f1.fmt(signed=True),
-                        str(acc.n),
-                        _verdict(acc),
-                    ]
-                )
+                row([f"{a:g}", METHODS[m].label, *cells, side(acc, "FedRD higher", "FedRD lower")])
             )
     return lines
 
@@ -481,9 +431,8 @@ def teacher_lines(grid: Grid, res: Results, mod: str) -> list[str]:
         for m in ("fedrd", "nophi"):
             if m not in _methods(grid, mod):
                 continue
-            t = mean_se(list(per_seed(res, grid, mod, a, m, "teacher/acc").values()))
-            s = mean_se(list(per_seed(res, grid, mod, a, m, "acc").values()))
-            ctrl = mean_se(list(per_seed(res, grid, mod, a, "ft", "acc").values()))
+            t, s = _est(res, grid, mod, a, m, "teacher/acc"), _est(res, grid, mod, a, m, "acc")
+            ctrl = _est(res, grid, mod, a, "ft", "acc")
             if t.n:
                 lines.append(
                     f"- α = {a:g}, {METHODS[m].label}: teacher path z_t {t.fmt()} vs its own"
@@ -539,13 +488,10 @@ def curves_table(grid: Grid, res: Results, mod: str) -> list[str]:
             lines.append(row([f"{a:g}", METHODS[m].label, *[c.fmt() for c in cells]]))
         for ref in ("ft", "ab0"):
             if ref in _methods(grid, mod) and "fedrd" in _methods(grid, mod):
-                diffs = [
-                    paired(
-                        curve_seed(res, grid, mod, a, "fedrd", r),
-                        curve_seed(res, grid, mod, a, ref, r),
-                    )
-                    for r in rounds
-                ]
+                seeds = {
+                    m: [curve_seed(res, grid, mod, a, m, r) for r in rounds] for m in ("fedrd", ref)
+                }
+                diffs = [paired(x, y) for x, y in zip(seeds["fedrd"], seeds[ref], strict=True)]
                 label = f"**FedRD − {METHODS[ref].label}** (paired)"
                 lines.append(row([f"{a:g}", label, *[d.fmt(signed=True) for d in diffs]]))
     return lines
@@ -569,7 +515,7 @@ def teacher_table(grid: Grid, res: Results, mod: str) -> list[str]:
             cells = [
                 mean_se(list(_server_seed(res, grid, mod, a, m, k).values())).fmt() for k, _ in keys
             ]
-            cka = mean_se(list(per_seed(res, grid, mod, a, m, "cka_test").values())).fmt()
+            cka = _est(res, grid, mod, a, m, "cka_test").fmt()
             lines.append(row([f"{a:g}", METHODS[m].label, *cells, cka]))
     return lines
 
@@ -599,7 +545,7 @@ def probe_lines(probe: Any, grid: Grid, res: Results) -> list[str]:
         for m in ("fedavg", "ft"):
             if m not in grid.methods:
                 continue
-            est = mean_se(list(per_seed(res, grid, "vision", a, m, "acc").values()))
+            est = _est(res, grid, "vision", a, m, "acc")
             if est.n and used:
                 gap = used["acc"] - est.mean
                 lines.append(
@@ -624,9 +570,7 @@ def _teacher_size(grid: Grid) -> int | None:
 
 def setup_table(grid: Grid) -> list[str]:
     """One line per method: algorithm, data, client model, server, rounds and training."""
-    lines = head(
-        ["method", "preset", "algorithm", "data", "client model", "server", "rounds, clients"]
-    )
+    lines = head("method | preset | algorithm | data | client model | server | rounds, clients")
     for mod in grid.modalities:
         for m in _methods(grid, mod):
             c = job_config(Cell(mod, grid.alphas[0], grid.seeds[0], m), grid)
@@ -636,11 +580,8 @@ def setup_table(grid: Grid) -> list[str]:
             server = "—"
             if METHODS[m].public:
                 srv = al.get("server_train", {})
-                fm = (
-                    "no FM"
-                    if c["algorithm"] == "fedavg-ft"
-                    else f"{al.get('teacher')} {al.get('teacher_options', {})}"
-                )
+                fm = f"{al.get('teacher')} {al.get('teacher_options', {})}"
+                fm = "no FM" if c["algorithm"] == "fedavg-ft" else fm
                 # The vision public split is an algo field, the text one a task field.
                 public = al.get("public_size", t.get("public_size"))
                 parts = [fm, f"public {public}"]
@@ -653,20 +594,9 @@ def setup_table(grid: Grid) -> list[str]:
                 server = ", ".join(parts)
             model = f"{t.get('model')} {t.get('model_args', {})}"
             local = f"{tr.get('steps')} steps, bs {tr.get('batch_size')}, {tr.get('optimizer')}"
-            lines.append(
-                row(
-                    [
-                        METHODS[m].label,
-                        METHODS[m].presets[mod],
-                        c["algorithm"],
-                        data,
-                        model,
-                        server,
-                        f"{c['rounds']}, {p.get('num_clients')} clients ({local}"
-                        f" lr {tr.get('lr')})",
-                    ]
-                )
-            )
+            clients = f"{c['rounds']}, {p.get('num_clients')} clients ({local} lr {tr.get('lr')})"
+            cells = [METHODS[m].presets[mod], c["algorithm"], data, model, server, clients]
+            lines.append(row([METHODS[m].label, *cells]))
     return lines
 
 
@@ -686,9 +616,8 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
 
     mods, alphas = list(grid.modalities), list(grid.alphas)
     palette = plots.colours(METHODS[m].label for m in grid.methods)
-    fig, axes = plt.subplots(
-        len(mods), len(alphas), figsize=(5.5 * len(alphas), 3.6 * len(mods)), squeeze=False
-    )
+    size = (5.5 * len(alphas), 3.6 * len(mods))
+    fig, axes = plt.subplots(len(mods), len(alphas), figsize=size, squeeze=False)
     for i, mod in enumerate(mods):
         for ax, a in zip(axes[i], alphas, strict=True):
             for m in _methods(grid, mod):
@@ -768,32 +697,23 @@ from every client's data and from the test set (checked; an overlapping set is r
 SUBSTITUTIONS: list[tuple[str, str, str]] = [
     (
         "PMC-CLIP / LVM-Med, foundation models pretrained on medical images",
-        (
-            "EfficientNet-Lite0 pretrained on ImageNet (4.7 M parameters, the only vision "
-            "foundation model installed here)"
-        ),
-        (
-            "a large, domain-pretrained FM: the teacher here is small and its linear probe is "
-            'measured above; the claim "a strong FM helps a weak student" is tested only as '
-            "far as this FM is stronger than the student"
-        ),
+        "EfficientNet-Lite0 pretrained on ImageNet (4.7 M parameters, the only vision foundation"
+        " model installed here)",
+        "a large, domain-pretrained FM: the teacher here is small and its linear probe is"
+        ' measured above; the claim "a strong FM helps a weak student" is tested only as far as'
+        " this FM is stronger than the student",
     ),
     (
         "COVID-CT and ISIC2018 (medical images, colour, high resolution)",
         "Fashion-MNIST (28×28 grey product photos; no medical image set is installed)",
-        (
-            "the medical domain; the domain shift here is ImageNet photos → small grey "
-            "product images, a shift, but not the paper's shift from natural to medical "
-            "images"
-        ),
+        "the medical domain; the domain shift here is ImageNet photos → small grey product"
+        " images, a shift, but not the paper's shift from natural to medical images",
     ),
     (
         "ResNet18 / ShuffleNet students",
         "SmallCNN (2 conv blocks, 16/32 channels, 128-d features; about 0.2 M parameters)",
-        (
-            "the paper's student architectures; a small CNN keeps the seeded grid "
-            "affordable on 2 CPU cores"
-        ),
+        "the paper's student architectures; a small CNN keeps the seeded grid affordable on 2"
+        " CPU cores",
     ),
     (
         "Fed-CRD, Fed-VID, SemCKD baselines",
@@ -802,10 +722,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ),
     (
         "GPU memory of clients (~70 MB vs ~1,297 MB)",
-        (
-            "not remeasured in this study (`benchmarks/client_memory.py` measures CPU "
-            "training memory of one client)"
-        ),
+        "not remeasured in this study (`benchmarks/client_memory.py` measures CPU training"
+        " memory of one client)",
         "the memory claim is not part of this page",
     ),
 ]
@@ -858,9 +776,7 @@ def substitution_lines(grid: Grid) -> list[str]:
 
 
 def _fedrd_minus(grid: Grid, mod: str, alpha: float, other: str) -> Any:
-    return lambda r: paired(
-        per_seed(r, grid, mod, alpha, "fedrd", "acc"), per_seed(r, grid, mod, alpha, other, "acc")
-    )
+    return lambda r: _minus(r, grid, mod, alpha, other, "acc")
 
 
 FM_SCOPE = (
@@ -931,17 +847,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     jobs_ = cells(grid)
     report = ctx.report or ctx.out / "fedrd.md"
     fig = curves_figure(grid, res, report.parent / report.stem / "accuracy_over_rounds.png")
-    done = sum(
-        1 for j in jobs_ if j in res and res[j].rounds == _rounds(grid, j.modality, j.method)
-    )
+    done = sum(j in res and res[j].rounds == _rounds(grid, j.modality, j.method) for j in jobs_)
     lines = [
         INTRO,
-        "## How to reproduce",
-        "",
-        "```",
-        ctx.command,
-        "```",
-        "",
+        *command_lines(ctx.command),
         f"- Grid: {', '.join(grid.modalities)} × Dirichlet α ∈"
         f" {{{', '.join(f'{a:g}' for a in grid.alphas)}}} × seeds"
         f" {{{', '.join(map(str, grid.seeds))}}} × methods"
@@ -961,50 +870,33 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         "",
     ]
     for mod in grid.modalities:
-        lines += [
+        lines += blocks(
             f"## Results ({mod})",
-            "",
             "**Teacher path against the students** (z_t on the `teacher_eval_size` test"
             " subset, students on the whole test set; mean ± SE over seeds):",
-            "",
-            *teacher_lines(grid, res, mod),
-            "",
+            teacher_lines(grid, res, mod),
             "### Final accuracy and macro-F1 (mean ± SE over seeds)",
-            "",
             "*teacher path z_t acc*: accuracy of g(φ(F_t(x))) (FedRD) or of the teacher head on"
             " raw F_t features (FedRD without φ) on a fixed subset of the test set"
             " (`teacher_eval_size` rows).",
-            "",
-            *results_table(grid, res, mod),
-            "",
+            results_table(grid, res, mod),
             "### FedRD minus each other method (paired by seed)",
-            "",
-            *differences_table(grid, res, mod),
-            "",
+            differences_table(grid, res, mod),
             "### Accuracy over rounds (mean ± SE over seeds)",
-            "",
-            *curves_table(grid, res, mod),
-            "",
+            curves_table(grid, res, mod),
             "### Final accuracy per seed",
-            "",
-            *seeds_table(grid, res, mod),
-            "",
+            seeds_table(grid, res, mod),
             f"Runs whose test accuracy fell by more than {DROP:g} between two evaluations"
             " (a diverging run moves its cell's mean and SE far more than any method"
             " difference):",
-            "",
-            *(unstable_lines(grid, res, mod) or ["- none"]),
-            "",
+            unstable_lines(grid, res, mod) or ["- none"],
             "### The server's view: teacher path, fit of the public rows, CKA",
-            "",
             "Means over seeds of the server's co-training metrics on the public batches of the"
             " last round, and the CKA between f_t and f_s on the test subset at the last"
             " evaluation. A public CE(y, z_t) near zero with a high public CKA but a low test"
             " CKA means the public rows are memorised and the distillation terms carry little.",
-            "",
-            *teacher_table(grid, res, mod),
-            "",
-        ]
+            teacher_table(grid, res, mod),
+        )
     if "vision" in grid.modalities:
         probe = ctx.run(PROBE).result
         lines += [

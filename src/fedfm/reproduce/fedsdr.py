@@ -1,36 +1,13 @@
-"""FedSDR reproduction study: does FedSD keep more general ability, and is it more than moving
-less?
+"""FedSDR reproduction study (ICML 2026, arXiv 2605.18028; METHODS.md section 1): does FedSD
+keep more general ability, and is it more than moving less?
 
-FedSDR (ICML 2026, arXiv 2605.18028; METHODS.md section 1) claims that training on the global
-model's own rewrites of the clients' answers (FedSD) keeps more of the model's general ability
-(MMLU, BBH, CRASS, DROP: tasks no client trains on), and that FedSDR's dual-stream LoRA, whose
-aggregated LoRA-R is trained on the raw answers, repairs the fidelity to the clients' tasks that
-the rewrites cost. ``fedfm reproduce fedsdr`` tests both offline, by likelihood only (nothing is
-generated: ``task.likelihood_only``), on the instruction suite with one trained domain per
-client (``general``, ``math``, ``medical``: the paper's three kinds of client, finance, maths
-and medical, with Alpaca standing in for finance) and SmolLM2-135M-Instruct:
-
-* **general ability kept**: zero-shot label accuracy on two domains no client trains on
-  (``movie``, ``spam``; labels scored by the summed log-likelihood of label and end-of-turn
-  token, docs/evaluation.md), and the NLL per token of held-out general text (C4 documents,
-  ``task.text_nll``);
-* **fidelity to the clients' tasks**: the NLL per token of each trained domain's held-out
-  references.
-
-Methods, all with FedAvg as the server optimizer (:data:`FULL`: 3 rounds of 16 local steps at
-lr 1e-3, where the base drifts): **FedIT** (raw answers; its round 0 is the untrained base),
-**+FedSD** (the round-0 rewrites instead), **FedSDR** (16 steps of LoRA-S on the rewrites, then
-16 raw steps on LoRA-R, as many as FedIT takes; only LoRA-R aggregated and evaluated), and the
-control **matched-drift FedIT**: FedIT whose local learning rate is rescaled once, in
-proportion, so that its update norm ‖θ_T − θ_0‖ (``update_norm``, logged by every run) equals
-+FedSD's: lr × ‖Δ_FedSD‖ / ‖Δ_FedIT‖ (with Adam the step size scales the update about
-linearly; the report gives the ratio achieved). If it matches +FedSD's gains, the gain came
-from moving the model less, not from the refinery.
-
-Statistics (:mod:`fedfm.reproduce.stats`): every method is scored on the same items, so each
-difference is paired: over items per domain (accuracy; per-item NLL per token), then the mean
-over domains with SE √(Σ SE²) / D; over documents for the C4 NLL. One seed: the SE covers the
-items, not the spread over seeds or partitions.
+FedSD trains on the global model's own rewrites of the clients' answers; FedSDR adds a LoRA-R
+trained on the raw answers, aggregated alone. The study compares FedIT, +FedSD, FedSDR and a
+matched-drift FedIT (FedIT's lr rescaled once so that its update norm equals +FedSD's), all
+scored by likelihood only on the instruction suite: zero-shot label accuracy on domains no
+client trains on, the NLL of held-out C4 text (kept ability) and the references' NLL of the
+trained domains (fidelity), each difference paired over items (the report's setup has the
+grid).
 """
 
 from __future__ import annotations
@@ -59,7 +36,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_of, paired
-from fedfm.reproduce.tables import DASH, marked, num, table
+from fedfm.reproduce.tables import DASH, blocks, marked, num, table
 
 METHODS = ("fedit", "fedsd", "fedsdr", "matched")
 LABELS = {
@@ -200,12 +177,7 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
 
 def _quantiles(values: Sequence[int]) -> dict[str, float]:
     v = np.asarray(values, dtype=float)
-    return {
-        "n": float(len(v)),
-        "p50": float(np.median(v)),
-        "p90": float(np.percentile(v, 90)),
-        "max": float(v.max()),
-    }
+    return {"n": len(v), "p50": np.median(v), "p90": np.percentile(v, 90), "max": v.max()}
 
 
 def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]) -> dict:
@@ -303,22 +275,16 @@ Measure = Callable[[Results, str, Grid], "dict[str, dict[Any, float]]"]
 """A measure of one method: ``{domain or corpus: {unit: value}}``."""
 
 
-def _acc(res: Results, m: str, grid: Grid) -> dict[str, dict[Any, float]]:
-    return kept_acc(res.items(m), grid.zeroshot)
-
-
-def _text(res: Results, m: str, grid: Grid) -> dict[str, dict[Any, float]]:
-    return {CORPUS: text_nll(res.items(m))}
-
-
-def _fid(res: Results, m: str, grid: Grid) -> dict[str, dict[Any, float]]:
-    return fidelity(res.items(m), grid.domains)
-
-
 MEASURES: dict[str, tuple[str, Measure]] = {
-    "acc": ("zero-shot label accuracy (movie, spam)", _acc),
-    "text": ("NLL per token, held-out C4 text", _text),
-    "fidelity": ("reference NLL per token, trained domains", _fid),
+    "acc": (
+        "zero-shot label accuracy (movie, spam)",
+        lambda res, m, grid: kept_acc(res.items(m), grid.zeroshot),
+    ),
+    "text": ("NLL per token, held-out C4 text", lambda res, m, _: {CORPUS: text_nll(res.items(m))}),
+    "fidelity": (
+        "reference NLL per token, trained domains",
+        lambda res, m, grid: fidelity(res.items(m), grid.domains),
+    ),
 }
 
 
@@ -372,65 +338,33 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     def est(a: str, b: str, measure: str) -> Callable[[Results], Estimate]:
         return lambda r: diff(r, a, b, measure, grid)
 
-    items = "paired over items, mean over domains"
-    sc = _scopes(grid)
+    items, docs, sc = "paired over items, mean over domains", "paired over documents", _scopes(grid)
+    rows = (  # name, statistic, the paper, direction, a, b, measure, scope
+        ("FedIT − base (round 0), NLL per token of held-out C4 text", docs,
+         "the budget moves the base: FedIT's NLL above the base's", +1, "fedit", BASE, "text",
+         "premise"),
+        ("+FedSD − FedIT, zero-shot label accuracy (movie, spam)", items,
+         "+FedSD keeps more general ability (overall 71.21 → 74.54 with FedAvg)", +1, "fedsd",
+         "fedit", "acc", "kept"),
+        ("+FedSD − FedIT, NLL per token of held-out C4 text", docs,
+         "+FedSD keeps more general ability (lower NLL)", -1, "fedsd", "fedit", "text", "kept"),
+        ("+FedSD − FedIT, reference NLL of the trained domains (fidelity)", items,
+         "the rewrite paradox: rewrites (≈47% not entailing the reference) move the model away"
+         " from the clients' references (higher NLL)", +1, "fedsd", "fedit", "fidelity",
+         "fidelity"),
+        ("FedSDR − +FedSD, reference NLL of the trained domains (fidelity)", items,
+         "LoRA-R on the raw answers rectifies: FedSDR closer to the references (lower NLL)", -1,
+         "fedsdr", "fedsd", "fidelity", "fidelity"),
+        ("+FedSD − matched-drift FedIT, zero-shot label accuracy", items,
+         "the gain is the refinery's, not a smaller drift's (+FedSD above)", +1, "fedsd",
+         "matched", "acc", "matched"),
+        ("+FedSD − matched-drift FedIT, NLL per token of held-out C4 text", docs,
+         "the gain is the refinery's (+FedSD lower)", -1, "fedsd", "matched", "text", "matched"),
+    )  # fmt: skip
     return [
-        Readout(
-            "FedIT − base (round 0), NLL per token of held-out C4 text",
-            "paired over documents",
-            "the budget moves the base: FedIT's NLL above the base's",
-            +1,
-            est("fedit", BASE, "text"),
-            scope=sc["premise"],
-        ),
-        Readout(
-            "+FedSD − FedIT, zero-shot label accuracy (movie, spam)",
-            items,
-            "+FedSD keeps more general ability (overall 71.21 → 74.54 with FedAvg)",
-            +1,
-            est("fedsd", "fedit", "acc"),
-            scope=sc["kept"],
-        ),
-        Readout(
-            "+FedSD − FedIT, NLL per token of held-out C4 text",
-            "paired over documents",
-            "+FedSD keeps more general ability (lower NLL)",
-            -1,
-            est("fedsd", "fedit", "text"),
-            scope=sc["kept"],
-        ),
-        Readout(
-            "+FedSD − FedIT, reference NLL of the trained domains (fidelity)",
-            items,
-            "the rewrite paradox: rewrites (≈47% not entailing the reference) move the"
-            " model away from the clients' references (higher NLL)",
-            +1,
-            est("fedsd", "fedit", "fidelity"),
-            scope=sc["fidelity"],
-        ),
-        Readout(
-            "FedSDR − +FedSD, reference NLL of the trained domains (fidelity)",
-            items,
-            "LoRA-R on the raw answers rectifies: FedSDR closer to the references (lower NLL)",
-            -1,
-            est("fedsdr", "fedsd", "fidelity"),
-            scope=sc["fidelity"],
-        ),
-        Readout(
-            "+FedSD − matched-drift FedIT, zero-shot label accuracy",
-            items,
-            "the gain is the refinery's, not a smaller drift's (+FedSD above)",
-            +1,
-            est("fedsd", "matched", "acc"),
-            scope=sc["matched"],
-        ),
-        Readout(
-            "+FedSD − matched-drift FedIT, NLL per token of held-out C4 text",
-            "paired over documents",
-            "the gain is the refinery's (+FedSD lower)",
-            -1,
-            est("fedsd", "matched", "text"),
-            scope=sc["matched"],
+        *(
+            Readout(name, stat, paper, sign, est(a, b, m), scope=sc[scope])
+            for name, stat, paper, sign, a, b, m, scope in rows
         ),
         Readout(
             "+FedSD − FedIT on MMLU, BBH, CRASS and DROP",
@@ -483,16 +417,10 @@ def _instrument_lines(grid: Grid, res: Results) -> list[str]:
         rows = []
         for m in _methods(res):
             r = _row_of(res, m)
-            rows.append(
-                [
-                    LABELS[m],
-                    num(r.get(f"zeroshot/acc/{d}")),
-                    num(r.get(f"zeroshot/majority/{d}")),
-                    num(r.get(f"zeroshot/uniform/{d}")),
-                    *(num(r.get(f"zeroshot/pred/{d}/{x}")) for x in labels),
-                    f"{r.get(f'zeroshot/n/{d}', 0):.0f}",
-                ]
-            )
+            keys = [f"{k}/{d}" for k in ("acc", "majority", "uniform")]
+            keys += [f"pred/{d}/{x}" for x in labels]
+            cells = [num(r.get(f"zeroshot/{k}")) for k in keys]
+            rows.append([LABELS[m], *cells, f"{r.get(f'zeroshot/n/{d}', 0):.0f}"])
         header = ["model", f"acc {d}", "majority", "uniform", *(f"answered {x}" for x in labels)]
         lines += [f"**{d}**", "", *table([*header, "items"], rows), ""]
     seen = [d for d in grid.domains if any(f"pred/{d}/" in k for k in _row_of(res, BASE))]
@@ -500,13 +428,10 @@ def _instrument_lines(grid: Grid, res: Results) -> list[str]:
         rows = [
             [
                 LABELS[m],
-                *(
-                    f"{num(_row_of(res, m).get(f'acc/{d}'))} (maj."
-                    f" {num(_row_of(res, m).get(f'majority/{d}'))})"
-                    for d in seen
-                ),
+                *(f"{num(r.get(f'acc/{d}'))} (maj. {num(r.get(f'majority/{d}'))})" for d in seen),
             ]
             for m in _methods(res)
+            for r in [_row_of(res, m)]
         ]
         lines += [
             "The trained classification domains, for comparison (accuracy and majority"
@@ -524,15 +449,7 @@ def _length_lines(grid: Grid, res: Results) -> list[str]:
     if res.lengths:
         m = int(res.lengths["max_length"])
         rows = [
-            [
-                part,
-                d,
-                f"{v['n']:.0f}",
-                f"{v['p50']:.0f}",
-                f"{v['p90']:.0f}",
-                f"{v['max']:.0f}",
-                num(v["cut"]),
-            ]
+            [part, d, *(f"{v[k]:.0f}" for k in ("n", "p50", "p90", "max")), num(v["cut"])]
             for part in ("train", "evaluated")
             for d, v in res.lengths.get(part, {}).items()
         ]
@@ -563,36 +480,19 @@ def _levels_table(grid: Grid, res: Results) -> list[str]:
     rows = []
     for m in _methods(res):
         acc, text, fid = (level(res, m, k, grid) for k in ("acc", "text", "fidelity"))
-        rows.append(
-            [
-                LABELS[m],
-                *(num(acc.get(d)) for d in grid.zeroshot),
-                num(acc.get("mean")),
-                num(text.get(CORPUS)),
-                *(num(fid.get(d)) for d in grid.domains),
-                num(fid.get("mean")),
-            ]
-        )
-    header = [
-        "model",
-        *(f"acc {d}" for d in grid.zeroshot),
-        "acc mean",
-        "C4 NLL/token",
-        *(f"ref. NLL {d}" for d in grid.domains),
-        "ref. NLL mean",
-    ]
-    return table(header, rows)
+        cells = [num(acc.get(d)) for d in [*grid.zeroshot, "mean"]] + [num(text.get(CORPUS))]
+        rows.append([LABELS[m], *cells, *(num(fid.get(d)) for d in [*grid.domains, "mean"])])
+    header = ["model", *(f"acc {d}" for d in grid.zeroshot), "acc mean", "C4 NLL/token"]
+    return table([*header, *(f"ref. NLL {d}" for d in grid.domains), "ref. NLL mean"], rows)
 
 
-PAIRS = (
+PAIRS: tuple[tuple[str, str], ...] = (
     ("fedit", BASE),
     ("fedsd", BASE),
     ("fedsd", "fedit"),
     ("fedsdr", "fedit"),
-    ("fedsdr", "fedsd"),
-    ("matched", "fedit"),
-    ("fedsd", "matched"),
 )
+PAIRS += (("fedsdr", "fedsd"), ("matched", "fedit"), ("fedsd", "matched"))
 
 
 def _diff_table(grid: Grid, res: Results) -> list[str]:
@@ -611,12 +511,8 @@ def _domain_table(grid: Grid, res: Results, measure: str, keys: Sequence[str]) -
     for a, b in PAIRS:
         if res.has(a) and res.has(b):
             va, vb = fn(res, a, grid), fn(res, b, grid)
-            rows.append(
-                [
-                    f"{LABELS[a]} − {LABELS[b]}",
-                    *(marked(paired(va.get(d, {}), vb.get(d, {}))) for d in keys),
-                ]
-            )
+            cells = [marked(paired(va.get(d, {}), vb.get(d, {}))) for d in keys]
+            rows.append([f"{LABELS[a]} − {LABELS[b]}", *cells])
     return table(["difference", *keys], rows)
 
 
@@ -627,20 +523,11 @@ def _norm_lines(grid: Grid, res: Results) -> list[str]:
         if m in res.runs:
             r = res.runs[m]
             lr = float(r.config.get("train", {}).get("lr", math.nan))
-            rows.append(
-                [
-                    LABELS[m],
-                    f"{lr:.3g}",
-                    *(num(r.rounds.get(k, {}).get("update_norm"), 4) for k in rounds),
-                    *(num(r.rounds.get(k, {}).get("train_loss"), 3) for k in rounds),
-                ]
-            )
-    header = [
-        "method",
-        "local lr",
-        *(f"‖θ_{k} − θ_0‖" for k in rounds),
-        *(f"train loss r{k}" for k in rounds),
-    ]
+            cells = [num(r.rounds.get(k, {}).get("update_norm"), 4) for k in rounds]
+            cells += [num(r.rounds.get(k, {}).get("train_loss"), 3) for k in rounds]
+            rows.append([LABELS[m], f"{lr:.3g}", *cells])
+    header = ["method", "local lr", *(f"‖θ_{k} − θ_0‖" for k in rounds)]
+    header += [f"train loss r{k}" for k in rounds]
     lines = ["## Update norms and the matched-drift control", "", *table(header, rows), ""]
     if {"fedit", "fedsd"} <= set(res.runs):
         try:
@@ -649,12 +536,9 @@ def _norm_lines(grid: Grid, res: Results) -> list[str]:
             return [*lines, f"The control could not be configured: {e}.", ""]
         target = float(res.runs["fedsd"].final["update_norm"])
         got = res.runs.get("matched")
-        achieved = (
-            f"its update norm is {float(got.final['update_norm']):.4f}, "
-            f"{float(got.final['update_norm']) / target:.3f}× +FedSD's"
-            if got is not None and "update_norm" in got.final
-            else "it has not run"
-        )
+        norm = float(got.final["update_norm"]) if got and "update_norm" in got.final else None
+        achieved = "it has not run" if norm is None else f"its update norm is {norm:.4f}, "
+        achieved += "" if norm is None else f"{norm / target:.3f}× +FedSD's"
         lines += [
             f"The rule (one proportional rescale): the control's lr = {grid.lr:g} × ‖Δ_FedSD‖ /"
             f" ‖Δ_FedIT‖ = {grid.lr:g} × {ratio:.4f} = {lr:.4g}; {achieved}. The norm is over"
@@ -670,23 +554,16 @@ def _rewrite_lines(res: Results, grid: Grid) -> list[str]:
         zero = res.runs[m].rounds.get(0, {}) if m in res.runs else {}
         if "fedsd/rows" not in zero:
             continue
-        reasons = [
-            k.removeprefix("fedsd/fallback_")
-            for k, _, _ in REWRITE_KEYS
-            if k.startswith("fedsd/fallback_")
-        ]
+        fall = "fedsd/fallback_"
+        reasons = [k.removeprefix(fall) for k, _, _ in REWRITE_KEYS if k.startswith(fall)]
         rows = []
         for d in [*grid.domains, None]:
             sfx = f"/{d}" if d else ""
             n = float(zero.get(f"fedsd/rows{sfx}", 0))
+            shares = [f"fedsd/kept_share{sfx}", *(f"{fall}{x}{sfx}" for x in reasons)]
+            cells = [f"{n * float(zero.get(k, 0)):.0f}" for k in shares]
             rows.append(
-                [
-                    d or "all",
-                    f"{n:.0f}",
-                    f"{n * float(zero.get(f'fedsd/kept_share{sfx}', 0)):.0f}",
-                    *(f"{n * float(zero.get(f'fedsd/fallback_{x}{sfx}', 0)):.0f}" for x in reasons),
-                    num(zero.get(f"fedsd/length_ratio{sfx}"), 2),
-                ]
+                [d or "all", f"{n:.0f}", *cells, num(zero.get(f"fedsd/length_ratio{sfx}"), 2)]
             )
         cached = int(zero.get("fedsd/cached_clients", 0))
         lines += [
@@ -700,17 +577,8 @@ def _rewrite_lines(res: Results, grid: Grid) -> list[str]:
             "",
         ]
         if m == "fedsd":
-            lines += [
-                *table(
-                    ["statistic", "value"],
-                    [
-                        [label, num(float(zero[k]), dg)]
-                        for k, label, dg in REWRITE_KEYS
-                        if k in zero
-                    ],
-                ),
-                "",
-            ]
+            stats = [[label, num(float(zero[k]), dg)] for k, label, dg in REWRITE_KEYS if k in zero]
+            lines += [*table(["statistic", "value"], stats), ""]
     if len(lines) == 2:
         return [*lines, "No run logged rewrite statistics.", ""]
     lines += [
@@ -730,26 +598,14 @@ def _analysis_lines(ctx: Context[Grid], res: Results) -> list[str]:
     if "fedsd" in res.runs:
         dist = distribution_analysis(ctx.out / "fedsd", job_config(grid, "fedsd"))
         if "js_distilled" in dist:
-            lines += [
-                *table(
-                    ["measure", "raw", "distilled", "paper raw → distilled"],
-                    [
-                        [
-                            "JS divergence between clients (bits)",
-                            num(dist["js_raw"], 4),
-                            num(dist["js_distilled"], 4),
-                            f"{PAPER_JS[0]} → {PAPER_JS[1]}",
-                        ],
-                        [
-                            "TF-IDF cosine between clients",
-                            num(dist["tfidf_raw"], 4),
-                            num(dist["tfidf_distilled"], 4),
-                            f"{PAPER_TFIDF[0]} → {PAPER_TFIDF[1]}",
-                        ],
-                    ],
-                ),
-                "",
+            rows = [
+                [name, num(dist[f"{k}_raw"], 4), num(dist[f"{k}_distilled"], 4), f"{p[0]} → {p[1]}"]
+                for name, k, p in (
+                    ("JS divergence between clients (bits)", "js", PAPER_JS),
+                    ("TF-IDF cosine between clients", "tfidf", PAPER_TFIDF),
+                )
             ]
+            lines += [*table(["measure", "raw", "distilled", "paper raw → distilled"], rows), ""]
     rounds = range(1, grid.rounds + 1)
     rows = []
     for m in METHODS:
@@ -757,13 +613,8 @@ def _analysis_lines(ctx: Context[Grid], res: Results) -> list[str]:
             r = res.runs[m]
             cos = {k: (a, b) for k, a, b in update_cosine_rows(r.metrics)}
             up = sorted({int(x.get("bytes_up_arrays", 0)) for x in r.metrics if int(x["round"])})
-            rows.append(
-                [
-                    LABELS[m],
-                    *(f"{cos[k][0]:.3f} / {cos[k][1]:.3f}" if k in cos else DASH for k in rounds),
-                    ", ".join(f"{u:,}" for u in up),
-                ]
-            )
+            cells = [f"{cos[k][0]:.3f} / {cos[k][1]:.3f}" if k in cos else DASH for k in rounds]
+            rows.append([LABELS[m], *cells, ", ".join(f"{u:,}" for u in up)])
     lines += [
         "Mean / minimum pairwise cosine of the clients' updates per round (FedSDR: LoRA-R),"
         " computed by the server from the uploads (`algo.update_cosines`), and the uplink"
@@ -835,26 +686,19 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         "",
         *_setup_lines(ctx, res),
         *_instrument_lines(grid, res),
-        "## Kept ability and fidelity",
-        "",
-        "Means over items per domain (accuracy: higher is better; NLL per token, natural"
-        " log: lower is better); *mean* weighs every domain the same.",
-        "",
-        *_levels_table(grid, res),
-        "",
-        "Paired differences (mean ± SE; `*`: more than 2 SE from zero), over items per"
-        " domain then the mean over domains, over documents for C4:",
-        "",
-        *_diff_table(grid, res),
-        "",
-        "Per domain, zero-shot accuracy:",
-        "",
-        *_domain_table(grid, res, "acc", grid.zeroshot),
-        "",
-        "Per domain, reference NLL per token (fidelity):",
-        "",
-        *_domain_table(grid, res, "fidelity", grid.domains),
-        "",
+        *blocks(
+            "## Kept ability and fidelity",
+            "Means over items per domain (accuracy: higher is better; NLL per token, natural"
+            " log: lower is better); *mean* weighs every domain the same.",
+            _levels_table(grid, res),
+            "Paired differences (mean ± SE; `*`: more than 2 SE from zero), over items per"
+            " domain then the mean over domains, over documents for C4:",
+            _diff_table(grid, res),
+            "Per domain, zero-shot accuracy:",
+            _domain_table(grid, res, "acc", grid.zeroshot),
+            "Per domain, reference NLL per token (fidelity):",
+            _domain_table(grid, res, "fidelity", grid.domains),
+        ),
         *_norm_lines(grid, res),
         *_rewrite_lines(res, grid),
         *_analysis_lines(ctx, res),
@@ -862,14 +706,12 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     ]
     missing = [m for m in METHODS if m not in res.runs]
     if missing:
-        lines += [
+        lines += blocks(
             "## Runs not finished",
-            "",
             f"{', '.join(f'`{m}`' for m in missing)}: their rows above are empty. `{ctx.command}`"
             " finishes them (finished runs are skipped, an unfinished one resumes from its last"
             " checkpoint) and rewrites this report.",
-            "",
-        ]
+        )
     return lines
 
 

@@ -1,17 +1,11 @@
 """The study framework: a study declares what it runs, reads, compares and reports; this
 module does the rest, once, for every study (``docs/studies.md``).
 
-A study (:class:`Study`) declares its **jobs** (:class:`Run`: a config, or a function that
-builds it from the measured values of the runs it *needs*; :class:`Compute`: post-processing
-of other jobs, or a measurement that is not a run; the list is asked for again after every
-wave, so measured values can also decide which jobs follow), what it **reads** of its runs
-(:class:`RunView`), its **readouts** (:class:`Readout`, fixed in code, judged by
-:func:`fedfm.reproduce.stats.verdict`) and the sections of its **report**. The framework
-runs the jobs (worker processes with one torch thread each; a finished run of the same
-config skipped, an unfinished one resumed by the engine's ``--resume``), records one
-``study.json`` per study folder (each job's status, wall and CPU time and the machine's load;
-each invocation), lists and times the jobs for ``--dry-run``, and writes the report with the
-readouts first.
+A :class:`Study` declares its jobs (:class:`Run`, :class:`Compute`), what it reads of its runs
+(:class:`RunView`), its :class:`Readout` s and its report's sections. The framework runs the
+jobs (worker processes with one torch thread each; a finished run of the same config skipped,
+an unfinished one resumed), records one ``study.json`` per study folder, lists and times the
+jobs for ``--dry-run`` and writes the report with the readouts first.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 from fedfm.reproduce.stats import Estimate, verdict
-from fedfm.reproduce.tables import DASH, head, num, row
+from fedfm.reproduce.tables import DASH, blocks, head, num, row
 
 G = TypeVar("G")  # a study's grid
 R = TypeVar("R")  # what a study reads from its runs
@@ -543,15 +537,9 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
             _compute(spec)
     except Exception as e:  # reported in study.json and the report
         error = f"{type(e).__name__}: {e}"
-    return {
-        "name": spec["name"],
-        "error": error,
-        "wall_s": time.perf_counter() - t0,
-        "cpu_s": _cpu_self() - cpu0,
-        "load_start": load0,
-        "load_end": os.getloadavg()[0],
-        "pid": os.getpid(),
-    }
+    out = {"name": spec["name"], "error": error, "wall_s": time.perf_counter() - t0}
+    out.update(cpu_s=_cpu_self() - cpu0, load_start=load0, load_end=os.getloadavg()[0])
+    return {**out, "pid": os.getpid()}
 
 
 def _fingerprint(inputs: Mapping[str, Path]) -> str:
@@ -771,13 +759,10 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     left: list[float | None] = []
     for job in jobs:
         step = steps[job.name]
-        status = {
-            "done": "done (skipped)",
-            "skip": f"skipped: {step.reason}",
-            "wait": f"after {step.reason}"
-            + (MEASURED if callable(getattr(job, "config", 0)) else ""),
-            "todo": f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}",
-        }[step.what]
+        measured = MEASURED if callable(getattr(job, "config", 0)) else ""
+        todo = f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}"
+        status = {"done": "done (skipped)", "skip": f"skipped: {step.reason}", "todo": todo}
+        status["wait"] = f"after {step.reason}{measured}"
         est: float | None = None
         if step.what in ("todo", "wait"):
             mine = ctx.record.jobs.get(job.name, {})
@@ -788,7 +773,9 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
                 est = sum(same) / len(same)
             left.append(est)
         kind = "run" if isinstance(job, Run) else "compute"
-        lines.append(row([job.name, kind, ", ".join(job.needs) or DASH, status, num(est, 0)]))
+        lines.append(
+            row([job.name, kind, ", ".join(job.needs) or DASH, status[step.what], num(est, 0)])
+        )
     known = [x for x in left if x is not None]
     total = sum(known) / max(1, min(ctx.workers, len(left)))
     unknown = len(left) - len(known)
@@ -848,9 +835,8 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
         wall, cpu = (sum(float(e[k]) for e in timed) for k in ("wall_s", "cpu_s"))
         ends = (timed[0].get("load_start"), timed[-1].get("load_end")) if timed else (None, None)
         load = f"{num(ends[0], 1)} → {num(ends[1], 1)}" if timed else DASH
-        lines.append(
-            row([key, len(es), status, *(num(x if timed else None, 0) for x in (wall, cpu)), load])
-        )
+        times = [num(x if timed else None, 0) for x in (wall, cpu)]
+        lines.append(row([key, len(es), status, *times, load]))
     errors = [(j.name, e["error"]) for j, e in entries if e.get("error")]
     if errors:
         lines += ["", "Jobs that did not finish:", "", *[f"- `{n}`: {x}" for n, x in errors]]
@@ -871,17 +857,14 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
     ctx.report = path
     data = study.read(ctx)
     jobs = _plan(study, ctx)
-    lines = [
+    lines = blocks(
         f"# {study.title(ctx)}",
-        "",
         f"Written by `{ctx.command}` from the runs in `{ctx.out}`"
         f" (`src/fedfm/reproduce/{study.name}.py`); every number below is read from the runs'"
         " folders. Do not edit this page by hand.",
-        "",
-        *readout_lines(study.readouts(ctx.grid), data),
-        *study.body(ctx, data),
-        *time_lines(ctx, jobs),
-    ]
+    )
+    lines += [*readout_lines(study.readouts(ctx.grid), data), *study.body(ctx, data)]
+    lines += time_lines(ctx, jobs)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path

@@ -56,6 +56,17 @@ def table(header: Sequence[Any] | str, rows: Iterable[Iterable[Any]]) -> list[st
     return [*head(header), *(row(r) for r in rows)]
 
 
+def command_lines(command: str) -> list[str]:
+    """The report's "How to reproduce" heading and the command that writes it."""
+    return ["## How to reproduce", "", "```", command, "```", ""]
+
+
+def blocks(*parts: str | Sequence[str]) -> list[str]:
+    """Markdown blocks, each followed by a blank line: a string is one line (a heading, a
+    paragraph), a sequence of lines one block (a table, a list; empty: the blank line only)."""
+    return [x for p in parts for x in [*([p] if isinstance(p, str) else p), ""]]
+
+
 def values(xs: Iterable[Any]) -> str:
     """A set of grid values, ``{1, 2, 4}``."""
     return "{" + ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs) + "}"
