@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import Tensor
 
-import toy
 from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedfm.config import load_config
 from fedfm.core.aggregate import (
@@ -21,6 +20,7 @@ from fedfm.core.aggregate import (
 from fedfm.core.fake import FakeFederation
 from fedfm.core.messages import Message
 from fedfm.core.optim import ScaffoldSums, scaffold_server_update
+from helpers import toy
 
 
 def _updates(dtype: torch.dtype, n: int = 7, seed: int = 0) -> list[dict[str, Tensor]]:

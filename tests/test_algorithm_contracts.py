@@ -19,8 +19,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import flower_support as fs
-import toy
 from fedfm.algorithms.base import AlgoConfig, kinds_of
 from fedfm.algorithms.fedavg import (
     FedAvg,
@@ -38,6 +36,8 @@ from fedfm.core.federation import ClientRunner, ClientState
 from fedfm.core.kd import GATES
 from fedfm.core.messages import Message
 from fedfm.core.train import local_train
+from helpers import flower as fs
+from helpers import toy
 
 Rows = dict[str, tuple[list[float], list[float]]]
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-import toy  # noqa: F401  (registers the toy task)
 from fedfm.config import load_config
 from fedfm.core.audit import AuditLedger
 from fedfm.core.messages import Message, meta_bytes
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401  (registers the toy task)
 
 # value, bytes by hand
 META_CASES: list[tuple[Any, int]] = [

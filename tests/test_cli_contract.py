@@ -18,40 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-import toy  # noqa: F401  (registers the toy task)
-from fedfm import cli
-
-TESTS = Path(__file__).parent
-
-
-def _yaml(tmp_path: Path, name: str = "c", **changes: Any) -> Path:
-    cfg: dict[str, Any] = {
-        "name": name,
-        "algorithm": "fedavg",
-        "rounds": 2,
-        "seed": 1,
-        "task": {"kind": "toy", "num_clients": 4},
-        "clients": {"min_clients": 2},
-        "train": {"steps": 3, "batch_size": 8, "lr": 0.05},
-        "out_dir": str(tmp_path / "runs"),
-        "plots": False,
-    }
-    cfg.update(changes)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _main(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str, str]:
-    """Runs ``fedfm ARGV`` in this process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["fedfm", *argv])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
+import helpers.toy  # noqa: F401  (registers the toy task)
+from helpers import TESTS
+from helpers.cli import run_cli
+from helpers.config import toy_yaml
 
 
 def _rows(folder: Path) -> list[dict[str, Any]]:
@@ -62,7 +32,7 @@ def _rows(folder: Path) -> list[dict[str, Any]]:
 
 
 def test_success_exits_0_and_prints_the_final_metric(tmp_path, monkeypatch, capsys):
-    code, out, err = _main(["run", str(_yaml(tmp_path)), "-q"], monkeypatch, capsys)
+    code, out, err = run_cli(["run", str(toy_yaml(tmp_path)), "-q"], monkeypatch, capsys)
     assert code == 0, err
     summary = json.loads((tmp_path / "runs" / "c" / "summary.json").read_text())
     rmse = summary["final"]["rmse"]
@@ -72,8 +42,8 @@ def test_success_exits_0_and_prints_the_final_metric(tmp_path, monkeypatch, caps
 def test_a_failing_run_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     # A learning rate of 1e30 makes every client's loss NaN: each reply is refused, so no
     # client answers and the round fails.
-    path = _yaml(tmp_path, train={"steps": 3, "batch_size": 8, "lr": 1e30})
-    code, _, err = _main(["run", str(path), "-q"], monkeypatch, capsys)
+    path = toy_yaml(tmp_path, train={"steps": 3, "batch_size": 8, "lr": 1e30})
+    code, _, err = run_cli(["run", str(path), "-q"], monkeypatch, capsys)
     assert code == 1
     lines = [x for x in err.splitlines() if not x.startswith("WARNING")]
     assert lines == ["error: round 1: only 0 of 4 clients answered, min_clients=2"]
@@ -95,7 +65,7 @@ def test_a_failing_run_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
 def test_bad_input_exits_2_with_one_line_naming_the_field(
     tmp_path, monkeypatch, capsys, argv, line
 ):
-    code, _, err = _main(["run", str(_yaml(tmp_path)), *argv], monkeypatch, capsys)
+    code, _, err = run_cli(["run", str(toy_yaml(tmp_path)), *argv], monkeypatch, capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
     assert not (tmp_path / "runs" / "c").exists()  # nothing written
@@ -111,13 +81,13 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(
     ],
 )
 def test_usage_errors_exit_2(monkeypatch, capsys, argv, last):
-    code, _, err = _main(argv, monkeypatch, capsys)
+    code, _, err = run_cli(argv, monkeypatch, capsys)
     assert code == 2
     assert err.strip().splitlines()[-1] == last
 
 
 def test_an_unknown_study_exits_2_naming_the_choices(monkeypatch, capsys):
-    code, _, err = _main(["reproduce", "nope"], monkeypatch, capsys)
+    code, _, err = run_cli(["reproduce", "nope"], monkeypatch, capsys)
     assert code == 2 and err.startswith(
         "error: config error: study: unknown reproduction 'nope'"
     ), err
@@ -126,10 +96,10 @@ def test_an_unknown_study_exits_2_naming_the_choices(monkeypatch, capsys):
 
 def test_the_process_exit_status_is_the_contract(tmp_path):
     """One real process: the status the shell sees, not only ``SystemExit.code``."""
-    path = _yaml(tmp_path, train={"steps": 3, "batch_size": 8, "lr": 1e30})
+    path = toy_yaml(tmp_path, train={"steps": 3, "batch_size": 8, "lr": 1e30})
     script = (
-        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import toy; from fedfm.cli import main;"
-        f" sys.argv = ['fedfm', 'run', {str(path)!r}, '-q']; main()"
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import helpers.toy;"
+        f" from fedfm.cli import main; sys.argv = ['fedfm', 'run', {str(path)!r}, '-q']; main()"
     )
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
@@ -161,12 +131,12 @@ def test_python_dash_m_fedfm_is_the_same_command_line(tmp_path):
 def test_resume_reloads_the_saved_config_and_applies_only_the_overrides_given(
     tmp_path, monkeypatch, capsys
 ):
-    path = _yaml(tmp_path)
-    assert _main(["run", str(path), "-q"], monkeypatch, capsys)[0] == 0
+    path = toy_yaml(tmp_path)
+    assert run_cli(["run", str(path), "-q"], monkeypatch, capsys)[0] == 0
     folder = tmp_path / "runs" / "c"
     # The file on the command line changes afterwards; a resumed run must not follow it.
-    _yaml(tmp_path, seed=9, train={"steps": 7, "batch_size": 4, "lr": 0.5})
-    code, _, err = _main(["run", str(path), "--resume", "rounds=4", "-q"], monkeypatch, capsys)
+    toy_yaml(tmp_path, seed=9, train={"steps": 7, "batch_size": 4, "lr": 0.5})
+    code, _, err = run_cli(["run", str(path), "--resume", "rounds=4", "-q"], monkeypatch, capsys)
     assert code == 0, err
     saved = yaml.safe_load((folder / "config.yaml").read_text())
     assert saved["rounds"] == 4  # the override given
@@ -174,8 +144,8 @@ def test_resume_reloads_the_saved_config_and_applies_only_the_overrides_given(
     assert saved["train"]["steps"] == 3 and saved["train"]["batch_size"] == 8
     assert [r["round"] for r in _rows(folder)] == [0, 1, 2, 3, 4]
     # The resumed rounds equal those of a run made in one go with rounds=4.
-    once = _yaml(tmp_path, name="once", rounds=4)
-    assert _main(["run", str(once), "-q"], monkeypatch, capsys)[0] == 0
+    once = toy_yaml(tmp_path, name="once", rounds=4)
+    assert run_cli(["run", str(once), "-q"], monkeypatch, capsys)[0] == 0
 
     def strip(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k != "time_s"} for r in rows]
@@ -184,9 +154,9 @@ def test_resume_reloads_the_saved_config_and_applies_only_the_overrides_given(
 
 
 def test_resume_refuses_a_bad_override_of_the_saved_config(tmp_path, monkeypatch, capsys):
-    path = _yaml(tmp_path, rounds=1)
-    assert _main(["run", str(path), "-q"], monkeypatch, capsys)[0] == 0
-    code, _, err = _main(["run", str(path), "--resume", "train.lr=0"], monkeypatch, capsys)
+    path = toy_yaml(tmp_path, rounds=1)
+    assert run_cli(["run", str(path), "-q"], monkeypatch, capsys)[0] == 0
+    code, _, err = run_cli(["run", str(path), "--resume", "train.lr=0"], monkeypatch, capsys)
     assert (
         code == 2
         and err.strip() == "error: config error: train.lr: input should be greater than 0 (got 0)"
@@ -198,10 +168,10 @@ def test_resume_refuses_a_bad_override_of_the_saved_config(tmp_path, monkeypatch
 
 def test_report_through_the_entry_point(tmp_path, monkeypatch, capsys):
     for name, algorithm in (("a", "fedavg"), ("b", "fedprox")):
-        path = _yaml(tmp_path, name=name, algorithm=algorithm, rounds=1)
-        assert _main(["run", str(path), "-q"], monkeypatch, capsys)[0] == 0
+        path = toy_yaml(tmp_path, name=name, algorithm=algorithm, rounds=1)
+        assert run_cli(["run", str(path), "-q"], monkeypatch, capsys)[0] == 0
     runs = tmp_path / "runs"
-    code, out, err = _main(
+    code, out, err = run_cli(
         ["report", str(runs / "a"), str(runs / "b"), "--out", str(tmp_path / "cmp")],
         monkeypatch,
         capsys,
@@ -218,13 +188,13 @@ def test_report_through_the_entry_point(tmp_path, monkeypatch, capsys):
         assert cells[:4] == [name, s["algorithm"], "1", f"{s['final']['rmse']:.4f}"]
         assert cells[-2:] == [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
     assert (cmp / "compare.md").read_text().strip() == "\n".join(lines)
-    code, _, err = _main(["report", str(tmp_path / "nothing")], monkeypatch, capsys)
+    code, _, err = run_cli(["report", str(tmp_path / "nothing")], monkeypatch, capsys)
     assert code == 2 and "has no summary.json" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
 def test_reproduce_fedekd_quick_through_the_entry_point(tmp_path, monkeypatch, capsys):
-    code, out, err = _main(
+    code, out, err = run_cli(
         ["reproduce", "fedekd", "--quick", "--out", str(tmp_path)], monkeypatch, capsys
     )
     assert code == 0, err

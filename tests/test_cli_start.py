@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from fedfm import catalog
+from helpers import REPO
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = REPO / "src"
 HEAVY = ("torch", "transformers", "flwr", "peft", "datasets", "sklearn")
 
 # Runs `fedfm ARGV` through the entry point and writes the heavy modules it imported.
@@ -31,6 +32,7 @@ atexit.register(lambda: open(report, "w").write(json.dumps(
     sorted(m for m in heavy if m in sys.modules))))
 sys.argv = ["fedfm", *argv]
 from fedfm.cli import main
+from helpers import REPO
 main()
 """
 

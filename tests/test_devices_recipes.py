@@ -22,7 +22,8 @@ from fedfm.errors import ConfigError
 from fedfm.models.causal_lm import quantization_kwargs
 from fedfm.models.lora import LoraConfigSpec, auto_targets
 from fedfm.runtime import run
-from test_cli_contract import _main
+from helpers import REPO
+from helpers.cli import run_cli
 
 TINY = {"vocab": "small", "hidden": 16, "layers": 1, "heads": 2, "seed": 0}
 
@@ -112,7 +113,7 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(
 ) -> None:
     _no_cuda(monkeypatch)
     _bnb(monkeypatch, bnb)
-    code, _, err = _main(["run", str(_lm_yaml(tmp_path)), *argv], monkeypatch, capsys)
+    code, _, err = run_cli(["run", str(_lm_yaml(tmp_path)), *argv], monkeypatch, capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
     assert not (tmp_path / "runs").exists()
@@ -129,7 +130,7 @@ def test_auto_targets_come_from_peft_and_an_unknown_architecture_names_the_field
     MambaConfig(hidden_size=8, num_hidden_layers=1).save_pretrained(folder)
     task = {"model": "causal-lm", "model_args": {"name_or_path": str(folder)}}
     path = _lm_yaml(tmp_path, lora={"target_modules": "auto"}, **task)
-    code, _, err = _main(["run", str(path)], monkeypatch, capsys)
+    code, _, err = run_cli(["run", str(path)], monkeypatch, capsys)
     assert code == 2 and not (tmp_path / "runs").exists()
     assert err.strip() == (
         "error: config error: task.lora.target_modules: 'auto' knows no LoRA targets for"
@@ -154,7 +155,7 @@ def test_quantised_loader_arguments_follow_qlora() -> None:
 
 def test_recipe_options_are_listed(monkeypatch, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    code, out, _ = _main(["list"], monkeypatch, capsys)
+    code, out, _ = run_cli(["list"], monkeypatch, capsys)
     assert code == 0
     for key in ("device=", "train.schedule.name=", "task.lora.use_dora=", "task.quantization="):
         assert key in out
@@ -200,7 +201,7 @@ def _toy(out: Path, name: str, rounds: int = 3) -> dict[str, Any]:
 
 
 def test_clients_train_at_the_rounds_rate_and_resume_is_exact(tmp_path, monkeypatch) -> None:
-    import toy  # noqa: F401  (registers the toy task)
+    from helpers import toy  # noqa: F401  (registers the toy task)
 
     seen: list[float] = []
     make = train_mod.make_optimizer
@@ -242,7 +243,7 @@ def test_gpu_check_says_there_is_no_cuda_and_exits_0() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the check itself is what runs there")
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    script = REPO / "benchmarks" / "gpu_check.py"
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == (

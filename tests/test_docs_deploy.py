@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 
-import flower_support as fs
 from fedfm.runtime.flower import processes as P
-from test_flower_ops import assert_key_modes
+from helpers import REPO
+from helpers import flower as fs
+from helpers.keys import assert_key_modes
 
 pytestmark = pytest.mark.slow  # two deployments on loopback, about two minutes
 
-DOC = Path(__file__).parent.parent / "docs" / "running-across-machines.md"
+DOC = REPO / "docs" / "running-across-machines.md"
 BLOCK = re.compile(r"(?:<!-- docs-test: (run|skip[^>]*) -->\n)?```bash\n(.*?)```", re.S)
 PORTS = ("9092", "9093", "9110", "9111")
 BLOCK_TIMEOUT_S = 300
@@ -99,7 +100,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_the_runnable_blocks_run_as_written(tmp_path):
     ports = {p: str(P.free_port()) for p in PORTS}
     bin_dir = str(Path(sys.executable).parent)
-    src = str(Path(__file__).parent.parent / "src")
+    src = str(REPO / "src")
     (tmp_path / "tmp").mkdir()
     env = {
         **os.environ,

@@ -22,7 +22,7 @@ from fedfm.core.federation import ClientState
 from fedfm.core.state import load_state, save_state
 from fedfm.data.prompt import collate
 from fedfm.errors import ConfigError
-from test_fm import randomize, tiny_fm
+from helpers.models import randomize, tiny_fm
 
 ROWS = [
     {"instruction": "Say hi.", "input": "", "output": "Hi there!"},

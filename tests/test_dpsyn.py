@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from collections import Counter
@@ -40,54 +39,10 @@ from fedfm.eval.synthetic import SyntheticEvalConfig, frechet_distance, logreg_s
 from fedfm.models.embedders import get_embedder
 from fedfm.models.encoder import minilm_dir
 from fedfm.runtime import run
+from helpers.bases import DPSYN, DPSYN_DELTA
+from helpers.config import make_config
 
-DELTA = 1e-3
-BASE: dict[str, Any] = {
-    "name": "dpsyn",
-    "rounds": 3,
-    "algorithm": "dpsyn",
-    "plots": False,
-    "eval_before": False,
-    "algo": {
-        "train_rounds": 1,
-        "epsilon_train": 8,
-        "epsilon_profile": 1,
-        "epsilon_vote": 2,
-        "num_samples": 16,
-        "embedder": "hashed-ngrams",
-        "k": 2,
-        "generation": {"do_sample": True, "top_p": 0.9, "max_new_tokens": 6, "batch_size": 8},
-        "eval": {"clf_steps": 10, "floor": True},
-    },
-    "task": {
-        "kind": "control_text",
-        "dataset": "rotten_tomatoes",
-        "max_train": 160,
-        "max_test": 30,
-        "local_test_fraction": 0,
-        "lm": "tiny-llama",
-        "lm_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 31},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "prompt": {"max_length": 48, "max_prompt_length": 24},
-    },
-    "partition": {"scheme": "iid", "num_clients": 4},
-    "clients": {"roles": {"strong": 0.5}},
-    "train": {"steps": 2, "batch_size": 8, "optimizer": "adamw", "lr": 1e-2},
-    # Seeded noise: the tests below compare runs of the same seed bit for bit.
-    "privacy": {"delta": DELTA, "noise": "seeded"},
-}
-
-
-def _cfg(tmp: Path, name: str, **over: Any) -> dict[str, Any]:
-    cfg = copy.deepcopy(BASE)
-    cfg.update(name=name, out_dir=str(tmp))
-    for key, value in over.items():  # "algo__k" -> cfg["algo"]["k"]
-        node = cfg
-        *path, last = key.split("__")
-        for p in path:
-            node = node[p]
-        node[last] = value
-    return cfg
+DELTA = DPSYN_DELTA  # the runs' delta
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -123,7 +78,7 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     torch.autograd.backward = probe
     try:
-        run(load_config(_cfg(tmp, "full")), progress=False)
+        run(load_config(make_config(DPSYN, tmp, name="full")), progress=False)
     finally:
         torch.autograd.backward = real_backward
         for name, original in wrapped.items():
@@ -257,7 +212,7 @@ def test_roles_take_fractions_or_explicit_ids() -> None:
 )
 def test_bad_values_fail_at_load_naming_the_field(tmp_path: Path, over: Any, field: str) -> None:
     with pytest.raises(ConfigError) as err:
-        build(load_config(_cfg(tmp_path, "bad", **over)))
+        build(load_config(make_config(DPSYN, tmp_path, name="bad", **over)))
     assert err.value.field == field
 
 
@@ -276,7 +231,7 @@ def test_weak_clients_never_call_backward_and_strong_ones_do(full: Path) -> None
 
 
 def test_a_backward_inside_a_weak_handler_fails(tmp_path: Path) -> None:
-    setup = build(load_config(_cfg(tmp_path, "nograd")))
+    setup = build(load_config(make_config(DPSYN, tmp_path, name="nograd")))
     runner = setup.client_runner()
     weak = [c.cid for c in setup.clients() if c.role != "strong"]
     strong = [c.cid for c in setup.clients() if c.role == "strong"]
@@ -297,7 +252,7 @@ def test_a_backward_inside_a_weak_handler_fails(tmp_path: Path) -> None:
 
 
 def test_only_noised_counts_votes_and_dp_adapters_leave_clients(tmp_path: Path) -> None:
-    setup = build(load_config(_cfg(tmp_path, "audit")))
+    setup = build(load_config(make_config(DPSYN, tmp_path, name="audit")))
     runner, algo, task = setup.client_runner(), setup.algo, setup.task
     assert isinstance(algo, DPSyn)
     weak = next(c.cid for c in setup.clients() if c.role != "strong")
@@ -451,7 +406,11 @@ def test_the_synthetic_set_is_an_ordinary_text_source(full: Path, tmp_path: Path
 
 def test_resume_between_stages_gives_the_uninterrupted_run(full: Path, tmp_path: Path) -> None:
     for rounds in (1, 2, 3):  # stop after fine-tuning, then after generation, then finish
-        run(load_config(_cfg(tmp_path, "staged", rounds=rounds)), resume=rounds > 1, progress=False)
+        run(
+            load_config(make_config(DPSYN, tmp_path, name="staged", rounds=rounds)),
+            resume=rounds > 1,
+            progress=False,
+        )
     staged = tmp_path / "staged"
     for name in ("synthetic_initial.jsonl", "synthetic.jsonl", "votes.json", "profile.json"):
         assert (staged / "artefacts" / name).read_bytes() == (
@@ -472,7 +431,7 @@ def test_resume_between_stages_gives_the_uninterrupted_run(full: Path, tmp_path:
 
 
 def test_epsilon_inf_trains_without_noise(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "inf", rounds=1, algo__epsilon_train="inf")
+    cfg = make_config(DPSYN, tmp_path, name="inf", rounds=1, algo__epsilon_train="inf")
     run(load_config(cfg), progress=False)
     priv = json.loads((tmp_path / "inf" / "privacy.json").read_text())
     sgd = [e for e in priv["entries"] if e["kind"] == "dp-sgd"]
@@ -517,7 +476,7 @@ def test_minilm_is_the_default_embedder_and_embeds() -> None:
 def test_joint_codes_of_several_columns_keep_the_most_frequent(tmp_path: Path) -> None:
     from fedfm.tasks.codetext import ControlTextConfig, ControlTextTask
 
-    cfg = load_config(_cfg(tmp_path, "codes"))
+    cfg = load_config(make_config(DPSYN, tmp_path, name="codes"))
     task_cfg = ControlTextConfig(
         dataset="drug_reviews",
         code_columns=["label", "condition"],
@@ -556,7 +515,7 @@ def test_hashed_ngram_embeddings_are_unit_vectors_of_shared_ngrams() -> None:
 def test_a_code_without_allotment_is_logged_and_left_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    setup = build(load_config(_cfg(tmp_path, "allot")))
+    setup = build(load_config(make_config(DPSYN, tmp_path, name="allot")))
     algo = setup.algo
     assert isinstance(algo, DPSyn)
     algo.profile = torch.tensor([-3.0, 40.0], dtype=torch.float64)  # rotten clips to 0
@@ -578,7 +537,7 @@ def _jsonl_text(text: str) -> list[dict[str, Any]]:
 
 
 def test_full_fine_tuning_trains_every_weight_and_leaves_the_shared_base(tmp_path: Path) -> None:
-    setup = build(load_config(_cfg(tmp_path, "full-ft", algo__finetune="full")))
+    setup = build(load_config(make_config(DPSYN, tmp_path, name="full-ft", algo__finetune="full")))
     runner, algo = setup.client_runner(), setup.algo
     assert isinstance(algo, DPSyn)
     strong = next(c.cid for c in setup.clients() if c.role == "strong")
@@ -594,7 +553,9 @@ def test_full_fine_tuning_trains_every_weight_and_leaves_the_shared_base(tmp_pat
     assert not any(p.requires_grad for p in algo.fm.bundle.model.parameters())
     algo.params = got  # the server's weights survive a checkpoint
     arrays, meta = algo.state_dict()
-    again = build(load_config(_cfg(tmp_path, "full-ft-2", algo__finetune="full"))).algo
+    again = build(
+        load_config(make_config(DPSYN, tmp_path, name="full-ft-2", algo__finetune="full"))
+    ).algo
     assert isinstance(again, DPSyn)
     again.load_state_dict(arrays, meta)
     assert all(torch.equal(again.params[k], got[k]) for k in got)
@@ -603,7 +564,10 @@ def test_full_fine_tuning_trains_every_weight_and_leaves_the_shared_base(tmp_pat
 def test_full_fine_tuning_sends_every_weight_and_spends_what_lora_spends(
     full: Path, tmp_path: Path
 ) -> None:
-    summary = run(load_config(_cfg(tmp_path, "full-ft", algo__finetune="full")), progress=False)
+    summary = run(
+        load_config(make_config(DPSYN, tmp_path, name="full-ft", algo__finetune="full")),
+        progress=False,
+    )
     ft = tmp_path / "full-ft"
     # The same noise, sampling rate and steps: the same mechanisms and ε, client by client.
     lora_priv = json.loads((full / "privacy.json").read_text())
@@ -611,7 +575,7 @@ def test_full_fine_tuning_sends_every_weight_and_spends_what_lora_spends(
     assert full_priv == lora_priv
     assert summary["finish"] == json.loads((full / "summary.json").read_text())["finish"]
     # Bytes: each strong client receives and returns every weight (float32) instead of LoRA.
-    setup = build(load_config(_cfg(tmp_path, "probe", algo__finetune="full")))
+    setup = build(load_config(make_config(DPSYN, tmp_path, name="probe", algo__finetune="full")))
     assert isinstance(setup.algo, DPSyn)
     weights = sum(t.numel() * t.element_size() for t in setup.algo.params.values())
     strong = sum(c.role == "strong" for c in setup.clients())

@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
+from fedfm.config import load_config
 from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.runtime import run
-from test_cli_contract import _main
-from test_lm_task import _cfg, _task_section
+from helpers.bases import INSTRUCTION
+from helpers.cli import run_cli
+from helpers.config import make_config
 
 DOMAINS3 = ["general", "movie", "spam"]
 
@@ -28,7 +30,7 @@ def _yaml(tmp_path: Path, **task: Any) -> Path:
         "name": "bad",
         "rounds": 1,
         "algorithm": "fedavg",
-        "task": _task_section(**task),
+        "task": {**INSTRUCTION["task"], **task},
         "out_dir": str(tmp_path / "runs"),
         "plots": False,
         "train": {"steps": 1, "batch_size": 4},
@@ -39,16 +41,19 @@ def _yaml(tmp_path: Path, **task: Any) -> Path:
 
 
 def test_several_held_out_domains_with_their_own_item_count(tmp_path) -> None:
-    cfg = _cfg(
-        tmp_path,
-        name="zs",
-        rounds=1,
-        task={
-            "heldout_domains": ["movie", "spam"],
-            "zeroshot_items": 2,
-            "primary": "zeroshot/score",
-        },
-        partition={"scheme": "iid", "num_clients": 2},
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            tmp_path,
+            name="zs",
+            rounds=1,
+            task={
+                "heldout_domains": ["movie", "spam"],
+                "zeroshot_items": 2,
+                "primary": "zeroshot/score",
+            },
+            partition={"scheme": "iid", "num_clients": 2},
+        )
     )
     task = build(cfg).task
     assert {d for c in task.client_ids() for d in task.client_data(c).rows["domain"]} == {"general"}
@@ -72,19 +77,30 @@ def test_several_held_out_domains_with_their_own_item_count(tmp_path) -> None:
 
 
 def test_train_domains_and_primary_metrics_are_checked(tmp_path) -> None:
-    task = build(_cfg(tmp_path, task={"train_domains": ["general", "movie"]})).task
+    task = build(
+        load_config(
+            make_config(INSTRUCTION, tmp_path, task={"train_domains": ["general", "movie"]})
+        )
+    ).task
     assert sorted(set(task.test_data().rows["domain"])) == ["general", "movie"]
     assert task.test_data().heldout is None  # spam is neither trained on nor evaluated
-    assert build(_cfg(tmp_path, task={"primary": "acc/movie"})).task.primary == "acc/movie"
+    assert (
+        build(
+            load_config(make_config(INSTRUCTION, tmp_path, task={"primary": "acc/movie"}))
+        ).task.primary
+        == "acc/movie"
+    )
     with pytest.raises(ConfigError, match=r"task\.primary.*needs task\.heldout_domains"):
-        build(_cfg(tmp_path, task={"primary": "zeroshot/score"}))
+        build(load_config(make_config(INSTRUCTION, tmp_path, task={"primary": "zeroshot/score"})))
     with pytest.raises(ConfigError, match=r"task\.primary.*'gsm8k_acc' is not logged"):
-        build(_cfg(tmp_path, task={"primary": "gsm8k_acc"}))
+        build(load_config(make_config(INSTRUCTION, tmp_path, task={"primary": "gsm8k_acc"})))
 
 
 def test_a_budget_below_the_references_is_warned_about(tmp_path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="fedfm"):
-        task = build(_cfg(tmp_path, task={"max_new_tokens": 2})).task
+        task = build(
+            load_config(make_config(INSTRUCTION, tmp_path, task={"max_new_tokens": 2}))
+        ).task
     p90 = task.stats()["reference_tokens_p90"]
     assert set(p90) == set(DOMAINS3)  # every domain generates (choice_mode: generate)
     warned = [r.getMessage() for r in caplog.records if "percentile" in r.getMessage()]
@@ -93,10 +109,24 @@ def test_a_budget_below_the_references_is_warned_about(tmp_path, caplog) -> None
     caplog.clear()
     budgets = {d: n for d, n in p90.items()}
     with caplog.at_level(logging.WARNING, logger="fedfm"):
-        build(_cfg(tmp_path, task={"max_new_tokens": 2, "domain_max_new_tokens": budgets}))
+        build(
+            load_config(
+                make_config(
+                    INSTRUCTION,
+                    tmp_path,
+                    task={"max_new_tokens": 2, "domain_max_new_tokens": budgets},
+                )
+            )
+        )
     assert not [r for r in caplog.records if "percentile" in r.getMessage()]
     with caplog.at_level(logging.WARNING, logger="fedfm"):
-        build(_cfg(tmp_path, task={"max_new_tokens": 2, "choice_mode": "loglik"}))
+        build(
+            load_config(
+                make_config(
+                    INSTRUCTION, tmp_path, task={"max_new_tokens": 2, "choice_mode": "loglik"}
+                )
+            )
+        )
     loglik = [r.getMessage() for r in caplog.records if "percentile" in r.getMessage()]
     assert not any("'movie'" in w or "'spam'" in w for w in loglik)  # scored without generating
 
@@ -129,7 +159,7 @@ def test_a_budget_below_the_references_is_warned_about(tmp_path, caplog) -> None
 def test_bad_evaluation_settings_are_one_line_exit_2_nothing_written(
     tmp_path, monkeypatch, capsys, task, line
 ) -> None:
-    code, _, err = _main(["run", str(_yaml(tmp_path, **task)), "-q"], monkeypatch, capsys)
+    code, _, err = run_cli(["run", str(_yaml(tmp_path, **task)), "-q"], monkeypatch, capsys)
     assert code == 2
     # (A partitioner's progress bar may precede it on stderr.)
     assert [x for x in err.splitlines() if x.startswith("error")] == [line]

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-import toy
 from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig, Scaffold, ScaffoldConfig
 from fedfm.algorithms.fedekd import FedeKD, FedeKDConfig
 from fedfm.config import load_config
@@ -19,6 +18,7 @@ from fedfm.core.fake import FakeFederation
 from fedfm.core.federation import ClientInfo
 from fedfm.core.messages import Message
 from fedfm.errors import MessageError, TooFewClientsError
+from helpers import toy
 
 
 def _setup(**run: Any) -> tuple[Any, Any]:

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-import toy  # noqa: F401
 from fedfm import cli
 from fedfm.config import load_config
 from fedfm.report import compare
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401
 
 
 def _run(tmp_path, name, algorithm, algo=None, rounds=6, **kw):

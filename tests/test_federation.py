@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import Tensor
 
-import toy  # noqa: F401  (registers the toy task)
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation, assign_roles
 from fedfm.core.messages import Message, MessageKind
 from fedfm.errors import TooFewClientsError
 from fedfm.runtime import run
+from helpers import flower  # noqa: F401  (registers the toy task and test-crashy)
 
 
 def _cfg(tmp_path, algorithm: str, **kw: Any):
@@ -200,37 +200,8 @@ def test_sampling_by_fraction_is_seeded():
     assert c.sample(0.25) != list(draws[0]) or c.sample(0.5) != fed(0).sample(0.5)
 
 
-class Crashy(Algorithm):
-    messages = (MessageKind("train", down_arrays=("p",), up_arrays=("p",)),)
-    Config = AlgoConfig
-
-    def __init__(self, cfg, task, run):
-        super().__init__(cfg, task, run)
-        self.p = {"w": torch.zeros(2)}
-
-    def handlers(self):
-        def train(ctx, msg):
-            ctx.state.meta["touched"] = True
-            if ctx.cid == "1":
-                raise RuntimeError("disk full")
-            if ctx.cid == "2":
-                return Message("train", {"p": {"w": torch.tensor([float("nan"), 0.0])}})
-            if ctx.cid == "3":
-                return Message("train", {"p": {"w": torch.zeros(3)}})
-            if ctx.cid == "4":
-                return Message("train", {"p": {"w": torch.zeros(2), "bias": torch.zeros(1)}})
-            return Message("train", {"p": {"w": torch.ones(2)}})
-
-        return {"train": train}
-
-    def round(self, fed):
-        cids = fed.client_ids()
-        replies = fed.broadcast(Message("train", {"p": self.p}), cids, like={"p": self.p})
-        self.require(fed, replies, len(cids))
-        return {"ok": len(replies)}
-
-
-ALGORITHMS.register("test-crashy")(Crashy)
+# test-crashy (clients failing in every way a reply can) lives in helpers.flower, which
+# Flower processes import too.
 
 
 def test_faulty_clients_are_logged_and_left_out(tmp_path):

@@ -1,7 +1,7 @@
 """FedRD: loss terms, frozen server-only foundation model, public-set checks, widths, baselines.
 
-Runs on sklearn's 8x8 digits with a tiny random foundation model registered here (a conv
-layer with BatchNorm, so a forward pass in train mode would move its running statistics).
+Runs on sklearn's 8x8 digits with the tiny random foundation model of ``helpers.fedrd`` (a
+conv layer with BatchNorm, so a forward pass in train mode would move its running statistics).
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import fedfm.tasks.text  # noqa: F401  (registers the text task)
 from fedfm.algorithms.fedrd import (
-    TEACHERS,
     FedRD,
-    Teacher,
-    clear_feature_cache,
     distillation_terms,
-    register_teacher,
     used_ids,
 )
 from fedfm.config import load_config
@@ -29,101 +24,11 @@ from fedfm.core.federation import ClientContext, ClientState
 from fedfm.core.messages import Message
 from fedfm.engine import build
 from fedfm.errors import ConfigError
-from fedfm.models.students import HashingTokenizer
 from fedfm.runtime import run
-from fedfm.tasks.base import IMAGE_VIEW, TEXT_VIEW
+from fedfm.tasks.base import IMAGE_VIEW
+from helpers.fedrd import BUILT, LOADS, fedrd_config, same_state
 
-LOADS: list[int] = []  # one entry per foundation-model load: how many client handlers were open
-BUILT: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []  # (module, state at load time)
-IN_CLIENT = [0]
-
-
-class TinyFM(nn.Module):
-    """Conv + BatchNorm + pooling + Linear: 24-d features of 8x8 grey images."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 6, 3, padding=1)
-        self.bn = nn.BatchNorm2d(6)
-        self.fc = nn.Linear(24, 24)
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.bn(self.conv(x)))
-        return self.fc(nn.functional.adaptive_avg_pool2d(h, 2).flatten(1))
-
-
-def _record(module: nn.Module) -> None:
-    LOADS.append(IN_CLIENT[0])
-    BUILT.append((module, {k: v.clone() for k, v in module.state_dict().items()}))
-
-
-def _tiny_image_fm() -> Teacher:
-    torch.manual_seed(123)
-    model = TinyFM().eval()
-    _record(model)
-    return Teacher("test-tiny-fm", model, 24, model.features)
-
-
-def _tiny_text_fm() -> Teacher:
-    torch.manual_seed(321)
-    tok = HashingTokenizer(1024)
-    bag = nn.EmbeddingBag(1024, 12, mode="mean")
-    _record(bag)
-    return Teacher("test-tiny-text-fm", bag, 12, lambda texts: bag(*tok.encode(texts)))
-
-
-if "test-tiny-fm" not in TEACHERS:
-    register_teacher("test-tiny-fm", IMAGE_VIEW)(_tiny_image_fm)
-    register_teacher("test-tiny-text-fm", TEXT_VIEW)(_tiny_text_fm)
-
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    LOADS.clear()
-    BUILT.clear()
-    clear_feature_cache()
-    orig = FedRD.client_train
-
-    def counted(self: Any, ctx: ClientContext, msg: Message) -> Message:
-        IN_CLIENT[0] += 1
-        try:
-            return orig(self, ctx, msg)
-        finally:
-            IN_CLIENT[0] -= 1
-
-    monkeypatch.setattr(FedRD, "client_train", counted)
-
-
-def _cfg(tmp_path: Any, algorithm: str = "fedrd", **algo: Any):
-    return load_config(
-        {
-            "name": algorithm,
-            "algorithm": algorithm,
-            "rounds": 2,
-            "out_dir": str(tmp_path),
-            "plots": False,
-            "threads": 1,
-            "algo": {
-                "teacher": "test-tiny-fm",
-                "public_size": 100,
-                "server_train": {"steps": 3, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
-                **algo,
-            },
-            "task": {
-                "kind": "image",
-                "dataset": "digits",
-                "model": "small-cnn",
-                "model_args": {"width": 4, "hidden": 16},
-                "max_train": 1000,
-            },
-            "partition": {"scheme": "dirichlet", "alpha": 0.5, "num_clients": 4, "min_size": 10},
-            "train": {"steps": 3, "batch_size": 16, "lr": 0.05},
-        }
-    )
-
-
-def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+pytestmark = pytest.mark.usefixtures("fedrd_fresh")
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -167,7 +72,7 @@ def test_kd_gradient_is_zero_when_student_equals_teacher() -> None:
 
 
 def test_fedrd_run_keeps_fm_frozen_and_out_of_clients(tmp_path: Any) -> None:
-    cfg = _cfg(tmp_path, teacher_eval_size=50)
+    cfg = fedrd_config(tmp_path, teacher_eval_size=50)
     run(cfg, progress=False)
     rows = [
         json.loads(x) for x in (tmp_path / "fedrd" / "metrics.jsonl").read_text().split("\n")[:-1]
@@ -182,13 +87,13 @@ def test_fedrd_run_keeps_fm_frozen_and_out_of_clients(tmp_path: Any) -> None:
     # loaded once, on the server, outside every client handler
     assert LOADS == [0]
     module, before = BUILT[0]
-    assert _same_state(module.state_dict(), before)
+    assert same_state(module.state_dict(), before)
     assert not module.training
 
 
 def test_client_handler_never_loads_the_fm(tmp_path: Any) -> None:
     # What a client process does on Flower: build the algorithm from the config, run handlers.
-    setup = build(_cfg(tmp_path))
+    setup = build(fedrd_config(tmp_path))
     algo = setup.algo
     assert isinstance(algo, FedRD)
     ctx = ClientContext("0", "default", 1, 0, setup.task, ClientState())
@@ -198,22 +103,22 @@ def test_client_handler_never_loads_the_fm(tmp_path: Any) -> None:
 
 
 def test_co_training_changes_phi_and_student_not_the_fm(tmp_path: Any) -> None:
-    algo = build(_cfg(tmp_path)).algo
+    algo = build(fedrd_config(tmp_path)).algo
     srv = algo.server()
     phi0 = {k: v.clone() for k, v in srv.cotrainer.phi.state_dict().items()}
     params0 = {k: v.clone() for k, v in algo.params.items()}
     metrics = algo.co_train(1)
     assert metrics["server_steps"] == 3
-    assert not _same_state(srv.cotrainer.phi.state_dict(), phi0)
+    assert not same_state(srv.cotrainer.phi.state_dict(), phi0)
     assert not torch.equal(algo.params["head.weight"], params0["head.weight"])
     module, before = BUILT[0]
-    assert _same_state(module.state_dict(), before)
+    assert same_state(module.state_dict(), before)
     # the shared head g is the student's head: the teacher path reads it
     assert srv.cotrainer.teacher_head is None
 
 
 def test_public_set_is_disjoint_and_overlap_is_refused(tmp_path: Any) -> None:
-    setup = build(_cfg(tmp_path))
+    setup = build(fedrd_config(tmp_path))
     srv = setup.algo.server()
     clients = set(used_ids(setup.task).tolist())
     public = set(srv.public.ids.tolist())
@@ -221,28 +126,28 @@ def test_public_set_is_disjoint_and_overlap_is_refused(tmp_path: Any) -> None:
     assert not public & set(setup.task.test_data().ids.tolist())
     some_client = sorted(clients)[:3]
     with pytest.raises(ConfigError, match=r"algo\.public_ids.*overlaps client data: 3 shared"):
-        build(_cfg(tmp_path, public_ids=some_client)).algo.server()
+        build(fedrd_config(tmp_path, public_ids=some_client)).algo.server()
     test_ids = setup.task.test_data().ids[:2].tolist()
     with pytest.raises(ConfigError, match="overlaps the test set"):
-        build(_cfg(tmp_path, public_ids=test_ids)).algo.server()
+        build(fedrd_config(tmp_path, public_ids=test_ids)).algo.server()
     with pytest.raises(ConfigError, match="not training rows"):
-        build(_cfg(tmp_path, public_ids=[10**9])).algo.server()
+        build(fedrd_config(tmp_path, public_ids=[10**9])).algo.server()
     with pytest.raises(ConfigError, match="only 437 training rows are held by no client"):
-        build(_cfg(tmp_path, public_size=500)).algo.server()
+        build(fedrd_config(tmp_path, public_size=500)).algo.server()
     # explicit ids that no client holds are accepted
     ok = sorted(public)[:20]
-    assert build(_cfg(tmp_path, public_ids=ok)).algo.server().public.ids.tolist() == ok
+    assert build(fedrd_config(tmp_path, public_ids=ok)).algo.server().public.ids.tolist() == ok
 
 
 def test_width_mismatch_fails_when_built(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match=r"input width 999 .* feature width 24"):
-        build(_cfg(tmp_path, reprogram_in=999)).algo.server()
+        build(fedrd_config(tmp_path, reprogram_in=999)).algo.server()
     with pytest.raises(ConfigError, match=r"output width 7 .* input width 16"):
-        build(_cfg(tmp_path, reprogram_out=7)).algo.server()
+        build(fedrd_config(tmp_path, reprogram_out=7)).algo.server()
 
 
 def test_kd_baseline_uses_raw_features_and_cka_across_widths(tmp_path: Any) -> None:
-    algo = build(_cfg(tmp_path, "fedrd-nophi")).algo
+    algo = build(fedrd_config(tmp_path, "fedrd-nophi")).algo
     srv = algo.server()
     m = srv.cotrainer
     assert m.phi is None and m.teacher_head.in_features == 24
@@ -252,16 +157,16 @@ def test_kd_baseline_uses_raw_features_and_cka_across_widths(tmp_path: Any) -> N
 
 
 def test_checkpoint_and_resume(tmp_path: Any) -> None:
-    algo = build(_cfg(tmp_path)).algo
+    algo = build(fedrd_config(tmp_path)).algo
     algo.co_train(1)
     arrays, meta = algo.state_dict()
     assert any(k.startswith("phi/") for k in arrays)
-    fresh = build(_cfg(tmp_path)).algo
+    fresh = build(fedrd_config(tmp_path)).algo
     fresh.load_state_dict(arrays, meta)
     phi = fresh.server().cotrainer.phi.state_dict()
     assert all(torch.equal(phi[k], arrays[f"phi/{k}"]) for k in phi)
     # a resumed engine run continues from the checkpoint and builds the server half lazily
-    cfg = _cfg(tmp_path)
+    cfg = fedrd_config(tmp_path)
     run(cfg.model_copy(update={"rounds": 1}), progress=False)
     run(cfg, resume=True, progress=False)
     text = (tmp_path / "fedrd" / "metrics.jsonl").read_text()
@@ -362,7 +267,7 @@ def test_study_grid_and_job_configs() -> None:
 def test_fedrd_round_against_a_fake_federation_by_hand(tmp_path: Any) -> None:
     from fedfm.core.fake import FakeFederation
 
-    algo = build(_cfg(tmp_path)).algo
+    algo = build(fedrd_config(tmp_path)).algo
     glob = {k: v.clone() for k, v in algo.params.items()}
     shift = {"0": (1.0, 10), "1": (2.0, 30)}  # client -> (change of every tensor, examples)
 
@@ -406,10 +311,10 @@ def test_fedrd_round_against_a_fake_federation_by_hand(tmp_path: Any) -> None:
     ],
 )
 def test_missing_task_capabilities_fail_at_config_load(tmp_path, changes, message) -> None:
-    import toy  # noqa: F401  (registers the toy task)
     from fedfm.engine import resolve
+    from helpers import toy  # noqa: F401  (registers the toy task)
 
-    cfg = _cfg(tmp_path).model_dump()
+    cfg = fedrd_config(tmp_path).model_dump()
     for section, values in changes.items():
         cfg[section] = values if section == "task" else {**cfg[section], **values}
     if cfg["task"]["kind"] == "toy":
@@ -421,7 +326,7 @@ def test_missing_task_capabilities_fail_at_config_load(tmp_path, changes, messag
 def test_task_rows_are_prepared_as_client_data(tmp_path: Any) -> None:
     from fedfm.tasks.base import PUBLIC_SPLIT, SOURCE_ROWS, SPLIT_INPUTS
 
-    task = build(_cfg(tmp_path)).task
+    task = build(fedrd_config(tmp_path)).task
     assert {SOURCE_ROWS, SPLIT_INPUTS, IMAGE_VIEW} <= task.provides(task.cfg)
     assert PUBLIC_SPLIT not in task.provides(task.cfg)
     data = task.client_data("1")

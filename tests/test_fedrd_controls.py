@@ -1,7 +1,7 @@
 """FedRD's controls and baselines: public fine-tuning, α = β = 0, warm-up, Fed-Hint, no-φ
 alias, and the adapter on a frozen vision foundation model.
 
-Reuses the digits setting and the tiny foundation model of ``test_fedrd``.
+Runs in the digits setting with the tiny foundation model of ``helpers.fedrd``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from fedfm.core.messages import Message
 from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.tasks.base import IMAGE_VIEW
-from test_fedrd import LOADS, _cfg, _fresh, _same_state  # noqa: F401  (_fresh: autouse fixture)
+from helpers.fedrd import LOADS, fedrd_config, same_state
+
+pytestmark = pytest.mark.usefixtures("fedrd_fresh")
 
 
 def _pixels_fm() -> Teacher:
     # The digits' own 64 pixels: an informative "foundation model" (a linear probe on raw
-    # 8x8 digits is about 90 % accurate), unlike the random tiny FM of test_fedrd.
+    # 8x8 digits is about 90 % accurate), unlike the random tiny FM of helpers.fedrd.
     ident = torch.nn.Identity()
     return Teacher("test-pixels-fm", ident, 64, lambda x: x.flatten(1))
 
@@ -35,8 +37,8 @@ def _reply(cid: str, msg: Message) -> Message:
 
 
 def test_public_fine_tuning_equals_fedrd_with_alpha_beta_zero(tmp_path) -> None:
-    ft = build(_cfg(tmp_path, "fedavg-ft")).algo
-    zero = build(_cfg(tmp_path, "fedrd", alpha=0.0, beta=0.0)).algo
+    ft = build(fedrd_config(tmp_path, "fedavg-ft")).algo
+    zero = build(fedrd_config(tmp_path, "fedrd", alpha=0.0, beta=0.0)).algo
     before = {k: v.clone() for k, v in ft.params.items()}
     assert LOADS == []
     m_ft = ft.co_train(1)
@@ -47,18 +49,18 @@ def test_public_fine_tuning_equals_fedrd_with_alpha_beta_zero(tmp_path) -> None:
     # The same public batches and optimizer: zero-weighted teacher terms change nothing.
     for k in ft.params:
         torch.testing.assert_close(ft.params[k], zero.params[k], rtol=0, atol=1e-6)
-    assert not _same_state(ft.params, before)
+    assert not same_state(ft.params, before)
     assert m_ft["server_steps"] == 3 and "server_cka" not in m_ft
 
 
 def test_warm_up_trains_phi_and_g_only_once_before_round_one(tmp_path) -> None:
-    algo = build(_cfg(tmp_path, warmup_epochs=2.0, teacher_eval_size=50)).algo
+    algo = build(fedrd_config(tmp_path, warmup_epochs=2.0, teacher_eval_size=50)).algo
     srv = algo.server()
     phi0 = {k: v.clone() for k, v in srv.cotrainer.phi.state_dict().items()}
     p0 = {k: v.clone() for k, v in algo.params.items()}
     warm = algo.warm_up()
     assert warm["warmup_steps"] == 7  # ceil(2 epochs · 100 rows / 32)
-    assert not _same_state(srv.cotrainer.phi.state_dict(), phi0)
+    assert not same_state(srv.cotrainer.phi.state_dict(), phi0)
     assert not torch.equal(algo.params["head.weight"], p0["head.weight"])  # g moved
     for k in p0:  # the student's feature extractor got no gradient
         if not k.startswith("head."):
@@ -77,7 +79,7 @@ def test_warm_up_lowers_the_teacher_ce_on_the_public_set(tmp_path) -> None:
             _, z_t = srv.cotrainer.teacher(srv.public_feats)
         return float(torch.nn.functional.cross_entropy(z_t, srv.public.y))
 
-    algo = build(_cfg(tmp_path, teacher="test-pixels-fm", warmup_epochs=10.0)).algo
+    algo = build(fedrd_config(tmp_path, teacher="test-pixels-fm", warmup_epochs=10.0)).algo
     before = public_ce(algo)
     algo.warm_up()
     assert before > 2.0 and public_ce(algo) < before - 0.5
@@ -86,7 +88,7 @@ def test_warm_up_lowers_the_teacher_ce_on_the_public_set(tmp_path) -> None:
 def test_warm_up_is_refused_without_a_teacher_path(tmp_path) -> None:
     for algorithm in ("fed-hint", "fedavg-ft"):
         with pytest.raises(ConfigError, match=r"algo\.warmup_epochs: objective .* no z_t"):
-            build(_cfg(tmp_path, algorithm, warmup_epochs=1.0))
+            build(fedrd_config(tmp_path, algorithm, warmup_epochs=1.0))
 
 
 def test_hint_loss_by_hand() -> None:
@@ -101,7 +103,7 @@ def test_hint_loss_by_hand() -> None:
 
 
 def test_fed_hint_trains_a_regressor_onto_the_teacher_features(tmp_path) -> None:
-    algo = build(_cfg(tmp_path, "fed-hint", teacher_eval_size=50)).algo
+    algo = build(fedrd_config(tmp_path, "fed-hint", teacher_eval_size=50)).algo
     srv = algo.server()
     m = srv.cotrainer
     assert m.hint is not None and (m.hint.in_features, m.hint.out_features) == (16, 24)
@@ -116,7 +118,7 @@ def test_fed_hint_trains_a_regressor_onto_the_teacher_features(tmp_path) -> None
 
 
 def test_fed_hint_lowers_the_hint_loss_on_the_public_set(tmp_path) -> None:
-    algo = build(_cfg(tmp_path, "fed-hint", beta=1.0)).algo
+    algo = build(fedrd_config(tmp_path, "fed-hint", beta=1.0)).algo
 
     def public_hint() -> float:
         srv = algo.server()
@@ -143,7 +145,7 @@ def test_unknown_objective_names_the_field(tmp_path) -> None:
     from fedfm.config import load_config
     from fedfm.engine import resolve
 
-    cfg = _cfg(tmp_path).model_dump()
+    cfg = fedrd_config(tmp_path).model_dump()
     cfg["algo"]["objective"] = "nope"
     with pytest.raises(Exception, match=r"algo\.objective"):
         resolve(load_config(cfg))

@@ -42,48 +42,8 @@ from fedfm.eval.compare import (
 from fedfm.eval.generate import GenerationConfig, Reply
 from fedfm.fm import FoundationModel
 from fedfm.runtime import run as run_experiment
-
-TINY = {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 8}
-
-
-def _cfg(out: Path, name: str, algorithm: str, algo: dict[str, Any], rounds: int = 2) -> Any:
-    return load_config(
-        {
-            "name": name,
-            "algorithm": algorithm,
-            "rounds": rounds,
-            "eval_before": False,
-            "out_dir": str(out),
-            "plots": False,
-            "threads": 1,
-            "algo": algo,
-            "task": {
-                "kind": "instruction",
-                "model": "tiny-llama",
-                "model_args": TINY,
-                "source_options": {
-                    "per_domain_train": 4,
-                    "per_domain_test": 2,
-                    "domains": ["general", "math", "movie"],
-                },
-                "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-                "prompt": {"max_length": 160, "max_prompt_length": 128},
-                "max_new_tokens": 4,
-                "eval_ppl": False,
-            },
-            "partition": {"scheme": "natural"},
-            "train": {"steps": 2, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
-        }
-    )
-
-
-def _sdr(cache: Path, **extra: Any) -> dict[str, Any]:
-    return {
-        "refinery": {"decoding": {"max_new_tokens": 8}, "cache_dir": str(cache)},
-        "steps_s": 2,
-        "steps_r": 2,
-        **extra,
-    }
+from helpers.bases import FEDSDR, fedsdr_algo
+from helpers.config import make_config
 
 
 def _echo_teacher(monkeypatch: pytest.MonkeyPatch, calls: list[int] | None = None) -> None:
@@ -208,7 +168,7 @@ def test_refine_rows_statistics_by_hand() -> None:
 
 
 def test_rewrite_prompts_are_whole_or_fall_back() -> None:
-    fm = FoundationModel("tiny-llama", args=TINY)
+    fm = FoundationModel("tiny-llama", args=FEDSDR["task"]["model_args"])
     short = {"id": 0, "instruction": "Say it.", "input": "", "output": "word " * 20}
     long = {"id": 1, "instruction": "Say it.", "input": "", "output": "word " * 400}
     whole, n = fm.full_prompt(
@@ -226,9 +186,14 @@ def test_rewrite_prompts_are_whole_or_fall_back() -> None:
 
 def test_the_refinery_counts_cut_rewrites_and_long_prompts(tmp_path: Path) -> None:
     # The tiny model never emits its end-of-turn token in 2 tokens: every rewrite is cut.
-    algo = _sdr(tmp_path / "cache")
+    algo = fedsdr_algo(tmp_path / "cache")
     algo["refinery"] |= {"decoding": {"max_new_tokens": 2}, "max_prompt_length": 300}
-    run_experiment(_cfg(tmp_path, "cut", "fedsdr", algo, rounds=1), progress=False)
+    run_experiment(
+        load_config(
+            make_config(FEDSDR, tmp_path, name="cut", algorithm="fedsdr", algo=algo, rounds=1)
+        ),
+        progress=False,
+    )
     first = _metrics(tmp_path / "cut")[0]
     assert first["fedsd/kept_share"] == 0.0
     reasons = ("truncated", "long_prompt", "empty")
@@ -245,7 +210,17 @@ def test_the_refinery_counts_cut_rewrites_and_long_prompts(tmp_path: Path) -> No
 
 
 def test_each_stage_trains_only_its_adapter_with_both_active(tmp_path: Path) -> None:
-    setup = build(_cfg(tmp_path, "stages", "fedsdr", _sdr(tmp_path / "cache")))
+    setup = build(
+        load_config(
+            make_config(
+                FEDSDR,
+                tmp_path,
+                name="stages",
+                algorithm="fedsdr",
+                algo=fedsdr_algo(tmp_path / "cache"),
+            )
+        )
+    )
     algo, task = setup.algo, setup.task
     assert isinstance(algo, FedSDR)
     fm = algo.fm
@@ -287,9 +262,23 @@ def test_only_lora_r_leaves_and_uplink_equals_fedit(
         return record(self, rnd, client, direction, msg)
 
     monkeypatch.setattr(AuditLedger, "record", spy)
-    run_experiment(_cfg(tmp_path, "sdr", "fedsdr", _sdr(tmp_path / "cache")), progress=False)
+    run_experiment(
+        load_config(
+            make_config(
+                FEDSDR,
+                tmp_path,
+                name="sdr",
+                algorithm="fedsdr",
+                algo=fedsdr_algo(tmp_path / "cache"),
+            )
+        ),
+        progress=False,
+    )
     sdr_sent, sent[:] = list(sent), []
-    run_experiment(_cfg(tmp_path, "fedit", "fedavg", {}), progress=False)
+    run_experiment(
+        load_config(make_config(FEDSDR, tmp_path, name="fedit", algorithm="fedavg", algo={})),
+        progress=False,
+    )
 
     sdr, fedit = tmp_path / "sdr", tmp_path / "fedit"
     audit = [
@@ -318,9 +307,14 @@ def test_only_lora_r_leaves_and_uplink_equals_fedit(
 
 @pytest.mark.parametrize("opt", ["fedavgm", "fedadam", "fedyogi", "fedadagrad"])
 def test_fedsdr_runs_with_every_server_optimizer(tmp_path: Path, opt: str) -> None:
-    algo = {**_sdr(tmp_path / "cache", server_opt={"name": opt, "lr": 0.01}, prox_mu=0.1)}
+    algo = {**fedsdr_algo(tmp_path / "cache", server_opt={"name": opt, "lr": 0.01}, prox_mu=0.1)}
     algo.update(steps_s=1, steps_r=1)
-    run_experiment(_cfg(tmp_path, opt, "fedsdr", algo, rounds=1), progress=False)
+    run_experiment(
+        load_config(
+            make_config(FEDSDR, tmp_path, name=opt, algorithm="fedsdr", algo=algo, rounds=1)
+        ),
+        progress=False,
+    )
     rows = _metrics(tmp_path / opt)
     assert (
         rows[-1]["clients"] == 3
@@ -336,9 +330,14 @@ def test_resume_restores_lora_s_and_the_distilled_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _echo_teacher(monkeypatch)
-    algo = _sdr(tmp_path / "cache")
+    algo = fedsdr_algo(tmp_path / "cache")
     algo["refinery"]["cache"] = False
-    run_experiment(_cfg(tmp_path, "straight", "fedsdr", algo, rounds=3), progress=False)
+    run_experiment(
+        load_config(
+            make_config(FEDSDR, tmp_path, name="straight", algorithm="fedsdr", algo=algo, rounds=3)
+        ),
+        progress=False,
+    )
 
     round_ = FedSDR.round
 
@@ -349,7 +348,14 @@ def test_resume_restores_lora_s_and_the_distilled_set(
 
     monkeypatch.setattr(FedSDR, "round", dies_in_round_2)
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(_cfg(tmp_path, "killed", "fedsdr", algo, rounds=3), progress=False)
+        run_experiment(
+            load_config(
+                make_config(
+                    FEDSDR, tmp_path, name="killed", algorithm="fedsdr", algo=algo, rounds=3
+                )
+            ),
+            progress=False,
+        )
     states, meta = _client_states(tmp_path / "killed")
     assert {k.split("::")[1].split("/")[0] for k in states} == {"lora_s"}
     outputs = {c: m["fedsd"]["outputs"] for c, m in meta.items()}
@@ -363,7 +369,13 @@ def test_resume_restores_lora_s_and_the_distilled_set(
         raise AssertionError("the refinery ran again on resume")
 
     monkeypatch.setattr(FoundationModel, "generate_replies", no_teacher)
-    run_experiment(_cfg(tmp_path, "killed", "fedsdr", algo, rounds=3), resume=True, progress=False)
+    run_experiment(
+        load_config(
+            make_config(FEDSDR, tmp_path, name="killed", algorithm="fedsdr", algo=algo, rounds=3)
+        ),
+        resume=True,
+        progress=False,
+    )
     assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "straight")
 
 
@@ -377,7 +389,14 @@ def test_fedsd_on_fedavg_family_trains_on_rewrites_and_hits_the_cache(
     _echo_teacher(monkeypatch, calls)
     cache = str(tmp_path / "cache")
     fedsd = {"enabled": True, "decoding": {"max_new_tokens": 8}, "cache_dir": cache}
-    run_experiment(_cfg(tmp_path, "a", "fedavg", {"fedsd": fedsd}, rounds=1), progress=False)
+    run_experiment(
+        load_config(
+            make_config(
+                FEDSDR, tmp_path, name="a", algorithm="fedavg", algo={"fedsd": fedsd}, rounds=1
+            )
+        ),
+        progress=False,
+    )
     assert len(calls) == 3  # one generation per client
     first = _metrics(tmp_path / "a")[0]
     assert first["fedsd/cached_clients"] == 0 and first["fedsd/kept_share"] > 0.5
@@ -393,21 +412,31 @@ def test_fedsd_on_fedavg_family_trains_on_rewrites_and_hits_the_cache(
         ("c", "scaffold", {}),
         ("d", "fedsdr", None),
     ]:
-        algo = {"fedsd": fedsd, **extra} if extra is not None else _sdr(tmp_path / "cache")
-        run_experiment(_cfg(tmp_path, name, algorithm, algo, rounds=1), progress=False)
+        algo = {"fedsd": fedsd, **extra} if extra is not None else fedsdr_algo(tmp_path / "cache")
+        run_experiment(
+            load_config(
+                make_config(FEDSDR, tmp_path, name=name, algorithm=algorithm, algo=algo, rounds=1)
+            ),
+            progress=False,
+        )
         rows = _metrics(tmp_path / name)
         assert rows[0]["fedsd/cached_clients"] == 3 and rows[-1]["failed"] == 0, name
     assert len(calls) == 3
 
     # FedSD trains on the rewrites: with them disabled the same run learns something else.
-    run_experiment(_cfg(tmp_path, "raw", "fedavg", {}, rounds=1), progress=False)
+    run_experiment(
+        load_config(
+            make_config(FEDSDR, tmp_path, name="raw", algorithm="fedavg", algo={}, rounds=1)
+        ),
+        progress=False,
+    )
     assert (
         _metrics(tmp_path / "raw")[-1]["train_loss"] != _metrics(tmp_path / "a")[-1]["train_loss"]
     )
 
 
 def test_cache_key_and_atomic_files(tmp_path: Path) -> None:
-    fm = FoundationModel("tiny-llama", args=TINY)
+    fm = FoundationModel("tiny-llama", args=FEDSDR["task"]["model_args"])
     rows = [{"id": 1, "instruction": "a", "input": "", "output": "b"}]
     greedy = GenerationConfig()
     key = cache_key(fm, rows, greedy, "base", seed=1)
@@ -436,9 +465,17 @@ def test_cache_key_and_atomic_files(tmp_path: Path) -> None:
 
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"algo\.steps_s"):
-        resolve(_cfg(tmp_path, "x", "fedsdr", {"steps_s": 0}))
+        resolve(
+            load_config(
+                make_config(FEDSDR, tmp_path, name="x", algorithm="fedsdr", algo={"steps_s": 0})
+            )
+        )
     with pytest.raises(ConfigError, match=r"algo\.steps_r"):
-        resolve(_cfg(tmp_path, "x", "fedsdr", {"steps_r": 0}))
+        resolve(
+            load_config(
+                make_config(FEDSDR, tmp_path, name="x", algorithm="fedsdr", algo={"steps_r": 0})
+            )
+        )
     tabular = {"name": "t", "algorithm": "fedsdr", "task": {"kind": "tabular"}}
     with pytest.raises(ConfigError, match=r"task\.kind"):
         resolve(load_config(tabular))
@@ -490,7 +527,7 @@ def test_the_study_runs_and_reports_what_it_measured(
     _echo_teacher(monkeypatch)
     tiny = {
         "model": "tiny-llama",
-        "model_args": TINY,
+        "model_args": FEDSDR["task"]["model_args"],
         "autocast_bf16": False,
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "prompt": {"max_length": 160, "max_prompt_length": 128},

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import Tensor
 
-import toy
 from fedfm.algorithms.fedavg import FedAvg, FedAvgFamilyConfig, Scaffold, ScaffoldConfig
 from fedfm.analyze import client_answers
 from fedfm.config import load_config
@@ -24,8 +23,10 @@ from fedfm.eval.compare import UpdateCosines, js_divergence, tfidf_cosine
 from fedfm.eval.generate import Reply
 from fedfm.fm import FoundationModel
 from fedfm.runtime import run as run_experiment
-from test_cli_contract import _main
-from test_fedsdr import _cfg
+from helpers import toy
+from helpers.bases import FEDSDR
+from helpers.cli import run_cli
+from helpers.config import make_config
 
 # Client deltas on nn.Linear(4, 1) (weight: 4 values, bias: 1), flattened over 5 values:
 # "0": Δ = 1 everywhere; "1": Δ = 2 on the weight only; "2": Δ = −1 everywhere.
@@ -94,7 +95,10 @@ def _tiny_run(out: Path, name: str, fedsd: bool) -> Path:
         "cache_dir": str(out / "cache"),
     }
     algo = {"update_cosines": True, "fedsd": fedsd_cfg}
-    run_experiment(_cfg(out, name, "fedavg", algo), progress=False)
+    run_experiment(
+        load_config(make_config(FEDSDR, out, name=name, algorithm="fedavg", algo=algo)),
+        progress=False,
+    )
     return out / name
 
 
@@ -123,7 +127,7 @@ def test_analyze_prints_a_runs_analyses_from_its_files(
     pairs = [(d, r) for c in raw for d, r in zip(dist[c], raw[c], strict=True)]
     assert any(d != r for d, r in pairs)
     assert all(d == r or d == f"Well, basically {r}".strip() for d, r in pairs)
-    code, out, err = _main(["analyze", str(base), str(sd)], monkeypatch, capsys)
+    code, out, err = run_cli(["analyze", str(base), str(sd)], monkeypatch, capsys)
     assert code == 0, err
     rows = [json.loads(x) for x in (sd / "metrics.jsonl").read_text().splitlines()]
     for r in rows[1:]:  # both rounds' cosines, as logged, in the run's column
@@ -142,9 +146,9 @@ def test_analyze_prints_a_runs_analyses_from_its_files(
 def test_analyze_refuses_a_path_that_is_not_a_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    code, _, err = _main(["analyze", str(tmp_path / "nope")], monkeypatch, capsys)
+    code, _, err = run_cli(["analyze", str(tmp_path / "nope")], monkeypatch, capsys)
     assert code == 2 and err.strip().count("\n") == 0 and "run:" in err
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "config.yaml").write_text("name: x\n")
-    code, _, err = _main(["analyze", str(tmp_path / "half")], monkeypatch, capsys)
+    code, _, err = run_cli(["analyze", str(tmp_path / "half")], monkeypatch, capsys)
     assert code == 2 and "no metrics.jsonl" in err

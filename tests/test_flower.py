@@ -13,14 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import flower_support as fs
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.config import load_config
 from fedfm.core.messages import Message
@@ -31,167 +28,23 @@ from fedfm.runtime.flower import server as S
 from fedfm.runtime.flower import wire as W
 from fedfm.runtime.flower.client import Snapshots
 from fedfm.runtime.flower_app import make_client_app
+from helpers import flower as fs
+from helpers.config import toy_config
+from helpers.grid import (
+    ReversedGrid,
+    embedded_run,
+    flower_run,
+    grid_payload,
+    same_run,
+    wire_trip,
+)
+from helpers.runfiles import untimed_rows
 
 flwr_app = pytest.importorskip("flwr.app")
 serde = pytest.importorskip("flwr.common.serde")
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Flower's Message constructor reads the process's task identity (set by Flower in a
-    ServerApp process); the in-memory grid runs in the test process, so set one here."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
-
-
-def _wire(rd: Any) -> Any:
-    """A RecordDict after a trip through Flower's protobuf serialisation."""
-    raw = serde.recorddict_to_proto(rd).SerializeToString()
-    proto = type(serde.recorddict_to_proto(flwr_app.RecordDict()))()
-    proto.ParseFromString(raw)
-    return serde.recorddict_from_proto(proto)
-
-
-class FakeGrid:
-    """An in-memory Flower grid: each message is answered by the ClientApp of its node.
-
-    Contents and node states cross Flower's protobuf serde, as on a real deployment.
-
-    Args:
-        payload: The run's payload (the ClientApp reads it as from Flower's run config).
-        num_nodes: SuperNodes; node ``i`` serves partition ``i``.
-        state_dir: Root of the nodes' state folders.
-        dead: Partitions whose node answers the handshake, then nothing.
-        crash_after: Raise (a server crash) after this many pushes.
-        node_config: Extra node-config entries.
-    """
-
-    def __init__(
-        self,
-        payload: W.Payload,
-        num_nodes: int,
-        state_dir: Path,
-        dead: set[int] | None = None,
-        crash_after: int | None = None,
-        node_config: dict[str, Any] | None = None,
-        num_partitions: int | None = None,
-        events: dict[int, Any] | None = None,
-    ) -> None:
-        self.app = make_client_app()
-        self.events = dict(events or {})
-        self.state_dir = state_dir
-        self.offline: set[int] = set()
-        self.dead = dead or set()
-        self.crash_after = crash_after
-        self.pushes = 0
-        self.pending: list[Any] = []
-        self.run_config = {W.PAYLOAD_KEY: payload.encode()}
-        self.contexts = {
-            100 + i: flwr_app.Context(
-                run_id=1,
-                node_id=100 + i,
-                node_config={
-                    "partition-id": i,
-                    "num-partitions": num_partitions or num_nodes,
-                    "state-dir": str(state_dir / f"node{i}"),
-                    **(node_config or {}),
-                },
-                state=flwr_app.RecordDict(),
-                run_config=self.run_config,
-            )
-            for i in range(num_nodes)
-        }
-
-    def get_node_ids(self) -> list[int]:
-        return [n for n in self.contexts if n not in self.offline]
-
-    def restart(self, node: int, new_node: int) -> None:
-        """The SuperNode ``node`` comes back as ``new_node``: same node config, empty state."""
-        old = self.contexts[node]
-        self.contexts[new_node] = flwr_app.Context(
-            run_id=1,
-            node_id=new_node,
-            node_config=dict(old.node_config),
-            state=flwr_app.RecordDict(),
-            run_config=self.run_config,
-        )
-
-    def push_messages(self, msgs: list[Any]) -> list[str]:
-        rounds = {m.metadata.group_id for m in msgs}
-        for rnd in [r for r in self.events if str(r) in rounds]:
-            self.events.pop(rnd)(self)
-        self.pushes += 1
-        if self.crash_after is not None and self.pushes > self.crash_after:
-            raise KeyboardInterrupt("server killed")
-        ids = []
-        for m in msgs:
-            m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            self.pending.append(m)
-            ids.append(m.metadata.message_id)
-        return ids
-
-    def pull_messages(self, ids: list[str]) -> list[Any]:
-        out = []
-        for m in list(self.pending):
-            node = m.metadata.dst_node_id
-            if m.metadata.message_id not in ids:
-                continue
-            if node - 100 in self.dead and m.metadata.message_type == W.MESSAGE_TYPE:
-                continue  # answered the handshake, then died
-            self.pending.remove(m)
-            m.content = _wire(m.content)
-            ctx = self.contexts[node]
-            reply = self.app(message=m, context=ctx)
-            ctx.state = _wire(ctx.state)
-            if reply.has_content():
-                reply.content = _wire(reply.content)
-            out.append(reply)
-        return out
-
-
-class ReversedGrid(FakeGrid):
-    """Answers one fedfm message per pull, the last one pushed first: replies come reversed."""
-
-    def pull_messages(self, ids: list[str]) -> list[Any]:
-        queries = [
-            m.metadata.message_id
-            for m in self.pending
-            if m.metadata.message_id in ids and m.metadata.message_type == W.MESSAGE_TYPE
-        ]
-        return super().pull_messages(queries[-1:] or ids)
-
-
-def _payload(cfg: dict[str, Any], **kw: Any) -> W.Payload:
-    options = {"imports": ["flower_support"], "node_wait_s": 0, "timeout_s": 5, "poll_s": 0.01}
-    options.update(kw.pop("options", {}))
-    return W.Payload(config=cfg, options=options, **kw)
-
-
-def _flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, Any]:
-    keys = ("dead", "crash_after", "node_config", "num_nodes", "events")
-    grid_kw = {k: kw.pop(k) for k in keys if k in kw}
-    grid_cls = kw.pop("grid_cls", FakeGrid)
-    payload = _payload(cfg, **kw)
-    clients = cfg.get("partition", {}).get("num_clients") or cfg["task"]["num_clients"]
-    n = grid_kw.pop("num_nodes", clients)
-    grid = grid_cls(payload, n, state_dir, num_partitions=clients, **grid_kw)
-    return S.server_main(grid, payload)
-
-
-def _embedded_run(cfg: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    return run(load_config(cfg), progress=False, **kw)
-
-
-def _same_run(a: Path, b: Path) -> None:
-    for log in ("metrics.jsonl", "audit.jsonl", "failures.jsonl", "client_metrics.jsonl"):
-        assert fs.read_jsonl(a / log) == fs.read_jsonl(b / log), log
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 # --------------------------------------------------------------------------- wire format
@@ -226,7 +79,7 @@ def test_tensors_and_meta_cross_the_wire_exactly():
         "nan": float("nan"),
     }
     msg = Message("select.features", {"p": arrays, "q": {}}, meta)
-    back, head = W.records_to_message(_wire(W.message_to_records(msg, {"round": 4})))
+    back, head = W.records_to_message(wire_trip(W.message_to_records(msg, {"round": 4})))
     assert head["round"] == 4 and back.kind == "select.features"
     assert list(back.arrays) == ["p", "q"] and back.arrays["q"] == {}
     assert list(back.arrays["p"]) == list(arrays)
@@ -284,8 +137,8 @@ def _call(app: Any, ctx: Any, msg: Message, header: dict[str, Any]) -> Any:
 
 
 def test_client_refuses_unknown_kinds_and_wrong_roles_with_named_errors(tmp_path):
-    cfg = fs.config(tmp_path, "test-two-phase", clients={"roles": {"strong": 0.5, "weak": 0.5}})
-    payload = _payload(cfg)
+    cfg = toy_config(tmp_path, "test-two-phase", clients={"roles": {"strong": 0.5, "weak": 0.5}})
+    payload = grid_payload(cfg)
     app = make_client_app()
     ctx = _context({"partition-id": 0, "state-dir": str(tmp_path / "s")}, payload)
     reply = _call(app, ctx, Message("nope"), {"cid": "0", "round": 1})
@@ -309,8 +162,8 @@ def test_client_refuses_unknown_kinds_and_wrong_roles_with_named_errors(tmp_path
 
 
 def test_client_state_commits_only_on_success(tmp_path):
-    cfg = fs.config(tmp_path, "test-two-phase")
-    payload = _payload(cfg)
+    cfg = toy_config(tmp_path, "test-two-phase")
+    payload = grid_payload(cfg)
     app = make_client_app()
     ctx = _context({"partition-id": 1, "state-dir": str(tmp_path / "s")}, payload)
     w = {"w": {"w": torch.ones(4)}}
@@ -331,7 +184,7 @@ def test_client_state_commits_only_on_success(tmp_path):
 
 
 def test_handshake_checks_the_partition(tmp_path):
-    payload = _payload(fs.config(tmp_path, "test-two-phase"))
+    payload = grid_payload(toy_config(tmp_path, "test-two-phase"))
     app = make_client_app()
     hello = flwr_app.Message(flwr_app.RecordDict(), 5, W.HELLO_TYPE)
     hello.metadata.__dict__["_message_id"] = "h"
@@ -373,10 +226,10 @@ def test_snapshot_validity_follows_the_session_history(tmp_path):
 
 
 def test_fedavg_over_flower_equals_embedded(tmp_path):
-    cfg = fs.config(tmp_path, "fedavg", name="emb", algo={"personal_eval": True})
-    _embedded_run(cfg)
-    summary = _flower_run({**cfg, "name": "flw", "runtime": "flower"}, tmp_path / "nodes")
-    _same_run(tmp_path / "emb", tmp_path / "flw")
+    cfg = toy_config(tmp_path, "fedavg", name="emb", algo={"personal_eval": True})
+    embedded_run(cfg)
+    summary = flower_run({**cfg, "name": "flw", "runtime": "flower"}, tmp_path / "nodes")
+    same_run(tmp_path / "emb", tmp_path / "flw")
     assert summary["bytes_up"] > 0 and summary["failed_clients"] == 0
 
 
@@ -384,36 +237,36 @@ def test_fedavg_over_flower_equals_embedded(tmp_path):
 def test_replies_arriving_out_of_order_aggregate_as_on_embedded(tmp_path, algorithm):
     """Replies are folded in as they come, yet in the order of the messages on every runtime."""
     algo = {"server_opt": {"name": "fedadam", "lr": 0.05}} if algorithm == "fedavg" else {}
-    cfg = fs.config(tmp_path, algorithm, name="emb", rounds=2, num_clients=5, algo=algo)
-    _embedded_run(cfg)
-    _flower_run({**cfg, "name": "flw"}, tmp_path / "nodes", grid_cls=ReversedGrid)
-    _same_run(tmp_path / "emb", tmp_path / "flw")
+    cfg = toy_config(tmp_path, algorithm, name="emb", rounds=2, num_clients=5, algo=algo)
+    embedded_run(cfg)
+    flower_run({**cfg, "name": "flw"}, tmp_path / "nodes", grid_cls=ReversedGrid)
+    same_run(tmp_path / "emb", tmp_path / "flw")
 
 
 @pytest.mark.parametrize("algorithm", ["test-two-phase", "scaffold"])
 def test_stateful_multi_exchange_algorithms_equal_embedded(tmp_path, algorithm):
     roles = {"roles": {"strong": 0.5, "weak": 0.25}, "fraction": 0.75}
-    cfg = fs.config(tmp_path, algorithm, name="emb", rounds=3, clients=roles)
-    emb = _embedded_run(cfg)
-    flw = _flower_run({**cfg, "name": "flw"}, tmp_path / "nodes")
-    _same_run(tmp_path / "emb", tmp_path / "flw")
+    cfg = toy_config(tmp_path, algorithm, name="emb", rounds=3, clients=roles)
+    emb = embedded_run(cfg)
+    flw = flower_run({**cfg, "name": "flw"}, tmp_path / "nodes")
+    same_run(tmp_path / "emb", tmp_path / "flw")
     assert emb.get("finish") == flw.get("finish")
 
 
 def test_failing_clients_fail_as_on_embedded(tmp_path):
-    import test_federation  # noqa: F401  (registers test-crashy in this process)
+    # helpers.flower registers test-crashy in this process
 
     assert "test-crashy" in ALGORITHMS
-    cfg = fs.config(tmp_path, "test-crashy", name="emb", rounds=1, num_clients=6)
+    cfg = toy_config(tmp_path, "test-crashy", name="emb", rounds=1, num_clients=6)
     cfg["clients"] = {"min_clients": 2}
-    _embedded_run(cfg)
-    _flower_run(
+    embedded_run(cfg)
+    flower_run(
         {**cfg, "name": "flw"},
         tmp_path / "nodes",
-        options={"imports": ["flower_support", "test_federation"]},
+        options={"imports": ["helpers.flower"]},
     )
-    _same_run(tmp_path / "emb", tmp_path / "flw")
-    fails = fs.read_jsonl(tmp_path / "flw" / "failures.jsonl")
+    same_run(tmp_path / "emb", tmp_path / "flw")
+    fails = untimed_rows(tmp_path / "flw" / "failures.jsonl")
     assert {f["client"] for f in fails} == {"1", "2", "3", "4"}
     # Client 1 crashed: its "touched" flag was never committed on its node.
     assert not list((tmp_path / "nodes" / "node1").rglob("*.json"))
@@ -421,18 +274,18 @@ def test_failing_clients_fail_as_on_embedded(tmp_path):
 
 
 def test_dead_and_missing_supernodes_are_failed_clients(tmp_path, caplog):
-    cfg = fs.config(tmp_path, "fedavg", name="flw", rounds=2, num_clients=4)
+    cfg = toy_config(tmp_path, "fedavg", name="flw", rounds=2, num_clients=4)
     with caplog.at_level(logging.WARNING, logger="fedfm"):
-        _flower_run(cfg, tmp_path / "nodes", dead={1}, num_nodes=3, options={"timeout_s": 0.5})
-    fails = fs.read_jsonl(tmp_path / "flw" / "failures.jsonl")
+        flower_run(cfg, tmp_path / "nodes", dead={1}, num_nodes=3, options={"timeout_s": 0.5})
+    fails = untimed_rows(tmp_path / "flw" / "failures.jsonl")
     by = {(f["round"], f["client"]): f["error"] for f in fails}
     assert by[(1, "1")].startswith("client 1: no reply within")
     assert by[(1, "3")] == "client 3: no SuperNode serves this client"
-    rows = fs.read_jsonl(tmp_path / "flw" / "metrics.jsonl")
+    rows = untimed_rows(tmp_path / "flw" / "metrics.jsonl")
     assert [r.get("clients") for r in rows[1:]] == [2, 2] and rows[2]["failed"] == 2
     # The ledger holds only messages that reached their client: neither the missing client's
     # nor the dead node's (never answered, so never shown to have arrived).
-    audit = fs.read_jsonl(tmp_path / "flw" / "audit.jsonl")
+    audit = untimed_rows(tmp_path / "flw" / "audit.jsonl")
     assert {(a["client"], a["direction"]) for a in audit if a["round"] == 1} == {
         (c, d) for c in "02" for d in ("down", "up")
     }
@@ -460,12 +313,12 @@ def test_dead_and_missing_supernodes_are_failed_clients(tmp_path, caplog):
 
 
 def test_a_restarted_supernode_serves_its_client_again_with_its_state(tmp_path):
-    cfg = fs.config(tmp_path, "test-two-phase", name="flw", rounds=3, num_clients=3)
+    cfg = toy_config(tmp_path, "test-two-phase", name="flw", rounds=3, num_clients=3)
     # Events fire as a round's first message is pushed and act from the next exchange on:
     # partition 1's SuperNode goes offline after round 1 and is back (a new node) for round 3.
     events = {1: lambda g: g.offline.add(101), 2: lambda g: g.restart(101, 201)}
-    summary = _flower_run(cfg, tmp_path / "nodes", events=events)
-    fails = fs.read_jsonl(tmp_path / "flw" / "failures.jsonl")
+    summary = flower_run(cfg, tmp_path / "nodes", events=events)
+    fails = untimed_rows(tmp_path / "flw" / "failures.jsonl")
     assert [(f["round"], f["client"], f["error"]) for f in fails] == [
         (2, "1", "client 1: no SuperNode serves this client")
     ]
@@ -474,25 +327,25 @@ def test_a_restarted_supernode_serves_its_client_again_with_its_state(tmp_path):
 
 
 def test_too_few_survivors_end_the_run_clearly(tmp_path):
-    cfg = fs.config(tmp_path, "fedavg", name="flw", rounds=1, num_clients=2)
+    cfg = toy_config(tmp_path, "fedavg", name="flw", rounds=1, num_clients=2)
     cfg["clients"] = {"min_clients": 2}
     with pytest.raises(TooFewClientsError, match="round 1: only 1 of 2 clients answered"):
-        _flower_run(cfg, tmp_path / "nodes", dead={0}, options={"timeout_s": 0.2})
+        flower_run(cfg, tmp_path / "nodes", dead={0}, options={"timeout_s": 0.2})
 
 
 def test_resume_after_a_crash_mid_round_equals_an_uninterrupted_run(tmp_path):
     roles = {"roles": {"strong": 0.5, "weak": 0.5}}
-    cfg = fs.config(tmp_path, "test-two-phase", name="full", rounds=4, clients=roles)
-    full = _flower_run(cfg, tmp_path / "nodes_full")
+    cfg = toy_config(tmp_path, "test-two-phase", name="full", rounds=4, clients=roles)
+    full = flower_run(cfg, tmp_path / "nodes_full")
     part = {**cfg, "name": "part"}
     # Pushes: 1 handshake + 1 profile, then 3 exchanges per round: the crash hits round 3
     # after its first exchange, once clients have written round-3 state.
     with pytest.raises(KeyboardInterrupt):
-        _flower_run(part, tmp_path / "nodes", crash_after=2 + 2 * 3 + 1)
+        flower_run(part, tmp_path / "nodes", crash_after=2 + 2 * 3 + 1)
     stale = list((tmp_path / "nodes").rglob("s0000-r00003.json"))
     assert stale  # clients did change state in the interrupted round
-    resumed = _flower_run(part, tmp_path / "nodes", resume=True)
-    _same_run(tmp_path / "full", tmp_path / "part")
+    resumed = flower_run(part, tmp_path / "nodes", resume=True)
+    same_run(tmp_path / "full", tmp_path / "part")
     assert resumed["finish"] == full["finish"]
     sessions = json.loads((tmp_path / "part" / "flower_sessions.json").read_text())
     assert [s["resumed_from"] for s in sessions["sessions"]] == [-1, 2]
@@ -504,11 +357,11 @@ def test_resume_after_a_crash_mid_round_equals_an_uninterrupted_run(tmp_path):
 def test_simulation_engine_equals_embedded(tmp_path):
     """Flower's simulation engine (Ray actors) end to end, against the embedded runtime."""
     roles = {"roles": {"strong": 0.5, "weak": 0.5}}
-    cfg = fs.config(tmp_path, "test-two-phase", name="emb", rounds=2, clients=roles)
-    emb = _embedded_run(cfg)
+    cfg = toy_config(tmp_path, "test-two-phase", name="emb", rounds=2, clients=roles)
+    emb = embedded_run(cfg)
     sim_cfg = load_config({**cfg, "name": "sim", "runtime": "flower-sim"})
-    sim = run(sim_cfg, progress=False, options={"imports": ["flower_support"], "sim_cpus": 2})
-    _same_run(tmp_path / "emb", tmp_path / "sim")
+    sim = run(sim_cfg, progress=False, options={"imports": ["helpers.flower"], "sim_cpus": 2})
+    same_run(tmp_path / "emb", tmp_path / "sim")
     assert sim["finish"] == emb["finish"]
     # Client states were kept per node for resume, inside the run folder.
     assert list((tmp_path / "sim" / "flower_client_states").rglob("*.safetensors"))
@@ -577,9 +430,9 @@ def test_every_algorithm_runs_unchanged_on_flower(tmp_path, algorithm):
     if algorithm in fs.COVERED_ELSEWHERE:
         pytest.skip(f"{algorithm} on Flower: {fs.COVERED_ELSEWHERE[algorithm]}")
     cfg = fs.algorithm_config(tmp_path, algorithm)
-    assert cfg is not None, f"no Flower test config for '{algorithm}' in flower_support.py"
-    emb = _embedded_run({**cfg, "name": "emb"})
-    imports = {"imports": ["flower_support", *fs.ALGORITHM_MODULES]}
-    flw = _flower_run({**cfg, "name": "flw"}, tmp_path / "nodes", options=imports)
-    _same_run(tmp_path / "emb", tmp_path / "flw")
+    assert cfg is not None, f"no Flower test config for '{algorithm}' in helpers/flower.py"
+    emb = embedded_run({**cfg, "name": "emb"})
+    imports = {"imports": ["helpers.flower", *fs.ALGORITHM_MODULES]}
+    flw = flower_run({**cfg, "name": "flw"}, tmp_path / "nodes", options=imports)
+    same_run(tmp_path / "emb", tmp_path / "flw")
     assert emb.get("finish") == flw.get("finish")

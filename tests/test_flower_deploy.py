@@ -25,18 +25,18 @@ from typing import Any
 import pytest
 import yaml
 
-import flower_support as fs
 from fedfm.config import load_config
 from fedfm.runtime import run
 from fedfm.runtime.flower import deploy as D
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
 from fedfm.runtime.flower.wire import Payload
-from test_flower_ops import assert_key_modes
+from helpers import TESTS
+from helpers import flower as fs
+from helpers.keys import assert_key_modes
 
 pytestmark = pytest.mark.slow  # several processes, about a minute each
 
-TESTS = Path(__file__).parent
 ENV = {"PYTHONPATH": str(TESTS)}
 RUN_TIMEOUT_S = 240
 
@@ -85,7 +85,7 @@ def test_fedavg_on_supernodes_equals_embedded_and_a_dying_supernode_fails(tmp_pa
         try:
             summary = D.serve(
                 load_config({**cfg, "name": "dep", "runtime": "flower"}),
-                options={"imports": ["flower_support"], "timeout_s": 8, "node_wait_s": 60},
+                options={"imports": ["helpers.flower"], "timeout_s": 8, "node_wait_s": 60},
                 host="127.0.0.1",
                 port=port,
                 timeout_s=RUN_TIMEOUT_S,
@@ -148,7 +148,7 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
                 auth_key=keys[i][0],
                 env_extra=ENV,
             )
-        options = {"imports": ["flower_support"], "timeout_s": 60, "node_wait_s": 60}
+        options = {"imports": ["helpers.flower"], "timeout_s": 60, "node_wait_s": 60}
         part = load_config({**cfg, "name": "dep", "runtime": "flower", "rounds": 1})
         p1 = Payload(part.model_dump(mode="json"), options)
         D.submit(home, tmp_path, p1, RUN_TIMEOUT_S, env_extra=ENV)
@@ -263,7 +263,7 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
     # other two SuperNodes reconnect with Flower's retry back-off, which takes longer than 8 s
     # on a loaded machine.
     opts = ["--flower", "timeout_s=20", "--flower", "node_wait_s=30"]
-    opts += ["--flower", "imports=[flower_support]"]
+    opts += ["--flower", "imports=[helpers.flower]"]
     serve = ["serve", str(path), "--insecure", "--host", "127.0.0.1", "--port", str(port), *opts]
     metrics = tmp_path / "runs" / "dep" / "metrics.jsonl"
     with commands(tmp_path) as started:
@@ -353,7 +353,7 @@ def test_serve_stopped_by_ctrl_c_before_round_0_exits_130_and_leaves_nothing(tmp
     path.write_text(yaml.safe_dump(cfg))
     port = P.free_port()
     serve = ["serve", str(path), "--insecure", "--host", "127.0.0.1", "--port", str(port)]
-    serve += ["--flower", "node_wait_s=120", "--flower", "imports=[flower_support]"]
+    serve += ["--flower", "node_wait_s=120", "--flower", "imports=[helpers.flower]"]
     with commands(tmp_path) as started:
         server = _fedfm(started, tmp_path, "serve", *serve)
         # The ServerApp has started once it waits for SuperNodes in the run folder it made.

@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -29,23 +28,9 @@ from fedfm.runtime.flower import deploy as D
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import refusals as R
 from fedfm.runtime.flower import tls as T
+from helpers.keys import assert_key_modes, mode
 
 runner = CliRunner()
-
-
-def _mode(path: Path) -> int:
-    return stat.S_IMODE(path.stat().st_mode)
-
-
-def assert_key_modes(folder: Path) -> None:
-    """Every private key in ``folder`` is 600, the folder 700, public files not writable by
-    others."""
-    assert _mode(folder) == 0o700, oct(_mode(folder))
-    for p in folder.iterdir():
-        if p.suffix == ".key":
-            assert _mode(p) == 0o600, f"{p.name}: {oct(_mode(p))}"
-        else:
-            assert _mode(p) & 0o022 == 0, f"{p.name}: {oct(_mode(p))}"
 
 
 def _certs(*args: str) -> object:
@@ -107,8 +92,8 @@ def test_private_keys_are_never_world_readable_even_with_a_loose_umask(tmp_path)
         priv, _ = T.make_node_key(tmp_path / "c", "node0")
     finally:
         os.umask(old)
-    assert _mode(tls.server_key) == 0o600 and _mode(priv) == 0o600
-    assert _mode(tmp_path / "c") == 0o700
+    assert mode(tls.server_key) == 0o600 and mode(priv) == 0o600
+    assert mode(tmp_path / "c") == 0o700
 
 
 def test_serve_and_client_warn_about_private_keys_readable_by_others(tmp_path, monkeypatch, caplog):

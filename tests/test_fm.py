@@ -14,25 +14,11 @@ from fedfm.core.train import local_train
 from fedfm.data.prompt import PromptConfig
 from fedfm.engine import build
 from fedfm.errors import ConfigError, FedfmError, UnknownNameError
-from fedfm.fm import FoundationModel
 from fedfm.models.causal_lm import small_tokenizer
 from fedfm.models.lora import LoraConfigSpec
+from helpers.models import TINY_FM_LORA, randomize, tiny_fm
 
-SPEC = LoraConfigSpec(r=4, alpha=8, dropout=0.0)
-_bases = itertools.count(100)
-
-
-def tiny_fm(**kw: Any) -> FoundationModel:
-    """A handle on a base of its own (the base seed makes the process-wide key unique)."""
-    args = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": next(_bases)}
-    return FoundationModel("tiny-llama", "float32", args, lora=SPEC, **kw)
-
-
-def randomize(fm: FoundationModel, name: str, seed: int, scale: float = 0.1) -> None:
-    """Gives adapter ``name`` random non-zero tensors so that it changes the output."""
-    gen = torch.Generator().manual_seed(seed)
-    state = fm.get_adapter(name)
-    fm.set_adapter(name, {k: scale * torch.randn(v.shape, generator=gen) for k, v in state.items()})
+SPEC = TINY_FM_LORA
 
 
 def _ids() -> torch.Tensor:
@@ -184,7 +170,7 @@ def test_bad_adapter_names_and_tasks_without_an_llm_name_the_field(tmp_path) -> 
         fm.set_active([], ["a"])
     with pytest.raises(ConfigError, match=r"lora\.adapters"):
         fm.add_adapter("a", seed=0)
-    import toy  # noqa: F401
+    from helpers import toy  # noqa: F401
 
     task = build(load_config({"task": {"kind": "toy"}, "out_dir": str(tmp_path)})).task
     with pytest.raises(ConfigError, match=r"task\.kind: task 'toy' has no foundation model"):
@@ -239,7 +225,7 @@ def test_sampling_is_seeded_without_the_global_rng() -> None:
 
 def test_each_row_stops_at_its_own_end_of_turn() -> None:
     from fedfm.eval.generate import generate
-    from test_llm_eval import bigram_llama
+    from helpers.models import bigram_llama
 
     tok = small_tokenizer()
     ids = tok("\nyes 7", add_special_tokens=False)["input_ids"]

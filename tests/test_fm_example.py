@@ -15,8 +15,9 @@ from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptimizer
 from fedfm.core.train import local_train
 from fedfm.runtime import run as run_experiment
+from helpers import REPO
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "design.md"
+DOC = REPO / "docs" / "design.md"
 
 
 def _example() -> type:

@@ -15,16 +15,19 @@ from typing import Any
 import datasets
 import pytest
 
+from fedfm.config import load_config
 from fedfm.data.prompt import format_prompt
 from fedfm.eval.llm import choice_logliks, evaluate_instruction_items
 from fedfm.harness import check_run, load_model
 from fedfm.runtime import run
-from test_cli_contract import _main, _yaml
-from test_lm_task import _cfg
+from helpers import TESTS
+from helpers.bases import INSTRUCTION
+from helpers.cli import run_cli
+from helpers.config import make_config, toy_yaml
 
 pytest.importorskip("lm_eval")
 
-TASKS = Path(__file__).parent / "lm_eval_tasks"
+TASKS = TESTS / "lm_eval_tasks"
 ITEMS = [json.loads(x) for x in (TASKS / "trec20.jsonl").read_text().splitlines()]
 
 
@@ -97,8 +100,14 @@ def _fedfm_scores(run_dir: Path, items: list[dict[str, Any]]) -> tuple[float, li
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("runs")
     # Prompts long enough for the TREC questions: fedfm never cuts them, like the harness.
-    cfg = _cfg(
-        out, name="tiny", rounds=1, task={"prompt": {"max_length": 256, "max_prompt_length": 200}}
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            out,
+            name="tiny",
+            rounds=1,
+            task={"prompt": {"max_length": 256, "max_prompt_length": 200}},
+        )
     )
     run(cfg, progress=False)
     return out / "tiny"
@@ -113,7 +122,7 @@ def test_a_finished_llm_run_leaves_its_adapter_in_peft_format(tiny_run: Path) ->
 
 def test_fedfm_eval_on_a_tiny_run_equals_fedfm_scorer(tiny_run: Path, monkeypatch, capsys) -> None:
     argv = ["eval", str(tiny_run), "--tasks", "fedfm_trec20", "--include", str(TASKS)]
-    code, out, err = _main([*argv, "--limit", "6"], monkeypatch, capsys)
+    code, out, err = run_cli([*argv, "--limit", "6"], monkeypatch, capsys)
     assert code == 0, err
     saved = json.loads((tiny_run / "lm_eval.json").read_text())
     assert saved["n_samples"]["fedfm_trec20"]["effective"] == 6 and saved["chat_template"]
@@ -132,26 +141,26 @@ def test_bad_eval_input_is_one_line_exit_2_and_the_run_untouched(
     tiny_run: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
     before = _snapshot(tiny_run)
-    code, _, err = _main(["eval", str(tmp_path), "--tasks", "x"], monkeypatch, capsys)
+    code, _, err = run_cli(["eval", str(tmp_path), "--tasks", "x"], monkeypatch, capsys)
     assert (code, err.strip()) == (
         2,
         f"error: config error: run: {tmp_path} is not a finished run folder (no config.yaml)",
     )
     # A finished run whose algorithm trains no LoRA adapter (a toy regression).
-    code, _, err = _main(["run", str(_yaml(tmp_path)), "-q"], monkeypatch, capsys)
+    code, _, err = run_cli(["run", str(toy_yaml(tmp_path)), "-q"], monkeypatch, capsys)
     toy = tmp_path / "runs" / "c"
     assert code == 0 and not (toy / "adapter").exists()
-    code, _, err = _main(["eval", str(toy), "--tasks", "x"], monkeypatch, capsys)
+    code, _, err = run_cli(["eval", str(toy), "--tasks", "x"], monkeypatch, capsys)
     assert code == 2 and err.strip().splitlines() == [
         f"error: config error: run: {toy} has no adapter (adapter/adapter_config.json): only"
         " finished runs of an LLM algorithm that trains a global LoRA adapter leave one"
     ]
-    code, _, err = _main(["eval", str(tiny_run), "--tasks", "nosuchtask"], monkeypatch, capsys)
+    code, _, err = run_cli(["eval", str(tiny_run), "--tasks", "nosuchtask"], monkeypatch, capsys)
     assert code == 2 and err.strip().splitlines()[-1] == (
         "error: config error: --tasks: lm-eval knows no task ['nosuchtask']"
     )
     # A task of the harness whose data lives on the hub: it cannot be loaded offline.
-    code, _, err = _main(["eval", str(tiny_run), "--tasks", "arc_easy"], monkeypatch, capsys)
+    code, _, err = run_cli(["eval", str(tiny_run), "--tasks", "arc_easy"], monkeypatch, capsys)
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith(
         "error: config error: --tasks: ['arc_easy'] cannot be loaded offline:"
@@ -162,22 +171,25 @@ def test_bad_eval_input_is_one_line_exit_2_and_the_run_untouched(
 @pytest.mark.slow
 def test_fedfm_eval_on_smollm2_equals_fedfm_scorer(tmp_path: Path, monkeypatch, capsys) -> None:
     """Base SmolLM2 (a 0-round run: its adapter is the untrained B = 0 init) on all 20 items."""
-    cfg = _cfg(
-        tmp_path,
-        name="smol",
-        rounds=0,
-        task={
-            "model": "smollm2-135m-instruct",
-            "model_args": {},
-            "choice_mode": "loglik",
-            "eval_ppl": False,
-            "max_eval": 3,
-        },
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            tmp_path,
+            name="smol",
+            rounds=0,
+            task={
+                "model": "smollm2-135m-instruct",
+                "model_args": {},
+                "choice_mode": "loglik",
+                "eval_ppl": False,
+                "max_eval": 3,
+            },
+        )
     )
     run(cfg, progress=False)
     folder = tmp_path / "smol"
     argv = ["eval", str(folder), "--tasks", "fedfm_trec20", "--include", str(TASKS)]
-    code, _, err = _main(argv, monkeypatch, capsys)
+    code, _, err = run_cli(argv, monkeypatch, capsys)
     assert code == 0, err
     saved = json.loads((folder / "lm_eval.json").read_text())
     acc, logliks = _fedfm_scores(folder, ITEMS)

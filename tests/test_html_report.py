@@ -204,9 +204,10 @@ def test_the_page_renders_in_chromium_and_asks_for_nothing(
 
 
 def test_an_llm_run_keeps_its_items_and_shows_them(tmp_path: Path) -> None:
-    from test_lm_task import _cfg
+    from helpers.bases import INSTRUCTION
+    from helpers.config import make_config
 
-    cfg = _cfg(tmp_path, name="llm", rounds=1, plots=True)
+    cfg = load_config(make_config(INSTRUCTION, tmp_path, name="llm", rounds=1, plots=True))
     run(cfg, progress=False)
     rows = [json.loads(x) for x in (tmp_path / "llm" / "eval_items.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -10,7 +9,7 @@ import datasets
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fedfm.data.prompt import PromptConfig, format_prompt
 from fedfm.errors import FedfmError, UnknownNameError
@@ -27,6 +26,7 @@ from fedfm.eval.llm import (
     split_held_out_domain,
     text_nlls,
 )
+from helpers.models import bigram_llama, constant_llama, tiny_llama
 
 CHATML = (
     "{% for message in messages %}"
@@ -39,7 +39,6 @@ CORPUS = [
     "Summarize the following text in one sentence. Answer yes or no.",
     "A farmer has 12 apples and gives away 5. How many are left? #### 7",
 ]
-HIDDEN = 32
 
 
 @pytest.fixture(scope="module")
@@ -62,62 +61,6 @@ def tok() -> PreTrainedTokenizerFast:
         pad_token="<|im_end|>",
         chat_template=CHATML,
     )
-
-
-def tiny_llama(vocab_size: int, seed: int = 0, init: float = 0.2) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        initializer_range=init,  # peaked logits, so greedy choices are not float-noise ties
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
-
-
-def _silence_layers(model: LlamaForCausalLM) -> None:
-    """Zero every attention and MLP output: the final hidden state is the current token's
-    embedding, so the logits depend on the current token only."""
-    for layer in model.model.layers:
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
-
-
-@torch.no_grad()
-def bigram_llama(tok, chain: list[int]) -> LlamaForCausalLM:
-    """A Llama whose greedy continuation after ``chain[0]`` is ``chain[1:]``.
-
-    Token ``chain[k]`` gets embedding ``e_k`` (every other token ``e_{HIDDEN-1}``); RMSNorm maps
-    ``e_k`` to ``sqrt(HIDDEN) e_k``, and ``lm_head[chain[k+1], k] = 1`` makes ``chain[k+1]`` the
-    only non-zero logit (≈5.7) after ``chain[k]``.
-    """
-    model = tiny_llama(len(tok))
-    _silence_layers(model)
-    emb = model.model.embed_tokens.weight
-    emb.zero_()
-    emb[:, HIDDEN - 1] = 1.0
-    model.lm_head.weight.zero_()
-    for k, (cur, nxt) in enumerate(itertools.pairwise(chain)):
-        emb[cur] = 0.0
-        emb[cur, k] = 1.0
-        model.lm_head.weight[nxt, k] = 1.0
-    return model
-
-
-@torch.no_grad()
-def constant_llama(vocab_size: int, logprobs: torch.Tensor) -> LlamaForCausalLM:
-    """A Llama whose next-token log-probabilities are ``logprobs`` at every position."""
-    model = tiny_llama(vocab_size)
-    _silence_layers(model)
-    v = torch.ones(HIDDEN)
-    model.model.embed_tokens.weight.copy_(v.expand(vocab_size, HIDDEN))
-    h = model.model.norm(v)  # the final hidden state of every position
-    model.lm_head.weight.copy_(torch.outer(logprobs, h) / h.dot(h))
-    return model
 
 
 def _ids(tok, text: str) -> list[int]:

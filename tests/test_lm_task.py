@@ -17,41 +17,11 @@ from fedfm.errors import ConfigError
 from fedfm.eval.llm import lm_nll
 from fedfm.models.lora import trainable_state
 from fedfm.runtime import run
+from helpers.bases import INSTRUCTION
+from helpers.config import make_config
 
-DOMAINS = ["general", "movie", "spam"]
-TINY = {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 0}
-
-
-def _task_section(**kw: Any) -> dict[str, Any]:
-    section = {
-        "kind": "instruction",
-        "model": "tiny-llama",
-        "model_args": TINY,
-        "source_options": {"per_domain_train": 12, "per_domain_test": 4, "domains": DOMAINS},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "prompt": {"max_length": 80, "max_prompt_length": 48},
-        "max_eval": 6,
-        "max_new_tokens": 3,
-        "eval_batch_size": 8,
-        "eval_ppl": True,
-    }
-    section.update(kw)
-    return section
-
-
-def _cfg(tmp_path: Any, name: str = "lm", rounds: int = 2, **kw: Any):
-    task = _task_section(**kw.pop("task", {}))
-    base = {
-        "name": name,
-        "rounds": rounds,
-        "algorithm": kw.pop("algorithm", "fedavg"),
-        "task": task,
-        "out_dir": str(tmp_path),
-        "plots": False,
-        "train": {"steps": 2, "batch_size": 4, "optimizer": "adamw", "lr": 1e-3},
-    }
-    base.update(kw)
-    return load_config(base)
+DOMAINS = INSTRUCTION["task"]["source_options"]["domains"]
+TINY = INSTRUCTION["task"]["model_args"]
 
 
 def _jsonl(path: Any) -> list[dict[str, Any]]:
@@ -60,7 +30,11 @@ def _jsonl(path: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> lm.InstructionTask:
-    return build(_cfg(tmp_path_factory.mktemp("t"), task={"heldout_domain": "spam"})).task
+    return build(
+        load_config(
+            make_config(INSTRUCTION, tmp_path_factory.mktemp("t"), task={"heldout_domain": "spam"})
+        )
+    ).task
 
 
 def test_natural_partition_by_domain_and_heldout_domain_kept_out(task) -> None:
@@ -167,7 +141,7 @@ def test_likelihood_only_scores_labels_references_and_held_out_text(tmp_path, mo
         "text_nll": {"corpus": "c4_demo", "docs": 5, "max_tokens": 16},
         "primary": "zeroshot/score",
     }
-    task = build(_cfg(tmp_path, task=section)).task
+    task = build(load_config(make_config(INSTRUCTION, tmp_path, task=section))).task
     out, items = task.evaluate_items(task.build_model(seed=0), task.test_data())
     by = {d: [it for it in items if it["domain"] == d] for d in ("general", "movie", "c4_demo")}
     # General is not generated: no score, its references' NLL per item.
@@ -204,11 +178,11 @@ def test_likelihood_only_scores_labels_references_and_held_out_text(tmp_path, mo
 )
 def test_bad_likelihood_settings_name_the_field(tmp_path, section, field) -> None:
     with pytest.raises(ConfigError, match=field):
-        build(_cfg(tmp_path, task=section))
+        build(load_config(make_config(INSTRUCTION, tmp_path, task=section)))
 
 
 def test_fedavg_over_lora_sends_only_adapter_tensors(tmp_path) -> None:
-    cfg = _cfg(tmp_path, name="fedit")
+    cfg = load_config(make_config(INSTRUCTION, tmp_path, name="fedit"))
     summary = run(cfg, progress=False)
     model = lm.shared_peft_model(
         "tiny-llama", "float32", TINY, lm.LoraConfigSpec(r=4, alpha=8, dropout=0.0)
@@ -240,7 +214,11 @@ def test_fedavg_over_lora_sends_only_adapter_tensors(tmp_path) -> None:
 
 
 def test_fedit_server_params_are_the_adapter_keys(tmp_path) -> None:
-    setup = build(_cfg(tmp_path, algo={"server_opt": {"name": "fedadam", "lr": 0.01}}))
+    setup = build(
+        load_config(
+            make_config(INSTRUCTION, tmp_path, algo={"server_opt": {"name": "fedadam", "lr": 0.01}})
+        )
+    )
     assert sorted(setup.algo.params) == sorted(trainable_state(setup.algo.model()))
 
 
@@ -249,14 +227,17 @@ def test_fedit_server_params_are_the_adapter_keys(tmp_path) -> None:
     [("fedprox", {"mu": 0.1}), ("scaffold", {}), ("fedavg", {"server_opt": {"name": "fedyogi"}})],
 )
 def test_other_fedavg_family_members_run_on_lora(tmp_path, algorithm, algo) -> None:
-    cfg = _cfg(
-        tmp_path,
-        name=algorithm,
-        rounds=1,
-        algorithm=algorithm,
-        algo=algo,
-        eval_before=False,
-        partition={"scheme": "dirichlet", "num_clients": 2, "alpha": 1.0, "min_size": 3},
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            tmp_path,
+            name=algorithm,
+            rounds=1,
+            algorithm=algorithm,
+            algo=algo,
+            eval_before=False,
+            partition={"scheme": "dirichlet", "num_clients": 2, "alpha": 1.0, "min_size": 3},
+        )
     )
     run(cfg, progress=False)
     rows = _jsonl(tmp_path / algorithm / "metrics.jsonl")
@@ -265,12 +246,15 @@ def test_other_fedavg_family_members_run_on_lora(tmp_path, algorithm, algo) -> N
 
 
 def test_bfloat16_base_keeps_a_float32_adapter_and_trains_under_autocast(tmp_path) -> None:
-    cfg = _cfg(
-        tmp_path,
-        name="bf16",
-        rounds=1,
-        eval_before=False,
-        task={"dtype": "bfloat16", "autocast_bf16": True, "model_args": {**TINY, "seed": 1}},
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            tmp_path,
+            name="bf16",
+            rounds=1,
+            eval_before=False,
+            task={"dtype": "bfloat16", "autocast_bf16": True, "model_args": {**TINY, "seed": 1}},
+        )
     )
     task = build(cfg).task
     model = task.build_model(seed=0)
@@ -289,10 +273,13 @@ def test_local_alpaca_file_without_domains_or_metrics(tmp_path) -> None:
     ]
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(rows))
-    cfg = _cfg(
-        tmp_path,
-        task={"dataset": "hf", "source_options": {"path": str(path)}, "test_fraction": 0.2},
-        partition={"scheme": "iid", "num_clients": 2},
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            tmp_path,
+            task={"dataset": "hf", "source_options": {"path": str(path)}, "test_fraction": 0.2},
+            partition={"scheme": "iid", "num_clients": 2},
+        )
     )
     task = build(cfg).task
     assert [len(task.client_data(c)) for c in task.client_ids()] == [8, 8]
@@ -304,21 +291,31 @@ def test_local_alpaca_file_without_domains_or_metrics(tmp_path) -> None:
 
 def test_bad_config_values_name_the_field(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"task\.heldout_domain"):
-        build(_cfg(tmp_path, task={"heldout_domain": "poetry"}))
+        build(load_config(make_config(INSTRUCTION, tmp_path, task={"heldout_domain": "poetry"})))
     with pytest.raises(ConfigError, match=r"task\.dataset"):
-        build(_cfg(tmp_path, task={"dataset": "breast_cancer", "source_options": {}}))
+        build(
+            load_config(
+                make_config(
+                    INSTRUCTION, tmp_path, task={"dataset": "breast_cancer", "source_options": {}}
+                )
+            )
+        )
     with pytest.raises(ConfigError, match=r"task\.choice_mode"):
-        build(_cfg(tmp_path, task={"choice_mode": "vote"}))
+        build(load_config(make_config(INSTRUCTION, tmp_path, task={"choice_mode": "vote"})))
     with pytest.raises(ConfigError, match=r"partition\.num_clients"):
-        build(_cfg(tmp_path, partition={"num_clients": 5}))  # natural: 3 domains
-    task = build(_cfg(tmp_path)).task
+        build(
+            load_config(make_config(INSTRUCTION, tmp_path, partition={"num_clients": 5}))
+        )  # natural: 3 domains
+    task = build(load_config(make_config(INSTRUCTION, tmp_path))).task
     with pytest.raises(ConfigError, match="overrides"):
         task.build_model(seed=0, hidden=128)
 
 
 def test_padding_to_a_multiple_leaves_the_loss_unchanged(tmp_path) -> None:
-    plain = build(_cfg(tmp_path)).task
-    padded = build(_cfg(tmp_path, task={"pad_to_multiple_of": 32})).task
+    plain = build(load_config(make_config(INSTRUCTION, tmp_path))).task
+    padded = build(
+        load_config(make_config(INSTRUCTION, tmp_path, task={"pad_to_multiple_of": 32}))
+    ).task
     data = plain.client_data(plain.client_ids()[0])
     a = next(plain.batches(data, 4, seed=1))
     b = next(padded.batches(padded.client_data(plain.client_ids()[0]), 4, seed=1))
@@ -341,8 +338,11 @@ def test_presets_load_and_validate() -> None:
 
 @pytest.mark.slow
 def test_fedit_on_flower_simulation_equals_embedded(tmp_path) -> None:
-    run(_cfg(tmp_path, name="embedded"), progress=False)
-    run(_cfg(tmp_path, name="flower", runtime="flower-sim"), progress=False)
+    run(load_config(make_config(INSTRUCTION, tmp_path, name="embedded")), progress=False)
+    run(
+        load_config(make_config(INSTRUCTION, tmp_path, name="flower", runtime="flower-sim")),
+        progress=False,
+    )
     embedded = _jsonl(tmp_path / "embedded" / "metrics.jsonl")
     flower = _jsonl(tmp_path / "flower" / "metrics.jsonl")
     skip = {"time_s"}
@@ -353,22 +353,25 @@ def test_fedit_on_flower_simulation_equals_embedded(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_one_fedit_round_on_real_smollm2(tmp_path) -> None:
-    cfg = _cfg(
-        tmp_path,
-        name="smollm2",
-        rounds=1,
-        eval_before=False,
-        task={
-            "model": "smollm2-135m-instruct",
-            "model_args": {},
-            "autocast_bf16": True,
-            "source_options": {"per_domain_train": 4, "per_domain_test": 2, "domains": DOMAINS},
-            "max_eval": 3,
-            "choice_mode": "loglik",
-            "eval_ppl": False,
-            "max_new_tokens": 8,
-        },
-        train={"steps": 1, "batch_size": 2, "optimizer": "adamw", "lr": 1e-4},
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            tmp_path,
+            name="smollm2",
+            rounds=1,
+            eval_before=False,
+            task={
+                "model": "smollm2-135m-instruct",
+                "model_args": {},
+                "autocast_bf16": True,
+                "source_options": {"per_domain_train": 4, "per_domain_test": 2, "domains": DOMAINS},
+                "max_eval": 3,
+                "choice_mode": "loglik",
+                "eval_ppl": False,
+                "max_new_tokens": 8,
+            },
+            train={"steps": 1, "batch_size": 2, "optimizer": "adamw", "lr": 1e-4},
+        )
     )
     run(cfg, progress=False)
     rows = _jsonl(tmp_path / "smollm2" / "metrics.jsonl")

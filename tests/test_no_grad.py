@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-import toy  # noqa: F401  (registers the toy task)
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401  (registers the toy task)
 
 BACKWARD_CALLS: list[str] = []
 LOG: dict[str, Any] = {}  # what the algorithm saw, read by the test

@@ -188,10 +188,10 @@ def test_metrics_with_a_key_that_is_not_a_string_are_refused() -> None:
 
 
 def test_local_round_takes_its_budget_in_epochs_from_the_client_data() -> None:
-    import toy
     from fedfm.config import TrainConfig, load_config
     from fedfm.core.federation import ClientContext, ClientState
     from fedfm.core.train import local_round
+    from helpers import toy
 
     run = load_config({"task": {"kind": "toy", "num_clients": 1}})
     task = toy.ToyTask(toy.ToyConfig(num_clients=1, per_client=24), run)
@@ -213,10 +213,10 @@ def test_scaffold_refuses_a_bool_step_count_and_sums_default_to_a_global_step_of
 
 
 def test_local_round_shuffles_with_the_purpose_batches_by_default() -> None:
-    import toy
     from fedfm.config import TrainConfig, load_config
     from fedfm.core.federation import ClientContext, ClientState, derive_seed
     from fedfm.core.train import local_round
+    from helpers import toy
 
     seeds: list[int] = []
 

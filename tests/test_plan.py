@@ -14,7 +14,7 @@ from fedfm.config import load_config
 from fedfm.engine import build
 from fedfm.plan import make_plan
 from fedfm.runtime import run
-from test_cli_contract import _main
+from helpers.cli import run_cli
 
 TINY = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 4}
 
@@ -83,14 +83,14 @@ def test_plan_prints_the_parts_and_strict_refuses_what_does_not_fit(
 ) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(_cfg(tmp_path / "runs")))
-    code, out, _ = _main(["plan", str(path)], monkeypatch, capsys)
+    code, out, _ = run_cli(["plan", str(path)], monkeypatch, capsys)
     assert code == 0
     assert "server:" in out and "client:" in out and "activations" in out and "(fits)" in out
     monkeypatch.setattr(devices, "memory_available", lambda device: 2**20)  # 1 MiB free
-    code, out, err = _main(["plan", str(path)], monkeypatch, capsys)
+    code, out, err = run_cli(["plan", str(path)], monkeypatch, capsys)
     assert code == 0 and "DOES NOT FIT" in out
     assert "exceeds the 1 MiB available" in caplog.text  # a warning, not a refusal
-    code, _, err = _main(["plan", str(path), "--strict"], monkeypatch, capsys)
+    code, _, err = run_cli(["plan", str(path), "--strict"], monkeypatch, capsys)
     # One error line (the partitioner's progress bars are stderr's only other lines).
     errors = [x for x in err.splitlines() if x.startswith("error")]
     assert code == 2 and errors == [err.strip().splitlines()[-1]]
@@ -101,7 +101,7 @@ def test_plan_prints_the_parts_and_strict_refuses_what_does_not_fit(
 def test_run_prints_the_plans_line_first(tmp_path, monkeypatch, capsys) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(_cfg(tmp_path / "runs")))
-    code, out, err = _main(["run", str(path), "-q"], monkeypatch, capsys)
+    code, out, err = run_cli(["run", str(path), "-q"], monkeypatch, capsys)
     assert code == 0, err
     first = out.strip().splitlines()[0]
     assert first.startswith("plan: cpu, server and 6 clients in one process: peak ~")

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-import toy  # noqa: F401  (registers the toy task)
 from fedfm.config import load_config
 from fedfm.core.attacks import poison_handlers, scale_update
 from fedfm.engine import Engine
 from fedfm.errors import TooFewClientsError
 from fedfm.runtime.embedded import embedded_federation
+from helpers import toy  # noqa: F401  (registers the toy task)
 
 ROBUST = [
     ["algo.aggregator.clip_norm=median"],

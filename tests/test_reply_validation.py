@@ -11,16 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-import flower_support as fs
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.algorithms.fedavg import EVALUATE, TRAIN, FedAvg
 from fedfm.config import load_config
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.errors import MessageError, TooFewClientsError
 from fedfm.runtime import run
-
-# The in-memory Flower grid; its autouse fixture sets the task identity Flower needs.
-from test_flower import _flower_run, _same_run, task_identity  # noqa: F401
+from helpers import flower as fs
+from helpers.grid import flower_run, same_run
 
 # ----------------------------------------------------------------------------- MessageKind
 
@@ -162,6 +160,6 @@ def test_failures_of_the_round_that_stops_the_run_are_logged(tmp_path):
 def test_flower_runtime_rejects_the_same_replies_the_same_way(tmp_path):
     run(load_config(_cfg(tmp_path, min_clients=2, rounds=2)), progress=False)
     flw = {**_cfg(tmp_path, min_clients=2, rounds=2), "name": "flw"}
-    _flower_run(flw, tmp_path / "nodes", options={"imports": ["flower_support", __name__]})
-    _same_run(tmp_path / "bad", tmp_path / "flw")
+    flower_run(flw, tmp_path / "nodes", options={"imports": ["helpers.flower", __name__]})
+    same_run(tmp_path / "bad", tmp_path / "flw")
     assert len(_failures(tmp_path / "flw")) == 12

@@ -11,17 +11,15 @@ from typing import Any
 
 import pytest
 
-import flower_support as fs
-import toy  # noqa: F401  (registers the toy task)
 from fedfm import cli
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.algorithms.fedavg import FedAvg
 from fedfm.config import load_config
 from fedfm.errors import ConfigError
 from fedfm.runtime import run
-
-# The in-memory Flower grid; its autouse fixture sets the task identity Flower needs.
-from test_flower import _flower_run, _same_run, task_identity  # noqa: F401
+from helpers import flower as fs
+from helpers import toy  # noqa: F401  (registers the toy task)
+from helpers.grid import flower_run, same_run
 
 BASE = ["run", "tabular-fedavg", "rounds=1", "plots=false", "-q"]
 
@@ -304,12 +302,12 @@ def test_flower_resume_uses_the_checkpoint_the_engine_fell_back_to(tmp_path):
     engine chose it, so a lost LATEST resumes the clients' states too."""
     roles = {"roles": {"strong": 0.5, "weak": 0.5}}
     cfg = fs.config(tmp_path, "test-two-phase", name="full", rounds=4, clients=roles)
-    _flower_run(cfg, tmp_path / "nodes_full")
+    flower_run(cfg, tmp_path / "nodes_full")
     part = {**cfg, "name": "part", "rounds": 2}
-    _flower_run(part, tmp_path / "nodes")
+    flower_run(part, tmp_path / "nodes")
     (tmp_path / "part" / "checkpoints" / "LATEST").unlink()
-    _flower_run({**part, "rounds": 4}, tmp_path / "nodes", resume=True)
-    _same_run(tmp_path / "full", tmp_path / "part")
+    flower_run({**part, "rounds": 4}, tmp_path / "nodes", resume=True)
+    same_run(tmp_path / "full", tmp_path / "part")
     sessions = json.loads((tmp_path / "part" / "flower_sessions.json").read_text())
     assert [s["resumed_from"] for s in sessions["sessions"]] == [-1, 2]
 

@@ -10,13 +10,13 @@ import matplotlib.figure
 import pytest
 from typer.testing import CliRunner
 
-import toy  # noqa: F401  (registers the toy task)
 from fedfm.cli import app
 from fedfm.config import load_config
 from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.report import compare
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401  (registers the toy task)
 
 
 def _toy(out: Path, name: str, rounds: int = 2) -> dict:
@@ -92,14 +92,17 @@ def test_report_without_out_writes_next_to_the_runs_and_says_where(tmp_path):
 
 
 def test_a_source_without_domains_is_refused_for_a_natural_partition(tmp_path):
-    from test_lm_task import _cfg
+    from helpers.bases import INSTRUCTION
+    from helpers.config import make_config
 
     rows = [{"instruction": f"Say {i}.", "input": "", "output": f"{i}"} for i in range(20)]
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(rows))
     task = {"dataset": "hf", "source_options": {"path": str(path)}, "test_fraction": 0.2}
     with pytest.raises(ConfigError, match=r"partition\.by: every training row has the same"):
-        build(_cfg(tmp_path, task=task))  # natural by domain is the default
+        build(load_config(make_config(INSTRUCTION, tmp_path, task=task)))  # natural: by domain
     # Asked for explicitly, one partition scheme or another is fine.
-    assert len(build(_cfg(tmp_path, task=task, partition={"scheme": "iid", "num_clients": 2}))
-               .task.client_ids()) == 2  # fmt: skip
+    iid = make_config(
+        INSTRUCTION, tmp_path, task=task, partition={"scheme": "iid", "num_clients": 2}
+    )
+    assert len(build(load_config(iid)).task.client_ids()) == 2

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-import toy  # noqa: F401  (registers the toy task)
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
@@ -17,6 +16,7 @@ from fedfm.core.messages import Message, MessageKind
 from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.report import compare
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401  (registers the toy task)
 
 
 class NoisyMeans(Algorithm):

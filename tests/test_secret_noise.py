@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,9 @@ from fedfm.engine import build
 from fedfm.html_report import RunData, section_privacy, write_run_report
 from fedfm.report import compare
 from fedfm.runtime import run
-
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-import flower_support as fs  # noqa: E402
-from test_flower import _flower_run, task_identity  # noqa: E402,F401  (autouse fixture)
-from test_resume import kill_mid_run  # noqa: E402
+from helpers import flower as fs
+from helpers.grid import flower_run
+from helpers.runs import kill_mid_run
 
 
 def _dp_cfg(out: Path, name: str, noise: str, **kw: Any) -> dict[str, Any]:
@@ -75,10 +71,11 @@ def test_a_secret_stream_is_fresh_per_state_and_continues_from_its_counter() -> 
 
 
 def test_dpsyn_noise_differs_between_runs_by_default_and_not_when_seeded(tmp_path: Path) -> None:
-    from test_dpsyn import _cfg as dpsyn_cfg
+    from helpers.bases import DPSYN
+    from helpers.config import make_config
 
     def profile(noise: str) -> torch.Tensor:
-        cfg = dpsyn_cfg(tmp_path, f"p-{noise}")
+        cfg = make_config(DPSYN, tmp_path, name=f"p-{noise}")
         cfg["privacy"]["noise"] = noise
         setup = build(load_config(cfg))
         reply, state = setup.client_runner().call("0", 0, ClientState(), Message("profile"))
@@ -124,13 +121,13 @@ def test_two_runs_of_one_seed_differ_by_default_and_are_equal_when_seeded(tmp_pa
 def test_on_the_flower_grid_too_and_seeded_equals_embedded(tmp_path: Path) -> None:
     """The in-memory Flower grid: the secret lives on each node, seeded runs are equal."""
     for name in ("a", "b"):
-        _flower_run(_dp_cfg(tmp_path, f"flw-secret-{name}", "secret"), tmp_path / f"nodes-{name}")
+        flower_run(_dp_cfg(tmp_path, f"flw-secret-{name}", "secret"), tmp_path / f"nodes-{name}")
     assert _metrics(tmp_path / "flw-secret-a") != _metrics(tmp_path / "flw-secret-b")
     node_keys = _secrets_in(tmp_path / "nodes-a")
     assert len(set(node_keys)) == 4  # one per client, on its node's disk
     server_keys = _secrets_in(tmp_path / "flw-secret-a")
     assert not set(server_keys) & set(node_keys)  # the server's run folder holds none of them
-    _flower_run(_dp_cfg(tmp_path, "flw-seeded", "seeded"), tmp_path / "nodes-c")
+    flower_run(_dp_cfg(tmp_path, "flw-seeded", "seeded"), tmp_path / "nodes-c")
     run(load_config(_dp_cfg(tmp_path, "emb-seeded", "seeded")), progress=False)
     assert _metrics(tmp_path / "flw-seeded") == _metrics(tmp_path / "emb-seeded")
 
@@ -165,10 +162,11 @@ def test_kill_9_then_resume_of_a_dp_run_is_exact(tmp_path: Path, noise: str) -> 
 
 def test_dpsyn_resumes_its_clients_secret_streams_exactly(tmp_path: Path) -> None:
     """DP-SGD's Poisson batches and noise, profile and vote noise: secret, resumed exactly."""
-    from test_dpsyn import _cfg as dpsyn_cfg
+    from helpers.bases import DPSYN
+    from helpers.config import make_config
 
     def cfg(name: str, rounds: int) -> dict[str, Any]:
-        c = dpsyn_cfg(tmp_path, name, rounds=rounds, algo__train_rounds=2)
+        c = make_config(DPSYN, tmp_path, name=name, rounds=rounds, algo__train_rounds=2)
         c["privacy"]["noise"] = "secret"
         c["algo"]["eval"] = {"enabled": False}
         return c

@@ -19,9 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-import flower_support as fs
-import seed_probe  # noqa: F401  (registers test-seed-probe)
-import toy
+import helpers.seed_probe  # noqa: F401  (registers test-seed-probe)
 from fedfm.config import TrainConfig, load_config
 from fedfm.core.fake import FakeFederation
 from fedfm.core.federation import (
@@ -34,7 +32,9 @@ from fedfm.core.federation import (
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.train import local_round
 from fedfm.runtime import run
-from test_flower import _flower_run, task_identity  # noqa: F401  (the fixture is autouse)
+from helpers import flower as fs
+from helpers import toy
+from helpers.grid import flower_run
 
 CIDS = [str(i) for i in range(20)]
 
@@ -162,8 +162,8 @@ def test_the_same_seed_round_client_and_purpose_draw_the_same_on_both_runtimes(
     tmp_path: Path,
 ) -> None:
     emb = run(load_config(_probe(tmp_path, "emb")), progress=False)["finish"]
-    opts = {"imports": ["flower_support", "seed_probe"]}
-    flw = _flower_run({**_probe(tmp_path, "flw"), "runtime": "flower"}, tmp_path / "nodes",
+    opts = {"imports": ["helpers.flower", "helpers.seed_probe"]}
+    flw = flower_run({**_probe(tmp_path, "flw"), "runtime": "flower"}, tmp_path / "nodes",
                       options=opts)["finish"]  # fmt: skip
     assert emb == flw  # every draw of every client in every round, exactly
     assert len(emb) == 3 * 2  # 3 rounds, half of 4 clients each

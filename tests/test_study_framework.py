@@ -39,7 +39,7 @@ from fedfm.reproduce.framework import (
 )
 from fedfm.reproduce.stats import Estimate, macro_f1_diff, mean_of, paired, verdict
 from fedfm.tasks.base import macro_f1
-from test_cli_contract import _main
+from helpers.cli import run_cli
 
 
 def _cfg(rounds: int = 2, lr: float = 0.01, steps: int = 2) -> dict[str, Any]:
@@ -201,10 +201,10 @@ def test_dry_run_lists_the_jobs_and_estimates_from_measured_times(tmp_path, monk
     assert f"3 to run with 1 worker(s): about {total:.1f} min" in lines[-1]
     # Through the command line: the FedHDS quick grid, listed, nothing written.
     argv = ["reproduce", "fedhds", "--quick", "--dry-run", "--out", str(tmp_path / "r")]
-    code, out, err = _main(argv, monkeypatch, capsys)
+    code, out, err = run_cli(argv, monkeypatch, capsys)
     assert code == 0 and "| random | run | fedhds | after fedhds" in out, err
     assert "5 jobs, 0 done or skipped, 5 to run" in out and not (tmp_path / "r").exists()
-    assert _main(["reproduce", "fedhds", "--jobs", "0"], monkeypatch, capsys)[0] == 2
+    assert run_cli(["reproduce", "fedhds", "--jobs", "0"], monkeypatch, capsys)[0] == 2
 
 
 def _kill_when_running(folder: Path, name: str, rows: int) -> threading.Thread:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,8 @@ from fedfm.core.privacy import PrivacyLedger
 from fedfm.core.userdp import DPSum, Skipped, UserDP, clip_update, split_noise
 from fedfm.errors import ConfigError, MessageError, TooFewClientsError
 from fedfm.runtime import run
-
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-import toy  # noqa: E402  (registers the toy task)
-from test_cli_contract import _main  # noqa: E402
+from helpers import toy
+from helpers.cli import run_cli
 
 
 def _cfg(tmp: Path, name: str = "dp", **user: Any) -> dict[str, Any]:
@@ -253,7 +249,7 @@ def test_bad_dp_fedavg_input_exits_2_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, over: list[str], line: str
 ) -> None:
     argv = ["run", "tabular-dpfedavg", f"out_dir={tmp_path}", "name=bad", *over]
-    code, _, err = _main(argv, monkeypatch, capsys)
+    code, _, err = run_cli(argv, monkeypatch, capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and f"config error: {line}" in err, err
     assert not (tmp_path / "bad").exists()  # nothing written
@@ -285,7 +281,7 @@ def test_a_dp_kind_with_an_undeclared_field_is_refused_at_load(
              "out_dir": str(tmp_path), "plots": False}
         )
     )  # fmt: skip
-    code, _, err = _main(["run", str(path)], monkeypatch, capsys)
+    code, _, err = run_cli(["run", str(path)], monkeypatch, capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1
     assert "config error: messages.noisy.loss: a DP client's message may carry only" in err
@@ -368,7 +364,7 @@ UPDATE_ALGORITHMS = ["fedavg", "fedprox", "scaffold", "fedekd", "fedsdr"]
 def test_every_aggregating_algorithm_sends_only_noised_updates_in_client_mode(
     tmp_path: Path, algorithm: str
 ) -> None:
-    import flower_support as fs
+    from helpers import flower as fs
 
     cfg = fs.algorithm_config(tmp_path, algorithm)
     assert cfg is not None

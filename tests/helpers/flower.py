@@ -1,6 +1,7 @@
 """Test support for the Flower runtime, importable by ClientApp processes (``imports``).
 
-Registers the toy task and ``test-two-phase``, a multi-exchange algorithm that uses every
+Registers the toy task, ``test-crashy`` (clients that fail in each way a reply can) and
+``test-two-phase``, a multi-exchange algorithm that uses every
 pattern of the federation interface: a phase before round 1, two exchanges per round with
 server-side training between them, client roles, persistent client state, randomness drawn
 from the seeded torch RNG inside handlers, and a phase after the last round.
@@ -8,17 +9,19 @@ from the seeded torch RNG inside handlers, and a phase after the last round.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-import toy  # noqa: F401  (registers the toy task)
-from fedfm.algorithms.base import ALGORITHMS, Algorithm
+import helpers.toy  # noqa: F401  (registers the toy task)
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
+from helpers.bases import DPSYN, FEDSDR, fedsdr_algo
+from helpers.config import make_config, toy_config
 
 
 class TwoPhase(Algorithm):
@@ -127,28 +130,40 @@ if "test-two-phase" not in ALGORITHMS:
     ALGORITHMS.register("test-two-phase", "multi-exchange test algorithm")(TwoPhase)
 
 
-def config(out: Path, algorithm: str, **kw: Any) -> dict[str, Any]:
-    """A small toy-task config for runtime comparisons."""
-    base: dict[str, Any] = {
-        "name": kw.pop("name", algorithm),
-        "algorithm": algorithm,
-        "rounds": kw.pop("rounds", 3),
-        "seed": kw.pop("seed", 3),
-        "task": {"kind": "toy", "num_clients": kw.pop("num_clients", 4)},
-        "out_dir": str(out),
-        "plots": False,
-        "train": {"steps": 3, "batch_size": 8, "lr": 0.05},
-    }
-    base.update(kw)
-    return base
+class Crashy(Algorithm):
+    """Client 1 raises, 2 sends NaN, 3 a wrong shape, 4 an extra key; the others answer."""
+
+    messages = (MessageKind("train", down_arrays=("p",), up_arrays=("p",)),)
+    Config = AlgoConfig
+
+    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.p = {"w": torch.zeros(2)}
+
+    def handlers(self):
+        def train(ctx: ClientContext, msg: Message) -> Message:
+            ctx.state.meta["touched"] = True
+            if ctx.cid == "1":
+                raise RuntimeError("disk full")
+            if ctx.cid == "2":
+                return Message("train", {"p": {"w": torch.tensor([float("nan"), 0.0])}})
+            if ctx.cid == "3":
+                return Message("train", {"p": {"w": torch.zeros(3)}})
+            if ctx.cid == "4":
+                return Message("train", {"p": {"w": torch.zeros(2), "bias": torch.zeros(1)}})
+            return Message("train", {"p": {"w": torch.ones(2)}})
+
+        return {"train": train}
+
+    def round(self, fed: Federation) -> dict[str, float]:
+        cids = fed.client_ids()
+        replies = fed.broadcast(Message("train", {"p": self.p}), cids, like={"p": self.p})
+        self.require(fed, replies, len(cids))
+        return {"ok": len(replies)}
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines log without timings (fields named ``*_s``, e.g. ``time_s``)."""
-    if not path.exists():
-        return []
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+if "test-crashy" not in ALGORITHMS:
+    ALGORITHMS.register("test-crashy")(Crashy)
 
 
 # --------------------------------------------------------------------------- every algorithm
@@ -198,7 +213,7 @@ def import_algorithms() -> None:
 def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
     """A small config for each registered algorithm (None: no config known here)."""
     if algorithm in ("fedavg", "fedprox", "scaffold", "local", "test-two-phase"):
-        return config(out, algorithm, rounds=2)
+        return toy_config(out, algorithm, rounds=2)
     if algorithm in ("fedekd", "fedkd-ungated", "local-private"):
         import yaml
 
@@ -249,30 +264,24 @@ def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
 
 # Checked on Flower by their own tests instead (a reason per algorithm).
 COVERED_ELSEWHERE = {
-    "fedhds": "tests/test_fedhds.py::test_flower_simulation_selects_and_trains_as_embedded:"
+    "fedhds": "test_fedhds.py::test_flower_simulation_selects_and_trains_as_embedded:"
     " its replies carry timings, whose digits change the meta bytes between any two runs",
 }
 
 
 def _dpsyn_config(out: Path) -> dict[str, Any]:
     """The dpsyn tests' own tiny setup (profile, one DP-SGD round, generation, voting)."""
-    import copy
-
-    from test_dpsyn import BASE
-
-    cfg = copy.deepcopy(BASE)
-    cfg.update(out_dir=str(out), threads=1)
+    cfg = make_config(DPSYN, out, threads=1)
     cfg["algo"]["eval"] = {"clf_steps": 5}  # no base-model floor: half the generation
     return cfg
 
 
 def _fedsdr_config(out: Path) -> dict[str, Any]:
     """The FedSDR tests' own tiny setup: round-0 rewrites, then two dual-stream rounds."""
-    from test_fedsdr import _cfg, _sdr
-
-    algo = _sdr(out / "rewrites")
+    algo = fedsdr_algo(out / "rewrites")
     algo["refinery"]["cache"] = False  # both runs rewrite (a cache hit is counted in metrics)
-    cfg = _cfg(out, "fedsdr", "fedsdr", algo).model_dump(mode="json")
+    cfg = make_config(FEDSDR, out, name="fedsdr", algorithm="fedsdr", algo=algo)
+    cfg = load_config(cfg).model_dump(mode="json")
     # One client per domain (a natural partition of three domains).
     cfg["partition"] = {**cfg["partition"], "num_clients": 3}
     return {**cfg, "task": {**cfg["task"], "max_eval": 3}}

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-import toy  # noqa: F401  (registers the toy task)
 from fedfm.algorithms.base import ALGORITHMS, Algorithm
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
+from helpers import toy  # noqa: F401  (registers the toy task)
 
 
 class SeedProbe(Algorithm):
