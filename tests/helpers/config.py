@@ -55,7 +55,8 @@ def toy_config(out: Path | str, algorithm: str = "fedavg", /, **changes: Any) ->
     """The toy-task config of ``algorithm`` (named after it unless ``name`` is given);
     ``num_clients`` sets the task's client count."""
     clients = changes.pop("num_clients", None)
-    cfg = make_config(TOY, out, name=algorithm, algorithm=algorithm, **changes)
+    changes = {"name": algorithm, **changes}
+    cfg = make_config(TOY, out, algorithm=algorithm, **changes)
     if clients is not None:
         cfg["task"]["num_clients"] = clients
     return cfg

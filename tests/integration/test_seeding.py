@@ -32,8 +32,8 @@ from fedfm.core.federation import (
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.train import local_round
 from fedfm.runtime import run
-from helpers import flower as fs
 from helpers import toy
+from helpers.config import toy_config
 from helpers.grid import flower_run
 
 CIDS = [str(i) for i in range(20)]
@@ -146,7 +146,7 @@ def test_local_training_shuffles_with_the_round_client_and_purpose() -> None:
 
 
 def _probe(tmp_path: Path, name: str, seed: int = 3) -> dict[str, Any]:
-    return fs.config(
+    return toy_config(
         tmp_path, "test-seed-probe", name=name, seed=seed, rounds=3, num_clients=4,
         clients={"fraction": 0.5},
     )  # fmt: skip

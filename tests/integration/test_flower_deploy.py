@@ -32,8 +32,9 @@ from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
 from fedfm.runtime.flower.wire import Payload
 from helpers import TESTS
-from helpers import flower as fs
+from helpers.config import toy_config
 from helpers.keys import assert_key_modes
+from helpers.runfiles import untimed_rows
 
 pytestmark = pytest.mark.slow  # several processes, about a minute each
 
@@ -61,7 +62,7 @@ def _embedded(cfg: dict) -> dict:
 def _kill_when(path: Path, rnd: int, victims: list[P.Proc], stop: threading.Event) -> None:
     """Kills ``victims`` once ``path`` (metrics.jsonl) has logged round ``rnd``."""
     while not stop.is_set():
-        if any(r["round"] >= rnd for r in fs.read_jsonl(path)):
+        if any(r["round"] >= rnd for r in untimed_rows(path)):
             P.stop(victims, grace_s=0)
             return
         time.sleep(0.05)
@@ -70,7 +71,7 @@ def _kill_when(path: Path, rnd: int, victims: list[P.Proc], stop: threading.Even
 def test_fedavg_on_supernodes_equals_embedded_and_a_dying_supernode_fails(tmp_path):
     """`fedfm serve` (insecure) with two `fedfm client` SuperNodes: FedAvg equals the
     embedded run while both nodes live; a node killed mid-run is a failed client."""
-    cfg = fs.config(tmp_path / "runs", "fedavg", name="emb", rounds=3, num_clients=2)
+    cfg = toy_config(tmp_path / "runs", "fedavg", name="emb", rounds=3, num_clients=2)
     _embedded(cfg)
     port = P.free_port()
     with stopping([]) as procs:
@@ -96,15 +97,15 @@ def test_fedavg_on_supernodes_equals_embedded_and_a_dying_supernode_fails(tmp_pa
             stop.set()
             killer.join(10)
         assert procs[0].alive() and not procs[2].alive()
-    emb = fs.read_jsonl(tmp_path / "runs" / "emb" / "metrics.jsonl")
-    dep = fs.read_jsonl(tmp_path / "runs" / "dep" / "metrics.jsonl")
+    emb = untimed_rows(tmp_path / "runs" / "emb" / "metrics.jsonl")
+    dep = untimed_rows(tmp_path / "runs" / "dep" / "metrics.jsonl")
     assert dep[:3] == emb[:3]  # rounds 0-2: both SuperNodes alive
     audit = lambda name: [  # noqa: E731
-        r for r in fs.read_jsonl(tmp_path / "runs" / name / "audit.jsonl") if r["round"] <= 2
+        r for r in untimed_rows(tmp_path / "runs" / name / "audit.jsonl") if r["round"] <= 2
     ]
     assert audit("dep") == audit("emb")
     assert dep[3]["failed"] == 1 and dep[3]["clients"] == 1
-    fails = fs.read_jsonl(tmp_path / "runs" / "dep" / "failures.jsonl")
+    fails = untimed_rows(tmp_path / "runs" / "dep" / "failures.jsonl")
     assert [(f["round"], f["client"]) for f in fails] == [(3, "1")]
     # Our reply timeout, or the SuperLink's verdict once the node misses its heartbeats.
     err = fails[0]["error"]
@@ -117,7 +118,7 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
     multi-exchange algorithm with roles and client state, interrupted after round 1 and
     resumed as a new Flower run: equal to an uninterrupted embedded run."""
     roles = {"roles": {"strong": 0.5, "weak": 0.5}}
-    cfg = fs.config(tmp_path / "runs", "test-two-phase", name="emb", rounds=2, num_clients=2)
+    cfg = toy_config(tmp_path / "runs", "test-two-phase", name="emb", rounds=2, num_clients=2)
     cfg["clients"] = roles
     emb = _embedded(cfg)
     tls = T.make_certificates(tmp_path / "certs")
@@ -166,8 +167,8 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
             _output(tmp_path, "unregistered").splitlines()[-1],
         )
     for log in ("metrics.jsonl", "audit.jsonl", "failures.jsonl"):
-        got = fs.read_jsonl(tmp_path / "runs" / "dep" / log)
-        assert got == fs.read_jsonl(tmp_path / "runs" / "emb" / log), log
+        got = untimed_rows(tmp_path / "runs" / "dep" / log)
+        assert got == untimed_rows(tmp_path / "runs" / "emb" / log), log
     dep = json.loads((tmp_path / "runs" / "dep" / "summary.json").read_text())
     # Per-client counters survived the server restart through the nodes' snapshots.
     assert dep["finish"] == emb["finish"] and sum(emb["finish"].values()) == 2 * 2
@@ -253,7 +254,7 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
     rounds, names the absent client, and audits only what reached clients 0 and 1. Then the
     clients are stopped with SIGTERM and SIGINT. Every signal ends the command with 128+N,
     one line, no processes and no temporary folder left."""
-    cfg = fs.config(tmp_path / "runs", "fedavg", name="emb", rounds=3, num_clients=3)
+    cfg = toy_config(tmp_path / "runs", "fedavg", name="emb", rounds=3, num_clients=3)
     _embedded(cfg)
     path = tmp_path / "dep.yaml"
     path.write_text(yaml.safe_dump({**cfg, "name": "dep"}))
@@ -274,7 +275,7 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
             for i in range(2)
         ]  # fmt: skip
         server = _fedfm(started, tmp_path, "serve1", *serve)
-        logged = lambda: any(r["round"] >= 1 for r in fs.read_jsonl(metrics))  # noqa: E731
+        logged = lambda: any(r["round"] >= 1 for r in untimed_rows(metrics))  # noqa: E731
         _wait_for("round 1", logged, 150, server)
         assert _stopped_cleanly(server, signal.SIGTERM, tmp, "fedfm-serve-") == 143
         out = _output(tmp_path, "serve1")
@@ -306,17 +307,17 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
     # The audit holds what reached clients 0 and 1: the fields of the embedded run (with all
     # three clients) for those two. Tensor sizes are equal; a JSON meta value's size follows
     # its value, which differs once the model is averaged over two clients instead of three.
-    emb = fs.read_jsonl(tmp_path / "runs" / "emb" / "audit.jsonl")
-    dep = fs.read_jsonl(tmp_path / "runs" / "dep" / "audit.jsonl")
+    emb = untimed_rows(tmp_path / "runs" / "emb" / "audit.jsonl")
+    dep = untimed_rows(tmp_path / "runs" / "dep" / "audit.jsonl")
     shape = lambda rows: [  # noqa: E731
         {k: v for k, v in a.items() if a["type"] == "arrays" or k != "bytes"} for a in rows
     ]
     assert shape(dep) == shape([a for a in emb if a["client"] != "2"])
     assert {a["client"] for a in dep} == {"0", "1"}
-    for r in fs.read_jsonl(metrics):
+    for r in untimed_rows(metrics):
         down = [a["bytes"] for a in dep if a["round"] == r["round"] and a["direction"] == "down"]
         assert r["bytes_down"] == sum(down)
-    fails = fs.read_jsonl(tmp_path / "runs" / "dep" / "failures.jsonl")
+    fails = untimed_rows(tmp_path / "runs" / "dep" / "failures.jsonl")
     assert {(f["client"], f["delivery"]) for f in fails} == {("2", "not sent")}
     assert [f["round"] for f in fails] == [1, 2, 3]  # asked every round, never sent
 
@@ -348,7 +349,7 @@ def _check_client_lines(out: str, cid: int, sig: str) -> None:
 def test_serve_stopped_by_ctrl_c_before_round_0_exits_130_and_leaves_nothing(tmp_path):
     """Ctrl-C (SIGINT) while the server waits for its SuperNodes: exit 130, one line saying
     that nothing can be resumed yet, no process and no temporary folder left."""
-    cfg = fs.config(tmp_path / "runs", "fedavg", name="dep", rounds=2, num_clients=2)
+    cfg = toy_config(tmp_path / "runs", "fedavg", name="dep", rounds=2, num_clients=2)
     path = tmp_path / "dep.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = P.free_port()

@@ -17,7 +17,7 @@ from fedfm.config import load_config
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.errors import MessageError, TooFewClientsError
 from fedfm.runtime import run
-from helpers import flower as fs
+from helpers.config import toy_config
 from helpers.grid import flower_run, same_run
 
 # ----------------------------------------------------------------------------- MessageKind
@@ -119,7 +119,7 @@ ALGORITHMS.register("test-bad-replies")(BadReplies)
 
 
 def _cfg(out: Path, min_clients: int, rounds: int = 3) -> dict[str, Any]:
-    return fs.config(
+    return toy_config(
         out,
         "test-bad-replies",
         name="bad",

@@ -22,14 +22,15 @@ from fedfm.engine import build
 from fedfm.html_report import RunData, section_privacy, write_run_report
 from fedfm.report import compare
 from fedfm.runtime import run
-from helpers import flower as fs
+from helpers.config import toy_config
 from helpers.grid import flower_run
+from helpers.runfiles import untimed_rows
 from helpers.runs import kill_mid_run
 
 
 def _dp_cfg(out: Path, name: str, noise: str, **kw: Any) -> dict[str, Any]:
     """Toy FedAvg under client-side DP-FedAvg: every client adds its share of the noise."""
-    cfg = fs.config(out, "fedavg", name=name, rounds=kw.pop("rounds", 2), **kw)
+    cfg = toy_config(out, "fedavg", name=name, rounds=kw.pop("rounds", 2), **kw)
     cfg["privacy"] = {
         "delta": 1e-3,
         "noise": noise,
@@ -39,7 +40,7 @@ def _dp_cfg(out: Path, name: str, noise: str, **kw: Any) -> dict[str, Any]:
 
 
 def _metrics(folder: Path) -> list[dict[str, Any]]:
-    return fs.read_jsonl(folder / "metrics.jsonl")
+    return untimed_rows(folder / "metrics.jsonl")
 
 
 def _keys(data: Any) -> list[str]:
@@ -241,7 +242,7 @@ def test_every_dp_preset_sends_only_mechanism_outputs_from_its_dp_clients(
 ) -> None:
     over = [f"out_dir={tmp_path}", "name=p", "plots=false", "eval_before=false", *PRESETS[preset]]
     run(load_config(preset, over), progress=False)
-    audit = fs.read_jsonl(tmp_path / "p" / "audit.jsonl")
+    audit = untimed_rows(tmp_path / "p" / "audit.jsonl")
     senders = {r["client"] for r in audit if r["direction"] == "up"}
     assert senders and dp_clients(audit) == senders  # every client that spoke is a DP client
     assert unprotected(audit) == []

@@ -17,8 +17,8 @@ from fedfm.algorithms.fedavg import FedAvg
 from fedfm.config import load_config
 from fedfm.errors import ConfigError
 from fedfm.runtime import run
-from helpers import flower as fs
 from helpers import toy  # noqa: F401  (registers the toy task)
+from helpers.config import toy_config
 from helpers.grid import flower_run, same_run
 
 BASE = ["run", "tabular-fedavg", "rounds=1", "plots=false", "-q"]
@@ -301,7 +301,7 @@ def test_flower_resume_uses_the_checkpoint_the_engine_fell_back_to(tmp_path):
     """The Flower runtime reads its resume point (for the clients' state history) after the
     engine chose it, so a lost LATEST resumes the clients' states too."""
     roles = {"roles": {"strong": 0.5, "weak": 0.5}}
-    cfg = fs.config(tmp_path, "test-two-phase", name="full", rounds=4, clients=roles)
+    cfg = toy_config(tmp_path, "test-two-phase", name="full", rounds=4, clients=roles)
     flower_run(cfg, tmp_path / "nodes_full")
     part = {**cfg, "name": "part", "rounds": 2}
     flower_run(part, tmp_path / "nodes")

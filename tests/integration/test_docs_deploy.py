@@ -23,8 +23,8 @@ import pytest
 
 from fedfm.runtime.flower import processes as P
 from helpers import REPO
-from helpers import flower as fs
 from helpers.keys import assert_key_modes
+from helpers.runfiles import untimed_rows
 
 pytestmark = pytest.mark.slow  # two deployments on loopback, about two minutes
 
@@ -134,8 +134,8 @@ def test_the_runnable_blocks_run_as_written(tmp_path):
     assert_key_modes(work / "certs")
     assert_key_modes(work / "local-certs")
     # The one-machine deployment equals the embedded run, as the page says.
-    dep = fs.read_jsonl(work / "runs" / "tabular-fedavg" / "metrics.jsonl")
-    assert len(dep) == 4 and dep == fs.read_jsonl(work / "runs" / "emb" / "metrics.jsonl")
+    dep = untimed_rows(work / "runs" / "tabular-fedavg" / "metrics.jsonl")
+    assert len(dep) == 4 and dep == untimed_rows(work / "runs" / "emb" / "metrics.jsonl")
     # The run submitted with Flower's own commands finished.
     summary = json.loads((work / "runs" / "existing" / "summary.json").read_text())
     assert summary["rounds"] == 1 and summary["failed_clients"] == 0
