@@ -64,15 +64,15 @@ class NoisyMeans(Algorithm):
         self.total = meta["total"]
 
 
-if "noisy-means" not in ALGORITHMS:
-    ALGORITHMS.register("noisy-means", "test: analytic Gaussian means")(NoisyMeans)
+if "test-noisy-means" not in ALGORITHMS:
+    ALGORITHMS.register("test-noisy-means", "test: analytic Gaussian means")(NoisyMeans)
 
 
 def _cfg(out: Path, name: str, rounds: int = 4, **kw: Any) -> Any:
     return load_config(
         {
             "name": name,
-            "algorithm": "noisy-means",
+            "algorithm": "test-noisy-means",
             "rounds": rounds,
             "task": {"kind": "toy", "num_clients": 4},
             "clients": {"fraction": 0.5},

@@ -249,7 +249,7 @@ def test_negative_transfer_from_run_folders(fedekd_run, tmp_path):
 
 # ----------------------------------------------------------------------------- regression + NaN
 
-NAN_SOURCE = "test_fedekd_nan_regression"
+NAN_SOURCE = "test-fedekd-nan-regression"
 NAN_TARGET_ROWS = [3, 17, 40, 41, 77, 90, 111]
 NAN_FEATURE_ROWS = [5, 60, 100]
 

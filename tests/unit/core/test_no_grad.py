@@ -88,8 +88,8 @@ class StrongWeak(Algorithm):
         return {"votes": float(sum(r.arrays["votes"]["hist"].sum() for r in votes.values()))}
 
 
-if "strong-weak" not in ALGORITHMS:
-    ALGORITHMS.register("strong-weak", "test: no-grad weak clients")(StrongWeak)
+if "test-strong-weak" not in ALGORITHMS:
+    ALGORITHMS.register("test-strong-weak", "test: no-grad weak clients")(StrongWeak)
 
 
 def test_weak_clients_never_backpropagate(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,7 +103,7 @@ def test_weak_clients_never_backpropagate(tmp_path: Any, monkeypatch: pytest.Mon
     cfg = load_config(
         {
             "name": "roles",
-            "algorithm": "strong-weak",
+            "algorithm": "test-strong-weak",
             "rounds": 1,
             "eval_before": False,
             "task": {"kind": "toy", "num_clients": 4},
