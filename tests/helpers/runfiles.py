@@ -8,7 +8,7 @@ from typing import Any
 from fedfm.core.runfolder import read_jsonl
 
 
-def rows(path: Path) -> list[dict[str, Any]]:
+def jsonl_rows(path: Path) -> list[dict[str, Any]]:
     """Every row of a JSON-lines file fedfm wrote (a missing file has none)."""
     return read_jsonl(path, need_round=False)
 
@@ -16,4 +16,4 @@ def rows(path: Path) -> list[dict[str, Any]]:
 def untimed_rows(path: Path) -> list[dict[str, Any]]:
     """The rows without timings (fields named ``*_s``, e.g. ``time_s``): what two runs of one
     seed must share to the bit."""
-    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows(path)]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in jsonl_rows(path)]

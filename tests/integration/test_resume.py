@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from fedfm.config import load_config
 from fedfm.runtime import run
+from helpers.config import make_config, toy_config
 from helpers.runs import kill_mid_run
 
-
-def _cfg(out: Path, name: str) -> dict:
-    return {
-        "name": name,
-        "algorithm": "fedavg",
-        "rounds": 12,
-        "seed": 3,
-        "task": {"kind": "toy", "num_clients": 6},
-        "algo": {"server_opt": {"name": "fedadam", "lr": 0.05}},
-        "clients": {"fraction": 0.5},
-        "train": {"steps": 150, "batch_size": 8, "lr": 0.02, "optimizer": "adam"},
-        "out_dir": str(out),
-        "plots": False,
-    }
+# Twelve rounds of long local training with FedAdam: a run long enough to kill mid-way.
+LONG: dict[str, Any] = toy_config(
+    "runs",
+    name="long",
+    rounds=12,
+    num_clients=6,
+    algo={"server_opt": {"name": "fedadam", "lr": 0.05}},
+    clients={"fraction": 0.5},
+    train={"steps": 150, "lr": 0.02, "optimizer": "adam"},
+)
 
 
 def _metrics(folder: Path) -> list[dict]:
@@ -35,13 +33,13 @@ def _metrics(folder: Path) -> list[dict]:
 def test_kill_9_then_resume_is_bit_identical(tmp_path):
     from helpers import toy  # noqa: F401
 
-    run(load_config(_cfg(tmp_path, "straight")), progress=False)
-    kill_mid_run(_cfg(tmp_path, "killed"), tmp_path / "killed")
+    run(load_config(make_config(LONG, tmp_path, name="straight")), progress=False)
+    kill_mid_run(make_config(LONG, tmp_path, name="killed"), tmp_path / "killed")
     assert not (tmp_path / "killed" / "summary.json").exists()
     done = len(_metrics(tmp_path / "killed"))
     assert 4 <= done < 13
 
-    run(load_config(_cfg(tmp_path, "killed")), resume=True, progress=False)
+    run(load_config(make_config(LONG, tmp_path, name="killed")), resume=True, progress=False)
     straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "killed")
     assert straight == resumed  # every round, every metric, exactly
     a = json.loads((tmp_path / "straight" / "summary.json").read_text())["final"]

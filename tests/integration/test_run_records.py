@@ -17,6 +17,7 @@ from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.report import compare
 from fedfm.runtime import run
 from helpers import toy  # noqa: F401  (registers the toy task)
+from helpers.config import make_config
 
 
 class NoisyMeans(Algorithm):
@@ -68,19 +69,15 @@ if "test-noisy-means" not in ALGORITHMS:
     ALGORITHMS.register("test-noisy-means", "test: analytic Gaussian means")(NoisyMeans)
 
 
-def _cfg(out: Path, name: str, rounds: int = 4, **kw: Any) -> Any:
-    return load_config(
-        {
-            "name": name,
-            "algorithm": "test-noisy-means",
-            "rounds": rounds,
-            "task": {"kind": "toy", "num_clients": 4},
-            "clients": {"fraction": 0.5},
-            "out_dir": str(out),
-            "plots": False,
-            **kw,
-        }
-    )
+# The analytic Gaussian means of test-noisy-means on half of four toy clients (fedfm's defaults
+# otherwise: seed 0, its own training settings).
+RECORDS: dict[str, Any] = {
+    "algorithm": "test-noisy-means",
+    "rounds": 4,
+    "task": {"kind": "toy", "num_clients": 4},
+    "clients": {"fraction": 0.5},
+    "plots": False,
+}
 
 
 def _json(path: Path) -> Any:
@@ -88,7 +85,7 @@ def _json(path: Path) -> Any:
 
 
 def test_privacy_json_summary_and_report(tmp_path: Path) -> None:
-    summary = run(_cfg(tmp_path, "dp"), progress=False)
+    summary = run(load_config(make_config(RECORDS, tmp_path, name="dp")), progress=False)
     report = _json(tmp_path / "dp" / "privacy.json")
     assert report["delta"] == 1e-5 and report["accountant"] == "rdp"
     counts = {c: 0 for c in "0123"}
@@ -105,7 +102,10 @@ def test_privacy_json_summary_and_report(tmp_path: Path) -> None:
         "noise": "secret",
         "relation": "add or remove one record at one client",
     }
-    run(_cfg(tmp_path, "tight", privacy={"accountant": "pld"}), progress=False)
+    run(
+        load_config(make_config(RECORDS, tmp_path, name="tight", privacy={"accountant": "pld"})),
+        progress=False,
+    )
     tight = _json(tmp_path / "tight" / "privacy.json")
     assert tight["run"]["epsilon"] < report["run"]["epsilon"]
     table = compare([tmp_path / "dp", tmp_path / "tight"])
@@ -114,9 +114,13 @@ def test_privacy_json_summary_and_report(tmp_path: Path) -> None:
 
 
 def test_the_ledger_is_checkpointed_and_resumed(tmp_path: Path) -> None:
-    run(_cfg(tmp_path, "straight", rounds=5), progress=False)
-    run(_cfg(tmp_path, "resumed", rounds=2), progress=False)
-    run(_cfg(tmp_path, "resumed", rounds=5), resume=True, progress=False)
+    run(load_config(make_config(RECORDS, tmp_path, name="straight", rounds=5)), progress=False)
+    run(load_config(make_config(RECORDS, tmp_path, name="resumed", rounds=2)), progress=False)
+    run(
+        load_config(make_config(RECORDS, tmp_path, name="resumed", rounds=5)),
+        resume=True,
+        progress=False,
+    )
     straight = _json(tmp_path / "straight" / "privacy.json")
     assert _json(tmp_path / "resumed" / "privacy.json") == straight
     a = _json(tmp_path / "straight" / "summary.json")["privacy"]
@@ -135,7 +139,7 @@ def test_artefacts_are_published_listed_and_survive_a_crash_before_the_checkpoin
 
     import fedfm.engine as engine
 
-    summary = run(_cfg(tmp_path, "straight"), progress=False)
+    summary = run(load_config(make_config(RECORDS, tmp_path, name="straight")), progress=False)
     straight = _files(tmp_path / "straight")
     assert set(straight) == {"index.json", "log/means.jsonl", "latest.json", "third.txt"}
     log = [json.loads(x) for x in straight["log/means.jsonl"].decode().splitlines()]
@@ -167,13 +171,15 @@ def test_artefacts_are_published_listed_and_survive_a_crash_before_the_checkpoin
     monkeypatch.setattr(engine, "_checkpoint", dies_at_round_3)
     monkeypatch.setattr(NoisyMeans, "stray", True)
     with contextlib.suppress(KeyboardInterrupt):
-        run(_cfg(tmp_path, "crashed"), progress=False)
+        run(load_config(make_config(RECORDS, tmp_path, name="crashed")), progress=False)
     crashed = tmp_path / "crashed"
     assert {"stray.txt", "third.txt"} <= set(_files(crashed))  # round 3 was published
     (crashed / "artefacts" / "notes.txt").write_text("the user's own file\n")
     monkeypatch.setattr(engine, "_checkpoint", real)
     monkeypatch.setattr(NoisyMeans, "stray", False)
-    resumed = run(_cfg(tmp_path, "crashed"), resume=True, progress=False)
+    resumed = run(
+        load_config(make_config(RECORDS, tmp_path, name="crashed")), resume=True, progress=False
+    )
     files = _files(crashed)
     assert files.pop("notes.txt") == b"the user's own file\n"  # never written by fedfm: kept
     assert files == straight  # stray.txt removed, the log holds each round once
@@ -200,7 +206,9 @@ def test_artefact_names_are_checked_and_contents_readable() -> None:
 
 
 def test_bytes_are_split_into_arrays_and_meta(tmp_path: Path) -> None:
-    summary = run(_cfg(tmp_path, "bytes", rounds=2), progress=False)
+    summary = run(
+        load_config(make_config(RECORDS, tmp_path, name="bytes", rounds=2)), progress=False
+    )
     rows = [json.loads(x) for x in (tmp_path / "bytes" / "metrics.jsonl").read_text().splitlines()]
     audit = [json.loads(x) for x in (tmp_path / "bytes" / "audit.jsonl").read_text().splitlines()]
     for row in rows[1:]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,31 +29,24 @@ from fedfm.engine import Engine, build
 from fedfm.errors import ConfigError
 from fedfm.runtime import run as run_experiment
 from fedfm.runtime.embedded import embedded_federation
+from helpers.config import make_config
+from helpers.runfiles import jsonl_rows
 
 PRIVATE = [{"hidden": [32, 32]}, {"hidden": [48]}]
 PROXY = {"hidden": [8]}
 
 
-def _cfg(tmp_path: Path, name: str, algorithm: str = "fedekd", **kw: Any):
-    base: dict[str, Any] = {
-        "name": name,
-        "seed": 0,
-        "rounds": 2,
-        "algorithm": algorithm,
-        "out_dir": str(tmp_path),
-        "plots": False,
-        "algo": {"proxy_arch": PROXY, "private_archs": PRIVATE},
-        "task": {"kind": "tabular", "dataset": "breast_cancer", "model_args": {"hidden": [16]}},
-        "partition": {"scheme": "iid", "num_clients": 4},
-        "train": {"steps": 2, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
-    }
-    for k, v in kw.items():
-        base[k] = {**base[k], **v} if isinstance(v, dict) and k in base else v
-    return load_config(base)
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+# FedeKD on breast cancer: four IID clients, two private architectures and a small proxy.
+FEDEKD: dict[str, Any] = {
+    "seed": 0,
+    "rounds": 2,
+    "algorithm": "fedekd",
+    "plots": False,
+    "algo": {"proxy_arch": PROXY, "private_archs": PRIVATE},
+    "task": {"kind": "tabular", "dataset": "breast_cancer", "model_args": {"hidden": [16]}},
+    "partition": {"scheme": "iid", "num_clients": 4},
+    "train": {"steps": 2, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
+}
 
 
 def _client_states(run: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -74,7 +66,7 @@ def _numel_bytes(arrays: dict[str, torch.Tensor]) -> int:
 @pytest.fixture(scope="module")
 def fedekd_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedekd")
-    summary = run_experiment(_cfg(tmp, "run"), progress=False)
+    summary = run_experiment(load_config(make_config(FEDEKD, tmp, name="run")), progress=False)
     return tmp / "run", summary
 
 
@@ -87,7 +79,7 @@ def test_only_the_proxy_travels_private_weights_never_in_the_audit(fedekd_run):
     proxy_bytes = _numel_bytes(get_params(setup.algo.proxy_model()))
     private_bytes = {_numel_bytes(get_params(setup.algo.private_model(i))) for i in range(2)}
     assert proxy_bytes not in private_bytes  # sizes tell the two apart
-    rows = _jsonl(run / "audit.jsonl")
+    rows = jsonl_rows(run / "audit.jsonl")
     arrays = [r for r in rows if r["type"] == "arrays"]
     assert arrays, "the proxy should travel"
     assert {r["field"] for r in arrays} == {"proxy"}
@@ -115,7 +107,7 @@ def test_private_architectures_differ_per_client(fedekd_run):
 
 def test_personalised_metrics_per_client(fedekd_run):
     run, summary = fedekd_run
-    last = _jsonl(run / "client_metrics.jsonl")[-1]
+    last = jsonl_rows(run / "client_metrics.jsonl")[-1]
     assert last["round"] == 2 and set(last["clients"]) == {"0", "1", "2", "3"}
     for m in last["clients"].values():
         assert {"local/acc", "local/macro_f1", "test/acc", "test/macro_f1"} <= set(m)
@@ -130,22 +122,28 @@ def test_personalised_metrics_per_client(fedekd_run):
 
 
 def test_resume_with_private_state_equals_uninterrupted_run(tmp_path):
-    run_experiment(_cfg(tmp_path, "straight", rounds=4), progress=False)
-    run_experiment(_cfg(tmp_path, "cut", rounds=2), progress=False)
+    run_experiment(
+        load_config(make_config(FEDEKD, tmp_path, name="straight", rounds=4)), progress=False
+    )
+    run_experiment(load_config(make_config(FEDEKD, tmp_path, name="cut", rounds=2)), progress=False)
     assert latest_checkpoint(tmp_path / "cut" / "checkpoints").name.endswith("0002")
     assert any(k.startswith("private/") for k in _client_states(tmp_path / "cut")["1"])
-    run_experiment(_cfg(tmp_path, "cut", rounds=4), resume=True, progress=False)
-    a = _jsonl(tmp_path / "straight" / "client_metrics.jsonl")
-    b = _jsonl(tmp_path / "cut" / "client_metrics.jsonl")
+    run_experiment(
+        load_config(make_config(FEDEKD, tmp_path, name="cut", rounds=4)),
+        resume=True,
+        progress=False,
+    )
+    a = jsonl_rows(tmp_path / "straight" / "client_metrics.jsonl")
+    b = jsonl_rows(tmp_path / "cut" / "client_metrics.jsonl")
     assert [r["round"] for r in b] == [0, 1, 2, 3, 4]
     assert a == b
     ra = [
         {k: v for k, v in r.items() if k != "time_s"}
-        for r in _jsonl(tmp_path / "straight" / "metrics.jsonl")
+        for r in jsonl_rows(tmp_path / "straight" / "metrics.jsonl")
     ]
     rb = [
         {k: v for k, v in r.items() if k != "time_s"}
-        for r in _jsonl(tmp_path / "cut" / "metrics.jsonl")
+        for r in jsonl_rows(tmp_path / "cut" / "metrics.jsonl")
     ]
     assert ra == rb
 
@@ -168,15 +166,17 @@ if "test-fedekd-mismatch" not in ALGORITHMS:
 
 
 def test_mismatched_proxy_is_refused_by_name(tmp_path):
-    cfg = _cfg(tmp_path, "mismatch", algorithm="test-fedekd-mismatch", rounds=1)
+    cfg = load_config(
+        make_config(FEDEKD, tmp_path, name="mismatch", algorithm="test-fedekd-mismatch", rounds=1)
+    )
     run_experiment(cfg, progress=False)
-    fails = _jsonl(tmp_path / "mismatch" / "failures.jsonl")
+    fails = jsonl_rows(tmp_path / "mismatch" / "failures.jsonl")
     assert [(f["client"], f["kind"]) for f in fails] == [("1", "forward")]
     assert (
         "update rejected: client 1: field proxy.body.0.weight: shape (12, 30)" in fails[0]["error"]
     )
     # The refused client is left out of the round: it never gets the backward message.
-    audit = _jsonl(tmp_path / "mismatch" / "audit.jsonl")
+    audit = jsonl_rows(tmp_path / "mismatch" / "audit.jsonl")
     assert {r["client"] for r in audit if r["kind"] == "backward" and r["round"] == 1} == {
         "0",
         "2",
@@ -185,7 +185,11 @@ def test_mismatched_proxy_is_refused_by_name(tmp_path):
 
 
 def test_config_refuses_per_client_proxy_architectures(tmp_path):
-    cfg = _cfg(tmp_path, "x", algo={"proxy_arch": [{"hidden": [8]}, {"hidden": [16]}]})
+    cfg = load_config(
+        make_config(
+            FEDEKD, tmp_path, name="x", algo={"proxy_arch": [{"hidden": [8]}, {"hidden": [16]}]}
+        )
+    )
     with pytest.raises(
         ConfigError, match=r"algo\.proxy_arch: .*one architecture shared by every client"
     ):
@@ -194,12 +198,24 @@ def test_config_refuses_per_client_proxy_architectures(tmp_path):
 
 def test_config_refuses_unknown_gate_and_bad_beta(tmp_path):
     with pytest.raises(ConfigError, match=r"algo\.gate: unknown gate 'hard'"):
-        Engine(_cfg(tmp_path, "x", algo={"gate": "hard"}), embedded_federation, progress=False)
+        Engine(
+            load_config(make_config(FEDEKD, tmp_path, name="x", algo={"gate": "hard"})),
+            embedded_federation,
+            progress=False,
+        )
     with pytest.raises(ConfigError, match=r"algo\.beta"):
-        Engine(_cfg(tmp_path, "x", algo={"beta": -1}), embedded_federation, progress=False)
+        Engine(
+            load_config(make_config(FEDEKD, tmp_path, name="x", algo={"beta": -1})),
+            embedded_federation,
+            progress=False,
+        )
     with pytest.raises(ConfigError, match=r"algo\.gate"):
         Engine(
-            _cfg(tmp_path, "x", algorithm="fedkd-ungated", algo={"gate": "sigmoid"}),
+            load_config(
+                make_config(
+                    FEDEKD, tmp_path, name="x", algorithm="fedkd-ungated", algo={"gate": "sigmoid"}
+                )
+            ),
             embedded_federation,
             progress=False,
         )
@@ -209,19 +225,31 @@ def test_config_refuses_unknown_gate_and_bad_beta(tmp_path):
 
 
 def test_beta_zero_equals_ungated_and_local_private_matches_lambda_zero(tmp_path):
-    run_experiment(_cfg(tmp_path, "b0", rounds=1, algo={"beta": 0.0}), progress=False)
-    run_experiment(_cfg(tmp_path, "ung", algorithm="fedkd-ungated", rounds=1), progress=False)
-    a = _jsonl(tmp_path / "b0" / "client_metrics.jsonl")[-1]["clients"]
-    b = _jsonl(tmp_path / "ung" / "client_metrics.jsonl")[-1]["clients"]
+    run_experiment(
+        load_config(make_config(FEDEKD, tmp_path, name="b0", rounds=1, algo={"beta": 0.0})),
+        progress=False,
+    )
+    run_experiment(
+        load_config(make_config(FEDEKD, tmp_path, name="ung", algorithm="fedkd-ungated", rounds=1)),
+        progress=False,
+    )
+    a = jsonl_rows(tmp_path / "b0" / "client_metrics.jsonl")[-1]["clients"]
+    b = jsonl_rows(tmp_path / "ung" / "client_metrics.jsonl")[-1]["clients"]
     for c in a:
         assert a[c]["local/loss"] == pytest.approx(b[c]["local/loss"], rel=1e-4)
     # Local-only with private architectures = FedeKD's backward stage without distillation.
-    run_experiment(_cfg(tmp_path, "lam0", rounds=1, algo={"lam": 0.0}), progress=False)
-    run_experiment(_cfg(tmp_path, "lp", algorithm="local-private", rounds=1), progress=False)
-    a = _jsonl(tmp_path / "lam0" / "client_metrics.jsonl")[-1]["clients"]
-    b = _jsonl(tmp_path / "lp" / "client_metrics.jsonl")[-1]["clients"]
+    run_experiment(
+        load_config(make_config(FEDEKD, tmp_path, name="lam0", rounds=1, algo={"lam": 0.0})),
+        progress=False,
+    )
+    run_experiment(
+        load_config(make_config(FEDEKD, tmp_path, name="lp", algorithm="local-private", rounds=1)),
+        progress=False,
+    )
+    a = jsonl_rows(tmp_path / "lam0" / "client_metrics.jsonl")[-1]["clients"]
+    b = jsonl_rows(tmp_path / "lp" / "client_metrics.jsonl")[-1]["clients"]
     assert a == b
-    assert not [r for r in _jsonl(tmp_path / "lp" / "audit.jsonl") if r["type"] == "arrays"]
+    assert not [r for r in jsonl_rows(tmp_path / "lp" / "audit.jsonl") if r["type"] == "arrays"]
 
 
 def test_negative_transfer_sign_convention():
@@ -239,7 +267,10 @@ def test_negative_transfer_sign_convention():
 
 def test_negative_transfer_from_run_folders(fedekd_run, tmp_path):
     run, _ = fedekd_run
-    run_experiment(_cfg(tmp_path, "lp", algorithm="local-private"), progress=False)
+    run_experiment(
+        load_config(make_config(FEDEKD, tmp_path, name="lp", algorithm="local-private")),
+        progress=False,
+    )
     mine = fedekd.client_metric(run, "acc")
     ref = fedekd.client_metric(tmp_path / "lp", "acc")
     nt = fedekd.negative_transfer(mine, ref)
@@ -273,11 +304,14 @@ if NAN_SOURCE not in SOURCES:
 
 def test_regression_with_nan_rows_dropped_and_counted(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="fedfm.data")
-    cfg = _cfg(
-        tmp_path,
-        "nan",
-        task={"dataset": NAN_SOURCE, "test_fraction": 0.25},
-        partition={"scheme": "quantity", "alpha": 1.0, "num_clients": 3, "min_size": 5},
+    cfg = load_config(
+        make_config(
+            FEDEKD,
+            tmp_path,
+            name="nan",
+            task={"dataset": NAN_SOURCE, "test_fraction": 0.25},
+            partition={"scheme": "quantity", "alpha": 1.0, "num_clients": 3, "min_size": 5},
+        )
     )
     summary = run_experiment(cfg, progress=False)
     assert f"{NAN_SOURCE}: dropped 10 of 120 rows with a missing numeric feature or target" in (
@@ -299,23 +333,26 @@ def test_regression_with_nan_rows_dropped_and_counted(tmp_path, caplog):
 
 
 def test_image_task_with_private_cnns_of_different_widths(tmp_path):
-    cfg = _cfg(
-        tmp_path,
-        "cnn",
-        rounds=1,
-        algo={
-            "proxy_arch": {"width": 2, "hidden": 8},
-            "private_archs": [{"width": 4, "hidden": 16}, {"width": 6, "hidden": 16}],
-        },
-        task={"kind": "image", "dataset": "digits", "model": "small-cnn", "model_args": {}},
-        partition={"num_clients": 3},
-        train={"steps": 1},
+    cfg = load_config(
+        make_config(
+            FEDEKD,
+            tmp_path,
+            name="cnn",
+            rounds=1,
+            algo={
+                "proxy_arch": {"width": 2, "hidden": 8},
+                "private_archs": [{"width": 4, "hidden": 16}, {"width": 6, "hidden": 16}],
+            },
+            task={"kind": "image", "dataset": "digits", "model": "small-cnn", "model_args": {}},
+            partition={"num_clients": 3},
+            train={"steps": 1},
+        )
     )
     summary = run_experiment(cfg, progress=False)
     states = _client_states(tmp_path / "cnn")
     widths = {c: s["private/conv.0.weight"].shape[0] for c, s in states.items()}
     assert widths == {"0": 4, "1": 6, "2": 4}
-    proxy_rows = [r for r in _jsonl(tmp_path / "cnn" / "audit.jsonl") if r["type"] == "arrays"]
+    proxy_rows = [r for r in jsonl_rows(tmp_path / "cnn" / "audit.jsonl") if r["type"] == "arrays"]
     assert {r["field"] for r in proxy_rows} == {"proxy"}
     assert 0.0 <= summary["final"]["proxy/acc"] <= 1.0
 

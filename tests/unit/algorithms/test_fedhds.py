@@ -28,43 +28,37 @@ from fedfm.core.messages import Message
 from fedfm.engine import build, resolve
 from fedfm.errors import ConfigError
 from fedfm.runtime import run as run_experiment
+from helpers.config import make_config
+from helpers.runfiles import jsonl_rows
 
 TINY = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 8}
 TURBO = {"vocab": "small", "hidden": 16, "layers": 1, "heads": 2, "seed": 3}
 
 
-def _cfg(tmp_path: Path, name: str, clients: int = 6, **algo: Any) -> Any:
-    return load_config(
-        {
-            "name": name,
-            "algorithm": "fedhds",
-            "rounds": 2,
-            "eval_before": False,
-            "out_dir": str(tmp_path),
-            "plots": False,
-            # Eight tiny-model points per client have no density structure at the official
-            # count (min_samples 2 neighbours): at one neighbour these rounds select and train.
-            "algo": {"min_cluster_size": 2, "min_samples": 1, "server_min_samples": 1, **algo},
-            "task": {
-                "kind": "instruction",
-                "model": "tiny-llama",
-                "model_args": TINY,
-                "source_options": {"per_domain_train": 8, "per_domain_test": 2},
-                "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-                "prompt": {"max_length": 96, "max_prompt_length": 64},
-                "max_eval": 6,
-                "max_new_tokens": 4,
-                "eval_ppl": False,
-            },
-            "partition": {"scheme": "iid", "num_clients": clients},
-            "train": {"epochs": 1, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
-            "threads": 1,
-        }
-    )
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+# FedHDS on a two-layer tiny Llama, six IID clients. Eight tiny-model points per client have
+# no density structure at the official count (min_samples 2 neighbours): at one neighbour
+# these rounds select and train.
+FEDHDS: dict[str, Any] = {
+    "algorithm": "fedhds",
+    "rounds": 2,
+    "eval_before": False,
+    "plots": False,
+    "algo": {"min_cluster_size": 2, "min_samples": 1, "server_min_samples": 1},
+    "task": {
+        "kind": "instruction",
+        "model": "tiny-llama",
+        "model_args": TINY,
+        "source_options": {"per_domain_train": 8, "per_domain_test": 2},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "prompt": {"max_length": 96, "max_prompt_length": 64},
+        "max_eval": 6,
+        "max_new_tokens": 4,
+        "eval_ppl": False,
+    },
+    "partition": {"scheme": "iid", "num_clients": 6},
+    "train": {"epochs": 1, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
+    "threads": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +71,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "turbo": {"feature_model": "tiny-llama", "feature_model_args": TURBO},
     }
     for name, algo in variants.items():
-        run_experiment(_cfg(out, name, **algo), progress=False)
+        run_experiment(load_config(make_config(FEDHDS, out, name=name, algo=algo)), progress=False)
     return {name: out / name for name in variants}
 
 
 def _algo(tmp_path: Path, **algo: Any) -> FedHDS:
-    setup = build(_cfg(tmp_path, "unit", **algo))
+    setup = build(load_config(make_config(FEDHDS, tmp_path, name="unit", algo=algo)))
     assert isinstance(setup.algo, FedHDS)
     return setup.algo
 
@@ -306,7 +300,7 @@ def test_random_baseline_takes_its_budget_of_each_client(tmp_path: Path) -> None
 
 
 def test_only_centroids_and_lora_leave_clients(runs: dict[str, Path]) -> None:
-    audit = _jsonl(runs["hds"] / "audit.jsonl")
+    audit = jsonl_rows(runs["hds"] / "audit.jsonl")
     up = [a for a in audit if a["direction"] == "up"]
     arrays = {(a["kind"], a["field"]) for a in up if a["type"] == "arrays"}
     assert arrays == {("select", "centroids"), ("train", "global")}
@@ -327,32 +321,32 @@ def test_only_centroids_and_lora_leave_clients(runs: dict[str, Path]) -> None:
 
 
 def test_no_train_message_reaches_an_unselected_client(runs: dict[str, Path]) -> None:
-    audit = _jsonl(runs["hds"] / "audit.jsonl")
-    log = _jsonl(runs["hds"] / "artefacts" / "selection.jsonl")
+    audit = jsonl_rows(runs["hds"] / "audit.jsonl")
+    log = jsonl_rows(runs["hds"] / "artefacts" / "selection.jsonl")
     for rnd in (1, 2):
         told = {a["client"] for a in audit if a["round"] == rnd and a["kind"] == "train"}
         chosen = {r["client"] for r in log if r["round"] == rnd and r.get("selected")}
         asked = {a["client"] for a in audit if a["round"] == rnd and a["kind"] == "select"}
         assert told == chosen and told < asked  # some clients are left out of training
-    rows = _jsonl(runs["hds"] / "metrics.jsonl")
+    rows = jsonl_rows(runs["hds"] / "metrics.jsonl")
     assert all(0 < r["data_fraction"] < 1 for r in rows[1:])
 
 
 def test_global_select_sends_every_point_and_more_bytes(runs: dict[str, Path]) -> None:
     def select_up(run: Path) -> int:
-        audit = _jsonl(run / "audit.jsonl")
+        audit = jsonl_rows(run / "audit.jsonl")
         return sum(a["bytes"] for a in audit if a["kind"] == "select" and a["direction"] == "up")
 
-    points = [a for a in _jsonl(runs["global"] / "audit.jsonl") if a["field"] == "points"]
+    points = [a for a in jsonl_rows(runs["global"] / "audit.jsonl") if a["field"] == "points"]
     assert points and all(a["shape"] == [8, 2] for a in points)
     assert select_up(runs["global"]) > select_up(runs["hds"])
 
 
 def test_turbo_features_come_once_per_client_and_need_no_adapter(runs: dict[str, Path]) -> None:
-    audit = _jsonl(runs["turbo"] / "audit.jsonl")
+    audit = jsonl_rows(runs["turbo"] / "audit.jsonl")
     down = {a["field"] for a in audit if a["kind"] == "select" and a["direction"] == "down"}
     assert down == {"send"}  # no adapter in the select message
-    rows = _jsonl(runs["turbo"] / "metrics.jsonl")
+    rows = jsonl_rows(runs["turbo"] / "metrics.jsonl")
     assert rows[1]["feature_s"] > 0 and rows[2]["feature_s"] < rows[1]["feature_s"] / 10
     summary = json.loads((runs["turbo"] / "summary.json").read_text())
     assert summary["finish"]["total_feature_s"] == pytest.approx(
@@ -417,13 +411,17 @@ def test_client_release_under_dp_is_noisy_and_registered(tmp_path: Path) -> None
 )
 def test_bad_values_fail_at_load_naming_the_field(tmp_path, key, value, field) -> None:
     with pytest.raises(ConfigError) as err:
-        resolve(_cfg(tmp_path, "bad", **{key: value}))
+        resolve(load_config(make_config(FEDHDS, tmp_path, name="bad", algo={key: value})))
     assert err.value.field == field and "\n" not in str(err.value)
 
 
 def test_an_unknown_feature_model_names_its_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
-        build(_cfg(tmp_path, "bad", feature_model="no-such-model"))
+        build(
+            load_config(
+                make_config(FEDHDS, tmp_path, name="bad", algo={"feature_model": "no-such-model"})
+            )
+        )
     assert err.value.field == "algo.feature_model"
 
 
@@ -439,7 +437,9 @@ def test_presets_validate() -> None:
 
 def test_selection_all_is_fedit_exactly(tmp_path: Path) -> None:
     """``selection: all`` gives the same adapter as FedAvg on the same task after a round."""
-    cfg = _cfg(tmp_path, "all", clients=3, selection="all").model_dump()
+    algo = {"selection": "all"}
+    cfg = make_config(FEDHDS, tmp_path, name="all", partition__num_clients=3, algo=algo)
+    cfg = load_config(cfg).model_dump()
     cfg.update(rounds=1)
     run_experiment(load_config(cfg), progress=False)
     fedit = {**cfg, "name": "fedit", "algorithm": "fedavg", "algo": {}}
@@ -452,10 +452,10 @@ def test_selection_all_is_fedit_exactly(tmp_path: Path) -> None:
     for key, value in ref.items():  # fedavg names the adapter in its keys; ours do not
         short = key.replace(".default", "")
         assert torch.allclose(mine[short], value, atol=1e-6), key
-    rows = _jsonl(tmp_path / "all" / "metrics.jsonl")
+    rows = jsonl_rows(tmp_path / "all" / "metrics.jsonl")
     assert rows[1]["data_fraction"] == 1.0
     assert rows[1]["score"] == pytest.approx(
-        _jsonl(tmp_path / "fedit" / "metrics.jsonl")[1]["score"]
+        jsonl_rows(tmp_path / "fedit" / "metrics.jsonl")[1]["score"]
     )
     assert "rougeL_all" in rows[1] and all(f"rougeL_all/{d}" in rows[1] for d in ("math", "spam"))
 
@@ -521,10 +521,10 @@ def test_rouge_of_every_item_weighs_each_domain_alike() -> None:
 
 
 def test_evaluated_items_are_kept_with_their_rouge(runs: dict[str, Path]) -> None:
-    rows = _jsonl(runs["hds"] / "eval_items.jsonl")
+    rows = jsonl_rows(runs["hds"] / "eval_items.jsonl")
     assert [r["round"] for r in rows][-1] == 2
     items = rows[-1]["items"]
-    final = _jsonl(runs["hds"] / "metrics.jsonl")[-1]
+    final = jsonl_rows(runs["hds"] / "metrics.jsonl")[-1]
     seen = [i for i in items if not i["zeroshot"]]
     domains = sorted({i["domain"] for i in seen})
     per = [np.mean([i["rougeL"] for i in seen if i["domain"] == d]) for d in domains]
@@ -538,12 +538,12 @@ def test_flower_simulation_selects_and_trains_as_embedded(tmp_path: Path) -> Non
     timing |= {"bytes_up", "bytes_up_meta"}
     rows = {}
     for runtime in ("embedded", "flower-sim"):
-        cfg = _cfg(tmp_path, runtime).model_dump()
+        cfg = load_config(make_config(FEDHDS, tmp_path, name=runtime)).model_dump()
         cfg.update(runtime=runtime, rounds=1)
         run_experiment(load_config(cfg), progress=False)
         rows[runtime] = [
             {k: v for k, v in r.items() if k not in timing}
-            for r in _jsonl(tmp_path / runtime / "metrics.jsonl")
+            for r in jsonl_rows(tmp_path / runtime / "metrics.jsonl")
         ]
     assert rows["flower-sim"] == rows["embedded"]
     assert rows["embedded"][-1]["clients_trained"] > 0

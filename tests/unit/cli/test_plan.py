@@ -15,35 +15,32 @@ from fedfm.engine import build
 from fedfm.plan import make_plan
 from fedfm.runtime import run
 from helpers.cli import run_cli
+from helpers.config import make_config
 
 TINY = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 4}
 
 
-def _cfg(out: Path, **kw: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "name": "p",
-        "rounds": 1,
-        "eval_before": False,
-        "out_dir": str(out),
-        "plots": False,
-        "task": {
-            "kind": "instruction",
-            "model": "tiny-qwen2",
-            "model_args": TINY,
-            "source_options": {"per_domain_train": 3, "per_domain_test": 1},
-            "lora": {"r": 4, "alpha": 8, "target_modules": "auto"},
-            "prompt": {"max_length": 64, "max_prompt_length": 48},
-            "max_eval": 2,
-            "max_new_tokens": 2,
-        },
-        "train": {"steps": 1, "batch_size": 2, "optimizer": "adamw", "lr": 1e-3},
-    }
-    cfg.update(kw)
-    return cfg
+PLAN: dict[str, Any] = {
+    "name": "p",
+    "rounds": 1,
+    "eval_before": False,
+    "plots": False,
+    "task": {
+        "kind": "instruction",
+        "model": "tiny-qwen2",
+        "model_args": TINY,
+        "source_options": {"per_domain_train": 3, "per_domain_test": 1},
+        "lora": {"r": 4, "alpha": 8, "target_modules": "auto"},
+        "prompt": {"max_length": 64, "max_prompt_length": 48},
+        "max_eval": 2,
+        "max_new_tokens": 2,
+    },
+    "train": {"steps": 1, "batch_size": 2, "optimizer": "adamw", "lr": 1e-3},
+}
 
 
 def test_counts_and_traffic_equal_the_real_model_and_the_audit_ledger(tmp_path) -> None:
-    cfg = load_config(_cfg(tmp_path))
+    cfg = load_config(make_config(PLAN, tmp_path))
     plan = make_plan(cfg)
     fm = build(cfg).task.foundation_model()
     assert plan.client.frozen == sum(
@@ -59,8 +56,8 @@ def test_counts_and_traffic_equal_the_real_model_and_the_audit_ledger(tmp_path) 
 
 
 def test_activations_grow_with_the_batch_and_quantisation_shrinks_the_weights(tmp_path) -> None:
-    small = make_plan(load_config(_cfg(tmp_path)))
-    big = _cfg(tmp_path)
+    small = make_plan(load_config(make_config(PLAN, tmp_path)))
+    big = make_config(PLAN, tmp_path)
     big["train"]["batch_size"] = 4
     double = make_plan(load_config(big))
     assert double.client.parts["activations"] == 2 * small.client.parts["activations"]
@@ -75,14 +72,14 @@ def test_activations_grow_with_the_batch_and_quantisation_shrinks_the_weights(tm
 def build_task_cfg(tmp_path: Path) -> Any:
     from fedfm.engine import resolve
 
-    return resolve(load_config(_cfg(tmp_path)))[1]
+    return resolve(load_config(make_config(PLAN, tmp_path)))[1]
 
 
 def test_plan_prints_the_parts_and_strict_refuses_what_does_not_fit(
     tmp_path, monkeypatch, capsys, caplog
 ) -> None:
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(_cfg(tmp_path / "runs")))
+    path.write_text(yaml.safe_dump(make_config(PLAN, tmp_path / "runs")))
     code, out, _ = run_cli(["plan", str(path)], monkeypatch, capsys)
     assert code == 0
     assert "server:" in out and "client:" in out and "activations" in out and "(fits)" in out
@@ -100,7 +97,7 @@ def test_plan_prints_the_parts_and_strict_refuses_what_does_not_fit(
 
 def test_run_prints_the_plans_line_first(tmp_path, monkeypatch, capsys) -> None:
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(_cfg(tmp_path / "runs")))
+    path.write_text(yaml.safe_dump(make_config(PLAN, tmp_path / "runs")))
     code, out, err = run_cli(["run", str(path), "-q"], monkeypatch, capsys)
     assert code == 0, err
     first = out.strip().splitlines()[0]

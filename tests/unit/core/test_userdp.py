@@ -21,26 +21,26 @@ from fedfm.errors import ConfigError, MessageError, TooFewClientsError
 from fedfm.runtime import run
 from helpers import toy
 from helpers.cli import run_cli
+from helpers.config import make_config, toy_config
+
+# Client-level DP-FedAvg on 40 toy clients, half sampled per round; ``_level`` changes the
+# user-level section.
+USERDP: dict[str, Any] = toy_config(
+    "runs",
+    name="dp",
+    seed=5,
+    num_clients=40,
+    clients={"fraction": 0.5},
+    privacy={"delta": 1e-3, "user_level": {"clip": 1.0, "epsilon": 4.0, "mode": "server"}},
+)
 
 
-def _cfg(tmp: Path, name: str = "dp", **user: Any) -> dict[str, Any]:
-    level = {"clip": 1.0, "epsilon": 4.0, "mode": "server", **user}
-    return {
-        "name": name,
-        "algorithm": "fedavg",
-        "rounds": 3,
-        "seed": 5,
-        "task": {"kind": "toy", "num_clients": 40},
-        "clients": {"fraction": 0.5},
-        "train": {"steps": 3, "batch_size": 8, "lr": 0.05},
-        "privacy": {"delta": 1e-3, "user_level": level},
-        "out_dir": str(tmp),
-        "plots": False,
-    }
+def _level(**user: Any) -> dict[str, Any]:
+    return {**USERDP["privacy"]["user_level"], **user}
 
 
 def _user_dp(tmp: Path, n: int = 40, **user: Any) -> UserDP:
-    cfg = load_config(_cfg(tmp, **user))
+    cfg = load_config(make_config(USERDP, tmp, privacy__user_level=_level(**user)))
     assert cfg.privacy.user_level is not None
     return UserDP(cfg.privacy.user_level, cfg, n, PrivacyLedger(1e-3))
 
@@ -126,7 +126,7 @@ def test_epsilon_of_a_run_is_recomputed_from_its_config_with_dp_accounting(tmp_p
 
     from fedfm.core.privacy import RDP_ORDERS
 
-    run(load_config(_cfg(tmp_path)), progress=False)
+    run(load_config(make_config(USERDP, tmp_path)), progress=False)
     folder = tmp_path / "dp"
     cfg = load_config(str(folder / "config.yaml"))
     priv = json.loads((folder / "privacy.json").read_text())
@@ -154,7 +154,8 @@ def test_epsilon_of_a_run_is_recomputed_from_its_config_with_dp_accounting(tmp_p
 
 def test_client_mode_accounts_each_noisy_update_the_server_sees(tmp_path: Path) -> None:
     """Against the server: per participation a Gaussian of multiplier z/√M, no sampling."""
-    cfg = _cfg(tmp_path, "cl", mode="client", min_clients=4)
+    level = _level(mode="client", min_clients=4)
+    cfg = make_config(USERDP, tmp_path, name="cl", privacy__user_level=level)
     run(load_config(cfg), progress=False)
     priv = json.loads((tmp_path / "cl" / "privacy.json").read_text())
     note = priv["user_level"]

@@ -18,6 +18,7 @@ from fedfm.engine import build
 from fedfm.fm import FoundationModel
 from fedfm.models.lora import LoraConfigSpec
 from fedfm.runtime import run
+from helpers.config import make_config
 
 ARCHS = ["tiny-qwen2", "tiny-gemma"]
 TINY = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 5}
@@ -28,37 +29,29 @@ OPENING = {
 }
 
 
-def _cfg(out: Path, name: str, model: str, algorithm: str, **kw: Any) -> Any:
-    return load_config(
-        {
-            "name": name,
-            "algorithm": algorithm,
-            "rounds": 1,
-            "eval_before": False,
-            "out_dir": str(out),
-            "plots": False,
-            "threads": 1,
-            "task": {
-                "kind": "instruction",
-                "model": model,
-                "model_args": TINY,
-                "source_options": {
-                    "per_domain_train": 4,
-                    "per_domain_test": 2,
-                    "domains": ["general", "movie"],
-                },
-                "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "auto"},
-                "prompt": {"max_length": 96, "max_prompt_length": 64},
-                "max_eval": 2,
-                "max_new_tokens": 3,
-                "eval_ppl": False,
-                **kw.pop("task", {}),
-            },
-            "partition": {"scheme": "natural"},
-            "train": {"steps": 2, "batch_size": 2, "optimizer": "adamw", "lr": 1e-2},
-            **kw,
-        }
-    )
+# One round on a tiny random model of the architecture named by ``task__model``.
+ARCH: dict[str, Any] = {
+    "rounds": 1,
+    "eval_before": False,
+    "plots": False,
+    "threads": 1,
+    "task": {
+        "kind": "instruction",
+        "model_args": TINY,
+        "source_options": {
+            "per_domain_train": 4,
+            "per_domain_test": 2,
+            "domains": ["general", "movie"],
+        },
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "auto"},
+        "prompt": {"max_length": 96, "max_prompt_length": 64},
+        "max_eval": 2,
+        "max_new_tokens": 3,
+        "eval_ppl": False,
+    },
+    "partition": {"scheme": "natural"},
+    "train": {"steps": 2, "batch_size": 2, "optimizer": "adamw", "lr": 1e-2},
+}
 
 
 def _rows(folder: Path) -> list[dict[str, Any]]:
@@ -69,7 +62,9 @@ def _rows(folder: Path) -> list[dict[str, Any]]:
 def test_a_fedit_round_trains_the_attention_adapters_in_the_models_own_template(
     tmp_path, model
 ) -> None:
-    cfg = _cfg(tmp_path, "fedit", model, "fedavg")
+    cfg = load_config(
+        make_config(ARCH, tmp_path, name="fedit", task__model=model, algorithm="fedavg")
+    )
     setup = build(cfg)
     fm = setup.task.foundation_model()
     opening, end = OPENING[model]
@@ -91,7 +86,16 @@ def test_a_fedit_round_trains_the_attention_adapters_in_the_models_own_template(
 
 def test_all_linear_dora_adapters_train_on_qwen2(tmp_path) -> None:
     lora = {"target_modules": "all-linear", "use_dora": True}
-    cfg = _cfg(tmp_path, "dora", "tiny-qwen2", "fedavg", task={"lora": {"r": 2, **lora}})
+    cfg = load_config(
+        make_config(
+            ARCH,
+            tmp_path,
+            name="dora",
+            task__model="tiny-qwen2",
+            algorithm="fedavg",
+            task={"lora": {"r": 2, **lora}},
+        )
+    )
     run(cfg, progress=False)
     row = _rows(tmp_path / "dora")[-1]
     assert math.isfinite(row["train_loss"])
@@ -109,7 +113,20 @@ def test_a_fedsdr_round(tmp_path, model) -> None:
         "steps_r": 1,
     }
     prompt = {"max_length": 160, "max_prompt_length": 128}  # room for the rewrite template
-    run(_cfg(tmp_path, "sdr", model, "fedsdr", algo=algo, task={"prompt": prompt}), progress=False)
+    run(
+        load_config(
+            make_config(
+                ARCH,
+                tmp_path,
+                name="sdr",
+                task__model=model,
+                algorithm="fedsdr",
+                algo=algo,
+                task={"prompt": prompt},
+            )
+        ),
+        progress=False,
+    )
     rows = _rows(tmp_path / "sdr")
     assert rows[-1]["round"] == 1 and rows[-1]["failed"] == 0
     assert math.isfinite(rows[-1]["train_loss"])
@@ -117,7 +134,16 @@ def test_a_fedsdr_round(tmp_path, model) -> None:
 
 @pytest.mark.parametrize("model", ARCHS)
 def test_fedhds_features_are_every_layer_of_the_last_token(tmp_path, model) -> None:
-    cfg = _cfg(tmp_path, "hds", model, "fedhds", algo={"min_cluster_size": 2})
+    cfg = load_config(
+        make_config(
+            ARCH,
+            tmp_path,
+            name="hds",
+            task__model=model,
+            algorithm="fedhds",
+            algo={"min_cluster_size": 2},
+        )
+    )
     algo: Any = build(cfg).algo
     data = algo.task.client_data("0")
     _, tokens = algo.usable("0", data)

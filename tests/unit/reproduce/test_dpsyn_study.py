@@ -20,6 +20,7 @@ from fedfm.reproduce import dpsyn as study
 from fedfm.reproduce.dpsyn import FULL, QUICK, Grid
 from fedfm.reproduce.framework import open_study, run_study
 from fedfm.runtime import run
+from helpers.runfiles import jsonl_rows
 
 TINY = Grid(
     clients=4,
@@ -62,10 +63,6 @@ NAMES = [
 ]
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 @pytest.fixture(scope="module")
 def done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[int]]:
     """The tiny grid run twice: (study folder, report, jobs run by each invocation)."""
@@ -97,16 +94,16 @@ def test_each_generator_stops_once_its_pool_is_generated_and_saved(done: Any) ->
     for strong in TINY.generators:
         folder = out / study.pool_name(strong)
         rounds = TINY.train_rounds if strong else 0
-        rows = _jsonl(folder / "metrics.jsonl")
+        rows = jsonl_rows(folder / "metrics.jsonl")
         assert [r["round"] for r in rows] == list(range(rounds + 2))  # profile .. generation
-        pool = _jsonl(folder / "artefacts" / "synthetic_initial.jsonl")
+        pool = jsonl_rows(folder / "artefacts" / "synthetic_initial.jsonl")
         profile = json.loads((folder / "artefacts" / "profile.json").read_text())
         assert len(pool) == sum(profile["allotment"]) and abs(len(pool) - TINY.pool) <= 1
         assert all(isinstance(r["truncated"], bool) for r in pool)
         assert rows[-1]["truncated"] == pytest.approx(np.mean([r["truncated"] for r in pool]))
         assert not (folder / "artefacts" / "synthetic.jsonl").exists()
         assert not (folder / "artefacts" / "votes.json").exists()
-        assert {a["kind"] for a in _jsonl(folder / "audit.jsonl")} <= {"profile", "train"}
+        assert {a["kind"] for a in jsonl_rows(folder / "audit.jsonl")} <= {"profile", "train"}
         ledger = json.loads((folder / "privacy.json").read_text())
         assert not any("vote" in m for m in ledger["mechanisms"])
         assert json.loads((folder / "summary.json").read_text())["rounds"] == rounds + 1
@@ -138,7 +135,7 @@ def test_offline_voting_is_the_algorithms_vote_round(tmp_path: Path) -> None:
     assert total.tolist() == pytest.approx(saved["clipped"])
     rng = np.random.default_rng(derive_seed(TINY.seed, "resample"))
     kept = study.selections(total, pool.codes, pool.allotment, TINY.size, rng, "votes")
-    final = _jsonl(folder / "artefacts" / "synthetic.jsonl")
+    final = jsonl_rows(folder / "artefacts" / "synthetic.jsonl")
     assert kept == [r["source_id"] for r in final]
 
 

@@ -23,31 +23,26 @@ from fedfm.reproduce.framework import RunView, open_study, reproduce, write_repo
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
 from fedfm.runtime import run
 from fedfm.tasks.base import macro_f1
+from helpers.config import make_config
 
-
-def _cfg(tmp_path: Path, name: str, algorithm: str = "fedekd", **kw: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "name": name,
-        "seed": 0,
-        "rounds": 3,
-        "algorithm": algorithm,
-        "out_dir": str(tmp_path),
-        "plots": False,
-        "eval_every": 2,
-        "algo": {"proxy_arch": {"hidden": [8]}, "private_archs": [{"hidden": [16]}]},
-        "task": {
-            "kind": "tabular",
-            "dataset": "breast_cancer",
-            "model_args": {"hidden": [16]},
-            "local_test_fraction": 0.25,
-            "local_val_fraction": 0.2,
-        },
-        "partition": {"scheme": "iid", "num_clients": 4},
-        "train": {"steps": 1, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
-    }
-    for k, v in kw.items():
-        base[k] = {**base[k], **v} if isinstance(v, dict) and k in base else v
-    return base
+# The study's FedeKD setting, small: three rounds evaluated every second, a validation split.
+STUDY_RUN: dict[str, Any] = {
+    "seed": 0,
+    "rounds": 3,
+    "algorithm": "fedekd",
+    "plots": False,
+    "eval_every": 2,
+    "algo": {"proxy_arch": {"hidden": [8]}, "private_archs": [{"hidden": [16]}]},
+    "task": {
+        "kind": "tabular",
+        "dataset": "breast_cancer",
+        "model_args": {"hidden": [16]},
+        "local_test_fraction": 0.25,
+        "local_val_fraction": 0.2,
+    },
+    "partition": {"scheme": "iid", "num_clients": 4},
+    "train": {"steps": 1, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
+}
 
 
 # ----------------------------------------------------------------------------- validation split
@@ -58,8 +53,10 @@ def _ids(data: Any) -> set[int]:
 
 
 def test_validation_split_is_disjoint_from_training_and_test_rows(tmp_path):
-    task = build(load_config(_cfg(tmp_path, "v"))).task
-    without = build(load_config(_cfg(tmp_path, "v0", task={"local_val_fraction": 0.0}))).task
+    task = build(load_config(make_config(STUDY_RUN, tmp_path, name="v"))).task
+    without = build(
+        load_config(make_config(STUDY_RUN, tmp_path, name="v0", task={"local_val_fraction": 0.0}))
+    ).task
     sizes = task.stats()["sizes"]
     for cid, size in zip(task.client_ids(), sizes, strict=True):
         train, test = _ids(task.client_data(cid)), _ids(task.client_test_data(cid))
@@ -79,7 +76,12 @@ def test_validation_split_is_disjoint_from_training_and_test_rows(tmp_path):
 
 def test_validation_fraction_leaving_no_training_rows_is_refused(tmp_path):
     cfg = load_config(
-        _cfg(tmp_path, "bad", task={"local_test_fraction": 0.5, "local_val_fraction": 0.5})
+        make_config(
+            STUDY_RUN,
+            tmp_path,
+            name="bad",
+            task={"local_test_fraction": 0.5, "local_val_fraction": 0.5},
+        )
     )
     with pytest.raises(ConfigError) as err:
         resolve(cfg)
@@ -91,9 +93,15 @@ def test_validation_fraction_leaving_no_training_rows_is_refused(tmp_path):
 
 
 def test_clients_logged_every_eval_round_and_curves_read_per_split(tmp_path):
-    run(load_config(_cfg(tmp_path, "kd")), progress=False)
-    run(load_config(_cfg(tmp_path, "lp", "local-private")), progress=False)
-    avg = {**_cfg(tmp_path, "avg", "fedavg"), "algo": {"personal_eval": True}}
+    run(load_config(make_config(STUDY_RUN, tmp_path, name="kd")), progress=False)
+    run(
+        load_config(make_config(STUDY_RUN, tmp_path, name="lp", algorithm="local-private")),
+        progress=False,
+    )
+    avg = {
+        **make_config(STUDY_RUN, tmp_path, name="avg", algorithm="fedavg"),
+        "algo": {"personal_eval": True},
+    }
     run(load_config(avg), progress=False)
     # Before training, then every 2 rounds, and the last round (always evaluated).
     rows = [

@@ -40,18 +40,18 @@ from fedfm.reproduce.framework import (
 from fedfm.reproduce.stats import Estimate, macro_f1_diff, mean_of, paired, verdict
 from fedfm.tasks.base import macro_f1
 from helpers.cli import run_cli
+from helpers.config import make_config
 
-
-def _cfg(rounds: int = 2, lr: float = 0.01, steps: int = 2) -> dict[str, Any]:
-    return {
-        "seed": 0,
-        "rounds": rounds,
-        "algorithm": "fedavg",
-        "plots": False,
-        "task": {"kind": "tabular", "dataset": "breast_cancer", "model_args": {"hidden": [8]}},
-        "partition": {"scheme": "iid", "num_clients": 3},
-        "train": {"steps": steps, "batch_size": 16, "optimizer": "adam", "lr": lr},
-    }
+# The toy study's runs: FedAvg on breast cancer, three IID clients.
+STUDY_RUN: dict[str, Any] = {
+    "seed": 0,
+    "rounds": 2,
+    "algorithm": "fedavg",
+    "plots": False,
+    "task": {"kind": "tabular", "dataset": "breast_cancer", "model_args": {"hidden": [8]}},
+    "partition": {"scheme": "iid", "num_clients": 3},
+    "train": {"steps": 2, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
+}
 
 
 def _lr(a: RunView) -> float:
@@ -69,15 +69,27 @@ def _b_config(rounds: int) -> Any:
     def config(needs: Mapping[str, RunView]) -> dict[str, Any]:
         if "loss" not in needs["a"].final:
             raise Unmet("A measured no loss")
-        return _cfg(rounds, lr=_lr(needs["a"]))
+        return make_config(STUDY_RUN, rounds=rounds, train__lr=_lr(needs["a"]))
 
     return config
 
 
 def toy_jobs(ctx: Context[dict[str, Any]]) -> list[Any]:
     rounds, steps = ctx.grid["rounds"], ctx.grid.get("steps", 2)
-    jobs: list[Any] = [Run("a", _cfg(rounds, steps=steps), group="train")]
-    jobs += [Run("a2", _cfg(rounds, 0.02, steps), group="train")] if ctx.grid.get("a2") else []
+    jobs: list[Any] = [
+        Run("a", make_config(STUDY_RUN, rounds=rounds, train__steps=steps), group="train")
+    ]
+    jobs += (
+        [
+            Run(
+                "a2",
+                make_config(STUDY_RUN, rounds=rounds, train__lr=0.02, train__steps=steps),
+                group="train",
+            )
+        ]
+        if ctx.grid.get("a2")
+        else []
+    )
     return [
         *jobs,
         Run("b", _b_config(rounds), needs=("a",), group="train"),
@@ -153,7 +165,10 @@ def test_a_changed_need_reruns_its_dependents_and_an_unmet_need_skips(tmp_path):
     run_jobs(TOY, open_study(TOY, tmp_path, grid={"rounds": 2}))
     # One more round for every run: A and B are other configs (run afresh), C's inputs changed.
     ctx = open_study(TOY, tmp_path, grid={"rounds": 3})
-    assert run_status({**_cfg(3), "name": "a", "out_dir": str(tmp_path)}) == "changed"
+    assert (
+        run_status({**make_config(STUDY_RUN, rounds=3), "name": "a", "out_dir": str(tmp_path)})
+        == "changed"
+    )
     run_jobs(TOY, ctx)
     assert ctx.record.invocations[-1]["ran"] == 3
     assert RunView(tmp_path / "b").summary["rounds"] == 3  # type: ignore[index]
@@ -190,7 +205,10 @@ def test_dry_run_lists_the_jobs_and_estimates_from_measured_times(tmp_path, monk
     ctx = open_study(TOY, tmp_path / "toy", grid={"rounds": 2})
     walls = {n: e["wall_s"] for n, e in ctx.record.jobs.items()}
     (tmp_path / "toy" / "b" / "summary.json").unlink()
-    more = dataclasses.replace(TOY, jobs=lambda c: [*toy_jobs(c), Run("d", _cfg(3), group="train")])
+    more = dataclasses.replace(
+        TOY,
+        jobs=lambda c: [*toy_jobs(c), Run("d", make_config(STUDY_RUN, rounds=3), group="train")],
+    )
     lines = dry_run(more, ctx)
     rows = {x.split(" | ")[0].strip("| "): x for x in lines if x.startswith("| ")}
     assert "done (skipped)" in rows["a"] and "partial: resumes" in rows["b"]

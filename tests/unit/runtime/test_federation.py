@@ -16,20 +16,7 @@ from fedfm.core.messages import Message, MessageKind
 from fedfm.errors import TooFewClientsError
 from fedfm.runtime import run
 from helpers import flower  # noqa: F401  (registers the toy task and test-crashy)
-
-
-def _cfg(tmp_path, algorithm: str, **kw: Any):
-    base = {
-        "name": kw.pop("name", algorithm),
-        "algorithm": algorithm,
-        "rounds": kw.pop("rounds", 3),
-        "task": {"kind": "toy"},
-        "out_dir": str(tmp_path),
-        "plots": False,
-        "train": {"steps": 3, "batch_size": 8, "lr": 0.05},
-    }
-    base.update(kw)
-    return load_config(base)
+from helpers.config import toy_config
 
 
 def _rows(tmp_path, name):
@@ -122,7 +109,16 @@ ALGORITHMS.register("test-patterns")(Patterns)
 
 @pytest.fixture
 def patterns_run(tmp_path):
-    cfg = _cfg(tmp_path, "test-patterns", rounds=4, clients={"roles": {"strong": 0.5, "weak": 0.5}})
+    cfg = load_config(
+        toy_config(
+            tmp_path,
+            "test-patterns",
+            rounds=4,
+            clients={"roles": {"strong": 0.5, "weak": 0.5}},
+            seed=0,
+            num_clients=6,
+        )
+    )
     summary = run(cfg, progress=False)
     return tmp_path, summary
 
@@ -164,8 +160,15 @@ def test_roles_split_and_are_enforced(tmp_path):
             return {"answered": len(replies)}
 
     ALGORITHMS.register("test-wrong-role")(WrongRole)
-    cfg = _cfg(
-        tmp_path, "test-wrong-role", rounds=1, clients={"roles": {"strong": 0.5, "weak": 0.5}}
+    cfg = load_config(
+        toy_config(
+            tmp_path,
+            "test-wrong-role",
+            rounds=1,
+            clients={"roles": {"strong": 0.5, "weak": 0.5}},
+            seed=0,
+            num_clients=6,
+        )
     )
     run(cfg, progress=False)
     row = _rows(tmp_path, "test-wrong-role")[1]
@@ -205,7 +208,11 @@ def test_sampling_by_fraction_is_seeded():
 
 
 def test_faulty_clients_are_logged_and_left_out(tmp_path):
-    cfg = _cfg(tmp_path, "test-crashy", rounds=1, clients={"min_clients": 2})
+    cfg = load_config(
+        toy_config(
+            tmp_path, "test-crashy", rounds=1, clients={"min_clients": 2}, seed=0, num_clients=6
+        )
+    )
     run(cfg, progress=False)
     row = _rows(tmp_path, "test-crashy")[1]
     assert row["ok"] == 2 and row["failed"] == 4
@@ -227,7 +234,11 @@ def test_faulty_clients_are_logged_and_left_out(tmp_path):
 
 
 def test_too_few_survivors_fail_the_round_clearly(tmp_path):
-    cfg = _cfg(tmp_path, "test-crashy", rounds=1, clients={"min_clients": 3})
+    cfg = load_config(
+        toy_config(
+            tmp_path, "test-crashy", rounds=1, clients={"min_clients": 3}, seed=0, num_clients=6
+        )
+    )
     with pytest.raises(
         TooFewClientsError, match="round 1: only 2 of 6 clients answered, min_clients=3"
     ):
@@ -235,22 +246,39 @@ def test_too_few_survivors_fail_the_round_clearly(tmp_path):
 
 
 def test_state_persists_across_resume(tmp_path):
-    cfg = _cfg(tmp_path, "test-patterns", rounds=4, clients={"roles": {"strong": 0.5, "weak": 0.5}})
+    cfg = load_config(
+        toy_config(
+            tmp_path,
+            "test-patterns",
+            rounds=4,
+            clients={"roles": {"strong": 0.5, "weak": 0.5}},
+            seed=0,
+            num_clients=6,
+        )
+    )
     full = run(cfg, progress=False)
-    cfg2 = _cfg(
-        tmp_path,
-        "test-patterns",
-        name="part",
-        rounds=2,
-        clients={"roles": {"strong": 0.5, "weak": 0.5}},
+    cfg2 = load_config(
+        toy_config(
+            tmp_path,
+            "test-patterns",
+            name="part",
+            rounds=2,
+            clients={"roles": {"strong": 0.5, "weak": 0.5}},
+            seed=0,
+            num_clients=6,
+        )
     )
     run(cfg2, progress=False)
-    cfg3 = _cfg(
-        tmp_path,
-        "test-patterns",
-        name="part",
-        rounds=4,
-        clients={"roles": {"strong": 0.5, "weak": 0.5}},
+    cfg3 = load_config(
+        toy_config(
+            tmp_path,
+            "test-patterns",
+            name="part",
+            rounds=4,
+            clients={"roles": {"strong": 0.5, "weak": 0.5}},
+            seed=0,
+            num_clients=6,
+        )
     )
     resumed = run(cfg3, resume=True, progress=False)
     assert resumed["finish"] == full["finish"]  # per-client counters survived the restart

@@ -17,7 +17,7 @@ from fedfm.config import load_config
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.errors import MessageError, TooFewClientsError
 from fedfm.runtime import run
-from helpers.config import toy_config
+from helpers.config import make_config, toy_config
 from helpers.grid import flower_run, same_run
 
 # ----------------------------------------------------------------------------- MessageKind
@@ -118,15 +118,8 @@ class BadReplies(FedAvg):
 ALGORITHMS.register("test-bad-replies")(BadReplies)
 
 
-def _cfg(out: Path, min_clients: int, rounds: int = 3) -> dict[str, Any]:
-    return toy_config(
-        out,
-        "test-bad-replies",
-        name="bad",
-        rounds=rounds,
-        num_clients=8,
-        clients={"min_clients": min_clients},
-    )
+# Eight toy clients, some of which send malformed replies.
+BAD = toy_config("runs", "test-bad-replies", name="bad", num_clients=8)
 
 
 def _failures(root: Path) -> list[dict[str, Any]]:
@@ -134,7 +127,9 @@ def _failures(root: Path) -> list[dict[str, Any]]:
 
 
 def test_malformed_replies_are_logged_and_left_out(tmp_path):
-    summary = run(load_config(_cfg(tmp_path, min_clients=2)), progress=False)
+    summary = run(
+        load_config(make_config(BAD, tmp_path, clients={"min_clients": 2})), progress=False
+    )
     rows = [json.loads(x) for x in (tmp_path / "bad" / "metrics.jsonl").read_text().splitlines()]
     assert [r["clients"] for r in rows[1:]] == [2, 2, 2] and [r["failed"] for r in rows] == [
         0,
@@ -151,15 +146,18 @@ def test_malformed_replies_are_logged_and_left_out(tmp_path):
 
 def test_failures_of_the_round_that_stops_the_run_are_logged(tmp_path):
     with pytest.raises(TooFewClientsError, match="round 1: only 2 of 8 clients answered"):
-        run(load_config(_cfg(tmp_path, min_clients=3)), progress=False)
+        run(load_config(make_config(BAD, tmp_path, clients={"min_clients": 3})), progress=False)
     fails = _failures(tmp_path / "bad")
     assert sorted(f["client"] for f in fails) == ["0", "1", "2", "3", "4", "5"]
     assert {f["round"] for f in fails} == {1}
 
 
 def test_flower_runtime_rejects_the_same_replies_the_same_way(tmp_path):
-    run(load_config(_cfg(tmp_path, min_clients=2, rounds=2)), progress=False)
-    flw = {**_cfg(tmp_path, min_clients=2, rounds=2), "name": "flw"}
+    run(
+        load_config(make_config(BAD, tmp_path, clients={"min_clients": 2}, rounds=2)),
+        progress=False,
+    )
+    flw = {**make_config(BAD, tmp_path, clients={"min_clients": 2}, rounds=2), "name": "flw"}
     flower_run(flw, tmp_path / "nodes", options={"imports": ["helpers.flower", __name__]})
     same_run(tmp_path / "bad", tmp_path / "flw")
     assert len(_failures(tmp_path / "flw")) == 12

@@ -19,13 +19,10 @@ from fedfm.models.lora import trainable_state
 from fedfm.runtime import run
 from helpers.bases import INSTRUCTION
 from helpers.config import make_config
+from helpers.runfiles import jsonl_rows
 
 DOMAINS = INSTRUCTION["task"]["source_options"]["domains"]
 TINY = INSTRUCTION["task"]["model_args"]
-
-
-def _jsonl(path: Any) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +189,7 @@ def test_fedavg_over_lora_sends_only_adapter_tensors(tmp_path) -> None:
     n_numel = sum(v.numel() for v in adapter.values())
     n_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
     assert n_bytes == lm.adapter_bytes(model)
-    rows = [r for r in _jsonl(tmp_path / "fedit" / "audit.jsonl") if r["type"] == "arrays"]
+    rows = [r for r in jsonl_rows(tmp_path / "fedit" / "audit.jsonl") if r["type"] == "arrays"]
     assert {(r["round"], r["direction"]) for r in rows} == {
         (1, "down"),
         (1, "up"),
@@ -207,7 +204,7 @@ def test_fedavg_over_lora_sends_only_adapter_tensors(tmp_path) -> None:
             n_bytes,
         )
     assert len(rows) == 2 * 2 * 3  # rounds x directions x clients (one per domain)
-    metrics = _jsonl(tmp_path / "fedit" / "metrics.jsonl")
+    metrics = jsonl_rows(tmp_path / "fedit" / "metrics.jsonl")
     assert [m["round"] for m in metrics] == [0, 1, 2]
     assert "score/general" in metrics[0] and "train_loss" in metrics[1]
     assert summary["primary"] == "score"
@@ -240,7 +237,7 @@ def test_other_fedavg_family_members_run_on_lora(tmp_path, algorithm, algo) -> N
         )
     )
     run(cfg, progress=False)
-    rows = _jsonl(tmp_path / algorithm / "metrics.jsonl")
+    rows = jsonl_rows(tmp_path / algorithm / "metrics.jsonl")
     assert rows[-1]["failed"] == 0 and rows[-1]["clients"] == 2
     assert rows[-1]["train_loss"] > 0 and "score" in rows[-1]
 
@@ -262,7 +259,7 @@ def test_bfloat16_base_keeps_a_float32_adapter_and_trains_under_autocast(tmp_pat
     assert base_dtypes == {torch.bfloat16}
     assert {v.dtype for v in get_params(model).values()} == {torch.float32}  # what travels
     run(cfg, progress=False)
-    rows = _jsonl(tmp_path / "bf16" / "metrics.jsonl")
+    rows = jsonl_rows(tmp_path / "bf16" / "metrics.jsonl")
     assert rows[-1]["failed"] == 0 and rows[-1]["train_loss"] > 0
     assert rows[-1]["bytes_down"] == 3 * lm.adapter_bytes(model)
 
@@ -343,8 +340,8 @@ def test_fedit_on_flower_simulation_equals_embedded(tmp_path) -> None:
         load_config(make_config(INSTRUCTION, tmp_path, name="flower", runtime="flower-sim")),
         progress=False,
     )
-    embedded = _jsonl(tmp_path / "embedded" / "metrics.jsonl")
-    flower = _jsonl(tmp_path / "flower" / "metrics.jsonl")
+    embedded = jsonl_rows(tmp_path / "embedded" / "metrics.jsonl")
+    flower = jsonl_rows(tmp_path / "flower" / "metrics.jsonl")
     skip = {"time_s"}
     assert [{k: v for k, v in r.items() if k not in skip} for r in flower] == [
         {k: v for k, v in r.items() if k not in skip} for r in embedded
@@ -374,7 +371,7 @@ def test_one_fedit_round_on_real_smollm2(tmp_path) -> None:
         )
     )
     run(cfg, progress=False)
-    rows = _jsonl(tmp_path / "smollm2" / "metrics.jsonl")
+    rows = jsonl_rows(tmp_path / "smollm2" / "metrics.jsonl")
     assert rows[-1]["failed"] == 0 and rows[-1]["clients"] == 3
     # r=4 LoRA on q,k,v,o of 30 layers: (576·4 + 4·576) q, o; (576·4 + 4·192) k, v; float32.
     per_layer = 2 * (576 * 4 + 4 * 576) + 2 * (576 * 4 + 4 * 192)
