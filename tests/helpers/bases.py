@@ -5,6 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+
+def tiny_task(model_args: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """An instruction task on a tiny random ``tiny-llama`` (``model_args``), LoRA r 4 on its
+    attention, and ``changes`` (source options, prompt budget, evaluation)."""
+    task = {"kind": "instruction", "model": "tiny-llama", "model_args": model_args}
+    return {**task, "lora": {"r": 4, "alpha": 8, "dropout": 0.0}, **changes}
+
+
 DPSYN_DELTA = 1e-3
 # dpsyn on rotten tomatoes with a one-layer tiny Llama: profile, one DP-SGD round, generation,
 # voting in seconds.
@@ -44,6 +52,8 @@ DPSYN: dict[str, Any] = {
 }
 
 
+DOMAINS3 = ["general", "math", "movie"]
+
 # FedSDR / FedSD / FedIT on a one-layer tiny Llama over three instruction domains (one client
 # each: a natural partition). Set ``name``, ``algorithm`` and ``algo``.
 FEDSDR: dict[str, Any] = {
@@ -51,20 +61,13 @@ FEDSDR: dict[str, Any] = {
     "eval_before": False,
     "plots": False,
     "threads": 1,
-    "task": {
-        "kind": "instruction",
-        "model": "tiny-llama",
-        "model_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 8},
-        "source_options": {
-            "per_domain_train": 4,
-            "per_domain_test": 2,
-            "domains": ["general", "math", "movie"],
-        },
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "prompt": {"max_length": 160, "max_prompt_length": 128},
-        "max_new_tokens": 4,
-        "eval_ppl": False,
-    },
+    "task": tiny_task(
+        {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 8},
+        source_options={"per_domain_train": 4, "per_domain_test": 2, "domains": DOMAINS3},
+        prompt={"max_length": 160, "max_prompt_length": 128},
+        max_new_tokens=4,
+        eval_ppl=False,
+    ),
     "partition": {"scheme": "natural"},
     "train": {"steps": 2, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
 }
@@ -86,22 +89,19 @@ INSTRUCTION: dict[str, Any] = {
     "name": "lm",
     "rounds": 2,
     "algorithm": "fedavg",
-    "task": {
-        "kind": "instruction",
-        "model": "tiny-llama",
-        "model_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 0},
-        "source_options": {
+    "task": tiny_task(
+        {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 0},
+        source_options={
             "per_domain_train": 12,
             "per_domain_test": 4,
             "domains": ["general", "movie", "spam"],
         },
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "prompt": {"max_length": 80, "max_prompt_length": 48},
-        "max_eval": 6,
-        "max_new_tokens": 3,
-        "eval_batch_size": 8,
-        "eval_ppl": True,
-    },
+        prompt={"max_length": 80, "max_prompt_length": 48},
+        max_eval=6,
+        max_new_tokens=3,
+        eval_batch_size=8,
+        eval_ppl=True,
+    ),
     "plots": False,
     "train": {"steps": 2, "batch_size": 4, "optimizer": "adamw", "lr": 1e-3},
 }

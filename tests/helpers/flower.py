@@ -20,7 +20,7 @@ from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
-from helpers.bases import DPSYN, FEDSDR, fedsdr_algo
+from helpers.bases import DPSYN, FEDRD, FEDSDR, fedsdr_algo
 from helpers.config import make_config, toy_config
 
 
@@ -231,30 +231,18 @@ def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
             cfg["algo"] = {**cfg["algo"], "gate": "ungated"}
         return cfg
     if algorithm in ("fedrd", "fedrd-kd", "fedrd-nophi", "fed-hint", "fedavg-ft"):
-        algo = {
-            "teacher": "flower-test-fm",
-            "public_size": 100,
-            "server_train": {"steps": 3, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
-        }
-        return {
-            "name": algorithm,
-            "algorithm": algorithm,
-            "rounds": 2,
-            "out_dir": str(out),
-            "plots": False,
-            "threads": 1,
-            "algo": algo,
-            "task": {
-                "kind": "image",
-                "dataset": "digits",
-                "model": "small-cnn",
-                "model_args": {"width": 4, "hidden": 16},
-                "max_train": 600,
-            },
-            "partition": {"scheme": "dirichlet", "alpha": 0.5, "num_clients": 3, "min_size": 10},
-            "clients": {"min_clients": 2},
-            "train": {"steps": 3, "batch_size": 16, "lr": 0.05},
-        }
+        # FedRD's test setting on three clients, with this module's teacher (Flower processes
+        # import this module, not helpers.fedrd).
+        return make_config(
+            FEDRD,
+            out,
+            name=algorithm,
+            algorithm=algorithm,
+            algo={"teacher": "flower-test-fm"},
+            task__max_train=600,
+            partition__num_clients=3,
+            clients={"min_clients": 2},
+        )
     if algorithm == "dpsyn":
         return _dpsyn_config(out)
     if algorithm == "fedsdr":

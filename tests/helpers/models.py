@@ -7,7 +7,8 @@ import itertools
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fedfm.fm import FoundationModel
 from fedfm.models.lora import LoraConfigSpec
@@ -86,3 +87,33 @@ def constant_llama(vocab_size: int, logprobs: torch.Tensor) -> LlamaForCausalLM:
     h = model.model.norm(v)  # the final hidden state of every position
     model.lm_head.weight.copy_(torch.outer(logprobs, h) / h.dot(h))
     return model
+
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chatml_tokenizer(corpus: list[str], template: bool = True) -> PreTrainedTokenizerFast:
+    """A ~350-token byte-level BPE trained on ``corpus``, with SmolLM2's special tokens
+    (ids 0, 1, 2) and (with ``template``) its ChatML chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=350,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        chat_template=CHATML if template else None,
+    )

@@ -49,6 +49,13 @@ FEDEKD: dict[str, Any] = {
 }
 
 
+def _run(out: Path, **changes: Any) -> dict[str, Any]:
+    """Runs FedeKD's base with ``changes`` on the embedded runtime (``resume`` passed on)."""
+    resume = changes.pop("resume", False)
+    cfg = load_config(make_config(FEDEKD, out, **changes))
+    return run_experiment(cfg, resume=resume, progress=False)
+
+
 def _client_states(run: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Client id -> state tensors of the run's last checkpoint (stored flat as ``cid::key``)."""
     ck = load_checkpoint(latest_checkpoint(run / "checkpoints"))
@@ -66,7 +73,7 @@ def _numel_bytes(arrays: dict[str, torch.Tensor]) -> int:
 @pytest.fixture(scope="module")
 def fedekd_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedekd")
-    summary = run_experiment(load_config(make_config(FEDEKD, tmp, name="run")), progress=False)
+    summary = _run(tmp, name="run")
     return tmp / "run", summary
 
 
@@ -122,17 +129,11 @@ def test_personalised_metrics_per_client(fedekd_run):
 
 
 def test_resume_with_private_state_equals_uninterrupted_run(tmp_path):
-    run_experiment(
-        load_config(make_config(FEDEKD, tmp_path, name="straight", rounds=4)), progress=False
-    )
-    run_experiment(load_config(make_config(FEDEKD, tmp_path, name="cut", rounds=2)), progress=False)
+    _run(tmp_path, name="straight", rounds=4)
+    _run(tmp_path, name="cut", rounds=2)
     assert latest_checkpoint(tmp_path / "cut" / "checkpoints").name.endswith("0002")
     assert any(k.startswith("private/") for k in _client_states(tmp_path / "cut")["1"])
-    run_experiment(
-        load_config(make_config(FEDEKD, tmp_path, name="cut", rounds=4)),
-        resume=True,
-        progress=False,
-    )
+    _run(tmp_path, name="cut", rounds=4, resume=True)
     a = jsonl_rows(tmp_path / "straight" / "client_metrics.jsonl")
     b = jsonl_rows(tmp_path / "cut" / "client_metrics.jsonl")
     assert [r["round"] for r in b] == [0, 1, 2, 3, 4]
@@ -225,27 +226,15 @@ def test_config_refuses_unknown_gate_and_bad_beta(tmp_path):
 
 
 def test_beta_zero_equals_ungated_and_local_private_matches_lambda_zero(tmp_path):
-    run_experiment(
-        load_config(make_config(FEDEKD, tmp_path, name="b0", rounds=1, algo={"beta": 0.0})),
-        progress=False,
-    )
-    run_experiment(
-        load_config(make_config(FEDEKD, tmp_path, name="ung", algorithm="fedkd-ungated", rounds=1)),
-        progress=False,
-    )
+    _run(tmp_path, name="b0", rounds=1, algo={"beta": 0.0})
+    _run(tmp_path, name="ung", algorithm="fedkd-ungated", rounds=1)
     a = jsonl_rows(tmp_path / "b0" / "client_metrics.jsonl")[-1]["clients"]
     b = jsonl_rows(tmp_path / "ung" / "client_metrics.jsonl")[-1]["clients"]
     for c in a:
         assert a[c]["local/loss"] == pytest.approx(b[c]["local/loss"], rel=1e-4)
     # Local-only with private architectures = FedeKD's backward stage without distillation.
-    run_experiment(
-        load_config(make_config(FEDEKD, tmp_path, name="lam0", rounds=1, algo={"lam": 0.0})),
-        progress=False,
-    )
-    run_experiment(
-        load_config(make_config(FEDEKD, tmp_path, name="lp", algorithm="local-private", rounds=1)),
-        progress=False,
-    )
+    _run(tmp_path, name="lam0", rounds=1, algo={"lam": 0.0})
+    _run(tmp_path, name="lp", algorithm="local-private", rounds=1)
     a = jsonl_rows(tmp_path / "lam0" / "client_metrics.jsonl")[-1]["clients"]
     b = jsonl_rows(tmp_path / "lp" / "client_metrics.jsonl")[-1]["clients"]
     assert a == b
@@ -267,10 +256,7 @@ def test_negative_transfer_sign_convention():
 
 def test_negative_transfer_from_run_folders(fedekd_run, tmp_path):
     run, _ = fedekd_run
-    run_experiment(
-        load_config(make_config(FEDEKD, tmp_path, name="lp", algorithm="local-private")),
-        progress=False,
-    )
+    _run(tmp_path, name="lp", algorithm="local-private")
     mine = fedekd.client_metric(run, "acc")
     ref = fedekd.client_metric(tmp_path / "lp", "acc")
     nt = fedekd.negative_transfer(mine, ref)

@@ -28,6 +28,7 @@ from fedfm.core.messages import Message
 from fedfm.engine import build, resolve
 from fedfm.errors import ConfigError
 from fedfm.runtime import run as run_experiment
+from helpers.bases import tiny_task
 from helpers.config import make_config
 from helpers.runfiles import jsonl_rows
 
@@ -44,17 +45,14 @@ FEDHDS: dict[str, Any] = {
     "eval_before": False,
     "plots": False,
     "algo": {"min_cluster_size": 2, "min_samples": 1, "server_min_samples": 1},
-    "task": {
-        "kind": "instruction",
-        "model": "tiny-llama",
-        "model_args": TINY,
-        "source_options": {"per_domain_train": 8, "per_domain_test": 2},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "prompt": {"max_length": 96, "max_prompt_length": 64},
-        "max_eval": 6,
-        "max_new_tokens": 4,
-        "eval_ppl": False,
-    },
+    "task": tiny_task(
+        TINY,
+        source_options={"per_domain_train": 8, "per_domain_test": 2},
+        prompt={"max_length": 96, "max_prompt_length": 64},
+        max_eval=6,
+        max_new_tokens=4,
+        eval_ppl=False,
+    ),
     "partition": {"scheme": "iid", "num_clients": 6},
     "train": {"epochs": 1, "batch_size": 4, "optimizer": "adamw", "lr": 1e-2},
     "threads": 1,

@@ -14,6 +14,7 @@ from fedfm.config import load_config
 from fedfm.engine import build
 from fedfm.plan import make_plan
 from fedfm.runtime import run
+from helpers.bases import tiny_task
 from helpers.cli import run_cli
 from helpers.config import make_config
 
@@ -25,16 +26,15 @@ PLAN: dict[str, Any] = {
     "rounds": 1,
     "eval_before": False,
     "plots": False,
-    "task": {
-        "kind": "instruction",
-        "model": "tiny-qwen2",
-        "model_args": TINY,
-        "source_options": {"per_domain_train": 3, "per_domain_test": 1},
-        "lora": {"r": 4, "alpha": 8, "target_modules": "auto"},
-        "prompt": {"max_length": 64, "max_prompt_length": 48},
-        "max_eval": 2,
-        "max_new_tokens": 2,
-    },
+    "task": tiny_task(
+        TINY,
+        model="tiny-qwen2",
+        source_options={"per_domain_train": 3, "per_domain_test": 1},
+        lora={"r": 4, "alpha": 8, "target_modules": "auto"},
+        prompt={"max_length": 64, "max_prompt_length": 48},
+        max_eval=2,
+        max_new_tokens=2,
+    ),
     "train": {"steps": 1, "batch_size": 2, "optimizer": "adamw", "lr": 1e-3},
 }
 

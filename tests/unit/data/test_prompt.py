@@ -10,7 +10,6 @@ import datasets
 import pydantic
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from fedfm.data.prompt import (
@@ -29,13 +28,8 @@ from fedfm.data.prompt import (
     stop_token_ids,
 )
 from fedfm.errors import ConfigError
+from helpers.models import chatml_tokenizer
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 CORPUS = [
     "What is the capital of France? The capital of France is Paris.",
     "Summarize the following text in one sentence. Answer yes or no.",
@@ -44,30 +38,9 @@ CORPUS = [
 ]
 
 
-def chatml_tokenizer(template: bool = True) -> PreTrainedTokenizerFast:
-    """A ~350-token byte-level BPE with SmolLM2's special tokens (ids 0, 1, 2) and ChatML."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=350,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        chat_template=CHATML if template else None,
-    )
-
-
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
-    return chatml_tokenizer()
+    return chatml_tokenizer(CORPUS)
 
 
 def response_text(tokenizer, enc: dict) -> str:
@@ -91,7 +64,7 @@ def test_format_prompt_chatml_and_alpaca_fallback(tok):
     assert format_prompt(tok, "Say hi", "", plain) == (
         f"{ALPACA_PREAMBLE}\n\n### Instruction:\nSay hi\n\n### Response:\n"
     )
-    assert format_prompt(chatml_tokenizer(template=False), "Say hi", "to me") == (
+    assert format_prompt(chatml_tokenizer(CORPUS, template=False), "Say hi", "to me") == (
         f"{ALPACA_PREAMBLE_INPUT}\n\n### Instruction:\nSay hi\n\n### Input:\nto me\n\n"
         "### Response:\n"
     )

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import datasets
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fedfm.data.prompt import PromptConfig, format_prompt
@@ -26,14 +25,8 @@ from fedfm.eval.llm import (
     split_held_out_domain,
     text_nlls,
 )
-from helpers.models import bigram_llama, constant_llama, tiny_llama
+from helpers.models import bigram_llama, chatml_tokenizer, constant_llama, tiny_llama
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 CORPUS = [
     "What is the capital of France? The capital of France is Paris.",
     "Summarize the following text in one sentence. Answer yes or no.",
@@ -44,23 +37,7 @@ CORPUS = [
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
     """Byte-level BPE (~350 tokens) with SmolLM2's special tokens and a ChatML template."""
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=350,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>",
-        chat_template=CHATML,
-    )
+    return chatml_tokenizer(CORPUS)
 
 
 def _ids(tok, text: str) -> list[int]:

@@ -16,6 +16,7 @@ from fedfm.engine import build
 from fedfm.errors import ConfigError, FedfmError, UnknownNameError
 from fedfm.models.causal_lm import small_tokenizer
 from fedfm.models.lora import LoraConfigSpec
+from helpers.bases import tiny_task
 from helpers.models import TINY_FM_LORA, randomize, tiny_fm
 
 SPEC = TINY_FM_LORA
@@ -337,25 +338,21 @@ def test_minilm_all_layer_features() -> None:
 # Instruction data helpers and per-item evaluation
 
 
+DOMAINS = ["general", "math", "spam"]
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cfg = load_config(
         {
             "name": "items",
             "out_dir": str(tmp_path_factory.mktemp("items")),
-            "task": {
-                "kind": "instruction",
-                "model": "tiny-llama",
-                "model_args": {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 5},
-                "source_options": {
-                    "per_domain_train": 6,
-                    "per_domain_test": 2,
-                    "domains": ["general", "math", "spam"],
-                },
-                "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-                "max_new_tokens": 3,
-                "eval_ppl": False,
-            },
+            "task": tiny_task(
+                {"vocab": "small", "hidden": 32, "layers": 1, "heads": 2, "seed": 5},
+                source_options={"per_domain_train": 6, "per_domain_test": 2, "domains": DOMAINS},
+                max_new_tokens=3,
+                eval_ppl=False,
+            ),
         }
     )
     return build(cfg).task

@@ -18,6 +18,7 @@ from fedfm.engine import build
 from fedfm.fm import FoundationModel
 from fedfm.models.lora import LoraConfigSpec
 from fedfm.runtime import run
+from helpers.bases import tiny_task
 from helpers.config import make_config
 
 ARCHS = ["tiny-qwen2", "tiny-gemma"]
@@ -35,20 +36,19 @@ ARCH: dict[str, Any] = {
     "eval_before": False,
     "plots": False,
     "threads": 1,
-    "task": {
-        "kind": "instruction",
-        "model_args": TINY,
-        "source_options": {
+    "task": tiny_task(
+        TINY,
+        source_options={
             "per_domain_train": 4,
             "per_domain_test": 2,
             "domains": ["general", "movie"],
         },
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "auto"},
-        "prompt": {"max_length": 96, "max_prompt_length": 64},
-        "max_eval": 2,
-        "max_new_tokens": 3,
-        "eval_ppl": False,
-    },
+        lora={"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "auto"},
+        prompt={"max_length": 96, "max_prompt_length": 64},
+        max_eval=2,
+        max_new_tokens=3,
+        eval_ppl=False,
+    ),
     "partition": {"scheme": "natural"},
     "train": {"steps": 2, "batch_size": 2, "optimizer": "adamw", "lr": 1e-2},
 }

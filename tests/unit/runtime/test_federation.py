@@ -106,19 +106,13 @@ class Patterns(Algorithm):
 
 ALGORITHMS.register("test-patterns")(Patterns)
 
+SIX = {"seed": 0, "num_clients": 6}  # six toy clients, fedfm's default seed
+ROLES = {"roles": {"strong": 0.5, "weak": 0.5}}
+
 
 @pytest.fixture
 def patterns_run(tmp_path):
-    cfg = load_config(
-        toy_config(
-            tmp_path,
-            "test-patterns",
-            rounds=4,
-            clients={"roles": {"strong": 0.5, "weak": 0.5}},
-            seed=0,
-            num_clients=6,
-        )
-    )
+    cfg = load_config(toy_config(tmp_path, "test-patterns", rounds=4, clients=ROLES, **SIX))
     summary = run(cfg, progress=False)
     return tmp_path, summary
 
@@ -160,16 +154,7 @@ def test_roles_split_and_are_enforced(tmp_path):
             return {"answered": len(replies)}
 
     ALGORITHMS.register("test-wrong-role")(WrongRole)
-    cfg = load_config(
-        toy_config(
-            tmp_path,
-            "test-wrong-role",
-            rounds=1,
-            clients={"roles": {"strong": 0.5, "weak": 0.5}},
-            seed=0,
-            num_clients=6,
-        )
-    )
+    cfg = load_config(toy_config(tmp_path, "test-wrong-role", rounds=1, clients=ROLES, **SIX))
     run(cfg, progress=False)
     row = _rows(tmp_path, "test-wrong-role")[1]
     assert row["answered"] == 0 and row["failed"] == 3
@@ -209,9 +194,7 @@ def test_sampling_by_fraction_is_seeded():
 
 def test_faulty_clients_are_logged_and_left_out(tmp_path):
     cfg = load_config(
-        toy_config(
-            tmp_path, "test-crashy", rounds=1, clients={"min_clients": 2}, seed=0, num_clients=6
-        )
+        toy_config(tmp_path, "test-crashy", rounds=1, clients={"min_clients": 2}, **SIX)
     )
     run(cfg, progress=False)
     row = _rows(tmp_path, "test-crashy")[1]
@@ -235,9 +218,7 @@ def test_faulty_clients_are_logged_and_left_out(tmp_path):
 
 def test_too_few_survivors_fail_the_round_clearly(tmp_path):
     cfg = load_config(
-        toy_config(
-            tmp_path, "test-crashy", rounds=1, clients={"min_clients": 3}, seed=0, num_clients=6
-        )
+        toy_config(tmp_path, "test-crashy", rounds=1, clients={"min_clients": 3}, **SIX)
     )
     with pytest.raises(
         TooFewClientsError, match="round 1: only 2 of 6 clients answered, min_clients=3"
@@ -246,39 +227,14 @@ def test_too_few_survivors_fail_the_round_clearly(tmp_path):
 
 
 def test_state_persists_across_resume(tmp_path):
-    cfg = load_config(
-        toy_config(
-            tmp_path,
-            "test-patterns",
-            rounds=4,
-            clients={"roles": {"strong": 0.5, "weak": 0.5}},
-            seed=0,
-            num_clients=6,
-        )
-    )
+    cfg = load_config(toy_config(tmp_path, "test-patterns", rounds=4, clients=ROLES, **SIX))
     full = run(cfg, progress=False)
     cfg2 = load_config(
-        toy_config(
-            tmp_path,
-            "test-patterns",
-            name="part",
-            rounds=2,
-            clients={"roles": {"strong": 0.5, "weak": 0.5}},
-            seed=0,
-            num_clients=6,
-        )
+        toy_config(tmp_path, "test-patterns", name="part", rounds=2, clients=ROLES, **SIX)
     )
     run(cfg2, progress=False)
     cfg3 = load_config(
-        toy_config(
-            tmp_path,
-            "test-patterns",
-            name="part",
-            rounds=4,
-            clients={"roles": {"strong": 0.5, "weak": 0.5}},
-            seed=0,
-            num_clients=6,
-        )
+        toy_config(tmp_path, "test-patterns", name="part", rounds=4, clients=ROLES, **SIX)
     )
     resumed = run(cfg3, resume=True, progress=False)
     assert resumed["finish"] == full["finish"]  # per-client counters survived the restart
