@@ -4,7 +4,7 @@ Every random draw in a run is derived from (run seed, round, client, purpose)
 (:func:`fedfm.core.federation.derive_seed`). These tests pin the contract from outside:
 different run seeds sample different clients, different clients and rounds get different
 streams, and the same (seed, round, client, purpose) gives the same stream on the embedded
-runtime and on the Flower runtime (driven through the in-memory grid of ``test_flower``).
+runtime and on the Flower runtime (driven through the in-memory grid of ``helpers.grid``).
 Resume tests compare the code with itself and cannot see a stream that ignores the round
 or the client; these can.
 """

@@ -1,6 +1,6 @@
 """An evaluator one can trust: held-out domains, budgets that fit, refusals of bad settings.
 
-Runs on the tiny Llama of ``test_lm_task``; the scorer's arithmetic is pinned in
+Runs on the tiny Llama of ``helpers.bases.INSTRUCTION``; the scorer's arithmetic is pinned in
 ``test_llm_eval``.
 """
 
