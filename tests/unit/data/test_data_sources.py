@@ -47,7 +47,8 @@ def _have_alpaca() -> bool:
 needs_alpaca = pytest.mark.skipif(
     not _have_alpaca(), reason="llamafactory demo data not fetched (python -m fedfm.data.assets)"
 )
-# hf needs a path (tested with local files below); synthetic a run folder (tests/unit/algorithms/test_dpsyn.py)
+# hf needs a path (tested with local files below); synthetic a run folder
+# (tests/unit/algorithms/test_dpsyn.py).
 # Built-in sources only: a test module may register one of its own ("test-...").
 OFFLINE = [n for n in SOURCES if n not in ("hf", "synthetic") and not n.startswith("test-")]
 NEEDS_ALPACA = {"alpaca_demo", "instruct_suite", "c4_demo"}

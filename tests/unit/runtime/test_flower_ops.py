@@ -1,6 +1,7 @@
 """Operating the Flower deployment: key material, refusals, run-folder and report details.
 
-Fast tests without Flower processes; the loopback ones are in ``tests/integration/test_flower_deploy.py``.
+Fast tests without Flower processes; the loopback ones are in
+``tests/integration/test_flower_deploy.py``.
 """
 
 from __future__ import annotations
