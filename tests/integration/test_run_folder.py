@@ -21,6 +21,9 @@ from helpers import toy  # noqa: F401  (registers the toy task)
 from helpers.config import toy_config
 from helpers.grid import flower_run, same_run
 
+# The in-memory Flower grid runs in this process: it needs a task identity (conftest.py).
+pytestmark = pytest.mark.usefixtures("task_identity")
+
 BASE = ["run", "tabular-fedavg", "rounds=1", "plots=false", "-q"]
 
 

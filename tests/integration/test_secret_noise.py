@@ -27,6 +27,9 @@ from helpers.grid import flower_run
 from helpers.runfiles import untimed_rows
 from helpers.runs import kill_mid_run
 
+# The in-memory Flower grid runs in this process: it needs a task identity (conftest.py).
+pytestmark = pytest.mark.usefixtures("task_identity")
+
 
 def _dp_cfg(out: Path, name: str, noise: str, **kw: Any) -> dict[str, Any]:
     """Toy FedAvg under client-side DP-FedAvg: every client adds its share of the noise."""

@@ -36,6 +36,9 @@ from helpers import toy
 from helpers.config import toy_config
 from helpers.grid import flower_run
 
+# The in-memory Flower grid runs in this process: it needs a task identity (conftest.py).
+pytestmark = pytest.mark.usefixtures("task_identity")
+
 CIDS = [str(i) for i in range(20)]
 
 

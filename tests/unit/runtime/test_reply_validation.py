@@ -20,6 +20,9 @@ from fedfm.runtime import run
 from helpers.config import make_config, toy_config
 from helpers.grid import flower_run, same_run
 
+# The in-memory Flower grid runs in this process: it needs a task identity (conftest.py).
+pytestmark = pytest.mark.usefixtures("task_identity")
+
 # ----------------------------------------------------------------------------- MessageKind
 
 
