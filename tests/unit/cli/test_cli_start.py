@@ -32,7 +32,6 @@ atexit.register(lambda: open(report, "w").write(json.dumps(
     sorted(m for m in heavy if m in sys.modules))))
 sys.argv = ["fedfm", *argv]
 from fedfm.cli import main
-from helpers import REPO
 main()
 """
 
