@@ -253,7 +253,7 @@ def algorithm_config(out: Path, algorithm: str) -> dict[str, Any] | None:
 # Checked on Flower by their own tests instead (a reason per algorithm).
 COVERED_ELSEWHERE = {
     "fedhds": "tests/unit/algorithms/test_fedhds.py::"
-    "test_flower_simulation_selects_and_trains_as_embedded:"
+    "test_flower_runtime_selects_and_trains_as_embedded:"
     " its replies carry timings, whose digits change the meta bytes between any two runs",
 }
 

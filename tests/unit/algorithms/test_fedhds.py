@@ -30,6 +30,7 @@ from fedfm.errors import ConfigError
 from fedfm.runtime import run as run_experiment
 from helpers.bases import tiny_task
 from helpers.config import make_config
+from helpers.grid import flower_run
 from helpers.runfiles import jsonl_rows
 
 TINY = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 8}
@@ -530,20 +531,27 @@ def test_evaluated_items_are_kept_with_their_rouge(runs: dict[str, Path]) -> Non
     assert len(items) == final["n"]
 
 
-def test_flower_simulation_selects_and_trains_as_embedded(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("task_identity")
+def test_flower_runtime_selects_and_trains_as_embedded(tmp_path: Path) -> None:
+    """FedHDS's ServerApp and ClientApps on the in-memory grid (Flower's serde on every
+    record) select and train as the embedded run; Flower's Ray engine itself is checked once,
+    on the toy task, by test_flower's simulation test."""
     # Timings differ, and so do the bytes of their JSON meta values (their digits).
     timing = {"time_s", "train_s", "feature_s", "cluster_s", "select_s", "client_s"}
     timing |= {"bytes_up", "bytes_up_meta"}
     rows = {}
-    for runtime in ("embedded", "flower-sim"):
-        cfg = load_config(make_config(FEDHDS, tmp_path, name=runtime)).model_dump()
-        cfg.update(runtime=runtime, rounds=1)
-        run_experiment(load_config(cfg), progress=False)
+    for runtime in ("embedded", "flower"):
+        cfg = load_config(make_config(FEDHDS, tmp_path, name=runtime, rounds=1))
+        if runtime == "embedded":
+            run_experiment(cfg, progress=False)
+        else:
+            imports = {"imports": ["helpers.flower", "fedfm.algorithms.fedhds"]}
+            flower_run(cfg.model_dump(mode="json"), tmp_path / "nodes", options=imports)
         rows[runtime] = [
             {k: v for k, v in r.items() if k not in timing}
             for r in jsonl_rows(tmp_path / runtime / "metrics.jsonl")
         ]
-    assert rows["flower-sim"] == rows["embedded"]
+    assert rows["flower"] == rows["embedded"]
     assert rows["embedded"][-1]["clients_trained"] > 0
     logs = [(tmp_path / r / "artefacts" / "selection.jsonl").read_text() for r in rows]
     assert logs[0] == logs[1]
