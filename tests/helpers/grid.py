@@ -147,12 +147,15 @@ def grid_payload(cfg: dict[str, Any], **kw: Any) -> W.Payload:
 
 def flower_run(cfg: dict[str, Any], state_dir: Path, **kw: Any) -> dict[str, Any]:
     """Runs ``cfg`` on a grid (``FakeGrid`` unless ``grid_cls``); node states under
-    ``state_dir``. Grid keywords: dead, crash_after, node_config, num_nodes, events."""
+    ``state_dir``. Grid keywords: dead, crash_after, node_config, num_nodes, events, and
+    num_partitions (the client count, where the config's partition does not say it)."""
     keys = ("dead", "crash_after", "node_config", "num_nodes", "events")
     grid_kw = {k: kw.pop(k) for k in keys if k in kw}
     grid_cls = kw.pop("grid_cls", FakeGrid)
+    # A natural partition's client count is its groups' (``num_partitions``), not in cfg.
+    clients = kw.pop("num_partitions", None) or cfg.get("partition", {}).get("num_clients")
+    clients = clients or cfg["task"]["num_clients"]
     pay = grid_payload(cfg, **kw)
-    clients = cfg.get("partition", {}).get("num_clients") or cfg["task"]["num_clients"]
     n = grid_kw.pop("num_nodes", clients)
     grid = grid_cls(pay, n, state_dir, num_partitions=clients, **grid_kw)
     return S.server_main(grid, pay)
