@@ -1,31 +1,39 @@
 # Two entry points do all set-up from nothing:
 #   make quickstart   # federated LoRA fine-tuning of SmolLM2 on the offline instruction suite
 #   make test         # the test suite
-.PHONY: setup quickstart test test-fast lint bench mutate
+.PHONY: setup setup-test quickstart test test-fast lint bench mutate
 
+# The quickstart's set-up, then the tests' on top of it (dev tools, Fashion-MNIST, Chromium).
 STAMP := .venv/.fedfm-setup
+TEST_STAMP := .venv/.fedfm-setup-test
 $(STAMP): pyproject.toml requirements-assets.txt scripts/setup.sh
 	bash scripts/setup.sh
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	bash scripts/setup.sh --test
+	touch $(TEST_STAMP)
+
 setup: $(STAMP)
+
+setup-test: $(TEST_STAMP)
 
 quickstart: $(STAMP)
 	.venv/bin/fedfm run quickstart --overwrite
 
 # Static checks first (ruff with docstring rules for core/ and algorithms/, mypy on all of
 # src/fedfm; settings in pyproject.toml), then the tests.
-test: $(STAMP) lint
+test: $(TEST_STAMP) lint
 	.venv/bin/python -m pytest -q -ra
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	.venv/bin/python -m pytest -q -m "not slow"
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	.venv/bin/ruff check src tests benchmarks
 	.venv/bin/python -m mypy
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	.venv/bin/python benchmarks/overhead.py
 	.venv/bin/python benchmarks/memory.py
 	.venv/bin/python benchmarks/throughput.py
@@ -37,6 +45,6 @@ bench: $(STAMP)
 # change and update docs/testing.md. MUTANTS narrows it, e.g. MUTANTS='fedfm.core.optim*'.
 # One thread: torch's OpenMP pool does not survive the fork of each mutant's test run (the
 # forked tests spin until their CPU limit and would count as timeouts).
-mutate: $(STAMP)
+mutate: $(TEST_STAMP)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 .venv/bin/mutmut run --max-children 2 $(MUTANTS)
 	.venv/bin/mutmut results

@@ -18,7 +18,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+from helpers import REPO
+
+SRC = REPO / "src"
 
 LAYERS = (
     "errors",

@@ -1,0 +1,142 @@
+"""The command blocks of docs/running-across-machines.md, run as written on loopback.
+
+Every ``bash`` block of the page is marked ``<!-- docs-test: run -->`` (this test runs it) or
+``<!-- docs-test: skip (why) -->`` (it needs other machines, or placeholders stand in it). The
+runnable blocks run one after the other in one folder, each with ``bash -e`` and a time
+limit, with these substitutions only: free ports for the fixed ones (9092, 9093, 9110,
+9111), this interpreter's environment for ``/opt/fedfm-venv``, and a folder of the test for
+``/tmp/fedfm-states``. Whatever a block leaves running is killed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedfm.runtime.flower import processes as P
+from helpers import REPO
+from helpers.keys import assert_key_modes
+from helpers.runfiles import untimed_rows
+
+pytestmark = pytest.mark.slow  # two deployments on loopback, about two minutes
+
+DOC = REPO / "docs" / "running-across-machines.md"
+BLOCK = re.compile(r"(?:<!-- docs-test: (run|skip[^>]*) -->\n)?```bash\n(.*?)```", re.S)
+PORTS = ("9092", "9093", "9110", "9111")
+BLOCK_TIMEOUT_S = 300
+
+
+def blocks() -> list[tuple[str, str]]:
+    """``(mark, text)`` of every bash block of the page; mark is ``run``, ``skip ...`` or ''."""
+    return [(m.group(1) or "", m.group(2)) for m in BLOCK.finditer(DOC.read_text())]
+
+
+def test_every_command_block_is_marked():
+    found = blocks()
+    assert len(found) >= 8
+    unmarked = [text.splitlines()[0] for mark, text in found if not mark]
+    assert not unmarked, f"bash blocks without a docs-test mark: {unmarked}"
+    assert sum(mark == "run" for mark, _ in found) >= 5
+
+
+def _options(text: str) -> set[str]:
+    """The ``--options`` of a command block (line continuations joined)."""
+    return set(re.findall(r"(?<!\S)--[a-z-]+", text))
+
+
+def test_the_resume_command_is_the_serve_command_with_resume():
+    """Copied as written, the documented resume listens where the run's server did (it
+    used to leave out --host and --port: 0.0.0.0 and the default port)."""
+    found = [text for _, text in blocks()]
+    serve = next(t for t in found if t.startswith("fedfm serve") and "--resume" not in t)
+    resume = next(t for t in found if t.startswith("fedfm serve") and "--resume" in t)
+    assert _options(resume) == _options(serve) | {"--resume"}
+    overrides = lambda t: {w for w in t.split() if "=" in w and not w.startswith("-")}  # noqa: E731
+    assert overrides(resume) == overrides(serve)
+
+
+def _substituted(text: str, ports: dict[str, str], states: Path) -> str:
+    for fixed, free in ports.items():
+        text = re.sub(rf"\b{fixed}\b", free, text)
+    text = text.replace("/opt/fedfm-venv", sys.prefix)
+    return text.replace("/tmp/fedfm-states", str(states))
+
+
+def _run_block(text: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        ["bash", "-e", "-c", text],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        out = ""
+    finally:
+        # Anything the block left behind (background jobs and what they started).
+        P.stop([P.Proc("block", proc, cwd / "unused.log")], grace_s=3)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(text, proc.returncode, out)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()} if folder.is_dir() else {}
+
+
+def test_the_runnable_blocks_run_as_written(tmp_path):
+    ports = {p: str(P.free_port()) for p in PORTS}
+    bin_dir = str(Path(sys.executable).parent)
+    src = str(REPO / "src")
+    (tmp_path / "tmp").mkdir()
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+        "PYTHONPATH": src,  # this tree's fedfm, also for the `fedfm` entry point
+        "TMPDIR": str(tmp_path / "tmp"),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_HOME": str(tmp_path / "default-flwr-home"),
+    }
+    env.pop("VIRTUAL_ENV", None)
+    work = tmp_path / "work"
+    work.mkdir()
+    for mark, text in blocks():
+        if mark != "run":
+            continue
+        before = _files(work / "certs")
+        done = _run_block(_substituted(text, ports, tmp_path / "states"), work, env)
+        assert done.returncode == 0, f"{text}\n--- exit {done.returncode}:\n{done.stdout[-4000:]}"
+        if "--renew" in text:  # new CA and certificate, the node keys as they were
+            after = _files(work / "certs")
+            assert {k: v for k, v in after.items() if k.startswith("node")} == {
+                k: v for k, v in before.items() if k.startswith("node")
+            }
+            assert all(after[k] != before[k] for k in ("ca.crt", "server.pem", "server.key"))
+            assert "valid until" in done.stdout
+    # Key material: three nodes, then two added; private keys 600 in a 700 folder.
+    assert sorted(p.name for p in (work / "certs").glob("node*.key")) == [
+        f"node{i}.key" for i in range(5)
+    ]
+    assert_key_modes(work / "certs")
+    assert_key_modes(work / "local-certs")
+    # The one-machine deployment equals the embedded run, as the page says.
+    dep = untimed_rows(work / "runs" / "tabular-fedavg" / "metrics.jsonl")
+    assert len(dep) == 4 and dep == untimed_rows(work / "runs" / "emb" / "metrics.jsonl")
+    # The run submitted with Flower's own commands finished.
+    summary = json.loads((work / "runs" / "existing" / "summary.json").read_text())
+    assert summary["rounds"] == 1 and summary["failed_clients"] == 0
+    assert not list((tmp_path / "tmp").iterdir())  # the fedfm commands cleaned up
