@@ -115,6 +115,7 @@ from fedfm.core.seeding import derive_seed
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
 from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
+from fedfm.fm import Adapters, FullWeights
 from fedfm.models.embedders import get_embedder, known_embedder
 from fedfm.models.generation import GenerationConfig
 from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
@@ -554,12 +555,12 @@ class DPSyn(Algorithm):
             "seed": self.noise_seed(ctx, "dp"),
             "field": "algo",
         }
+        what: Adapters | FullWeights = Adapters([ADAPTER], [ADAPTER])
         if self.full:
-            _, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
+            what = FullWeights(msg.arrays["weights"])
         else:
             self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
-            self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
-            out = self.fm.get_adapter(ADAPTER)
+        _, out = self.fm.dp_train(rows, ctx.state, what, **kw)
         # The client's own account stays in its state; the server accounts from its plan.
         return Message("train", {self.field: out})
 
