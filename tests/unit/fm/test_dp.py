@@ -23,9 +23,9 @@ from fedfm.core.groups import get_group, join_groups
 from fedfm.core.state import load_state, save_state
 from fedfm.data.prompt import collate
 from fedfm.errors import ConfigError
-from fedfm.fm import Adapters, FullWeights
+from fedfm.fm import Adapters, FoundationModel, FullWeights
 from fedfm.models.generation import pad_id_of
-from helpers.models import randomize, tiny_fm
+from helpers.models import TINY_FM_LORA, randomize, tiny_fm
 
 ROWS = [
     {"instruction": "Say hi.", "input": "", "output": "Hi there!"},
@@ -174,7 +174,13 @@ def test_the_shared_model_is_left_clean_even_after_an_error(fm) -> None:
         m.zero_grad(set_to_none=True)
 
 
-def test_one_dp_train_for_full_weights_and_for_adapters(fm) -> None:
+def test_one_dp_train_for_full_weights_and_for_adapters() -> None:
+    # A base of its own outside tiny_fm's numbering, so the bases later tests get stay theirs.
+    args = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 7}
+    fm = FoundationModel("tiny-llama", "float32", args, lora=TINY_FM_LORA)
+    fm.reset_adapter("global", seed=1)
+    fm.reset_adapter("private", seed=2)
+    randomize(fm, "private", 3, scale=0.3)
     rows = fm.encode(ROWS)
     dp = DPSGDConfig(noise_multiplier=0.5, max_grad_norm=0.1)
     kw = {"train": SGD, "dp": dp, "delta": 1e-5, "steps": 2, "planned_steps": 2, "seed": 3}
