@@ -575,20 +575,28 @@ class InstructionTask(Task):
     def get_params(self, model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
         """Adapter :data:`ADAPTER` of the model (:meth:`build_model`'s), through the handle:
         peft's saved keys, the adapter not named."""
-        state = self.foundation_model().get_adapter(ADAPTER)
+        state = self._handle_of(model).get_adapter(ADAPTER)
         return state if names is None else {k: state[k] for k in names}
 
     def set_params(self, model: nn.Module, params: Mapping[str, Tensor]) -> None:
         """Puts ``params`` (every tensor of an adapter of this shape) into :data:`ADAPTER`."""
-        self.foundation_model().set_adapter(ADAPTER, params)
+        self._handle_of(model).set_adapter(ADAPTER, params)
 
     def param_names(self, model: nn.Module) -> dict[str, str]:
-        return self.foundation_model().param_names(ADAPTER)
+        return self._handle_of(model).param_names(ADAPTER)
 
     def save_adapter(self, model: nn.Module, folder: Path) -> bool:
         """Writes :data:`ADAPTER` in peft's format into ``folder``."""
-        self.foundation_model().save_adapter(ADAPTER, folder)
+        self._handle_of(model).save_adapter(ADAPTER, folder)
         return True
+
+    def _handle_of(self, model: nn.Module) -> FoundationModel:
+        """The handle whose shared model ``model`` is; any other model is refused, since its
+        adapter would not be the one read or written."""
+        fm = self.foundation_model()
+        if model is not fm.model:
+            raise FedfmError(f"{type(model).__name__} is not this task's model (build_model's)")
+        return fm
 
     def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:
         """Token ids, attention masks and response-only labels of ``data`` (cached on it)."""
