@@ -615,6 +615,10 @@ class FoundationModel:
     ) -> tuple[DPResult, Arrays]:
         """DP-SGD (Opacus) on adapters or on every base weight: one function for both.
 
+        The shared model is left without Opacus hooks or attributes, and with the previous
+        active and trainable adapters (and, for full weights, its own weights), whatever
+        happens.
+
         Args:
             rows: Encoded rows of this client (:meth:`encode`).
             state: The client's persistent state; its account lives under ``state.meta[key]``.
@@ -627,10 +631,7 @@ class FoundationModel:
         Returns:
             The DP result and the trained tensors: the trainable adapter's (one adapter: its
             :meth:`get_adapter`; several: grouped by name, ``"<adapter>/<key>"``), or every
-            weight (:meth:`get_weights`; the base itself keeps its own weights).
-
-        The shared model is left without Opacus hooks or attributes, and with the previous
-        active and trainable adapters, whatever happens.
+            weight (:meth:`get_weights`).
         """
         from fedfm.core.dp import dp_train  # Opacus is imported only by runs that use it
 

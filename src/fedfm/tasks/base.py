@@ -171,9 +171,10 @@ class Task(ABC):
         travel: messages, client states and checkpoints carry exactly these.
 
         By default the model's trainable parameters and floating-point buffers by state-dict
-        key, or the tensors it names itself (:func:`fedfm.core.train.get_params`; LoRA
-        adapters always under peft's saved keys, :mod:`fedfm.models.lora`). A task whose model
-        is an adapter of its foundation model returns that adapter (``fm.get_adapter``).
+        key, or the tensors it names itself (:func:`fedfm.core.train.get_params`; the text
+        task's MiniLM LoRA sends its adapter under peft's saved keys, :mod:`fedfm.models.lora`).
+        A task whose model is an adapter of its foundation model returns that adapter through
+        the handle (``fm.get_adapter``), so FedIT's messages are in the same format.
 
         Args:
             model: A model of this task.
