@@ -106,7 +106,14 @@ from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_train, num_steps, set_params
 from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError, config_fields
-from fedfm.models.encoders import Encoder, encoder_key, encoder_reads, feature_cache, load_encoder
+from fedfm.models.encoders import (
+    Encoder,
+    check_options,
+    encoder_key,
+    encoder_reads,
+    feature_cache,
+    load_encoder,
+)
 from fedfm.models.objectives import OBJECTIVES
 from fedfm.models.reprogram import CoTrainer, as_student, head_width
 from fedfm.tasks.base import IMAGE_VIEW, SPLIT_INPUTS, TEXT_VIEW, Task, TaskConfig, require
@@ -253,6 +260,8 @@ class FedRD(Algorithm):
     def _check_teacher(cfg: FedRDConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
         name = teacher_name(cfg.teacher, task_cls.provides(task_cfg))
         require(task_cls, task_cfg, teacher_view(name), "algo.teacher", f"'{name}'")
+        with config_fields(TEACHER_FIELDS):
+            check_options(name, cfg.teacher_options)
 
     def __init__(self, cfg: FedRDConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)

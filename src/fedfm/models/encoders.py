@@ -211,6 +211,21 @@ def encoder_key(name: str, options: dict[str, Any]) -> str:
     return json.dumps({"encoder": name, **options}, sort_keys=True, default=str)
 
 
+def check_options(name: str, options: dict[str, Any]) -> EncoderSpec:
+    """Encoder ``name``'s entry, once its builder is known to take ``options`` (nothing loaded).
+
+    Raises:
+        UnknownNameError: No such encoder (field ``encoder``).
+        ConfigError: Options its builder does not take (field ``encoder.options``).
+    """
+    spec = ENCODERS.get(name)
+    try:
+        inspect.signature(spec.build).bind(**options)
+    except TypeError as err:
+        raise ConfigError("encoder.options", f"bad options for encoder '{name}': {err}") from None
+    return spec
+
+
 _LOADED: dict[str, Encoder] = {}
 _FEATURES: dict[str, FeatureCache] = {}
 
@@ -228,11 +243,7 @@ def load_encoder(name: str, device: torch.device | str | None = None, **options:
         UnknownNameError: No such encoder (field ``encoder``).
         ConfigError: Options its builder does not take (field ``encoder.options``).
     """
-    spec = ENCODERS.get(name)
-    try:
-        inspect.signature(spec.build).bind(**options)
-    except TypeError as err:
-        raise ConfigError("encoder.options", f"bad options for encoder '{name}': {err}") from None
+    spec = check_options(name, options)
     # Builders build on the CPU: no device and the CPU are one entry.
     key = f"{encoder_key(name, options)}@{torch.device(device) if device is not None else 'cpu'}"
     if key not in _LOADED:
