@@ -167,7 +167,8 @@ def register_encoder(
     """
 
     def deco(build: Callable[..., Encoder]) -> Callable[..., Encoder]:
-        ENCODERS.register(name, help)(EncoderSpec(build, reads, unit_norm))
+        kind = f"{reads}, unit norm" if unit_norm else reads
+        ENCODERS.register(name, f"{help} [{kind}]")(EncoderSpec(build, reads, unit_norm))
         return build
 
     return deco
@@ -395,7 +396,7 @@ def _all_minilm(batch_size: int = 64) -> Encoder:
 
 
 @register_encoder(
-    "minilm", "texts", "all-MiniLM-L6-v2 (or name_or_path=...) sentence embeddings, L2-normalised",
+    "minilm", "texts", "all-MiniLM-L6-v2 (or name_or_path=...) sentence embeddings (384-d)",
     unit_norm=True,
 )  # fmt: skip
 def _minilm(name_or_path: str = MINILM, batch_size: int = 64) -> Encoder:
@@ -411,7 +412,7 @@ def _any_sentence_encoder(name_or_path: str, batch_size: int = 64) -> Encoder:
 
 
 @register_encoder(
-    "hashed-ngrams", "texts", "hashed word uni/bigram counts, L2-normalised (256-d)",
+    "hashed-ngrams", "texts", "hashed word uni/bigram counts (256-d)",
     unit_norm=True,
 )  # fmt: skip
 def _hashed_ngrams(dim: int = 256) -> Encoder:
