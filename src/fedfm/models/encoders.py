@@ -168,7 +168,7 @@ def register_encoder(
 
     def deco(build: Callable[..., Encoder]) -> Callable[..., Encoder]:
         kind = f"{reads}, unit norm" if unit_norm else reads
-        ENCODERS.register(name, f"{help} [{kind}]")(EncoderSpec(build, reads, unit_norm))
+        ENCODERS.register(name, f"{help}; {kind}")(EncoderSpec(build, reads, unit_norm))
         return build
 
     return deco
