@@ -649,8 +649,8 @@ FedRD without φ, Fed-Hint, student FedAvg + public fine-tuning as its presets),
 (the server objectives), `src/fedfm/models/encoders.py` (the frozen foundation models and
 their feature cache), `src/fedfm/tasks/public.py` (the public set),
 `src/fedfm/models/fm_adapter.py` (the federated adapter on the frozen vision foundation
-model), `src/fedfm/core/cka.py` (linear CKA), this study: `src/fedfm/reproduce/fedrd.py`. This page is
-written by the study; do not edit it by hand.
+model), `src/fedfm/core/cka.py` (linear CKA), this study: `src/fedfm/reproduce/fedrd.py`.
+This page is written by the study; do not edit it by hand.
 
 ## The method in brief
 
