@@ -90,8 +90,9 @@ class Text:
     The file is a series of sections, each opened by a line ``<!-- section: NAME -->`` and
     running to the next (blank lines at either end dropped; what precedes the first section
     is a note to its reader). A section is a :class:`string.Template`: the study fills each
-    ``$name`` (``${name}``), a list value line by line; a placeholder alone on its line whose
-    value is None drops that line and the blank line after it (a block the report leaves out).
+    ``$name`` (``${name}``), a list value line by line (blank lines at its end dropped); a
+    placeholder alone on its line whose value is None drops that line and the blank line
+    after it (a block the report leaves out).
 
     Args:
         name: The file's name without ``.md``.
@@ -130,7 +131,7 @@ class Text:
         while kept and not kept[-1]:
             kept.pop()
         filled = {
-            k: "\n".join(map(str, v)) if isinstance(v, list) else str(v)
+            k: "\n".join(map(str, v)).rstrip("\n") if isinstance(v, list) else str(v)
             for k, v in values.items()
             if v is not None
         }
