@@ -90,9 +90,10 @@ class Text:
     The file is a series of sections, each opened by a line ``<!-- section: NAME -->`` and
     running to the next (blank lines at either end dropped; what precedes the first section
     is a note to its reader). A section is a :class:`string.Template`: the study fills each
-    ``$name`` (``${name}``), a list value line by line (blank lines at its end dropped); a
-    placeholder alone on its line whose value is None drops that line and the blank line
-    after it (a block the report leaves out).
+    ``$name`` (``${name}``), a list value line by line (blank lines at its end dropped). A
+    placeholder alone on its line whose value is None (a block the report leaves out) drops
+    that line, and the blank line after it where it stands as a paragraph of its own; an
+    empty list drops the line alone.
 
     Args:
         name: The file's name without ``.md``.
@@ -119,15 +120,17 @@ class Text:
             raise KeyError(f"{self.path}: no section {section!r}")
         values = {k: v for src in sources for k, v in src.items()} | values
         kept: list[str] = []
-        dropped = False
+        separator = False  # the blank line after a dropped paragraph goes too
         for line in self.sections[section].split("\n"):
-            if dropped and not line:
-                dropped = False
+            if separator and not line:
+                separator = False
                 continue
             alone = _ALONE.fullmatch(line)
-            dropped = alone is not None and values.get(alone[1] or alone[2], "") is None
-            if not dropped:
-                kept.append(line)
+            value = values.get(alone[1] or alone[2], "") if alone else ""
+            separator = value is None and (not kept or not kept[-1])
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            kept.append(line)
         while kept and not kept[-1]:
             kept.pop()
         filled = {
