@@ -36,7 +36,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_of, paired
-from fedfm.reproduce.tables import DASH, Text, blocks, marked, num, table
+from fedfm.reproduce.tables import DASH, Text, joined, marked, num, table
 
 TEXT = Text("fedsdr")
 METHODS = ("fedit", "fedsd", "fedsdr", "matched")
@@ -380,7 +380,7 @@ def _row_of(res: Results, m: str) -> dict[str, Any]:
     return res.runs[m].final if m in res.runs else {}
 
 
-def _zeroshot_tables(grid: Grid, res: Results) -> list[str] | None:
+def _zeroshot_tables(grid: Grid, res: Results) -> str | None:
     """What the scorer predicted on each zero-shot domain, beside the baselines."""
     parts: list[Any] = []
     for d in grid.zeroshot:
@@ -401,7 +401,7 @@ def _zeroshot_tables(grid: Grid, res: Results) -> list[str] | None:
             rows.append([LABELS[m], *cells, f"{r.get(f'zeroshot/n/{d}', 0):.0f}"])
         header = ["model", f"acc {d}", "majority", "uniform", *(f"answered {x}" for x in labels)]
         parts += [f"**{d}**", table([*header, "items"], rows)]
-    return blocks(*parts) or None
+    return joined(*parts) or None
 
 
 def _trained_labels(grid: Grid, res: Results) -> str | None:
@@ -516,7 +516,7 @@ def _matched(grid: Grid, res: Results) -> str | None:
     return TEXT("matched", values, achieved=achieved)
 
 
-def _rewrites(res: Results, grid: Grid) -> list[str]:
+def _rewrites(res: Results, grid: Grid) -> str:
     """FedSD's rewrites: kept and fallback rows per domain, and their statistics."""
     parts: list[Any] = []
     for m in ("fedsd", "fedsdr"):
@@ -541,7 +541,7 @@ def _rewrites(res: Results, grid: Grid) -> list[str]:
         if m == "fedsd":
             stats = [[label, num(float(zero[k]), dg)] for k, label, dg in REWRITE_KEYS if k in zero]
             parts.append(table(["statistic", "value"], stats))
-    return blocks(*parts, TEXT("fallbacks") if parts else TEXT("no-rewrites"))
+    return joined(*parts, TEXT("fallbacks") if parts else TEXT("no-rewrites"))
 
 
 def _distributions(ctx: Context[Grid], res: Results) -> list[str] | None:

@@ -67,6 +67,11 @@ def command_lines(command: str) -> list[str]:
     return ["## How to reproduce", "", "```", command, "```", ""]
 
 
+def joined(*parts: str | Sequence[str]) -> str:
+    """:func:`blocks` as one text, without the blank line after the last block."""
+    return "\n".join(blocks(*parts)[:-1])
+
+
 def blocks(*parts: str | Sequence[str]) -> list[str]:
     """Markdown blocks, each followed by a blank line: a string is one line (a heading, a
     paragraph), a sequence of lines one block (a table, a list; empty: the blank line only)."""
@@ -90,10 +95,9 @@ class Text:
     The file is a series of sections, each opened by a line ``<!-- section: NAME -->`` and
     running to the next (blank lines at either end dropped; what precedes the first section
     is a note to its reader). A section is a :class:`string.Template`: the study fills each
-    ``$name`` (``${name}``), a list value line by line (blank lines at its end dropped). A
-    placeholder alone on its line whose value is None (a block the report leaves out) drops
-    that line, and the blank line after it where it stands as a paragraph of its own; an
-    empty list drops the line alone.
+    ``$name`` (``${name}``), a list value line by line. A placeholder alone on its line whose
+    value is None (a block the report leaves out) drops that line, with one blank line beside
+    it where it stands as a paragraph of its own; an empty list drops the line alone.
 
     Args:
         name: The file's name without ``.md``.
@@ -120,7 +124,7 @@ class Text:
             raise KeyError(f"{self.path}: no section {section!r}")
         values = {k: v for src in sources for k, v in src.items()} | values
         kept: list[str] = []
-        separator = False  # the blank line after a dropped paragraph goes too
+        separator = False  # a dropped paragraph's blank line goes too
         for line in self.sections[section].split("\n"):
             if separator and not line:
                 separator = False
@@ -131,10 +135,10 @@ class Text:
             if value is None or (isinstance(value, list) and not value):
                 continue
             kept.append(line)
-        while kept and not kept[-1]:
+        if separator and kept:  # a dropped last paragraph: the blank line before it
             kept.pop()
         filled = {
-            k: "\n".join(map(str, v)).rstrip("\n") if isinstance(v, list) else str(v)
+            k: "\n".join(map(str, v)) if isinstance(v, list) else str(v)
             for k, v in values.items()
             if v is not None
         }
