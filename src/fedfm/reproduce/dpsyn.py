@@ -848,7 +848,9 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         votes_done=len(res.votes),
         generators=len(grid.generators),
         codes=", ".join(map(str, _codes(grid))),
-        test=f"{grid.test_rows} real test rows" if grid.test_rows else "every real test row",
+        test=(
+            "every real test row" if grid.test_rows is None else f"{grid.test_rows} real test rows"
+        ),
         strong=", ".join(map(str, grid.strong)),
         epsilon_votes=", ".join(f"{e:g}" for e in grid.epsilon_votes),
         instrument=_instrument(res),

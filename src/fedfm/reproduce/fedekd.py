@@ -42,7 +42,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired, pooled_paired
-from fedfm.reproduce.tables import Text, head, joined, row, side
+from fedfm.reproduce.tables import Text, head, joined, row, side, values
 
 TEXT = Text("fedekd")
 
@@ -1080,10 +1080,6 @@ def _settings_text(sts: Sequence[Setting]) -> str:
     )
 
 
-def _values(xs: Sequence[float]) -> str:
-    return "{" + ", ".join(f"{x:g}" for x in xs) + "}"
-
-
 def _setup(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> dict[str, Any]:
     """How to reproduce: the command, the grid, presets and split sizes."""
     grid = ctx.grid
@@ -1093,7 +1089,7 @@ def _setup(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> dict[
     out = {"command": ctx.command, "main_runs": len(main_cells(grid))}
     out.update(n_presets=len(grid.presets), n_settings=len(grid.settings))
     out.update(n_seeds=len(grid.seeds), n_variants=len(grid.main_variants()))
-    out.update(lams=_values(grid.lams), betas=_values(grid.betas))
+    out.update(lams=values(grid.lams), betas=values(grid.betas))
     out.update(rounds=grid.rounds or preset(grid.presets[0])["rounds"])
     out.update(settings=_settings_text(grid.settings), seeds=", ".join(map(str, grid.seeds)))
     out.update(control=TEXT("control", control) if grid.control_settings else "")

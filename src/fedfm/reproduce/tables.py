@@ -62,11 +62,6 @@ def table(header: Sequence[Any] | str, rows: Iterable[Iterable[Any]]) -> list[st
     return [*head(header), *(row(r) for r in rows)]
 
 
-def command_lines(command: str) -> list[str]:
-    """The report's "How to reproduce" heading and the command that writes it."""
-    return ["## How to reproduce", "", "```", command, "```", ""]
-
-
 def joined(*parts: str | Sequence[str]) -> str:
     """:func:`blocks` as one text, without the blank line after the last block."""
     return "\n".join(blocks(*parts)[:-1])
