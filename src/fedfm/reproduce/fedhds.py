@@ -137,15 +137,11 @@ def methods(grid: Grid) -> list[Method]:
     return [m for m in METHODS if grid.methods is None or m.key in grid.methods]
 
 
-def job_name(method: Method, seed: int, grid: Grid) -> str:
-    """A run's folder: the method's key for the first seed, ``<key>-s<seed>`` for others."""
-    return method.key if seed == grid.seeds[0] else f"{method.key}-s{seed}"
-
-
 def runs_of(method: Method, grid: Grid) -> list[tuple[int, str]]:
-    """``(seed, job name)`` of every run of the method."""
+    """``(seed, job name)`` of every run of the method: its key for the first seed,
+    ``<key>-s<seed>`` for the others."""
     seeds = grid.seeds if method.seeds else grid.seeds[:1]
-    return [(s, job_name(method, s, grid)) for s in seeds]
+    return [(s, method.key if s == grid.seeds[0] else f"{method.key}-s{s}") for s in seeds]
 
 
 def job_config(
@@ -303,13 +299,6 @@ def cost_ratio(res: Results, keys: Sequence[str], of: str = "fedhds") -> Estimat
 TRAIN_S = ("total_train_s",)
 TOTAL_S = ("total_client_s", "total_select_s")
 
-SCOPE = (
-    "One held-out domain (about a hundred Alpaca instructions) and a few rounds of a 135M"
-    " model; with two seeds each item's difference is averaged over the seeds first, so the"
-    " SE covers the evaluated items and only these two seeds' training noise (the per-seed"
-    " table shows whether the seeds agree)."
-)
-
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """FedHDS against FedIT and Random on the held-out task, and its client cost ratios."""
@@ -321,7 +310,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             "FedHDS ≥ FedIT on held-out tasks (Dolly α = 0.5, 1.3B: 31.82 vs 30.55)",
             +1,
             lambda r: delta(r, "fedhds", REFERENCE),
-            scope=SCOPE,
+            scope=TEXT("scope-items"),
         ),
         Readout(
             "FedHDS − Random at FedHDS's data fraction, Rouge-L of the held-out task",
@@ -329,8 +318,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             "FedHDS > Random at the same data budget (31.82 vs 31.41)",
             +1,
             lambda r: seed_delta(r, "fedhds", "random", 0),
-            scope="Random trains on as many rows as FedHDS selected, drawn at random: a gain"
-            " over it credits the selection, not merely training on less (moving less).",
+            scope=TEXT("scope-random"),
         ),
         *(
             Readout(
@@ -341,8 +329,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                 partial(cost_ratio, keys=keys),
                 null=1.0,
                 digits=1,
-                scope="Seconds measured on 2 shared cores (the load is under Jobs below); the"
-                " ratio compares runs of one invocation.",
+                scope=TEXT("scope-seconds"),
             )
             for name, keys in (
                 ("client training time, FedIT / FedHDS", TRAIN_S),
@@ -383,7 +370,7 @@ def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
     return out
 
 
-def _heldout_table(res: Results) -> list[str]:
+def _heldout_rows(res: Results) -> list[list[str]]:
     base = base_scores(res)
     ref = res.of(REFERENCE)
     b = res.base()
@@ -399,14 +386,10 @@ def _heldout_table(res: Results) -> list[str]:
         cells += [marked(paired(scores, base)) if base else DASH]
         cells += [num(_final(views, f"zeroshot/truncated/{HELDOUT}"), 2)]
         rows.append([*cells, num(_final(views, "score"), 3)])
-    return table(
-        "method | held-out Rouge-L | Δ vs FedIT ± SE | Δ vs base ± SE | held-out truncated"
-        " | seen score (secondary)",
-        rows,
-    )
+    return rows
 
 
-def _cost_table(res: Results) -> list[str]:
+def _cost_rows(res: Results) -> list[list[str]]:
     ref = res.of(REFERENCE)
     ref_train, ref_total = _finish(ref, TRAIN_S[0]), _sum_finish(ref, TOTAL_S)
     rows = []
@@ -418,11 +401,7 @@ def _cost_table(res: Results) -> list[str]:
         cells += [num(total, 1), ratio(ref_total, total) if ref_total and total else DASH]
         sel = np.mean([v.audit_bytes("select") for v in views]) if views else None
         rows.append([*cells, DASH if sel is None else f"{int(sel):,}"])
-    return table(
-        "method | data fraction | client train s | train speed-up | features + clustering s"
-        " | client + server selection s | total speed-up | selection bytes up",
-        rows,
-    )
+    return rows
 
 
 def _sum_finish(views: Sequence[RunView], keys: Sequence[str]) -> float | None:
@@ -533,13 +512,11 @@ def _instrument(res: Results) -> str:
         if est.n > 1:
             sd = est.se * math.sqrt(est.n)
             sds.append([name, est.n, num(sd), num(est.se), math.ceil((sd / TARGET_SE) ** 2)])
-    labels = "domain | acc | majority class | uniform guess | predicted labels"
-    resolve = "difference | items | per-item SD | SE | items for SE 0.015"
     return TEXT(
         "budgets",
-        budgets=table("domain | reference p90 | budget | truncated, base | truncated, FedIT", rows),
-        labels=TEXT("labels", table=table(labels, hist)) if hist else None,
-        resolve=TEXT("resolve", target_se=TARGET_SE, table=table(resolve, sds)) if sds else None,
+        budgets=rows,
+        labels=TEXT("labels", rows=hist) if hist else None,
+        resolve=TEXT("resolve", target_se=TARGET_SE, rows=sds) if sds else None,
     )
 
 
@@ -562,12 +539,12 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         n_seeds=len(grid.seeds),
         round0=TEXT("round0", round0) if r0 else None,
         instrument=_instrument(res),
-        heldout_table=_heldout_table(res),
+        heldout_rows=_heldout_rows(res),
         seed_gap=_seed_gap(res),
-        cost_table=_cost_table(res),
+        cost_rows=_cost_rows(res),
         hdbscan=_hdbscan(res),
         seen_table=_seen_table(res),
-        paper_table=table(["method", "paper Rouge-L %", "paper speed-up"], paper),
+        paper=paper,
         not_run=TEXT("not-run", missing=missing) if missing else None,
     )
     return [text, ""]

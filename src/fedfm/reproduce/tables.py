@@ -90,9 +90,10 @@ class Text:
     The file is a series of sections, each opened by a line ``<!-- section: NAME -->`` and
     running to the next (blank lines at either end dropped; what precedes the first section
     is a note to its reader). A section is a :class:`string.Template`: the study fills each
-    ``$name`` (``${name}``), a list value line by line. A placeholder alone on its line whose
-    value is None (a block the report leaves out) drops that line, with one blank line beside
-    it where it stands as a paragraph of its own; an empty list drops the line alone.
+    ``$name`` (``${name}``), a list value line by line (a list in it as a table row, under a
+    header the section holds). A placeholder alone on its line whose value is None (a block
+    the report leaves out) drops that line, with one blank line beside it where it stands as
+    a paragraph of its own; an empty list drops the line alone.
 
     Args:
         name: The file's name without ``.md``.
@@ -133,7 +134,9 @@ class Text:
         if separator and kept:  # a dropped last paragraph: the blank line before it
             kept.pop()
         filled = {
-            k: "\n".join(map(str, v)) if isinstance(v, list) else str(v)
+            k: "\n".join(row(x) if isinstance(x, list) else str(x) for x in v)
+            if isinstance(v, list)
+            else str(v)
             for k, v in values.items()
             if v is not None
         }
