@@ -50,8 +50,7 @@ def test_a_section_is_filled_and_a_block_left_out_takes_its_blank_line_along(tex
     assert table == "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |"
     full = text("body", title="T", extra="- middle", table=table, optional="Note.", tail=["x"])
     assert full == (
-        "# T\n\n- first item\n- middle\n- last item\n\n"
-        f"{table}\n\nNote.\n\nCost: $5 a run.\n\nx"
+        f"# T\n\n- first item\n- middle\n- last item\n\n{table}\n\nNote.\n\nCost: $5 a run.\n\nx"
     )
     # None leaves a block out: a paragraph with one blank line beside it, a list item alone;
     # an empty list drops its line only (what an empty block was before: one blank line).
@@ -72,7 +71,7 @@ def test_a_missing_value_or_section_names_the_file_and_the_placeholder(text, tmp
     with pytest.raises(KeyError, match=r"no value for \$extra"):
         text("body", title="T", table="", optional="", tail=None)
     (tmp_path / "bad.md").write_text("<!-- section: s -->\ncosts $ 5\n")
-    with pytest.raises(ValueError, match="bad.md, section 's': Invalid placeholder"):
+    with pytest.raises(ValueError, match=r"bad\.md, section 's': Invalid placeholder"):
         Text("bad", tmp_path)("s")
 
 
