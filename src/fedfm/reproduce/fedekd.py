@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from fedfm import plots
@@ -55,26 +56,24 @@ REFERENCE_GATE = (1.0, 1.0)
 
 @dataclass(frozen=True)
 class Method:
-    """A family of rows of the study.
+    """A family of rows of the study (its key is the registered algorithm).
 
     Attributes:
         label: Name in the report.
-        algorithm: Registered algorithm.
         reference: Method whose run is the local-only reference (None for local-only itself).
     """
 
     label: str
-    algorithm: str
     reference: str | None
 
 
 METHODS: dict[str, Method] = {
-    "local": Method("local-only (shared arch)", "local", None),
-    "local-private": Method("local-only (private archs)", "local-private", None),
-    "fedavg": Method("FedAvg", "fedavg", "local"),
-    "fedprox": Method("FedProx (μ=0.01)", "fedprox", "local"),
-    "fedkd-ungated": Method("ungated KD", "fedkd-ungated", "local-private"),
-    "fedekd": Method("FedeKD", "fedekd", "local-private"),
+    "local": Method("local-only (shared arch)", None),
+    "local-private": Method("local-only (private archs)", None),
+    "fedavg": Method("FedAvg", "local"),
+    "fedprox": Method("FedProx (μ=0.01)", "local"),
+    "fedkd-ungated": Method("ungated KD", "local-private"),
+    "fedekd": Method("FedeKD", "local-private"),
 }
 BASELINES = ("local", "local-private", "fedavg", "fedprox")
 
@@ -278,20 +277,15 @@ def main_cells(grid: Grid) -> list[Cell]:
     ]
 
 
-def long_variants(choice: tuple[float, float]) -> list[Variant]:
-    """Variants of the long runs: the baselines, the chosen gate and the reference gate, each
-    with ungated KD at its λ."""
+def featured(choice: tuple[float, float]) -> list[Variant]:
+    """The variants of the long runs, of the control settings and of the per-dataset tables:
+    the baselines, the chosen gate and the reference gate, each with ungated KD at its λ."""
     out = [Variant(m) for m in BASELINES]
     for b, lam in (choice, REFERENCE_GATE):
         for v in (ungated(lam), gated(b, lam)):
             if v not in out:
                 out.append(v)
     return out
-
-
-def featured(choice: tuple[float, float]) -> list[Variant]:
-    """The variants of the control settings and the rows of the per-dataset tables."""
-    return long_variants(choice)
 
 
 def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
@@ -308,7 +302,7 @@ def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
         Cell(p, grid.long_setting, s, v, long=True)
         for s in grid.long_seeds
         for p in grid.long_presets
-        for v in long_variants(choice)
+        for v in featured(choice)
     ]
 
 
@@ -324,7 +318,7 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     clients["min_clients"] = min(int(clients.get("min_clients", st.num_clients)), st.num_clients)
     data.update(
         seed=job.seed,
-        algorithm=METHODS[job.variant.method].algorithm,
+        algorithm=job.variant.method,
         algo=job.variant.algo(data.get("algo", {})),
         rounds=rounds,
         eval_every=grid.long_eval_every if job.long else grid.eval_every,
@@ -895,7 +889,7 @@ def _at(curve: Mapping[int, Mapping[int, float]], r: int) -> dict[int, float]:
 def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: str) -> list[str]:
     """Mean-client NT per method at key rounds of the long runs, and paired differences."""
     d = _digits(res.primary(preset))
-    fed = [v for v in long_variants(choice) if v.reference is not None]
+    fed = [v for v in featured(choice) if v.reference is not None]
     cuts = [Comparison(gated(*choice), ungated(choice[1])), Comparison(gated(*choice), fed[0])]
     curves = {v: _long_curve(res, grid, preset, v, split) for v in fed}
     rounds = sorted({r for c in curves.values() for per in c.values() for r in per})
@@ -960,18 +954,13 @@ def _groups(grid: Grid, res: Results) -> list[tuple[str, list[str]]]:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plots.save(fig, str(path), dpi=100)
     return path
 
 
 def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
-    import matplotlib.pyplot as plt
-
     fed = [v for v in featured(choice) if v.reference is not None]
     width = 0.8 / max(len(fed), 1)
     panels = [(label, ps, split) for label, ps in _groups(grid, res) for split in ("test", "local")]
@@ -1004,8 +993,6 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
 
 def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
     """Mean ranks of the (β, λ) grid: on validation (the rule) and on the global test set."""
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), squeeze=False)
     sources = (("validation split (the rule)", "val"), ("global test set", "test"))
     for ax, (title, split) in zip(axes[0], sources, strict=True):
@@ -1026,9 +1013,7 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
 
 def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Mean-client NT over the rounds of the long runs, ± SE bands, per set and split."""
-    import matplotlib.pyplot as plt
-
-    fed = [v for v in long_variants(choice) if v.reference is not None]
+    fed = [v for v in featured(choice) if v.reference is not None]
     n = len(grid.long_presets)
     fig, axes = plt.subplots(2, n, figsize=(4.2 * n, 6.0), squeeze=False)
     for c, p in enumerate(grid.long_presets):
@@ -1056,12 +1041,9 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
 
 
 def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     folder.mkdir(parents=True, exist_ok=True)
     # One colour per method in every figure of the study.
-    palette = plots.colours(v.label for v in [*featured(choice), *long_variants(choice)])
+    palette = plots.colours(v.label for v in featured(choice))
     paths = [
         _nt_figure(grid, res, choice, folder / "negative_transfer.png", palette),
         _gate_figure(grid, res, folder / "gate_grid.png"),
@@ -1095,7 +1077,7 @@ def _setup(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> dict[
     out.update(control=TEXT("control", control) if grid.control_settings else "")
     out.update(long_runs=n_long, n_long=len(grid.long_presets), n_long_seeds=len(grid.long_seeds))
     out.update(long_presets=", ".join(_name(p) for p in grid.long_presets))
-    out.update(n_long_variants=len(long_variants(gate)), long_setting=grid.long_setting.label)
+    out.update(n_long_variants=len(featured(gate)), long_setting=grid.long_setting.label)
     out.update(workers=ctx.workers, val_fraction=f"{grid.val_fraction:.0%}")
     out.update(train=TEXT("train", train=grid.train) if grid.train else None)
     presets = head(
