@@ -41,6 +41,7 @@ from fedfm.reproduce.framework import (
     merge,
     preset,
     register,
+    task_of,
 )
 from fedfm.reproduce.stats import (
     IN_DIRECTION,
@@ -252,18 +253,6 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
 # ----------------------------------------------------------------------------- computations
 
 
-def _task(config: Mapping[str, Any]) -> Any:
-    """The run's task (its partition and test split), without the algorithm."""
-    import fedfm.tasks  # noqa: F401  (every task registered)
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
-    from fedfm.tasks.base import TASKS
-
-    cfg = load_config(dict(config))
-    _, task_cfg = resolve(cfg)
-    return TASKS.get(task_cfg.kind)(task_cfg, cfg)
-
-
 def embed_real(
     inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -274,7 +263,7 @@ def embed_real(
     from fedfm.models.embedders import get_embedder
 
     t0 = time.perf_counter()
-    task = _task(config)
+    task = task_of(config)
     embed = get_embedder(str(config["algo"]["embedder"]))
     arrays: dict[str, Any] = {}
     for cid in task.client_ids():
@@ -334,7 +323,7 @@ def probe_prompts(
     from fedfm.models.generation import GenerationConfig
 
     t0 = time.perf_counter()
-    task = _task(config)
+    task = task_of(config)
     fm, labels = task.foundation_model(), task.code_labels()
     gen = GenerationConfig(**config["algo"]["generation"])
     emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
@@ -376,21 +365,17 @@ class _Pool:
 
 
 def _read_pool(run: Path) -> _Pool:
-    import yaml
-
     text = (run / "artefacts" / "synthetic_initial.jsonl").read_text()
     rows = [json.loads(x) for x in text.split("\n") if x]
     profile = json.loads((run / "artefacts" / "profile.json").read_text())
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    privacy_path = run / "privacy.json"
-    privacy = json.loads(privacy_path.read_text()) if privacy_path.exists() else {}
+    view = RunView(run)
     return _Pool(
         rows,
         np.asarray([r["code_id"] for r in rows], np.int64),
         np.asarray([r["label"] for r in rows], np.int64),
         [int(x) for x in profile["allotment"]],
-        cfg,
-        privacy,
+        view.config,
+        view.privacy,
     )
 
 
@@ -880,10 +865,7 @@ def _instrument(res: Results) -> str:
     values = {k: e[k] for k in ("test_rows", "train_rows")}
     values.update(majority=num(e["majority"]), frechet=num(e["frechet_real"]))
     values.update(acc=num(e["ceiling"]["acc"]), f1=num(e["ceiling"]["macro_f1"]))
-    pools = head(
-        "pool | samples | distinct texts | per code | cut by the token budget | empty"
-        " | mean words | on-code (ceiling agrees) | whole-pool accuracy"
-    )
+    pools = []
     for s, v in sorted(res.votes.items()):
         p = v["pool"]
         per_code = ", ".join(f"{c} {n}" for c, n in p["per_code"].items())
@@ -912,7 +894,7 @@ def _instrument(res: Results) -> str:
 def _probe(res: Results) -> str | None:
     if res.probe is None:
         return None
-    lines = head("prompt | on-code | cut by the token budget | mean words | a sample of each code")
+    lines = []
     for template, v in res.probe["templates"].items():
         est = Estimate(**v["on_code"])
         shown = " / ".join(str(t[0]).replace("|", "/")[:90] for t in v["examples"].values() if t)
@@ -924,9 +906,7 @@ def _probe(res: Results) -> str | None:
 
 
 def _training_lines(res: Results) -> list[str]:
-    lines = head(
-        "pool | σ DP-SGD | ε DP-SGD | update norm per round | fine-tuning s | generation s"
-    )
+    lines = []
     for s, view in sorted(res.runs.items()):
         rounds = view.rounds
         r_train = int(view.config.get("algo", {}).get("train_rounds", 0))
@@ -1004,11 +984,8 @@ def _diff_cells(res: Results, a: Side, b: Side) -> list[str]:
     return [marked(e) for e in [*ests, *(seed_diff(res, a, b, w) for w in ("frechet", "on_code"))]]
 
 
-DIFF_HEAD = "Δ accuracy | Δ macro-F1 | Δ Fréchet | Δ on-code"
-
-
 def _within_lines(res: Results) -> list[str]:
-    lines = head(f"pool | comparison | {DIFF_HEAD}")
+    lines = []
     for s in sorted(res.votes):
         pairs = [("uniform − subset (duplication alone)", "uniform", "subset")]
         for e in res.grid.epsilon_votes:
@@ -1024,7 +1001,7 @@ def _within_lines(res: Results) -> list[str]:
 
 def _between_lines(res: Results) -> list[str]:
     grid = res.grid
-    lines = head(f"comparison | {DIFF_HEAD}")
+    lines = []
     few, many = grid.few, grid.many
     pairs = [
         (f"{s} strong − base model, no voting", (s, "subset"), (0, "subset")) for s in grid.strong
@@ -1044,10 +1021,7 @@ def _between_lines(res: Results) -> list[str]:
 
 
 def _privacy_lines(res: Results) -> list[str]:
-    lines = head(
-        "pool | ε_vote asked | σ vote | ε DP-SGD | ε profiling | ε vote (RDP)"
-        " | ε strong (DP-SGD + profiling) | ε weak (profiling + vote)"
-    )
+    lines = []
     for s, v in sorted(res.votes.items()):
         for e, p in v["privacy"].items():
             mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")

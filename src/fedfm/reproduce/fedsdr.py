@@ -34,6 +34,7 @@ from fedfm.reproduce.framework import (
     Unmet,
     preset,
     register,
+    task_of,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_of, paired
 from fedfm.reproduce.tables import DASH, Text, joined, marked, num, table
@@ -184,15 +185,10 @@ def _quantiles(values: Sequence[int]) -> dict[str, float]:
 def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]) -> dict:
     """Token lengths of the references (reference and end-of-turn token) per domain, of the
     training rows and the evaluated items, and the share cut by ``prompt.max_length``."""
-    from fedfm.config import load_config
     from fedfm.data.prompt import fit_prompt
-    from fedfm.engine import resolve
-    from fedfm.tasks.base import TASKS
     from fedfm.tasks.lm import InstructionTask
 
-    run_cfg = load_config(dict(config))
-    _, task_cfg = resolve(run_cfg)
-    task = TASKS.get(task_cfg.kind)(task_cfg, run_cfg)
+    task = task_of(config)
     if not isinstance(task, InstructionTask):
         raise TypeError(f"the study's task is an instruction task, not {type(task).__name__}")
     tok, prompt = task.tokenizer, task.cfg.prompt

@@ -109,6 +109,18 @@ def preset(name: str) -> dict[str, Any]:
     return data
 
 
+def task_of(config: Mapping[str, Any]) -> Any:
+    """The task of a run config (its data, partition and model), without the algorithm."""
+    import fedfm.tasks  # noqa: F401  (every task registered)
+    from fedfm.config import load_config
+    from fedfm.engine import resolve
+    from fedfm.tasks.base import TASKS
+
+    cfg = load_config(dict(config))
+    _, task_cfg = resolve(cfg)
+    return TASKS.get(task_cfg.kind)(task_cfg, cfg)
+
+
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """``base`` with ``over``'s fields, recursing where both hold a mapping (a new mapping)."""
     out = copy.deepcopy(dict(base))
