@@ -37,7 +37,7 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired
-from fedfm.reproduce.tables import Text, head, row, side, table
+from fedfm.reproduce.tables import Text, head, row, side
 
 TEXT = Text("fedrd")
 
@@ -386,7 +386,7 @@ def _methods(grid: Grid, mod: str) -> list[str]:
 
 def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """Mean ± SE over seeds of the final accuracy and macro-F1 per (α, method)."""
-    lines = head(["α", "method", "public rows", "acc", "macro-F1", "teacher path z_t acc", "seeds"])
+    lines = []
     for a in grid.alphas:
         for m in _methods(grid, mod):
             acc, f1, t = (_est(res, grid, mod, a, m, k) for k in ("acc", "macro_f1", "teacher/acc"))
@@ -414,7 +414,7 @@ def _minus(res: Results, grid: Grid, mod: str, alpha: float, other: str, metric:
 
 def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """The paired differences FedRD − method, per α."""
-    lines = head(["α", "FedRD minus", "Δ acc (mean ± SE)", "Δ macro-F1", "seeds", "accuracy"])
+    lines = []
     for a in grid.alphas:
         for m, d in differences(grid, res, mod, a).items():
             acc, f1 = d["acc"], d["macro_f1"]
@@ -539,11 +539,10 @@ def probe_text(probe: Any, grid: Grid, res: Results) -> str:
                 values = {"alpha": f"{a:g}", "method": METHODS[m].label, "student": est.fmt()}
                 values.update(probe=f"{used['acc']:.3f}", gap=f"{used['acc'] - est.mean:+.3f}")
                 gaps.append(TEXT("probe-gap", values, size=size))
-    header = ["input size", "probe accuracy", "feature seconds / 100 images"]
     cells = [[f"{s} px", f"{v['acc']:.3f}", f"{v['s_per_100']:.2f}"] for s, v in rows]
     first = {k: rows[0][1].get(k, "?") for k in ("n_train", "n_test")}
     best_ = {"best": best[0], "best_acc": f"{best[1]['acc']:.3f}", "size": size}
-    return TEXT("probe-table", first, best_, table=table(header, cells), gaps=gaps)
+    return TEXT("probe-table", first, best_, rows=cells, gaps=gaps)
 
 
 def _teacher_size(grid: Grid) -> int | None:
@@ -556,7 +555,7 @@ def _teacher_size(grid: Grid) -> int | None:
 
 def setup_table(grid: Grid) -> list[str]:
     """One line per method: algorithm, data, client model, server, rounds and training."""
-    lines = head("method | preset | algorithm | data | client model | server | rounds, clients")
+    lines = []
     for mod in grid.modalities:
         for m in _methods(grid, mod):
             c = job_config(Cell(mod, grid.alphas[0], grid.seeds[0], m), grid)
