@@ -695,12 +695,19 @@ def _pair(res: Results, comp: Comparison, preset: str, tag: str, split: str, sta
     return tuple(res.get(CellKey(preset, tag, v.key), split, m, stat) for v in (comp.a, comp.b))
 
 
+def _pooled(
+    res: Results, comp: Comparison, presets: Sequence[str], split: str, stat: str, tags: Sequence
+) -> Estimate:
+    """``a − b`` pooled per seed over the cells of ``presets`` × setting ``tags``."""
+    pairs = [_pair(res, comp, p, t, split, stat) for p in presets for t in tags]
+    return pooled_paired([(a, b) for a, b in pairs if a and b])
+
+
 def _pooled_classification(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> Estimate:
     cls = [p for p in grid.presets if res.kind(p) == "classification"]
-    pairs = [_pair(res, comp, p, t, split, stat) for p in cls for t in tags]
-    return pooled_paired([(a, b) for a, b in pairs if a and b])
+    return _pooled(res, comp, cls, split, stat, tags)
 
 
 def _tags(settings: Sequence[Setting]) -> list[str]:
@@ -751,13 +758,6 @@ def _cell_counts(
     return _tally(ests, _sign(stat))
 
 
-def _regression_pooled(
-    res: Results, comp: Comparison, preset: str, split: str, stat: str, tags: Sequence[str]
-) -> Estimate:
-    pairs = [_pair(res, comp, preset, t, split, stat) for t in tags]
-    return pooled_paired([(a, b) for a, b in pairs if a and b])
-
-
 def _findings_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     """Per statistic: pooled estimates with SE, cell counts and the verdict."""
     skew, ctrl = _tags(grid.settings), _tags(grid.control_settings)
@@ -774,7 +774,7 @@ def _findings_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
         if ctrl:
             cells.append(_pooled_classification(grid, res, comp, split, stat, ctrl).fmt(dig, True))
         for p in regs:
-            reg = _regression_pooled(res, comp, p, split, stat, skew)
+            reg = _pooled(res, comp, [p], split, stat, skew)
             cells.append(reg.fmt(1 if stat == "harmed" else 2, signed=True))
         up, down, n = _cell_counts(grid, res, comp, split, stat, skew)
         cells.append(f"{up} / {down} / {n}")
@@ -855,7 +855,7 @@ def _gate_grid_table(grid: Grid, res: Results) -> list[str]:
         for split, stat, _ in GATE_GRID_STATS:
             cells.append(_pooled_classification(grid, res, comp, split, stat, tags).fmt(3, True))
         for p in regs:
-            cells.append(_regression_pooled(res, comp, p, "test", "nt_mean", tags).fmt(2, True))
+            cells.append(_pooled(res, comp, [p], "test", "nt_mean", tags).fmt(2, True))
         up, down, n = _cell_counts(grid, res, comp, "test", "nt_mean", tags)
         cells.append(f"{up} / {down} of {n}")
         lines.append(row(cells))
@@ -902,10 +902,7 @@ def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: st
 
 
 def _sizes_table(grid: Grid, res: Results) -> list[str]:
-    lines = head(
-        "dataset | setting | partition rows, min / median | local test rows, min / median"
-        " | validation rows, min / median | global test rows"
-    )
+    lines = []
     for p in grid.presets:
         for st in grid.all_settings():
             per = res.sizes.get((p, st.tag), {})
@@ -1080,11 +1077,7 @@ def _setup(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> dict[
     out.update(n_long_variants=len(featured(gate)), long_setting=grid.long_setting.label)
     out.update(workers=ctx.workers, val_fraction=f"{grid.val_fraction:.0%}")
     out.update(train=TEXT("train", train=grid.train) if grid.train else None)
-    presets = head(
-        "preset | data | shared arch (FedAvg, FedProx, local) | private archs (cycled)"
-        " | proxy | skew (preset) | rounds (preset) | local training"
-    )
-    return out | {"presets": presets + [_preset_summary(p) for p in grid.presets]}
+    return out | {"presets": [_preset_summary(p) for p in grid.presets]}
 
 
 def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
