@@ -425,8 +425,7 @@ def _lengths(res: Results) -> str | None:
         for part in ("train", "evaluated")
         for d, v in res.lengths.get(part, {}).items()
     ]
-    table_ = table("rows | domain | n | p50 | p90 | max | cut", rows)
-    return TEXT("lengths", max_length=int(res.lengths["max_length"]), table=table_)
+    return TEXT("lengths", max_length=int(res.lengths["max_length"]), rows=rows)
 
 
 def _doc_tokens(grid: Grid, res: Results) -> str | None:
@@ -540,7 +539,7 @@ def _rewrites(res: Results, grid: Grid) -> str:
     return joined(*parts, TEXT("fallbacks") if parts else TEXT("no-rewrites"))
 
 
-def _distributions(ctx: Context[Grid], res: Results) -> list[str] | None:
+def _distributions(ctx: Context[Grid], res: Results) -> str | None:
     """The answer distributions' divergence between clients, raw and distilled."""
     if "fedsd" not in res.runs:
         return None
@@ -554,7 +553,7 @@ def _distributions(ctx: Context[Grid], res: Results) -> list[str] | None:
             ("TF-IDF cosine between clients", "tfidf", PAPER_TFIDF),
         )
     ]
-    return table(["measure", "raw", "distilled", "paper raw → distilled"], rows)
+    return TEXT("distributions", rows=rows)
 
 
 def _cosines(grid: Grid, res: Results) -> list[str]:
