@@ -811,7 +811,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     cfg = generator_config(grid, grid.few)
     algo, task = resolve(load_config(cfg))  # every default filled in
     a, t = algo.model_dump(), task.model_dump()
-    values = {k: f"{v:g}" for k, v in vars(grid).items() if isinstance(v, float)}
+    values: dict[str, Any] = {k: f"{v:g}" for k, v in vars(grid).items() if isinstance(v, float)}
     values.update(dataset=t["dataset"], lm=t["lm"], autocast=t["autocast_bf16"])
     values.update(lora_r=t["lora"]["r"], targets=", ".join(t["lora"]["target_modules"]))
     values.update({k: f"{a['generation'][k]:g}" for k in ("temperature", "top_p")})

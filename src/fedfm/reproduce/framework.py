@@ -313,7 +313,8 @@ class Readout(Generic[R]):
 
 def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
     """The report's opening section: every readout, its estimate and its verdict."""
-    rows, notes = [], {}  # one note for the readouts that share it
+    rows: list[str] = []
+    notes: dict[str, list[str]] = {}  # one note for the readouts that share it
     for i, r in enumerate(readouts, start=1):
         est, word = r.judge(data)
         shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
@@ -827,8 +828,8 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
         status = ", ".join(sorted({str(e.get("status", "not run")) for e in es}))
         timed = [e for e in es if e.get("attempts")]
         secs = [sum(float(e[k]) for e in timed) if timed else None for k in ("wall_s", "cpu_s")]
-        ends = (timed[0].get("load_start"), timed[-1].get("load_end")) if timed else ()
-        load = f"{num(ends[0], 1)} → {num(ends[1], 1)}" if timed else DASH
+        ends = [timed[0].get("load_start"), timed[-1].get("load_end")] if timed else []
+        load = " → ".join(num(x, 1) for x in ends) or DASH
         rows.append(row([key, len(es), status, *(num(x, 0) for x in secs), load]))
     errors = [f"- `{j.name}`: {e['error']}" for j, e in entries if e.get("error")]
     return [
