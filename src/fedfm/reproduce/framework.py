@@ -36,7 +36,7 @@ import yaml
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
-from fedfm.reproduce.stats import Estimate, verdict
+from fedfm.reproduce.stats import NONE, Estimate, verdict
 from fedfm.reproduce.tables import DASH, Text, head, num, row
 
 G = TypeVar("G")  # a study's grid
@@ -309,6 +309,11 @@ class Readout(Generic[R]):
         if not (self.testable(data) if callable(self.testable) else self.testable):
             return est, "cannot be tested by this grid"
         return est, verdict(est, self.direction, self.null)
+
+
+def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
+    """A claim of the paper that the study's setup cannot test: listed with the reason."""
+    return Readout(name, DASH, paper, +1, lambda _: NONE, scope=scope, testable=False)
 
 
 def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
