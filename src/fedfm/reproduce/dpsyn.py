@@ -1040,7 +1040,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: f"DP federated text generation: do the votes select? ({ctx.grid.label})",
+        title=lambda ctx: TEXT("title", label=ctx.grid.label),
         body=body,
         reports=("dpsyn-study.md", "dpsyn-quick.md"),
         workers=(2, 2),  # the 4-strong generator alone is most of one worker's time

@@ -559,10 +559,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: (
-            "FedHDS reproduction: held-out-task Rouge-L of hierarchical data selection vs FedIT"
-            + (" (quick grid)" if ctx.quick else "")
-        ),
+        title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
         body=body,
         reports=("fedhds.md", None),
     )

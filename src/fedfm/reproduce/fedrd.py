@@ -739,7 +739,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: "FedRD: federated reprogramming knowledge distillation — reproduction",
+        title=lambda ctx: TEXT("title"),
         body=body,
         reports=("fedrd.md", None),
     )

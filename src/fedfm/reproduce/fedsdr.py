@@ -614,7 +614,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: f"FedSDR reproduction ({ctx.grid.label})",
+        title=lambda ctx: TEXT("title", label=ctx.grid.label),
         body=body,
         reports=("fedsdr.md", None),
         later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
