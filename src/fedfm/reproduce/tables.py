@@ -106,8 +106,14 @@ class Text:
 
     @cached_property
     def sections(self) -> dict[str, str]:
-        """Section name -> its template text."""
+        """Section name -> its template text.
+
+        Raises:
+            ValueError: A section name stands twice.
+        """
         parts = _SECTION.split(self.path.read_text(encoding="utf-8"))
+        if len(set(parts[1::2])) < len(parts[1::2]):
+            raise ValueError(f"{self.path}: a section name stands twice")
         return {k: v.strip("\n") for k, v in zip(parts[1::2], parts[2::2], strict=True)}
 
     def __call__(self, section: str, *sources: Mapping[str, Any], **values: Any) -> str:
@@ -115,6 +121,7 @@ class Text:
 
         Raises:
             KeyError: No such section, or a placeholder without a value.
+            ValueError: A ``$`` that starts no placeholder.
         """
         if section not in self.sections:
             raise KeyError(f"{self.path}: no section {section!r}")

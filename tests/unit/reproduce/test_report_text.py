@@ -73,6 +73,9 @@ def test_a_missing_value_or_section_names_the_file_and_the_placeholder(text, tmp
     (tmp_path / "bad.md").write_text("<!-- section: s -->\ncosts $ 5\n")
     with pytest.raises(ValueError, match=r"bad\.md, section 's': Invalid placeholder"):
         Text("bad", tmp_path)("s")
+    (tmp_path / "twice.md").write_text("<!-- section: s -->\na\n<!-- section: s -->\nb\n")
+    with pytest.raises(ValueError, match="a section name stands twice"):
+        Text("twice", tmp_path)("s")
 
 
 # What a study's code asks of its template: TEXT("name", ...), and f"scope-{k}" over names.
