@@ -24,6 +24,7 @@ import yaml
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
 from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.algorithms.presets import algo_section
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
@@ -85,7 +86,7 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     algo_cls = ALGORITHMS.get(cfg.algorithm)
     task_kind = cfg.task.get("kind", "tabular")
     task_cls = TASKS.get(str(task_kind))
-    algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
+    algo_cfg = validate_section(algo_cls.Config, algo_section(cfg.algorithm, cfg.algo), "algo")
     task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
     task_cls.check_run(task_cfg, cfg)  # what the task needs of the run (the device)
     validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")

@@ -20,7 +20,8 @@ Each round has two exchanges, selection then training:
    server optimizer of :mod:`fedfm.core.optim`.
 
 FedHDS-Turbo (``algo.feature_model``) takes the features from a small separate frozen model
-(MiniLM through sentence-transformers, or a small causal LM) instead of the LLM: they cannot
+(a text encoder of :data:`fedfm.models.encoders.ENCODERS` with per-layer features: MiniLM
+through sentence-transformers, or a small causal LM) instead of the LLM: they cannot
 change, so each client computes them once and keeps them in its persistent state, and the
 ``select`` message then carries no adapter. Differential privacy (``algo.dp_sigma > 0``): each
 released coordinate is squashed by ``tanh`` and Gaussian noise of std ``dp_sigma`` is added on
@@ -136,7 +137,7 @@ from fedfm.core.train import client_config, local_train, num_steps
 from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
-from fedfm.models.features import LayerFeatures, load_feature_model
+from fedfm.models.encoders import Encoder, load_encoder
 from fedfm.registry import Registry
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, Task, TaskConfig, require
 from fedfm.tasks.lm import InstructionData
@@ -197,7 +198,7 @@ class FedHDSConfig(AlgoConfig):
     )
     perplexity: float = Field(30.0, ge=1, description="t-SNE perplexity cap: min(this, n - 1)")
     feature_model: str | None = Field(
-        None, description="FedHDS-Turbo's separate frozen feature model; None: the LLM"
+        None, description="FedHDS-Turbo's frozen feature model (ENCODERS); None: the LLM"
     )
     feature_model_args: dict[str, Any] = Field(default_factory=dict)
     feature_batch_size: int = Field(8, ge=1, description="texts per feature pass (ours)")
@@ -577,6 +578,8 @@ def _of_all(algo: FedHDS, ctx: ClientContext, pick: list[int], n: int) -> list[i
 
 # Errors of the feature model's builder, named by the config fields that supplied the values.
 FEATURE_FIELDS = {
+    "encoder": "algo.feature_model",
+    "encoder.options": "algo.feature_model_args",
     "features.model": "algo.feature_model",
     "model.name": "algo.feature_model",
     "model": "algo.feature_model_args",
@@ -598,7 +601,7 @@ class FedHDS(Algorithm):
         self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.select = SELECTIONS.get(cfg.selection)
-        self._feature_model: LayerFeatures | None = None
+        self._feature_model: Encoder | None = None
         self._usable: dict[str, tuple[list[int], list[list[int]]]] = {}
         self.totals = dict.fromkeys(TOTALS, 0.0)
         if cfg.feature_model is not None:
@@ -615,14 +618,16 @@ class FedHDS(Algorithm):
         """Whether features come from a separate frozen model (FedHDS-Turbo)."""
         return self.cfg.feature_model is not None
 
-    def feature_model(self) -> LayerFeatures:
-        """FedHDS-Turbo's frozen feature model, loaded once per process."""
+    def feature_model(self) -> Encoder:
+        """FedHDS-Turbo's frozen feature model (an encoder with layers), loaded once."""
         if self._feature_model is None:
             assert self.cfg.feature_model is not None
             with config_fields(FEATURE_FIELDS):
-                self._feature_model = load_feature_model(
+                model = load_encoder(
                     self.cfg.feature_model, self.task.device, **self.cfg.feature_model_args
                 )
+                model.stack()  # an encoder without per-layer features is refused here
+            self._feature_model = model
         return self._feature_model
 
     # ----- client half -----
@@ -639,7 +644,7 @@ class FedHDS(Algorithm):
         rows = _instruction_data(data)
         positions, tokens = self.usable(cid, rows)
         if self.turbo:
-            feats = self.feature_model().features(
+            feats = self.feature_model().layer_features(
                 [_raw_text(rows.rows[i]) for i in positions],
                 batch_size=self.cfg.feature_batch_size,
                 pool=self.cfg.feature_pool,
