@@ -23,7 +23,13 @@ import yaml
 
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
-from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.algorithms.base import (
+    Algorithm,
+    ClientHalf,
+    algo_section,
+    algorithm_class,
+    client_half,
+)
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
@@ -52,11 +58,19 @@ BYTE_KEYS = tuple(f"bytes_{d}{part}" for d in ("up", "down") for part in ("", "_
 
 @dataclass
 class Setup:
-    """A resolved experiment: config, task and algorithm."""
+    """A resolved experiment: config, task, and the algorithm's two halves.
+
+    Attributes:
+        cfg: The run config.
+        task: The task.
+        algo: The algorithm's server half.
+        client: Its client half, built from the config alone (:func:`client_half`).
+    """
 
     cfg: RunConfig
     task: Task
     algo: Algorithm
+    client: ClientHalf
 
     def clients(self) -> list[ClientInfo]:
         """Every client with its role (every process of the run computes the same)."""
@@ -69,7 +83,7 @@ class Setup:
     def client_runner(self) -> ClientRunner:
         """The algorithm's client half, ready to serve any client of the run."""
         roles = {c.cid: c.role for c in self.clients()}
-        return ClientRunner(self.algo.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
+        return ClientRunner(self.client.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
 
 
 def resolve(cfg: RunConfig) -> tuple[Any, Any]:
@@ -82,10 +96,10 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
         ConfigError: Unknown algorithm or task kind, a bad value in their sections, or a task
             without a capability the algorithm needs.
     """
-    algo_cls = ALGORITHMS.get(cfg.algorithm)
+    algo_cls = algorithm_class(cfg.algorithm)
     task_kind = cfg.task.get("kind", "tabular")
     task_cls = TASKS.get(str(task_kind))
-    algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
+    algo_cfg = validate_section(algo_cls.Config, algo_section(cfg.algorithm, cfg.algo), "algo")
     task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
     task_cls.check_run(task_cfg, cfg)  # what the task needs of the run (the device)
     validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")
@@ -98,7 +112,11 @@ BUILD_FIELDS = {"model": "task.model_args", "model.name": "task.model"}
 
 
 def build(cfg: RunConfig) -> Setup:
-    """Builds the task and the algorithm of a config (deterministic in the seed).
+    """Builds the task and both halves of the algorithm of a config (deterministic in the seed).
+
+    The client half is built here, right after the server half, in every process (the
+    embedded runtime, a Flower ClientApp and the ServerApp alike): what it builds from the
+    seed is built in the same order everywhere, before any checkpoint is restored.
 
     Raises:
         ConfigError: Anything the task or the algorithm refuses while being built, named by
@@ -106,9 +124,11 @@ def build(cfg: RunConfig) -> Setup:
             than there are clients.
     """
     algo_cfg, task_cfg = resolve(cfg)
+    algo_cls = algorithm_class(cfg.algorithm)
     with config_fields(BUILD_FIELDS):
         task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
-        algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
+        algo = algo_cls(algo_cfg, task, cfg)
+        client = client_half(algo_cls, algo_cfg, task, cfg)
     for kind in algo.message_kinds().values():
         kind.check_declaration()  # nothing unnoised may leave a DP client
     n = len(task.client_ids())
@@ -116,7 +136,7 @@ def build(cfg: RunConfig) -> Setup:
         raise ConfigError(
             "clients.min_clients", f"{cfg.clients.min_clients} is more than the {n} clients"
         )
-    return Setup(cfg, task, algo)
+    return Setup(cfg, task, algo, client)
 
 
 FederationFactory = Callable[[Setup, ClientStateStore, AuditLedger], Federation]

@@ -82,7 +82,7 @@ def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedg
     return EmbeddedFederation(
         setup.clients(),
         setup.cfg.seed,
-        setup.algo.handlers(),
+        setup.client.handlers(),
         setup.kinds(),
         setup.task,
         store,
