@@ -71,7 +71,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     LOADS.clear()
     BUILT.clear()
     clear_feature_cache()
-    orig = FedRD.client_train
+    orig = FedRD.Client.train  # FedRD's client half is FedAvg's
 
     def counted(self: Any, ctx: ClientContext, msg: Message) -> Message:
         IN_CLIENT[0] += 1
@@ -80,7 +80,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             IN_CLIENT[0] -= 1
 
-    monkeypatch.setattr(FedRD, "client_train", counted)
+    monkeypatch.setattr(FedRD.Client, "train", counted)
 
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

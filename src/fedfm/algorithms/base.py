@@ -73,14 +73,6 @@ class ClientHalf:
         run: The run config.
     """
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "handlers" in cls.__dict__:
-            raise TypeError(
-                f"{cls.__qualname__}.handlers: client handlers belong to the client half"
-                f" ({cls.__qualname__}.Client, a ClientHalf built from the config alone)"
-            )
-
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         self.cfg = cfg
         self.task = task

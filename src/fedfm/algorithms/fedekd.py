@@ -261,7 +261,7 @@ def summarise_privates(task: Task, fed: Federation) -> dict[str, Any]:
     return out
 
 
-def proxy_model(task: Task, run: RunConfig, cfg: FedeKDConfig) -> nn.Module:
+def shared_proxy(task: Task, run: RunConfig, cfg: FedeKDConfig) -> nn.Module:
     """This process's proxy instance, shared by the server and client halves (scratch).
 
     A bad ``proxy_arch`` fails when the algorithm is built, naming its field.
@@ -285,7 +285,7 @@ class FedeKDClient(ClientHalf):
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedeKDConfig = _fedekd_config(cfg)
-        self.proxy = proxy_model(task, run, self.cfg)
+        self.proxy = shared_proxy(task, run, self.cfg)
         self.privates = PrivateModels(task, run.seed, self.cfg.private_archs)
         self.user_dp = client_user_dp(task, run)
 
@@ -393,7 +393,7 @@ class FedeKD(Algorithm):
             raise ConfigError(
                 "algorithm", f"FedeKD needs a classification or regression task, not {task.kind}"
             )
-        self._proxy = proxy_model(task, run, cfg)
+        self._proxy = shared_proxy(task, run, cfg)
         self.proxy: dict[str, Tensor] = get_params(self._proxy)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
 

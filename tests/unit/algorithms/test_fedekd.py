@@ -84,7 +84,8 @@ def test_only_the_proxy_travels_private_weights_never_in_the_audit(fedekd_run):
     run, _ = fedekd_run
     setup = build(load_config(str(run / "config.yaml")))
     proxy_bytes = _numel_bytes(get_params(setup.algo.proxy_model()))
-    private_bytes = {_numel_bytes(get_params(setup.algo.private_model(i))) for i in range(2)}
+    instances = setup.client.privates.instances  # the client half's private architectures
+    private_bytes = {_numel_bytes(get_params(instances[i])) for i in range(2)}
     assert proxy_bytes not in private_bytes  # sizes tell the two apart
     rows = jsonl_rows(run / "audit.jsonl")
     arrays = [r for r in rows if r["type"] == "arrays"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedfm.algorithms.base import ALGORITHMS
-from fedfm.algorithms.fedavg import EVALUATE, TRAIN, FedAvg
+from fedfm.algorithms.fedavg import EVALUATE, TRAIN, FedAvg, FedAvgClient
 from fedfm.config import load_config
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.errors import MessageError, TooFewClientsError
@@ -110,12 +110,18 @@ EXPECTED = {
 }
 
 
+class BadRepliesClient(FedAvgClient):
+    """FedAvg's client half; clients 0-5 send malformed replies, 6 and 7 are honest."""
+
+    def train(self, ctx, msg):
+        reply = super().train(ctx, msg)
+        return TAMPER.get(ctx.cid, lambda r: r)(reply)
+
+
 class BadReplies(FedAvg):
     """FedAvg whose clients 0-5 send malformed replies; 6 and 7 are honest."""
 
-    def client_train(self, ctx, msg):
-        reply = super().client_train(ctx, msg)
-        return TAMPER.get(ctx.cid, lambda r: r)(reply)
+    Client = BadRepliesClient
 
 
 ALGORITHMS.register("test-bad-replies")(BadReplies)
