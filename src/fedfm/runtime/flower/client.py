@@ -2,8 +2,10 @@
 
 Each SuperNode serves the client whose index in the task's ``client_ids()`` is its node
 config's ``partition-id`` (Flower's simulation engine sets it per virtual node; a
-deployment SuperNode is started with it). The task and the algorithm are built from the run
-config once per process and cached, and every message goes through the same
+deployment SuperNode is started with it). The task and the algorithm's client half are built
+from the run config once per process and cached (:func:`fedfm.engine.build`, as on the
+embedded runtime: the client half never sees a server half), and every message goes through
+the same
 :meth:`fedfm.core.federation.ClientRunner.call` as on the embedded runtime: unknown kinds and
 wrong roles are refused with a named :class:`~fedfm.errors.MessageError`, torch is seeded from
 (seed, round, client, kind), declared fields are checked both ways.
