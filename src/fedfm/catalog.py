@@ -106,11 +106,9 @@ def _recipe_rows() -> list[list[str]]:
 
 def _aggregating(algorithms: Registry[Any], field: str) -> list[str]:
     """Algorithms that aggregate client tensors and whose config has ``field``."""
-    from fedfm.algorithms.base import algorithm_class
-
     out = []
     for name in algorithms:
-        algo = algorithm_class(name)
+        algo = algorithms.get(name)
         sends = any(kind.up_arrays for kind in algo.messages)
         if sends and field in algo.Config.model_fields:
             out.append(name)

@@ -23,13 +23,8 @@ import yaml
 
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
-from fedfm.algorithms.base import (
-    Algorithm,
-    ClientHalf,
-    algo_section,
-    algorithm_class,
-    client_half,
-)
+from fedfm.algorithms.base import ALGORITHMS, Algorithm, ClientHalf, client_half
+from fedfm.algorithms.presets import algo_section
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
@@ -96,7 +91,7 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
         ConfigError: Unknown algorithm or task kind, a bad value in their sections, or a task
             without a capability the algorithm needs.
     """
-    algo_cls = algorithm_class(cfg.algorithm)
+    algo_cls = ALGORITHMS.get(cfg.algorithm)
     task_kind = cfg.task.get("kind", "tabular")
     task_cls = TASKS.get(str(task_kind))
     algo_cfg = validate_section(algo_cls.Config, algo_section(cfg.algorithm, cfg.algo), "algo")
@@ -124,7 +119,7 @@ def build(cfg: RunConfig) -> Setup:
             than there are clients.
     """
     algo_cfg, task_cfg = resolve(cfg)
-    algo_cls = algorithm_class(cfg.algorithm)
+    algo_cls = ALGORITHMS.get(cfg.algorithm)
     with config_fields(BUILD_FIELDS):
         task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
         algo = algo_cls(algo_cfg, task, cfg)

@@ -410,11 +410,11 @@ def undeclared(run: RunData) -> list[str]:
         algorithm is not registered in this installation (nothing can be checked).
     """
     import fedfm.algorithms  # noqa: F401  (registers the algorithms)
-    from fedfm.algorithms.base import ALGORITHMS, algorithm_class, kinds_of
+    from fedfm.algorithms.base import ALGORITHMS, kinds_of
 
     if run.algorithm not in ALGORITHMS:
         return [f"algorithm '{run.algorithm}' is not registered here: fields not checked"]
-    kinds = kinds_of(algorithm_class(run.algorithm))
+    kinds = kinds_of(ALGORITHMS.get(run.algorithm))
     bad: dict[tuple[str, str, str], int] = {}
     for row in run.audit:
         kind = kinds.get(row["kind"])

@@ -104,7 +104,7 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
     import transformers  # noqa: F401
 
     import fedfm.tasks.text  # noqa: F401
-    from fedfm.algorithms.base import algorithm_class, client_half
+    from fedfm.algorithms.base import ALGORITHMS, client_half
     from fedfm.algorithms.fedavg import FedAvgClient
     from fedfm.config import load_config
     from fedfm.core.federation import ClientContext
@@ -125,7 +125,7 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
     with RssSampler() as mem:
         base, base_anon = mem.rss(), mem.anon()
         # The client half alone, as a client's process builds it: its model, no server state.
-        client = client_half(algorithm_class(cfg.algorithm), algo_cfg, task, cfg)
+        client = client_half(ALGORITHMS.get(cfg.algorithm), algo_cfg, task, cfg)
         assert isinstance(client, FedAvgClient), f"{cfg.algorithm} is not FedAvg-style"
         model = client.model
         ctx = ClientContext(cid, "default", 1, cfg.seed, task, ClientState())

@@ -9,15 +9,13 @@ every runtime: it never sees the server half, so a handler that reaches for serv
 fails the same way in the server's process (embedded) as in another one (Flower).
 
 A variant that only sets part of another algorithm's config is a preset of it
-(:func:`register_preset`), not a subclass: ``algorithm: fedkd-ungated`` runs FedeKD with
-``gate: ungated``.
+(:func:`fedfm.algorithms.presets.register_preset`), not a subclass.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sized
-from dataclasses import dataclass, field
+from collections.abc import Sized
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -277,85 +275,7 @@ class Algorithm:
             )
 
 
-@dataclass(frozen=True)
-class AlgorithmPreset:
-    """An algorithm name that stands for another algorithm with part of its config set.
-
-    Attributes:
-        name: The preset's name (an ``algorithm:`` value).
-        base: The registered name of the algorithm it runs.
-        algorithm: That algorithm.
-        fixed: ``algo`` values that make the variant what it is: a config that sets one of
-            them to another value is refused, naming the field.
-        defaults: ``algo`` values a config may still change.
-    """
-
-    name: str
-    base: str
-    algorithm: type[Algorithm]
-    fixed: Mapping[str, Any] = field(default_factory=dict)
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-
-    def section(self, algo: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``algo`` section the base algorithm runs with: the preset's values and ``algo``.
-
-        Raises:
-            ConfigError: ``algo`` sets a fixed value to another one.
-        """
-        for key, value in self.fixed.items():
-            if key in algo and algo[key] != value:
-                raise ConfigError(
-                    f"algo.{key}",
-                    f"algorithm '{self.name}' is {self.base} with {key}={value!r}, got"
-                    f" {algo[key]!r}; for another {key}, run algorithm {self.base}",
-                )
-        return {**self.defaults, **algo, **self.fixed}
-
-
-ALGORITHMS: Registry[type[Algorithm] | AlgorithmPreset] = Registry("algorithm", "algorithm")
-
-
-def register_preset(
-    name: str,
-    help: str,
-    base: str,
-    fixed: Mapping[str, Any] | None = None,
-    defaults: Mapping[str, Any] | None = None,
-) -> AlgorithmPreset:
-    """Registers ``name`` as algorithm ``base`` with ``fixed`` and ``defaults`` in its config.
-
-    Args:
-        name: The preset's ``algorithm:`` value.
-        help: One line for ``fedfm list``.
-        base: A registered algorithm (not a preset).
-        fixed: Values that define the variant (another value is refused).
-        defaults: Values a config may change.
-    """
-    algorithm = ALGORITHMS.get(base)
-    assert not isinstance(algorithm, AlgorithmPreset), f"preset '{name}' of a preset '{base}'"
-    preset = AlgorithmPreset(name, base, algorithm, dict(fixed or {}), dict(defaults or {}))
-    ALGORITHMS.register(name, help)(preset)
-    return preset
-
-
-def algorithm_class(name: str) -> type[Algorithm]:
-    """The algorithm ``algorithm: name`` runs (a preset's base algorithm).
-
-    Raises:
-        UnknownNameError: ``name`` is not registered.
-    """
-    entry = ALGORITHMS.get(name)
-    return entry.algorithm if isinstance(entry, AlgorithmPreset) else entry
-
-
-def algo_section(name: str, algo: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``algo`` section algorithm ``name`` validates: a preset's values applied.
-
-    Raises:
-        ConfigError: ``algo`` changes a value the preset fixes.
-    """
-    entry = ALGORITHMS.get(name)
-    return entry.section(algo) if isinstance(entry, AlgorithmPreset) else dict(algo)
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithm")
 
 
 def kinds_of(algo: type[Algorithm]) -> dict[str, MessageKind]:

@@ -73,9 +73,9 @@ from fedfm.algorithms.base import (
     Algorithm,
     ClientHalf,
     client_user_dp,
-    register_preset,
     shared_model,
 )
+from fedfm.algorithms.presets import register_preset
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
@@ -558,8 +558,8 @@ ALGORITHMS.register("fedekd", "FedeKD: private + proxy models, energy-gated back
 # The ungated baseline is FedeKD with weight 1 for every sample: a preset, not a subclass.
 register_preset(
     "fedkd-ungated",
-    "private/proxy mutual distillation without gating (FML/FedKD style)",
     "fedekd",
+    "private/proxy mutual distillation without gating (FML/FedKD style)",
     fixed={"gate": "ungated"},
 )
 ALGORITHMS.register(

@@ -9,17 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from fedfm.algorithms.base import (
-    ALGORITHMS,
-    AlgoConfig,
-    Algorithm,
-    ClientHalf,
-    ServerStateError,
-    algorithm_class,
-    register_preset,
-)
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf, ServerStateError
 from fedfm.algorithms.fedavg import TRAIN, FedAvg
 from fedfm.algorithms.fedekd import FedeKD
+from fedfm.algorithms.presets import register_preset
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message
@@ -116,12 +109,12 @@ def test_a_preset_runs_its_base_with_its_values_and_refuses_to_change_a_fixed_on
     if "test-fedavgm-median" not in ALGORITHMS:
         register_preset(
             "test-fedavgm-median",
-            "FedAvgM with the median",
             "fedavg",
+            "FedAvgM with the median",
             fixed={"aggregator": {"name": "median"}},
-            defaults={"server_opt": {"name": "fedavgm", "momentum": 0.5}},
+            server_opt={"name": "fedavgm", "momentum": 0.5},
         )
-    assert algorithm_class("test-fedavgm-median") is FedAvg
+    assert ALGORITHMS.get("test-fedavgm-median") is FedAvg
     algo_cfg, _ = resolve(load_config(toy_config(tmp_path, "test-fedavgm-median")))
     assert algo_cfg.aggregator.name == "median"
     assert (algo_cfg.server_opt.name, algo_cfg.server_opt.momentum) == ("fedavgm", 0.5)
@@ -135,6 +128,11 @@ def test_a_preset_runs_its_base_with_its_values_and_refuses_to_change_a_fixed_on
         resolve(load_config(other))
 
 
-def test_fedkd_ungated_is_fedeKD_with_the_ungated_gate() -> None:
-    assert algorithm_class("fedkd-ungated") is FedeKD
-    assert algorithm_class("fedekd") is FedeKD
+def test_fedkd_ungated_is_fedekd_with_the_ungated_gate(tmp_path: Path) -> None:
+    from helpers.flower import algorithm_config
+
+    assert ALGORITHMS.get("fedkd-ungated") is FedeKD
+    cfg = algorithm_config(tmp_path, "fedkd-ungated")
+    assert cfg is not None
+    del cfg["algo"]["gate"]  # the preset's own value
+    assert resolve(load_config(cfg))[0].gate == "ungated"
