@@ -182,15 +182,22 @@ class Algorithm:
         return user_dp_of(run, len(task.client_ids()), self.privacy)
 
     def message_kinds(self) -> dict[str, MessageKind]:
-        """This run's message kinds by name.
+        """This run's message kinds by name (see :meth:`kinds_for`)."""
+        return self.kinds_for(self.cfg, self.run)
 
-        Under client-side DP-FedAvg the update kinds travel in their private form (only DP
-        outputs and public fields go up); an algorithm whose own DP depends on its config
-        overrides this.
+    @classmethod
+    def kinds_for(cls, cfg: AlgoConfig, run: RunConfig) -> dict[str, MessageKind]:
+        """The message kinds by name of a run with this config.
+
+        No instance is needed: a process that only serves clients reads them too. Under
+        client-side DP-FedAvg the update kinds travel in their private form (only DP outputs
+        and public fields go up); an algorithm whose own DP depends on its config overrides
+        this.
         """
-        kinds = kinds_of(type(self))
-        if self.user_dp is not None and self.user_dp.client_side:
-            for name in self.update_kinds:
+        kinds = kinds_of(cls)
+        level = run.privacy.user_level
+        if level is not None and level.mode == "client":
+            for name in cls.update_kinds:
                 kinds[name] = kinds[name].as_private()
         return kinds
 

@@ -789,15 +789,16 @@ class FedHDS(Algorithm):
         """Whether features come from a separate frozen model (FedHDS-Turbo)."""
         return self.features.turbo
 
+    @classmethod
     @override
-    def message_kinds(self) -> dict[str, MessageKind]:
+    def kinds_for(cls, cfg: AlgoConfig, run: RunConfig) -> dict[str, MessageKind]:
         """With DP the ``select`` kind's coordinates are DP outputs.
 
         Its counts, cluster ids and timings, and the ``train`` kind's adapter, still leave
         the client unnoised (the audit marks them, the report lists them).
         """
-        kinds = super().message_kinds()
-        if self.cfg.dp_sigma > 0:
+        kinds = super().kinds_for(cfg, run)
+        if isinstance(cfg, FedHDSConfig) and cfg.dp_sigma > 0:
             kinds["select"] = kinds["select"].noised()
         return kinds
 

@@ -153,14 +153,20 @@ def test_resume_with_private_state_equals_uninterrupted_run(tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-class _MismatchedProxy(fedekd.FedeKD):
+class _MismatchedProxyClient(fedekd.FedeKDClient):
     """Client 1 is configured with another proxy architecture."""
 
-    def client_forward(self, ctx, msg):
+    def forward(self, ctx, msg):
         if ctx.cid != "1":
-            return super().client_forward(ctx, msg)
+            return super().forward(ctx, msg)
         other = self.task.build_model(seed=0, hidden=[12])
         return Message("forward", {"proxy": get_params(other)}, {"num_examples": 1, "loss": 0.0})
+
+
+class _MismatchedProxy(fedekd.FedeKD):
+    """FedeKD whose client 1 sends a proxy of another architecture."""
+
+    Client = _MismatchedProxyClient
 
 
 if "test-fedekd-mismatch" not in ALGORITHMS:
