@@ -17,6 +17,7 @@ from fedfm.config import load_config
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.errors import MessageError, TooFewClientsError
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401  (registers the toy task)
 from helpers.config import make_config, toy_config
 from helpers.grid import flower_run, same_run
 
