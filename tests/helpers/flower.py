@@ -183,24 +183,22 @@ def _tiny_fm() -> Any:
     """A tiny frozen image foundation model for FedRD on 8x8 digits (24-d features)."""
     from torch import nn
 
-    from fedfm.algorithms.fedrd import Teacher
+    from fedfm.models.encoders import Encoder
 
     torch.manual_seed(123)
     body = nn.Sequential(
         nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten()
     ).eval()
-    return Teacher("flower-test-fm", body, 24, body)
+    return Encoder("flower-test-fm", 24, body, body)
 
 
 def _register_teacher() -> None:
     try:
-        from fedfm.algorithms.fedrd import TEACHERS, register_teacher
-    except ImportError:  # FedRD not installed in this tree
+        from fedfm.models.encoders import ENCODERS, register_encoder
+    except ImportError:  # no encoder registry in this tree
         return
-    from fedfm.tasks.base import IMAGE_VIEW
-
-    if "flower-test-fm" not in TEACHERS:
-        register_teacher("flower-test-fm", IMAGE_VIEW, "tiny test foundation model")(_tiny_fm)
+    if "flower-test-fm" not in ENCODERS:
+        register_encoder("flower-test-fm", "images", "tiny test foundation model")(_tiny_fm)
 
 
 _register_teacher()

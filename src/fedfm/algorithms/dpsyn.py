@@ -115,7 +115,7 @@ from fedfm.core.seeding import derive_seed
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
 from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
-from fedfm.models.embedders import get_embedder, known_embedder
+from fedfm.models.encoders import known_encoder, text_embedder
 from fedfm.models.generation import GenerationConfig
 from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
 
@@ -229,7 +229,7 @@ class DPSynConfig(AlgoConfig):
     @field_validator("embedder")
     @classmethod
     def _known_embedder(cls, v: str) -> str:
-        return known_embedder(v)
+        return known_encoder(v, "texts", unit_norm=True)
 
     @property
     def train_epsilon(self) -> float:
@@ -485,7 +485,7 @@ class DPSynClient(ClientHalf):
         """Stage 4: K-NN votes of the private samples within their code, plus noise."""
         texts, codes = msg.meta["texts"], msg.meta["codes"]
         assert isinstance(texts, list) and isinstance(codes, list)
-        embed = get_embedder(self.cfg.embedder, str(self.task.device))
+        embed = text_embedder(self.cfg.embedder, self.task.device)
         votes = knn_votes(
             embed(self.task.texts(ctx.data)),
             self.task.code_ids(ctx.data).numpy(),
@@ -832,7 +832,7 @@ class DPSyn(Algorithm):
         return out
 
     def _embed_eval(self) -> Any:
-        return get_embedder(self.cfg.eval.embedder or self.cfg.embedder, str(self.task.device))
+        return text_embedder(self.cfg.eval.embedder or self.cfg.embedder, self.task.device)
 
     def _test_embeddings(self) -> np.ndarray:
         if self._test_emb is None:

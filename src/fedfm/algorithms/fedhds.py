@@ -20,7 +20,8 @@ Each round has two exchanges, selection then training:
    server optimizer of :mod:`fedfm.core.optim`.
 
 FedHDS-Turbo (``algo.feature_model``) takes the features from a small separate frozen model
-(MiniLM through sentence-transformers, or a small causal LM) instead of the LLM: they cannot
+(a text encoder of :data:`fedfm.models.encoders.ENCODERS` with per-layer features: MiniLM
+through sentence-transformers, or a small causal LM) instead of the LLM: they cannot
 change, so each client computes them once and keeps them in its persistent state, and the
 ``select`` message then carries no adapter. Differential privacy (``algo.dp_sigma > 0``): each
 released coordinate is squashed by ``tanh`` and Gaussian noise of std ``dp_sigma`` is added on
@@ -108,7 +109,6 @@ Choices of ours (the paper does not make them; each is a config option or stated
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -137,7 +137,7 @@ from fedfm.core.train import client_config, local_train, num_steps
 from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
-from fedfm.models.features import LayerFeatures, load_feature_model
+from fedfm.models.encoders import Encoder, load_encoder
 from fedfm.registry import Registry
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, Task, TaskConfig, require
 from fedfm.tasks.lm import InstructionData
@@ -198,7 +198,7 @@ class FedHDSConfig(AlgoConfig):
     )
     perplexity: float = Field(30.0, ge=1, description="t-SNE perplexity cap: min(this, n - 1)")
     feature_model: str | None = Field(
-        None, description="FedHDS-Turbo's separate frozen feature model; None: the LLM"
+        None, description="FedHDS-Turbo's frozen feature model (ENCODERS); None: the LLM"
     )
     feature_model_args: dict[str, Any] = Field(default_factory=dict)
     feature_batch_size: int = Field(8, ge=1, description="texts per feature pass (ours)")
@@ -578,6 +578,8 @@ def _of_all(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -
 
 # Errors of the feature model's builder, named by the config fields that supplied the values.
 FEATURE_FIELDS = {
+    "encoder": "algo.feature_model",
+    "encoder.options": "algo.feature_model_args",
     "features.model": "algo.feature_model",
     "model.name": "algo.feature_model",
     "model": "algo.feature_model_args",
@@ -589,13 +591,15 @@ class Features:
     """What FedHDS reads of a client's rows, built from the config by each half that needs it.
 
     The client half's selection, and the server's in the non-private ``centralised``
-    baseline. FedHDS-Turbo's frozen feature model is loaded once per process (scratch).
+    baseline. FedHDS-Turbo's frozen feature model is loaded once per process
+    (:func:`fedfm.models.encoders.load_encoder`).
     """
 
     def __init__(self, cfg: FedHDSConfig, task: Task) -> None:
         self.cfg = cfg
         self.task = task
         self.fm: FoundationModel = task.foundation_model()
+        self._feature_model: Encoder | None = None
         self._usable: dict[str, tuple[list[int], list[list[int]]]] = {}
         if self.turbo:
             self.feature_model()  # a bad feature model fails at build time, naming its field
@@ -605,18 +609,17 @@ class Features:
         """Whether features come from a separate frozen model (FedHDS-Turbo)."""
         return self.cfg.feature_model is not None
 
-    def feature_model(self) -> LayerFeatures:
-        """FedHDS-Turbo's frozen feature model, loaded once per process."""
-        name = self.cfg.feature_model
-        assert name is not None
-        args = self.cfg.feature_model_args
-
-        def load() -> LayerFeatures:
+    def feature_model(self) -> Encoder:
+        """FedHDS-Turbo's frozen feature model (an encoder with layers), loaded once."""
+        if self._feature_model is None:
+            assert self.cfg.feature_model is not None
             with config_fields(FEATURE_FIELDS):
-                return load_feature_model(name, self.task.device, **args)
-
-        key = "fedhds-features:" + json.dumps([name, args], sort_keys=True, default=str)
-        return self.task.scratch.get(key, load)
+                model = load_encoder(
+                    self.cfg.feature_model, self.task.device, **self.cfg.feature_model_args
+                )
+                model.stack()  # an encoder without per-layer features is refused here
+            self._feature_model = model
+        return self._feature_model
 
     def raw_features(self, data: Any, cid: str) -> np.ndarray:
         """``(n, (layers + 1) · hidden)`` float64 features of a client's usable rows.
@@ -627,7 +630,7 @@ class Features:
         rows = _instruction_data(data)
         positions, tokens = self.usable(cid, rows)
         if self.turbo:
-            feats = self.feature_model().features(
+            feats = self.feature_model().layer_features(
                 [_raw_text(rows.rows[i]) for i in positions],
                 batch_size=self.cfg.feature_batch_size,
                 pool=self.cfg.feature_pool,

@@ -1,12 +1,13 @@
 """Algorithm presets: a registered algorithm under another name, with other defaults.
 
-A variant that differs from an algorithm only in values of its ``algo`` section (the
-ungated KD baseline is FedeKD with ``gate: ungated``) is not a subclass:
-:func:`register_preset` registers the base algorithm's class under the variant's name in
-``ALGORITHMS`` and keeps its values, and the engine validates a run's ``algo`` section with
-them (:func:`algo_section`), so ``algorithm: fedkd-ungated`` works in a config as any
-algorithm name does. A default yields to a key the config sets; a fixed value is what makes
-the variant, and a config that sets it to another value is refused, naming the field.
+A variant that differs from an algorithm only in values of its ``algo`` section (FedRD
+without φ is FedRD with ``reprogram: false``; the ungated KD baseline is FedeKD with
+``gate: ungated``) is not a subclass: :func:`register_preset` registers the base algorithm's
+class under the variant's name in ``ALGORITHMS`` and keeps its values, and the engine
+validates a run's ``algo`` section with them (:func:`algo_section`), so
+``algorithm: fedrd-nophi`` works in a config as any algorithm name does. A default yields to
+a key the config sets; a fixed value is what makes the variant, and a config that sets it to
+another value is refused, naming the field.
 """
 
 from __future__ import annotations

@@ -270,11 +270,11 @@ def embed_real(
     and measures the instrument on real data: the test labels, the majority baseline and
     the ceiling (the classifier trained on every client's real rows)."""
     from fedfm.eval.synthetic import frechet_distance, logreg_predict, scores
-    from fedfm.models.embedders import get_embedder
+    from fedfm.models.encoders import text_embedder
 
     t0 = time.perf_counter()
     task = _task(config)
-    embed = get_embedder(str(config["algo"]["embedder"]))
+    embed = text_embedder(str(config["algo"]["embedder"]))
     arrays: dict[str, Any] = {}
     for cid in task.client_ids():
         data = task.client_data(cid)
@@ -329,7 +329,7 @@ def probe_prompts(
     """The base model tried with each prompt template: how many of its samples read as their
     code to the ceiling (on-code), how many the token budget cut, what they look like."""
     from fedfm.core.seeding import derive_seed
-    from fedfm.models.embedders import get_embedder
+    from fedfm.models.encoders import text_embedder
     from fedfm.models.generation import GenerationConfig
 
     t0 = time.perf_counter()
@@ -337,7 +337,7 @@ def probe_prompts(
     fm, labels = task.foundation_model(), task.code_labels()
     gen = GenerationConfig(**config["algo"]["generation"])
     emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
-    embed = get_embedder(str(config["algo"]["embedder"]))
+    embed = text_embedder(str(config["algo"]["embedder"]))
     out: dict[str, Any] = {}
     for template in templates:
         texts, ys, cut, examples, whole = [], [], [], {}, True
@@ -471,7 +471,7 @@ def vote_offline(
     from fedfm.core.privacy import analytic_gaussian_sigma
     from fedfm.core.seeding import derive_seed
     from fedfm.eval.synthetic import frechet_distance, logreg_predict
-    from fedfm.models.embedders import get_embedder
+    from fedfm.models.encoders import text_embedder
 
     t0 = time.perf_counter()
     run = next(p for n, p in inputs.items() if n != EMBED)
@@ -479,7 +479,7 @@ def vote_offline(
     emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
     algo, privacy_cfg = pool.config["algo"], pool.config["privacy"]
     delta = float(algo["delta"] if algo.get("delta") is not None else privacy_cfg["delta"])
-    pool_emb = np.asarray(get_embedder(str(algo["embedder"]))([r["text"] for r in pool.rows]))
+    pool_emb = np.asarray(text_embedder(str(algo["embedder"]))([r["text"] for r in pool.rows]))
     test_x = emb["test/emb"]
     clean = clean_votes(emb, pool_emb, pool.codes, int(algo["k"]), voters)
     threshold = float(algo["vote_threshold"])

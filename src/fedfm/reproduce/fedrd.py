@@ -643,11 +643,14 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
 
 INTRO = """\
 Method: FedRD, *A Federated Learning and Knowledge Distillation Approach* (federated
-reprogramming knowledge distillation). Code: `src/fedfm/algorithms/fedrd.py` (FedRD, FedRD
-without φ, Fed-Hint, student FedAvg + public fine-tuning), `src/fedfm/models/fm_adapter.py`
-(the federated adapter on the frozen vision foundation model), `src/fedfm/core/cka.py`
-(linear CKA), this study: `src/fedfm/reproduce/fedrd.py`. This page is
-written by the study; do not edit it by hand.
+reprogramming knowledge distillation). Code: `src/fedfm/algorithms/fedrd.py` (FedRD, and
+FedRD without φ, Fed-Hint, student FedAvg + public fine-tuning as its presets),
+`src/fedfm/models/reprogram.py` (φ and the co-trained parts), `src/fedfm/models/objectives.py`
+(the server objectives), `src/fedfm/models/encoders.py` (the frozen foundation models and
+their feature cache), `src/fedfm/tasks/public.py` (the public set),
+`src/fedfm/models/fm_adapter.py` (the federated adapter on the frozen vision foundation
+model), `src/fedfm/core/cka.py` (linear CKA), this study: `src/fedfm/reproduce/fedrd.py`.
+This page is written by the study; do not edit it by hand.
 
 ## The method in brief
 

@@ -286,8 +286,8 @@ def _cka(a: Tensor, b: Tensor) -> Tensor:
 
 def test_fedrd_server_loss_equals_the_formula_on_the_public_batch(tmp_path: Any) -> None:
     """L = CE(y, z_s) + α·CE(y, z_t) + β·(KL(z_t ‖ z_s) − CKA(f_t, f_s)) on one whole batch."""
-    from fedfm.algorithms.fedrd import clear_feature_cache
     from fedfm.engine import build
+    from fedfm.models.encoders import clear_encoders
 
     cfg = fs.algorithm_config(tmp_path, "fedrd")
     assert cfg is not None
@@ -296,7 +296,7 @@ def test_fedrd_server_loss_equals_the_formula_on_the_public_batch(tmp_path: Any)
         **cfg["algo"], "public_size": n, "alpha": 0.7, "beta": 1.3,
         "server_train": {"steps": 1, "batch_size": n, "optimizer": "sgd", "lr": 0.01},
     }  # fmt: skip
-    clear_feature_cache()
+    clear_encoders()
     algo = build(load_config(cfg)).algo
     srv = algo.server()
     m = srv.cotrainer

@@ -358,12 +358,14 @@ def test_turbo_features_come_once_per_client_and_need_no_adapter(runs: dict[str,
     )
 
 
-def test_turbo_client_keeps_its_features_in_its_state(tmp_path: Path) -> None:
+def test_turbo_client_keeps_its_features_in_its_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     algo, client = _halves(tmp_path, feature_model="tiny-llama", feature_model_args=TURBO)
     calls = []
-    model = client.features.feature_model()
-    real = model.features
-    model.features = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[method-assign]
+    model = client.features.feature_model()  # the process's encoder: patched for this test only
+    real = model.layer_features
+    monkeypatch.setattr(model, "layer_features", lambda *a, **k: calls.append(1) or real(*a, **k))
     state = ClientState()
     for rnd in (1, 2):
         ctx = ClientContext("0", "default", rnd, 0, algo.task, state)
