@@ -136,3 +136,30 @@ def test_fedkd_ungated_is_fedekd_with_the_ungated_gate(tmp_path: Path) -> None:
     assert cfg is not None
     del cfg["algo"]["gate"]  # the preset's own value
     assert resolve(load_config(cfg))[0].gate == "ungated"
+
+
+def test_a_flower_client_process_builds_the_client_half_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedfm.core.federation import ClientState
+    from fedfm.engine import ClientSide, Setup
+    from fedfm.runtime.flower.client import ClientRuntime
+    from helpers.grid import grid_payload
+
+    made: list[str] = []
+    real = Algorithm.__init__
+
+    def counted(self: Algorithm, *args: Any, **kwargs: Any) -> None:
+        made.append(type(self).__name__)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Algorithm, "__init__", counted)
+    cfg = toy_config(tmp_path, "fedavg")
+    build(load_config(cfg))
+    assert made == ["FedAvg"]  # the embedded runtime and the ServerApp build both halves
+    rt = ClientRuntime(grid_payload(cfg))
+    assert made == ["FedAvg"]  # ... a ClientApp's process no server half
+    assert isinstance(rt.setup, ClientSide) and not isinstance(rt.setup, Setup)
+    params = {k: v.clone() for k, v in rt.setup.client.model.state_dict().items()}
+    reply, _ = rt.runner.call("0", 1, ClientState(), Message("train", {"params": params}))
+    assert set(reply.arrays["params"]) == set(params) and reply.meta["num_examples"] == 24
