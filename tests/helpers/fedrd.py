@@ -72,7 +72,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     LOADS.clear()
     BUILT.clear()
     clear_encoders()
-    orig = FedRD.client_train
+    orig = FedRD.Client.train  # FedRD's client half is FedAvg's
 
     def counted(self: Any, ctx: ClientContext, msg: Message) -> Message:
         IN_CLIENT[0] += 1
@@ -81,7 +81,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             IN_CLIENT[0] -= 1
 
-    monkeypatch.setattr(FedRD, "client_train", counted)
+    monkeypatch.setattr(FedRD.Client, "train", counted)
 
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -85,22 +85,20 @@ from sklearn.metrics import f1_score
 from torch import Tensor, nn
 from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, shared_model
 from fedfm.algorithms.fedavg import (
     EVALUATE,
     TRAIN,
+    FedAvgClient,
     FedAvgConfig,
     evaluate_global,
-    evaluate_locally,
     fedavg_round,
-    fit,
 )
 from fedfm.algorithms.presets import register_preset
 from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.cka import linear_cka
-from fedfm.core.federation import ClientContext, Federation, Handler
+from fedfm.core.federation import Federation
 from fedfm.core.groups import get_group, join_groups
-from fedfm.core.messages import Message
 from fedfm.core.optim import ServerOptimizer
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_train, num_steps, set_params
@@ -240,6 +238,7 @@ class FedRD(Algorithm):
     """
 
     Config = FedRDConfig
+    Client = FedAvgClient  # steps (1)-(3) on the client: FedAvg's client of the student
     messages = (TRAIN, EVALUATE)
 
     @classmethod
@@ -266,7 +265,7 @@ class FedRD(Algorithm):
     def __init__(self, cfg: FedRDConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedRDConfig = cfg
-        self._model = task.build_model(seed=run.seed)
+        self._model = shared_model(task, run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self._srv: ServerHalf | None = None
@@ -276,19 +275,6 @@ class FedRD(Algorithm):
     def model(self) -> nn.Module:
         """The student instance this process's server and client halves share."""
         return self._model
-
-    # ----- client half (FedAvg's) -----
-    @override
-    def handlers(self) -> dict[str, Handler]:
-        return {"train": self.client_train, "evaluate": self.client_evaluate}
-
-    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        """Step (2): local CE on the client's data (:func:`~fedfm.algorithms.fedavg.fit`)."""
-        return fit(ctx, self._model, msg, self.run.train)
-
-    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
-        """The student on the client's local test split (``personal_eval``)."""
-        return evaluate_locally(ctx, self._model, msg)
 
     # ----- server half -----
     @property

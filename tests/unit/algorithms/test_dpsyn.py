@@ -21,6 +21,7 @@ from fedfm.algorithms.dpsyn import (
     TRAIN,
     VOTE,
     DPSyn,
+    DPSynClient,
     DPSynConfig,
     allot,
     code_counts,
@@ -55,8 +56,8 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     handler = {"kind": ""}
     real_backward = torch.autograd.backward
     wrapped = {}
-    for name in ("client_profile", "client_train", "client_vote"):
-        original = getattr(DPSyn, name)
+    for name in ("profile", "train", "vote"):  # the client half's handlers
+        original = getattr(DPSynClient, name)
 
         def watch(self: Any, ctx: Any, msg: Any, _o: Any = original, _n: str = name) -> Any:
             handler["kind"] = _n
@@ -66,7 +67,7 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 handler["kind"] = ""
 
         wrapped[name] = original
-        setattr(DPSyn, name, watch)
+        setattr(DPSynClient, name, watch)
 
     def probe(*args: Any, **kw: Any) -> Any:
         BACKWARD.append(handler["kind"])
@@ -78,7 +79,7 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         torch.autograd.backward = real_backward
         for name, original in wrapped.items():
-            setattr(DPSyn, name, original)
+            setattr(DPSynClient, name, original)
     return tmp / "full"
 
 
@@ -220,8 +221,8 @@ def test_epsilon_inf_is_accepted_as_a_word() -> None:
 
 
 def test_weak_clients_never_call_backward_and_strong_ones_do(full: Path) -> None:
-    assert "client_train" in BACKWARD  # the probe sees DP-SGD's backward passes
-    assert not [k for k in BACKWARD if k in ("client_vote", "client_profile")]
+    assert "train" in BACKWARD  # the probe sees DP-SGD's backward passes
+    assert not [k for k in BACKWARD if k in ("vote", "profile")]
     assert VOTE.no_grad and PROFILE.no_grad and not TRAIN.no_grad
     assert "strong" not in VOTE.roles and TRAIN.roles == ("strong",)
 

@@ -95,7 +95,7 @@ def test_client_handler_never_loads_the_fm(tmp_path: Any) -> None:
     algo = setup.algo
     assert isinstance(algo, FedRD)
     ctx = ClientContext("0", "default", 1, 0, setup.task, ClientState())
-    reply = algo.handlers()["train"](ctx, Message("train", {"params": algo.params}))
+    reply = setup.client.handlers()["train"](ctx, Message("train", {"params": algo.params}))
     assert set(reply.arrays["params"]) == set(algo.params)
     assert LOADS == [] and algo._teacher is None and algo._srv is None
 
