@@ -6,9 +6,24 @@ pytest.mark.usefixtures(...)``; none is autouse across the suite.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n N`` each worker gets its share of the cores' threads (torch's and,
+    through the environment, the processes a test starts): N workers of all the cores'
+    threads each would oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, share)
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture
