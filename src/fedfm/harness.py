@@ -122,6 +122,22 @@ def load_model(cfg: dict[str, Any], run: Path) -> Any:
     return fm
 
 
+@contextlib.contextmanager
+def _ties_kept(model: Any) -> Any:
+    """Keeps the model's weights tied as they were loaded while lm-eval wraps it.
+
+    ``HFLM`` re-ties the input and output embeddings of the model it is given; with LoRA on
+    a tied output layer (``lm_head`` in ``target_modules``) that fails, since peft's layer
+    wrapper has a read-only ``weight``. The loaded model is tied already, so the call is
+    shadowed on the instance for the wrap.
+    """
+    model.tie_weights = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del model.tie_weights
+
+
 def evaluate_run(
     run: Path,
     tasks: Sequence[str],
@@ -160,7 +176,8 @@ def evaluate_run(
     from fedfm.data.prompt import uses_chat_template
 
     fm = load_model(cfg, run)
-    lm = HFLM(pretrained=fm.model, tokenizer=fm.tokenizer, batch_size=batch_size)
+    with _ties_kept(fm.model):
+        lm = HFLM(pretrained=fm.model, tokenizer=fm.tokenizer, batch_size=batch_size)
     chat = uses_chat_template(fm.tokenizer, fm.prompt_cfg)
     with fm.autocast() if autocast else contextlib.nullcontext():
         res = lm_eval.simple_evaluate(
