@@ -117,6 +117,8 @@ def load_model(cfg: dict[str, Any], run: Path) -> Any:
     if not isinstance(task_cfg, InstructionConfig):
         raise ConfigError("run", f"task.kind '{task_cfg.kind}' has no causal LM to evaluate")
     fm = foundation_model_for(task_cfg, run_cfg.torch_device())
+    if fm.has_adapter(EVAL_ADAPTER):  # an earlier run's, evaluated in this process: its shape
+        fm.delete_adapter(EVAL_ADAPTER)  # may differ (other LoRA settings)
     fm.read_adapter(EVAL_ADAPTER, run / ADAPTER)
     fm.set_active([EVAL_ADAPTER])
     return fm
