@@ -23,8 +23,10 @@ quickstart: $(STAMP)
 
 # Static checks first (ruff with docstring rules for core/ and algorithms/, mypy on all of
 # src/fedfm; settings in pyproject.toml), then the tests.
+# One worker per core (at most 4), each test file on one worker (its module fixtures built
+# once); tests/conftest.py splits the cores' threads between the workers.
 test: $(TEST_STAMP) lint
-	.venv/bin/python -m pytest -q -ra
+	.venv/bin/python -m pytest -q -ra -n auto --maxprocesses 4 --dist loadfile
 
 test-fast: $(TEST_STAMP)
 	.venv/bin/python -m pytest -q -m "not slow"

@@ -117,9 +117,27 @@ def load_model(cfg: dict[str, Any], run: Path) -> Any:
     if not isinstance(task_cfg, InstructionConfig):
         raise ConfigError("run", f"task.kind '{task_cfg.kind}' has no causal LM to evaluate")
     fm = foundation_model_for(task_cfg, run_cfg.torch_device())
+    if fm.has_adapter(EVAL_ADAPTER):  # an earlier run's, evaluated in this process: its shape
+        fm.delete_adapter(EVAL_ADAPTER)  # may differ (other LoRA settings)
     fm.read_adapter(EVAL_ADAPTER, run / ADAPTER)
     fm.set_active([EVAL_ADAPTER])
     return fm
+
+
+@contextlib.contextmanager
+def _ties_kept(model: Any) -> Any:
+    """Keeps the model's weights tied as they were loaded while lm-eval wraps it.
+
+    ``HFLM`` re-ties the input and output embeddings of the model it is given; with LoRA on
+    a tied output layer (``lm_head`` in ``target_modules``) that fails, since peft's layer
+    wrapper has a read-only ``weight``. The loaded model is tied already, so the call is
+    shadowed on the instance for the wrap.
+    """
+    model.tie_weights = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del model.tie_weights
 
 
 def evaluate_run(
@@ -160,7 +178,8 @@ def evaluate_run(
     from fedfm.data.prompt import uses_chat_template
 
     fm = load_model(cfg, run)
-    lm = HFLM(pretrained=fm.model, tokenizer=fm.tokenizer, batch_size=batch_size)
+    with _ties_kept(fm.model):
+        lm = HFLM(pretrained=fm.model, tokenizer=fm.tokenizer, batch_size=batch_size)
     chat = uses_chat_template(fm.tokenizer, fm.prompt_cfg)
     with fm.autocast() if autocast else contextlib.nullcontext():
         res = lm_eval.simple_evaluate(

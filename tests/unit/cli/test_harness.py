@@ -119,6 +119,28 @@ def test_bad_eval_input_is_one_line_exit_2_and_the_run_untouched(
     assert _snapshot(tiny_run) == before
 
 
+def test_fedfm_eval_on_a_run_with_lora_on_the_tied_head(tmp_path: Path, monkeypatch, capsys):
+    """The tiny model ties its head to its embeddings; LoRA on the head leaves it wrapped."""
+    cfg = load_config(
+        make_config(
+            INSTRUCTION,
+            tmp_path,
+            name="head",
+            rounds=1,
+            task={
+                "lora": {"target_modules": ["q_proj", "v_proj", "lm_head"]},
+                "prompt": {"max_length": 256, "max_prompt_length": 200},
+            },
+        )
+    )
+    run(cfg, progress=False)
+    argv = ["eval", str(tmp_path / "head"), "--tasks", "fedfm_trec20", "--include", str(TASKS)]
+    code, _, err = run_cli([*argv, "--limit", "2"], monkeypatch, capsys)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "head" / "lm_eval.json").read_text())
+    assert len(saved["samples"]["fedfm_trec20"]) == 2
+
+
 @pytest.mark.slow
 def test_fedfm_eval_on_smollm2_equals_fedfm_scorer(tmp_path: Path, monkeypatch, capsys) -> None:
     """Base SmolLM2 (a 0-round run: its adapter is the untrained B = 0 init) on all 20 items."""

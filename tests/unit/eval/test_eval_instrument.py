@@ -169,10 +169,11 @@ def test_bad_evaluation_settings_are_one_line_exit_2_nothing_written(
 
 @pytest.mark.slow
 def test_base_smollm2_no_longer_answers_one_label_for_most_questions() -> None:
-    """The suite's first 60 test items of TREC, drug reviews and SMS spam, base SmolLM2,
-    scored by the summed log-likelihood of label + end-of-turn token (``choice_norm: none``).
+    """The suite's first 60 test items of TREC and SMS spam, base SmolLM2, scored by the
+    summed log-likelihood of label + end-of-turn token (``choice_norm: none``).
 
-    Prints each domain's predicted-label histogram beside its accuracy and baselines.
+    Prints each domain's predicted-label histogram beside its accuracy and baselines. (Drug
+    reviews are left out: their long prompts were most of the test's time.)
     """
     import datasets
 
@@ -180,13 +181,13 @@ def test_base_smollm2_no_longer_answers_one_label_for_most_questions() -> None:
     from fedfm.eval.llm import evaluate_instructions
     from fedfm.fm import shared_base
 
-    _, test = build_suite(1, 60, 0, ["medical", "qtype", "spam"])
+    _, test = build_suite(1, 60, 0, ["qtype", "spam"])
     assert isinstance(test, datasets.Dataset)
     res = evaluate_instructions(
         shared_base("smollm2-135m-instruct"), None, test, choice_mode="loglik", choice_norm="none"
     )
     shares: dict[str, dict[str, float]] = {}
-    for domain in ("medical", "qtype", "spam"):
+    for domain in ("qtype", "spam"):
         hist = {k.split("/")[2]: v for k, v in res.items() if k.startswith(f"pred/{domain}/")}
         shares[domain] = hist
         assert sum(hist.values()) == pytest.approx(1.0)

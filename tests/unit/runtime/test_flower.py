@@ -360,7 +360,9 @@ def test_simulation_engine_equals_embedded(tmp_path):
     cfg = toy_config(tmp_path, "test-two-phase", name="emb", rounds=2, clients=roles)
     emb = embedded_run(cfg)
     sim_cfg = load_config({**cfg, "name": "sim", "runtime": "flower-sim"})
-    sim = run(sim_cfg, progress=False, options={"imports": ["helpers.flower"], "sim_cpus": 2})
+    # Ray starts its actors slowly on a loaded machine (the suite runs a worker per core).
+    opts = {"imports": ["helpers.flower"], "sim_cpus": 2, "node_wait_s": 600}
+    sim = run(sim_cfg, progress=False, options=opts)
     same_run(tmp_path / "emb", tmp_path / "sim")
     assert sim["finish"] == emb["finish"]
     # Client states were kept per node for resume, inside the run folder.
