@@ -28,14 +28,28 @@ after :data:`FIRST_OBJECT_RETRY_S`, doubling up to :data:`OBJECT_RETRY_CAP_S` (F
 up on an object after 500 tries: with this cap that is still over 15 minutes, more than
 the server's ``timeout_s``).
 
+A fourth wait is fedfm's own: the warm worker (:mod:`fedfm.runtime.flower_app.worker`)
+asks its SuperNode's runtime API for a task, and a task shows there before the node has
+pulled the message's objects from the SuperLink. Polled every 50 ms, that is 20 requests a
+second per node while idle, and the worker's first pulls of the objects find them missing.
+With ``--wake-port PORT`` the paced SuperNode sends one datagram to the worker on
+127.0.0.1:PORT (:class:`Wake`) once a message and all its objects are stored; the worker
+waits for it (:class:`WakeListener`) and asks only then, or after
+:data:`WAKE_FALLBACK_S` without one.
+
 Both apply only on the Flower version they were read from (the pinned one); on another
 one Flower's waits stay as they are, with a warning.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
 import logging
+import select
+import socket
+import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -57,6 +71,9 @@ LOCAL_POLL_S = 0.01
 FIRST_OBJECT_RETRY_S = 0.02
 #: Longest pause between two retries of an object pull (seconds).
 OBJECT_RETRY_CAP_S = 2.0
+#: How long a woken worker waits without a wake before it asks for a task anyway (seconds).
+WAKE_FALLBACK_S = 1.0
+_LOOPBACK = "127.0.0.1"
 
 
 def idle_pause(idle_s: float) -> float:
@@ -103,13 +120,18 @@ class PacedTime:
         self._sleep(self.pause(seconds))
 
 
-def pace(loop: ModuleType, paced: PacedTime) -> Callable[[], None]:
+def pace(
+    loop: ModuleType, paced: PacedTime, on_message: Callable[[], None] | None = None
+) -> Callable[[], None]:
     """Installs ``paced`` in Flower's SuperNode loop module; returns what undoes it.
 
-    The loop's ``time`` becomes ``paced``, and its push step (``_push_messages``, which
-    returns once the reply has been sent) marks the node's last reply.
+    The loop's ``time`` becomes ``paced``, its push step (``_push_messages``, which returns
+    once the reply has been sent) marks the node's last reply, and its pull step
+    (``_pull_and_store_message``, which returns a run id once a message and all its
+    objects are stored) calls ``on_message`` when it stored one.
     """
-    saved_time, saved_push = loop.time, loop._push_messages
+    saved = loop.time, loop._push_messages, loop._pull_and_store_message
+    saved_push, saved_pull = saved[1], saved[2]
 
     @functools.wraps(saved_push)
     def push_messages(*args: Any, **kwargs: Any) -> Any:
@@ -118,13 +140,73 @@ def pace(loop: ModuleType, paced: PacedTime) -> Callable[[], None]:
         finally:
             paced.replied()
 
+    @functools.wraps(saved_pull)
+    def pull_and_store_message(*args: Any, **kwargs: Any) -> Any:
+        run_id = saved_pull(*args, **kwargs)
+        if run_id is not None and on_message is not None:
+            on_message()
+        return run_id
+
     loop.time = paced  # type: ignore[attr-defined]
     loop._push_messages = push_messages  # type: ignore[attr-defined]
+    loop._pull_and_store_message = pull_and_store_message  # type: ignore[attr-defined]
 
     def undo() -> None:
-        loop.time, loop._push_messages = saved_time, saved_push  # type: ignore[attr-defined]
+        loop.time, loop._push_messages, loop._pull_and_store_message = saved  # type: ignore[attr-defined]
 
     return undo
+
+
+class Wake:
+    """The SuperNode's side: one datagram to its worker on 127.0.0.1 per stored message.
+
+    A datagram nobody waits for is dropped; a send that fails is ignored (the worker then
+    finds the task at its next fallback ask).
+
+    Args:
+        port: The worker's UDP port on 127.0.0.1.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.address = (_LOOPBACK, port)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def __call__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.sendto(b"\x01", self.address)
+
+
+class WakeListener:
+    """The worker's side of :class:`Wake`: waits for a datagram on 127.0.0.1:``port``.
+
+    Raises:
+        OSError: The port cannot be bound.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind((_LOOPBACK, port))
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for a wake; True if one came (all pending are read)."""
+        ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        woken = False
+        while ready:
+            try:
+                self.sock.recv(16)
+                woken = True
+            except BlockingIOError:
+                break
+        return woken
+
+    def close(self) -> None:
+        """Releases the port."""
+        self.sock.close()
 
 
 def pinned() -> bool:
@@ -166,12 +248,26 @@ def quick_object_pulls(
     return undo
 
 
+def split_args(argv: list[str]) -> tuple[int | None, list[str]]:
+    """fedfm's ``--wake-port`` and the arguments left for Flower's ``flower-supernode``."""
+    ours = argparse.ArgumentParser(add_help=False)
+    ours.add_argument("--wake-port", type=int, default=None)
+    args, rest = ours.parse_known_args(argv)
+    return args.wake_port, rest
+
+
 def main() -> None:
-    """Runs ``flower-supernode`` with the arguments of this command, its waits shortened."""
+    """Runs ``flower-supernode`` with the arguments of this command, its waits shortened.
+
+    ``--wake-port PORT`` (fedfm's own, taken out before Flower reads the rest) wakes the
+    node's warm worker listening on 127.0.0.1:PORT once a message is stored.
+    """
     from flwr.supernode import start_client_internal as loop
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
+    wake_port, rest = split_args(sys.argv[1:])
+    sys.argv = [sys.argv[0], *rest]
     if pinned():
-        pace(loop, PacedTime())
+        pace(loop, PacedTime(), Wake(wake_port) if wake_port is not None else None)
         quick_object_pulls()
     flower_supernode()
