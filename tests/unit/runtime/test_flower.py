@@ -103,19 +103,26 @@ def test_tensors_and_meta_cross_the_wire_exactly():
 
 def test_a_message_is_a_few_flower_objects_whatever_its_tensor_count():
     # Each Flower object costs one HTTP request per hop on a deployment: a field's tensors
-    # travel as one packed array, the meta inside the header record.
+    # travel packed, small fields and the meta inside the header record.
     from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
     def objects(msg: Message) -> int:
         fm = flwr_app.Message(W.message_to_records(msg, {"cid": "0"}), 5, W.MESSAGE_TYPE)
         return len(get_all_nested_objects(fm))
 
-    lora = {f"l{i}.lora_{ab}": torch.randn(8, 16) for i in range(60) for ab in "AB"}
-    assert objects(Message("train", {"params": lora}, {"lr": 0.1, "steps": [1, 2]})) == 6
+    small = {"w": torch.ones(2), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    lora = {f"l{i}.lora_{ab}": torch.randn(8, 64) for i in range(60) for ab in "AB"}
+    assert len(W.pack_bytes(small)) <= W.INLINE_MAX_BYTES < len(W.pack_bytes(lora))
     assert objects(Message("evaluate", {"params": {}}, {"loss": 0.5})) == 3
-    two = {"params": {"w": torch.ones(2)}, "control": {"c": torch.zeros(3)}}
-    assert objects(Message("train", two)) == 8  # an array and its chunk per field
-    # Clients sent the same field share its objects (named by content) on the SuperLink.
+    assert objects(Message("train", {"params": small, "control": small}, {"lr": 0.1})) == 3
+    assert objects(Message("train", {"params": lora}, {"steps": [1, 2]})) == 6
+    # a large field: an ArrayRecord, its packed Array and the Array's one chunk
+    assert objects(Message("train", {"params": lora, "control": small})) == 6
+    two = W.message_to_records(Message("t", {"p": lora, "q": small}), {"cid": "0"})
+    back, _ = W.records_to_message(wire_trip(two))
+    assert all(torch.equal(back.arrays["p"][k], t) for k, t in lora.items())
+    assert all(torch.equal(back.arrays["q"][k], t) for k, t in small.items())
+    # Clients sent the same large field share its objects (named by content) on the SuperLink.
     a, b = (W.message_to_records(Message("t", {"p": lora}), {"cid": c}) for c in "01")
     assert a[W.ARRAYS].object_id == b[W.ARRAYS].object_id
     assert a[W.HEADER].object_id != b[W.HEADER].object_id

@@ -35,7 +35,7 @@ second per node while idle, and the worker's first pulls of the objects find the
 With ``--wake-port PORT`` the paced SuperNode sends one datagram to the worker on
 127.0.0.1:PORT (:class:`Wake`) once a message and all its objects are stored; the worker
 waits for it (:class:`WakeListener`) and asks only then, or after
-:data:`WAKE_FALLBACK_S` without one.
+:data:`WAKE_FALLBACK_S` without one (it listens before its first ask, so no wake is lost).
 
 Both apply only on the Flower version they were read from (the pinned one); on another
 one Flower's waits stay as they are, with a warning.
@@ -72,7 +72,9 @@ FIRST_OBJECT_RETRY_S = 0.02
 #: Longest pause between two retries of an object pull (seconds).
 OBJECT_RETRY_CAP_S = 2.0
 #: How long a woken worker waits without a wake before it asks for a task anyway (seconds).
-WAKE_FALLBACK_S = 1.0
+#: No wake is lost on loopback (the worker listens before its first ask); asking sooner
+#: would often find a task whose objects the node is still pulling (a retried pull each).
+WAKE_FALLBACK_S = 5.0
 _LOOPBACK = "127.0.0.1"
 
 

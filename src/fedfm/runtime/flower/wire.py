@@ -16,13 +16,16 @@ SuperLink, SuperNode, ClientApp) pushes or pulls with one HTTP request:
   the other values (lists, dicts, None) as compact UTF-8 JSON
   (:func:`~fedfm.core.messages.meta_json`, the text the audit ledger counts), since
   Flower's records hold neither dicts nor None.
-- ``"arrays"``: one ``ArrayRecord`` with one *packed* ``Array`` per array field that holds
-  tensors (:func:`pack`): the field's tensors' raw bytes one after the other, behind a
-  JSON index of names, dtypes and shapes, so tensors keep dtype (bfloat16 included),
-  shape and values bit for bit. A field of 120 LoRA tensors is 3 Flower objects instead of
-  240 (an ``Array`` and an ``ArrayChunk`` each); a message of one field is 6 objects.
-  Fields sent to several clients alike stay one object on the SuperLink (objects are
-  named by their content).
+- Each array field that holds tensors is *packed* (:func:`pack_bytes`): the field's
+  tensors' raw bytes one after the other, behind a JSON index of names, dtypes and shapes,
+  so tensors keep dtype (bfloat16 included), shape and values bit for bit. A packed field
+  of at most :data:`INLINE_MAX_BYTES` travels inside the ``"fedfm"`` record as
+  ``"arrays.<field>"`` (bytes); a larger one as one ``Array`` (:func:`pack`) in the
+  ``ArrayRecord`` ``"arrays"``, which Flower cuts into 5 MB chunks and which stays one
+  object on the SuperLink when several clients are sent the same field (objects are
+  named by their content). So a message is 3 Flower objects (message, record dict,
+  config record) while its fields are small, and 6 with one large field, whatever its
+  tensor count: a field of 120 LoRA tensors was 240 objects as one Flower array per tensor.
 
 The header and the handshake are the runtime's own control data, not algorithm fields: the
 audit ledger records the fedfm messages exactly as the embedded runtime does, so byte
@@ -59,7 +62,10 @@ CLIENT_ERROR_CODE = 4100
 WIRE_VERSION = 2
 HEADER = "fedfm"
 ARRAYS = "arrays"
+ARRAYS_PREFIX = "arrays."
 META_PREFIX = "meta."
+#: Largest packed field carried inside the header record (bytes); larger ones are Arrays.
+INLINE_MAX_BYTES = 64 * 1024
 PACKED_STYPE = "fedfm.packed"
 _INDEX_LEN = 4  # bytes of the packed index's length (unsigned, little-endian)
 
@@ -74,34 +80,26 @@ def _raw(t: Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
-def pack(arrays: Mapping[str, Tensor]) -> Any:
-    """A flat tensor dict as one Flower ``Array`` of bytes (key order kept).
+def pack_bytes(arrays: Mapping[str, Tensor]) -> bytes:
+    """A flat tensor dict as bytes (key order kept).
 
-    Layout of the array's data: the length of a JSON index (4 bytes, little-endian), the
-    index (``[[name, dtype, shape], ...]``), then each tensor's bytes in C order, in index
-    order. The array itself reads as ``uint8`` of that length, with stype
-    :data:`PACKED_STYPE`, so any Flower component carries it as it carries other arrays.
+    Layout: the length of a JSON index (4 bytes, little-endian), the index
+    (``[[name, dtype, shape], ...]``), then each tensor's bytes in C order, in index order.
     """
-    from flwr.app import Array
-
     ts = {k: t.detach() for k, t in arrays.items()}
     index = [[k, _dtype_name(t.dtype), list(t.shape)] for k, t in ts.items()]
     head = json.dumps(index, separators=(",", ":")).encode()
-    data = b"".join(
-        [len(head).to_bytes(_INDEX_LEN, "little"), head, *(_raw(t) for t in ts.values())]
-    )
-    return Array(dtype="uint8", shape=(len(data),), stype=PACKED_STYPE, data=data)
+    parts = [len(head).to_bytes(_INDEX_LEN, "little"), head, *(_raw(t) for t in ts.values())]
+    return b"".join(parts)
 
 
-def unpack(a: Any) -> dict[str, Tensor]:
-    """Inverse of :func:`pack`: every tensor with storage of its own.
+def unpack_bytes(raw: bytes) -> dict[str, Tensor]:
+    """Inverse of :func:`pack_bytes`: every tensor with storage of its own.
 
     Raises:
-        MessageError: The array is not a packed fedfm array.
+        MessageError: The bytes are not packed tensors.
     """
-    if a.stype != PACKED_STYPE:
-        raise MessageError(f"array of stype '{a.stype}' is not a packed fedfm array")
-    data = memoryview(a.data)
+    data = memoryview(raw)
     try:
         n = int.from_bytes(data[:_INDEX_LEN], "little")
         index = json.loads(bytes(data[_INDEX_LEN : _INDEX_LEN + n]))
@@ -124,6 +122,30 @@ def unpack(a: Any) -> dict[str, Tensor]:
     if pos != len(data):
         raise MessageError(f"malformed packed arrays ({len(data) - pos} bytes left over)")
     return out
+
+
+def pack(arrays: Mapping[str, Tensor]) -> Any:
+    """A flat tensor dict as one Flower ``Array`` of :func:`pack_bytes`' bytes: ``uint8`` of
+    that length with stype :data:`PACKED_STYPE`, carried by any Flower component as it
+    carries other arrays."""
+    return _as_array(pack_bytes(arrays))
+
+
+def _as_array(data: bytes) -> Any:
+    from flwr.app import Array
+
+    return Array(dtype="uint8", shape=(len(data),), stype=PACKED_STYPE, data=data)
+
+
+def unpack(a: Any) -> dict[str, Tensor]:
+    """Inverse of :func:`pack`.
+
+    Raises:
+        MessageError: The array is not a packed fedfm array.
+    """
+    if a.stype != PACKED_STYPE:
+        raise MessageError(f"array of stype '{a.stype}' is not a packed fedfm array")
+    return unpack_bytes(a.data)
 
 
 def arrays_to_record(arrays: Mapping[str, Tensor]) -> ArrayRecord:
@@ -159,10 +181,16 @@ def message_to_records(msg: Message, header: Mapping[str, Any]) -> RecordDict:
     entries: dict[str, ConfigRecordValues] = {"header": json.dumps(head)}
     for k, v in msg.meta.items():
         entries[META_PREFIX + k] = v if isinstance(v, _NATIVE) else meta_json(v)
+    large = {}
+    for name, arrays in msg.arrays.items():
+        data = pack_bytes(arrays) if arrays else b""
+        if len(data) > INLINE_MAX_BYTES:
+            large[name] = _as_array(data)
+        elif data:
+            entries[ARRAYS_PREFIX + name] = data
     rd = RecordDict({HEADER: ConfigRecord(entries)})
-    packed = {name: pack(arrays) for name, arrays in msg.arrays.items() if arrays}
-    if packed:
-        rd[ARRAYS] = ArrayRecord(packed)
+    if large:
+        rd[ARRAYS] = ArrayRecord(large)
     return rd
 
 
@@ -190,11 +218,19 @@ def records_to_message(rd: RecordDict) -> tuple[Message, dict[str, Any]]:
                 meta[name] = value
             else:
                 raise TypeError(f"meta field '{name}' is a {type(value).__name__}")
-        packed: Mapping[str, Any] = rd.array_records.get(ARRAYS, {})
-        arrays = {name: unpack(packed[name]) if name in packed else {} for name in head["arrays"]}
+        large: Mapping[str, Any] = rd.array_records.get(ARRAYS, {})
+        arrays = {name: _field(record, large, name) for name in head["arrays"]}
         return Message(str(head["kind"]), arrays, meta), head
     except (KeyError, TypeError, ValueError) as e:
         raise MessageError(f"malformed fedfm message ({type(e).__name__}: {e})") from None
+
+
+def _field(record: Mapping[str, Any], large: Mapping[str, Any], name: str) -> dict[str, Tensor]:
+    """An array field of a message: inside the header record, a packed Array, or empty."""
+    inline = record.get(ARRAYS_PREFIX + name)
+    if isinstance(inline, bytes):
+        return unpack_bytes(inline)
+    return unpack(large[name]) if name in large else {}
 
 
 def like_spec(like: Mapping[str, Mapping[str, Tensor]] | None) -> dict[str, Any]:

@@ -15,7 +15,7 @@ in :func:`fedfm.runtime.flower.deploy.supernode_command` is the stock fallback.
 Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT
 [--wake-port WAKE]``. With ``--wake-port`` (the same port as its SuperNode's, see
 :mod:`fedfm.runtime.flower.pacing`) it asks for a task when the SuperNode says a message is
-in (and once a second otherwise) instead of every 50 ms.
+in (and every 5 s otherwise) instead of every 50 ms.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def serve(
     # One try per call: this loop retries itself, without the client's growing back-off,
     # so the first task is taken as soon as the SuperNode's runtime API is up.
     acquire = _client(address, insecure, certs, None, max_tries=1)
-    idle = _idle_wait(wake_port, poll_s)
+    idle = _idle_wait(wake_port, poll_s)  # listening before the first ask: no wake is lost
     log.info("fedfm worker serving %s", address)
     try:
         while True:
