@@ -72,9 +72,9 @@ FIRST_OBJECT_RETRY_S = 0.02
 #: Longest pause between two retries of an object pull (seconds).
 OBJECT_RETRY_CAP_S = 2.0
 #: How long a woken worker waits without a wake before it asks for a task anyway (seconds).
-#: No wake is lost on loopback (the worker listens before its first ask); asking sooner
-#: would often find a task whose objects the node is still pulling (a retried pull each).
-WAKE_FALLBACK_S = 5.0
+#: No wake is lost on loopback (the worker listens before its first ask); a sooner ask
+#: would often find a task whose objects the node is still pulling (every pull retried).
+WAKE_FALLBACK_S = 30.0
 _LOOPBACK = "127.0.0.1"
 
 

@@ -15,7 +15,7 @@ in :func:`fedfm.runtime.flower.deploy.supernode_command` is the stock fallback.
 Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT
 [--wake-port WAKE]``. With ``--wake-port`` (the same port as its SuperNode's, see
 :mod:`fedfm.runtime.flower.pacing`) it asks for a task when the SuperNode says a message is
-in (and every 5 s otherwise) instead of every 50 ms.
+in (and every 30 s otherwise) instead of every 50 ms.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def serve(
     acquire = _client(address, insecure, certs, None, max_tries=1)
     idle = _idle_wait(wake_port, poll_s)  # listening before the first ask: no wake is lost
     log.info("fedfm worker serving %s", address)
+    woken: object = None  # what the last idle wait returned (False: no wake came)
     try:
         while True:
             try:
@@ -149,13 +150,26 @@ def serve(
                 time.sleep(0.5)
                 continue
             if res.HasField("task") and res.token:
+                if woken is False:
+                    _no_wake(wake_port)
                 run_task(address, res.token, insecure, certs)
+                woken = None
             else:
-                idle()
+                woken = idle()
     except KeyboardInterrupt:
         pass
     finally:
         acquire.close()
+
+
+@functools.cache
+def _no_wake(wake_port: int | None) -> None:
+    """Says once that a task waited for the fallback ask instead of being woken."""
+    log.warning(
+        "a task waited for the fallback ask: no wake came on port %s; start the SuperNode"
+        " with the same --wake-port (python -m fedfm.runtime.flower.supernode)",
+        wake_port,
+    )
 
 
 def _idle_wait(wake_port: int | None, poll_s: float) -> Callable[[], object]:
