@@ -214,15 +214,16 @@ def test_a_worker_whose_wake_port_is_taken_polls_as_before(caplog):
     port = free_port(udp=True)
     taken = N.WakeListener(port)
     try:
-        idle = worker._idle_wait(port, 0.05)
+        idle, waking = worker._idle_wait(port, 0.05)
         assert isinstance(idle, functools.partial) and idle.func is time.sleep
-        assert idle.args == (0.05,) and "asking every 0.05 s" in caplog.text
+        assert idle.args == (0.05,) and not waking and "asking every 0.05 s" in caplog.text
     finally:
         taken.close()
-    idle = worker._idle_wait(port, 0.05)
-    assert getattr(idle, "args", None) == (N.WAKE_FALLBACK_S,)  # waits for a wake
+    idle, waking = worker._idle_wait(port, 0.05)
+    assert waking and getattr(idle, "args", None) == (N.WAKE_FALLBACK_S,)  # waits for a wake
     idle.func.__self__.close()  # type: ignore[attr-defined]
-    assert worker._idle_wait(None, 0.05).args == (0.05,)
+    idle, waking = worker._idle_wait(None, 0.05)
+    assert getattr(idle, "args", None) == (0.05,) and not waking
 
 
 def test_the_pinned_flower_supernode_loop_has_the_pauses_that_are_paced():

@@ -136,7 +136,7 @@ def serve(
     # One try per call: this loop retries itself, without the client's growing back-off,
     # so the first task is taken as soon as the SuperNode's runtime API is up.
     acquire = _client(address, insecure, certs, None, max_tries=1)
-    idle = _idle_wait(wake_port, poll_s)  # listening before the first ask: no wake is lost
+    idle, waking = _idle_wait(wake_port, poll_s)  # listening before the first ask: none lost
     log.info("fedfm worker serving %s", address)
     woken: object = None  # what the last idle wait returned (False: no wake came)
     try:
@@ -153,9 +153,10 @@ def serve(
                 if woken is False:
                     _no_wake(wake_port)
                 run_task(address, res.token, insecure, certs)
-                woken = None
-            else:
-                woken = idle()
+                if not waking:
+                    continue  # polling: ask again at once
+            # Woken: a message that came in meanwhile has its wake waiting already.
+            woken = idle()
     except KeyboardInterrupt:
         pass
     finally:
@@ -172,18 +173,19 @@ def _no_wake(wake_port: int | None) -> None:
     )
 
 
-def _idle_wait(wake_port: int | None, poll_s: float) -> Callable[[], object]:
-    """What the worker does when there is no task: wait for a wake, or sleep ``poll_s``."""
+def _idle_wait(wake_port: int | None, poll_s: float) -> tuple[Callable[[], object], bool]:
+    """What the worker does between two asks for a task, and whether that is waiting for
+    a wake (else sleeping ``poll_s``)."""
     from fedfm.runtime.flower.pacing import WAKE_FALLBACK_S, WakeListener
 
     if wake_port is None:
-        return functools.partial(time.sleep, poll_s)
+        return functools.partial(time.sleep, poll_s), False
     try:
         listener = WakeListener(wake_port)
     except OSError as e:
         log.warning("wake port %d unusable (%s): asking every %.2f s", wake_port, e, poll_s)
-        return functools.partial(time.sleep, poll_s)
-    return functools.partial(listener.wait, WAKE_FALLBACK_S)
+        return functools.partial(time.sleep, poll_s), False
+    return functools.partial(listener.wait, WAKE_FALLBACK_S), True
 
 
 def _exit_with(parent_pid: int) -> None:
