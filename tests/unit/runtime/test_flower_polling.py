@@ -144,6 +144,17 @@ def test_paced_time_maps_flowers_pauses_and_keeps_the_rest_of_time():
     paced.replied()
     paced.sleep(3)
     assert clock.sleeps[-1] == 0.05
+    # A SuperLink that took 20 ms to say "no message" is asked at most every 200 ms
+    # (never less often than Flower's 3 s).
+    paced.polled(0.02)
+    paced.sleep(3)
+    assert clock.sleeps[-1] == pytest.approx(0.2)
+    paced.polled(1.0)
+    paced.sleep(3)
+    assert clock.sleeps[-1] == 3.0
+    paced.polled(0.001)  # a quick answer: the idle pause again (5 % of 3.25 s idle)
+    paced.sleep(3)
+    assert clock.sleeps[-1] == pytest.approx(0.05 * 3.25)
     import time
 
     assert paced.monotonic is time.monotonic and paced.time is time.time
@@ -159,6 +170,7 @@ def test_pace_marks_each_reply_wakes_on_each_message_and_undoes_itself():
     pulled: list[int | None] = [None, 7]
 
     def pull_and_store_message(**kw: Any) -> int | None:
+        clock.now += 0.25  # a slow SuperLink: each poll takes 250 ms
         return pulled.pop(0)  # first no message, then one of run 7
 
     loop = types.ModuleType("loop")
@@ -173,7 +185,9 @@ def test_pace_marks_each_reply_wakes_on_each_message_and_undoes_itself():
     assert loop._push_messages(state=None) == "pushed"
     assert paced.last_reply == 101.0  # marked when the push step returned
     assert loop._pull_and_store_message(state=None) is None and wakes == []
-    assert loop._pull_and_store_message(state=None) == 7 and wakes == [101.0]
+    assert paced.poll_s == 0.25  # the empty poll's round trip
+    assert loop._pull_and_store_message(state=None) == 7 and wakes == [101.5]
+    assert paced.poll_s == 0.25  # a poll that brought a message (and its objects) is no measure
     undo()
     assert loop.time == "the time module" and loop._push_messages is push_messages
     assert loop._pull_and_store_message is pull_and_store_message

@@ -19,14 +19,15 @@ key or environment variable (the values are literals or bound defaults in its co
 
 :func:`pace` replaces the loop's pauses in a SuperNode process: after an empty poll the
 node waits :data:`IDLE_FRACTION` of the time since it last replied, at least
-:data:`MIN_PAUSE_S` and at most Flower's 3 s (right after a reply, while the server
-gathers the other replies and aggregates, it asks every 50 ms, so a message waits at most
-about 5 % of the node's idle time; a node idle for a minute or more asks every 3 s as
-Flower's does, so an idle deployment loads the SuperLink no more); the local waits for the
-reply become :data:`LOCAL_POLL_S`. :func:`quick_object_pulls` makes object pulls retry
-after :data:`FIRST_OBJECT_RETRY_S`, doubling up to :data:`OBJECT_RETRY_CAP_S` (Flower gives
-up on an object after 500 tries: with this cap that is still over 15 minutes, more than
-the server's ``timeout_s``).
+:data:`MIN_PAUSE_S` and :data:`POLL_COST_FACTOR` times as long as that poll took (a busy
+SuperLink answers slowly, and its nodes then ask it less often), and at most Flower's
+3 s. Right after a reply, while the server gathers the other replies and aggregates, a
+node asks every 50 ms, so a message waits at most about 5 % of the node's idle time; a
+node idle for a minute or more asks every 3 s as Flower's does, so an idle deployment
+loads the SuperLink no more. The local waits for the reply become :data:`LOCAL_POLL_S`.
+:func:`quick_object_pulls` makes object pulls retry after :data:`FIRST_OBJECT_RETRY_S`,
+doubling up to :data:`OBJECT_RETRY_CAP_S` (Flower gives up on an object after 500 tries:
+with this cap that is still over 15 minutes, more than the server's ``timeout_s``).
 
 A fourth wait is fedfm's own: the warm worker (:mod:`fedfm.runtime.flower_app.worker`)
 asks its SuperNode's runtime API for a task, and a task shows there before the node has
@@ -65,6 +66,9 @@ FLOWER_IDLE_S = 3.0
 IDLE_FRACTION = 0.05
 #: Shortest pause after an empty poll (seconds): at most 20 polls a second per node.
 MIN_PAUSE_S = 0.05
+#: A pause after an empty poll lasts at least this many times the poll's round trip: a
+#: node keeps the SuperLink answering its polls at most a tenth of the time.
+POLL_COST_FACTOR = 10.0
 #: Pause between two looks for the ClientApp's reply in the node's own state (seconds).
 LOCAL_POLL_S = 0.01
 #: First retry of an object pull that found the object not uploaded yet (seconds).
@@ -87,8 +91,9 @@ class PacedTime:
     """Stands in for the ``time`` module inside Flower's SuperNode loop.
 
     Every function is :mod:`time`'s own except :meth:`sleep`, which maps Flower's pauses to
-    paced ones: its idle pause (:data:`FLOWER_IDLE_S`) to :func:`idle_pause`, its shorter
-    local waits to at most :data:`LOCAL_POLL_S`.
+    paced ones: its idle pause (:data:`FLOWER_IDLE_S`) to :func:`idle_pause`, or to
+    :data:`POLL_COST_FACTOR` times the last empty poll's round trip when that is longer
+    (never past Flower's pause), its shorter local waits to at most :data:`LOCAL_POLL_S`.
 
     Args:
         clock: Monotonic clock (seconds).
@@ -103,6 +108,7 @@ class PacedTime:
         self._clock = clock
         self._sleep = sleep
         self.last_reply = clock()  # a node that just started is about to be greeted
+        self.poll_s = 0.0  # round trip of the last poll that found no message
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
@@ -111,10 +117,19 @@ class PacedTime:
         """Marks the moment the node finished handling a message (its reply left)."""
         self.last_reply = self._clock()
 
+    def polled(self, seconds: float) -> None:
+        """Records the round trip of a poll that found no message."""
+        self.poll_s = seconds
+
+    def now(self) -> float:
+        """The clock's time (seconds)."""
+        return self._clock()
+
     def pause(self, flower_s: float) -> float:
         """The pause that replaces Flower's pause of ``flower_s`` seconds."""
         if flower_s >= FLOWER_IDLE_S:
-            return idle_pause(self._clock() - self.last_reply)
+            busy = min(FLOWER_IDLE_S, POLL_COST_FACTOR * self.poll_s)
+            return max(idle_pause(self._clock() - self.last_reply), busy)
         return min(flower_s, LOCAL_POLL_S)
 
     def sleep(self, seconds: float) -> None:
@@ -130,7 +145,8 @@ def pace(
     The loop's ``time`` becomes ``paced``, its push step (``_push_messages``, which returns
     once the reply has been sent) marks the node's last reply, and its pull step
     (``_pull_and_store_message``, which returns a run id once a message and all its
-    objects are stored) calls ``on_message`` when it stored one.
+    objects are stored) calls ``on_message`` when it stored one, and records its round
+    trip when it found none.
     """
     saved = loop.time, loop._push_messages, loop._pull_and_store_message
     saved_push, saved_pull = saved[1], saved[2]
@@ -144,8 +160,11 @@ def pace(
 
     @functools.wraps(saved_pull)
     def pull_and_store_message(*args: Any, **kwargs: Any) -> Any:
+        start = paced.now()
         run_id = saved_pull(*args, **kwargs)
-        if run_id is not None and on_message is not None:
+        if run_id is None:
+            paced.polled(paced.now() - start)
+        elif on_message is not None:
             on_message()
         return run_id
 
