@@ -1,7 +1,7 @@
 """What ``fedfm list`` shows, read from a manifest instead of the registries' modules.
 
-The built-in algorithms, tasks, data sets, partitioners, models, server optimizers and robust
-aggregators register themselves in modules that import torch, transformers or datasets
+The built-in algorithms, tasks, data sets, partitioners, models, encoders, server optimizers
+and robust aggregators register themselves in modules that import torch, transformers or datasets
 (seconds to import). ``fedfm list`` reads their names and descriptions from
 ``catalog.json`` (package data) instead, so it answers at once. The manifest is made from
 the registries themselves by :func:`build`; ``tests/test_cli_start.py`` checks that it still
@@ -29,6 +29,7 @@ SECTIONS = (
     ("datasets", "task.dataset"),
     ("partitioners", "partition.scheme"),
     ("models", "task.model"),
+    ("encoders", "algo.teacher | algo.embedder | algo.feature_model"),
     ("server optimizers", "algo.server_opt.name"),
     ("robust aggregators", "algo.aggregator.name"),
 )
@@ -59,11 +60,12 @@ def build() -> Catalog:
     from fedfm.core.robust import AGGREGATORS, AggregatorConfig
     from fedfm.data.partition import PARTITIONERS
     from fedfm.data.sources import SOURCES
+    from fedfm.models.encoders import ENCODERS
     from fedfm.models.registry import load_builtin_models
     from fedfm.tasks.base import TASKS
 
     registries: list[Registry[Any]] = [ALGORITHMS, TASKS, SOURCES, PARTITIONERS]
-    registries += [load_builtin_models(), SERVER_OPTIMIZERS, AGGREGATORS]
+    registries += [load_builtin_models(), ENCODERS, SERVER_OPTIMIZERS, AGGREGATORS]
     return {
         "registries": [
             {"title": title, "key": key, "rows": [list(row) for row in reg.describe()]}

@@ -23,7 +23,8 @@ import yaml
 
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
-from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, Algorithm, ClientHalf, client_half
+from fedfm.algorithms.presets import algo_section
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
 from fedfm.core.audit import AuditLedger
@@ -51,12 +52,21 @@ BYTE_KEYS = tuple(f"bytes_{d}{part}" for d in ("up", "down") for part in ("", "_
 
 
 @dataclass
-class Setup:
-    """A resolved experiment: config, task and algorithm."""
+class ClientSide:
+    """What a process needs to serve clients: config, task, client half, message kinds.
+
+    Attributes:
+        cfg: The run config.
+        task: The task.
+        client: The algorithm's client half, built from the config alone (:func:`client_half`).
+        message_kinds: This run's message kinds by name (DP ones in the form this config
+            sends them).
+    """
 
     cfg: RunConfig
     task: Task
-    algo: Algorithm
+    client: ClientHalf
+    message_kinds: dict[str, MessageKind]
 
     def clients(self) -> list[ClientInfo]:
         """Every client with its role (every process of the run computes the same)."""
@@ -64,12 +74,23 @@ class Setup:
 
     def kinds(self) -> dict[str, MessageKind]:
         """This run's message kinds by name (DP ones in the form this config sends them)."""
-        return self.algo.message_kinds()
+        return dict(self.message_kinds)
 
     def client_runner(self) -> ClientRunner:
         """The algorithm's client half, ready to serve any client of the run."""
         roles = {c.cid: c.role for c in self.clients()}
-        return ClientRunner(self.algo.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
+        return ClientRunner(self.client.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
+
+
+@dataclass
+class Setup(ClientSide):
+    """A resolved experiment: :class:`ClientSide` and the algorithm's server half.
+
+    Attributes:
+        algo: The algorithm's server half.
+    """
+
+    algo: Algorithm
 
 
 def resolve(cfg: RunConfig) -> tuple[Any, Any]:
@@ -85,7 +106,7 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     algo_cls = ALGORITHMS.get(cfg.algorithm)
     task_kind = cfg.task.get("kind", "tabular")
     task_cls = TASKS.get(str(task_kind))
-    algo_cfg = validate_section(algo_cls.Config, cfg.algo, "algo")
+    algo_cfg = validate_section(algo_cls.Config, algo_section(cfg.algorithm, cfg.algo), "algo")
     task_cfg = validate_section(task_cls.Config, {"kind": task_kind, **cfg.task}, "task")
     task_cls.check_run(task_cfg, cfg)  # what the task needs of the run (the device)
     validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")
@@ -98,7 +119,11 @@ BUILD_FIELDS = {"model": "task.model_args", "model.name": "task.model"}
 
 
 def build(cfg: RunConfig) -> Setup:
-    """Builds the task and the algorithm of a config (deterministic in the seed).
+    """Builds the task and both halves of the algorithm of a config (deterministic in the seed).
+
+    The client half is built right after the server half, before any checkpoint is restored
+    (the embedded runtime and the Flower ServerApp); a process that only serves clients
+    builds it alone (:func:`build_clients`).
 
     Raises:
         ConfigError: Anything the task or the algorithm refuses while being built, named by
@@ -106,17 +131,37 @@ def build(cfg: RunConfig) -> Setup:
             than there are clients.
     """
     algo_cfg, task_cfg = resolve(cfg)
+    algo_cls = ALGORITHMS.get(cfg.algorithm)
     with config_fields(BUILD_FIELDS):
         task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
-        algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
-    for kind in algo.message_kinds().values():
+        algo = algo_cls(algo_cfg, task, cfg)
+        client = client_half(algo_cls, algo_cfg, task, cfg)
+    kinds = algo.message_kinds()
+    for kind in kinds.values():
         kind.check_declaration()  # nothing unnoised may leave a DP client
     n = len(task.client_ids())
     if cfg.clients.min_clients > n:
         raise ConfigError(
             "clients.min_clients", f"{cfg.clients.min_clients} is more than the {n} clients"
         )
-    return Setup(cfg, task, algo)
+    return Setup(cfg, task, client, kinds, algo)
+
+
+def build_clients(cfg: RunConfig) -> ClientSide:
+    """Builds the task and the client half only: what a Flower ClientApp's process needs.
+
+    No server half is built (none of its state, models or copies of the global parameters):
+    the process holds the task, its shared models and the client half.
+
+    Raises:
+        ConfigError: What the task or the client half refuses while being built.
+    """
+    algo_cfg, task_cfg = resolve(cfg)
+    algo_cls = ALGORITHMS.get(cfg.algorithm)
+    with config_fields(BUILD_FIELDS):
+        task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
+        client = client_half(algo_cls, algo_cfg, task, cfg)
+    return ClientSide(cfg, task, client, algo_cls.kinds_for(algo_cfg, cfg))
 
 
 FederationFactory = Callable[[Setup, ClientStateStore, AuditLedger], Federation]

@@ -104,13 +104,13 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
     import transformers  # noqa: F401
 
     import fedfm.tasks.text  # noqa: F401
-    from fedfm.algorithms.base import ALGORITHMS
-    from fedfm.algorithms.fedavg import FedAvg
-    from fedfm.algorithms.fedrd import FedRD
+    from fedfm.algorithms.base import ALGORITHMS, client_half
+    from fedfm.algorithms.fedavg import FedAvgClient
     from fedfm.config import load_config
     from fedfm.core.federation import ClientContext
     from fedfm.core.messages import Message
     from fedfm.core.state import ClientState
+    from fedfm.core.train import get_params
     from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
@@ -124,11 +124,12 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
     t = time.perf_counter()
     with RssSampler() as mem:
         base, base_anon = mem.rss(), mem.anon()
-        algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)  # builds the client's model
-        assert isinstance(algo, FedAvg | FedRD), f"{cfg.algorithm} is not FedAvg-style"
-        model = algo.model()
+        # The client half alone, as a client's process builds it: its model, no server state.
+        client = client_half(ALGORITHMS.get(cfg.algorithm), algo_cfg, task, cfg)
+        assert isinstance(client, FedAvgClient), f"{cfg.algorithm} is not FedAvg-style"
+        model = client.model
         ctx = ClientContext(cid, "default", 1, cfg.seed, task, ClientState())
-        reply = algo.handlers()["train"](ctx, Message("train", {"params": algo.params}))
+        reply = client.train(ctx, Message("train", {"params": get_params(model)}))
     params = list(model.parameters())
     return {
         "preset": preset,
@@ -140,7 +141,6 @@ def client_training_memory(preset: str, overrides: list[str], cid: str = "0") ->
         "params_on_client": sum(p.numel() for p in params),
         "params_trainable": sum(p.numel() for p in params if p.requires_grad),
         "params_sent": sum(v.numel() for v in reply.arrays["params"].values()),
-        "fm_loaded": isinstance(algo, FedRD) and algo.teacher_loaded,
         "baseline_mb": base / 2**20,
         "peak_mb": mem.peak / 2**20,
         "rss_increase_mb": (mem.peak - base) / 2**20,

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+import helpers.toy  # noqa: F401  (registers the toy task that toy_config names)
+
 # Tiny random Llama-family bases (``model_args`` of the ``tiny-*`` models): seconds per run.
 TINY_LLAMA: dict[str, Any] = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 0}
 

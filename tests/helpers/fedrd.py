@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from fedfm.algorithms.fedrd import TEACHERS, FedRD, Teacher, clear_feature_cache, register_teacher
+from fedfm.algorithms.fedrd import FedRD
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext
 from fedfm.core.messages import Message
+from fedfm.models.encoders import ENCODERS, Encoder, clear_encoders, register_encoder
 from fedfm.models.students import HashingTokenizer
-from fedfm.tasks.base import IMAGE_VIEW, TEXT_VIEW
 from helpers.bases import FEDRD
 from helpers.config import make_config
 
@@ -46,32 +46,33 @@ def _record(module: nn.Module) -> None:
     BUILT.append((module, {k: v.clone() for k, v in module.state_dict().items()}))
 
 
-def _tiny_image_fm() -> Teacher:
+def _tiny_image_fm() -> Encoder:
     torch.manual_seed(123)
     model = TinyFM().eval()
     _record(model)
-    return Teacher("test-tiny-fm", model, 24, model.features)
+    return Encoder("test-tiny-fm", 24, model.features, model)
 
 
-def _tiny_text_fm() -> Teacher:
+def _tiny_text_fm() -> Encoder:
     torch.manual_seed(321)
     tok = HashingTokenizer(1024)
     bag = nn.EmbeddingBag(1024, 12, mode="mean")
     _record(bag)
-    return Teacher("test-tiny-text-fm", bag, 12, lambda texts: bag(*tok.encode(texts)))
+    return Encoder("test-tiny-text-fm", 12, lambda texts: bag(*tok.encode(texts)), bag)
 
 
-if "test-tiny-fm" not in TEACHERS:
-    register_teacher("test-tiny-fm", IMAGE_VIEW)(_tiny_image_fm)
-    register_teacher("test-tiny-text-fm", TEXT_VIEW)(_tiny_text_fm)
+if "test-tiny-fm" not in ENCODERS:
+    register_encoder("test-tiny-fm", "images")(_tiny_image_fm)
+    register_encoder("test-tiny-text-fm", "texts")(_tiny_text_fm)
 
 
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Empties the load records and the feature cache; counts open client handlers."""
+    """Empties the load records, the loaded encoders and their feature caches; counts open
+    client handlers."""
     LOADS.clear()
     BUILT.clear()
-    clear_feature_cache()
-    orig = FedRD.client_train
+    clear_encoders()
+    orig = FedRD.Client.train  # FedRD's client half is FedAvg's
 
     def counted(self: Any, ctx: ClientContext, msg: Message) -> Message:
         IN_CLIENT[0] += 1
@@ -80,7 +81,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             IN_CLIENT[0] -= 1
 
-    monkeypatch.setattr(FedRD, "client_train", counted)
+    monkeypatch.setattr(FedRD.Client, "train", counted)
 
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

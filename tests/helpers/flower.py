@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 import helpers.toy  # noqa: F401  (registers the toy task)
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
@@ -24,23 +24,8 @@ from helpers.bases import DPSYN, FEDRD, FEDSDR, fedsdr_algo
 from helpers.config import make_config, toy_config
 
 
-class TwoPhase(Algorithm):
-    """Round: every sampled client reports its feature mean (and bumps a private counter);
-    the server fits ``w`` to the means by SGD; then "strong" clients take a noisy step on
-    their own data and "weak" clients vote. The server evaluates ``w`` on the test set."""
-
-    messages = (
-        MessageKind("profile", up_meta=("n",)),
-        MessageKind("stats", down_arrays=("w",), up_arrays=("mean",), up_meta=("count", "info")),
-        MessageKind("step", down_arrays=("w",), up_arrays=("w",), roles=("strong",)),
-        MessageKind("vote", down_arrays=("w",), up_meta=("vote",), roles=("weak",)),
-        MessageKind("final", up_meta=("count",)),
-    )
-
-    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
-        super().__init__(cfg, task, run)
-        self.w = torch.zeros(task.cfg.dim)
-        self.profile: dict[str, int] = {}
+class TwoPhaseClient(ClientHalf):
+    """TwoPhase's client half."""
 
     def handlers(self):
         return {
@@ -74,6 +59,26 @@ class TwoPhase(Algorithm):
         new = w.detach() - 0.05 * w.grad + 0.01 * torch.randn(w.shape)
         ctx.state.set_group("own", {"w": new})
         return Message("step", {"w": {"w": new}})
+
+
+class TwoPhase(Algorithm):
+    """Round: every sampled client reports its feature mean (and bumps a private counter);
+    the server fits ``w`` to the means by SGD; then "strong" clients take a noisy step on
+    their own data and "weak" clients vote. The server evaluates ``w`` on the test set."""
+
+    Client = TwoPhaseClient
+    messages = (
+        MessageKind("profile", up_meta=("n",)),
+        MessageKind("stats", down_arrays=("w",), up_arrays=("mean",), up_meta=("count", "info")),
+        MessageKind("step", down_arrays=("w",), up_arrays=("w",), roles=("strong",)),
+        MessageKind("vote", down_arrays=("w",), up_meta=("vote",), roles=("weak",)),
+        MessageKind("final", up_meta=("count",)),
+    )
+
+    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.w = torch.zeros(task.cfg.dim)
+        self.profile: dict[str, int] = {}
 
     def setup(self, fed: Federation) -> dict[str, float]:
         replies = fed.broadcast(Message("profile"), fed.client_ids())
@@ -130,15 +135,8 @@ if "test-two-phase" not in ALGORITHMS:
     ALGORITHMS.register("test-two-phase", "multi-exchange test algorithm")(TwoPhase)
 
 
-class Crashy(Algorithm):
+class CrashyClient(ClientHalf):
     """Client 1 raises, 2 sends NaN, 3 a wrong shape, 4 an extra key; the others answer."""
-
-    messages = (MessageKind("train", down_arrays=("p",), up_arrays=("p",)),)
-    Config = AlgoConfig
-
-    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
-        super().__init__(cfg, task, run)
-        self.p = {"w": torch.zeros(2)}
 
     def handlers(self):
         def train(ctx: ClientContext, msg: Message) -> Message:
@@ -154,6 +152,18 @@ class Crashy(Algorithm):
             return Message("train", {"p": {"w": torch.ones(2)}})
 
         return {"train": train}
+
+
+class Crashy(Algorithm):
+    """Client 1 raises, 2 sends NaN, 3 a wrong shape, 4 an extra key; the others answer."""
+
+    Client = CrashyClient
+    messages = (MessageKind("train", down_arrays=("p",), up_arrays=("p",)),)
+    Config = AlgoConfig
+
+    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.p = {"w": torch.zeros(2)}
 
     def round(self, fed: Federation) -> dict[str, float]:
         cids = fed.client_ids()
@@ -173,24 +183,22 @@ def _tiny_fm() -> Any:
     """A tiny frozen image foundation model for FedRD on 8x8 digits (24-d features)."""
     from torch import nn
 
-    from fedfm.algorithms.fedrd import Teacher
+    from fedfm.models.encoders import Encoder
 
     torch.manual_seed(123)
     body = nn.Sequential(
         nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten()
     ).eval()
-    return Teacher("flower-test-fm", body, 24, body)
+    return Encoder("flower-test-fm", 24, body, body)
 
 
 def _register_teacher() -> None:
     try:
-        from fedfm.algorithms.fedrd import TEACHERS, register_teacher
-    except ImportError:  # FedRD not installed in this tree
+        from fedfm.models.encoders import ENCODERS, register_encoder
+    except ImportError:  # no encoder registry in this tree
         return
-    from fedfm.tasks.base import IMAGE_VIEW
-
-    if "flower-test-fm" not in TEACHERS:
-        register_teacher("flower-test-fm", IMAGE_VIEW, "tiny test foundation model")(_tiny_fm)
+    if "flower-test-fm" not in ENCODERS:
+        register_encoder("flower-test-fm", "images", "tiny test foundation model")(_tiny_fm)
 
 
 _register_teacher()

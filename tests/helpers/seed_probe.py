@@ -14,20 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, Algorithm, ClientHalf
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
 from helpers import toy  # noqa: F401  (registers the toy task)
 
 
-class SeedProbe(Algorithm):
-    """Clients report their random draws; the server collects them by round and client."""
-
-    messages = (MessageKind("draw", up_meta=("seed", "torch", "numpy", "batch")),)
-
-    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
-        super().__init__(cfg, task, run)
-        self.draws: dict[str, Any] = {}
+class SeedProbeClient(ClientHalf):
+    """Reports the client's random draws."""
 
     def handlers(self) -> dict[str, Any]:
         return {"draw": self._draw}
@@ -42,6 +36,17 @@ class SeedProbe(Algorithm):
             "batch": first[1].tolist(),
         }
         return Message("draw", meta=meta)
+
+
+class SeedProbe(Algorithm):
+    """Clients report their random draws; the server collects them by round and client."""
+
+    Client = SeedProbeClient
+    messages = (MessageKind("draw", up_meta=("seed", "torch", "numpy", "batch")),)
+
+    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.draws: dict[str, Any] = {}
 
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)

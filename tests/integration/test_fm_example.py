@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from fedfm.algorithms.base import ALGORITHMS, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, Algorithm, ClientHalf
 from fedfm.config import load_config
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptimizer
@@ -25,6 +25,7 @@ def _example() -> type:
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
     names = {
         "Algorithm": Algorithm,
+        "ClientHalf": ClientHalf,
         "Message": Message,
         "MessageKind": MessageKind,
         "ServerOptimizer": ServerOptimizer,

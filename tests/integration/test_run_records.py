@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
@@ -20,18 +20,18 @@ from helpers import toy  # noqa: F401  (registers the toy task)
 from helpers.config import make_config
 
 
-class NoisyMeans(Algorithm):
-    """Each round, sampled clients send a noisy mean of their targets (analytic Gaussian)."""
+def _sigma(task: Any, run: Any) -> float:
+    # Targets are clipped to [-4, 4]: one record moves a client's mean by <= 8 / n.
+    n = task.num_examples(task.client_data("0"))
+    return analytic_gaussian_sigma(1.0, run.privacy.delta, 8.0 / n)
 
-    messages = (MessageKind("mean", up_arrays=("mean",), up_meta=("n",)),)
-    stray = False
+
+class NoisyMeansClient(ClientHalf):
+    """Sends a noisy mean of the client's targets."""
 
     def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
         super().__init__(cfg, task, run)
-        self.total = 0.0
-        # Targets are clipped to [-4, 4]: one record moves a client's mean by <= 8 / n.
-        self.n = task.num_examples(task.client_data("0"))
-        self.sigma = analytic_gaussian_sigma(1.0, run.privacy.delta, 8.0 / self.n)
+        self.sigma = _sigma(task, run)
 
     def handlers(self) -> dict[str, Any]:
         return {"mean": self._mean}
@@ -41,6 +41,20 @@ class NoisyMeans(Algorithm):
         gen = torch.Generator().manual_seed(ctx.rng_seed("noise"))
         noisy = y.mean() + self.sigma * torch.randn((), generator=gen)
         return Message("mean", {"mean": {"y": noisy.reshape(1)}}, {"n": len(y)})
+
+
+class NoisyMeans(Algorithm):
+    """Each round, sampled clients send a noisy mean of their targets (analytic Gaussian)."""
+
+    Client = NoisyMeansClient
+    messages = (MessageKind("mean", up_arrays=("mean",), up_meta=("n",)),)
+    stray = False
+
+    def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.total = 0.0
+        self.n = task.num_examples(task.client_data("0"))
+        self.sigma = _sigma(task, run)
 
     def round(self, fed: Federation) -> dict[str, float]:
         replies = fed.broadcast(Message("mean"), self.sample(fed))

@@ -22,6 +22,7 @@ from fedfm.engine import build
 from fedfm.html_report import RunData, section_privacy, write_run_report
 from fedfm.report import compare
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401  (registers the toy task)
 from helpers.config import toy_config
 from helpers.grid import flower_run
 from helpers.runfiles import untimed_rows

@@ -1,15 +1,20 @@
 """What an algorithm supplies to the engine, and the algorithm registry.
 
 An algorithm is one file holding its config, its server half and its client half
-(DESIGN.md principle 1). The engine owns the round loop; the algorithm supplies steps:
-``setup`` (one-off phases before round 1), ``round``, ``evaluate`` and ``finish``, plus the
-client handlers, one per message kind. Client handlers may only use their context and the
-message: on the Flower runtime they run in another process, on an instance built from the
-same config.
+(DESIGN.md principle 1). The engine owns the round loop; the server half (an
+:class:`Algorithm`) supplies steps: ``setup`` (one-off phases before round 1), ``round``,
+``evaluate`` and ``finish``. The client half is its own object, a :class:`ClientHalf`
+declared as ``Algorithm.Client`` and built by :func:`client_half` from the config alone, on
+every runtime: it never sees the server half, so a handler that reaches for server state
+fails the same way in the server's process (embedded) as in another one (Flower).
+
+A variant that only sets part of another algorithm's config is a preset of it
+(:func:`fedfm.algorithms.presets.register_preset`), not a subclass.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sized
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,10 +27,12 @@ from fedfm.core.federation import Federation, Handler
 from fedfm.core.messages import MessageKind
 from fedfm.core.privacy import PrivacyLedger
 from fedfm.core.userdp import UserDP
-from fedfm.errors import ConfigError, TooFewClientsError
+from fedfm.errors import ConfigError, FedfmError, TooFewClientsError
 from fedfm.registry import Registry
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from fedfm.config import RunConfig
     from fedfm.tasks.base import Task, TaskConfig
 
@@ -34,6 +41,90 @@ class AlgoConfig(BaseModel):
     """Base of algorithm configs: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ServerStateError(FedfmError, AttributeError):
+    """A client half read an attribute it does not hold (server state, most likely)."""
+
+    def __init__(self, half: type, name: str) -> None:
+        super().__init__(
+            f"client half {half.__qualname__} has no attribute '{name}': a client half holds"
+            " only what it built from the config (cfg, task, run); server state reaches a"
+            " client in its message"
+        )
+
+
+class ClientHalf:
+    """An algorithm's client half: its handlers, one per message kind.
+
+    Built by :func:`client_half` from the validated config, the task and the run config, in
+    every process that serves clients, and never from the server half. A handler uses its
+    :class:`~fedfm.core.federation.ClientContext`, the message and what this object built
+    from the config; a model this process shares with the server half comes from
+    :attr:`fedfm.tasks.base.Task.scratch` and is loaded from the message or the client's
+    state before it is read. Reading an attribute the half does not have raises
+    :class:`ServerStateError`, on every runtime alike.
+
+    Args:
+        cfg: The algorithm's validated config.
+        task: The task (client data, shared frozen models, scratch modules).
+        run: The run config.
+    """
+
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.run = run
+
+    def handlers(self) -> dict[str, Handler]:
+        """Message kind -> client handler."""
+        raise NotImplementedError
+
+    if not TYPE_CHECKING:  # at run time only: mypy still checks every attribute by name
+
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):  # copy, pickle and friends probe dunders
+                raise AttributeError(name)
+            raise ServerStateError(type(self), name)
+
+
+def client_half(
+    algorithm: type[Algorithm], cfg: AlgoConfig, task: Task, run: RunConfig
+) -> ClientHalf:
+    """The client half of ``algorithm`` (its ``Client``), built from the config alone.
+
+    The engine and both runtimes build client halves here and nowhere else.
+    """
+    return algorithm.Client(cfg, task, run)
+
+
+def shared_model(task: Task, seed: int, **overrides: Any) -> nn.Module:
+    """This process's one instance of ``task.build_model(seed, **overrides)``.
+
+    Both halves of an algorithm use it as scratch (each loads its tensors before use), so a
+    process holds one copy whatever the number of clients it serves.
+    """
+    key = "model:" + json.dumps([seed, overrides], sort_keys=True, default=str)
+    return task.scratch.get(key, lambda: task.build_model(seed=seed, **overrides))
+
+
+def user_dp_of(run: RunConfig, num_clients: int, ledger: PrivacyLedger) -> UserDP | None:
+    """The run's client-level DP-FedAvg, or None without ``privacy.user_level``."""
+    cfg = run.privacy.user_level
+    return None if cfg is None else UserDP(cfg, run, num_clients, ledger)
+
+
+def client_user_dp(task: Task, run: RunConfig) -> UserDP | None:
+    """What a client needs of DP-FedAvg: the noise it adds in client mode, else None.
+
+    Built from the config (calibration, bound, the client's share of the noise) with a
+    ledger of its own: the server's ledger, bound and secret stay with the server half.
+    """
+    cfg = run.privacy.user_level
+    if cfg is None or cfg.mode != "client":
+        return None
+    ledger = PrivacyLedger(run.privacy.delta, run.privacy.accountant, run.privacy.noise)
+    return user_dp_of(run, len(task.client_ids()), ledger)
 
 
 class Algorithm:
@@ -46,6 +137,7 @@ class Algorithm:
 
     Attributes:
         Config: The algorithm's config model.
+        Client: Its client half (built by :func:`client_half`, never by the server half).
         messages: The message kinds it uses, with their declared fields.
         personalised: Whether evaluation is per client (reported as mean and worst client).
         privacy: The run's privacy ledger: register every DP mechanism the algorithm runs
@@ -58,9 +150,18 @@ class Algorithm:
     """
 
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
+    Client: ClassVar[type[ClientHalf]] = ClientHalf
     messages: ClassVar[tuple[MessageKind, ...]] = ()
     personalised: ClassVar[bool] = False
     update_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "handlers" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__qualname__}.handlers: client handlers belong to the client half"
+                f" ({cls.__qualname__}.Client, a ClientHalf built from the config alone)"
+            )
 
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         self.cfg = cfg
@@ -72,27 +173,31 @@ class Algorithm:
 
     def _user_dp(self, task: Task, run: RunConfig) -> UserDP | None:
         """DP-FedAvg when ``privacy.user_level`` asks for it and the algorithm aggregates."""
-        cfg = run.privacy.user_level
-        if cfg is None:
-            return None
-        if not self.update_kinds:
+        if run.privacy.user_level is not None and not self.update_kinds:
             raise ConfigError(
                 "privacy.user_level",
                 f"algorithm '{run.algorithm}' does not aggregate client updates by FedAvg;"
                 " client-level DP-FedAvg needs one that does",
             )
-        return UserDP(cfg, run, len(task.client_ids()), self.privacy)
+        return user_dp_of(run, len(task.client_ids()), self.privacy)
 
     def message_kinds(self) -> dict[str, MessageKind]:
-        """This run's message kinds by name.
+        """This run's message kinds by name (see :meth:`kinds_for`)."""
+        return self.kinds_for(self.cfg, self.run)
 
-        Under client-side DP-FedAvg the update kinds travel in their private form (only DP
-        outputs and public fields go up); an algorithm whose own DP depends on its config
-        overrides this.
+    @classmethod
+    def kinds_for(cls, cfg: AlgoConfig, run: RunConfig) -> dict[str, MessageKind]:
+        """The message kinds by name of a run with this config.
+
+        No instance is needed: a process that only serves clients reads them too. Under
+        client-side DP-FedAvg the update kinds travel in their private form (only DP outputs
+        and public fields go up); an algorithm whose own DP depends on its config overrides
+        this.
         """
-        kinds = kinds_of(type(self))
-        if self.user_dp is not None and self.user_dp.client_side:
-            for name in self.update_kinds:
+        kinds = kinds_of(cls)
+        level = run.privacy.user_level
+        if level is not None and level.mode == "client":
+            for name in cls.update_kinds:
                 kinds[name] = kinds[name].as_private()
         return kinds
 
@@ -106,11 +211,6 @@ class Algorithm:
         Raises:
             ConfigError: A capability is missing, naming the config field that needs it.
         """
-
-    # ----- client half -----
-    def handlers(self) -> dict[str, Handler]:
-        """Message kind -> client handler."""
-        raise NotImplementedError
 
     # ----- server half -----
     def setup(self, fed: Federation) -> dict[str, float]:

@@ -102,7 +102,7 @@ from pydantic import Field, field_validator
 from torch import Tensor
 from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles
 from fedfm.core.groups import get_group, join_groups
@@ -115,7 +115,7 @@ from fedfm.core.seeding import derive_seed
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
 from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
-from fedfm.models.embedders import get_embedder, known_embedder
+from fedfm.models.encoders import known_encoder, text_embedder
 from fedfm.models.generation import GenerationConfig
 from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
 
@@ -229,7 +229,7 @@ class DPSynConfig(AlgoConfig):
     @field_validator("embedder")
     @classmethod
     def _known_embedder(cls, v: str) -> str:
-        return known_embedder(v)
+        return known_encoder(v, "texts", unit_norm=True)
 
     @property
     def train_epsilon(self) -> float:
@@ -387,10 +387,121 @@ def select(
 # ----------------------------------------------------------------------------- the algorithm
 
 
+def dp_delta(cfg: DPSynConfig, run: RunConfig) -> float:
+    """The δ of every dpsyn mechanism: ``algo.delta``, else the run's ``privacy.delta``."""
+    return cfg.delta if cfg.delta is not None else run.privacy.delta
+
+
+def planned_steps(cfg: DPSynConfig, run: RunConfig) -> int:
+    """DP-SGD steps a strong client takes over the run (what its noise is calibrated for)."""
+    return cfg.train_rounds * run.train.steps
+
+
+def dp_sgd_config(cfg: DPSynConfig, run: RunConfig, rate: float) -> DPSGDConfig:
+    """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
+    from fedfm.core.dp import DPSGDConfig
+
+    eps, delta, planned = cfg.train_epsilon, dp_delta(cfg, run), planned_steps(cfg, run)
+    sigma = dp_sgd_sigma(eps, delta, rate, planned) if math.isfinite(eps) else None
+    return DPSGDConfig(
+        epsilon=eps,
+        delta=delta,
+        max_grad_norm=cfg.max_grad_norm,
+        noise_multiplier=sigma,
+        physical_batch_size=cfg.physical_batch_size,
+    )
+
+
+class DPSynClient(ClientHalf):
+    """dpsyn's client half: DP profiling (every client), DP-SGD (strong), DP votes (weak).
+
+    Every reply is a mechanism's output; its noise comes from the client's own secret.
+    """
+
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        assert isinstance(cfg, DPSynConfig), type(cfg)
+        self.cfg: DPSynConfig = cfg
+        self.codes = task.codes()
+        self.fm = task.foundation_model()
+        self.full = cfg.finetune == "full"
+        if not self.full:  # its tensors come in every train message
+            self.fm.ensure_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+        self.delta = dp_delta(cfg, run)
+        self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
+        self.sigma_vote = analytic_gaussian_sigma(cfg.epsilon_vote, self.delta)
+        self._rows: dict[str, list[dict[str, list[int]]]] = {}  # encoded rows per client
+
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {"profile": self.profile, "train": self.train, "vote": self.vote}
+
+    def rows(self, cid: str, data: Any) -> list[dict[str, list[int]]]:
+        """Client ``cid``'s "code → text" rows, tokenised once per process."""
+        if cid not in self._rows:
+            codes = self.task.code_ids(data).tolist()
+            texts = self.task.texts(data)
+            self._rows[cid] = self.fm.encode(
+                {"instruction": self.cfg.prompt_template.format(code=self.codes[j]), "output": t}
+                for j, t in zip(codes, texts, strict=True)
+            )
+        return self._rows[cid]
+
+    def noise_seed(self, ctx: ClientContext, purpose: str) -> int:
+        """A noise seed from the client's secret (``seeded``: from the run seed)."""
+        return noise_seed(ctx, purpose, self.run.privacy.noise)
+
+    def profile(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 2: this client's per-code counts plus analytic-Gaussian noise."""
+        counts = code_counts(self.task.code_ids(ctx.data), len(self.codes))
+        out = noisy(counts, self.sigma_profile, self.noise_seed(ctx, "profile-noise"))
+        return Message("profile", {"counts": {"counts": out}})
+
+    def train(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 1: DP-SGD on the received adapter (or weights) over "code → text" rows."""
+        from fedfm.core.dp import sample_rate
+        from fedfm.core.train import client_config
+
+        rows = self.rows(ctx.cid, ctx.data)
+        rate = sample_rate(self.run.train.batch_size, len(rows))
+        kw: dict[str, Any] = {
+            "train": client_config(ctx, self.run.train),  # the round's scheduled lr
+            "dp": dp_sgd_config(self.cfg, self.run, rate),
+            "delta": self.delta,
+            "steps": self.run.train.steps,
+            "planned_steps": planned_steps(self.cfg, self.run),
+            "seed": self.noise_seed(ctx, "dp"),
+            "field": "algo",
+        }
+        # The client's own account stays in its state; the server accounts from its plan.
+        if self.full:
+            _, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
+            return Message("train", {"weights": out})
+        self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+        self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
+        return Message("train", {"adapter": self.fm.get_adapter(ADAPTER)})
+
+    def vote(self, ctx: ClientContext, msg: Message) -> Message:
+        """Stage 4: K-NN votes of the private samples within their code, plus noise."""
+        texts, codes = msg.meta["texts"], msg.meta["codes"]
+        assert isinstance(texts, list) and isinstance(codes, list)
+        embed = text_embedder(self.cfg.embedder, self.task.device)
+        votes = knn_votes(
+            embed(self.task.texts(ctx.data)),
+            self.task.code_ids(ctx.data).numpy(),
+            embed([str(t) for t in texts]),
+            np.asarray(codes, dtype=np.int64),
+            self.cfg.k,
+        )
+        out = noisy(torch.as_tensor(votes), self.sigma_vote, self.noise_seed(ctx, "vote-noise"))
+        return Message("vote", {"votes": {"votes": out}})
+
+
 class DPSyn(Algorithm):
     """Strong clients DP-fine-tune, every client DP-profiles, weak clients DP-vote."""
 
     Config = DPSynConfig
+    Client = DPSynClient
     messages = (PROFILE, TRAIN, VOTE)
 
     @override
@@ -416,14 +527,13 @@ class DPSyn(Algorithm):
         # every weight would double a full fine-tuning's memory).
         self.start = None if self.full else dict(self.params)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
-        self.delta = cfg.delta if cfg.delta is not None else run.privacy.delta
-        self.planned = cfg.train_rounds * run.train.steps
+        self.delta = dp_delta(cfg, run)
+        self.planned = planned_steps(cfg, run)
         self.plan: dict[str, tuple[float, float]] = {}  # strong client -> (σ, q) of its DP-SGD
         self._check_plan(task, run)
         self._check_prompts()
         self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
         self.sigma_vote = analytic_gaussian_sigma(cfg.epsilon_vote, self.delta)
-        self._rows: dict[str, list[dict[str, list[int]]]] = {}  # encoded rows per client
         self.profile: Tensor | None = None
         self.synthetic: list[dict[str, Any]] = []
         self.final: list[dict[str, Any]] = []
@@ -491,92 +601,13 @@ class DPSyn(Algorithm):
                 )
 
     def dp_config(self, rate: float) -> DPSGDConfig:
-        """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
-        from fedfm.core.dp import DPSGDConfig
-
-        eps = self.cfg.train_epsilon
-        sigma = dp_sgd_sigma(eps, self.delta, rate, self.planned) if math.isfinite(eps) else None
-        return DPSGDConfig(
-            epsilon=eps,
-            delta=self.delta,
-            max_grad_norm=self.cfg.max_grad_norm,
-            noise_multiplier=sigma,
-            physical_batch_size=self.cfg.physical_batch_size,
-        )
+        """DP-SGD settings of a client sampled at ``rate`` (see :func:`dp_sgd_config`)."""
+        return dp_sgd_config(self.cfg, self.run, rate)
 
     # ----- prompts and data -----
     def prompt(self, code: int) -> str:
         """The prompt of code ``code`` (as in training and generation)."""
         return self.fm.instruction_prompt(self.cfg.prompt_template.format(code=self.codes[code]))
-
-    def rows(self, cid: str, data: Any) -> list[dict[str, list[int]]]:
-        """Client ``cid``'s "code → text" rows, tokenised once per process."""
-        if cid not in self._rows:
-            codes = self.task.code_ids(data).tolist()
-            texts = self.task.texts(data)
-            self._rows[cid] = self.fm.encode(
-                {"instruction": self.cfg.prompt_template.format(code=self.codes[j]), "output": t}
-                for j, t in zip(codes, texts, strict=True)
-            )
-        return self._rows[cid]
-
-    # ----- client half -----
-    @override
-    def handlers(self) -> dict[str, Handler]:
-        return {
-            "profile": self.client_profile,
-            "train": self.client_train,
-            "vote": self.client_vote,
-        }
-
-    def noise_seed(self, ctx: ClientContext, purpose: str) -> int:
-        """A noise seed from the client's secret (``seeded``: from the run seed)."""
-        return noise_seed(ctx, purpose, self.run.privacy.noise)
-
-    def client_profile(self, ctx: ClientContext, msg: Message) -> Message:
-        """Stage 2: this client's per-code counts plus analytic-Gaussian noise."""
-        counts = code_counts(self.task.code_ids(ctx.data), len(self.codes))
-        out = noisy(counts, self.sigma_profile, self.noise_seed(ctx, "profile-noise"))
-        return Message("profile", {"counts": {"counts": out}})
-
-    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        """Stage 1: DP-SGD on the received adapter (or weights) over "code → text" rows."""
-        from fedfm.core.dp import sample_rate
-        from fedfm.core.train import client_config
-
-        rows = self.rows(ctx.cid, ctx.data)
-        kw: dict[str, Any] = {
-            "train": client_config(ctx, self.run.train),  # the round's scheduled lr
-            "dp": self.dp_config(sample_rate(self.run.train.batch_size, len(rows))),
-            "delta": self.delta,
-            "steps": self.run.train.steps,
-            "planned_steps": self.planned,
-            "seed": self.noise_seed(ctx, "dp"),
-            "field": "algo",
-        }
-        if self.full:
-            _, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
-        else:
-            self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
-            self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
-            out = self.fm.get_adapter(ADAPTER)
-        # The client's own account stays in its state; the server accounts from its plan.
-        return Message("train", {self.field: out})
-
-    def client_vote(self, ctx: ClientContext, msg: Message) -> Message:
-        """Stage 4: K-NN votes of the private samples within their code, plus noise."""
-        texts, codes = msg.meta["texts"], msg.meta["codes"]
-        assert isinstance(texts, list) and isinstance(codes, list)
-        embed = get_embedder(self.cfg.embedder, str(self.task.device))
-        votes = knn_votes(
-            embed(self.task.texts(ctx.data)),
-            self.task.code_ids(ctx.data).numpy(),
-            embed([str(t) for t in texts]),
-            np.asarray(codes, dtype=np.int64),
-            self.cfg.k,
-        )
-        out = noisy(torch.as_tensor(votes), self.sigma_vote, self.noise_seed(ctx, "vote-noise"))
-        return Message("vote", {"votes": {"votes": out}})
 
     # ----- server half -----
     @override
@@ -801,7 +832,7 @@ class DPSyn(Algorithm):
         return out
 
     def _embed_eval(self) -> Any:
-        return get_embedder(self.cfg.eval.embedder or self.cfg.embedder, str(self.task.device))
+        return text_embedder(self.cfg.eval.embedder or self.cfg.embedder, self.task.device)
 
     def _test_embeddings(self) -> np.ndarray:
         if self._test_emb is None:

@@ -17,12 +17,15 @@ floating-point buffers (e.g. BatchNorm statistics) are averaged alike; the local
 baseline trains each client's own model for the same local budget per round.
 
 FedAvg's two halves are functions (:func:`fit`, :func:`evaluate_locally`, :func:`fedavg_round`,
-:func:`evaluate_global`) that other algorithms running FedAvg rounds (FedRD) call as well.
+:func:`evaluate_global`) that other algorithms running FedAvg rounds (FedRD) call as well;
+FedRD's client half is :class:`FedAvgClient`.
 ``algo.aggregator`` replaces the weighted mean by a robust rule (clipping, median, trimmed
 mean, Krum; :mod:`fedfm.core.robust`) before the server optimizer; default: the mean.
-``algo.fedsd.enabled`` adds FedSD (:mod:`fedfm.algorithms.fedsd`) to FedAvg, every server
-optimizer, FedProx and SCAFFOLD: a round-0 exchange in which each client rewrites its answers
-with the global model, then local training on the rewrites instead of the raw answers.
+``algo.fedsd.enabled`` adds the FedSD phase (:class:`fedfm.algorithms.fedsd.FedSDPhase`) to
+FedAvg, every server optimizer, FedProx and SCAFFOLD: a round-0 exchange in which each client
+rewrites its answers with the global model, then local training on the rewrites instead of the
+raw answers. Each algorithm's client half is its own class (``FedAvgClient``, ...), built from
+the config alone.
 ``algo.update_cosines`` logs the mean and minimum pairwise cosine between the round's client
 updates (FedSDR's "raw vs distilled" analysis), computed by the server from the replies it
 aggregates: no extra bytes leave the clients. Every round logs ``update_norm``, the global
@@ -40,8 +43,15 @@ from pydantic import Field
 from torch import Tensor, nn
 from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
-from fedfm.algorithms.fedsd import REFINE, FedSDConfig, Refinery, check_refinery_task
+from fedfm.algorithms.base import (
+    ALGORITHMS,
+    AlgoConfig,
+    Algorithm,
+    ClientHalf,
+    client_user_dp,
+    shared_model,
+)
+from fedfm.algorithms.fedsd import FedSDOption, FedSDPhase
 from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.aggregate import update_norm
 from fedfm.core.federation import ClientContext, Federation, Handler
@@ -100,14 +110,13 @@ class FedAvgConfig(AlgoConfig):
     )
 
 
-class FedAvgFamilyConfig(FedAvgConfig):
-    """FedAvg's and FedProx's own config: :class:`FedAvgConfig` plus FedSD.
+class FedAvgFamilyConfig(FedSDOption, FedAvgConfig):
+    """FedAvg's and FedProx's own config: :class:`FedAvgConfig` plus the FedSD phase.
 
     Separate from :class:`FedAvgConfig` so that algorithms built on that one (FedRD) do not
     take options they would ignore.
     """
 
-    fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
     update_cosines: bool = Field(False, description=UPDATE_COSINES_HELP)
 
 
@@ -291,75 +300,77 @@ def _metrics(reply: Message) -> dict[str, float]:
     return metrics
 
 
-def refine_locally(
-    ctx: ClientContext, task: Task, model: nn.Module, msg: Message, refinery: Refinery
-) -> Message:
-    """Client half of FedSD's round 0: the received parameters rewrite the client's answers."""
-    set_params(model, msg.arrays["params"])
-    fm = task.foundation_model()
-    return refinery.rewrite(ctx, fm, fm.active, msg.arrays["params"])
-
-
 # ----------------------------------------------------------------------------- algorithms
+
+
+class FedAvgClient(ClientHalf):
+    """FedAvg's client half: local training and personal evaluation of the received model.
+
+    With ``algo.fedsd`` on, the FedSD phase adds its ``refine`` handler and local training
+    reads the client's distilled set (:class:`~fedfm.algorithms.fedsd.FedSDPhase`). FedRD's
+    clients are FedAvg's clients of the student.
+    """
+
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.model = shared_model(task, run.seed)  # loaded from every message before use
+        self.fedsd = FedSDPhase(cfg)
+        self.user_dp = client_user_dp(task, run)
+
+    def train_cfg(self) -> TrainConfig:
+        """Local-training settings (FedProx's client sets the proximal weight)."""
+        return self.run.train
+
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "train": self.train,
+            "evaluate": self.evaluate,
+            **self.fedsd.handlers(self.task, self.model),
+        }
+
+    def train(self, ctx: ClientContext, msg: Message) -> Message:
+        """See :func:`fit`; with FedSD, on the client's distilled set."""
+        data = self.fedsd.train_data(ctx)
+        return fit(ctx, self.model, msg, self.train_cfg(), data, self.user_dp)
+
+    def evaluate(self, ctx: ClientContext, msg: Message) -> Message:
+        """See :func:`evaluate_locally`."""
+        return evaluate_locally(ctx, self.model, msg)
 
 
 class FedAvg(Algorithm):
     """FedAvg over a task's trainable tensors, with any server optimizer (Reddi et al. 2021)."""
 
     Config = FedAvgFamilyConfig
-    messages = (TRAIN, EVALUATE, REFINE)
+    Client = FedAvgClient
+    messages = (TRAIN, EVALUATE, *FedSDPhase.kinds)
     update_kinds = ("train",)
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
-        if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: FedSD off
+        if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: the defaults
             cfg = FedAvgFamilyConfig.model_validate(cfg.model_dump())
         super().__init__(cfg, task, run)
         self.cfg: FedAvgFamilyConfig = cfg
-        self._model = task.build_model(seed=run.seed)
+        self._model = shared_model(task, run.seed)
         self.params: dict[str, Tensor] = get_params(self._model)
         # θ_0, for update_norm: rebuilt from the seed, so a resumed run has it too.
         self.origin = {k: v.clone() for k, v in self.params.items()}
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
-        self.refinery = Refinery(cfg.fedsd) if cfg.fedsd.enabled else None
+        self.fedsd = FedSDPhase(cfg)
 
     @classmethod
     @override
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        if isinstance(cfg, FedAvgFamilyConfig) and cfg.fedsd.enabled:
-            check_refinery_task(task_cls, task_cfg, "algo.fedsd.enabled")
+        FedSDPhase.check_task(cfg, task_cls, task_cfg)
 
     def model(self) -> nn.Module:
-        """The model instance this process's server and client halves share."""
+        """The model instance this process's server and client halves share (scratch)."""
         return self._model
 
-    def train_cfg(self) -> TrainConfig:
-        """Local-training settings (FedProx sets the proximal weight)."""
-        return self.run.train
-
-    # ----- client half -----
-    @override
-    def handlers(self) -> dict[str, Handler]:
-        out: dict[str, Handler] = {"train": self.client_train, "evaluate": self.client_evaluate}
-        if self.refinery is not None:
-            refinery = self.refinery
-            out["refine"] = lambda ctx, msg: refine_locally(
-                ctx, self.task, self._model, msg, refinery
-            )
-        return out
-
-    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
-        """See :func:`fit`; with FedSD, on the client's distilled set."""
-        data = self.refinery.data(ctx) if self.refinery is not None else None
-        return fit(ctx, self._model, msg, self.train_cfg(), data, self.user_dp)
-
-    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
-        """See :func:`evaluate_locally`."""
-        return evaluate_locally(ctx, self._model, msg)
-
-    # ----- server half -----
     @override
     def setup(self, fed: Federation) -> dict[str, float]:
-        return self.refinery.run(self, fed, self.params) if self.refinery is not None else {}
+        return self.fedsd.setup(self, fed, self.params)
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
@@ -392,18 +403,24 @@ class FedProxConfig(FedAvgFamilyConfig):
     mu: float = Field(0.01, ge=0)
 
 
-class FedProx(FedAvg):
-    """FedProx (Li et al. 2020): local loss + (mu/2)·||w − w_global||²."""
+class FedProxClient(FedAvgClient):
+    """FedAvg's client half with the proximal weight ``algo.mu`` in local training."""
 
-    Config = FedProxConfig
-
-    def __init__(self, cfg: FedProxConfig, task: Task, run: RunConfig) -> None:
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
-        self.prox = run.train.model_copy(update={"prox_mu": cfg.mu})
+        mu = cfg.mu if isinstance(cfg, FedProxConfig) else 0.0
+        self.prox = run.train.model_copy(update={"prox_mu": mu})
 
     @override
     def train_cfg(self) -> TrainConfig:
         return self.prox
+
+
+class FedProx(FedAvg):
+    """FedProx (Li et al. 2020): local loss + (mu/2)·||w − w_global||²."""
+
+    Config = FedProxConfig
+    Client = FedProxClient
 
 
 SCAFFOLD_TRAIN = MessageKind(
@@ -417,81 +434,45 @@ SCAFFOLD_TRAIN = MessageKind(
 )
 
 
-class ScaffoldConfig(AlgoConfig):
-    """SCAFFOLD with a global step size."""
+class ScaffoldConfig(FedSDOption):
+    """SCAFFOLD with a global step size (and the FedSD phase, ``algo.fedsd``)."""
 
     lr_global: float = Field(1.0, gt=0)
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
     personal_eval: bool = False
-    fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
     update_cosines: bool = Field(False, description=UPDATE_COSINES_HELP)
 
 
-class Scaffold(Algorithm):
-    """SCAFFOLD (Karimireddy et al. 2020), option II control variates.
+class ScaffoldClient(ClientHalf):
+    """SCAFFOLD's client half: local SGD corrected by ``c − c_i``, ``c_i`` in the client's state.
 
-    Clients keep their control variate ``c_i`` in their persistent state; local steps use
-    SGD with the gradient corrected by ``c − c_i``.
+    With ``algo.fedsd`` on, the FedSD phase adds its ``refine`` handler and local training
+    reads the client's distilled set.
     """
 
-    Config = ScaffoldConfig
-    messages = (SCAFFOLD_TRAIN, EVALUATE, REFINE)
-    update_kinds = ("train",)
-
-    def __init__(self, cfg: ScaffoldConfig, task: Task, run: RunConfig) -> None:
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
-        self.cfg: ScaffoldConfig = cfg
-        if self.user_dp is not None:
-            if not cfg.aggregator.plain:
-                raise ConfigError(
-                    "algo.aggregator", "privacy.user_level aggregates by its own noised sum"
-                )
-            if run.train.epochs is not None:
-                raise ConfigError(
-                    "train.epochs",
-                    "SCAFFOLD under privacy.user_level derives the control update from the"
-                    " noised model update and needs the same local steps everywhere: set"
-                    " train.steps",
-                )
-        self._model = task.build_model(seed=run.seed)
-        self.params: dict[str, Tensor] = get_params(self._model)
-        self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0, for update_norm
-        self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
-        self.refinery = Refinery(cfg.fedsd) if cfg.fedsd.enabled else None
+        self.model = shared_model(task, run.seed)  # loaded from every message before use
+        self.fedsd = FedSDPhase(cfg)
+        self.user_dp = client_user_dp(task, run)
 
-    @classmethod
-    @override
-    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        if isinstance(cfg, ScaffoldConfig) and cfg.fedsd.enabled:
-            check_refinery_task(task_cls, task_cfg, "algo.fedsd.enabled")
-
-    def model(self) -> nn.Module:
-        """The model instance this process's server and client halves share."""
-        return self._model
-
-    # ----- client half -----
     @override
     def handlers(self) -> dict[str, Handler]:
-        out: dict[str, Handler] = {
-            "train": self.client_train,
-            "evaluate": lambda ctx, msg: evaluate_locally(ctx, self._model, msg),
+        return {
+            "train": self.train,
+            "evaluate": lambda ctx, msg: evaluate_locally(ctx, self.model, msg),
+            **self.fedsd.handlers(self.task, self.model),
         }
-        if self.refinery is not None:
-            refinery = self.refinery
-            out["refine"] = lambda ctx, msg: refine_locally(
-                ctx, self.task, self._model, msg, refinery
-            )
-        return out
 
-    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+    def train(self, ctx: ClientContext, msg: Message) -> Message:
         """Local SGD corrected by ``c − c_i``; replies ``y_i − x`` and ``c_i⁺ − c_i``."""
-        model = self._model
+        model = self.model
         glob, c = msg.arrays["params"], msg.arrays["control"]
         c_i = ctx.state.get_group("control") or {k: v.new_zeros(v.shape) for k, v in c.items()}
         set_params(model, glob)
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         corr = {n: c[n] - c_i[n] for n in names}
-        data = self.refinery.data(ctx) if self.refinery is not None else None
+        data = self.fedsd.train_data(ctx)
         res = local_round(ctx, model, self.run.train, grad_correction=corr, data=data)
         local = get_params(model, list(glob))
         lr = client_config(ctx, self.run.train).lr  # the round's rate, as local_round used
@@ -509,10 +490,52 @@ class Scaffold(Algorithm):
             {"num_examples": n, "loss": res.loss},
         )
 
-    # ----- server half -----
+
+class Scaffold(Algorithm):
+    """SCAFFOLD (Karimireddy et al. 2020), option II control variates.
+
+    Clients keep their control variate ``c_i`` in their persistent state; local steps use
+    SGD with the gradient corrected by ``c − c_i``.
+    """
+
+    Config = ScaffoldConfig
+    Client = ScaffoldClient
+    messages = (SCAFFOLD_TRAIN, EVALUATE, *FedSDPhase.kinds)
+    update_kinds = ("train",)
+
+    def __init__(self, cfg: ScaffoldConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: ScaffoldConfig = cfg
+        if self.user_dp is not None:
+            if not cfg.aggregator.plain:
+                raise ConfigError(
+                    "algo.aggregator", "privacy.user_level aggregates by its own noised sum"
+                )
+            if run.train.epochs is not None:
+                raise ConfigError(
+                    "train.epochs",
+                    "SCAFFOLD under privacy.user_level derives the control update from the"
+                    " noised model update and needs the same local steps everywhere: set"
+                    " train.steps",
+                )
+        self._model = shared_model(task, run.seed)
+        self.params: dict[str, Tensor] = get_params(self._model)
+        self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0, for update_norm
+        self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
+        self.fedsd = FedSDPhase(cfg)
+
+    @classmethod
+    @override
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        FedSDPhase.check_task(cfg, task_cls, task_cfg)
+
+    def model(self) -> nn.Module:
+        """The model instance this process's server and client halves share (scratch)."""
+        return self._model
+
     @override
     def setup(self, fed: Federation) -> dict[str, float]:
-        return self.refinery.run(self, fed, self.params) if self.refinery is not None else {}
+        return self.fedsd.setup(self, fed, self.params)
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
@@ -589,31 +612,23 @@ LOCAL_EVALUATE = MessageKind(
 )
 
 
-class LocalOnly(Algorithm):
-    """Local-only baseline: each client trains its own model and shares nothing.
-
-    Each client's model lives in its persistent state; evaluation reports each client's model
-    on the global test set (``test/``) and on its own local test split (``local/``).
-    """
-
-    messages = (LOCAL_TRAIN, LOCAL_EVALUATE)
-    personalised = True
+class LocalOnlyClient(ClientHalf):
+    """The local-only client half: the client's own model, in its state, trained and scored."""
 
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
-        self._model = task.build_model(seed=run.seed)
-        self.init = get_params(self._model)  # every client starts from the same weights
+        self.model = shared_model(task, run.seed)
+        self.init = get_params(self.model)  # every client starts from the same weights
 
     def _load_own(self, ctx: ClientContext) -> nn.Module:
-        set_params(self._model, ctx.state.get_group("model") or self.init)
-        return self._model
+        set_params(self.model, ctx.state.get_group("model") or self.init)
+        return self.model
 
-    # ----- client half -----
     @override
     def handlers(self) -> dict[str, Handler]:
-        return {"train": self.client_train, "evaluate": self.client_evaluate}
+        return {"train": self.train, "evaluate": self.evaluate}
 
-    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+    def train(self, ctx: ClientContext, msg: Message) -> Message:
         """The client's own model, trained for the run's local budget."""
         model = self._load_own(ctx)
         res = local_round(ctx, model, self.run.train)
@@ -622,7 +637,7 @@ class LocalOnly(Algorithm):
             "train", meta={"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
         )
 
-    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
+    def evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """The client's own model on the global test set and on its local test split."""
         model = self._load_own(ctx)
         glob = {f"test/{k}": v for k, v in self.task.evaluate(model, self.task.test_data()).items()}
@@ -631,6 +646,18 @@ class LocalOnly(Algorithm):
         return Message(
             "evaluate", meta={"num_examples": self.task.num_examples(ctx.data), "metrics": metrics}
         )
+
+
+class LocalOnly(Algorithm):
+    """Local-only baseline: each client trains its own model and shares nothing.
+
+    Each client's model lives in its persistent state; evaluation reports each client's model
+    on the global test set (``test/``) and on its own local test split (``local/``).
+    """
+
+    Client = LocalOnlyClient
+    messages = (LOCAL_TRAIN, LOCAL_EVALUATE)
+    personalised = True
 
     # ----- server half -----
     @override

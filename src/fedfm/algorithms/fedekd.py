@@ -20,11 +20,12 @@ So a round is two exchanges: ``forward`` (global proxy down, local proxy up) and
 (new global proxy down, nothing but scalars up). Only proxy tensors ever travel; the audit
 ledger shows it.
 
-Baselines in this file: ``fedkd-ungated`` (the same private/proxy mutual distillation with
-weight 1 for every sample, in the style of FML, Shen et al. 2020, "Federated Mutual Learning",
-and FedKD, Wu et al. 2022, "Communication-efficient federated learning via knowledge
-distillation"; their extra terms, such as FedKD's adaptive loss scaling and hidden-state
-distillation, are not included, so the only difference from FedeKD is the gate) and
+Baselines in this file: ``fedkd-ungated`` (a preset of FedeKD with ``gate: ungated``: the
+same private/proxy mutual distillation with weight 1 for every sample, in the style of FML,
+Shen et al. 2020, "Federated Mutual Learning", and FedKD, Wu et al. 2022,
+"Communication-efficient federated learning via knowledge distillation"; their extra terms,
+such as FedKD's adaptive loss scaling and hidden-state distillation, are not included, so
+the only difference from FedeKD is the gate) and
 ``local-private`` (each client trains its own private architecture alone, the local-only
 reference that FedeKD's negative transfer is measured against). FedAvg, FedProx and the
 shared-architecture local-only baseline live in :mod:`fedfm.algorithms.fedavg`.
@@ -59,14 +60,22 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import Field, field_validator
 from torch import Tensor, nn
 from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import (
+    ALGORITHMS,
+    AlgoConfig,
+    Algorithm,
+    ClientHalf,
+    client_user_dp,
+    shared_model,
+)
+from fedfm.algorithms.presets import register_preset
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
@@ -168,12 +177,6 @@ class FedeKDConfig(AlgoConfig):
         return v
 
 
-class FedKDUngatedConfig(FedeKDConfig):
-    """The ungated baseline: weight 1 for every sample."""
-
-    gate: Literal["ungated"] = "ungated"
-
-
 class PrivateModels:
     """Every client's private model: its architecture, its weights in the client's state.
 
@@ -258,42 +261,39 @@ def summarise_privates(task: Task, fed: Federation) -> dict[str, Any]:
     return out
 
 
-class FedeKD(Algorithm):
-    """FedeKD (Nguyen, Wang, Ku 2026): forward proxy KD, proxy aggregation, gated backward KD."""
+def shared_proxy(task: Task, run: RunConfig, cfg: FedeKDConfig) -> nn.Module:
+    """This process's proxy instance, shared by the server and client halves (scratch).
 
-    Config = FedeKDConfig
-    messages = (FORWARD, BACKWARD, EVALUATE)
-    update_kinds = ("forward", "backward")
-    personalised = True
+    A bad ``proxy_arch`` fails when the algorithm is built, naming its field.
+    """
+    with config_fields(arch_fields("algo.proxy_arch", cfg.proxy_arch)):
+        return shared_model(task, run.seed, **cfg.proxy_arch)
 
-    def __init__(self, cfg: FedeKDConfig, task: Task, run: RunConfig) -> None:
+
+def _fedekd_config(cfg: AlgoConfig) -> FedeKDConfig:
+    assert isinstance(cfg, FedeKDConfig), type(cfg)
+    return cfg
+
+
+class FedeKDClient(ClientHalf):
+    """FedeKD's client half: forward KD into the proxy, gated backward KD into the private model.
+
+    The private model never leaves the client (its weights live in the client's state); the
+    proxy instance is loaded from each message.
+    """
+
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
-        self.cfg: FedeKDConfig = cfg
-        if task.kind not in ("classification", "regression"):
-            raise ConfigError(
-                "algorithm", f"FedeKD needs a classification or regression task, not {task.kind}"
-            )
-        with config_fields(arch_fields("algo.proxy_arch", cfg.proxy_arch)):
-            self._proxy = task.build_model(seed=run.seed, **cfg.proxy_arch)
-        self.proxy: dict[str, Tensor] = get_params(self._proxy)
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
-        self.privates = PrivateModels(task, run.seed, cfg.private_archs)
+        self.cfg: FedeKDConfig = _fedekd_config(cfg)
+        self.proxy = shared_proxy(task, run, self.cfg)
+        self.privates = PrivateModels(task, run.seed, self.cfg.private_archs)
+        self.user_dp = client_user_dp(task, run)
 
-    # ----- models -----
-    def proxy_model(self) -> nn.Module:
-        """The proxy instance reused by this process's server and client halves."""
-        return self._proxy
-
-    def private_model(self, arch: int) -> nn.Module:
-        """The instance of private architecture ``arch`` (weights are set per client)."""
-        return self.privates.instances[arch]
-
-    # ----- client half -----
     @override
     def handlers(self) -> dict[str, Handler]:
         return {
-            "forward": self.client_forward,
-            "backward": self.client_backward,
+            "forward": self.forward,
+            "backward": self.backward,
             "evaluate": lambda ctx, msg: evaluate_privates(self.task, self.privates, ctx, msg),
         }
 
@@ -308,10 +308,10 @@ class FedeKD(Algorithm):
             return half_squared_error_energy(private_out, proxy_out)
         return symmetric_kl_energy(private_out, proxy_out)
 
-    def client_forward(self, ctx: ClientContext, msg: Message) -> Message:
+    def forward(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 1: the private model (frozen) teaches the proxy on the local data."""
         teacher = self.privates.load(ctx).eval()
-        proxy = self._proxy
+        proxy = self.proxy
         glob = msg.arrays["proxy"]
         set_params(proxy, glob)
         w_ce = self.cfg.forward_ce
@@ -341,10 +341,10 @@ class FedeKD(Algorithm):
         n = self.task.num_examples(ctx.data)
         return Message("forward", {"proxy": trained}, {"num_examples": n, "loss": res.loss})
 
-    def client_backward(self, ctx: ClientContext, msg: Message) -> Message:
+    def backward(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 3: supervised loss + λ·energy-gated KD from the global proxy."""
         private = self.privates.load(ctx)
-        proxy = self._proxy.eval()
+        proxy = self.proxy.eval()
         set_params(proxy, msg.arrays["proxy"])
         stats: dict[str, list[float]] = {"energy": [], "w_min": [], "w_max": []}
 
@@ -375,6 +375,31 @@ class FedeKD(Algorithm):
             meta["gate_min"] = min(stats["w_min"])
             meta["gate_max"] = max(stats["w_max"])
         return Message("backward", meta=meta)
+
+
+class FedeKD(Algorithm):
+    """FedeKD (Nguyen, Wang, Ku 2026): forward proxy KD, proxy aggregation, gated backward KD."""
+
+    Config = FedeKDConfig
+    Client = FedeKDClient
+    messages = (FORWARD, BACKWARD, EVALUATE)
+    update_kinds = ("forward", "backward")
+    personalised = True
+
+    def __init__(self, cfg: FedeKDConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedeKDConfig = cfg
+        if task.kind not in ("classification", "regression"):
+            raise ConfigError(
+                "algorithm", f"FedeKD needs a classification or regression task, not {task.kind}"
+            )
+        self._proxy = shared_proxy(task, run, cfg)
+        self.proxy: dict[str, Tensor] = get_params(self._proxy)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+
+    def proxy_model(self) -> nn.Module:
+        """The proxy instance this process's server and client halves share (scratch)."""
+        return self._proxy
 
     # ----- server half -----
     @override
@@ -425,10 +450,30 @@ class FedeKD(Algorithm):
         self.opt.load_state_dict(get_group(arrays, "opt"))
 
 
-class FedKDUngated(FedeKD):
-    """Private/proxy mutual distillation with weight 1 for every sample (FML / FedKD style)."""
+class LocalPrivateClient(ClientHalf):
+    """The client half of the local-only baseline with FedeKD's private architectures."""
 
-    Config = FedKDUngatedConfig
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedeKDConfig = _fedekd_config(cfg)
+        self.privates = PrivateModels(task, run.seed, self.cfg.private_archs)
+
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "local": self.local,
+            "evaluate": lambda ctx, msg: evaluate_privates(self.task, self.privates, ctx, msg),
+        }
+
+    def local(self, ctx: ClientContext, msg: Message) -> Message:
+        """The private model trained alone (FedeKD's backward stage without the proxy)."""
+        private = self.privates.load(ctx)
+        res = local_round(
+            ctx, private, self.run.train, steps=self.cfg.backward_steps, purpose="backward"
+        )
+        self.privates.save(ctx, private)
+        n = self.task.num_examples(ctx.data)
+        return Message("local", meta={"num_examples": n, "loss": res.loss})
 
 
 class LocalPrivate(Algorithm):
@@ -439,30 +484,9 @@ class LocalPrivate(Algorithm):
     """
 
     Config = FedeKDConfig
+    Client = LocalPrivateClient
     messages = (LOCAL, EVALUATE)
     personalised = True
-
-    def __init__(self, cfg: FedeKDConfig, task: Task, run: RunConfig) -> None:
-        super().__init__(cfg, task, run)
-        self.cfg: FedeKDConfig = cfg
-        self.privates = PrivateModels(task, run.seed, cfg.private_archs)
-
-    @override
-    def handlers(self) -> dict[str, Handler]:
-        return {
-            "local": self.client_local,
-            "evaluate": lambda ctx, msg: evaluate_privates(self.task, self.privates, ctx, msg),
-        }
-
-    def client_local(self, ctx: ClientContext, msg: Message) -> Message:
-        """The private model trained alone (FedeKD's backward stage without the proxy)."""
-        private = self.privates.load(ctx)
-        res = local_round(
-            ctx, private, self.run.train, steps=self.cfg.backward_steps, purpose="backward"
-        )
-        self.privates.save(ctx, private)
-        n = self.task.num_examples(ctx.data)
-        return Message("local", meta={"num_examples": n, "loss": res.loss})
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
@@ -531,9 +555,13 @@ def client_metric(run_dir: Path, metric: str, rnd: int | None = None) -> dict[st
 ALGORITHMS.register("fedekd", "FedeKD: private + proxy models, energy-gated backward distillation")(
     FedeKD
 )
-ALGORITHMS.register(
-    "fedkd-ungated", "private/proxy mutual distillation without gating (FML/FedKD style)"
-)(FedKDUngated)
+# The ungated baseline is FedeKD with weight 1 for every sample: a preset, not a subclass.
+register_preset(
+    "fedkd-ungated",
+    "fedekd",
+    "private/proxy mutual distillation without gating (FML/FedKD style)",
+    fixed={"gate": "ungated"},
+)
 ALGORITHMS.register(
     "local-private", "local-only baseline with FedeKD's per-client private architectures"
 )(LocalPrivate)

@@ -20,7 +20,8 @@ Each round has two exchanges, selection then training:
    server optimizer of :mod:`fedfm.core.optim`.
 
 FedHDS-Turbo (``algo.feature_model``) takes the features from a small separate frozen model
-(MiniLM through sentence-transformers, or a small causal LM) instead of the LLM: they cannot
+(a text encoder of :data:`fedfm.models.encoders.ENCODERS` with per-layer features: MiniLM
+through sentence-transformers, or a small causal LM) instead of the LLM: they cannot
 change, so each client computes them once and keeps them in its persistent state, and the
 ``select`` message then carries no adapter. Differential privacy (``algo.dp_sigma > 0``): each
 released coordinate is squashed by ``tanh`` and Gaussian noise of std ``dp_sigma`` is added on
@@ -122,7 +123,7 @@ from pydantic import Field, field_validator
 from torch import Tensor
 from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
@@ -136,7 +137,7 @@ from fedfm.core.train import client_config, local_train, num_steps
 from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
-from fedfm.models.features import LayerFeatures, load_feature_model
+from fedfm.models.encoders import Encoder, load_encoder
 from fedfm.registry import Registry
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, Task, TaskConfig, require
 from fedfm.tasks.lm import InstructionData
@@ -197,7 +198,7 @@ class FedHDSConfig(AlgoConfig):
     )
     perplexity: float = Field(30.0, ge=1, description="t-SNE perplexity cap: min(this, n - 1)")
     feature_model: str | None = Field(
-        None, description="FedHDS-Turbo's separate frozen feature model; None: the LLM"
+        None, description="FedHDS-Turbo's frozen feature model (ENCODERS); None: the LLM"
     )
     feature_model_args: dict[str, Any] = Field(default_factory=dict)
     feature_batch_size: int = Field(8, ge=1, description="texts per feature pass (ours)")
@@ -520,7 +521,7 @@ def centralised(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
     t0 = time.perf_counter()
     feats, owners = [], []
     for cid in cids:
-        x = algo.raw_features(algo.task.client_data(cid), cid)
+        x = algo.features.raw_features(algo.task.client_data(cid), cid)
         plan.pool[cid] = len(x)
         feats.append(x)
         owners += [(cid, i) for i in range(len(x))]
@@ -541,13 +542,13 @@ def centralised(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
 
 # ----------------------------------------------------------------------------- client coresets
 
-Coreset = Callable[["FedHDS", ClientContext, list[int], int], list[int]]
+Coreset = Callable[["FedHDSClient", ClientContext, list[int], int], list[int]]
 CORESETS: Registry[Coreset] = Registry("coreset plan", "train.plan")
 
 
 @CORESETS.register("clusters", "the representative of each selected cluster of this round")
-def _of_clusters(algo: FedHDS, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
-    reps = algo.representatives(ctx)
+def _of_clusters(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
+    reps = client.representatives(ctx)
     missing = [c for c in pick if str(c) not in reps]
     if missing:
         raise ValueError(f"clusters {missing} are not clusters of this client's round")
@@ -555,21 +556,21 @@ def _of_clusters(algo: FedHDS, ctx: ClientContext, pick: list[int], n: int) -> l
 
 
 @CORESETS.register("positions", "the rows the server named")
-def _of_positions(algo: FedHDS, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
+def _of_positions(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
     if any(not 0 <= p < n for p in pick):
         raise ValueError(f"positions {pick} are outside this client's {n} rows")
     return list(pick)
 
 
 @CORESETS.register("random", "random_budget of the rows, at least one")
-def _of_random(algo: FedHDS, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
-    k = max(1, round(algo.cfg.random_budget * n))
+def _of_random(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
+    k = max(1, round(client.cfg.random_budget * n))
     rng = np.random.default_rng(ctx.rng_seed("random-rows"))
     return sorted(int(i) for i in rng.choice(n, size=min(k, n), replace=False))
 
 
 @CORESETS.register("all", "every row (a client too small to cluster)")
-def _of_all(algo: FedHDS, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
+def _of_all(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
     return list(range(n))
 
 
@@ -577,6 +578,8 @@ def _of_all(algo: FedHDS, ctx: ClientContext, pick: list[int], n: int) -> list[i
 
 # Errors of the feature model's builder, named by the config fields that supplied the values.
 FEATURE_FIELDS = {
+    "encoder": "algo.feature_model",
+    "encoder.options": "algo.feature_model_args",
     "features.model": "algo.feature_model",
     "model.name": "algo.feature_model",
     "model": "algo.feature_model_args",
@@ -584,51 +587,39 @@ FEATURE_FIELDS = {
 TOTALS = ("coreset", "pool", "train_s", "feature_s", "cluster_s", "select_s")
 
 
-class FedHDS(Algorithm):
-    """FedHDS / FedHDS-Turbo and their selection baselines (see the module doc)."""
+class Features:
+    """What FedHDS reads of a client's rows, built from the config by each half that needs it.
 
-    Config = FedHDSConfig
-    messages = (SELECT, TRAIN)
+    The client half's selection, and the server's in the non-private ``centralised``
+    baseline. FedHDS-Turbo's frozen feature model is loaded once per process
+    (:func:`fedfm.models.encoders.load_encoder`).
+    """
 
-    def __init__(self, cfg: FedHDSConfig, task: Task, run: RunConfig) -> None:
-        super().__init__(cfg, task, run)
-        self.cfg: FedHDSConfig = cfg
+    def __init__(self, cfg: FedHDSConfig, task: Task) -> None:
+        self.cfg = cfg
+        self.task = task
         self.fm: FoundationModel = task.foundation_model()
-        self.fm.reset_adapter(ADAPTER, seed=run.seed)  # the seeded init, whatever ran before
-        self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
-        self.select = SELECTIONS.get(cfg.selection)
-        self._feature_model: LayerFeatures | None = None
+        self._feature_model: Encoder | None = None
         self._usable: dict[str, tuple[list[int], list[list[int]]]] = {}
-        self.totals = dict.fromkeys(TOTALS, 0.0)
-        if cfg.feature_model is not None:
+        if self.turbo:
             self.feature_model()  # a bad feature model fails at build time, naming its field
-
-    @classmethod
-    @override
-    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        require(task_cls, task_cfg, FOUNDATION_MODEL, "task.kind", "FedHDS's LLM")
-        require(task_cls, task_cfg, ITEM_RESULTS, "task.kind", "FedHDS's Rouge-L of every item")
 
     @property
     def turbo(self) -> bool:
         """Whether features come from a separate frozen model (FedHDS-Turbo)."""
         return self.cfg.feature_model is not None
 
-    def feature_model(self) -> LayerFeatures:
-        """FedHDS-Turbo's frozen feature model, loaded once per process."""
+    def feature_model(self) -> Encoder:
+        """FedHDS-Turbo's frozen feature model (an encoder with layers), loaded once."""
         if self._feature_model is None:
             assert self.cfg.feature_model is not None
             with config_fields(FEATURE_FIELDS):
-                self._feature_model = load_feature_model(
+                model = load_encoder(
                     self.cfg.feature_model, self.task.device, **self.cfg.feature_model_args
                 )
+                model.stack()  # an encoder without per-layer features is refused here
+            self._feature_model = model
         return self._feature_model
-
-    # ----- client half -----
-    @override
-    def handlers(self) -> dict[str, Handler]:
-        return {"select": self.client_select, "train": self.client_train}
 
     def raw_features(self, data: Any, cid: str) -> np.ndarray:
         """``(n, (layers + 1) · hidden)`` float64 features of a client's usable rows.
@@ -639,7 +630,7 @@ class FedHDS(Algorithm):
         rows = _instruction_data(data)
         positions, tokens = self.usable(cid, rows)
         if self.turbo:
-            feats = self.feature_model().features(
+            feats = self.feature_model().layer_features(
                 [_raw_text(rows.rows[i]) for i in positions],
                 batch_size=self.cfg.feature_batch_size,
                 pool=self.cfg.feature_pool,
@@ -668,18 +659,34 @@ class FedHDS(Algorithm):
             self._usable[cid] = (positions, tokens)
         return self._usable[cid]
 
+
+class FedHDSClient(ClientHalf):
+    """FedHDS's client half: features, t-SNE and HDBSCAN (``select``), coreset training."""
+
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        assert isinstance(cfg, FedHDSConfig), type(cfg)
+        self.cfg: FedHDSConfig = cfg
+        self.fm: FoundationModel = task.foundation_model()
+        self.fm.ensure_adapter(ADAPTER, seed=run.seed)  # its tensors come in every message
+        self.features = Features(cfg, task)
+
+    @override
+    def handlers(self) -> dict[str, Handler]:
+        return {"select": self.select, "train": self.train}
+
     def _features(self, ctx: ClientContext) -> np.ndarray:
         """Features of this client; FedHDS-Turbo's are computed once and kept in its state."""
-        if not self.turbo:
-            return self.raw_features(ctx.data, ctx.cid)
+        if not self.features.turbo:
+            return self.features.raw_features(ctx.data, ctx.cid)
         cached = ctx.state.get_group("turbo")
         if cached:
             return cached["features"].double().numpy()
-        x = self.raw_features(ctx.data, ctx.cid)
+        x = self.features.raw_features(ctx.data, ctx.cid)
         ctx.state.set_group("turbo", {"features": torch.from_numpy(x).float()})
         return x
 
-    def client_select(self, ctx: ClientContext, msg: Message) -> Message:
+    def select(self, ctx: ClientContext, msg: Message) -> Message:
         """Features, t-SNE and HDBSCAN; replies centroids and ids, ids only, or every point."""
         if ADAPTER in msg.arrays:
             self.fm.set_adapter(ADAPTER, msg.arrays[ADAPTER])
@@ -730,10 +737,10 @@ class FedHDS(Algorithm):
             raise ValueError(f"client {ctx.cid} has no clusters of round {ctx.rnd}")
         return dict(saved["reps"])
 
-    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+    def train(self, ctx: ClientContext, msg: Message) -> Message:
         """LoRA training on the coreset the plan names (see :data:`CORESETS`)."""
         rows = _instruction_data(ctx.data)
-        keep = self.usable(ctx.cid, rows)[0]
+        keep = self.features.usable(ctx.cid, rows)[0]
         pick = msg.meta["pick"]
         assert isinstance(pick, list)
         positions = CORESETS.get(str(msg.meta["plan"]))(
@@ -755,15 +762,46 @@ class FedHDS(Algorithm):
         }
         return Message("train", {ADAPTER: self.fm.get_adapter(ADAPTER)}, meta)
 
+
+class FedHDS(Algorithm):
+    """FedHDS / FedHDS-Turbo and their selection baselines (see the module doc)."""
+
+    Config = FedHDSConfig
+    Client = FedHDSClient
+    messages = (SELECT, TRAIN)
+
+    def __init__(self, cfg: FedHDSConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedHDSConfig = cfg
+        self.fm: FoundationModel = task.foundation_model()
+        self.fm.reset_adapter(ADAPTER, seed=run.seed)  # the seeded init, whatever ran before
+        self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
+        self.select = SELECTIONS.get(cfg.selection)
+        self.features = Features(cfg, task)  # the centralised baseline reads client rows
+        self.totals = dict.fromkeys(TOTALS, 0.0)
+
+    @classmethod
     @override
-    def message_kinds(self) -> dict[str, MessageKind]:
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        require(task_cls, task_cfg, FOUNDATION_MODEL, "task.kind", "FedHDS's LLM")
+        require(task_cls, task_cfg, ITEM_RESULTS, "task.kind", "FedHDS's Rouge-L of every item")
+
+    @property
+    def turbo(self) -> bool:
+        """Whether features come from a separate frozen model (FedHDS-Turbo)."""
+        return self.features.turbo
+
+    @classmethod
+    @override
+    def kinds_for(cls, cfg: AlgoConfig, run: RunConfig) -> dict[str, MessageKind]:
         """With DP the ``select`` kind's coordinates are DP outputs.
 
         Its counts, cluster ids and timings, and the ``train`` kind's adapter, still leave
         the client unnoised (the audit marks them, the report lists them).
         """
-        kinds = super().message_kinds()
-        if self.cfg.dp_sigma > 0:
+        kinds = super().kinds_for(cfg, run)
+        if isinstance(cfg, FedHDSConfig) and cfg.dp_sigma > 0:
             kinds["select"] = kinds["select"].noised()
         return kinds
 

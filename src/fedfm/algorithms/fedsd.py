@@ -14,8 +14,8 @@ fallback is counted by reason. The distilled set ``D_dist`` lives in the client'
 state (it survives resume) and is reused every round; only statistics leave the client (kept
 share, fallbacks by reason, answer-keeping share, length ratio, filler-word rates; overall and
 per domain, as counts).
-FedSD alone is any server optimizer trained on ``(x, ỹ)`` instead of ``(x, y)``: the FedAvg
-family selects it with ``algo.fedsd.enabled: true``.
+FedSD alone is any server optimizer trained on ``(x, ỹ)`` instead of ``(x, y)``: a FedAvg-family
+algorithm composes it as a phase (:class:`FedSDPhase`, ``algo.fedsd.enabled: true``).
 
 The rewrites of the round-0 teacher are the same for every run that shares the model, the
 client's data, the prompt settings and the decoding settings, so they are cached on disk
@@ -54,14 +54,16 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
-from torch import Tensor
+from torch import Tensor, nn
 
-from fedfm.core.federation import ClientContext, Federation
+from fedfm.algorithms.base import AlgoConfig
+from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.seeding import derive_seed
+from fedfm.core.train import set_params
 from fedfm.errors import FedfmError
 from fedfm.eval.metrics import gsm8k_number, pick_choice, resolve_answer
 from fedfm.models.generation import GenerationConfig, Reply
@@ -126,13 +128,19 @@ class RefineryConfig(BaseModel):
 
 
 class FedSDConfig(RefineryConfig):
-    """FedSD as an option of the FedAvg family (``algo.fedsd``).
+    """FedSD as a phase of a FedAvg-family algorithm (``algo.fedsd``).
 
     Attributes:
         enabled: Rewrite every client's answers before round 1 and train on the rewrites.
     """
 
     enabled: bool = False
+
+
+class FedSDOption(AlgoConfig):
+    """The ``algo.fedsd`` section of an algorithm that composes :class:`FedSDPhase`."""
+
+    fedsd: FedSDConfig = Field(default_factory=FedSDConfig)
 
 
 # ----------------------------------------------------------------------------- the filter
@@ -480,6 +488,9 @@ def check_refinery_task(task_cls: type[Task], task_cfg: TaskConfig, field: str) 
 class Refinery:
     """Both halves of the round-0 exchange and the distilled sets of this process's clients.
 
+    Each half of an algorithm builds its own from the config: the server's runs the exchange
+    (:meth:`run`), the client's rewrites and keeps the distilled sets it has encoded.
+
     Args:
         cfg: Decoding and cache settings.
     """
@@ -585,6 +596,66 @@ class Refinery:
         total = summarise_rewrites(list(per.values()))
         algo.artefacts.write_json("fedsd/rewrite_stats.json", {"total": total, "clients": per})
         return {f"fedsd/{k}": v for k, v in total.items()}
+
+
+class FedSDPhase:
+    """FedSD as a phase any FedAvg-family algorithm composes, all of it in one place.
+
+    Its message kind (:attr:`kinds`), its check of the task (:meth:`check_task`), its round-0
+    server step (:meth:`setup`), its client handler (:meth:`handlers`) and the distilled set
+    that replaces the client's data in local training (:meth:`train_data`). An algorithm
+    composes it by taking :class:`FedSDOption` in its config and :attr:`kinds` in its
+    messages; its server half calls :meth:`setup` in its own ``setup``, its client half adds
+    :meth:`handlers` and trains on :meth:`train_data`. Each half builds its own phase from the
+    config; with ``algo.fedsd.enabled: false`` every step does nothing.
+
+    Args:
+        cfg: The algorithm's config (an :class:`FedSDOption` holds ``fedsd``; any other
+            config leaves FedSD off).
+    """
+
+    kinds: ClassVar[tuple[MessageKind, ...]] = (REFINE,)
+
+    def __init__(self, cfg: AlgoConfig) -> None:
+        fedsd = cfg.fedsd if isinstance(cfg, FedSDOption) else None
+        self.refinery = Refinery(fedsd) if fedsd is not None and fedsd.enabled else None
+
+    @staticmethod
+    def check_task(cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        """Refuses at config load a task whose model cannot rewrite, when FedSD is on."""
+        if isinstance(cfg, FedSDOption) and cfg.fedsd.enabled:
+            check_refinery_task(task_cls, task_cfg, "algo.fedsd.enabled")
+
+    # ----- server half -----
+    def setup(
+        self, algo: Algorithm, fed: Federation, teacher: Mapping[str, Tensor]
+    ) -> dict[str, float]:
+        """Round 0: every client rewrites its answers with the global ``teacher`` parameters.
+
+        See :meth:`Refinery.run`; nothing when FedSD is off.
+        """
+        return {} if self.refinery is None else self.refinery.run(algo, fed, teacher)
+
+    # ----- client half -----
+    def handlers(self, task: Task, model: nn.Module) -> dict[str, Handler]:
+        """The ``refine`` handler: the received parameters rewrite the client's answers.
+
+        They are loaded into ``model`` (the task's foundation model, its active adapters).
+        """
+        refinery = self.refinery
+        if refinery is None:
+            return {}
+
+        def refine(ctx: ClientContext, msg: Message) -> Message:
+            set_params(model, msg.arrays["params"])
+            fm = task.foundation_model()
+            return refinery.rewrite(ctx, fm, fm.active, msg.arrays["params"])
+
+        return {"refine": refine}
+
+    def train_data(self, ctx: ClientContext) -> InstructionData | None:
+        """What the client trains on: its distilled set with FedSD, else None (its data)."""
+        return None if self.refinery is None else self.refinery.data(ctx)
 
 
 def _num(meta: Mapping[str, Any], key: str) -> float:

@@ -43,7 +43,7 @@ from pydantic import Field
 from torch import Tensor
 from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf, client_user_dp
 from fedfm.algorithms.fedavg import (
     TRAIN,
     UPDATE_COSINES_HELP,
@@ -119,40 +119,28 @@ def train_stage(
         return local_train(model, batches, task.loss, cfg, steps, prox_ref=ref)
 
 
-class FedSDR(Algorithm):
-    """FedSDR: FedSD rewrites, dual-stream LoRA, only LoRA-R aggregated (see the module doc)."""
+class FedSDRClient(ClientHalf):
+    """FedSDR's client half: FedSD's rewrites, the two stages, personal evaluation.
 
-    Config = FedSDRConfig
-    messages = (TRAIN, EVALUATE, REFINE)
-    update_kinds = ("train",)
+    Both streams live in the task's foundation model; LoRA-R is loaded from every message,
+    LoRA-S from the client's state.
+    """
 
-    def __init__(self, cfg: FedSDRConfig, task: Task, run: RunConfig) -> None:
+    def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
+        assert isinstance(cfg, FedSDRConfig), type(cfg)
         self.cfg: FedSDRConfig = cfg
         self.fm = task.foundation_model()
-        # Reset, not ensure: the process-wide model may hold an R of an earlier run.
-        self.fm.reset_adapter(R, seed=run.seed)
-        self.params: dict[str, Tensor] = self.fm.get_adapter(R)
-        self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+        self.fm.ensure_adapter(R, seed=run.seed)  # its tensors come in every message
         self.refinery = Refinery(cfg.refinery)
+        self.user_dp = client_user_dp(task, run)
         self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
 
-    @classmethod
-    @override
-    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        check_refinery_task(task_cls, task_cfg, "task.kind")
-
-    # ----- client half -----
     @override
     def handlers(self) -> dict[str, Handler]:
-        return {
-            "refine": self.client_refine,
-            "train": self.client_train,
-            "evaluate": self.client_evaluate,
-        }
+        return {"refine": self.refine, "train": self.train, "evaluate": self.evaluate}
 
-    def client_refine(self, ctx: ClientContext, msg: Message) -> Message:
+    def refine(self, ctx: ClientContext, msg: Message) -> Message:
         """Round 0: the global LoRA-R rewrites the client's answers (see :class:`Refinery`)."""
         self.fm.set_adapter(R, msg.arrays["params"])
         return self.refinery.rewrite(ctx, self.fm, [R], msg.arrays["params"])
@@ -161,7 +149,7 @@ class FedSDR(Algorithm):
         seed = derive_seed(ctx.seed, ctx.cid, "lora_s", ctx.rnd if self.cfg.reset_s else 0)
         self.fm.load_adapter(S, None if fresh else ctx.state.get_group(S_GROUP), seed=seed)
 
-    def client_train(self, ctx: ClientContext, msg: Message) -> Message:
+    def train(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 1 (LoRA-S on ``D_dist``), stage 2 (LoRA-R on ``D_raw``); uploads LoRA-R."""
         fm, task, cfg = self.fm, self.task, client_config(ctx, self.run.train)
         fm.set_adapter(R, msg.arrays["params"])
@@ -176,7 +164,7 @@ class FedSDR(Algorithm):
         ctx.state.set_group(S_GROUP, fm.get_adapter(S))  # never in a message
         return train_reply(ctx, msg, fm.get_adapter(R), res.loss, self.user_dp)
 
-    def client_evaluate(self, ctx: ClientContext, msg: Message) -> Message:
+    def evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """The client's personal model (global LoRA-R + its own LoRA-S) on its local split."""
         self.fm.set_adapter(R, msg.arrays["params"])
         self._load_s(ctx, fresh=not ctx.state.get_group(S_GROUP))
@@ -185,6 +173,31 @@ class FedSDR(Algorithm):
             metrics = self.task.evaluate(model, data)
         n = self.task.num_examples(data)
         return Message("evaluate", meta={"num_examples": n, "metrics": metrics})
+
+
+class FedSDR(Algorithm):
+    """FedSDR: FedSD rewrites, dual-stream LoRA, only LoRA-R aggregated (see the module doc)."""
+
+    Config = FedSDRConfig
+    Client = FedSDRClient
+    messages = (TRAIN, EVALUATE, REFINE)
+    update_kinds = ("train",)
+
+    def __init__(self, cfg: FedSDRConfig, task: Task, run: RunConfig) -> None:
+        super().__init__(cfg, task, run)
+        self.cfg: FedSDRConfig = cfg
+        self.fm = task.foundation_model()
+        # Reset, not ensure: the process-wide model may hold an R of an earlier run.
+        self.fm.reset_adapter(R, seed=run.seed)
+        self.params: dict[str, Tensor] = self.fm.get_adapter(R)
+        self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+        self.refinery = Refinery(cfg.refinery)
+
+    @classmethod
+    @override
+    def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
+        check_refinery_task(task_cls, task_cfg, "task.kind")
 
     # ----- server half -----
     @override

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fedfm.config import TrainConfig
 from fedfm.eval.metrics import tensor_macro_f1 as macro_f1
-from fedfm.models.embedders import known_embedder
+from fedfm.models.encoders import known_encoder
 
 
 class SyntheticEvalConfig(BaseModel):
@@ -64,7 +64,7 @@ class SyntheticEvalConfig(BaseModel):
     @field_validator("embedder")
     @classmethod
     def _known(cls, v: str | None) -> str | None:
-        return None if v is None else known_embedder(v)
+        return None if v is None else known_encoder(v, "texts", unit_norm=True)
 
 
 def logreg_predict(

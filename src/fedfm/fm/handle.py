@@ -24,7 +24,8 @@ from fedfm.data.prompt import (
 from fedfm.devices import bf16_autocast, model_device
 from fedfm.errors import ConfigError, UnknownNameError
 from fedfm.models.causal_lm import TINY_MODELS, LMBundle
-from fedfm.models.features import CausalLMFeatures, LayerFeatures, Pool
+from fedfm.models.encoders import Encoder, lm_encoder
+from fedfm.models.features import Pool
 from fedfm.models.generation import GenerationConfig, Reply, generate_replies, pad_id_of
 from fedfm.models.lora import (
     LoraConfigSpec,
@@ -481,13 +482,19 @@ class FoundationModel:
         Raises:
             ConfigError: A layer index is out of range (field ``features.layers``).
         """
-        return self.feature_view(adapters, max_length).features(texts, layers, batch_size, pool)
+        view = self.feature_view(adapters, max_length)
+        return view.layer_features(texts, layers, batch_size, pool)
 
-    def feature_view(self, adapters: Sequence[str], max_length: int | None = None) -> LayerFeatures:
-        """This model with ``adapters`` active, behind the interface of every feature model
-        (:class:`fedfm.models.features.LayerFeatures`), so that code written for a separate
-        small feature model (FedHDS-Turbo) runs on the LLM unchanged."""
-        return _AdapterFeatures(self, list(adapters), max_length)
+    def feature_view(self, adapters: Sequence[str], max_length: int | None = None) -> Encoder:
+        """This model with ``adapters`` active as an encoder with per-layer features
+        (:class:`fedfm.models.encoders.Encoder`), so that code written for a separate small
+        feature model (FedHDS-Turbo) runs on the LLM unchanged."""
+        active = list(adapters)
+        # The backbone object stays the same when peft wraps the base: LoRA layers go inside.
+        return lm_encoder(
+            f"{self.name} with adapters {active}", self.model, self.tokenizer, max_length,
+            self.autocast, scope=lambda: self.use(active),
+        )  # fmt: skip
 
     # ----- training data and DP-SGD -----
     def encode(self, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, list[int]]]:
@@ -653,22 +660,3 @@ class FoundationModel:
         if model is None:
             raise ConfigError("lora.adapter", "the model has no adapters yet")
         return model
-
-
-class _AdapterFeatures(CausalLMFeatures):
-    """A :class:`FoundationModel` with a fixed adapter set, as a ``LayerFeatures``."""
-
-    def __init__(self, fm: FoundationModel, adapters: list[str], max_length: int | None) -> None:
-        # The backbone object stays the same when peft wraps the base: LoRA layers go inside.
-        super().__init__(fm.model, fm.tokenizer, max_length, fm.autocast)
-        self.fm, self.adapters = fm, adapters
-
-    def features(
-        self,
-        texts: Sequence[str] | Sequence[Sequence[int]],
-        layers: Sequence[int] | None = None,
-        batch_size: int = 16,
-        pool: Pool = "last",
-    ) -> Tensor:
-        with self.fm.use(self.adapters):
-            return super().features(texts, layers, batch_size, pool)

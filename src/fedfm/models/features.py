@@ -2,15 +2,17 @@
 
 FedHDS (Qin et al., arXiv:2410.10926) represents each sample by the last token's hidden
 state of every layer of the LLM, embedding output included; FedHDS-Turbo takes them from a
-small separate model. Every feature model here has one interface, :class:`LayerFeatures`:
+small separate model. Here they are a capability of a text encoder of the encoder registry
+(:attr:`fedfm.models.encoders.Encoder.layers`, a :class:`LayerStack`):
 ``features(texts, layers=None, batch_size=16, pool="last") -> (n, len(layers), hidden)``.
 
-* The causal LM of a :class:`~fedfm.fm.FoundationModel` (with a chosen adapter set), or a
-  separate small causal LM (:class:`CausalLMFeatures`): hidden state ``0`` is the embedding
+* A causal LM (:func:`causal_lm_layers`): the LLM of a :class:`~fedfm.fm.FoundationModel`
+  with a chosen adapter set, or a separate small one: hidden state ``0`` is the embedding
   output and ``l`` the output of decoder layer ``l``; as in transformers, the last one is taken
   after the final norm.
-* A sentence-transformers encoder such as MiniLM (:class:`EncoderFeatures`): its transformer's
-  embedding output and each layer's output, tokenised with the encoder's own special tokens.
+* A sentence-transformers encoder such as MiniLM (:func:`sentence_encoder_layers`): its
+  transformer's embedding output and each layer's output, tokenised with the encoder's own
+  special tokens.
 
 Only the backbone runs (``model.model`` of a ``LlamaForCausalLM``, the ``auto_model`` of a
 sentence encoder): the LM head is never computed. Texts are right-padded in batches of
@@ -22,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import peft
 import torch
@@ -33,30 +36,10 @@ from fedfm.errors import ConfigError
 from fedfm.models.generation import eval_mode, pad_id_of
 
 Pool = Literal["last", "mean"]
-
-
-class LayerFeatures(Protocol):
-    """What FedHDS-like methods need from a feature model."""
-
-    @property
-    def num_layers(self) -> int:
-        """Transformer layers; features have ``num_layers + 1`` entries (embeddings first)."""
-        ...
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of each hidden state."""
-        ...
-
-    def features(
-        self,
-        texts: Sequence[str] | Sequence[Sequence[int]],
-        layers: Sequence[int] | None = None,
-        batch_size: int = 16,
-        pool: Pool = "last",
-    ) -> Tensor:
-        """``(n, len(layers), hidden)`` float32 CPU features; every layer when ``None``."""
-        ...
+Texts = Sequence[str] | Sequence[Sequence[int]]
+"""Texts, or token id lists taken as they are."""
+Scope = Callable[[], contextlib.AbstractContextManager[Any]]
+"""A context entered around forward passes (bfloat16 autocast, a set of active adapters)."""
 
 
 def check_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
@@ -116,7 +99,7 @@ def layer_features(
     layers: Sequence[int] | None = None,
     batch_size: int = 16,
     pool: Pool = "last",
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    autocast: Scope = contextlib.nullcontext,
 ) -> Tensor:
     """Pooled hidden states of token rows from a backbone that returns ``hidden_states``.
 
@@ -177,62 +160,61 @@ def causal_backbone(model: nn.Module) -> nn.Module:
     return backbone
 
 
-class BackboneFeatures:
-    """The :class:`LayerFeatures` of a transformer backbone; subclasses say how texts become
-    token ids (:meth:`rows`).
+@dataclass
+class LayerStack:
+    """Every layer's hidden states of a transformer backbone, pooled per text.
 
-    Args:
+    Attributes:
         backbone: The transformer without its head.
-        tokenizer: Its tokenizer (for the pad id and in :meth:`rows`).
+        tokenize: Texts -> token ids of each (token id lists are taken as they are).
+        pad_id: Padding id (masked, so its value does not matter).
         autocast: Context for each forward pass.
+        scope: Context around a whole call (e.g. a foundation model's active adapters).
     """
 
-    def __init__(
-        self,
-        backbone: nn.Module,
-        tokenizer: Any,
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> None:
-        self.backbone = backbone
-        self.tokenizer = tokenizer
-        self.autocast = autocast
-        config: Any = backbone.config
-        self._layers = int(config.num_hidden_layers)
-        self._hidden = int(config.hidden_size)
+    backbone: nn.Module
+    tokenize: Callable[[Texts], list[list[int]]]
+    pad_id: int
+    autocast: Scope = contextlib.nullcontext
+    scope: Scope = contextlib.nullcontext
 
     @property
     def num_layers(self) -> int:
-        return self._layers
+        """Transformer layers; features have ``num_layers + 1`` entries (embeddings first)."""
+        config: Any = self.backbone.config
+        return int(config.num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
-        return self._hidden
-
-    def rows(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Token ids of each text (token id lists are taken as they are)."""
-        raise NotImplementedError
+        """Width of each hidden state."""
+        config: Any = self.backbone.config
+        return int(config.hidden_size)
 
     def features(
         self,
-        texts: Sequence[str] | Sequence[Sequence[int]],
+        texts: Texts,
         layers: Sequence[int] | None = None,
         batch_size: int = 16,
         pool: Pool = "last",
     ) -> Tensor:
-        return layer_features(
-            self.backbone,
-            self.rows(texts),
-            self._layers,
-            pad_id_of(self.tokenizer),
-            layers,
-            batch_size,
-            pool,
-            self.autocast,
-        )
+        """``(n, len(layers), hidden)`` float32 CPU features; every layer when ``None``
+        (see :func:`layer_features`)."""
+        with self.scope():
+            rows = self.tokenize(texts)
+            return layer_features(
+                self.backbone, rows, self.num_layers, self.pad_id, layers, batch_size, pool,
+                self.autocast,
+            )  # fmt: skip
 
 
-class CausalLMFeatures(BackboneFeatures):
-    """All-layer features from a causal LM (e.g. a small separate model for FedHDS-Turbo).
+def causal_lm_layers(
+    model: nn.Module,
+    tokenizer: Any,
+    max_length: int | None = None,
+    autocast: Scope = contextlib.nullcontext,
+    scope: Scope = contextlib.nullcontext,
+) -> LayerStack:
+    """The all-layer features of a causal LM.
 
     Args:
         model: A ``transformers`` causal LM, or a ``PeftModel`` around one (adapters as active).
@@ -241,31 +223,22 @@ class CausalLMFeatures(BackboneFeatures):
         max_length: Keep only the last ``max_length`` tokens of a longer text (the last token's
             state is what ``pool="last"`` reads); ``None`` keeps all.
         autocast: Context for each forward pass.
+        scope: Context around each call.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: Any,
-        max_length: int | None = None,
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> None:
-        super().__init__(causal_backbone(model), tokenizer, autocast)
-        self.max_length = max_length
-
-    def rows(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Token ids of each text, cut to the last ``max_length`` tokens."""
+    def tokenize(texts: Texts) -> list[list[int]]:
         rows = [
-            list(self.tokenizer(t, add_special_tokens=False)["input_ids"])
-            if isinstance(t, str)
+            list(tokenizer(t, add_special_tokens=False)["input_ids"]) if isinstance(t, str)
             else list(t)
             for t in texts
-        ]
-        return [r[-self.max_length :] for r in rows] if self.max_length else rows
+        ]  # fmt: skip
+        return [r[-max_length:] for r in rows] if max_length else rows
+
+    return LayerStack(causal_backbone(model), tokenize, pad_id_of(tokenizer), autocast, scope)
 
 
-class EncoderFeatures(BackboneFeatures):
-    """All-layer features from a sentence-transformers encoder (e.g. all-MiniLM-L6-v2).
+def sentence_encoder_layers(encoder: Any) -> LayerStack:
+    """The all-layer features of a sentence-transformers encoder (e.g. all-MiniLM-L6-v2).
 
     Texts are tokenised by the encoder's tokenizer with its special tokens (``[CLS] ... [SEP]``
     for BERT-like models) and cut to its ``max_seq_length``; ``pool="last"`` therefore reads
@@ -274,46 +247,16 @@ class EncoderFeatures(BackboneFeatures):
     Args:
         encoder: A loaded ``SentenceTransformer`` whose first module is a Transformer.
     """
+    first = encoder[0]
+    tokenizer = encoder.tokenizer
+    max_length = int(getattr(first, "max_seq_length", None) or 512)
 
-    def __init__(self, encoder: Any) -> None:
-        first = encoder[0]
-        super().__init__(first.auto_model, encoder.tokenizer)
-        self.max_length = int(getattr(first, "max_seq_length", None) or 512)
-
-    def rows(self, texts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Token ids of each text with the encoder's special tokens, cut to its length."""
+    def tokenize(texts: Texts) -> list[list[int]]:
         return [
-            list(self.tokenizer(t, truncation=True, max_length=self.max_length)["input_ids"])
+            list(tokenizer(t, truncation=True, max_length=max_length)["input_ids"])
             if isinstance(t, str)
             else list(t)
             for t in texts
         ]
 
-
-def load_feature_model(name: str, device: Any = None, **args: Any) -> LayerFeatures:
-    """A separate feature model from the model registry.
-
-    Args:
-        name: A causal LM (``tiny-llama``, ``smollm2-135m-instruct``, ``causal-lm`` with
-            ``name_or_path``) or a sentence encoder (``all-minilm-l6-v2``,
-            ``sentence-encoder``).
-        device: Where the model computes (a ``torch.device``; the CPU when ``None``);
-            features come back on the CPU either way.
-        **args: Arguments of the registry builder.
-
-    Raises:
-        ConfigError: ``name`` is unknown or not a text model (field ``features.model``).
-    """
-    from sentence_transformers import SentenceTransformer
-
-    from fedfm.models.causal_lm import LMBundle
-    from fedfm.models.registry import build_model
-
-    built = build_model(name, **args)
-    if isinstance(built, LMBundle):
-        if device is not None:
-            torch.nn.Module.to(built.model, device)  # in place (transformers types .to narrowly)
-        return CausalLMFeatures(built.model, built.tokenizer)
-    if isinstance(built, SentenceTransformer):
-        return EncoderFeatures(built.to(device) if device is not None else built)
-    raise ConfigError("features.model", f"'{name}' gives no text features")
+    return LayerStack(first.auto_model, tokenize, pad_id_of(tokenizer))

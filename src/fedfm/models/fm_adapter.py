@@ -12,98 +12,50 @@ Choices of ours:
   ``Linear(1280, hidden)`` + ReLU as the feature layer and ``head`` on top; the FM itself
   has no LoRA-ready attention layers (it is a convolutional net), so an adapter over its
   pooled features is the parameter-efficient option.
-* The FM runs in eval mode without gradients; since it is frozen and the task has no
-  augmentation, its features of an image are a pure function of the image's pixels, so they
-  are cached in-process by a hash of the pixels (exact; it makes CPU runs affordable, and a
-  simulation's clients share the cache, which changes no result).
+* The FM (the ``efficientnet-lite0`` encoder of :mod:`fedfm.models.encoders`) runs in eval
+  mode without gradients; since it is frozen and the task has no augmentation, its features
+  of an image are a pure function of the image's pixels, so they are cached in-process by a
+  hash of the pixels (exact; it makes CPU runs affordable, and a simulation's clients share
+  the cache, which changes no result).
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
-from collections.abc import Callable
-from functools import cache
-from typing import TYPE_CHECKING
+from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
 from fedfm.errors import ConfigError
+from fedfm.models.encoders import Encoder, encoder_key, feature_cache, load_encoder
 from fedfm.models.registry import MODELS
 
-if TYPE_CHECKING:
-    from fedfm.models.vision import EfficientNetLite0
-
-_CACHE_ROWS = 200_000  # features kept per process (1280 floats each: about 1 GB at most)
+FM = "efficientnet-lite0"
+"""The frozen foundation model (an entry of :data:`fedfm.models.encoders.ENCODERS`)."""
 
 
-@cache
-def _frozen_lite0(pretrained: bool) -> EfficientNetLite0:
-    """The process's one frozen EfficientNet-Lite0 (eval mode, no gradients)."""
-    from fedfm.models.vision import load_efficientnet_lite0
+class FrozenFeatures:
+    """The process's frozen ``FM`` at ``fm_size`` px, through its feature cache.
 
-    model = load_efficientnet_lite0(pretrained=pretrained).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
-
-
-class FeatureCache:
-    """Features of images by a hash of their pixels (least recently used rows dropped).
-
-    Args:
-        encode: ``[B, C, H, W]`` images -> ``[B, D]`` features.
-        key: What else the features depend on (model and resolution).
-        capacity: Rows kept.
+    A plain object, not a module: a model holding it keeps it out of its state, its
+    parameters and ``train()``.
     """
 
-    def __init__(self, encode: Callable[[Tensor], Tensor], key: str, capacity: int) -> None:
-        self.encode, self.key, self.capacity = encode, key, capacity
-        self.rows: OrderedDict[bytes, Tensor] = OrderedDict()
-        self.misses = 0
+    def __init__(self, pretrained: bool, fm_size: int) -> None:
+        self.options: dict[str, Any] = {"image_size": fm_size, "pretrained": pretrained}
+        self.cache = feature_cache(encoder_key(FM, self.options))
+        # Loaded now (once per process): building it draws from torch's RNG, and the
+        # adapter's layers are initialised after it.
+        self.encoder()
+
+    def encoder(self) -> Encoder:
+        """The frozen foundation model (on the CPU, where its features are cached)."""
+        return load_encoder(FM, **self.options)
 
     def __call__(self, x: Tensor) -> Tensor:
-        """Features ``[B, D]`` of ``x`` ``[B, C, H, W]``, computing only the rows not cached."""
-        flat = x.detach().float().contiguous().cpu()
-        keys = [hashlib.blake2b(r.numpy().tobytes(), key=self.key.encode()[:64]).digest()
-                for r in flat]  # fmt: skip
-        todo = sorted({i for i, k in enumerate(keys) if k not in self.rows})
-        if todo:
-            new = self.encode(flat[todo])
-            self.misses += len(todo)
-            for i, row in zip(todo, new, strict=True):
-                self.rows[keys[i]] = row
-        out = torch.stack([self.rows[k] for k in keys])
-        for k in keys:
-            self.rows.move_to_end(k)
-        while len(self.rows) > self.capacity:
-            self.rows.popitem(last=False)
-        return out
-
-
-_CACHES: dict[tuple[bool, int], FeatureCache] = {}
-
-
-def lite0_features(pretrained: bool, fm_size: int) -> FeatureCache:
-    """The process's cached Lite0 feature function at ``fm_size`` px."""
-    from fedfm.models.vision import imagenet_preprocess
-
-    k = (pretrained, fm_size)
-    if k not in _CACHES:
-        fm = _frozen_lite0(pretrained)
-
-        @torch.no_grad()
-        def encode(x: Tensor) -> Tensor:
-            return torch.cat(
-                [fm.features(imagenet_preprocess(x[s : s + 128], size=fm_size))
-                 for s in range(0, len(x), 128)]
-            )  # fmt: skip
-
-        _CACHES[k] = FeatureCache(encode, f"lite0-{pretrained}-{fm_size}", _CACHE_ROWS)
-    return _CACHES[k]
+        """Features ``[B, 1280]`` (CPU) of images ``[B, C, H, W]``."""
+        return self.cache(x, lambda rows: self.encoder().encode(rows))
 
 
 class FMAdapter(nn.Module):
@@ -134,7 +86,7 @@ class FMAdapter(nn.Module):
             raise ConfigError("model_args", f"need fm_size >= 32 and hidden >= 1 ({fm_size=})")
         from fedfm.models.vision import FEATURE_DIM
 
-        self._fm = lite0_features(pretrained, fm_size)  # a plain attribute: not in the state
+        self._fm = FrozenFeatures(pretrained, fm_size)  # a plain attribute: not in the state
         self.norm = nn.LayerNorm(FEATURE_DIM)
         self.fc1 = nn.Linear(FEATURE_DIM, FEATURE_DIM // 4)
         self.fc2 = nn.Linear(FEATURE_DIM // 4, FEATURE_DIM)

@@ -22,7 +22,7 @@ MODELS: Registry[Callable[..., Any]] = Registry("model", "model.name")
 # so a partial checkout still builds the models it has.
 _BUILDER_MODULES = (
     "fedfm.models.causal_lm",
-    "fedfm.models.encoder",
+    "fedfm.models.encoders",
     "fedfm.models.vision",
     "fedfm.models.students",
     "fedfm.models.fm_adapter",

@@ -41,6 +41,7 @@ from fedfm.reproduce.framework import (
     merge,
     preset,
     register,
+    task_of,
 )
 from fedfm.reproduce.stats import (
     IN_DIRECTION,
@@ -52,8 +53,9 @@ from fedfm.reproduce.stats import (
     mean_se,
     verdict,
 )
-from fedfm.reproduce.tables import DASH, blocks, head, marked, num, row
+from fedfm.reproduce.tables import DASH, Text, head, marked, num, row
 
+TEXT = Text("dpsyn")
 PRESET = "dpsyn-rotten-tomatoes"
 EMBED = "embed"
 PROBE = "prompts"
@@ -251,18 +253,6 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
 # ----------------------------------------------------------------------------- computations
 
 
-def _task(config: Mapping[str, Any]) -> Any:
-    """The run's task (its partition and test split), without the algorithm."""
-    import fedfm.tasks  # noqa: F401  (every task registered)
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
-    from fedfm.tasks.base import TASKS
-
-    cfg = load_config(dict(config))
-    _, task_cfg = resolve(cfg)
-    return TASKS.get(task_cfg.kind)(task_cfg, cfg)
-
-
 def embed_real(
     inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -270,11 +260,11 @@ def embed_real(
     and measures the instrument on real data: the test labels, the majority baseline and
     the ceiling (the classifier trained on every client's real rows)."""
     from fedfm.eval.synthetic import frechet_distance, logreg_predict, scores
-    from fedfm.models.embedders import get_embedder
+    from fedfm.models.encoders import text_embedder
 
     t0 = time.perf_counter()
-    task = _task(config)
-    embed = get_embedder(str(config["algo"]["embedder"]))
+    task = task_of(config)
+    embed = text_embedder(str(config["algo"]["embedder"]))
     arrays: dict[str, Any] = {}
     for cid in task.client_ids():
         data = task.client_data(cid)
@@ -329,15 +319,15 @@ def probe_prompts(
     """The base model tried with each prompt template: how many of its samples read as their
     code to the ceiling (on-code), how many the token budget cut, what they look like."""
     from fedfm.core.seeding import derive_seed
-    from fedfm.models.embedders import get_embedder
+    from fedfm.models.encoders import text_embedder
     from fedfm.models.generation import GenerationConfig
 
     t0 = time.perf_counter()
-    task = _task(config)
+    task = task_of(config)
     fm, labels = task.foundation_model(), task.code_labels()
     gen = GenerationConfig(**config["algo"]["generation"])
     emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
-    embed = get_embedder(str(config["algo"]["embedder"]))
+    embed = text_embedder(str(config["algo"]["embedder"]))
     out: dict[str, Any] = {}
     for template in templates:
         texts, ys, cut, examples, whole = [], [], [], {}, True
@@ -375,21 +365,17 @@ class _Pool:
 
 
 def _read_pool(run: Path) -> _Pool:
-    import yaml
-
     text = (run / "artefacts" / "synthetic_initial.jsonl").read_text()
     rows = [json.loads(x) for x in text.split("\n") if x]
     profile = json.loads((run / "artefacts" / "profile.json").read_text())
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    privacy_path = run / "privacy.json"
-    privacy = json.loads(privacy_path.read_text()) if privacy_path.exists() else {}
+    view = RunView(run)
     return _Pool(
         rows,
         np.asarray([r["code_id"] for r in rows], np.int64),
         np.asarray([r["label"] for r in rows], np.int64),
         [int(x) for x in profile["allotment"]],
-        cfg,
-        privacy,
+        view.config,
+        view.privacy,
     )
 
 
@@ -471,7 +457,7 @@ def vote_offline(
     from fedfm.core.privacy import analytic_gaussian_sigma
     from fedfm.core.seeding import derive_seed
     from fedfm.eval.synthetic import frechet_distance, logreg_predict
-    from fedfm.models.embedders import get_embedder
+    from fedfm.models.encoders import text_embedder
 
     t0 = time.perf_counter()
     run = next(p for n, p in inputs.items() if n != EMBED)
@@ -479,7 +465,7 @@ def vote_offline(
     emb = dict(np.load(inputs[EMBED] / EMBEDDINGS))
     algo, privacy_cfg = pool.config["algo"], pool.config["privacy"]
     delta = float(algo["delta"] if algo.get("delta") is not None else privacy_cfg["delta"])
-    pool_emb = np.asarray(get_embedder(str(algo["embedder"]))([r["text"] for r in pool.rows]))
+    pool_emb = np.asarray(text_embedder(str(algo["embedder"]))([r["text"] for r in pool.rows]))
     test_x = emb["test/emb"]
     clean = clean_votes(emb, pool_emb, pool.codes, int(algo["k"]), voters)
     threshold = float(algo["vote_threshold"])
@@ -761,10 +747,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                     " scores; Yelp, 1% strong: about +0.20 F1)",
                     +1,
                     _acc((s, f"votes/{eps:g}"), (s, "uniform")),
-                    scope="Both draw the same number with replacement, so duplication is"
-                    " matched: the difference is the votes'. Logistic-regression accuracy on"
-                    " the real test rows; one pool per generator (the SE covers the vote"
-                    " noise, the draws and the test rows, not another generation).",
+                    scope=TEXT("scope-votes"),
                 )
             )
     premise: Readout[Results] = Readout(
@@ -775,8 +758,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
         " 0.6280 without voting)",
         +1,
         _acc((many, "subset"), (few, "subset")),
-        scope="One pool per generator: the SE covers the draws and the test rows, not"
-        " another DP-SGD run or generation.",
+        scope=TEXT("scope-premise"),
     )
     out.append(premise)
 
@@ -792,9 +774,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                 " voting 0.6149, 10% without 0.6280)",
                 +1,
                 _acc((few, f"votes/{eps:g}"), (many, "subset")),
-                scope=f"Testable only where the premise (R{len(out)}) holds in the paper's"
-                " direction: otherwise more strong clients do not help here, and the claim"
-                " cannot be tested at this scale.",
+                scope=TEXT("scope-claim", premise=len(out)),
                 testable=premise_holds,
             )
         )
@@ -824,166 +804,109 @@ def _keys(grid: Grid) -> list[str]:
 
 def body(ctx: Context[Grid], res: Results) -> list[str]:
     """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
-    grid = ctx.grid
-    return blocks(
-        '"Resource-Adaptive Federated Text Generation with Differential Privacy" (ICLR 2026, '
-        "arXiv:2603.07027; `algorithm: dpsyn`, docs/dpsyn.md). "
-        f"{len(res.runs)} of {len(grid.generators)} generators and {len(res.votes)} of"
-        f" {len(grid.generators)} offline votings finished.",
-        "## Setup",
-        _setup_lines(grid),
-        "## The instrument",
-        _instrument_lines(res),
-        "## The votes' signal against their noise",
-        _signal_lines(res),
-        "## Scores of each selection on the real test rows",
-        "Logistic regression on the selection's embeddings alone, tested on every real test"
-        " row. Accuracy: mean over seeds and rows ± the two-way SE; macro-F1: mean ± SE over"
-        " seeds; Fréchet: distance of the selection's distinct samples to the test rows (lower"
-        " is closer), mean ± SE over seeds; distinct: distinct samples kept (mean); on-code:"
-        " share of the selection whose code the real-data classifier (the ceiling) predicts.",
-        _scores_lines(res),
-        "## Differences within a pool",
-        f"a − b over the same seeds (index-paired) and test rows. Δ accuracy ± the two-way SE"
-        f" (seeds × rows); Δ macro-F1 ± the SE of {grid.bootstrap} two-way bootstrap"
-        " resamples (seeds and rows drawn independently); Δ Fréchet and Δ on-code ± the SE"
-        " over seeds; `*`: more than 2 SE from zero. *by votes − uniform* and *top − subset*"
-        " match duplication (both with, both without replacement): their difference is the"
-        " votes'. *uniform − subset* is duplication alone; *by votes − subset* is what the"
-        " paper's with/without-voting comparison measures (votes and duplication together).",
-        _within_lines(res),
-        "## Between pools",
-        "Without voting: a uniform draw without replacement from each pool (as many as a"
-        " selection keeps). A pool is one draw of its generator: these SEs do not include"
-        " another DP-SGD run or generation.",
-        _between_lines(res),
-        "## Privacy per role",
-        "Composed per client with the runs' accountant at their δ: the run's ledger"
-        " (`privacy.json`: profiling for everyone, DP-SGD for the strong clients) plus each"
-        " weak client's offline vote (analytic Gaussian, sensitivity 1); the worst client of"
-        " each role.",
-        _privacy_lines(res),
-        "The RDP accountant reports an analytic Gaussian calibrated for ε = 1 as about 1.1"
-        " (its conversion is loose; `privacy.accountant: pld` is tight). The noise of the"
-        " generator runs came from each client's own secret (`privacy.noise: secret`); the"
-        " offline vote's is seeded (a simulation of the mechanism's distribution).",
-        "## What the paper's setting has that this one does not",
-        _scope_lines(grid, res),
-    )
-
-
-def _setup_lines(grid: Grid) -> list[str]:
     from fedfm.config import load_config
     from fedfm.engine import resolve
 
+    grid = ctx.grid
     cfg = generator_config(grid, grid.few)
     algo, task = resolve(load_config(cfg))  # every default filled in
-    a, t, tr = algo.model_dump(), task.model_dump(), cfg["train"]
-    test = "every real test row" if grid.test_rows is None else f"{grid.test_rows} real test rows"
-    return [
-        f"- Data: {t['dataset']} ({', '.join(map(str, _codes(grid)))} as control codes), IID over"
-        f" {grid.clients} clients of {grid.rows} training rows; scores on {test}.",
-        f"- Generators: {t['lm']} (bfloat16 autocast: {t['autocast_bf16']}), prompt"
-        f" `{grid.prompt_template}` in its chat template (at most {grid.max_prompt_length}"
-        f" prompt tokens, none cut); the base model, and LoRA r = {t['lora']['r']} on"
-        f" {', '.join(t['lora']['target_modules'])} fine-tuned by"
-        f" {', '.join(map(str, grid.strong))}"
-        f" strong client(s) of {grid.clients} with DP-SGD at ε_train {grid.epsilon_train:g}:"
-        f" {grid.train_rounds} rounds × {grid.steps} steps, expected Poisson batch"
-        f" {grid.batch_size}, clipping {a['max_grad_norm']:g}, {tr['optimizer']} lr"
-        f" {grid.lr:g}, equal-weight averaging. Each generates a pool of {grid.pool} samples"
-        f" (temperature {a['generation']['temperature']:g}, top-p {a['generation']['top_p']:g},"
-        f" at most {grid.max_new_tokens} new tokens), allotted by its noisy profile"
-        f" (ε_profile {a['epsilon_profile']:g}), and stops (`rounds = train_rounds + 1`).",
-        f"- Offline voting: the weak clients of the generator's federation (the base pool: those"
-        f" of {grid.few} strong) embed their rows with {a['embedder']}, each votes for its"
-        f" K = {grid.k} nearest samples of its code (weight 1/√K), adds analytic-Gaussian noise"
-        f" for ε_vote ∈ {{{', '.join(f'{e:g}' for e in grid.epsilon_votes)}}} (δ ="
-        f" {cfg['privacy']['delta']:g}); the server clips at H = {grid.threshold:g}. "
-        f"{grid.seeds} seeds of the noise and of each draw; every selection keeps"
-        f" {grid.size} samples, per code in the proportion of the allotment.",
-        "- Statistics: a difference of two selections is `d[seed, row]` (every seed scored on"
-        " every test row). Its SE combines both factors: SE² = s²(per-seed means)/S +"
-        " s²(per-row means)/N, conservative by the seed × row interaction (counted twice);"
-        " macro-F1's by a bootstrap that draws seeds and rows independently. Verdicts: the"
-        " framework's 2-SE rule.",
+    a, t = algo.model_dump(), task.model_dump()
+    values: dict[str, Any] = {k: f"{v:g}" for k, v in vars(grid).items() if isinstance(v, float)}
+    values.update(dataset=t["dataset"], lm=t["lm"], autocast=t["autocast_bf16"])
+    values.update(lora_r=t["lora"]["r"], targets=", ".join(t["lora"]["target_modules"]))
+    values.update({k: f"{a['generation'][k]:g}" for k in ("temperature", "top_p")})
+    values.update({k: f"{a[k]:g}" for k in ("max_grad_norm", "epsilon_profile")})
+    values.update(embedder=a["embedder"], optimizer=cfg["train"]["optimizer"])
+    values.update(delta=f"{cfg['privacy']['delta']:g}", few=grid.few)
+    ses = [
+        acc_diff(res, (p, f"votes/{e:g}"), (p, "uniform")).se
+        for p in (0, grid.few)
+        for e in grid.epsilon_votes
     ]
+    ses = [x for x in ses if math.isfinite(x)]
+    resolution = {"difference": f"{2 * max(ses):.3f}", "n": len(ses)} if ses else {}
+    text = TEXT(
+        "body",
+        vars(grid),
+        values,
+        runs_done=len(res.runs),
+        votes_done=len(res.votes),
+        generators=len(grid.generators),
+        codes=", ".join(map(str, _codes(grid))),
+        test=(
+            "every real test row" if grid.test_rows is None else f"{grid.test_rows} real test rows"
+        ),
+        strong=", ".join(map(str, grid.strong)),
+        epsilon_votes=", ".join(f"{e:g}" for e in grid.epsilon_votes),
+        instrument=_instrument(res),
+        sizing=_sizing(grid),
+        signal=_signal_lines(res),
+        scores=_scores_lines(res),
+        within=_within_lines(res),
+        between=_between_lines(res),
+        privacy=_privacy_lines(res),
+        shares=", ".join(f"{s} of {grid.clients}" for s in grid.strong),
+        voters=len(voters(grid, grid.few)),
+        resolution=f" {TEXT('resolution', resolution)}" if ses else "",
+    )
+    return [text, ""]
 
 
 def _codes(grid: Grid) -> list[str]:
     return ["rotten", "fresh"] if not grid.task.get("dataset") else [str(grid.task["dataset"])]
 
 
-def _instrument_lines(res: Results) -> list[str]:
+def _instrument(res: Results) -> str:
+    """The test rows and the ceiling, each pool, the prompt probe, DP-SGD's moves, samples."""
     e = res.embed
     if e is None:
-        return ["The embedding of the real rows has not run yet."]
+        return TEXT("no-embed")
     names = e["class_names"]
-    hist = ", ".join(f"{n} {c}" for n, c in zip(names, e["test_labels"], strict=True))
-    ceiling = e["ceiling"]
-    lines = [
-        f"- Real test rows: {e['test_rows']} ({hist}); the majority class is"
-        f" {num(e['majority'])} of them, the uniform guess 1/{len(names)}. The ceiling, the"
-        f" same classifier trained on all {e['train_rows']} real training rows: accuracy"
-        f" {num(ceiling['acc'])}, macro-F1 {num(ceiling['macro_f1'])}; the Fréchet distance of"
-        f" real training rows to the test rows is {num(e['frechet_real'])} (what a perfect"
-        " generator would reach).",
-        "",
-        *head(
-            "pool | samples | distinct texts | per code | cut by the token budget | empty"
-            " | mean words | on-code (ceiling agrees) | whole-pool accuracy"
-        ),
-    ]
+    values = {k: e[k] for k in ("test_rows", "train_rows")}
+    values.update(majority=num(e["majority"]), frechet=num(e["frechet_real"]))
+    values.update(acc=num(e["ceiling"]["acc"]), f1=num(e["ceiling"]["macro_f1"]))
+    pools = []
     for s, v in sorted(res.votes.items()):
         p = v["pool"]
         per_code = ", ".join(f"{c} {n}" for c, n in p["per_code"].items())
         acc = acc_level(res, (s, "pool"))
         cells = [p["samples"], p["distinct_texts"], per_code, num(p["truncated"]), p["empty"]]
         cells += [num(p["words"], 1), num(p["on_code"]), acc.fmt()]
-        lines.append(row([pool_label(res.grid, s), *cells]))
-    lines += [
-        "",
-        *_probe_lines(res),
-        *_training_lines(res),
-        "",
-        "Generated samples (the first three of each code):",
-        "",
-    ]
+        pools.append(row([pool_label(res.grid, s), *cells]))
+    samples = []
     for s, v in sorted(res.votes.items()):
         for code, texts in v["pool"]["examples"].items():
             for t in texts:
                 short = t.replace("\n", " ").replace("|", "/")
-                lines.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
-    return lines
+                samples.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
+    return TEXT(
+        "instrument",
+        values,
+        labels=", ".join(f"{n} {c}" for n, c in zip(names, e["test_labels"], strict=True)),
+        classes=len(names),
+        pools=pools,
+        probe=_probe(res),
+        training=_training_lines(res),
+        samples=samples,
+    )
 
 
-def _probe_lines(res: Results) -> list[str]:
+def _probe(res: Results) -> str | None:
     if res.probe is None:
-        return []
-    n = res.probe["per_code"]
-    lines = [
-        f"The base model tried with each prompt ({n} samples per code; on-code: the ceiling"
-        " classifier reads the sample as its code, ± SE over samples; 0.5 is chance for two"
-        " codes). The study generates with"
-        f" `{res.grid.prompt_template}`.",
-        "",
-        *head("prompt | on-code | cut by the token budget | mean words | a sample of each code"),
-    ]
+        return None
+    lines = []
     for template, v in res.probe["templates"].items():
         est = Estimate(**v["on_code"])
         shown = " / ".join(str(t[0]).replace("|", "/")[:90] for t in v["examples"].values() if t)
         cut = "" if v.get("prompt_whole", True) else " (prompt cut)"
         cells = [est.fmt(), num(v["truncated"]), num(v["words"], 1), shown]
         lines.append(row([f"`{template}`{cut}", *cells]))
-    return [*lines, ""]
+    values = {"per_code": res.probe["per_code"], "template": res.grid.prompt_template}
+    return TEXT("probe", values, table=lines)
 
 
 def _training_lines(res: Results) -> list[str]:
-    lines = [
-        "DP-SGD moved the adapter by (‖θ_r − θ_0‖₂ after each round, from `metrics.jsonl`):",
-        "",
-        *head("pool | σ DP-SGD | ε DP-SGD | update norm per round | fine-tuning s | generation s"),
-    ]
+    lines = []
     for s, view in sorted(res.runs.items()):
         rounds = view.rounds
         r_train = int(view.config.get("algo", {}).get("train_rounds", 0))
@@ -999,7 +922,7 @@ def _training_lines(res: Results) -> list[str]:
     return lines
 
 
-def _sizing_lines(grid: Grid) -> list[str]:
+def _sizing(grid: Grid) -> str:
     """What the grid's sizes promise before any run: the expected mass against the noise."""
     from fedfm.core.privacy import analytic_gaussian_sigma
 
@@ -1012,31 +935,19 @@ def _sizing_lines(grid: Grid) -> list[str]:
     )
     # The earlier grid: K = 4, 9 voters of 100 rows, 200 samples, ε_vote 1.
     before = 9 * 100 * math.sqrt(4) / 200, analytic_gaussian_sigma(1.0, delta) * math.sqrt(9)
-    return [
-        f"Sized for it: K = {grid.k}, {n} voters of {grid.rows} rows and a pool of {grid.pool}"
-        f" give an expected {mass:.1f} votes per entry against a noise SD of {shown} (the"
-        f" earlier grid, K = 4 and 9 voters of 100 rows for 200 samples: {before[0]:.1f}"
-        f" against {before[1]:.1f} at ε_vote 1)."
-    ]
+    values = {"voters": n, "mass": f"{mass:.1f}", "noise": shown}
+    values.update(earlier_mass=f"{before[0]:.1f}", earlier_noise=f"{before[1]:.1f}")
+    return TEXT("sizing", vars(grid), values)
 
 
 def _signal_lines(res: Results) -> list[str]:
     eps = res.grid.epsilon_votes
-    lines = [
-        "Each private sample casts K votes of 1/√K, so the votes' mass per pool entry is"
-        " (private samples × √K) / pool; the noise on each entry of the sum has SD σ·√voters."
-        " What selects is the spread of the clean votes over the entries (their SD), against"
-        " that noise.",
-        "",
-        *_sizing_lines(res.grid),
-        "",
-        *head(
-            "pool | voters | private samples | K | clean votes per entry: mean | SD | max"
-            " | entries without a vote | "
-            + " | ".join(f"noise SD, ε_vote {e:g}" for e in eps)
-            + " | corr(votes, on-code)"
-        ),
-    ]
+    lines = head(
+        "pool | voters | private samples | K | clean votes per entry: mean | SD | max"
+        " | entries without a vote | "
+        + " | ".join(f"noise SD, ε_vote {e:g}" for e in eps)
+        + " | corr(votes, on-code)"
+    )
     for s, v in sorted(res.votes.items()):
         g = v["signal"]
         cells = [g["voters"], g["private_samples"], g["k"]]
@@ -1073,11 +984,8 @@ def _diff_cells(res: Results, a: Side, b: Side) -> list[str]:
     return [marked(e) for e in [*ests, *(seed_diff(res, a, b, w) for w in ("frechet", "on_code"))]]
 
 
-DIFF_HEAD = "Δ accuracy | Δ macro-F1 | Δ Fréchet | Δ on-code"
-
-
 def _within_lines(res: Results) -> list[str]:
-    lines = head(f"pool | comparison | {DIFF_HEAD}")
+    lines = []
     for s in sorted(res.votes):
         pairs = [("uniform − subset (duplication alone)", "uniform", "subset")]
         for e in res.grid.epsilon_votes:
@@ -1093,7 +1001,7 @@ def _within_lines(res: Results) -> list[str]:
 
 def _between_lines(res: Results) -> list[str]:
     grid = res.grid
-    lines = head(f"comparison | {DIFF_HEAD}")
+    lines = []
     few, many = grid.few, grid.many
     pairs = [
         (f"{s} strong − base model, no voting", (s, "subset"), (0, "subset")) for s in grid.strong
@@ -1113,10 +1021,7 @@ def _between_lines(res: Results) -> list[str]:
 
 
 def _privacy_lines(res: Results) -> list[str]:
-    lines = head(
-        "pool | ε_vote asked | σ vote | ε DP-SGD | ε profiling | ε vote (RDP)"
-        " | ε strong (DP-SGD + profiling) | ε weak (profiling + vote)"
-    )
+    lines = []
     for s, v in sorted(res.votes.items()):
         for e, p in v["privacy"].items():
             mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")
@@ -1124,41 +1029,6 @@ def _privacy_lines(res: Results) -> list[str]:
             cells += [_eps(p["strong"]), _eps(p["weak"])]
             lines.append(row([pool_label(res.grid, s), e, num(p["sigma_vote"], 3), *cells]))
     return lines
-
-
-def _scope_lines(grid: Grid, res: Results) -> list[str]:
-    ses = [
-        acc_diff(res, (p, f"votes/{e:g}"), (p, "uniform")).se
-        for p in (0, grid.few)
-        for e in grid.epsilon_votes
-    ]
-    ses = [x for x in ses if math.isfinite(x)]
-    resolution = (
-        f" A readout of voting resolves an accuracy difference of about {2 * max(ses):.3f}"
-        f" (2 SE, the largest of R1 to R{len(ses)})."
-        if ses
-        else ""
-    )
-    return [
-        f"- Model: {generator_config(grid, grid.few)['task']['lm']} with a LoRA adapter; the"
-        " paper fine-tunes GPT-2 (Yelp) and GPT-2-large (PubMed) in full.",
-        f"- Data and clients: {grid.clients} clients of {grid.rows} Rotten Tomatoes snippets"
-        " with one binary code; the paper has 100 Yelp clients of 15,000 reviews (business"
-        " category × rating as codes) and 20 PubMed clients of 2,250 abstracts.",
-        f"- Fine-tuning: {grid.train_rounds} rounds × {grid.steps} DP-SGD steps of batch"
-        f" {grid.batch_size}; the paper trains for many epochs over far more rows, where"
-        " DP-SGD's noise averages out.",
-        f"- Strong shares: {', '.join(f'{s} of {grid.clients}' for s in grid.strong)}; the"
-        " paper compares 1% with 10% and 20% with 40% of 100 clients.",
-        f"- Voting: {len(voters(grid, grid.few))} weak clients of {grid.rows} rows; the paper's"
-        " weak clients hold thousands of rows each, so its votes' mass per entry is far larger"
-        " against the same noise.",
-        "- What the grid resolves: within a pool, the votes' effect against chance at the"
-        " seeds × test rows' resolution (the SEs above). What it cannot: the spread of"
-        " generation and DP-SGD between runs (one pool per generator), so a difference"
-        " between pools is a difference between two draws of the generators; and the paper's"
-        f" larger scales.{resolution}",
-    ]
 
 
 STUDY = register(
@@ -1170,7 +1040,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: f"DP federated text generation: do the votes select? ({ctx.grid.label})",
+        title=lambda ctx: TEXT("title", label=ctx.grid.label),
         body=body,
         reports=("dpsyn-study.md", "dpsyn-quick.md"),
         workers=(2, 2),  # the 4-strong generator alone is most of one worker's time

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from fedfm import plots
@@ -40,9 +41,12 @@ from fedfm.reproduce.framework import (
     Study,
     preset,
     register,
+    untestable,
 )
-from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired, pooled_paired
-from fedfm.reproduce.tables import blocks, command_lines, head, row, side
+from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
+from fedfm.reproduce.tables import Text, head, joined, row, side, values
+
+TEXT = Text("fedekd")
 
 # The gate setting FedeKD had as its default before the selection rule was first applied; the
 # study always runs it, so the report can compare it with the rule's choice.
@@ -53,26 +57,24 @@ REFERENCE_GATE = (1.0, 1.0)
 
 @dataclass(frozen=True)
 class Method:
-    """A family of rows of the study.
+    """A family of rows of the study (its key is the registered algorithm).
 
     Attributes:
         label: Name in the report.
-        algorithm: Registered algorithm.
         reference: Method whose run is the local-only reference (None for local-only itself).
     """
 
     label: str
-    algorithm: str
     reference: str | None
 
 
 METHODS: dict[str, Method] = {
-    "local": Method("local-only (shared arch)", "local", None),
-    "local-private": Method("local-only (private archs)", "local-private", None),
-    "fedavg": Method("FedAvg", "fedavg", "local"),
-    "fedprox": Method("FedProx (μ=0.01)", "fedprox", "local"),
-    "fedkd-ungated": Method("ungated KD", "fedkd-ungated", "local-private"),
-    "fedekd": Method("FedeKD", "fedekd", "local-private"),
+    "local": Method("local-only (shared arch)", None),
+    "local-private": Method("local-only (private archs)", None),
+    "fedavg": Method("FedAvg", "local"),
+    "fedprox": Method("FedProx (μ=0.01)", "local"),
+    "fedkd-ungated": Method("ungated KD", "local-private"),
+    "fedekd": Method("FedeKD", "local-private"),
 }
 BASELINES = ("local", "local-private", "fedavg", "fedprox")
 
@@ -276,20 +278,15 @@ def main_cells(grid: Grid) -> list[Cell]:
     ]
 
 
-def long_variants(choice: tuple[float, float]) -> list[Variant]:
-    """Variants of the long runs: the baselines, the chosen gate and the reference gate, each
-    with ungated KD at its λ."""
+def featured(choice: tuple[float, float]) -> list[Variant]:
+    """The variants of the long runs, of the control settings and of the per-dataset tables:
+    the baselines, the chosen gate and the reference gate, each with ungated KD at its λ."""
     out = [Variant(m) for m in BASELINES]
     for b, lam in (choice, REFERENCE_GATE):
         for v in (ungated(lam), gated(b, lam)):
             if v not in out:
                 out.append(v)
     return out
-
-
-def featured(choice: tuple[float, float]) -> list[Variant]:
-    """The variants of the control settings and the rows of the per-dataset tables."""
-    return long_variants(choice)
 
 
 def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
@@ -306,7 +303,7 @@ def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
         Cell(p, grid.long_setting, s, v, long=True)
         for s in grid.long_seeds
         for p in grid.long_presets
-        for v in long_variants(choice)
+        for v in featured(choice)
     ]
 
 
@@ -322,7 +319,7 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     clients["min_clients"] = min(int(clients.get("min_clients", st.num_clients)), st.num_clients)
     data.update(
         seed=job.seed,
-        algorithm=METHODS[job.variant.method].algorithm,
+        algorithm=job.variant.method,
         algo=job.variant.algo(data.get("algo", {})),
         rounds=rounds,
         eval_every=grid.long_eval_every if job.long else grid.eval_every,
@@ -699,12 +696,19 @@ def _pair(res: Results, comp: Comparison, preset: str, tag: str, split: str, sta
     return tuple(res.get(CellKey(preset, tag, v.key), split, m, stat) for v in (comp.a, comp.b))
 
 
+def _pooled(
+    res: Results, comp: Comparison, presets: Sequence[str], split: str, stat: str, tags: Sequence
+) -> Estimate:
+    """``a − b`` pooled per seed over the cells of ``presets`` × setting ``tags``."""
+    pairs = [_pair(res, comp, p, t, split, stat) for p in presets for t in tags]
+    return pooled_paired([(a, b) for a, b in pairs if a and b])
+
+
 def _pooled_classification(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> Estimate:
     cls = [p for p in grid.presets if res.kind(p) == "classification"]
-    pairs = [_pair(res, comp, p, t, split, stat) for p in cls for t in tags]
-    return pooled_paired([(a, b) for a, b in pairs if a and b])
+    return _pooled(res, comp, cls, split, stat, tags)
 
 
 def _tags(settings: Sequence[Setting]) -> list[str]:
@@ -755,13 +759,6 @@ def _cell_counts(
     return _tally(ests, _sign(stat))
 
 
-def _regression_pooled(
-    res: Results, comp: Comparison, preset: str, split: str, stat: str, tags: Sequence[str]
-) -> Estimate:
-    pairs = [_pair(res, comp, preset, t, split, stat) for t in tags]
-    return pooled_paired([(a, b) for a, b in pairs if a and b])
-
-
 def _findings_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     """Per statistic: pooled estimates with SE, cell counts and the verdict."""
     skew, ctrl = _tags(grid.settings), _tags(grid.control_settings)
@@ -778,7 +775,7 @@ def _findings_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
         if ctrl:
             cells.append(_pooled_classification(grid, res, comp, split, stat, ctrl).fmt(dig, True))
         for p in regs:
-            reg = _regression_pooled(res, comp, p, split, stat, skew)
+            reg = _pooled(res, comp, [p], split, stat, skew)
             cells.append(reg.fmt(1 if stat == "harmed" else 2, signed=True))
         up, down, n = _cell_counts(grid, res, comp, split, stat, skew)
         cells.append(f"{up} / {down} / {n}")
@@ -818,29 +815,21 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
     return lines
 
 
-def _validation_lines(grid: Grid, res: Results, choice: Choice | None) -> list[str]:
-    scores = config_scores(grid, res, "val")
+def _ranks_table(grid: Grid, choice: Choice) -> list[str]:
+    """The mean rank of each (β, λ) over the cells."""
     lams = [float(x) for x in grid.lams]
-    lines = [
-        "Mean rank of each (β, λ) over the (dataset, setting) cells, by mean-client NT on the"
-        f" validation split (1 = least harmful of the {len(grid.configs())} configurations):",
-        "",
-        *head(["β \\ λ", *[f"λ={x:g}" for x in lams]]),
-    ]
+    lines = head(["β \\ λ", *[f"λ={x:g}" for x in lams]])
     for b in grid.betas:
-        cells = [f"β={b:g}"]
-        for lam in lams:
-            r = choice.mean_rank.get((float(b), lam)) if choice else None
-            cells.append("—" if r is None else f"{r:.2f}")
-        lines.append(row(cells))
-    lines += [
-        "",
-        "Validation NT per cell (mean-client, primary metric, mean over seeds; the numbers the"
-        " rule ranks):",
-        "",
-    ]
+        ranks = [choice.mean_rank.get((float(b), lam)) for lam in lams]
+        lines.append(row([f"β={b:g}", *["—" if r is None else f"{r:.2f}" for r in ranks]]))
+    return lines
+
+
+def _validation_table(grid: Grid, res: Results) -> list[str]:
+    """The validation NT per cell and configuration: the numbers the rule ranks."""
+    scores = config_scores(grid, res, "val")
     configs = grid.configs()
-    lines += head(["dataset", "setting", *[f"β={b:g} λ={lam:g}" for b, lam in configs]])
+    lines = head(["dataset", "setting", *[f"β={b:g} λ={lam:g}" for b, lam in configs]])
     for p in grid.presets:
         d = _digits(res.primary(p))
         for st in grid.settings:
@@ -867,7 +856,7 @@ def _gate_grid_table(grid: Grid, res: Results) -> list[str]:
         for split, stat, _ in GATE_GRID_STATS:
             cells.append(_pooled_classification(grid, res, comp, split, stat, tags).fmt(3, True))
         for p in regs:
-            cells.append(_regression_pooled(res, comp, p, "test", "nt_mean", tags).fmt(2, True))
+            cells.append(_pooled(res, comp, [p], "test", "nt_mean", tags).fmt(2, True))
         up, down, n = _cell_counts(grid, res, comp, "test", "nt_mean", tags)
         cells.append(f"{up} / {down} of {n}")
         lines.append(row(cells))
@@ -901,7 +890,7 @@ def _at(curve: Mapping[int, Mapping[int, float]], r: int) -> dict[int, float]:
 def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: str) -> list[str]:
     """Mean-client NT per method at key rounds of the long runs, and paired differences."""
     d = _digits(res.primary(preset))
-    fed = [v for v in long_variants(choice) if v.reference is not None]
+    fed = [v for v in featured(choice) if v.reference is not None]
     cuts = [Comparison(gated(*choice), ungated(choice[1])), Comparison(gated(*choice), fed[0])]
     curves = {v: _long_curve(res, grid, preset, v, split) for v in fed}
     rounds = sorted({r for c in curves.values() for per in c.values() for r in per})
@@ -914,10 +903,7 @@ def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: st
 
 
 def _sizes_table(grid: Grid, res: Results) -> list[str]:
-    lines = head(
-        "dataset | setting | partition rows, min / median | local test rows, min / median"
-        " | validation rows, min / median | global test rows"
-    )
+    lines = []
     for p in grid.presets:
         for st in grid.all_settings():
             per = res.sizes.get((p, st.tag), {})
@@ -966,18 +952,13 @@ def _groups(grid: Grid, res: Results) -> list[tuple[str, list[str]]]:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plots.save(fig, str(path), dpi=100)
     return path
 
 
 def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
-    import matplotlib.pyplot as plt
-
     fed = [v for v in featured(choice) if v.reference is not None]
     width = 0.8 / max(len(fed), 1)
     panels = [(label, ps, split) for label, ps in _groups(grid, res) for split in ("test", "local")]
@@ -1010,8 +991,6 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
 
 def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
     """Mean ranks of the (β, λ) grid: on validation (the rule) and on the global test set."""
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), squeeze=False)
     sources = (("validation split (the rule)", "val"), ("global test set", "test"))
     for ax, (title, split) in zip(axes[0], sources, strict=True):
@@ -1032,9 +1011,7 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
 
 def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Mean-client NT over the rounds of the long runs, ± SE bands, per set and split."""
-    import matplotlib.pyplot as plt
-
-    fed = [v for v in long_variants(choice) if v.reference is not None]
+    fed = [v for v in featured(choice) if v.reference is not None]
     n = len(grid.long_presets)
     fig, axes = plt.subplots(2, n, figsize=(4.2 * n, 6.0), squeeze=False)
     for c, p in enumerate(grid.long_presets):
@@ -1062,12 +1039,9 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
 
 
 def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     folder.mkdir(parents=True, exist_ok=True)
     # One colour per method in every figure of the study.
-    palette = plots.colours(v.label for v in [*featured(choice), *long_variants(choice)])
+    palette = plots.colours(v.label for v in featured(choice))
     paths = [
         _nt_figure(grid, res, choice, folder / "negative_transfer.png", palette),
         _gate_figure(grid, res, folder / "gate_grid.png"),
@@ -1079,80 +1053,6 @@ def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path
 
 # ----------------------------------------------------------------------------- the report
 
-INTRO = """\
-Paper: Nguyen, Wang, Ku, *FedeKD: Energy-Based Gating for Robust Federated Knowledge
-Distillation under Heterogeneity*, arXiv:2605.05553. Code: `src/fedfm/algorithms/fedekd.py`
-(algorithm), `src/fedfm/core/kd.py` (losses, energies, gates), this study:
-`src/fedfm/reproduce/fedekd.py` (statistics: `src/fedfm/reproduce/stats.py`). This page is
-written by the study; do not edit it by hand.
-
-## What the paper's text gives, and what is ours
-
-The paper's text available here stops inside section 3.5, after eq. (2) and the first lines of
-its design rationale. **Eq. (3) (the gated backward objective), Algorithm 1, the experimental
-setup and the result tables are not available.** So the gate's form (below), β and λ, the
-settings of the datasets and baselines, and every number on this page are ours; nothing here
-is compared with numbers the paper reports, and the study cannot say whether it reproduces
-them. What the text does fix: the private/proxy split, the forward and backward distillation
-stages, the two energies (eqs. 1–2), that the gate is "batch-normalised" and lowers the trust
-of high-energy samples, and the claim under test (less negative transfer, mean and worst
-client, under heterogeneity).
-
-## The method in brief
-
-Each client keeps a private model f_k (never sent; its architecture may differ per client)
-and a small proxy g_k whose architecture all clients share. A round has two exchanges:
-
-1. **forward**: the client receives the global proxy, trains it to mimic its frozen private
-   model on local data (KL on softmax, or squared error for regression) and sends it back;
-   the server aggregates the proxies (FedAvg here; any server optimizer works).
-2. **backward**: the client receives the new global proxy g and updates f_k with
-   `sup. loss + λ · Σ w·D(f_k(x), g(x)) / Σ w`, where the trust weight `w = gate(E(x))` falls
-   as the private–proxy energy rises: E = ½(KL(p‖q)+KL(q‖p)) / (H(p)+H(q)+1e-8) for
-   classification, E = ½‖f_k(x) − g(x)‖² for regression (paper eqs. 1–2).
-
-The gate is pluggable (`algo.gate`, registry `fedfm.core.kd.GATES`). **The gate's form is
-ours** (the text only says "batch-normalised"): `w = sigmoid(−β·z)`, z the batch-standardised
-energy, weights detached. `fedkd-ungated` uses w = 1 (FML/FedKD style). With β = 0 every
-weight is ½, so after the Σw normalisation β = 0 is the ungated baseline (`tests/test_fedekd.py`
-checks the two agree). Only the proxy travels: in every run's audit ledger `proxy` is the
-only array field.
-"""
-
-STATISTICS = """\
-**Negative transfer** (NT) per client = federated − local-only for accuracy and macro-F1,
-local-only − federated for RMSE, so a negative value always means the federation hurt that
-client; "mean" averages the clients, "worst" is the most harmed client, "harmed" counts the
-clients with NT < 0. References: FedAvg and FedProx against the shared architecture trained
-alone (`local`), the private/proxy methods against each client's private architecture trained
-alone (`local-private`, same budget as FedeKD's backward stage); a reference run has the same
-seed, partition and splits. NT is measured at the last round on two sets: the **global test
-set** (each client's model on the shared test set against its local-only counterpart on the
-same set; for FedAvg and FedProx every client's model is the global model; hundreds of rows,
-so NT moves in fine steps), and each client's **local test split** (its own distribution, but
-only a few rows on the smallest clients, see the table above).
-
-**Standard errors.** Every ± on this page is a standard error over seeds: the sample standard
-deviation (ddof = 1) over the per-seed values divided by √n. A difference between two methods
-(Δ = a − b) is *paired*: per seed (same partition, same splits) d_s = a_s − b_s, and Δ is the
-mean of d_s with SE = sd(d_s)/√n. "Classification pooled" averages, per seed, the d_s of the
-four classification sets (and of the settings named) before taking mean and SE over seeds, so
-its unit is accuracy and its SE still comes from the spread over seeds; the regression sets
-have different units and are never pooled. "Resolved" means more than 2 SE from zero (with 5
-seeds the 95 % t quantile is 2.78, so 2 SE is a lenient screen, not a test).
-"""
-
-RULE = """\
-**The rule, stated before the grid ran** (module docstring of `src/fedfm/reproduce/fedekd.py`;
-it never reads a test number): for every (dataset, skewed setting) cell of the main grid, the
-gated configurations (β, λ) are ranked by their mean-client NT on the **validation split**
-(primary metric, mean over seeds; rank 1 = least harmful, ties share the mean rank); the
-configuration with the lowest mean rank over all cells is chosen, ties going to the smaller β,
-then the smaller λ. FedeKD's default in the code follows the chosen configuration. The
-validation split is 15 % of each client's partition, disjoint from its training rows and local
-test split, held out in every run of every method.
-"""
-
 
 def _settings_text(sts: Sequence[Setting]) -> str:
     return "; ".join(
@@ -1160,143 +1060,65 @@ def _settings_text(sts: Sequence[Setting]) -> str:
     )
 
 
-def _values(xs: Sequence[float]) -> str:
-    return "{" + ", ".join(f"{x:g}" for x in xs) + "}"
-
-
-def _setup_lines(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> list[str]:
+def _setup(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> dict[str, Any]:
     """How to reproduce: the command, the grid, presets and split sizes."""
     grid = ctx.grid
     after = chosen_cells(grid, gate)
     n_long = sum(j.long for j in after)
-    control = (
-        f"; control, run after the choice with the rows of the per-dataset tables only"
-        f" ({len(after) - n_long} runs): {_settings_text(grid.control_settings)}."
-        if grid.control_settings
-        else "."
-    )
-    return [
-        *command_lines(ctx.command),
-        f"- Main grid: {len(main_cells(grid))} runs = {len(grid.presets)} datasets ×"
-        f" {len(grid.settings)} skewed settings × {len(grid.seeds)} seeds ×"
-        f" {len(grid.main_variants())} variants (local-only with shared and with private archs,"
-        f" FedAvg, FedProx, ungated KD at λ ∈ {_values(grid.lams)}, FedeKD at β ∈"
-        f" {_values(grid.betas)} × λ ∈ {_values(grid.lams)});"
-        f" {grid.rounds or preset(grid.presets[0])['rounds']} rounds, clients evaluated"
-        f" every {grid.eval_every}.",
-        "- Settings (Dirichlet label skew; for regression over quantile bins of the target):"
-        f" skewed, in the main grid: {_settings_text(grid.settings)}{control}",
-        f"- Seeds: {', '.join(map(str, grid.seeds))}; a seed draws the partition, the splits and"
-        " the initialisations, so every method of a seed sees the same clients and rows.",
-        f"- Long runs: {n_long} runs = {len(grid.long_presets)} datasets"
-        f" ({', '.join(_name(p) for p in grid.long_presets)}) × {len(grid.long_seeds)} seeds ×"
-        f" {len(long_variants(gate))} variants, {grid.long_setting.label}, {grid.long_rounds}"
-        f" rounds, clients evaluated every {grid.long_eval_every}.",
-        f"- {ctx.workers} worker process(es) with one torch thread each; finished runs are"
-        " skipped and unfinished ones resumed when the command is run again.",
-        *([f"- Local training overridden: {grid.train}."] if grid.train else []),
-        "",
-        *blocks(
-            head(
-                "preset | data | shared arch (FedAvg, FedProx, local) | private archs (cycled)"
-                " | proxy | skew (preset) | rounds (preset) | local training"
-            )
-            + [_preset_summary(p) for p in grid.presets],
-            "Rows per client (over all seeds; a partition is split into local test 25 %,"
-            f" validation {grid.val_fraction:.0%} and training rows):",
-            _sizes_table(grid, res),
-        ),
-    ]
+    control = {"runs": len(after) - n_long, "settings": _settings_text(grid.control_settings)}
+    out = {"command": ctx.command, "main_runs": len(main_cells(grid))}
+    out.update(n_presets=len(grid.presets), n_settings=len(grid.settings))
+    out.update(n_seeds=len(grid.seeds), n_variants=len(grid.main_variants()))
+    out.update(lams=values(grid.lams), betas=values(grid.betas))
+    out.update(rounds=grid.rounds or preset(grid.presets[0])["rounds"])
+    out.update(settings=_settings_text(grid.settings), seeds=", ".join(map(str, grid.seeds)))
+    out.update(control=TEXT("control", control) if grid.control_settings else "")
+    out.update(long_runs=n_long, n_long=len(grid.long_presets), n_long_seeds=len(grid.long_seeds))
+    out.update(long_presets=", ".join(_name(p) for p in grid.long_presets))
+    out.update(n_long_variants=len(featured(gate)), long_setting=grid.long_setting.label)
+    out.update(workers=ctx.workers, val_fraction=f"{grid.val_fraction:.0%}")
+    out.update(train=TEXT("train", train=grid.train) if grid.train else None)
+    return out | {"presets": [_preset_summary(p) for p in grid.presets]}
 
 
-def _choice_lines(grid: Grid, res: Results, choice: Choice | None) -> list[str]:
-    """The rule, its choice, whether the code's default follows it, and its evidence."""
-    lines = ["## Choosing β and λ", "", RULE]
+def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
+    """The rule's choice, whether the code's default follows it, and its evidence."""
     if choice is None:
-        return lines + blocks(
-            "No cell has every configuration's validation value: nothing was chosen."
-        )
+        return TEXT("no-choice")
     d_gate = default_gate()
-    left_out = f"; {len(choice.missing)} incomplete cells left out" if choice.missing else ""
-    same, kept = d_gate == choice.gate, choice.gate == REFERENCE_GATE
-    agree = "it agrees with the rule." if same else "**it differs from the rule's choice**."
-    history = " (unchanged)." if kept else "; it was changed to the rule's choice."
-    return lines + blocks(
-        f"**Chosen: β = {choice.beta:g}, λ = {choice.lam:g}** (mean rank"
-        f" {choice.mean_rank[choice.gate]:.2f} over {len(choice.cells)} cells{left_out})."
-        f" FedeKD's default in the code is β = {d_gate[0]:g}, λ = {d_gate[1]:g}: {agree}"
-        f" Before the rule was applied the default was β = {REFERENCE_GATE[0]:g},"
-        f" λ = {REFERENCE_GATE[1]:g}{history}",
-        _contrast_line(grid, res),
-        _validation_lines(grid, res, choice),
-    )
-
-
-def _contrast_line(grid: Grid, res: Results) -> str:
-    """What the same ranking would pick on the test sets (reported, never used)."""
-    picks = []
+    values = {"beta": f"{choice.beta:g}", "lam": f"{choice.lam:g}", "cells": len(choice.cells)}
+    values.update(rank=f"{choice.mean_rank[choice.gate]:.2f}", configs=len(grid.configs()))
+    values.update(left_out=TEXT("left-out", n=len(choice.missing)) if choice.missing else "")
+    values.update(default_beta=f"{d_gate[0]:g}", default_lam=f"{d_gate[1]:g}")
+    values.update(reference_beta=f"{REFERENCE_GATE[0]:g}", reference_lam=f"{REFERENCE_GATE[1]:g}")
+    values.update(agree=TEXT("agrees" if d_gate == choice.gate else "differs"))
+    values.update(history=TEXT("unchanged" if choice.gate == REFERENCE_GATE else "changed"))
+    picks = []  # what the same ranking would pick on the test sets (reported, never used)
     for split, where in (("local", "local test splits"), ("test", "global test set")):
         ch = choose_gate(grid.configs(), config_scores(grid, res, split))
         if ch:
-            picks.append(f"on the {where} β = {ch.beta:g}, λ = {ch.lam:g}")
-    return (
-        "For contrast only (these numbers never enter the rule), the same ranking applied to"
-        f" the test numbers would pick {' and '.join(picks)} (figure `gate_grid.png`)."
-        if picks
-        else ""
+            picks.append(TEXT("pick", where=where, beta=f"{ch.beta:g}", lam=f"{ch.lam:g}"))
+    values.update(contrast=TEXT("contrast", picks=" and ".join(picks)) if picks else "")
+    ranks, validation = _ranks_table(grid, choice), _validation_table(grid, res)
+    return TEXT("chosen", values, ranks=ranks, validation=validation)
+
+
+def _long(grid: Grid, res: Results, gate: tuple[float, float]) -> str | None:
+    """Negative transfer over the rounds of the long runs."""
+    if not grid.long_presets:
+        return None
+    curves = _headed(
+        (f"{_name(p)}, {where}", _curve_table(grid, res, p, gate, split))
+        for p in grid.long_presets
+        for split, where in (("test", "global test set"), ("local", "local test splits"))
     )
+    values = {"setting": grid.long_setting.label, "rounds": grid.long_rounds}
+    return TEXT("long", values, curves=curves)
 
 
-def _findings_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list[str]:
-    """One table per comparison, and NT against local-only training."""
-    return blocks(
-        "## Findings",
-        "Each finding is a paired comparison a − b with its standard error over seeds (higher"
-        " NT is better; fewer harmed clients is better; the verdicts account for the"
-        " direction). Classification sets are pooled per seed (accuracy units); the regression"
-        " sets are given one by one (RMSE units). On the global test set a model trained for"
-        " the population (FedAvg, FedProx) is expected to beat local-only models trained on"
-        " skewed data; the local test splits measure what a client gains on its own"
-        " distribution, where personalised methods are meant to help. The readouts above are"
-        " rows of these tables; the table of every gated configuration against ungated KD and"
-        " the long runs' curves follow the per-cell differences.",
-        *(x for c in comparisons(gate) for x in (f"### {c.label}", _findings_table(grid, res, c))),
-        "### Against local-only training",
-        "Is the method itself harmful for the mean client? Mean-client NT against the"
-        " method's local-only reference, classification pooled (± SE over seeds), and the"
-        " cells where it is above or below zero by more than 2 SE.",
-        _own_nt_table(grid, res, gate),
-    )
-
-
-def _tables_lines(grid: Grid, res: Results, gate: tuple[float, float]) -> list[str]:
-    """Per-cell paired differences, per-dataset results, the gate grid, the long runs."""
-    comps = comparisons(gate)
-    lines = blocks(
-        "## Paired differences per cell",
-        *(x for c in comps for x in (f"### {c.label}", _comparison_table(grid, res, c))),
-        "## Results per dataset",
-        "Mean ± SE over seeds at the last round; primary metric (accuracy or RMSE) of the mean"
-        " client, its NT (mean and worst client) and the number of clients harmed, on the global"
-        " test set and on the local test splits.",
-        *(x for p in grid.presets for x in (f"### {_name(p)}", _dataset_table(grid, res, p, gate))),
-        "## The gate grid against ungated KD",
-        "Every gated configuration against ungated KD at the same λ (paired over seeds;"
-        " classification pooled over datasets and skewed settings, each regression set pooled"
-        " over the skewed settings). The rule saw none of these (test) numbers.",
-        _gate_grid_table(grid, res),
-    )
-    if grid.long_presets:
-        lines += blocks(
-            f"## Negative transfer over rounds ({grid.long_setting.label},"
-            f" {grid.long_rounds} rounds)",
-            "Mean-client NT (primary metric) ± SE over seeds at key rounds, and paired"
-            " differences. The figure `nt_curves.png` shows every evaluated round.",
-        )
-        for p in grid.long_presets:
-            for split, where in (("test", "global test set"), ("local", "local test splits")):
-                lines += blocks(f"### {_name(p)}, {where}", _curve_table(grid, res, p, gate, split))
-    return lines
+def _headed(tables: Iterable[tuple[str, list[str]]]) -> str:
+    """Tables, each under its ``###`` heading."""
+    return joined(*(x for title, lines in tables for x in (f"### {title}", lines)))
 
 
 @dataclass
@@ -1327,13 +1149,6 @@ def _gate_vs(grid: Grid, other: str | None, split: str, stat: str) -> Any:
     return value
 
 
-NOT_THE_PAPERS = (
-    "The paper's text stops before its experiments, so its settings and numbers are not known:"
-    " datasets, settings, the gate's form and (β, λ) (chosen on validation) are ours."
-    " Classification sets pooled per seed over the skewed settings."
-)
-
-
 def readouts(grid: Grid) -> list[Readout[Read]]:
     """The gate against ungated KD (mean and worst client, both sets) and against FedAvg on
     the clients' own data; and what cannot be compared with the paper."""
@@ -1347,7 +1162,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
             "the energy gate lowers negative transfer under heterogeneity",
             +1,
             _gate_vs(grid, other, split, stat),
-            scope=NOT_THE_PAPERS,
+            scope=TEXT("scope-paper"),
         )
 
     return [
@@ -1355,15 +1170,10 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
         nt("worst", "test", stat="nt_worst"),
         nt("mean", "local"),
         nt("mean", "local", "fedavg"),
-        Readout(
+        untestable(
             "FedeKD here − FedeKD in the paper's tables",
-            "—",
             "the paper's result tables",
-            +1,
-            lambda r: NONE,
-            scope="Eq. (3), Algorithm 1, the setup and the result tables are not in the text"
-            " available here.",
-            testable=False,
+            TEXT("scope-tables"),
         ),
     ]
 
@@ -1375,14 +1185,23 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
     report = ctx.report or ctx.out / "fedekd.md"
     figs = _figures(grid, res, gate, report.parent / report.stem)
     notes = data_notes(grid)
-    lines = [INTRO, *_setup_lines(ctx, res, gate)]
-    if notes:
-        lines += ["**Data notes.** " + "; ".join(notes) + ".", ""]
-    lines += ["## Statistics", "", STATISTICS]
-    lines += _choice_lines(grid, res, r.choice)
-    lines += _findings_lines(grid, res, gate)
-    lines += _tables_lines(grid, res, gate)
-    return [*lines, "## Figures", "", *[f"![{f.stem}]({report.stem}/{f.name})" for f in figs], ""]
+    comps = comparisons(gate)
+    text = TEXT(
+        "body",
+        vars(grid),
+        _setup(ctx, res, gate),
+        sizes=_sizes_table(grid, res),
+        data_notes=TEXT("data-notes", notes="; ".join(notes)) if notes else None,
+        choice=_choice(grid, res, r.choice),
+        findings=_headed((c.label, _findings_table(grid, res, c)) for c in comps),
+        own_nt=_own_nt_table(grid, res, gate),
+        per_cell=_headed((c.label, _comparison_table(grid, res, c)) for c in comps),
+        per_dataset=_headed((_name(p), _dataset_table(grid, res, p, gate)) for p in grid.presets),
+        gate_grid=_gate_grid_table(grid, res),
+        long=_long(grid, res, gate),
+        figures=[f"![{f.stem}]({report.stem}/{f.name})" for f in figs],
+    )
+    return [text, ""]
 
 
 STUDY = register(
@@ -1394,7 +1213,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: "FedeKD: energy-gated federated knowledge distillation — reproduction",
+        title=lambda ctx: TEXT("title"),
         body=body,
         reports=("fedekd.md", None),
         workers=(2, 1),

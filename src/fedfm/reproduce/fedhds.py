@@ -30,8 +30,9 @@ from fedfm.reproduce.framework import (
     register,
 )
 from fedfm.reproduce.stats import Estimate, mean_se, paired
-from fedfm.reproduce.tables import DASH, blocks, marked, num, ratio, table
+from fedfm.reproduce.tables import DASH, Text, marked, num, ratio, table
 
+TEXT = Text("fedhds")
 HELDOUT = "general"
 TRAINED = ("math", "medical", "movie", "qtype", "spam")
 TARGET_SE = 0.015
@@ -136,15 +137,11 @@ def methods(grid: Grid) -> list[Method]:
     return [m for m in METHODS if grid.methods is None or m.key in grid.methods]
 
 
-def job_name(method: Method, seed: int, grid: Grid) -> str:
-    """A run's folder: the method's key for the first seed, ``<key>-s<seed>`` for others."""
-    return method.key if seed == grid.seeds[0] else f"{method.key}-s{seed}"
-
-
 def runs_of(method: Method, grid: Grid) -> list[tuple[int, str]]:
-    """``(seed, job name)`` of every run of the method."""
+    """``(seed, job name)`` of every run of the method: its key for the first seed,
+    ``<key>-s<seed>`` for the others."""
     seeds = grid.seeds if method.seeds else grid.seeds[:1]
-    return [(s, job_name(method, s, grid)) for s in seeds]
+    return [(s, method.key if s == grid.seeds[0] else f"{method.key}-s{s}") for s in seeds]
 
 
 def job_config(
@@ -302,13 +299,6 @@ def cost_ratio(res: Results, keys: Sequence[str], of: str = "fedhds") -> Estimat
 TRAIN_S = ("total_train_s",)
 TOTAL_S = ("total_client_s", "total_select_s")
 
-SCOPE = (
-    "One held-out domain (about a hundred Alpaca instructions) and a few rounds of a 135M"
-    " model; with two seeds each item's difference is averaged over the seeds first, so the"
-    " SE covers the evaluated items and only these two seeds' training noise (the per-seed"
-    " table shows whether the seeds agree)."
-)
-
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """FedHDS against FedIT and Random on the held-out task, and its client cost ratios."""
@@ -320,7 +310,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             "FedHDS ≥ FedIT on held-out tasks (Dolly α = 0.5, 1.3B: 31.82 vs 30.55)",
             +1,
             lambda r: delta(r, "fedhds", REFERENCE),
-            scope=SCOPE,
+            scope=TEXT("scope-items"),
         ),
         Readout(
             "FedHDS − Random at FedHDS's data fraction, Rouge-L of the held-out task",
@@ -328,8 +318,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             "FedHDS > Random at the same data budget (31.82 vs 31.41)",
             +1,
             lambda r: seed_delta(r, "fedhds", "random", 0),
-            scope="Random trains on as many rows as FedHDS selected, drawn at random: a gain"
-            " over it credits the selection, not merely training on less (moving less).",
+            scope=TEXT("scope-random"),
         ),
         *(
             Readout(
@@ -340,8 +329,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                 partial(cost_ratio, keys=keys),
                 null=1.0,
                 digits=1,
-                scope="Seconds measured on 2 shared cores (the load is under Jobs below); the"
-                " ratio compares runs of one invocation.",
+                scope=TEXT("scope-seconds"),
             )
             for name, keys in (
                 ("client training time, FedIT / FedHDS", TRAIN_S),
@@ -382,7 +370,7 @@ def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
     return out
 
 
-def _heldout_table(res: Results) -> list[str]:
+def _heldout_rows(res: Results) -> list[list[str]]:
     base = base_scores(res)
     ref = res.of(REFERENCE)
     b = res.base()
@@ -398,14 +386,10 @@ def _heldout_table(res: Results) -> list[str]:
         cells += [marked(paired(scores, base)) if base else DASH]
         cells += [num(_final(views, f"zeroshot/truncated/{HELDOUT}"), 2)]
         rows.append([*cells, num(_final(views, "score"), 3)])
-    return table(
-        "method | held-out Rouge-L | Δ vs FedIT ± SE | Δ vs base ± SE | held-out truncated"
-        " | seen score (secondary)",
-        rows,
-    )
+    return rows
 
 
-def _cost_table(res: Results) -> list[str]:
+def _cost_rows(res: Results) -> list[list[str]]:
     ref = res.of(REFERENCE)
     ref_train, ref_total = _finish(ref, TRAIN_S[0]), _sum_finish(ref, TOTAL_S)
     rows = []
@@ -417,11 +401,7 @@ def _cost_table(res: Results) -> list[str]:
         cells += [num(total, 1), ratio(ref_total, total) if ref_total and total else DASH]
         sel = np.mean([v.audit_bytes("select") for v in views]) if views else None
         rows.append([*cells, DASH if sel is None else f"{int(sel):,}"])
-    return table(
-        "method | data fraction | client train s | train speed-up | features + clustering s"
-        " | client + server selection s | total speed-up | selection bytes up",
-        rows,
-    )
+    return rows
 
 
 def _sum_finish(views: Sequence[RunView], keys: Sequence[str]) -> float | None:
@@ -448,24 +428,17 @@ def _seen_table(res: Results) -> list[str]:
     return table(["method", "seen score", "Δ vs FedIT ± SE", *TRAINED], rows)
 
 
-def _seed_lines(res: Results) -> list[str]:
+def _seed_gap(res: Results) -> str | None:
     """R1 per seed, and the spread between seeds."""
     n = min(len(res.of("fedhds")), len(res.of(REFERENCE)))
     if n < 2:
-        return []
+        return None
     per = [seed_delta(res, "fedhds", REFERENCE, i) for i in range(n)]
     cells = ", ".join(
         f"seed {res.of(REFERENCE)[i].config.get('seed')}: {marked(e)}" for i, e in enumerate(per)
     )
-    gap = per[0].mean - per[1].mean
     se = math.sqrt(per[0].se ** 2 + per[1].se ** 2)
-    return [
-        f"R1 per seed (FedHDS − FedIT, held-out Rouge-L, paired over items): {cells}. The two"
-        f" seeds' estimates differ by {gap:+.3f} (± {se:.3f} if the seeds were independent"
-        " samples of items; they share the items, so this overstates the SE of the gap):"
-        " training noise of this size is not in R1's SE.",
-        "",
-    ]
+    return TEXT("seed-gap", cells=cells, gap=f"{per[0].mean - per[1].mean:+.3f}", se=f"{se:.3f}")
 
 
 def _selection_stats(view: RunView) -> dict[str, float]:
@@ -486,12 +459,12 @@ def _selection_stats(view: RunView) -> dict[str, float]:
     return out
 
 
-def _count_lines(res: Results) -> list[str]:
+def _hdbscan(res: Results) -> str | None:
     """The data fraction before and after the fix of HDBSCAN's min_samples."""
     labels = {"fedhds": "after (the hdbscan package's count)", "count": "before (sklearn's count)"}
     found = [(lab, v) for k, lab in labels.items() if (v := res.runs.get(k)) is not None]
     if not found:
-        return []
+        return None
     keys = ["rows per client", "clusters per client", "centroids per round"]
     keys.append("global clusters per round")
     rows = [
@@ -502,27 +475,15 @@ def _count_lines(res: Results) -> list[str]:
         ]
         for lab, v in found
     ]
-    return [
-        "### HDBSCAN's min_samples before and after matching the official code",
-        "",
-        "The official code calls the `hdbscan` package with `min_cluster_size = 2` and its"
-        " default `min_samples` (2 neighbours, the point not counted); scikit-learn counts the"
-        " point, so fedfm clustered at the first neighbour's distance until it passed"
-        " `min_samples + 1`. The same seed and setting, first seed (the run before the fix is"
-        " kept for its selection only: it evaluates one item per domain, not scored here):",
-        "",
-        *table(["FedHDS", "data fraction", *keys], rows),
-        "",
-    ]
+    return TEXT("hdbscan", table=table(["FedHDS", "data fraction", *keys], rows))
 
 
-def _instrument_lines(res: Results) -> list[str]:
+def _instrument(res: Results) -> str:
     """What the scorer did: budgets against reference lengths, truncation, the base's labels,
     and the item count the per-item SD asks for."""
     b = res.base()
-    lines = ["## The instrument", ""]
     if b is None:
-        return [*lines, "FedIT's first run has not finished: nothing to show.", ""]
+        return TEXT("no-base")
     p90 = dict(b.partition.get("reference_tokens_p90", {}))
     grid = res.grid
     budget = {HELDOUT: grid.heldout_tokens, "math": grid.math_tokens}
@@ -532,14 +493,6 @@ def _instrument_lines(res: Results) -> list[str]:
         [d, p90.get(d, DASH), budget.get(d, DASH), *(num(x.get(cut[d]), 2) for x in (r0, b.final))]
         for d in sorted(p90)
     ]
-    lines += [
-        "Generation budgets against the references (SmolLM2 tokens of the reference and the"
-        " end-of-turn token, 90th percentile over the evaluated items, from the run's"
-        " `partition.json`), and the share of generations that ran into the budget:",
-        "",
-        *table("domain | reference p90 | budget | truncated, base | truncated, FedIT", rows),
-        "",
-    ]
     hist = []
     for d in TRAINED:
         preds = {k.rsplit("/", 1)[1]: v for k, v in r0.items() if k.startswith(f"pred/{d}/")}
@@ -547,14 +500,6 @@ def _instrument_lines(res: Results) -> list[str]:
             shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(preds.items()))
             hist.append([d, *(num(r0.get(f"{k}/{d}"), 3) for k in ("acc", "majority", "uniform"))])
             hist[-1].append(shares)
-    if hist:
-        lines += [
-            "The untrained base on the seen classification domains (round 0; label by the"
-            " summed log-likelihood of label and end-of-turn token):",
-            "",
-            *table("domain | acc | majority class | uniform guess | predicted labels", hist),
-            "",
-        ]
     fedit = res.of(REFERENCE)
     pilot = paired(item_scores(fedit[0], True) if fedit else {}, base_scores(res))
     diffs = {
@@ -562,22 +507,17 @@ def _instrument_lines(res: Results) -> list[str]:
         "FedHDS − FedIT, first seed": seed_delta(res, "fedhds", REFERENCE, 0),
         "FedIT − base, first seed (the pilot's statistic)": pilot,
     }
-    rows = []
+    sds = []
     for name, est in diffs.items():
         if est.n > 1:
             sd = est.se * math.sqrt(est.n)
-            rows.append([name, est.n, num(sd), num(est.se), math.ceil((sd / TARGET_SE) ** 2)])
-    if rows:
-        lines += [
-            f"What the held-out items resolve: the per-item SD of each difference, its SE at"
-            f" this grid's items, and the items an SE of {TARGET_SE} would need (a difference"
-            " of 0.03 resolved at 2 SE). The grid's item count was fixed before these runs"
-            " from the quick grid as a pilot (the comment above `FULL` in the module).",
-            "",
-            *table("difference | items | per-item SD | SE | items for SE 0.015", rows),
-            "",
-        ]
-    return lines
+            sds.append([name, est.n, num(sd), num(est.se), math.ceil((sd / TARGET_SE) ** 2)])
+    return TEXT(
+        "budgets",
+        budgets=rows,
+        labels=TEXT("labels", rows=hist) if hist else None,
+        resolve=TEXT("resolve", target_se=TARGET_SE, rows=sds) if sds else None,
+    )
 
 
 def body(ctx: Context[Grid], res: Results) -> list[str]:
@@ -585,95 +525,29 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     grid = ctx.grid
     b = res.base()
     r0 = b.rounds.get(0, {}) if b is not None else {}
-    lines = [
-        "## Setup",
-        "",
-        "- SmolLM2-135M-Instruct (bfloat16 autocast), LoRA r=8 α=16 on q,k,v,o; Adam lr 3e-4"
-        " (the official code's default and the paper's Natural-Instructions lr; its Dolly runs"
-        " used 3e-5 for 60 rounds, the same lr × rounds as 3e-4 for 6), one local epoch at"
-        " batch size 1; FedAvg weighted by the rows trained on.",
-        f"- Held out: `{HELDOUT}` (Alpaca instructions with open-ended answers, in no client's"
-        f" data); trained: {', '.join(TRAINED)} ({grid.per_domain_train} rows each,"
-        f" {grid.per_domain_train * len(TRAINED)} in all), {grid.clients} clients by"
-        f" Dirichlet(0.5) over domains, {grid.fraction:.0%} of them per round, {grid.rounds}"
-        f" rounds; seeds {', '.join(map(str, grid.seeds))} for FedIT and FedHDS, the first for"
-        " the other methods.",
-        f"- Evaluation after the last round: {grid.heldout_items} held-out items, greedy, up to"
-        f" {grid.heldout_tokens} new tokens, Rouge-L against the reference (the paper's"
-        f" metric); {grid.seen_items} seen items (secondary: label accuracy by likelihood,"
-        f" GSM8K final number at {grid.math_tokens} new tokens; `score` is their mean over"
-        " domains). The untrained base is FedIT's round 0 (the adapter starts at B = 0).",
-        "- FedHDS: intra-client HDBSCAN min_cluster_size 2 (the paper's value for Dolly's"
-        " mixed categories), inter-client 2, min_samples as the official code's `hdbscan`"
-        " package counts it; t-SNE perplexity min(30, n − 1). Random trains each sampled"
-        " client on FedHDS's measured data fraction of its rows (first seed).",
-        "- Times are seconds of client training, feature extraction and clustering summed over"
-        " clients and rounds, and the server's selection; bytes come from the audit ledger.",
-        "",
-    ]
-    if r0:
-        lines += [
-            f"Before training (round 0): held-out Rouge-L {num(r0.get('zeroshot/rougeL_all'))},"
-            f" seen score {num(r0.get('score'))}.",
-            "",
-        ]
-    lines += [
-        *_instrument_lines(res),
-        *blocks(
-            "## Results",
-            "### The held-out task",
-            _heldout_table(res),
-            "Δ: mean per-item difference over the same held-out items (each item averaged over"
-            " a method's seeds first) with its SE; `*` marks more than 2 SE from zero.",
-        ),
-        *_seed_lines(res),
-        *blocks(
-            "### Data and compute",
-            _cost_table(res),
-            "Speed-ups are FedIT's seconds (mean over its seeds) over the method's; the"
-            " readouts pair them seed by seed.",
-        ),
-        *_count_lines(res),
-        *blocks(
-            "### Seen domains (secondary)",
-            _seen_table(res),
-            "Seen score: the mean over the five trained domains of each one's own metric (label"
-            " accuracy, GSM8K final-number accuracy); Δ paired over the seen items.",
-            "## The paper's figures",
-            "Dolly-15K, Dirichlet α = 0.5, the paper's 1.3B model (Table 2 Rouge-L on the"
-            " held-out category, Table 3 speed-up of the whole federated tuning), the closest of"
-            " the paper's settings to this study:",
-            table(
-                ["method", "paper Rouge-L %", "paper speed-up"],
-                [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER],
-            ),
-            "## What differs from the paper's setting, and what this grid can resolve",
-        ),
-        "- Model: SmolLM2-135M-Instruct instead of 1.3B and 3B models; Turbo's feature model"
-        " all-MiniLM-L6-v2 instead of GPT-2 (124M); LoRA on the attention projections only"
-        " (the official code also adapts the MLP).",
-        f"- Data: {grid.per_domain_train * len(TRAINED)} training rows of five domains (one"
-        " open-ended, maths, four one-word classifications) instead of Dolly-15K's 15,000 rows"
-        " of seven open-ended categories or Natural-Instructions' 738 tasks; the held-out task"
-        " is one domain of Alpaca instructions.",
-        f"- Scale: {grid.clients} clients, {grid.fraction:.0%} per round, {grid.rounds} rounds"
-        " against 200 clients, 5% per round and 60 rounds (Dolly) or 40 (NI). FedHDS trains on"
-        " a few rows per round here; over a few rounds the paper's mechanism (FedIT overfits"
-        " its clients' tasks and loses held-out ability, FedHDS does not) has little room to"
-        " act, so a null result bounds the effect at this budget, not at the paper's.",
-        f"- Seeds: {len(grid.seeds)} for FedIT and FedHDS, one for the rest; the readouts' SEs"
-        " cover the held-out items (R1: averaged over the seeds per item), not the spread of"
-        " training runs, which the per-seed line shows.",
-        "- Times: 2 shared CPU cores at one thread per run, not a GPU; the ratios compare"
-        " runs of this invocation.",
-        "",
-    ]
-    missing = [
-        label for m in methods(grid) for s, label in runs_of(m, grid) if label not in res.runs
-    ]
-    if missing:
-        lines += ["## Not run", "", *[f"- `{x}`" for x in missing], ""]
-    return lines
+    round0 = {"rouge": num(r0.get("zeroshot/rougeL_all")), "score": num(r0.get("score"))}
+    missing = [f"- `{n}`" for m in methods(grid) for _, n in runs_of(m, grid) if n not in res.runs]
+    paper = [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER]
+    text = TEXT(
+        "body",
+        vars(grid),
+        heldout=HELDOUT,
+        trained=", ".join(TRAINED),
+        train_rows=grid.per_domain_train * len(TRAINED),
+        fraction=f"{grid.fraction:.0%}",
+        seeds=", ".join(map(str, grid.seeds)),
+        n_seeds=len(grid.seeds),
+        round0=TEXT("round0", round0) if r0 else None,
+        instrument=_instrument(res),
+        heldout_rows=_heldout_rows(res),
+        seed_gap=_seed_gap(res),
+        cost_rows=_cost_rows(res),
+        hdbscan=_hdbscan(res),
+        seen_table=_seen_table(res),
+        paper=paper,
+        not_run=TEXT("not-run", missing=missing) if missing else None,
+    )
+    return [text, ""]
 
 
 STUDY = register(
@@ -685,10 +559,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: (
-            "FedHDS reproduction: held-out-task Rouge-L of hierarchical data selection vs FedIT"
-            + (" (quick grid)" if ctx.quick else "")
-        ),
+        title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
         body=body,
         reports=("fedhds.md", None),
     )

@@ -35,9 +35,12 @@ from fedfm.reproduce.framework import (
     merge,
     preset,
     register,
+    untestable,
 )
-from fedfm.reproduce.stats import NONE, Estimate, mean_se, paired
-from fedfm.reproduce.tables import blocks, command_lines, head, row, side
+from fedfm.reproduce.stats import Estimate, mean_se, paired
+from fedfm.reproduce.tables import Text, head, row, side
+
+TEXT = Text("fedrd")
 
 # ----------------------------------------------------------------------------- the grid
 
@@ -384,7 +387,7 @@ def _methods(grid: Grid, mod: str) -> list[str]:
 
 def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """Mean ± SE over seeds of the final accuracy and macro-F1 per (α, method)."""
-    lines = head(["α", "method", "public rows", "acc", "macro-F1", "teacher path z_t acc", "seeds"])
+    lines = []
     for a in grid.alphas:
         for m in _methods(grid, mod):
             acc, f1, t = (_est(res, grid, mod, a, m, k) for k in ("acc", "macro_f1", "teacher/acc"))
@@ -412,7 +415,7 @@ def _minus(res: Results, grid: Grid, mod: str, alpha: float, other: str, metric:
 
 def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """The paired differences FedRD − method, per α."""
-    lines = head(["α", "FedRD minus", "Δ acc (mean ± SE)", "Δ macro-F1", "seeds", "accuracy"])
+    lines = []
     for a in grid.alphas:
         for m, d in differences(grid, res, mod, a).items():
             acc, f1 = d["acc"], d["macro_f1"]
@@ -432,12 +435,10 @@ def teacher_lines(grid: Grid, res: Results, mod: str) -> list[str]:
             if m not in _methods(grid, mod):
                 continue
             t, s = _est(res, grid, mod, a, m, "teacher/acc"), _est(res, grid, mod, a, m, "acc")
-            ctrl = _est(res, grid, mod, a, "ft", "acc")
+            ctrl = _est(res, grid, mod, a, "ft", "acc").fmt()
             if t.n:
-                lines.append(
-                    f"- α = {a:g}, {METHODS[m].label}: teacher path z_t {t.fmt()} vs its own"
-                    f" student {s.fmt()}; the public fine-tuning control's student {ctrl.fmt()}."
-                )
+                values = {"alpha": f"{a:g}", "method": METHODS[m].label, "control": ctrl}
+                lines.append(TEXT("teacher", values, teacher=t.fmt(), student=s.fmt()))
     return lines
 
 
@@ -462,12 +463,11 @@ def unstable_lines(grid: Grid, res: Results, mod: str) -> list[str]:
     lines = []
     mine = {j: r for j, r in res.items() if j.modality == mod}
     for job, r in sorted(mine.items(), key=lambda kv: kv[0].name):
-        rounds = sorted(r.curve)
-        for a, b in itertools.pairwise(rounds):
+        for a, b in itertools.pairwise(sorted(r.curve)):
             if r.curve[a] - r.curve[b] > DROP:
+                values = {"run": job.name, "method": METHODS[job.method].label, "a": a, "b": b}
                 lines.append(
-                    f"- `{job.name}` ({METHODS[job.method].label}): test accuracy"
-                    f" {r.curve[a]:.3f} at round {a}, {r.curve[b]:.3f} at round {b}."
+                    TEXT("unstable", values, before=f"{r.curve[a]:.3f}", after=f"{r.curve[b]:.3f}")
                 )
     return lines
 
@@ -520,44 +520,30 @@ def teacher_table(grid: Grid, res: Results, mod: str) -> list[str]:
     return lines
 
 
-def probe_lines(probe: Any, grid: Grid, res: Results) -> list[str]:
+def probe_text(probe: Any, grid: Grid, res: Results) -> str:
     """The Lite0 probe per input size next to the students' accuracy."""
     if not probe:
-        return ["(not measured in this grid)", ""]
+        return TEXT("probe-none")
     if isinstance(probe, str):
-        return [f"Probe failed: {probe}", ""]
+        return TEXT("probe-failed", error=probe)
     rows = sorted(probe.items(), key=lambda kv: int(kv[0]))
-    n_train = rows[0][1].get("n_train", "?")
-    n_test = rows[0][1].get("n_test", "?")
-    lines = [
-        f"A linear probe (logistic regression) on EfficientNet-Lite0's pooled features of"
-        f" {n_train} Fashion-MNIST training images (as many as the public set), scored on"
-        f" {n_test} test images, one torch thread:",
-        "",
-        *head(["input size", "probe accuracy", "feature seconds / 100 images"]),
-        *[row([f"{s} px", f"{v['acc']:.3f}", f"{v['s_per_100']:.2f}"]) for s, v in rows],
-        "",
-    ]
     size = _teacher_size(grid)
     best = max(rows, key=lambda kv: kv[1]["acc"])
     used = probe.get(str(size), probe.get(size)) if size is not None else None
+    gaps = []
     for a in grid.alphas:
         for m in ("fedavg", "ft"):
             if m not in grid.methods:
                 continue
             est = _est(res, grid, "vision", a, m, "acc")
             if est.n and used:
-                gap = used["acc"] - est.mean
-                lines.append(
-                    f"- α = {a:g}: {METHODS[m].label} ends at {est.fmt()}; the probe at the"
-                    f" runs' {size} px is {used['acc']:.3f} ({gap:+.3f})."
-                )
-    lines += [
-        "",
-        f"The runs use {size} px; the best probe here is at {best[0]} px ({best[1]['acc']:.3f}).",
-        "",
-    ]
-    return lines
+                values = {"alpha": f"{a:g}", "method": METHODS[m].label, "student": est.fmt()}
+                values.update(probe=f"{used['acc']:.3f}", gap=f"{used['acc'] - est.mean:+.3f}")
+                gaps.append(TEXT("probe-gap", values, size=size))
+    cells = [[f"{s} px", f"{v['acc']:.3f}", f"{v['s_per_100']:.2f}"] for s, v in rows]
+    first = {k: rows[0][1].get(k, "?") for k in ("n_train", "n_test")}
+    best_ = {"best": best[0], "best_acc": f"{best[1]['acc']:.3f}", "size": size}
+    return TEXT("probe-table", first, best_, rows=cells, gaps=gaps)
 
 
 def _teacher_size(grid: Grid) -> int | None:
@@ -570,7 +556,7 @@ def _teacher_size(grid: Grid) -> int | None:
 
 def setup_table(grid: Grid) -> list[str]:
     """One line per method: algorithm, data, client model, server, rounds and training."""
-    lines = head("method | preset | algorithm | data | client model | server | rounds, clients")
+    lines = []
     for mod in grid.modalities:
         for m in _methods(grid, mod):
             c = job_config(Cell(mod, grid.alphas[0], grid.seeds[0], m), grid)
@@ -639,150 +625,18 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
     return path
 
 
-# ----------------------------------------------------------------------------- the page
-
-INTRO = """\
-Method: FedRD, *A Federated Learning and Knowledge Distillation Approach* (federated
-reprogramming knowledge distillation). Code: `src/fedfm/algorithms/fedrd.py` (FedRD, FedRD
-without φ, Fed-Hint, student FedAvg + public fine-tuning), `src/fedfm/models/fm_adapter.py`
-(the federated adapter on the frozen vision foundation model), `src/fedfm/core/cka.py`
-(linear CKA), this study: `src/fedfm/reproduce/fedrd.py`. This page is
-written by the study; do not edit it by hand.
-
-## The method in brief
-
-The server holds a frozen foundation model F_t, a trainable reprogramming module φ (a
-projection, two pre-norm residual MLP blocks and a projection to the student's feature
-width), the shared FC head g and the global student F_s; clients hold only the student.
-Each round: broadcast the student; clients train it with cross-entropy; FedAvg by n_k; then
-the server co-trains φ, g and the student on a small labelled public set with
-`L = CE(y, z_s) + α·CE(y, z_t) + β·(KL(z_t ‖ z_s) + L_CKA(f_t, f_s))`,
-z_t = g(φ(F_t(x))), z_s = g(F_s(x)), L_CKA = −linear CKA (widths may differ).
-
-## What is compared, and why
-
-FedRD's server trains on labelled public rows that plain student FedAvg never sees, so a
-gain over FedAvg can come from those rows alone. The claim under test is that the
-*foundation model* helps, so FedRD is compared with two **controls** that see the same public
-rows without distillation:
-
-- **student FedAvg + public fine-tuning** (`fedavg-ft`): after FedAvg the server fine-tunes
-  the student with CE on the same public rows, same epochs, batch size and optimizer as
-  FedRD's co-training; no foundation model is loaded;
-- **FedRD with α = β = 0**: FedRD's own run with the teacher terms weighted zero, so the
-  student sees only CE on the public rows; it keeps FedRD's warm-up, which trains g (the
-  student's head) through the teacher path before round 1 — the only way it differs from
-  the first control.
-
-Baselines: **FedRD without φ** (called `fedrd-kd` before; FedRD's loss with F_t's raw
-features fed to a separate trainable teacher head and to CKA), **Fed-Hint** (FitNets-style
-feature hints at the server: CE on the public rows plus β·mean((W f_s − F_t(x))²) with a
-learned regressor W; β in the setup table, chosen as the preset's comment says), **student
-FedAvg** without public rows, and a **federated adapter on the foundation model** (every
-client holds the frozen EfficientNet-Lite0, trains a residual adapter, a feature layer and a
-head on its features; only those travel). The paper's other federated KD baselines,
-**Fed-CRD, Fed-VID and SemCKD, are not implemented**.
-
-Choices of ours where the paper is silent: g *is* the student's head (it travels with the
-student and clients train it too); gradients of KL and CKA reach both sides (joint
-back-propagation); the server optimizer (Adam) is rebuilt every round; the warm-up trains φ
-and g (or the teacher head) with CE(y, z_t) alone for `warmup_epochs` before round 1 (the
-paper calls CE(y, z_t) critical but gives no schedule); Fed-Hint hints the student's
-penultimate (feature) layer, not a middle layer, onto F_t's pooled features, with the
-regressor kept across rounds; F_t's features are computed once and cached (F_t is frozen
-and there is no augmentation, so this is exact). The public set is disjoint by sample id
-from every client's data and from the test set (checked; an overlapping set is refused).
-"""
-
-SUBSTITUTIONS: list[tuple[str, str, str]] = [
-    (
-        "PMC-CLIP / LVM-Med, foundation models pretrained on medical images",
-        "EfficientNet-Lite0 pretrained on ImageNet (4.7 M parameters, the only vision foundation"
-        " model installed here)",
-        "a large, domain-pretrained FM: the teacher here is small and its linear probe is"
-        ' measured above; the claim "a strong FM helps a weak student" is tested only as far as'
-        " this FM is stronger than the student",
-    ),
-    (
-        "COVID-CT and ISIC2018 (medical images, colour, high resolution)",
-        "Fashion-MNIST (28×28 grey product photos; no medical image set is installed)",
-        "the medical domain; the domain shift here is ImageNet photos → small grey product"
-        " images, a shift, but not the paper's shift from natural to medical images",
-    ),
-    (
-        "ResNet18 / ShuffleNet students",
-        "SmallCNN (2 conv blocks, 16/32 channels, 128-d features; about 0.2 M parameters)",
-        "the paper's student architectures; a small CNN keeps the seeded grid affordable on 2"
-        " CPU cores",
-    ),
-    (
-        "Fed-CRD, Fed-VID, SemCKD baselines",
-        "not implemented (Fed-Hint and FedRD without φ are)",
-        "three of the paper's KD comparisons",
-    ),
-    (
-        "GPU memory of clients (~70 MB vs ~1,297 MB)",
-        "not remeasured in this study (`benchmarks/client_memory.py` measures CPU training"
-        " memory of one client)",
-        "the memory claim is not part of this page",
-    ),
-]
-"""(paper, here, what the substitution removes from the test of the claim)."""
-
-
-def scalerow(grid: Grid) -> tuple[str, str, str]:
+def scale_row(grid: Grid) -> str:
     """The row of the substitutions on scale, from the grid's FedRD config."""
     c = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
     t, al, tr = c["task"], c["algo"], c["train"]
-    size = al.get("teacher_options", {}).get("image_size")
-    here = (
-        f"{c['partition'].get('num_clients')} clients, {t.get('max_train')} training images in"
-        f" all ({t.get('local_test_fraction', 0.2):g} of each client's held out as its local"
-        f" test split), {tr.get('steps')} local steps per round, {c['rounds']} rounds,"
-        f" {al.get('public_size')} public images, the FM at {size} px"
-    )
-    return (
-        "the paper's client count, data sizes, input resolution and training budget",
-        here,
-        "scale: few clients and little private data (where a teacher should matter most);"
-        " the results do not speak for many clients, large private sets or long training",
-    )
-
-
-TEXT_ROW = (
-    "(the paper's setting is medical imaging only)",
-    "TREC question types (6 classes, 500 public questions carved out, 10 clients, half per"
-    " round) with a fastText-style student and all-MiniLM-L6-v2 (22 M parameters) as F_t;"
-    " federated LoRA on MiniLM (`fedrd-text-lora`) is not in this grid (every client step runs"
-    " the 22 M-parameter encoder: too slow for 3 seeds × 40 rounds on 2 shared CPU cores)",
-    "a second modality where the teacher path can beat the student; not medical text",
-)
-
-
-def substitution_lines(grid: Grid) -> list[str]:
-    """The substitutions as a table."""
-    rows = list(SUBSTITUTIONS)
-    if "vision" in grid.modalities:
-        rows.insert(3, scalerow(grid))
-    if "text" in grid.modalities:
-        rows.append(TEXT_ROW)
-    return [
-        "## Substitutions of the paper's models and data, and what they remove",
-        "",
-        *head(["paper", "here", "what the substitution removes from the test of the claim"]),
-        *[row(list(r)) for r in rows],
-        "",
-    ]
+    values = {"clients": c["partition"].get("num_clients"), "max_train": t.get("max_train")}
+    values.update(test_fraction=f"{t.get('local_test_fraction', 0.2):g}", steps=tr.get("steps"))
+    values.update(rounds=c["rounds"], public=al.get("public_size"))
+    return TEXT("scale-row", values, size=al.get("teacher_options", {}).get("image_size"))
 
 
 def _fedrd_minus(grid: Grid, mod: str, alpha: float, other: str) -> Any:
     return lambda r: _minus(r, grid, mod, alpha, other, "acc")
-
-
-FM_SCOPE = (
-    "The FM is EfficientNet-Lite0 (ImageNet) on Fashion-MNIST, or MiniLM on TREC, not a medical"
-    " FM on medical images; seeds pair the partitions."
-)
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
@@ -790,6 +644,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     against FedRD without φ (the reprogramming's part); the paper's other claims this study
     does not test."""
     out: list[Readout[Results]] = []
+    fm = TEXT("scope-fm")
     for mod in grid.modalities:
         for a in grid.alphas:
             where = f"{mod}, α = {a:g}"
@@ -801,8 +656,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                         "the FM's distillation helps the student (beyond the public rows)",
                         +1,
                         _fedrd_minus(grid, mod, a, "ft"),
-                        scope="The paper compares with KD baselines only; this control sees the"
-                        f" same public rows without the FM. {FM_SCOPE}",
+                        scope=TEXT("scope-ft", fm=fm),
                     )
                 )
             if "nophi" in _methods(grid, mod):
@@ -813,32 +667,37 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                         "reprogramming beats KD without it under non-IID data",
                         +1,
                         _fedrd_minus(grid, mod, a, "nophi"),
-                        scope=FM_SCOPE,
+                        scope=fm,
                     )
                 )
     return [
         *out,
-        Readout(
-            "FedRD − Fed-CRD, Fed-VID, SemCKD",
-            "—",
-            "FedRD above the KD baselines",
-            +1,
-            lambda r: NONE,
-            scope="Not implemented here (Fed-Hint and FedRD without φ are).",
-            testable=False,
+        untestable(
+            "FedRD − Fed-CRD, Fed-VID, SemCKD", "FedRD above the KD baselines", TEXT("scope-kd")
         ),
-        Readout(
+        untestable(
             "client memory, federated LoRA / FedRD",
-            "—",
             "about 70 MB against about 1,297 MB of GPU memory",
-            +1,
-            lambda r: NONE,
-            null=1.0,
-            scope="Not measured by this study (`benchmarks/client_memory.py` measures one"
-            " client's CPU training memory).",
-            testable=False,
+            TEXT("scope-memory"),
         ),
     ]
+
+
+def results_text(grid: Grid, res: Results, mod: str) -> str:
+    """One modality's results: teacher against students, finals, differences, curves, seeds,
+    unstable runs and the server's view."""
+    return TEXT(
+        "results",
+        modality=mod,
+        teacher=teacher_lines(grid, res, mod),
+        results=results_table(grid, res, mod),
+        differences=differences_table(grid, res, mod),
+        curves=curves_table(grid, res, mod),
+        seeds=seeds_table(grid, res, mod),
+        drop=f"{DROP:g}",
+        unstable=unstable_lines(grid, res, mod) or [TEXT("no-unstable")],
+        server=teacher_table(grid, res, mod),
+    )
 
 
 def body(ctx: Context[Grid], res: Results) -> list[str]:
@@ -848,66 +707,27 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     report = ctx.report or ctx.out / "fedrd.md"
     fig = curves_figure(grid, res, report.parent / report.stem / "accuracy_over_rounds.png")
     done = sum(j in res and res[j].rounds == _rounds(grid, j.modality, j.method) for j in jobs_)
-    lines = [
-        INTRO,
-        *command_lines(ctx.command),
-        f"- Grid: {', '.join(grid.modalities)} × Dirichlet α ∈"
-        f" {{{', '.join(f'{a:g}' for a in grid.alphas)}}} × seeds"
-        f" {{{', '.join(map(str, grid.seeds))}}} × methods"
-        f" ({', '.join(f'{len(_methods(grid, m))} {m}' for m in grid.modalities)}) ="
-        f" {len(jobs_)} runs; {done} finished. The seed draws the training pool, the public"
-        " set and the partition, so every method of a seed sees the same clients and public"
-        " rows: differences are paired by seed.",
-        f"- Test accuracy on the task's test set (Fashion-MNIST: its 10,000 test images;"
-        f" TREC: `max_test` held-out questions) is evaluated every {grid.eval_every}"
-        " rounds and after the last; the tables give the last round. Standard errors are over"
-        " seeds (sample SD / √n); a difference is *resolved* when it lies more than 2 SE from"
-        f" zero (with {len(grid.seeds)} seed(s) a lenient screen, not a test).",
-        "- Resumable: rerunning the command runs only what is missing and rewrites this page.",
-        *([f"- Quick grid (smoke check), overrides: {grid.overrides}."] if ctx.quick else []),
-        "",
-        *setup_table(grid),
-        "",
-    ]
-    for mod in grid.modalities:
-        lines += blocks(
-            f"## Results ({mod})",
-            "**Teacher path against the students** (z_t on the `teacher_eval_size` test"
-            " subset, students on the whole test set; mean ± SE over seeds):",
-            teacher_lines(grid, res, mod),
-            "### Final accuracy and macro-F1 (mean ± SE over seeds)",
-            "*teacher path z_t acc*: accuracy of g(φ(F_t(x))) (FedRD) or of the teacher head on"
-            " raw F_t features (FedRD without φ) on a fixed subset of the test set"
-            " (`teacher_eval_size` rows).",
-            results_table(grid, res, mod),
-            "### FedRD minus each other method (paired by seed)",
-            differences_table(grid, res, mod),
-            "### Accuracy over rounds (mean ± SE over seeds)",
-            curves_table(grid, res, mod),
-            "### Final accuracy per seed",
-            seeds_table(grid, res, mod),
-            f"Runs whose test accuracy fell by more than {DROP:g} between two evaluations"
-            " (a diverging run moves its cell's mean and SE far more than any method"
-            " difference):",
-            unstable_lines(grid, res, mod) or ["- none"],
-            "### The server's view: teacher path, fit of the public rows, CKA",
-            "Means over seeds of the server's co-training metrics on the public batches of the"
-            " last round, and the CKA between f_t and f_s on the test subset at the last"
-            " evaluation. A public CE(y, z_t) near zero with a high public CKA but a low test"
-            " CKA means the public rows are memorised and the distillation terms carry little.",
-            teacher_table(grid, res, mod),
-        )
-    if "vision" in grid.modalities:
-        probe = ctx.run(PROBE).result
-        lines += [
-            "## Is the teacher stronger than the student?",
-            "",
-            *probe_lines(probe, grid, res),
-        ]
-    lines += substitution_lines(grid)
-    if fig is not None:
-        lines += ["## Figures", "", f"![accuracy over rounds]({report.stem}/{fig.name})", ""]
-    return lines
+    vision = "vision" in grid.modalities
+    text = TEXT(
+        "body",
+        command=ctx.command,
+        modalities=", ".join(grid.modalities),
+        alphas=", ".join(f"{a:g}" for a in grid.alphas),
+        seeds=", ".join(map(str, grid.seeds)),
+        methods=", ".join(f"{len(_methods(grid, m))} {m}" for m in grid.modalities),
+        runs=len(jobs_),
+        done=done,
+        eval_every=grid.eval_every,
+        n_seeds=len(grid.seeds),
+        quick=TEXT("quick", overrides=grid.overrides) if ctx.quick else None,
+        setup=setup_table(grid),
+        results="\n\n".join(results_text(grid, res, mod) for mod in grid.modalities),
+        probe=TEXT("probe", probe=probe_text(ctx.run(PROBE).result, grid, res)) if vision else None,
+        scale_row=scale_row(grid) if vision else None,
+        text_row=TEXT("text-row") if "text" in grid.modalities else None,
+        figures=None if fig is None else TEXT("figures", path=f"{report.stem}/{fig.name}"),
+    )
+    return [text, ""]
 
 
 STUDY = register(
@@ -919,7 +739,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: "FedRD: federated reprogramming knowledge distillation — reproduction",
+        title=lambda ctx: TEXT("title"),
         body=body,
         reports=("fedrd.md", None),
     )

@@ -34,10 +34,13 @@ from fedfm.reproduce.framework import (
     Unmet,
     preset,
     register,
+    task_of,
+    untestable,
 )
 from fedfm.reproduce.stats import NONE, Estimate, mean_of, paired
-from fedfm.reproduce.tables import DASH, blocks, marked, num, table
+from fedfm.reproduce.tables import DASH, Text, joined, marked, num, table
 
+TEXT = Text("fedsdr")
 METHODS = ("fedit", "fedsd", "fedsdr", "matched")
 LABELS = {
     "base": "base (round 0)",
@@ -183,15 +186,10 @@ def _quantiles(values: Sequence[int]) -> dict[str, float]:
 def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]) -> dict:
     """Token lengths of the references (reference and end-of-turn token) per domain, of the
     training rows and the evaluated items, and the share cut by ``prompt.max_length``."""
-    from fedfm.config import load_config
     from fedfm.data.prompt import fit_prompt
-    from fedfm.engine import resolve
-    from fedfm.tasks.base import TASKS
     from fedfm.tasks.lm import InstructionTask
 
-    run_cfg = load_config(dict(config))
-    _, task_cfg = resolve(run_cfg)
-    task = TASKS.get(task_cfg.kind)(task_cfg, run_cfg)
+    task = task_of(config)
     if not isinstance(task, InstructionTask):
         raise TypeError(f"the study's task is an instruction task, not {type(task).__name__}")
     tok, prompt = task.tokenizer, task.cfg.prompt
@@ -313,23 +311,10 @@ def level(res: Results, m: str, measure: str, grid: Grid) -> dict[str, float]:
 
 def _scopes(grid: Grid) -> dict[str, str]:
     """What each kind of readout measures, in the grid's numbers."""
-    return {
-        "kept": "Kept ability is measured offline by substitutes: zero-shot accuracy on"
-        f" {' and '.join(grid.zeroshot)} (label tasks no client trains on,"
-        f" {grid.zeroshot_items} items each) and the NLL of {grid.docs} held-out C4"
-        " documents; the paper's benchmarks (MMLU, BBH, CRASS, DROP) test knowledge and"
-        " reasoning that a 135M model barely has, so a substitute can show forgetting of what"
-        " the base can do, not a gain on those benchmarks. One seed: the SE covers the items.",
-        "fidelity": "Fidelity: the NLL per token of the held-out references of each trained"
-        f" domain ({', '.join(grid.domains)}; {grid.seen_items} items each), the mean over"
-        " domains. Lower is closer to the clients' tasks.",
-        "matched": "Matched-drift FedIT: FedIT at lr × ‖Δ_FedSD‖ / ‖Δ_FedIT‖ (one"
-        " proportional rescale of the update norm ‖θ_T − θ_0‖ each run logs); the achieved"
-        " ratio is in the update-norm table.",
-        "premise": "A premise, not a claim of the paper: the comparisons of kept ability mean"
-        " something only if the budget moves the base (FedIT's NLL on general text above the"
-        " round-0 base's).",
-    }
+    values = {**vars(grid), "domains": ", ".join(grid.domains)}
+    values["zeroshot"] = " and ".join(grid.zeroshot)
+    kinds = ("kept", "fidelity", "matched", "premise", "benchmarks")
+    return {k: TEXT(f"scope-{k}", values) for k in kinds}
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
@@ -366,15 +351,10 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             Readout(name, stat, paper, sign, est(a, b, m), scope=sc[scope])
             for name, stat, paper, sign, a, b, m, scope in rows
         ),
-        Readout(
+        untestable(
             "+FedSD − FedIT on MMLU, BBH, CRASS and DROP",
-            DASH,
             "+FedSD above FedIT on each (e.g. CRASS 47.81 → 56.57 with FedAvg)",
-            +1,
-            lambda r: NONE,
-            testable=False,
-            scope="The paper's own benchmarks need data and a model size this offline grid"
-            " does not have; the readouts above are its substitutes.",
+            sc["benchmarks"],
         ),
     ]
 
@@ -393,18 +373,9 @@ def _row_of(res: Results, m: str) -> dict[str, Any]:
     return res.runs[m].final if m in res.runs else {}
 
 
-def _instrument_lines(grid: Grid, res: Results) -> list[str]:
-    """What the scorer predicted, beside the baselines, and the budgets' fit."""
-    lines = [
-        "## The instrument first",
-        "",
-        "Zero-shot label accuracy of each domain no client trains on, beside always answering"
-        " its most frequent gold label (majority) and a uniform guess, with the share of items"
-        " answered with each label (scored by the summed log-likelihood of label and"
-        " end-of-turn token, the labels listed in an order drawn per item;"
-        " docs/evaluation.md).",
-        "",
-    ]
+def _zeroshot_tables(grid: Grid, res: Results) -> str | None:
+    """What the scorer predicted on each zero-shot domain, beside the baselines."""
+    parts: list[Any] = []
     for d in grid.zeroshot:
         labels = sorted(
             {
@@ -422,58 +393,47 @@ def _instrument_lines(grid: Grid, res: Results) -> list[str]:
             cells = [num(r.get(f"zeroshot/{k}")) for k in keys]
             rows.append([LABELS[m], *cells, f"{r.get(f'zeroshot/n/{d}', 0):.0f}"])
         header = ["model", f"acc {d}", "majority", "uniform", *(f"answered {x}" for x in labels)]
-        lines += [f"**{d}**", "", *table([*header, "items"], rows), ""]
+        parts += [f"**{d}**", table([*header, "items"], rows)]
+    return joined(*parts) or None
+
+
+def _trained_labels(grid: Grid, res: Results) -> str | None:
+    """The trained classification domains' accuracy beside their majority baseline."""
     seen = [d for d in grid.domains if any(f"pred/{d}/" in k for k in _row_of(res, BASE))]
-    if seen:
-        rows = [
-            [
-                LABELS[m],
-                *(f"{num(r.get(f'acc/{d}'))} (maj. {num(r.get(f'majority/{d}'))})" for d in seen),
-            ]
-            for m in _methods(res)
-            for r in [_row_of(res, m)]
+    if not seen:
+        return None
+    rows = [
+        [
+            LABELS[m],
+            *(f"{num(r.get(f'acc/{d}'))} (maj. {num(r.get(f'majority/{d}'))})" for d in seen),
         ]
-        lines += [
-            "The trained classification domains, for comparison (accuracy and majority"
-            " baseline; not a readout):",
-            "",
-            *table(["model", *seen], rows),
-            "",
-        ]
-    lines += _length_lines(grid, res)
-    return lines
+        for m in _methods(res)
+        for r in [_row_of(res, m)]
+    ]
+    return TEXT("trained-labels", table=table(["model", *seen], rows))
 
 
-def _length_lines(grid: Grid, res: Results) -> list[str]:
-    lines: list[str] = []
-    if res.lengths:
-        m = int(res.lengths["max_length"])
-        rows = [
-            [part, d, *(f"{v[k]:.0f}" for k in ("n", "p50", "p90", "max")), num(v["cut"])]
-            for part in ("train", "evaluated")
-            for d, v in res.lengths.get(part, {}).items()
-        ]
-        lines += [
-            f"References' token lengths (SmolLM2 tokens of the reference and its end-of-turn"
-            f" token) against the {m}-token budget of prompt and reference in training and in"
-            " the NLL (`task.prompt.max_length`); *cut*: share of rows whose reference is cut"
-            " to fit.",
-            "",
-            *table("rows | domain | n | p50 | p90 | max | cut", rows),
-            "",
-        ]
+def _lengths(res: Results) -> str | None:
+    """The references' token lengths against the training and NLL budget."""
+    if not res.lengths:
+        return None
+    rows = [
+        [part, d, *(f"{v[k]:.0f}" for k in ("n", "p50", "p90", "max")), num(v["cut"])]
+        for part in ("train", "evaluated")
+        for d, v in res.lengths.get(part, {}).items()
+    ]
+    return TEXT("lengths", max_length=int(res.lengths["max_length"]), rows=rows)
+
+
+def _doc_tokens(grid: Grid, res: Results) -> str | None:
+    """How much of the held-out C4 text is scored."""
     docs = res.items(BASE) and [it for it in res.items(BASE) if it.get("metric") == "text_nll"]
-    if docs:
-        toks = [int(it["nll_tokens"]) for it in docs]
-        full = sum(t == grid.doc_tokens - 1 for t in toks)
-        lines += [
-            f"Held-out general text: {len(docs)} C4 documents (the first of LLaMA-Factory's"
-            f" `c4_demo.jsonl`), each scored on its first {grid.doc_tokens} tokens (the first"
-            f" token is not predicted): {sum(toks):,} tokens, {full} documents long enough to"
-            f" fill the window, {np.mean(toks):.0f} scored tokens on average.",
-            "",
-        ]
-    return lines
+    if not docs:
+        return None
+    toks = [int(it["nll_tokens"]) for it in docs]
+    full = sum(t == grid.doc_tokens - 1 for t in toks)
+    values = {"n": len(docs), "tokens": f"{sum(toks):,}", "full": full}
+    return TEXT("doc-tokens", values, doc_tokens=grid.doc_tokens, mean=f"{np.mean(toks):.0f}")
 
 
 def _levels_table(grid: Grid, res: Results) -> list[str]:
@@ -516,7 +476,8 @@ def _domain_table(grid: Grid, res: Results, measure: str, keys: Sequence[str]) -
     return table(["difference", *keys], rows)
 
 
-def _norm_lines(grid: Grid, res: Results) -> list[str]:
+def _norms(grid: Grid, res: Results) -> list[str]:
+    """Each method's update norm and training loss per round."""
     rounds = range(1, grid.rounds + 1)
     rows = []
     for m in METHODS:
@@ -527,29 +488,29 @@ def _norm_lines(grid: Grid, res: Results) -> list[str]:
             cells += [num(r.rounds.get(k, {}).get("train_loss"), 3) for k in rounds]
             rows.append([LABELS[m], f"{lr:.3g}", *cells])
     header = ["method", "local lr", *(f"‖θ_{k} − θ_0‖" for k in rounds)]
-    header += [f"train loss r{k}" for k in rounds]
-    lines = ["## Update norms and the matched-drift control", "", *table(header, rows), ""]
-    if {"fedit", "fedsd"} <= set(res.runs):
-        try:
-            lr, ratio = matched_lr(grid, res.runs["fedit"], res.runs["fedsd"])
-        except Unmet as e:
-            return [*lines, f"The control could not be configured: {e}.", ""]
-        target = float(res.runs["fedsd"].final["update_norm"])
-        got = res.runs.get("matched")
-        norm = float(got.final["update_norm"]) if got and "update_norm" in got.final else None
-        achieved = "it has not run" if norm is None else f"its update norm is {norm:.4f}, "
-        achieved += "" if norm is None else f"{norm / target:.3f}× +FedSD's"
-        lines += [
-            f"The rule (one proportional rescale): the control's lr = {grid.lr:g} × ‖Δ_FedSD‖ /"
-            f" ‖Δ_FedIT‖ = {grid.lr:g} × {ratio:.4f} = {lr:.4g}; {achieved}. The norm is over"
-            " the aggregated adapter's tensors (LoRA A and B; FedSDR: LoRA-R alone).",
-            "",
-        ]
-    return lines
+    return table([*header, *(f"train loss r{k}" for k in rounds)], rows)
 
 
-def _rewrite_lines(res: Results, grid: Grid) -> list[str]:
-    lines = ["## FedSD's rewrites and their fallbacks", ""]
+def _matched(grid: Grid, res: Results) -> str | None:
+    """The matched-drift control's rule and the norm it reached."""
+    if not {"fedit", "fedsd"} <= set(res.runs):
+        return None
+    try:
+        lr, ratio = matched_lr(grid, res.runs["fedit"], res.runs["fedsd"])
+    except Unmet as e:
+        return TEXT("unmatched", error=e)
+    target = float(res.runs["fedsd"].final["update_norm"])
+    got = res.runs.get("matched")
+    norm = float(got.final["update_norm"]) if got and "update_norm" in got.final else None
+    achieved = "it has not run" if norm is None else f"its update norm is {norm:.4f}, "
+    achieved += "" if norm is None else f"{norm / target:.3f}× +FedSD's"
+    values = {"lr": f"{grid.lr:g}", "ratio": f"{ratio:.4f}", "matched_lr": f"{lr:.4g}"}
+    return TEXT("matched", values, achieved=achieved)
+
+
+def _rewrites(res: Results, grid: Grid) -> str:
+    """FedSD's rewrites: kept and fallback rows per domain, and their statistics."""
+    parts: list[Any] = []
     for m in ("fedsd", "fedsdr"):
         zero = res.runs[m].rounds.get(0, {}) if m in res.runs else {}
         if "fedsd/rows" not in zero:
@@ -565,47 +526,35 @@ def _rewrite_lines(res: Results, grid: Grid) -> list[str]:
             rows.append(
                 [d or "all", f"{n:.0f}", *cells, num(zero.get(f"fedsd/length_ratio{sfx}"), 2)]
             )
+        header = ["domain", "rows", "kept", *(f"fallback {x}" for x in reasons), "length ratio"]
         cached = int(zero.get("fedsd/cached_clients", 0))
-        lines += [
-            f"`{m}` (round 0; {cached} of {len(grid.domains)} clients read the rewrite cache):"
-            f" counts of rows, {grid.rewrite_tokens} new tokens per rewrite.",
-            "",
-            *table(
-                ["domain", "rows", "kept", *(f"fallback {x}" for x in reasons), "length ratio"],
-                rows,
-            ),
-            "",
-        ]
+        values = {"method": m, "cached": cached, "clients": len(grid.domains)}
+        parts.append(TEXT("rewrite-counts", values, vars(grid), table=table(header, rows)))
         if m == "fedsd":
             stats = [[label, num(float(zero[k]), dg)] for k, label, dg in REWRITE_KEYS if k in zero]
-            lines += [*table(["statistic", "value"], stats), ""]
-    if len(lines) == 2:
-        return [*lines, "No run logged rewrite statistics.", ""]
-    lines += [
-        "A fallback row trains on its raw reference, so +FedSD differs from FedIT only on the"
-        " kept rows. *truncated*: the rewrite reached its token limit without ending (training"
-        " would teach the model to stop mid-answer); *long_prompt*: the rewrite prompt with the"
-        " whole reference exceeds the teacher's budget (never cut). The paper: about 47% of"
-        " rewrites do not entail the reference (entailment is not measured here).",
-        "",
+            parts.append(table(["statistic", "value"], stats))
+    return joined(*parts, TEXT("fallbacks") if parts else TEXT("no-rewrites"))
+
+
+def _distributions(ctx: Context[Grid], res: Results) -> str | None:
+    """The answer distributions' divergence between clients, raw and distilled."""
+    if "fedsd" not in res.runs:
+        return None
+    dist = distribution_analysis(ctx.out / "fedsd", job_config(ctx.grid, "fedsd"))
+    if "js_distilled" not in dist:
+        return None
+    rows = [
+        [name, num(dist[f"{k}_raw"], 4), num(dist[f"{k}_distilled"], 4), f"{p[0]} → {p[1]}"]
+        for name, k, p in (
+            ("JS divergence between clients (bits)", "js", PAPER_JS),
+            ("TF-IDF cosine between clients", "tfidf", PAPER_TFIDF),
+        )
     ]
-    return lines
+    return TEXT("distributions", rows=rows)
 
 
-def _analysis_lines(ctx: Context[Grid], res: Results) -> list[str]:
-    grid = ctx.grid
-    lines = ["## Answer distributions, update cosines and uplink bytes", ""]
-    if "fedsd" in res.runs:
-        dist = distribution_analysis(ctx.out / "fedsd", job_config(grid, "fedsd"))
-        if "js_distilled" in dist:
-            rows = [
-                [name, num(dist[f"{k}_raw"], 4), num(dist[f"{k}_distilled"], 4), f"{p[0]} → {p[1]}"]
-                for name, k, p in (
-                    ("JS divergence between clients (bits)", "js", PAPER_JS),
-                    ("TF-IDF cosine between clients", "tfidf", PAPER_TFIDF),
-                )
-            ]
-            lines += [*table(["measure", "raw", "distilled", "paper raw → distilled"], rows), ""]
+def _cosines(grid: Grid, res: Results) -> list[str]:
+    """The clients' update cosines per round and the uplink bytes."""
     rounds = range(1, grid.rounds + 1)
     rows = []
     for m in METHODS:
@@ -615,104 +564,45 @@ def _analysis_lines(ctx: Context[Grid], res: Results) -> list[str]:
             up = sorted({int(x.get("bytes_up_arrays", 0)) for x in r.metrics if int(x["round"])})
             cells = [f"{cos[k][0]:.3f} / {cos[k][1]:.3f}" if k in cos else DASH for k in rounds]
             rows.append([LABELS[m], *cells, ", ".join(f"{u:,}" for u in up)])
-    lines += [
-        "Mean / minimum pairwise cosine of the clients' updates per round (FedSDR: LoRA-R),"
-        " computed by the server from the uploads (`algo.update_cosines`), and the uplink"
-        " tensor bytes per round from the audit ledger (FedSDR uploads FedIT's bytes).",
-        "",
-        *table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows),
-        "",
-    ]
-    return lines
+    return table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows)
 
 
-def _setup_lines(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> list[str]:
+    """Setup, the instrument, kept ability and fidelity, update norms, rewrites, analyses."""
     from fedfm.config import load_config
     from fedfm.engine import resolve
 
     grid = ctx.grid
     run_cfg = load_config(job_config(grid, "fedsdr"))
     t, tr = resolve(run_cfg)[1].model_dump(), run_cfg.train.model_dump()  # defaults filled in
-    return [
-        "## Setup",
-        "",
-        f"- Model: {t['model']} (bfloat16 autocast {t.get('autocast_bf16')}), LoRA r"
-        f"={t['lora']['r']} on {', '.join(t['lora']['target_modules'])}; {len(grid.domains)}"
-        f" clients, one trained domain each ({', '.join(grid.domains)}), {grid.per_domain}"
-        f" training items each; every client every round; server optimizer {grid.optimizer}.",
-        f"- {grid.rounds} rounds of {grid.steps} local steps (batch {tr['batch_size']},"
-        f" {tr['optimizer']}, lr {grid.lr:g}) for FedIT and +FedSD; FedSDR {grid.steps_s}"
-        f" LoRA-S steps on the rewrites, then {grid.steps} LoRA-R steps on the raw answers,"
-        f" per round. The base is FedIT's round-0 evaluation (B = 0: the untrained model).",
-        f"- Evaluation by likelihood only (nothing generated): {grid.zeroshot_items} test items"
-        f" of each of {', '.join(grid.zeroshot)} (no client trains on them), {grid.docs} C4"
-        f" documents, {grid.seen_items} held-out items of each trained domain.",
-        f"- FedSD rewrites: SDFT's prompt, greedy, {grid.rewrite_tokens} new tokens, generated"
-        " once (round 0 of `fedsd`) and read from the cache by `fedsdr`.",
-        "",
-    ]
-
-
-def _limits_lines(grid: Grid) -> list[str]:
-    return [
-        "## What the paper's setting has that this one does not",
-        "",
-        "- **Model and benchmarks**: the paper fine-tunes 7B-class models and scores MMLU,"
-        " BBH, CRASS and DROP; here a 135M model is scored on substitutes it can do at all"
-        " (two label tasks, C4 text). A 135M base is near chance on such benchmarks, so kept"
-        " ability here is about not forgetting what the base has (label preferences, web-text"
-        " fluency), not about reasoning.",
-        "- **Data and clients**: the paper's clients hold thousands of finance, medical,"
-        f" maths and code instructions; here {len(grid.domains)} clients hold"
-        f" {grid.per_domain} items each of offline stand-ins, for {grid.rounds} rounds.",
-        "- **Seeds**: one seed; every SE is over items (or documents) only. The spread over"
-        " seeds, partitions and rewrite draws is not measured, so a resolved difference says"
-        " the items can tell these two models apart, not that the methods differ in general.",
-        "- **What the grid can resolve**: accuracy differences of about 2 SE of the paired"
-        f" per-item differences on {grid.zeroshot_items} items per domain (the SEs above), and"
-        " small NLL differences on the same documents and references; it cannot speak to the"
-        " paper's benchmark gains, to other server optimizers, or to larger drift.",
-        "",
-    ]
-
-
-def body(ctx: Context[Grid], res: Results) -> list[str]:
-    """Setup, the instrument, kept ability and fidelity, update norms, rewrites, analyses."""
-    grid = ctx.grid
-    lines = [
-        "FedSDR (ICML 2026, arXiv 2605.18028; METHODS.md section 1): FedSD rewrites every"
-        " client's answers with the global model before round 1; FedSDR trains LoRA-S on the"
-        " rewrites and LoRA-R on the raw answers, and aggregates LoRA-R alone.",
-        "",
-        *_setup_lines(ctx, res),
-        *_instrument_lines(grid, res),
-        *blocks(
-            "## Kept ability and fidelity",
-            "Means over items per domain (accuracy: higher is better; NLL per token, natural"
-            " log: lower is better); *mean* weighs every domain the same.",
-            _levels_table(grid, res),
-            "Paired differences (mean ± SE; `*`: more than 2 SE from zero), over items per"
-            " domain then the mean over domains, over documents for C4:",
-            _diff_table(grid, res),
-            "Per domain, zero-shot accuracy:",
-            _domain_table(grid, res, "acc", grid.zeroshot),
-            "Per domain, reference NLL per token (fidelity):",
-            _domain_table(grid, res, "fidelity", grid.domains),
-        ),
-        *_norm_lines(grid, res),
-        *_rewrite_lines(res, grid),
-        *_analysis_lines(ctx, res),
-        *_limits_lines(grid),
-    ]
-    missing = [m for m in METHODS if m not in res.runs]
-    if missing:
-        lines += blocks(
-            "## Runs not finished",
-            f"{', '.join(f'`{m}`' for m in missing)}: their rows above are empty. `{ctx.command}`"
-            " finishes them (finished runs are skipped, an unfinished one resumes from its last"
-            " checkpoint) and rewrites this report.",
-        )
-    return lines
+    setup = {"model": t["model"], "autocast": t.get("autocast_bf16"), "lora_r": t["lora"]["r"]}
+    setup.update(targets=", ".join(t["lora"]["target_modules"]), batch_size=tr["batch_size"])
+    setup.update(local_optimizer=tr["optimizer"], lr=f"{grid.lr:g}")
+    missing = [f"`{m}`" for m in METHODS if m not in res.runs]
+    not_finished = TEXT("not-finished", missing=", ".join(missing), command=ctx.command)
+    text = TEXT(
+        "body",
+        vars(grid),
+        setup,
+        n_domains=len(grid.domains),
+        domains=", ".join(grid.domains),
+        zeroshot=", ".join(grid.zeroshot),
+        zeroshot_tables=_zeroshot_tables(grid, res),
+        trained_labels=_trained_labels(grid, res),
+        lengths=_lengths(res),
+        doc_tokens=_doc_tokens(grid, res),
+        levels=_levels_table(grid, res),
+        differences=_diff_table(grid, res),
+        acc_domains=_domain_table(grid, res, "acc", grid.zeroshot),
+        fidelity_domains=_domain_table(grid, res, "fidelity", grid.domains),
+        norms=_norms(grid, res),
+        matched=_matched(grid, res),
+        rewrites=_rewrites(res, grid),
+        distributions=_distributions(ctx, res),
+        cosines=_cosines(grid, res),
+        not_finished=not_finished if missing else None,
+    )
+    return [text, ""]
 
 
 STUDY = register(
@@ -724,7 +614,7 @@ STUDY = register(
         jobs=jobs,
         read=read,
         readouts=readouts,
-        title=lambda ctx: f"FedSDR reproduction ({ctx.grid.label})",
+        title=lambda ctx: TEXT("title", label=ctx.grid.label),
         body=body,
         reports=("fedsdr.md", None),
         later="the matched-drift control, once FedIT and +FedSD have measured their update norms",

@@ -36,13 +36,14 @@ import yaml
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
-from fedfm.reproduce.stats import Estimate, verdict
-from fedfm.reproduce.tables import DASH, blocks, head, num, row
+from fedfm.reproduce.stats import NONE, Estimate, verdict
+from fedfm.reproduce.tables import DASH, Text, head, num, row
 
 G = TypeVar("G")  # a study's grid
 R = TypeVar("R")  # what a study reads from its runs
 
 RECORD = "study.json"
+TEXT = Text("framework")
 RESULT = "result.json"
 
 # ----------------------------------------------------------------------------- jobs
@@ -106,6 +107,18 @@ def preset(name: str) -> dict[str, Any]:
     """A preset as a validated, complete config mapping (a fresh copy)."""
     data: dict[str, Any] = json.loads(_preset_json(name))
     return data
+
+
+def task_of(config: Mapping[str, Any]) -> Any:
+    """The task of a run config (its data, partition and model), without the algorithm."""
+    import fedfm.tasks  # noqa: F401  (every task registered)
+    from fedfm.config import load_config
+    from fedfm.engine import resolve
+    from fedfm.tasks.base import TASKS
+
+    cfg = load_config(dict(config))
+    _, task_cfg = resolve(cfg)
+    return TASKS.get(task_cfg.kind)(task_cfg, cfg)
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -298,25 +311,23 @@ class Readout(Generic[R]):
         return est, verdict(est, self.direction, self.null)
 
 
+def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
+    """A claim of the paper that the study's setup cannot test: listed with the reason."""
+    return Readout(name, DASH, paper, +1, lambda _: NONE, scope=scope, testable=False)
+
+
 def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
     """The report's opening section: every readout, its estimate and its verdict."""
-    lines = [
-        "## Readouts",
-        "",
-        "Fixed in code before the runs (`readouts` of the study's module); the verdict rule:"
-        " in the paper's direction by more than 2 SE, against it by more than 2 SE, or not"
-        " resolved (within 2 SE of no difference).",
-        "",
-        *head(["", "readout", "estimate", "statistic", "the paper", "verdict"]),
-    ]
+    rows: list[str] = []
     notes: dict[str, list[str]] = {}  # one note for the readouts that share it
     for i, r in enumerate(readouts, start=1):
         est, word = r.judge(data)
         shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
-        lines.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
+        rows.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
         if r.scope:
             notes.setdefault(r.scope, []).append(f"R{i}")
-    return [*lines, "", *[f"- {', '.join(ids)}: {text}" for text, ids in notes.items()], ""]
+    notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
+    return [TEXT("readouts", rows=rows, notes=notes_), ""]
 
 
 # ----------------------------------------------------------------------------- studies
@@ -803,44 +814,38 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
     """The section on the jobs' status, wall and CPU time and the machine's load."""
     rec = ctx.record
     ran = [i for i in rec.invocations if i.get("ran")]
-    lines = ["## Jobs, time and load", ""]
-    if ran:
-        wall = sum(float(i.get("wall_s", 0.0)) for i in ran) / 60
-        cpu = sum(float(i.get("cpu_s", 0.0)) for i in ran) / 60
-        lines.append(
-            f"From `{RECORD}`: {len(ran)} invocation(s) ran jobs, wall {wall:.1f} min, CPU"
-            f" time of all processes {cpu:.1f} min, on {_machine()} shared with other work"
-            " (the load average says how much: wall time on a busy machine overstates a"
-            " study's own cost, which the CPU time measures):"
-        )
-        for i in ran:
-            ls, le = (num((i.get(k) or [math.nan])[0], 1) for k in ("load_start", "load_end"))
-            lines.append(
-                f"- {i.get('started', '?')}: {i['ran']} jobs with {i.get('workers', 1)}"
-                f" worker(s), wall {float(i.get('wall_s', 0.0)) / 60:.1f} min, CPU"
-                f" {float(i.get('cpu_s', 0.0)) / 60:.1f} min; 1-minute load average {ls} at"
-                f" the start, {le} at the end."
-            )
-    else:
-        lines.append(f"No invocation that ran jobs is recorded in `{RECORD}` (on {_machine()}).")
+    values = {"record": RECORD, "machine": _machine(), "n": len(ran)}
+    each = []
+    for i in ran:
+        v = {k: f"{float(i.get(f'{k}_s', 0.0)) / 60:.1f}" for k in ("wall", "cpu")}
+        v.update({k: num((i.get(k) or [math.nan])[0], 1) for k in ("load_start", "load_end")})
+        v.update(started=i.get("started", "?"), ran=i["ran"], workers=i.get("workers", 1))
+        each.append(TEXT("invocation", v))
+    wall, cpu = (f"{sum(float(i.get(k, 0.0)) for i in ran) / 60:.1f}" for k in ("wall_s", "cpu_s"))
+    invocations = TEXT("invocations", values, wall=wall, cpu=cpu, each=each)
     # A large grid is summed by group (the study's cost classes), a small one job by job.
     entries = [(j, rec.jobs.get(j.name, {})) for j in jobs]
     by: dict[str, list[dict[str, Any]]] = {}
     for j, e in entries:
         by.setdefault(j.name if len(jobs) <= 40 else (j.group or "jobs"), []).append(e)
-    lines += ["", *head("job or group | jobs | status | wall s | CPU s | load at start → end")]
+    rows = []
     for key, es in by.items():
         status = ", ".join(sorted({str(e.get("status", "not run")) for e in es}))
         timed = [e for e in es if e.get("attempts")]
-        wall, cpu = (sum(float(e[k]) for e in timed) for k in ("wall_s", "cpu_s"))
-        ends = (timed[0].get("load_start"), timed[-1].get("load_end")) if timed else (None, None)
-        load = f"{num(ends[0], 1)} → {num(ends[1], 1)}" if timed else DASH
-        times = [num(x if timed else None, 0) for x in (wall, cpu)]
-        lines.append(row([key, len(es), status, *times, load]))
-    errors = [(j.name, e["error"]) for j, e in entries if e.get("error")]
-    if errors:
-        lines += ["", "Jobs that did not finish:", "", *[f"- `{n}`: {x}" for n, x in errors]]
-    return [*lines, ""]
+        secs = [sum(float(e[k]) for e in timed) if timed else None for k in ("wall_s", "cpu_s")]
+        ends = [timed[0].get("load_start"), timed[-1].get("load_end")] if timed else []
+        load = " → ".join(num(x, 1) for x in ends) or DASH
+        rows.append(row([key, len(es), status, *(num(x, 0) for x in secs), load]))
+    errors = [f"- `{j.name}`: {e['error']}" for j, e in entries if e.get("error")]
+    return [
+        TEXT(
+            "times",
+            invocations=invocations if ran else TEXT("no-invocation", values),
+            jobs=rows,
+            unfinished=TEXT("unfinished", jobs=errors) if errors else None,
+        ),
+        "",
+    ]
 
 
 def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None = None) -> Path:
@@ -857,12 +862,8 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
     ctx.report = path
     data = study.read(ctx)
     jobs = _plan(study, ctx)
-    lines = blocks(
-        f"# {study.title(ctx)}",
-        f"Written by `{ctx.command}` from the runs in `{ctx.out}`"
-        f" (`src/fedfm/reproduce/{study.name}.py`); every number below is read from the runs'"
-        " folders. Do not edit this page by hand.",
-    )
+    values = {"title": study.title(ctx), "command": ctx.command, "out": ctx.out}
+    lines = [TEXT("head", values, study=study.name), ""]
     lines += [*readout_lines(study.readouts(ctx.grid), data), *study.body(ctx, data)]
     lines += time_lines(ctx, jobs)
     path.parent.mkdir(parents=True, exist_ok=True)

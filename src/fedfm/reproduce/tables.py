@@ -1,9 +1,15 @@
-"""Markdown of the study reports: numbers, rows, headers and difference markers, one way."""
+"""Markdown of the study reports: numbers, rows, headers and difference markers, one way, and
+the reports' fixed text (:class:`Text`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from string import Template
 from typing import Any
 
 from fedfm.reproduce.stats import Estimate
@@ -56,9 +62,9 @@ def table(header: Sequence[Any] | str, rows: Iterable[Iterable[Any]]) -> list[st
     return [*head(header), *(row(r) for r in rows)]
 
 
-def command_lines(command: str) -> list[str]:
-    """The report's "How to reproduce" heading and the command that writes it."""
-    return ["## How to reproduce", "", "```", command, "```", ""]
+def joined(*parts: str | Sequence[str]) -> str:
+    """:func:`blocks` as one text, without the blank line after the last block."""
+    return "\n".join(blocks(*parts)[:-1])
 
 
 def blocks(*parts: str | Sequence[str]) -> list[str]:
@@ -70,3 +76,80 @@ def blocks(*parts: str | Sequence[str]) -> list[str]:
 def values(xs: Iterable[Any]) -> str:
     """A set of grid values, ``{1, 2, 4}``."""
     return "{" + ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs) + "}"
+
+
+# ----------------------------------------------------------------------------- report text
+
+_SECTION = re.compile(r"^<!-- section: ([\w.-]+) -->\n", re.M)
+_ALONE = re.compile(r"\$(?:([_a-zA-Z][_a-zA-Z0-9]*)|\{([_a-zA-Z][_a-zA-Z0-9]*)\})")
+
+
+class Text:
+    """A study's fixed report text, kept out of its code: ``reports/<name>.md`` (package data).
+
+    The file is a series of sections, each opened by a line ``<!-- section: NAME -->`` and
+    running to the next (blank lines at either end dropped; what precedes the first section
+    is a note to its reader). A section is a :class:`string.Template`: the study fills each
+    ``$name`` (``${name}``), a list value line by line (a list in it as a table row, under a
+    header the section holds). A placeholder alone on its line whose value is None (a block
+    the report leaves out) drops that line, with one blank line beside it where it stands as
+    a paragraph of its own; an empty list drops the line alone.
+
+    Args:
+        name: The file's name without ``.md``.
+        folder: Where it is (the package's ``reports/`` by default).
+    """
+
+    def __init__(self, name: str, folder: Path | None = None) -> None:
+        folder = folder or Path(str(resources.files("fedfm.reproduce") / "reports"))
+        self.path = folder / f"{name}.md"
+
+    @cached_property
+    def sections(self) -> dict[str, str]:
+        """Section name -> its template text.
+
+        Raises:
+            ValueError: A section name stands twice.
+        """
+        parts = _SECTION.split(self.path.read_text(encoding="utf-8"))
+        if len(set(parts[1::2])) < len(parts[1::2]):
+            raise ValueError(f"{self.path}: a section name stands twice")
+        return {k: v.strip("\n") for k, v in zip(parts[1::2], parts[2::2], strict=True)}
+
+    def __call__(self, section: str, *sources: Mapping[str, Any], **values: Any) -> str:
+        """The section filled from ``sources`` (e.g. ``vars(grid)``), then ``values``.
+
+        Raises:
+            KeyError: No such section, or a placeholder without a value.
+            ValueError: A ``$`` that starts no placeholder.
+        """
+        if section not in self.sections:
+            raise KeyError(f"{self.path}: no section {section!r}")
+        values = {k: v for src in sources for k, v in src.items()} | values
+        kept: list[str] = []
+        separator = False  # a dropped paragraph's blank line goes too
+        for line in self.sections[section].split("\n"):
+            if separator and not line:
+                separator = False
+                continue
+            alone = _ALONE.fullmatch(line)
+            value = values.get(alone[1] or alone[2], "") if alone else ""
+            separator = value is None and (not kept or not kept[-1])
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            kept.append(line)
+        if separator and kept:  # a dropped last paragraph: the blank line before it
+            kept.pop()
+        filled = {
+            k: "\n".join(row(x) if isinstance(x, list) else str(x) for x in v)
+            if isinstance(v, list)
+            else str(v)
+            for k, v in values.items()
+            if v is not None
+        }
+        try:
+            return Template("\n".join(kept)).substitute(filled)
+        except KeyError as e:
+            raise KeyError(f"{self.path}, section {section!r}: no value for ${e.args[0]}") from None
+        except ValueError as e:  # a "$" that starts no placeholder ("$$" is a dollar sign)
+            raise ValueError(f"{self.path}, section {section!r}: {e}") from None

@@ -1,11 +1,13 @@
 """The embedded runtime: every simulated client in the server's process.
 
-Shared frozen models are loaded once (they live in the task); only per-client trainable
-state is kept per client, in a :class:`~fedfm.core.state.ClientStateStore`. A handler runs
-on a copy of its client's state (:meth:`fedfm.core.federation.ClientRunner.call`),
-committed only when it returns a valid reply, so a client that crashes mid-round leaves its
-state as it was. Clients run one after the other, each when the algorithm asks for its reply,
-so an algorithm that folds replies into a running sum holds one reply at a time.
+Shared frozen models are loaded once (they live in the task), and the algorithm's one
+client half (built from the config, apart from the server half) serves every client; only
+per-client trainable state is kept per client, in a
+:class:`~fedfm.core.state.ClientStateStore`. A handler runs on a copy of its client's state
+(:meth:`fedfm.core.federation.ClientRunner.call`), committed only when it returns a valid
+reply, so a client that crashes mid-round leaves its state as it was. Clients run one after
+the other, each when the algorithm asks for its reply, so an algorithm that folds replies
+into a running sum holds one reply at a time.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedg
     return EmbeddedFederation(
         setup.clients(),
         setup.cfg.seed,
-        setup.algo.handlers(),
+        setup.client.handlers(),
         setup.kinds(),
         setup.task,
         store,

@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
+from fedfm.core.scratch import Scratch
 from fedfm.errors import ConfigError
 from fedfm.eval.metrics import tensor_macro_f1 as macro_f1
 from fedfm.registry import Registry
@@ -89,6 +90,8 @@ class Task(ABC):
         kind: ``"classification"``, ``"regression"`` or ``"lm"``.
         primary: Name of the headline metric (e.g. ``"acc"``, ``"rmse"``, ``"rougeL"``).
         higher_is_better: Direction of the headline metric.
+        scratch: Modules this process builds once for both halves of the algorithm
+            (:mod:`fedfm.core.scratch`).
     """
 
     Config: ClassVar[type[TaskConfig]] = TaskConfig
@@ -99,6 +102,7 @@ class Task(ABC):
     def __init__(self, cfg: TaskConfig, run: RunConfig) -> None:
         self.cfg = cfg
         self.run = run
+        self.scratch = Scratch()
 
     @property
     def device(self) -> torch.device:

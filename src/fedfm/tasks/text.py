@@ -317,7 +317,7 @@ class EncoderLoraClassifier(nn.Module):
     Args:
         num_classes: Classes.
         encoder: Sentence encoder name or folder (see
-            :func:`fedfm.models.encoder.load_sentence_encoder`).
+            :func:`fedfm.models.encoders.load_sentence_encoder`).
         r: LoRA rank.
         alpha: LoRA scale numerator.
         dropout: LoRA dropout.
@@ -336,7 +336,7 @@ class EncoderLoraClassifier(nn.Module):
         max_length: int = 128,
     ) -> None:
         super().__init__()
-        from fedfm.models.encoder import load_sentence_encoder
+        from fedfm.models.encoders import load_sentence_encoder
         from fedfm.models.lora import LoraConfigSpec, add_adapters
 
         st = load_sentence_encoder(encoder)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from fedfm.algorithms.base import AlgoConfig, kinds_of
+from fedfm.algorithms.base import AlgoConfig, client_half, kinds_of
 from fedfm.algorithms.fedavg import (
     FedAvg,
     FedAvgConfig,
@@ -65,7 +65,8 @@ def _live(algo: Any, task: toy.ToyTask, seed: int = 0) -> tuple[FakeFederation, 
     Returns the federation and the list every reply is appended to, as ``(round, cid, reply)``.
     """
     ids = task.client_ids()
-    runner = ClientRunner(algo.handlers(), kinds_of(type(algo)), dict.fromkeys(ids, "default"),
+    client = client_half(type(algo), algo.cfg, task, algo.run)  # built from the config alone
+    runner = ClientRunner(client.handlers(), kinds_of(type(algo)), dict.fromkeys(ids, "default"),
                           task, seed)  # fmt: skip
     states = {c: ClientState() for c in ids}
     replies: list[tuple[int, str, Message]] = []
@@ -225,8 +226,8 @@ def _backward_step(**algo: Any) -> tuple[Message, dict[str, Tensor]]:
     Two rows x = [1, 2], y = [1, 3]; private f = 1·x + 0 = [1, 2]; global proxy g = 0.
     """
     task, run = _task({"0": ([1.0, 2.0], [1.0, 3.0])}, train={"lr": 0.25, "batch_size": 8})
-    fedekd = FedeKD(FedeKDConfig(lam=0.5, backward_steps=1, **algo), task, run)
-    runner = ClientRunner(fedekd.handlers(), kinds_of(FedeKD), {"0": "default"}, task, 0)
+    client = client_half(FedeKD, FedeKDConfig(lam=0.5, backward_steps=1, **algo), task, run)
+    runner = ClientRunner(client.handlers(), kinds_of(FedeKD), {"0": "default"}, task, 0)
     state = ClientState()
     state.set_group("private", linear(1.0, 0.0))
     reply, after = runner.call("0", 1, state, Message("backward", {"proxy": linear(0.0, 0.0)}))
@@ -285,8 +286,8 @@ def _cka(a: Tensor, b: Tensor) -> Tensor:
 
 def test_fedrd_server_loss_equals_the_formula_on_the_public_batch(tmp_path: Any) -> None:
     """L = CE(y, z_s) + α·CE(y, z_t) + β·(KL(z_t ‖ z_s) − CKA(f_t, f_s)) on one whole batch."""
-    from fedfm.algorithms.fedrd import clear_feature_cache
     from fedfm.engine import build
+    from fedfm.models.encoders import clear_encoders
 
     cfg = fs.algorithm_config(tmp_path, "fedrd")
     assert cfg is not None
@@ -295,7 +296,7 @@ def test_fedrd_server_loss_equals_the_formula_on_the_public_batch(tmp_path: Any)
         **cfg["algo"], "public_size": n, "alpha": 0.7, "beta": 1.3,
         "server_train": {"steps": 1, "batch_size": n, "optimizer": "sgd", "lr": 0.01},
     }  # fmt: skip
-    clear_feature_cache()
+    clear_encoders()
     algo = build(load_config(cfg)).algo
     srv = algo.server()
     m = srv.cotrainer

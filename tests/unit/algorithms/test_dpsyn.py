@@ -21,6 +21,7 @@ from fedfm.algorithms.dpsyn import (
     TRAIN,
     VOTE,
     DPSyn,
+    DPSynClient,
     DPSynConfig,
     allot,
     code_counts,
@@ -36,8 +37,7 @@ from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.engine import build
 from fedfm.errors import ConfigError, MessageError
 from fedfm.eval.synthetic import SyntheticEvalConfig, frechet_distance, logreg_scores
-from fedfm.models.embedders import get_embedder
-from fedfm.models.encoder import minilm_dir
+from fedfm.models.encoders import minilm_dir, text_embedder
 from fedfm.runtime import run
 from helpers.bases import DPSYN, DPSYN_DELTA
 from helpers.config import make_config
@@ -56,8 +56,8 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     handler = {"kind": ""}
     real_backward = torch.autograd.backward
     wrapped = {}
-    for name in ("client_profile", "client_train", "client_vote"):
-        original = getattr(DPSyn, name)
+    for name in ("profile", "train", "vote"):  # the client half's handlers
+        original = getattr(DPSynClient, name)
 
         def watch(self: Any, ctx: Any, msg: Any, _o: Any = original, _n: str = name) -> Any:
             handler["kind"] = _n
@@ -67,7 +67,7 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 handler["kind"] = ""
 
         wrapped[name] = original
-        setattr(DPSyn, name, watch)
+        setattr(DPSynClient, name, watch)
 
     def probe(*args: Any, **kw: Any) -> Any:
         BACKWARD.append(handler["kind"])
@@ -79,7 +79,7 @@ def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         torch.autograd.backward = real_backward
         for name, original in wrapped.items():
-            setattr(DPSyn, name, original)
+            setattr(DPSynClient, name, original)
     return tmp / "full"
 
 
@@ -221,8 +221,8 @@ def test_epsilon_inf_is_accepted_as_a_word() -> None:
 
 
 def test_weak_clients_never_call_backward_and_strong_ones_do(full: Path) -> None:
-    assert "client_train" in BACKWARD  # the probe sees DP-SGD's backward passes
-    assert not [k for k in BACKWARD if k in ("client_vote", "client_profile")]
+    assert "train" in BACKWARD  # the probe sees DP-SGD's backward passes
+    assert not [k for k in BACKWARD if k in ("vote", "profile")]
     assert VOTE.no_grad and PROFILE.no_grad and not TRAIN.no_grad
     assert "strong" not in VOTE.roles and TRAIN.roles == ("strong",)
 
@@ -268,9 +268,9 @@ def test_only_noised_counts_votes_and_dp_adapters_leave_clients(tmp_path: Path) 
     votes = reply.arrays["votes"]["votes"]
     assert set(reply.arrays) == {"votes"} and not reply.meta
     bare = knn_votes(
-        get_embedder("hashed-ngrams")(task.texts(task.client_data(weak))),
+        text_embedder("hashed-ngrams")(task.texts(task.client_data(weak))),
         task.code_ids(task.client_data(weak)).numpy(),
-        get_embedder("hashed-ngrams")(texts),
+        text_embedder("hashed-ngrams")(texts),
         np.array(msg.meta["codes"]),
         2,
     )
@@ -464,7 +464,7 @@ def test_minilm_is_the_default_embedder_and_embeds() -> None:
     assert DPSynConfig().embedder == "all-minilm-l6-v2"
     if minilm_dir() is None:
         pytest.skip("the offline MiniLM package is not installed")
-    emb = get_embedder("all-minilm-l6-v2")(["a wonderful film", "a dreadful film", "tax law"])
+    emb = text_embedder("all-minilm-l6-v2")(["a wonderful film", "a dreadful film", "tax law"])
     assert emb.shape == (3, 384)
     assert np.linalg.norm(emb, axis=1) == pytest.approx(np.ones(3), abs=1e-5)
     assert emb[0] @ emb[1] > emb[0] @ emb[2]  # two film reviews are nearer than tax law
@@ -502,7 +502,7 @@ def test_joint_codes_of_several_columns_keep_the_most_frequent(tmp_path: Path) -
 
 
 def test_hashed_ngram_embeddings_are_unit_vectors_of_shared_ngrams() -> None:
-    emb = get_embedder("hashed-ngrams")(["a good film", "a good film", "tax law", ""])
+    emb = text_embedder("hashed-ngrams")(["a good film", "a good film", "tax law", ""])
     assert emb.shape == (4, 256)
     assert np.linalg.norm(emb[:3], axis=1) == pytest.approx(np.ones(3), abs=1e-6)
     assert np.array_equal(emb[0], emb[1]) and not emb[3].any()

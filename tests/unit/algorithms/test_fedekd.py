@@ -84,7 +84,8 @@ def test_only_the_proxy_travels_private_weights_never_in_the_audit(fedekd_run):
     run, _ = fedekd_run
     setup = build(load_config(str(run / "config.yaml")))
     proxy_bytes = _numel_bytes(get_params(setup.algo.proxy_model()))
-    private_bytes = {_numel_bytes(get_params(setup.algo.private_model(i))) for i in range(2)}
+    instances = setup.client.privates.instances  # the client half's private architectures
+    private_bytes = {_numel_bytes(get_params(instances[i])) for i in range(2)}
     assert proxy_bytes not in private_bytes  # sizes tell the two apart
     rows = jsonl_rows(run / "audit.jsonl")
     arrays = [r for r in rows if r["type"] == "arrays"]
@@ -152,14 +153,20 @@ def test_resume_with_private_state_equals_uninterrupted_run(tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-class _MismatchedProxy(fedekd.FedeKD):
+class _MismatchedProxyClient(fedekd.FedeKDClient):
     """Client 1 is configured with another proxy architecture."""
 
-    def client_forward(self, ctx, msg):
+    def forward(self, ctx, msg):
         if ctx.cid != "1":
-            return super().client_forward(ctx, msg)
+            return super().forward(ctx, msg)
         other = self.task.build_model(seed=0, hidden=[12])
         return Message("forward", {"proxy": get_params(other)}, {"num_examples": 1, "loss": 0.0})
+
+
+class _MismatchedProxy(fedekd.FedeKD):
+    """FedeKD whose client 1 sends a proxy of another architecture."""
+
+    Client = _MismatchedProxyClient
 
 
 if "test-fedekd-mismatch" not in ALGORITHMS:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from fedfm.algorithms.fedhds import (
     FedHDS,
+    FedHDSClient,
     cluster,
     flatten_features,
     inter_client_select,
@@ -74,10 +75,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: out / name for name in variants}
 
 
-def _algo(tmp_path: Path, **algo: Any) -> FedHDS:
+def _halves(tmp_path: Path, **algo: Any) -> tuple[FedHDS, FedHDSClient]:
     setup = build(load_config(make_config(FEDHDS, tmp_path, name="unit", algo=algo)))
-    assert isinstance(setup.algo, FedHDS)
-    return setup.algo
+    assert isinstance(setup.algo, FedHDS) and isinstance(setup.client, FedHDSClient)
+    return setup.algo, setup.client
+
+
+def _algo(tmp_path: Path, **algo: Any) -> FedHDS:
+    return _halves(tmp_path, **algo)[0]
 
 
 # ----------------------------------------------------------------------------- features
@@ -87,10 +92,10 @@ def test_features_are_every_layer_of_the_last_token(tmp_path: Path) -> None:
     algo = _algo(tmp_path)
     fm = algo.fm
     data = algo.task.client_data("0")
-    positions, tokens = algo.usable("0", data)
+    positions, tokens = algo.features.usable("0", data)
     feats = fm.features(tokens, ["global"])
     assert feats.shape == (len(tokens), fm.num_layers + 1, fm.hidden_size) == (8, 3, 32)
-    flat = algo.raw_features(data, "0")
+    flat = algo.features.raw_features(data, "0")
     assert flat.shape == (8, 3 * 32) and flat.dtype == np.float64
     assert np.allclose(flat, flatten_features(feats))
     # Hidden state 0 is the embedding of the last token; it does not depend on the adapter.
@@ -271,12 +276,12 @@ def test_no_cluster_anywhere_selects_nothing_and_the_round_goes_on(tmp_path: Pat
 
 
 def test_a_client_too_small_to_cluster_trains_on_all_its_rows(tmp_path: Path) -> None:
-    algo = _algo(tmp_path, min_cluster_size=9)  # every client holds 8 rows
+    algo, client = _halves(tmp_path, min_cluster_size=9)  # every client holds 8 rows
     state = ClientState()
     ctx = ClientContext("0", "default", 1, 0, algo.task, state)
     msg = algo.select_message("centroids")
     with torch.inference_mode():
-        reply = algo.client_select(ctx, msg)
+        reply = client.select(ctx, msg)
     assert reply.meta["use_all"] is True and not reply.arrays
     select = {c: reply for c in "012345"}
     fed = _fake(algo, select, dict.fromkeys("012345", 1.0), dict.fromkeys("012345", 8))
@@ -284,15 +289,15 @@ def test_a_client_too_small_to_cluster_trains_on_all_its_rows(tmp_path: Path) ->
     trains = [m.meta["plan"] for _, _, m in fed.sent if m.kind == "train"]
     assert trains == ["all"] * 6
     everything = Message("train", {"global": algo.params}, {"plan": "all", "pick": []})
-    train = algo.client_train(ctx, everything)
+    train = client.train(ctx, everything)
     assert train.meta["num_examples"] == 8
 
 
 def test_random_baseline_takes_its_budget_of_each_client(tmp_path: Path) -> None:
-    algo = _algo(tmp_path, selection="random", random_budget=0.25)
+    algo, client = _halves(tmp_path, selection="random", random_budget=0.25)
     ctx = ClientContext("1", "default", 1, 0, algo.task, ClientState())
     msg = Message("train", {"global": algo.params}, {"plan": "random", "pick": []})
-    assert algo.client_train(ctx, msg).meta["num_examples"] == 2  # a quarter of 8 rows
+    assert client.train(ctx, msg).meta["num_examples"] == 2  # a quarter of 8 rows
 
 
 # ----------------------------------------------------------------------------- runs and audit
@@ -353,17 +358,19 @@ def test_turbo_features_come_once_per_client_and_need_no_adapter(runs: dict[str,
     )
 
 
-def test_turbo_client_keeps_its_features_in_its_state(tmp_path: Path) -> None:
-    algo = _algo(tmp_path, feature_model="tiny-llama", feature_model_args=TURBO)
+def test_turbo_client_keeps_its_features_in_its_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    algo, client = _halves(tmp_path, feature_model="tiny-llama", feature_model_args=TURBO)
     calls = []
-    model = algo.feature_model()
-    real = model.features
-    model.features = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[method-assign]
+    model = client.features.feature_model()  # the process's encoder: patched for this test only
+    real = model.layer_features
+    monkeypatch.setattr(model, "layer_features", lambda *a, **k: calls.append(1) or real(*a, **k))
     state = ClientState()
     for rnd in (1, 2):
         ctx = ClientContext("0", "default", rnd, 0, algo.task, state)
         with torch.inference_mode():
-            algo.client_select(ctx, algo.select_message("centroids"))
+            client.select(ctx, algo.select_message("centroids"))
     assert len(calls) == 1
     assert state.get_group("turbo")["features"].shape == (8, 2 * 16)
 
@@ -381,10 +388,10 @@ def test_dp_noise_has_the_configured_std_around_the_tanh_of_each_coordinate() ->
 
 
 def test_client_release_under_dp_is_noisy_and_registered(tmp_path: Path) -> None:
-    algo = _algo(tmp_path, dp_sigma=0.2)
+    algo, client = _halves(tmp_path, dp_sigma=0.2)
     ctx = ClientContext("0", "default", 1, 0, algo.task, ClientState())
     with torch.inference_mode():
-        reply = algo.client_select(ctx, algo.select_message("centroids"))
+        reply = client.select(ctx, algo.select_message("centroids"))
     xy = reply.arrays["centroids"]["xy"]
     ids = reply.meta["cluster_ids"]
     assert isinstance(ids, list) and xy.shape == (len(ids), 2)

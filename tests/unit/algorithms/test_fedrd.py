@@ -14,18 +14,16 @@ import pytest
 import torch
 
 import fedfm.tasks.text  # noqa: F401  (registers the text task)
-from fedfm.algorithms.fedrd import (
-    FedRD,
-    distillation_terms,
-    used_ids,
-)
+from fedfm.algorithms.fedrd import FedRD
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, ClientState
 from fedfm.core.messages import Message
 from fedfm.engine import build
 from fedfm.errors import ConfigError
+from fedfm.models.objectives import distillation_terms
 from fedfm.runtime import run
 from fedfm.tasks.base import IMAGE_VIEW
+from fedfm.tasks.public import used_ids
 from helpers.fedrd import BUILT, LOADS, fedrd_config, same_state
 
 pytestmark = pytest.mark.usefixtures("fedrd_fresh")
@@ -97,7 +95,7 @@ def test_client_handler_never_loads_the_fm(tmp_path: Any) -> None:
     algo = setup.algo
     assert isinstance(algo, FedRD)
     ctx = ClientContext("0", "default", 1, 0, setup.task, ClientState())
-    reply = algo.handlers()["train"](ctx, Message("train", {"params": algo.params}))
+    reply = setup.client.handlers()["train"](ctx, Message("train", {"params": algo.params}))
     assert set(reply.arrays["params"]) == set(algo.params)
     assert LOADS == [] and algo._teacher is None and algo._srv is None
 
@@ -307,7 +305,8 @@ def test_fedrd_round_against_a_fake_federation_by_hand(tmp_path: Any) -> None:
         ({"algo": {"teacher": "test-tiny-text-fm"}}, r"algo\.teacher: 'test-tiny-text-fm' needs"),
         ({"task": {"kind": "toy"}}, r"algo\.teacher: 'test-tiny-fm' needs images\(data\)"),
         ({"algo": {"public_size": 0}}, r"algo\.public_size: FedRD needs a public set"),
-        ({"algo": {"teacher": "nope"}}, "algo.teacher: unknown foundation model 'nope'"),
+        ({"algo": {"teacher": "nope"}}, "algo.teacher: unknown encoder 'nope'"),
+        ({"algo": {"teacher_options": {"nope": 1}}}, "algo.teacher_options: bad options"),
     ],
 )
 def test_missing_task_capabilities_fail_at_config_load(tmp_path, changes, message) -> None:

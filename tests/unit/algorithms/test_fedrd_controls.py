@@ -10,26 +10,26 @@ import pytest
 import torch
 
 from fedfm.algorithms.base import ALGORITHMS
-from fedfm.algorithms.fedrd import TEACHERS, FedRDNoPhi, Teacher, hint_loss, register_teacher
+from fedfm.algorithms.fedrd import FedRD
 from fedfm.core.fake import FakeFederation
 from fedfm.core.messages import Message
 from fedfm.engine import build
 from fedfm.errors import ConfigError
-from fedfm.tasks.base import IMAGE_VIEW
+from fedfm.models.encoders import ENCODERS, Encoder, register_encoder
+from fedfm.models.objectives import hint_loss
 from helpers.fedrd import LOADS, fedrd_config, same_state
 
 pytestmark = pytest.mark.usefixtures("fedrd_fresh")
 
 
-def _pixels_fm() -> Teacher:
+def _pixels_fm() -> Encoder:
     # The digits' own 64 pixels: an informative "foundation model" (a linear probe on raw
     # 8x8 digits is about 90 % accurate), unlike the random tiny FM of helpers.fedrd.
-    ident = torch.nn.Identity()
-    return Teacher("test-pixels-fm", ident, 64, lambda x: x.flatten(1))
+    return Encoder("test-pixels-fm", 64, lambda x: x.flatten(1))
 
 
-if "test-pixels-fm" not in TEACHERS:
-    register_teacher("test-pixels-fm", IMAGE_VIEW)(_pixels_fm)
+if "test-pixels-fm" not in ENCODERS:
+    register_encoder("test-pixels-fm", "images")(_pixels_fm)
 
 
 def _reply(cid: str, msg: Message) -> Message:
@@ -136,9 +136,20 @@ def test_fed_hint_lowers_the_hint_loss_on_the_public_set(tmp_path) -> None:
     assert public_hint() < before
 
 
-def test_no_phi_variant_keeps_its_old_name() -> None:
-    assert ALGORITHMS.get("fedrd-kd") is ALGORITHMS.get("fedrd-nophi") is FedRDNoPhi
-    assert FedRDNoPhi.Config().reprogram is False
+def test_variants_are_presets_of_fedrd_under_their_names(tmp_path) -> None:
+    from fedfm.engine import resolve
+
+    names = ("fedrd", "fedrd-nophi", "fedrd-kd", "fed-hint", "fedavg-ft")
+    assert all(ALGORITHMS.get(name) is FedRD for name in names)
+    defaults = {name: resolve(fedrd_config(tmp_path, name))[0] for name in names}
+    assert not defaults["fedrd-nophi"].reprogram and not defaults["fedrd-kd"].reprogram
+    assert defaults["fedrd"].reprogram and defaults["fedrd"].objective == "fedrd"
+    assert defaults["fed-hint"].objective == "hint" and defaults["fedavg-ft"].objective == "ce"
+    # Each preset changes one default; a key the config sets wins over it.
+    base = defaults["fedrd"].model_dump()
+    for name, change in {"fedrd-nophi": "reprogram", "fed-hint": "objective"}.items():
+        assert {k for k, v in defaults[name].model_dump().items() if base[k] != v} == {change}
+    assert resolve(fedrd_config(tmp_path, "fedrd-nophi", reprogram=True))[0].reprogram
 
 
 def test_unknown_objective_names_the_field(tmp_path) -> None:
@@ -153,7 +164,6 @@ def test_unknown_objective_names_the_field(tmp_path) -> None:
 
 def test_fm_adapter_sends_only_the_adapter_and_keeps_the_fm_frozen() -> None:
     from fedfm.core.train import state_keys
-    from fedfm.models.fm_adapter import _frozen_lite0, lite0_features
     from fedfm.models.registry import build_model
 
     torch.manual_seed(0)
@@ -162,15 +172,18 @@ def test_fm_adapter_sends_only_the_adapter_and_keeps_the_fm_frozen() -> None:
     assert keys and all(k.split(".")[0] in ("norm", "fc1", "fc2", "proj", "head") for k in keys)
     n_sent = sum(model.state_dict()[k].numel() for k in keys)
     assert n_sent == sum(p.numel() for p in model.parameters())  # nothing of the FM travels
-    cache = lite0_features(False, 32)
+    frozen = model._fm
+    cache, fm = frozen.cache, frozen.encoder().module
+    assert fm is not None
     x = torch.rand(5, 1, 8, 8)
     model.train()
     misses = cache.misses
     out = model(x)
     assert out.shape == (5, 3) and cache.misses == misses + 5
-    f1 = cache(x[:3])
+    f1 = frozen(x[:3])
     assert cache.misses == misses + 5  # cached by the pixels
-    torch.testing.assert_close(f1, cache.encode(x[:3]))  # equals a fresh eval-mode forward
-    assert not _frozen_lite0(False).training  # model.train() does not reach the FM
+    torch.testing.assert_close(f1, frozen.encoder().encode(x[:3]))  # a fresh eval-mode forward
+    assert not fm.training  # model.train() does not reach the FM
+    assert not any(p.requires_grad for p in fm.parameters())
     out.sum().backward()
     assert model.head.weight.grad is not None and model.fc1.weight.grad is not None

@@ -26,7 +26,7 @@ from fedfm.core import train as train_mod
 from fedfm.core.dp import CPUNoiseDPOptimizer
 from fedfm.engine import resolve
 from fedfm.fm import handle as fm_handle
-from fedfm.models import embedders
+from fedfm.models import encoders
 from fedfm.runtime import run
 from fedfm.runtime.flower import client as flower_client
 from fedfm.runtime.flower import deploy
@@ -212,22 +212,27 @@ def test_the_llm_base_is_shared_per_device(monkeypatch) -> None:
         fm_handle._BASES.pop(handle.key, None)
 
 
-def test_embedders_are_built_per_device(monkeypatch) -> None:
-    got: list[str] = []
+def test_encoders_are_built_per_device() -> None:
+    built: list[nn.Module] = []
 
-    def builder(device: str = "cpu") -> Any:
-        got.append(device)
-        return lambda texts: None
+    def builder() -> encoders.Encoder:
+        built.append(nn.Linear(2, 3))
+        return encoders.Encoder("test-per-device", 3, built[-1], built[-1])
 
-    monkeypatch.setattr(embedders.EMBEDDERS, "get", lambda name: builder)
-    embedders.get_embedder.cache_clear()
+    if "test-per-device" not in encoders.ENCODERS:
+        encoders.register_encoder("test-per-device", "images")(builder)
+    encoders.clear_encoders()
     try:
-        embedders.get_embedder("x", "cuda:0")
-        embedders.get_embedder("x", "cuda:0")
-        embedders.get_embedder("x")
+        meta = encoders.load_encoder("test-per-device", "meta")
+        assert encoders.load_encoder("test-per-device", torch.device("meta")) is meta
+        cpu = encoders.load_encoder("test-per-device")
+        assert encoders.load_encoder("test-per-device", "cpu") is cpu  # no device: the CPU
     finally:
-        embedders.get_embedder.cache_clear()
-    assert got == ["cuda:0", "cpu"]  # once per device
+        encoders.clear_encoders()
+    assert len(built) == 2  # once per device
+    assert {p.device.type for p in built[0].parameters()} == {"meta"}
+    assert {p.device.type for p in built[1].parameters()} == {"cpu"}
+    assert not any(p.requires_grad for m in built for p in m.parameters())
 
 
 # ----------------------------------------------------------------------------- Flower

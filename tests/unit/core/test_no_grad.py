@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation
 from fedfm.core.messages import Message, MessageKind
@@ -19,21 +19,12 @@ BACKWARD_CALLS: list[str] = []
 LOG: dict[str, Any] = {}  # what the algorithm saw, read by the test
 
 
-class StrongWeak(Algorithm):
-    """Strong clients train a linear model; weak clients only score it (no backprop)."""
-
-    messages = (
-        MessageKind("train", down_arrays=("w",), up_arrays=("w",), roles=("strong",)),
-        MessageKind(
-            "vote", down_arrays=("w",), up_arrays=("votes",), roles=("weak",), no_grad=True
-        ),
-        MessageKind("sneak", down_arrays=("w",), up_meta=("grad",), roles=("weak",), no_grad=True),
-    )
+class StrongWeakClient(ClientHalf):
+    """Strong clients train the received linear model; weak clients only score it."""
 
     def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
         super().__init__(cfg, task, run)
-        self.model = nn.Linear(4, 1)
-        self.w = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.model = nn.Linear(4, 1)  # scratch: loaded from every message
         self.log = LOG
 
     def handlers(self) -> dict[str, Any]:
@@ -71,6 +62,25 @@ class StrongWeak(Algorithm):
         loss = nn.functional.mse_loss(model(x).squeeze(-1), y)
         loss.backward()  # must fail: this kind computes no gradients
         return Message("sneak", meta={"grad": float(model.weight.grad.abs().sum())})
+
+
+class StrongWeak(Algorithm):
+    """Strong clients train a linear model; weak clients only score it (no backprop)."""
+
+    Client = StrongWeakClient
+    messages = (
+        MessageKind("train", down_arrays=("w",), up_arrays=("w",), roles=("strong",)),
+        MessageKind(
+            "vote", down_arrays=("w",), up_arrays=("votes",), roles=("weak",), no_grad=True
+        ),
+        MessageKind("sneak", down_arrays=("w",), up_meta=("grad",), roles=("weak",), no_grad=True),
+    )
+
+    def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        model = nn.Linear(4, 1)
+        self.w = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.log = LOG
 
     def round(self, fed: Federation) -> dict[str, float]:
         weak, strong = fed.client_ids("weak"), fed.client_ids("strong")

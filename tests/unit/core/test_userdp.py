@@ -270,9 +270,6 @@ def test_a_dp_kind_with_an_undeclared_field_is_refused_at_load(
             ),
         )  # fmt: skip
 
-        def handlers(self) -> dict[str, Any]:
-            return {}
-
     if "test-leaky" not in ALGORITHMS:
         ALGORITHMS.register("test-leaky", "a DP kind that would send its loss")(Leaky)
     path = tmp_path / "leaky.yaml"

@@ -308,29 +308,33 @@ def test_features_never_compute_the_lm_head_and_check_layer_indices() -> None:
             fm.features(TEXTS, [], layers=bad)
 
 
-def test_a_separate_small_feature_model_has_the_same_interface() -> None:
-    from fedfm.models.features import load_feature_model
+def test_a_separate_small_feature_model_is_an_encoder_like_the_llm() -> None:
+    from fedfm.models.encoders import load_encoder
 
-    small = load_feature_model("tiny-llama", hidden=16, layers=3, heads=2, seed=3)
+    small = load_encoder("tiny-llama", hidden=16, layers=3, heads=2, seed=3)
     fm = tiny_fm()
     for model in (small, fm.feature_view([])):
-        feats = model.features(TEXTS, batch_size=2)
-        assert feats.shape == (len(TEXTS), model.num_layers + 1, model.hidden_size)
-    assert small.features(TEXTS).shape == (4, 4, 16)
+        feats = model.layer_features(TEXTS, batch_size=2)
+        assert feats.shape == (len(TEXTS), model.num_layers + 1, model.dim)
+        # The encoder's vector is the last token's final hidden state.
+        torch.testing.assert_close(model.encode(TEXTS), feats[:, -1], rtol=0, atol=1e-6)
+    assert small.layer_features(TEXTS).shape == (4, 4, 16)
+    assert small.module is not None and not small.module.training  # frozen, in eval mode
+    assert not any(p.requires_grad for p in small.module.parameters())
 
 
 @pytest.mark.slow
 def test_minilm_all_layer_features() -> None:
-    from fedfm.models.features import load_feature_model
+    from fedfm.models.encoders import load_encoder
 
-    minilm = load_feature_model("all-minilm-l6-v2")
-    feats = minilm.features(TEXTS, batch_size=3, pool="mean")
+    minilm = load_encoder("all-minilm-l6-v2")
+    feats = minilm.layer_features(TEXTS, batch_size=3, pool="mean")
     assert feats.shape == (4, 7, 384)
-    one = torch.cat([minilm.features([t], pool="mean") for t in TEXTS])
+    one = torch.cat([minilm.layer_features([t], pool="mean") for t in TEXTS])
     assert torch.allclose(feats, one, atol=1e-3)
-    last = minilm.features(TEXTS, layers=[-1], batch_size=4)
+    last = minilm.layer_features(TEXTS, layers=[-1], batch_size=4)
     assert torch.allclose(
-        last, torch.cat([minilm.features([t], layers=[6]) for t in TEXTS]), atol=1e-3
+        last, torch.cat([minilm.layer_features([t], layers=[6]) for t in TEXTS]), atol=1e-3
     )
 
 

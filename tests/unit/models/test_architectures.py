@@ -144,13 +144,13 @@ def test_fedhds_features_are_every_layer_of_the_last_token(tmp_path, model) -> N
             algo={"min_cluster_size": 2},
         )
     )
-    algo: Any = build(cfg).algo
-    data = algo.task.client_data("0")
-    _, tokens = algo.usable("0", data)
-    feats = algo.fm.features(tokens, ["global"])
+    features: Any = build(cfg).algo.features
+    data = features.task.client_data("0")
+    _, tokens = features.usable("0", data)
+    feats = features.fm.features(tokens, ["global"])
     assert feats.shape == (len(tokens), TINY["layers"] + 1, TINY["hidden"])
     assert bool(torch.isfinite(feats).all())
-    one = torch.cat([algo.fm.features([t], ["global"], batch_size=1) for t in tokens])
+    one = torch.cat([features.fm.features([t], ["global"], batch_size=1) for t in tokens])
     assert torch.allclose(feats, one, atol=1e-5)  # padding does not leak into the features
 
 

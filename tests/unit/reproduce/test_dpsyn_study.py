@@ -122,9 +122,9 @@ def test_offline_voting_is_the_algorithms_vote_round(tmp_path: Path) -> None:
     assert emb["train_rows"] == TINY.clients * TINY.rows
     arrays = dict(np.load(tmp_path / "emb" / study.EMBEDDINGS))
     pool = study._read_pool(folder)
-    from fedfm.models.embedders import get_embedder
+    from fedfm.models.encoders import text_embedder
 
-    pool_emb = get_embedder("hashed-ngrams")([r["text"] for r in pool.rows])
+    pool_emb = text_embedder("hashed-ngrams")([r["text"] for r in pool.rows])
     weak = study.voters(TINY, 1)
     clean = study.clean_votes(arrays, pool_emb, pool.codes, TINY.k, weak)
     sigma = analytic_gaussian_sigma(float(cfg["algo"]["epsilon_vote"]), cfg["privacy"]["delta"])

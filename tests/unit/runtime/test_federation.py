@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.config import load_config
 from fedfm.core.federation import ClientContext, Federation, assign_roles
 from fedfm.core.messages import Message, MessageKind
@@ -27,23 +27,8 @@ def _audit(tmp_path, name):
     return [json.loads(x) for x in (tmp_path / name / "audit.jsonl").read_text().splitlines()]
 
 
-class Patterns(Algorithm):
-    """Exercises: two exchanges per round, server training between them, roles, client state,
-    a phase before round 1 and one after the last round."""
-
-    messages = (
-        MessageKind("profile", up_meta=("n",)),
-        MessageKind("stats", down_arrays=("w",), up_arrays=("mean",), up_meta=("count",)),
-        MessageKind("train", down_arrays=("w",), up_arrays=("w",), roles=("strong",)),
-        MessageKind("vote", down_arrays=("w",), up_meta=("vote",), roles=("weak",)),
-        MessageKind("final", up_meta=("count",)),
-    )
-
-    def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
-        super().__init__(cfg, task, run)
-        self.w = torch.zeros(4)
-        self.log: list[str] = []
-        self.profile: dict[str, int] = {}
+class PatternsClient(ClientHalf):
+    """The client half of :class:`Patterns`."""
 
     def handlers(self):
         return {
@@ -68,6 +53,26 @@ class Patterns(Algorithm):
 
     def _train(self, ctx: ClientContext, msg: Message) -> Message:
         return Message("train", {"w": {"w": msg.arrays["w"]["w"] + 1.0}})
+
+
+class Patterns(Algorithm):
+    """Exercises: two exchanges per round, server training between them, roles, client state,
+    a phase before round 1 and one after the last round."""
+
+    Client = PatternsClient
+    messages = (
+        MessageKind("profile", up_meta=("n",)),
+        MessageKind("stats", down_arrays=("w",), up_arrays=("mean",), up_meta=("count",)),
+        MessageKind("train", down_arrays=("w",), up_arrays=("w",), roles=("strong",)),
+        MessageKind("vote", down_arrays=("w",), up_meta=("vote",), roles=("weak",)),
+        MessageKind("final", up_meta=("count",)),
+    )
+
+    def __init__(self, cfg: AlgoConfig, task: Any, run: Any) -> None:
+        super().__init__(cfg, task, run)
+        self.w = torch.zeros(4)
+        self.log: list[str] = []
+        self.profile: dict[str, int] = {}
 
     def setup(self, fed: Federation) -> dict[str, float]:
         replies = fed.broadcast(Message("profile"), fed.client_ids())

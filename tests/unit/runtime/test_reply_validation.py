@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from fedfm.algorithms.base import ALGORITHMS
-from fedfm.algorithms.fedavg import EVALUATE, TRAIN, FedAvg
+from fedfm.algorithms.fedavg import EVALUATE, TRAIN, FedAvg, FedAvgClient
 from fedfm.config import load_config
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.errors import MessageError, TooFewClientsError
 from fedfm.runtime import run
+from helpers import toy  # noqa: F401  (registers the toy task)
 from helpers.config import make_config, toy_config
 from helpers.grid import flower_run, same_run
 
@@ -110,12 +111,18 @@ EXPECTED = {
 }
 
 
+class BadRepliesClient(FedAvgClient):
+    """FedAvg's client half; clients 0-5 send malformed replies, 6 and 7 are honest."""
+
+    def train(self, ctx, msg):
+        reply = super().train(ctx, msg)
+        return TAMPER.get(ctx.cid, lambda r: r)(reply)
+
+
 class BadReplies(FedAvg):
     """FedAvg whose clients 0-5 send malformed replies; 6 and 7 are honest."""
 
-    def client_train(self, ctx, msg):
-        reply = super().client_train(ctx, msg)
-        return TAMPER.get(ctx.cid, lambda r: r)(reply)
+    Client = BadRepliesClient
 
 
 ALGORITHMS.register("test-bad-replies")(BadReplies)

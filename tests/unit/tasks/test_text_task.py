@@ -155,7 +155,7 @@ def test_minilm_lora_classifier_trains_only_adapters_and_head() -> None:
     from fedfm.core.messages import Message
 
     ctx = ClientContext("0", "default", 1, 0, setup.task, ClientState())
-    reply = algo.handlers()["train"](ctx, Message("train", {"params": algo.params}))
+    reply = setup.client.handlers()["train"](ctx, Message("train", {"params": algo.params}))
     sent = reply.arrays["params"]
     assert set(sent) == names
     assert any(not torch.equal(sent[k], algo.params[k]) for k in names if ".lora_B" in k)

@@ -2,8 +2,9 @@
 
 Each SuperNode serves the client whose index in the task's ``client_ids()`` is its node
 config's ``partition-id`` (Flower's simulation engine sets it per virtual node; a
-deployment SuperNode is started with it). The task and the algorithm are built from the run
-config once per process and cached, and every message goes through the same
+deployment SuperNode is started with it). The task and the algorithm's client half are built
+from the run config once per process and cached (:func:`fedfm.engine.build_clients`: no
+server half is built in a client's process), and every message goes through the same
 :meth:`fedfm.core.federation.ClientRunner.call` as on the embedded runtime: unknown kinds and
 wrong roles are refused with a named :class:`~fedfm.errors.MessageError`, torch is seeded from
 (seed, round, client, kind), declared fields are checked both ways.
@@ -25,7 +26,7 @@ import torch
 
 from fedfm.core.federation import error_reason
 from fedfm.core.state import ClientState, load_state, save_state
-from fedfm.engine import build
+from fedfm.engine import build_clients
 from fedfm.errors import ConfigError, MessageError
 from fedfm.runtime.flower.wire import (
     CLIENT_ERROR_CODE,
@@ -65,7 +66,7 @@ class ClientRuntime:
         self.options = payload.flower()
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
-        self.setup = build(self.cfg)
+        self.setup = build_clients(self.cfg)  # the client half alone: no server half here
         self.runner = self.setup.client_runner()
         self.cids = self.setup.task.client_ids()
 
