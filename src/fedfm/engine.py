@@ -43,6 +43,7 @@ from fedfm.core.runfolder import RunFolder, RunFolderError, RunFolderLease, read
 from fedfm.core.state import ClientStateStore
 from fedfm.data.partition import PartitionConfig
 from fedfm.errors import ConfigError, config_fields
+from fedfm.models.lora import named_adapter_keys
 from fedfm.tasks.base import TASKS, Task
 from fedfm.tblog import TensorBoardLog
 
@@ -215,6 +216,28 @@ def _export_adapter(folder: RunFolder, algo: Algorithm) -> None:
         tmp.rename(final)
 
 
+def _refuse_named_adapter_keys(path: Path, ck: Checkpoint) -> None:
+    """Stops a resume from a checkpoint whose LoRA tensors still name their adapter.
+
+    fedfm wrote FedIT's adapters (and the text task's MiniLM LoRA) under the model's parameter
+    names before every adapter travelled under peft's saved keys
+    (:mod:`fedfm.models.lora`); such a run cannot continue with this version.
+
+    Raises:
+        RunFolderError: Naming the file and one of its keys.
+    """
+    for name, arrays in (("server", ck.server_arrays), ("clients", ck.client_arrays)):
+        named = named_adapter_keys(arrays)
+        if named:
+            raise RunFolderError(
+                path / f"{name}.safetensors",
+                f"LoRA tensors keyed with their adapter name ('{named[0]}'), as fedfm wrote them"
+                " before adapters travelled under peft's saved keys: this version cannot resume"
+                " the run; start it again with --overwrite, or resume it with the fedfm version"
+                " that wrote it",
+            )
+
+
 def _restore(
     folder: RunFolder, algo: Algorithm, store: ClientStateStore, ledger: AuditLedger
 ) -> int:
@@ -235,6 +258,7 @@ def _restore(
     for path in checkpoints_newest_first(folder.checkpoints):
         try:
             ck = load_checkpoint(path)
+            _refuse_named_adapter_keys(path, ck)
             own, artefacts = split_state(ck.server_arrays)
             algo.load_state_dict(own, ck.server_meta["algo"])
             algo.privacy.load_state(ck.server_meta.get("privacy", []))
@@ -242,6 +266,8 @@ def _restore(
                 algo.user_dp.load_state_dict(ck.server_meta["user_dp"])
             store.restore(ck.client_arrays, ck.client_meta)
             set_rng_state(ck.server_meta["rng"])
+        except RunFolderError:  # not damage: every earlier checkpoint is of the same kind
+            raise
         except Exception as e:  # a damaged checkpoint: try the one before
             first = (str(e).splitlines() or [""])[0][:80]
             damaged.append(f"{path.name}: {type(e).__name__}: {first}")

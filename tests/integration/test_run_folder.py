@@ -5,20 +5,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from safetensors.torch import load_file, save_file
 
 from fedfm import cli
 from fedfm.algorithms.base import ALGORITHMS
 from fedfm.algorithms.fedavg import FedAvg
 from fedfm.config import load_config
 from fedfm.errors import ConfigError
+from fedfm.models.lora import named_adapter_keys
 from fedfm.runtime import run
 from helpers import toy  # noqa: F401  (registers the toy task)
-from helpers.config import toy_config
+from helpers.bases import INSTRUCTION
+from helpers.config import make_config, toy_config
 from helpers.grid import flower_run, same_run
 
 # The in-memory Flower grid runs in this process: it needs a task identity (conftest.py).
@@ -256,6 +261,30 @@ def test_resume_of_a_folder_without_checkpoints_keeps_every_file(tmp_path, monke
     assert code == 2 and "no checkpoint loads" in err and len(err.strip().splitlines()) == 1
     assert (root / "data.csv").read_text() == "precious"
     assert [p.name for p in root.iterdir()] == ["data.csv"]
+
+
+@pytest.mark.parametrize(("algorithm", "file"), [("fedavg", "server"), ("local", "clients")])
+def test_a_checkpoint_of_the_earlier_adapter_keys_stops_a_resume_with_one_line(
+    tmp_path, monkeypatch, capsys, algorithm, file
+):
+    cfg = make_config(INSTRUCTION, tmp_path, name="fedit", algorithm=algorithm, rounds=1)
+    path = tmp_path / "fedit.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "eval_before": False}))
+    assert _cli(["run", str(path), "-q"], monkeypatch, capsys)[0] == 0
+    root = tmp_path / "fedit"
+    ck = root / "checkpoints" / "round_0001" / f"{file}.safetensors"
+    # What fedfm wrote before: the parameter names, which name the adapter ("default").
+    arrays = load_file(str(ck))
+    assert any(".lora_A." in k for k in arrays) and not named_adapter_keys(arrays)
+    earlier = {re.sub(r"\.lora_(A|B)\.", r".lora_\1.default.", k): v for k, v in arrays.items()}
+    save_file(earlier, str(ck))
+    before = _tree(root)
+    code, err = _cli(["run", str(path), "rounds=2", "--resume", "-q"], monkeypatch, capsys)
+    said = [line for line in err.splitlines() if "error" in line]  # progress bars aside
+    assert code == 2 and len(said) == 1, err
+    assert f"round_0001/{file}.safetensors: LoRA tensors keyed with their adapter name" in said[0]
+    assert "--overwrite" in said[0]
+    assert _tree(root) == before
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,7 @@ from fedfm.core.seeding import derive_seed
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
 from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
+from fedfm.fm import Adapters, FullWeights
 from fedfm.models.encoders import known_encoder, text_embedder
 from fedfm.models.generation import GenerationConfig
 from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
@@ -473,13 +474,14 @@ class DPSynClient(ClientHalf):
             "seed": self.noise_seed(ctx, "dp"),
             "field": "algo",
         }
-        # The client's own account stays in its state; the server accounts from its plan.
+        what: Adapters | FullWeights = Adapters([ADAPTER], [ADAPTER])
         if self.full:
-            _, out = self.fm.dp_train_full(rows, msg.arrays["weights"], ctx.state, **kw)
-            return Message("train", {"weights": out})
-        self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
-        self.fm.dp_train(rows, ctx.state, [ADAPTER], [ADAPTER], **kw)
-        return Message("train", {"adapter": self.fm.get_adapter(ADAPTER)})
+            what = FullWeights(msg.arrays["weights"])
+        else:
+            self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+        _, out = self.fm.dp_train(rows, ctx.state, what, **kw)
+        # The client's own account stays in its state; the server accounts from its plan.
+        return Message("train", {"weights" if self.full else "adapter": out})
 
     def vote(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 4: K-NN votes of the private samples within their code, plus noise."""

@@ -10,7 +10,8 @@ Papers:
 - SCAFFOLD: Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for
   Federated Learning" (option II control variates).
 - FedIT (Zhang et al. 2024) is FedAvg over LoRA adapters: the same code on an LM task,
-  where the task's model exposes only adapter tensors as trainable.
+  whose model is an adapter of the foundation model: what travels (``task.get_params``) is that
+  adapter, read through the handle (:mod:`fedfm.fm`).
 
 Choices of ours: aggregation weights are the clients' training-set sizes; parameters and
 floating-point buffers (e.g. BatchNorm statistics) are averaged alike; the local-only
@@ -70,11 +71,10 @@ from fedfm.core.replies import (
     weighted_mean_metric,
 )
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.train import client_config, get_params, local_round, set_params
+from fedfm.core.train import client_config, local_round
 from fedfm.core.userdp import UPDATE_META, Skipped, UserDP, fold_reply
 from fedfm.errors import ConfigError
 from fedfm.eval.compare import UpdateCosines
-from fedfm.models.lora import save_active_adapter
 from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
 
 TRAIN = MessageKind(
@@ -146,9 +146,9 @@ def fit(
         of examples and its mean training loss.
     """
     glob = msg.arrays["params"]
-    set_params(model, glob)
+    ctx.task.set_params(model, glob)
     res = local_round(ctx, model, cfg, prox_ref=glob, data=data)
-    return train_reply(ctx, msg, get_params(model, list(glob)), res.loss, dp)
+    return train_reply(ctx, msg, ctx.task.get_params(model, list(glob)), res.loss, dp)
 
 
 def train_reply(
@@ -178,7 +178,7 @@ def train_message(params: dict[str, Tensor], opt: ServerOptimizer) -> Message:
 
 def evaluate_locally(ctx: ClientContext, model: nn.Module, msg: Message) -> Message:
     """Client half of personal evaluation: the received parameters on the local test split."""
-    set_params(model, msg.arrays["params"])
+    ctx.task.set_params(model, msg.arrays["params"])
     data = ctx.task.client_test_data(ctx.cid)
     metrics = ctx.task.evaluate(model, data)
     return Message(
@@ -255,20 +255,22 @@ def evaluate_global(
     results, every evaluated item is returned too (``items``: the engine keeps them in the
     run's ``eval_items.jsonl``).
     """
-    set_params(model, params)
+    task.set_params(model, params)
     out = evaluate_on_test(task, model)
     if personal:
         out.update(evaluate_personal(fed, params))
     return out
 
 
-def export_global(model: nn.Module, params: dict[str, Tensor], folder: Path) -> bool:
-    """Writes the global ``params`` as a peft adapter when ``model`` is a LoRA-adapted LLM.
+def export_global(task: Task, model: nn.Module, params: dict[str, Tensor], folder: Path) -> bool:
+    """Writes the global ``params`` as a peft adapter when ``model`` is one.
 
-    See :meth:`fedfm.algorithms.base.Algorithm.export_adapter`; ``False`` for other models.
+    That is, when ``model`` is an adapter of the task's foundation model
+    (:meth:`fedfm.tasks.base.Task.save_adapter`). See
+    :meth:`fedfm.algorithms.base.Algorithm.export_adapter`; ``False`` for other models.
     """
-    set_params(model, params)
-    return save_active_adapter(model, folder)
+    task.set_params(model, params)
+    return task.save_adapter(model, folder)
 
 
 def evaluate_on_test(task: Task, model: nn.Module) -> dict[str, Any]:
@@ -353,7 +355,7 @@ class FedAvg(Algorithm):
         super().__init__(cfg, task, run)
         self.cfg: FedAvgFamilyConfig = cfg
         self._model = shared_model(task, run.seed)
-        self.params: dict[str, Tensor] = get_params(self._model)
+        self.params: dict[str, Tensor] = task.get_params(self._model)
         # θ_0, for update_norm: rebuilt from the seed, so a resumed run has it too.
         self.origin = {k: v.clone() for k, v in self.params.items()}
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
@@ -385,7 +387,7 @@ class FedAvg(Algorithm):
 
     @override
     def export_adapter(self, folder: Path) -> bool:
-        return export_global(self._model, self.params, folder)
+        return export_global(self.task, self._model, self.params, folder)
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -469,12 +471,11 @@ class ScaffoldClient(ClientHalf):
         model = self.model
         glob, c = msg.arrays["params"], msg.arrays["control"]
         c_i = ctx.state.get_group("control") or {k: v.new_zeros(v.shape) for k, v in c.items()}
-        set_params(model, glob)
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        corr = {n: c[n] - c_i[n] for n in names}
+        self.task.set_params(model, glob)
+        corr = {k: c[k] - c_i[k] for k in self.task.param_names(model)}  # trainable tensors
         data = self.fedsd.train_data(ctx)
         res = local_round(ctx, model, self.run.train, grad_correction=corr, data=data)
-        local = get_params(model, list(glob))
+        local = self.task.get_params(model, list(glob))
         lr = client_config(ctx, self.run.train).lr  # the round's rate, as local_round used
         c_new = scaffold_client_control(c_i, c, glob, local, res.steps, lr)
         ctx.state.set_group("control", c_new)
@@ -519,7 +520,7 @@ class Scaffold(Algorithm):
                     " train.steps",
                 )
         self._model = shared_model(task, run.seed)
-        self.params: dict[str, Tensor] = get_params(self._model)
+        self.params: dict[str, Tensor] = task.get_params(self._model)
         self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0, for update_norm
         self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
         self.fedsd = FedSDPhase(cfg)
@@ -594,7 +595,7 @@ class Scaffold(Algorithm):
 
     @override
     def export_adapter(self, folder: Path) -> bool:
-        return export_global(self._model, self.params, folder)
+        return export_global(self.task, self._model, self.params, folder)
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -618,10 +619,10 @@ class LocalOnlyClient(ClientHalf):
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.model = shared_model(task, run.seed)
-        self.init = get_params(self.model)  # every client starts from the same weights
+        self.init = task.get_params(self.model)  # every client starts from the same weights
 
     def _load_own(self, ctx: ClientContext) -> nn.Module:
-        set_params(self.model, ctx.state.get_group("model") or self.init)
+        self.task.set_params(self.model, ctx.state.get_group("model") or self.init)
         return self.model
 
     @override
@@ -632,7 +633,7 @@ class LocalOnlyClient(ClientHalf):
         """The client's own model, trained for the run's local budget."""
         model = self._load_own(ctx)
         res = local_round(ctx, model, self.run.train)
-        ctx.state.set_group("model", get_params(model))
+        ctx.state.set_group("model", self.task.get_params(model))
         return Message(
             "train", meta={"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
         )

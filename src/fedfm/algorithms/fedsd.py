@@ -63,7 +63,6 @@ from fedfm.algorithms.base import AlgoConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.seeding import derive_seed
-from fedfm.core.train import set_params
 from fedfm.errors import FedfmError
 from fedfm.eval.metrics import gsm8k_number, pick_choice, resolve_answer
 from fedfm.models.generation import GenerationConfig, Reply
@@ -647,7 +646,7 @@ class FedSDPhase:
             return {}
 
         def refine(ctx: ClientContext, msg: Message) -> Message:
-            set_params(model, msg.arrays["params"])
+            task.set_params(model, msg.arrays["params"])
             fm = task.foundation_model()
             return refinery.rewrite(ctx, fm, fm.active, msg.arrays["params"])
 

@@ -72,6 +72,18 @@ class ClientTask(Protocol):
         """Metrics of ``model`` on ``data``."""
         ...
 
+    def get_params(self, model: Any, names: list[str] | None = None) -> dict[str, Tensor]:
+        """Detached CPU copies of the tensors of the task's ``model`` that travel."""
+        ...
+
+    def set_params(self, model: Any, params: Mapping[str, Tensor]) -> None:
+        """Copies ``params`` (keyed as :meth:`get_params`) into ``model``."""
+        ...
+
+    def param_names(self, model: Any) -> dict[str, str]:
+        """Key of each trainable tensor that travels -> its parameter name in ``model``."""
+        ...
+
 
 @dataclass
 class ClientContext:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -207,7 +207,9 @@ def local_round(
         data: Training data other than the client's own (e.g. FedSD's distilled set, of the
             same size); ``ctx.data`` when None.
         **kw: Passed on to :func:`local_train` (``prox_ref``, ``extra_loss``,
-            ``grad_correction``, ``optimizer``).
+            ``grad_correction``, ``optimizer``); ``prox_ref`` and ``grad_correction`` are
+            keyed as the messages are (``ctx.task.get_params``) and reach the loop by
+            parameter name (``ctx.task.param_names``).
 
     Returns:
         Steps taken and the mean loss.
@@ -217,7 +219,29 @@ def local_round(
     cfg = client_config(ctx, cfg)
     n = steps or num_steps(cfg, task.num_examples(data))
     batches = task.batches(data, cfg.batch_size, ctx.rng_seed(purpose))
+    keyed = [k for k in ("prox_ref", "grad_correction") if kw.get(k) is not None]
+    if keyed:
+        names = task.param_names(model)
+        for k in keyed:
+            kw[k] = {names[key]: t for key, t in kw[k].items() if key in names}
     return local_train(model, batches, loss_fn or task.loss, cfg, n, **kw)
+
+
+@runtime_checkable
+class ExchangedTensors(Protocol):
+    """A module that names the tensors it sends itself (instead of :func:`state_keys`).
+
+    A module that holds LoRA adapters of a frozen base next to its own layers (the text
+    task's encoder with a head) implements it to send its adapters in peft's format, grouped
+    by adapter name (:mod:`fedfm.models.lora`), beside its other trainable tensors.
+    """
+
+    def exchanged_tensors(self) -> dict[str, Tensor]:
+        """The live tensors that leave the module, by the key they travel under.
+
+        The parameters and buffers themselves, not copies.
+        """
+        ...
 
 
 def state_keys(model: nn.Module) -> list[str]:
@@ -231,21 +255,45 @@ def state_keys(model: nn.Module) -> list[str]:
     return [k for k in model.state_dict() if k in train or k in buffers]
 
 
+def exchanged(model: nn.Module) -> dict[str, Tensor]:
+    """The live tensors of ``model`` that travel, by key.
+
+    Its :class:`ExchangedTensors` when it names them, else its :func:`state_keys` entries.
+    """
+    if isinstance(model, ExchangedTensors):
+        return model.exchanged_tensors()
+    state = model.state_dict(keep_vars=True)  # the parameters themselves, not detached views
+    return {k: state[k] for k in state_keys(model)}
+
+
 def get_params(model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
-    """Detached CPU copies of a model's state entries.
+    """Detached CPU copies of the tensors of ``model`` that travel (:func:`exchanged`).
 
     Args:
         model: The model.
-        names: Only these keys; :func:`state_keys` when None.
+        names: Only these keys; all when None.
     """
-    state = model.state_dict()
-    keys = names if names is not None else state_keys(model)
-    return {k: state[k].detach().to("cpu", copy=True) for k in keys}
+    live = exchanged(model)
+    keys = names if names is not None else list(live)
+    return {k: live[k].detach().to("cpu", copy=True) for k in keys}
 
 
 def set_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
-    """Copies ``params`` into the model's matching state entries (others untouched)."""
-    state = model.state_dict()
+    """Copies ``params`` (keyed as :func:`get_params`) into the model's tensors.
+
+    Tensors not in ``params`` are left as they are.
+    """
+    live = exchanged(model)
     with torch.no_grad():
         for k, v in params.items():
-            state[k].copy_(v)
+            live[k].copy_(v)
+
+
+def param_names(model: nn.Module) -> dict[str, str]:
+    """Key of each trainable parameter among the tensors that travel -> its parameter name.
+
+    Messages key tensors as :func:`get_params` does; :func:`local_train` finds parameters by
+    name (FedProx's reference, SCAFFOLD's correction).
+    """
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: names[id(t)] for k, t in exchanged(model).items() if id(t) in names}

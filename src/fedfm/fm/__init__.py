@@ -12,14 +12,18 @@ internals. What it offers:
   adapter starts inactive and frozen. :meth:`FoundationModel.use` chooses which adapters take
   part in the forward pass (their deltas add up: ``W0·h + s·B_r·A_r·h + s·B_s·A_s·h``) and which
   receive gradients, and restores the previous choice on exit.
-* **Adapter tensors** (:meth:`FoundationModel.get_adapter`, :meth:`FoundationModel.set_adapter`):
-  keys never name the adapter, so a client's ``global`` state loads into the server's copy or
-  into any adapter of the same shape. A message carries exactly the adapters put in it, one
-  array field per adapter.
+* **Adapter tensors** (:meth:`FoundationModel.get_adapter`, :meth:`FoundationModel.set_adapter`)
+  in fedfm's one key format (:mod:`fedfm.models.lora`): peft's saved keys, which never name the
+  adapter, so a client's ``global`` state loads into the server's copy, into any adapter of the
+  same shape or into plain peft; several adapters in one flat dict are grouped by name
+  (``"<adapter>/<key>"``). A message carries exactly the adapters put in it, one array field
+  per adapter. Every LLM algorithm reads and writes adapters here, FedIT too (the instruction
+  task's :meth:`~fedfm.tasks.base.Task.get_params` is this adapter).
 * **Batched, seeded generation** with a chosen adapter set (:meth:`FoundationModel.generate`),
   prompts that keep their tail (:meth:`FoundationModel.prompt`), **all-layer features**
-  (:meth:`FoundationModel.features`) and **DP-SGD on adapters**
-  (:meth:`FoundationModel.dp_train`).
+  (:meth:`FoundationModel.features`) and **DP-SGD** on adapters or on every weight, one
+  function for both (:meth:`FoundationModel.dp_train` with :class:`Adapters` or
+  :class:`FullWeights`).
 
 Per-client adapters. In the embedded runtime one process holds one slot per adapter name,
 shared by every simulated client. A client's own adapter (FedSDR's ``LoRA-S``) lives in its
@@ -28,7 +32,15 @@ handler with :meth:`FoundationModel.load_adapter`, which re-initialises the slot
 client that has no state yet instead of leaving the previous client's tensors there.
 """
 
-from fedfm.fm.handle import FoundationModel, base_key, shared_base
+from fedfm.fm.handle import Adapters, FoundationModel, FullWeights, base_key, shared_base
 from fedfm.models.generation import GenerationConfig, Reply
 
-__all__ = ["FoundationModel", "GenerationConfig", "Reply", "base_key", "shared_base"]
+__all__ = [
+    "Adapters",
+    "FoundationModel",
+    "FullWeights",
+    "GenerationConfig",
+    "Reply",
+    "base_key",
+    "shared_base",
+]

@@ -6,6 +6,7 @@ import contextlib
 import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fedfm.config import TrainConfig, validate_section
+from fedfm.core.groups import join_groups
 from fedfm.data.prompt import (
     PromptConfig,
     chat_prompt,
@@ -31,6 +33,7 @@ from fedfm.models.lora import (
     LoraConfigSpec,
     active_adapters,
     adapter_names,
+    adapter_param_names,
     add_adapters,
     get_adapter_state,
     load_adapter,
@@ -104,6 +107,30 @@ def shared_base(
             torch.nn.Module.to(bundle.model, device=device, dtype=getattr(torch, dtype))
         _BASES[key] = bundle
     return _BASES[key]
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What :meth:`FoundationModel.dp_train` trains: adapters of the shared model.
+
+    Attributes:
+        active: Adapters in the forward pass (their deltas add up).
+        trainable: The adapters that are trained and privatised (a subset of ``active``).
+    """
+
+    active: Sequence[str]
+    trainable: Sequence[str]
+
+
+@dataclass(frozen=True)
+class FullWeights:
+    """What :meth:`FoundationModel.dp_train` trains: every base weight, no adapter active.
+
+    Attributes:
+        weights: The weights to start from (:meth:`FoundationModel.get_weights` keys).
+    """
+
+    weights: Mapping[str, Tensor]
 
 
 class FoundationModel:
@@ -327,6 +354,15 @@ class FoundationModel:
         """``{name: get_adapter(name)}``: one message array field per adapter."""
         return {name: self.get_adapter(name) for name in names}
 
+    def param_names(self, name: str) -> dict[str, str]:
+        """Key of each of adapter ``name``'s tensors (as :meth:`get_adapter` gives them) ->
+        its parameter name in :attr:`model`, for training loops that find tensors by name.
+
+        Raises:
+            UnknownNameError: No such adapter (field ``lora.adapter``).
+        """
+        return adapter_param_names(self._peft([name]), name)
+
     def save_adapter(self, name: str, folder: str | Path) -> Path:
         """Writes adapter ``name`` in peft's format into ``folder``
         (``adapter_config.json``, ``adapter_model.safetensors``): plain peft loads it with
@@ -496,7 +532,7 @@ class FoundationModel:
             self.autocast, scope=lambda: self.use(active),
         )  # fmt: skip
 
-    # ----- training data and DP-SGD -----
+    # ----- training data -----
     def encode(self, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, list[int]]]:
         """Token ids, masks and response-only labels of ``instruction, input, output`` rows,
         exactly as in training (rows with an empty ``output`` are dropped)."""
@@ -514,47 +550,6 @@ class FoundationModel:
             )
             is not None
         ]
-
-    def dp_train(
-        self,
-        rows: Sequence[Mapping[str, Sequence[int]]],
-        state: ClientState,
-        adapters: Sequence[str],
-        trainable: Sequence[str],
-        *,
-        train: TrainConfig,
-        dp: DPSGDConfig,
-        delta: float,
-        steps: int,
-        planned_steps: int,
-        seed: int,
-        key: str = "dp",
-        field: str = "algo.dp",
-    ) -> DPResult:
-        """DP-SGD on the ``trainable`` adapters with ``adapters`` active (see
-        :func:`fedfm.core.dp.dp_train` for every argument and the accounting).
-
-        The shared model is left without Opacus hooks or attributes, and with the previous
-        active and trainable adapters, whatever happens.
-        """
-        from fedfm.core.dp import dp_train  # Opacus is imported only by runs that use it
-
-        with self.use(adapters, trainable) as model:
-            return dp_train(
-                model,
-                rows,
-                state,
-                train=train,
-                dp=dp,
-                delta=delta,
-                steps=steps,
-                planned_steps=planned_steps,
-                seed=seed,
-                pad_id=pad_id_of(self.tokenizer),
-                autocast=self.autocast,
-                key=key,
-                field=field,
-            )
 
     # ----- all weights (full fine-tuning) -----
     def _base_params(self) -> dict[str, torch.nn.Parameter]:
@@ -609,11 +604,12 @@ class FoundationModel:
                         p.copy_(own[n])
                         p.requires_grad_(False)
 
-    def dp_train_full(
+    # ----- DP-SGD -----
+    def dp_train(
         self,
         rows: Sequence[Mapping[str, Sequence[int]]],
-        weights: Mapping[str, Tensor],
         state: ClientState,
+        what: Adapters | FullWeights,
         *,
         train: TrainConfig,
         dp: DPSGDConfig,
@@ -624,14 +620,29 @@ class FoundationModel:
         key: str = "dp",
         field: str = "algo.dp",
     ) -> tuple[DPResult, Arrays]:
-        """DP-SGD on every base weight, starting from ``weights`` (see :meth:`dp_train`).
+        """DP-SGD (Opacus) on adapters or on every base weight: one function for both.
+
+        The shared model is left without Opacus hooks or attributes, and with the previous
+        active and trainable adapters (and, for full weights, its own weights), whatever
+        happens.
+
+        Args:
+            rows: Encoded rows of this client (:meth:`encode`).
+            state: The client's persistent state; its account lives under ``state.meta[key]``.
+            what: :class:`Adapters` (the trainable adapters, with the active ones in the
+                forward pass) or :class:`FullWeights` (every base weight, starting from the
+                given ones; no adapter active).
+            train, dp, delta, steps, planned_steps, seed, key, field: See
+                :func:`fedfm.core.dp.dp_train` (the accounting included).
 
         Returns:
-            The DP result and the trained weights (the base keeps its own weights).
+            The DP result and the trained tensors: the trainable adapter's (one adapter: its
+            :meth:`get_adapter`; several: grouped by name, ``"<adapter>/<key>"``), or every
+            weight (:meth:`get_weights`).
         """
         from fedfm.core.dp import dp_train  # Opacus is imported only by runs that use it
 
-        with self.full_weights(weights, trainable=True) as model:
+        with self._training(what) as model:
             res = dp_train(
                 model,
                 rows,
@@ -647,7 +658,21 @@ class FoundationModel:
                 key=key,
                 field=field,
             )
-            return res, self.get_weights()
+            return res, self._trained(what)
+
+    def _training(self, what: Adapters | FullWeights) -> contextlib.AbstractContextManager[Any]:
+        """The model to train ``what`` in (see :meth:`dp_train`)."""
+        if isinstance(what, FullWeights):
+            return self.full_weights(what.weights, trainable=True)
+        return self.use(what.active, what.trainable)
+
+    def _trained(self, what: Adapters | FullWeights) -> Arrays:
+        """Copies of the tensors ``what`` trained, in the one key format."""
+        if isinstance(what, FullWeights):
+            return self.get_weights()
+        if len(what.trainable) == 1:
+            return self.get_adapter(what.trainable[0])
+        return join_groups(self.get_adapters(what.trainable))
 
     def _peft(self, names: Sequence[str]) -> peft.PeftModel:
         """The shared PeftModel; an unknown adapter name is one line naming the field."""

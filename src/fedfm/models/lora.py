@@ -10,19 +10,23 @@ the forward pass and any subset trainable. peft does all of this; the functions 
 small, strict interface:
 
 - adapters are added, activated and frozen by name (:func:`add_adapters`, :func:`set_active`);
-- adapter states are ``dict[str, Tensor]`` whose keys do not contain the adapter name, so a state
-  taken from adapter ``"global"`` loads into adapter ``"rectified"`` (:func:`get_adapter_state`,
-  :func:`set_adapter_state`);
-- what travels between client and server is only adapter tensors (:func:`trainable_state`); the base
-  model is never saved or sent;
 - adapters are saved in peft's own format: ``PeftModel.from_pretrained(base, folder)`` loads them.
+
+One key format for adapter tensors wherever they leave a model (messages, client states,
+checkpoints, the exported adapter): peft's saved keys, which do not name the adapter
+(``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), so a state taken from
+adapter ``"global"`` loads into adapter ``"rectified"`` or into plain peft
+(:func:`get_adapter_state`, :func:`set_adapter_state`). Several adapters in one flat dict are
+grouped by adapter name, ``"<adapter>/<saved key>"`` (:func:`fedfm.core.groups.join_groups`;
+:func:`trainable_state`). The base model is never saved or sent.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +37,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
 from torch import Tensor, nn
 
+from fedfm.core.groups import get_group, join_groups
 from fedfm.errors import AssetMissingError, ConfigError, FedfmError, UnknownNameError
 
 
@@ -265,44 +270,78 @@ def set_adapter_state(peft_model: peft.PeftModel, name: str, state: dict[str, Te
         )
 
 
-def trainable_state(peft_model: peft.PeftModel) -> dict[str, Tensor]:
-    """The adapter tensors that are trainable now: what a client sends after local training.
+def adapter_tensors(peft_model: peft.PeftModel, name: str) -> dict[str, nn.Parameter]:
+    """The live parameters of one adapter (not copies), under peft's saved keys.
 
-    Keys are the model's parameter names, which include the adapter name
-    (``...q_proj.lora_A.local.weight``) so that several trainable adapters never collide.
-    Values are detached CPU copies. Base-model tensors are never included.
-    """
-    adapter_params = _adapter_param_ids(peft_model)
-    return {
-        key: param.detach().to("cpu", copy=True)
-        for key, param in peft_model.named_parameters()
-        if param.requires_grad and id(param) in adapter_params
-    }
-
-
-def set_trainable_state(peft_model: peft.PeftModel, state: dict[str, Tensor]) -> None:
-    """Writes a :func:`trainable_state` back into the model, in place.
+    The keys are :func:`get_adapter_state`'s, worked out by peft itself
+    (``get_peft_model_state_dict`` over the model's own parameters), so a module that holds a
+    peft model sends its adapter in the one format without copying peft's renaming rules.
 
     Raises:
-        AdapterStateError: Keys differ from the currently trainable adapter tensors, or a shape
-            differs.
+        UnknownNameError: ``name`` is not an adapter of the model.
     """
-    current = dict(peft_model.named_parameters())
-    expected = {key: current[key] for key in trainable_state_keys(peft_model)}
-    _check_state("trainable state", expected, state)
-    with torch.no_grad():
-        for key, value in state.items():
-            expected[key].copy_(value)
+    _check_adapter(peft_model, name)
+    live = dict(peft_model.named_parameters())
+    return get_peft_model_state_dict(
+        peft_model, state_dict=live, adapter_name=name, save_embedding_layers=False
+    )
 
 
-def trainable_state_keys(peft_model: peft.PeftModel) -> list[str]:
-    """Names of the adapter parameters that are trainable now."""
-    adapter_params = _adapter_param_ids(peft_model)
-    return [
-        key
-        for key, param in peft_model.named_parameters()
-        if param.requires_grad and id(param) in adapter_params
-    ]
+def adapter_param_names(peft_model: peft.PeftModel, name: str) -> dict[str, str]:
+    """Saved key -> the model's parameter name (which names the adapter) of one adapter.
+
+    What finds the parameter of a tensor that travels under its saved key (FedProx's reference
+    and SCAFFOLD's correction are keyed like the messages, training loops by parameter name).
+
+    Raises:
+        UnknownNameError: ``name`` is not an adapter of the model.
+    """
+    names = {id(p): n for n, p in peft_model.named_parameters()}
+    return {key: names[id(p)] for key, p in adapter_tensors(peft_model, name).items()}
+
+
+def trainable_state(peft_model: peft.PeftModel) -> dict[str, Tensor]:
+    """The adapters that are trainable now, as one flat dict grouped by adapter name.
+
+    Keys are ``"<adapter>/<saved key>"`` (``local/base_model.model...q_proj.lora_A.weight``), so
+    several trainable adapters never collide and each group loads into any adapter of the same
+    shape (``get_group(state, "local")``). Values are detached CPU copies; base-model tensors
+    are never included.
+    """
+    return join_groups(
+        {name: get_adapter_state(peft_model, name) for name in trainable_adapters(peft_model)}
+    )
+
+
+def set_trainable_state(peft_model: peft.PeftModel, state: Mapping[str, Tensor]) -> None:
+    """Writes a :func:`trainable_state` back into the trainable adapters, in place.
+
+    Raises:
+        AdapterStateError: The groups are not the trainable adapters, or a group's keys or
+            shapes differ from its adapter's.
+    """
+    names = trainable_adapters(peft_model)
+    groups = sorted({key.partition("/")[0] for key in state})
+    if groups != sorted(names):
+        raise AdapterStateError(f"trainable state: adapters {groups}, trainable now {names}")
+    for name in names:
+        set_adapter_state(peft_model, name, get_group(state, name))
+
+
+# The key of a LoRA tensor that still names its adapter: the model's parameter name
+# (``...lora_A.default.weight``, ``...lora_magnitude_vector.default.weight``), which fedfm
+# sent and checkpointed before adapters travelled under peft's saved keys.
+_NAMED_ADAPTER_KEY = re.compile(
+    r"(?:^|[./])lora_(?:A|B|magnitude_vector)\.(?!weight$|bias$)[^./]+\.(?:weight|bias)$"
+)
+
+
+def named_adapter_keys(keys: Iterable[str]) -> list[str]:
+    """The keys among ``keys`` that name their LoRA adapter (fedfm's earlier format).
+
+    Keys in the one format (peft's saved keys, ``"<group>/<saved key>"``) are never listed.
+    """
+    return [key for key in keys if _NAMED_ADAPTER_KEY.search(key)]
 
 
 def save_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> Path:
@@ -324,22 +363,6 @@ def save_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> P
             if item.is_file():
                 shutil.move(str(item), folder / item.name)
     return folder
-
-
-def save_active_adapter(model: nn.Module, folder: str | Path) -> bool:
-    """Saves the one active adapter of a peft model (:func:`save_adapter`); ``False`` for a
-    model that is not a peft model (nothing is written).
-
-    Raises:
-        ConfigError: Several adapters are active (field ``lora.adapter``).
-    """
-    if not isinstance(model, peft.PeftModel):
-        return False
-    active = active_adapters(model)
-    if len(active) != 1:
-        raise ConfigError("lora.adapter", f"one active adapter needed to save, got {active}")
-    save_adapter(model, active[0], folder)
-    return True
 
 
 def load_adapter(peft_model: peft.PeftModel, name: str, folder: str | Path) -> None:

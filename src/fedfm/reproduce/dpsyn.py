@@ -761,6 +761,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
         scope=TEXT("scope-premise"),
     )
     out.append(premise)
+    premise_no = len(out)  # its R number (readouts count from 1)
 
     def premise_holds(r: Results) -> bool:
         return verdict(premise.value(r), +1) == IN_DIRECTION
@@ -774,7 +775,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                 " voting 0.6149, 10% without 0.6280)",
                 +1,
                 _acc((few, f"votes/{eps:g}"), (many, "subset")),
-                scope=TEXT("scope-claim", premise=len(out)),
+                scope=TEXT("scope-claim", premise=premise_no),
                 testable=premise_holds,
             )
         )

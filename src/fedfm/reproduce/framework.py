@@ -342,7 +342,8 @@ class Study(Generic[G, R]):
         summary: One line for the registry.
         full: The default grid.
         quick: The ``--quick`` grid.
-        jobs: The jobs of a grid, given what is measured so far (asked again after each wave).
+        jobs: The jobs of a grid, given what is measured so far (asked again after each
+            finished job).
         read: What the readouts and the report read from the study folder.
         readouts: The comparisons the study exists for, per grid (fixed in code).
         title: The report's title.
@@ -630,10 +631,13 @@ def _finished(job: Job, m: Mapping[str, Any], ctx: Context[Any]) -> None:
 
 @contextlib.contextmanager
 def _pool(workers: int) -> Iterator[tuple[ProcessPoolExecutor, Any]]:
-    # spawn: fresh interpreters, no forked torch thread pools.
+    # spawn: fresh interpreters, no forked torch thread pools; one job per process, so no
+    # job inherits another's caches (loaded models, features).
     mpc = mp.get_context("spawn")
     queue = mpc.Queue()
-    pool = ProcessPoolExecutor(workers, mp_context=mpc, initializer=_init_worker, initargs=(queue,))
+    pool = ProcessPoolExecutor(
+        workers, mp_context=mpc, initializer=_init_worker, initargs=(queue,), max_tasks_per_child=1
+    )
     try:
         yield pool, queue
     finally:
@@ -651,37 +655,89 @@ def _drain(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
             ctx.record.mark(jobs[name], "running", pid=pid)
 
 
-def _run_wave(wave: Sequence[tuple[Job, dict[str, Any]]], ctx: Context[Any]) -> bool:
-    """Executes one wave of jobs; returns False when a worker died (the invocation stops)."""
-    if ctx.workers <= 1 or len(wave) == 1:
-        for job, spec in wave:
+def _ready(
+    study: Study[Any, Any], ctx: Context[Any], running: Iterable[str]
+) -> tuple[list[tuple[Job, dict[str, Any]]], bool]:
+    """The jobs that can start now, and whether any other job settled while listing them.
+
+    The study lists its jobs again at every call, so a job that a measured value decides
+    appears once that value is there.
+    """
+    rec, busy = ctx.record, set(running)
+    ready: list[tuple[Job, dict[str, Any]]] = []
+    moved = False
+    for job in _plan(study, ctx):
+        if job.name in ctx.done or job.name in ctx.failed or job.name in busy:
+            continue
+        step = _prepare(job, ctx)
+        if step.what == "done":
+            ctx.done.add(job.name)
+            if rec.jobs.get(job.name, {}).get("status") != "done":
+                rec.mark(job, "done", save=False)
+            moved = True
+        elif step.what == "skip":
+            ctx.failed[job.name] = f"skipped: {step.reason}"
+            rec.mark(job, "skipped", error=step.reason)
+            moved = True
+        elif step.what == "todo":
+            ready.append((job, step.spec))
+    return ready, moved
+
+
+def _run_serial(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
+    """Runs the jobs one at a time in this process, listing them again after each."""
+    while True:
+        ready, moved = _ready(study, ctx, ())
+        if ready:
+            job, spec = ready[0]
+            inv["ran"] += 1
             ctx.record.mark(job, "running", pid=os.getpid())
             _finished(job, execute(spec), ctx)
-        return True
-    by_name = {job.name: job for job, _ in wave}
-    with _pool(min(ctx.workers, len(wave))) as (pool, queue):
-        futures: dict[Future[dict[str, Any]], Job] = {
-            pool.submit(execute, spec): job for job, spec in wave
-        }
-        while futures:
+        elif not moved:
+            return
+
+
+def _run_pool(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
+    """Keeps ``ctx.workers`` worker processes busy: a job starts as soon as its needs are done.
+
+    Each job runs in a fresh process (spawned, one job per process). A worker that dies
+    breaks the pool: its jobs are marked interrupted and the invocation stops starting jobs.
+    """
+    futures: dict[Future[dict[str, Any]], Job] = {}
+    broken = False
+    with _pool(ctx.workers) as (pool, queue):
+        while True:
+            ready, moved = ([], False) if broken else _ready(study, ctx, _names(futures))
+            for job, spec in ready[: ctx.workers - len(futures)]:
+                inv["ran"] += 1
+                futures[pool.submit(execute, spec)] = job
+            if not futures:
+                if moved and not broken:
+                    continue
+                return
             finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-            _drain(queue, by_name, ctx)
+            _drain(queue, {job.name: job for job in futures.values()}, ctx)
             for fut in finished:
                 job = futures.pop(fut)
                 try:
                     _finished(job, fut.result(), ctx)
                 except BrokenProcessPool:
+                    broken = True
                     ctx.failed[job.name] = "interrupted: a worker process died"
                     n = int(ctx.record.job(job).get("interrupted", 0)) + 1
                     ctx.record.mark(job, "interrupted", error=ctx.failed[job.name], interrupted=n)
-    return not any(e.startswith("interrupted") for e in ctx.failed.values())
+
+
+def _names(futures: Mapping[Future[dict[str, Any]], Job]) -> list[str]:
+    return [job.name for job in futures.values()]
 
 
 def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
-    """Runs every job of the study that is not done, wave by wave, into ``ctx.out``.
+    """Runs every job of the study that is not done into ``ctx.out``.
 
-    A wave is every job whose needs are done; after it the study lists its jobs again.
-    Each job's status and cost, and this invocation's, are recorded in ``study.json``.
+    A job starts once its needs are done and a worker is free; after each finished job the
+    study lists its jobs again. Each job's status and cost, and this invocation's, are
+    recorded in ``study.json``.
     """
     rec = ctx.record
     rec.study = {"name": study.name, "grid": "quick" if ctx.quick else "full"}
@@ -693,30 +749,7 @@ def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
     rec.invocations.append(inv)
     t0, cpu0 = time.perf_counter(), _cpu_all()
     try:
-        while True:
-            wave: list[tuple[Job, dict[str, Any]]] = []
-            moved = False
-            for job in _plan(study, ctx):
-                if job.name in ctx.done or job.name in ctx.failed:
-                    continue
-                step = _prepare(job, ctx)
-                if step.what == "done":
-                    ctx.done.add(job.name)
-                    if rec.jobs.get(job.name, {}).get("status") != "done":
-                        rec.mark(job, "done", save=False)
-                    moved = True
-                elif step.what == "skip":
-                    ctx.failed[job.name] = f"skipped: {step.reason}"
-                    rec.mark(job, "skipped", error=step.reason)
-                    moved = True
-                elif step.what == "todo":
-                    wave.append((job, step.spec))
-            if wave:
-                inv["ran"] += len(wave)
-                if not _run_wave(wave, ctx):
-                    break
-            elif not moved:
-                break
+        (_run_serial if ctx.workers <= 1 else _run_pool)(study, ctx, inv)
     except BaseException:
         for name, entry in rec.jobs.items():
             if entry.get("status") == "running":

@@ -14,7 +14,8 @@ naming the field, never an error halfway through a run.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 
 from fedfm.core.scratch import Scratch
+from fedfm.core.train import get_params, param_names, set_params
 from fedfm.errors import ConfigError
 from fedfm.eval.metrics import tensor_macro_f1 as macro_f1
 from fedfm.registry import Registry
@@ -166,6 +168,39 @@ class Task(ABC):
     def stats(self) -> dict[str, Any]:
         """Partition statistics saved in the run folder (sizes, label histograms)."""
         return {}
+
+    # ----- what of a model travels -----
+    def get_params(self, model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
+        """Detached CPU copies of the tensors of ``model`` (from :meth:`build_model`) that
+        travel: messages, client states and checkpoints carry exactly these.
+
+        By default the model's trainable parameters and floating-point buffers by state-dict
+        key, or the tensors it names itself (:func:`fedfm.core.train.get_params`; the text
+        task's MiniLM LoRA sends its adapter under peft's saved keys, :mod:`fedfm.models.lora`).
+        A task whose model is an adapter of its foundation model returns that adapter through
+        the handle (``fm.get_adapter``), so FedIT's messages are in the same format.
+
+        Args:
+            model: A model of this task.
+            names: Only these keys; all when None.
+        """
+        return get_params(model, names)
+
+    def set_params(self, model: nn.Module, params: Mapping[str, Tensor]) -> None:
+        """Copies ``params`` (keyed as :meth:`get_params`) into ``model``."""
+        set_params(model, params)
+
+    def param_names(self, model: nn.Module) -> dict[str, str]:
+        """Key of each trainable tensor that travels -> its parameter name in ``model`` (how
+        FedProx's reference and SCAFFOLD's correction, keyed as the messages are, reach the
+        training loop; :func:`fedfm.core.train.param_names`)."""
+        return param_names(model)
+
+    def save_adapter(self, model: nn.Module, folder: Path) -> bool:
+        """Writes ``model``'s adapter in peft's format into ``folder`` when the model is an
+        adapter of the task's foundation model (what ``fedfm eval`` reads); ``False``,
+        writing nothing, otherwise."""
+        return False
 
     # ----- optional capabilities (CAPABILITIES) -----
     @classmethod

@@ -3,9 +3,10 @@
 FedIT (Zhang et al., "Towards Building the Federated GPT: Federated Instruction Tuning",
 ICASSP 2024) is FedAvg over LoRA adapters (Hu et al., ICLR 2022) of a frozen LLM, each client
 holding instructions of its own kind. Here that is the ordinary FedAvg family of
-:mod:`fedfm.algorithms.fedavg` run on this task: the model the task builds exposes only adapter
-tensors as trainable, so :func:`fedfm.core.train.get_params` (and hence every message) carries
-only the adapter.
+:mod:`fedfm.algorithms.fedavg` run on this task: the model the task builds is the foundation
+model's adapter :data:`ADAPTER`, and what of it travels (:meth:`InstructionTask.get_params`, so
+every message, client state and checkpoint) is that adapter read through the handle
+(:meth:`fedfm.fm.FoundationModel.get_adapter`), in peft's saved keys like every LLM algorithm's.
 
 Data: any ``instruction`` source (default the offline multi-domain ``instruct_suite``; ``hf``
 for Alpaca/Dolly files or hub ids), split over clients by domain (``natural``, the default) or by
@@ -26,8 +27,9 @@ baselines, and each domain the share of generations cut by its token budget
 reference lengths is warned about when the task is built.
 
 Memory: the frozen base model is loaded once per process (keyed by name, dtype and arguments)
-and shared by every simulated client; :meth:`InstructionTask.build_model` returns one cached
-``PeftModel`` around it, so N simulated clients cost one model plus N adapters' worth of state.
+and shared by every simulated client; :meth:`InstructionTask.build_model` returns the handle's
+one ``PeftModel`` around it, so N simulated clients cost one model plus N adapters' worth of
+state.
 
 Choices of ours (not from a paper): held-out evaluation items are the first
 ``max_eval // domains`` test items of each domain (the suite draws them at random already), so
@@ -43,11 +45,11 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from pathlib import Path
+from typing import Any, Literal
 
 import datasets
 import numpy as np
-import peft
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
@@ -288,30 +290,9 @@ class InstructionData:
 # ---------------------------------------------------------------------------------------------
 # The shared frozen base and the PeftModel around it live in fedfm.fm, one of each per process.
 
-
-def shared_peft_model(
-    name: str,
-    dtype: str,
-    args: dict[str, Any] | None,
-    spec: LoraConfigSpec,
-    adapter: str = "default",
-    seed: int = 0,
-    quantization: str | None = None,
-    device: torch.device | None = None,
-) -> peft.PeftModel:
-    """The process-wide ``PeftModel`` on the shared base (on ``device``, the CPU when
-    ``None``), with ``adapter`` freshly made.
-
-    ``adapter`` is (re)created from ``spec`` with its ``A`` matrices drawn from ``seed`` and
-    ``B = 0``, then made the only active and trainable adapter; other adapters keep their
-    tensors. Every call returns the same object, so a second call re-initialises what the
-    first returned: callers that need several live adapters use
-    :class:`fedfm.fm.FoundationModel`.
-    """
-    fm = FoundationModel(name, dtype, args, lora=spec, quantization=quantization, device=device)
-    fm.reset_adapter(adapter, seed, spec)
-    fm.set_active([adapter], [adapter])
-    return cast(peft.PeftModel, fm.model)
+ADAPTER = "default"
+"""The adapter the task's model trains (FedIT's): peft's default name, so the exported
+adapter sits at the top of its folder."""
 
 
 def foundation_model_for(
@@ -567,33 +548,55 @@ class InstructionTask(Task):
         return len(data)
 
     def build_model(self, seed: int = 0, **overrides: Any) -> nn.Module:
-        """The shared ``PeftModel`` with a freshly initialised adapter (only it is trainable).
+        """The handle's shared ``PeftModel`` with adapter :data:`ADAPTER` freshly initialised
+        (the only active and trainable one; other adapters keep their tensors).
 
         Args:
             seed: Seeds the adapter's ``A`` matrices (``B`` starts at zero: the model equals
                 the base until trained).
-            **overrides: ``adapter`` (name, default ``"default"``) and ``lora`` (a dict of
-                :class:`LoraConfigSpec` fields replacing the task's).
+            **overrides: ``lora`` (a dict of :class:`LoraConfigSpec` fields replacing the
+                task's).
 
         Returns:
-            The process-wide model; see :func:`shared_peft_model` for what sharing implies.
+            The process-wide model: a second call re-initialises what the first returned;
+            callers that need several live adapters use :meth:`foundation_model`.
         """
-        unknown = set(overrides) - {"adapter", "lora"}
+        unknown = set(overrides) - {"lora"}
         if unknown:
             raise ConfigError("task.model_args", f"unknown model overrides {sorted(unknown)}")
         spec = self.cfg.lora
         if overrides.get("lora"):
             spec = LoraConfigSpec.model_validate({**spec.model_dump(), **overrides["lora"]})
-        return shared_peft_model(
-            self.cfg.model,
-            self.cfg.dtype,
-            self.cfg.model_args,
-            spec,
-            overrides.get("adapter", "default"),
-            seed,
-            self.cfg.quantization,
-            self.device,
-        )
+        fm = self.foundation_model()
+        fm.reset_adapter(ADAPTER, seed, spec)
+        fm.set_active([ADAPTER], [ADAPTER])
+        return fm.model
+
+    def get_params(self, model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
+        """Adapter :data:`ADAPTER` of the model (:meth:`build_model`'s), through the handle:
+        peft's saved keys, the adapter not named."""
+        state = self._handle_of(model).get_adapter(ADAPTER)
+        return state if names is None else {k: state[k] for k in names}
+
+    def set_params(self, model: nn.Module, params: Mapping[str, Tensor]) -> None:
+        """Puts ``params`` (every tensor of an adapter of this shape) into :data:`ADAPTER`."""
+        self._handle_of(model).set_adapter(ADAPTER, params)
+
+    def param_names(self, model: nn.Module) -> dict[str, str]:
+        return self._handle_of(model).param_names(ADAPTER)
+
+    def save_adapter(self, model: nn.Module, folder: Path) -> bool:
+        """Writes :data:`ADAPTER` in peft's format into ``folder``."""
+        self._handle_of(model).save_adapter(ADAPTER, folder)
+        return True
+
+    def _handle_of(self, model: nn.Module) -> FoundationModel:
+        """The handle whose shared model ``model`` is; any other model is refused, since its
+        adapter would not be the one read or written."""
+        fm = self.foundation_model()
+        if model is not fm.model:
+            raise FedfmError(f"{type(model).__name__} is not this task's model (build_model's)")
+        return fm
 
     def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:
         """Token ids, attention masks and response-only labels of ``data`` (cached on it)."""

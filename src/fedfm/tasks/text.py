@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from fedfm.config import validate_section
+from fedfm.core.groups import join_groups
 from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
 from fedfm.data.sources import LoadedSource, load_source
@@ -48,6 +49,8 @@ from fedfm.tasks.base import (
 
 # Models fed hashed n-gram ids; every other model is fed the raw texts.
 HASHED_MODELS = ("text-classifier",)
+ADAPTER = "adapter"
+"""The LoRA adapter of ``encoder-lora-classifier`` (and its group in the tensors that travel)."""
 
 
 @dataclass
@@ -312,7 +315,13 @@ class EncoderLoraClassifier(nn.Module):
 
     ``features(texts)`` is the encoder's sentence embedding (for all-MiniLM-L6-v2: mean
     pooling over tokens, then L2 normalisation; 384-d); ``head`` is ``Linear(dim, classes)``.
-    Only the LoRA tensors and the head are trainable.
+    Only the LoRA tensors and the head are trainable, and only they travel
+    (:meth:`exchanged_tensors`): the adapter under peft's saved keys in group
+    :data:`ADAPTER`, as every adapter leaves fedfm (:mod:`fedfm.models.lora`), the head in group
+    ``head``. It is its own module, not a :class:`fedfm.fm.FoundationModel`: the handle serves
+    causal LMs (chat prompts, generation, decoder features, DP-SGD over token rows), while this
+    model is a sentence-transformers encoder fed raw texts with a trainable head beside its
+    adapter; it uses the same :mod:`fedfm.models.lora` functions and key format.
 
     Args:
         num_classes: Classes.
@@ -348,13 +357,22 @@ class EncoderLoraClassifier(nn.Module):
         )
         transformer: Any = st[0]
         # ``auto_model`` is a read-only alias of ``model`` in sentence-transformers.
-        transformer.model = add_adapters(transformer.model, ["client"], spec)
+        transformer.model = add_adapters(transformer.model, [ADAPTER], spec)
         self.encoder = st
         dim = st.get_embedding_dimension()
         if dim is None:
             raise ConfigError("task.model_args.encoder", f"'{encoder}' has no embedding width")
         self.feature_dim = int(dim)
         self.head = nn.Linear(self.feature_dim, num_classes)
+
+    def exchanged_tensors(self) -> dict[str, Tensor]:
+        """The adapter (``adapter/<saved key>``) and the head (``head/weight``, ``head/bias``):
+        the live tensors that travel (:class:`fedfm.core.train.ExchangedTensors`)."""
+        from fedfm.models.lora import adapter_tensors
+
+        transformer: Any = self.encoder[0]
+        adapter: dict[str, Tensor] = dict(adapter_tensors(transformer.auto_model, ADAPTER))
+        return join_groups({ADAPTER: adapter, "head": dict(self.head.named_parameters())})
 
     def features(self, texts: Sequence[str]) -> Tensor:
         """Texts -> [B, feature_dim] sentence embeddings (differentiable through LoRA)."""

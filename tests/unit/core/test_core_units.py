@@ -14,7 +14,7 @@ from fedfm.core.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint
 from fedfm.core.federation import ClientState, derive_seed
 from fedfm.core.messages import Message, MessageKind, validate_arrays
 from fedfm.core.state import ClientStateStore
-from fedfm.core.train import get_params, local_train, num_steps, set_params
+from fedfm.core.train import get_params, local_train, num_steps, param_names, set_params
 from fedfm.errors import ConfigError, MessageError, UpdateRejectedError
 
 KIND = MessageKind("train", down_arrays=("params",), up_arrays=("params",), up_meta=("n",))
@@ -205,3 +205,26 @@ def test_grad_correction_and_clipping_and_extra_loss():
         m4, batches(), loss, TrainConfig(lr=1e-9), 1, extra_loss=lambda m, b, o: torch.tensor(2.0)
     ).loss
     assert plus == pytest.approx(base + 2.0)
+
+
+def test_a_module_that_names_its_tensors_travels_under_its_keys():
+    class Named(nn.Module):
+        """Two layers that send one weight each, under grouped keys."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+            self.b.weight.requires_grad_(False)
+
+        def exchanged_tensors(self) -> dict[str, torch.Tensor]:
+            return {"first/w": self.a.weight, "second/w": self.b.weight}
+
+    model = Named()
+    sent = get_params(model)
+    assert list(sent) == ["first/w", "second/w"]  # its keys, not its state-dict names
+    assert torch.equal(sent["first/w"], model.a.weight) and not sent["first/w"].requires_grad
+    set_params(model, {"first/w": torch.ones(2, 2)})
+    assert torch.equal(model.a.weight, torch.ones(2, 2))
+    assert param_names(model) == {"first/w": "a.weight"}  # only trainable parameters
+    plain = nn.Linear(2, 2)
+    assert param_names(plain) == {"weight": "weight", "bias": "bias"}

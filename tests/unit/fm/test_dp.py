@@ -19,10 +19,13 @@ from fedfm.core.dp import (
     poisson_batches,
 )
 from fedfm.core.federation import ClientState
+from fedfm.core.groups import get_group, join_groups
 from fedfm.core.state import load_state, save_state
 from fedfm.data.prompt import collate
 from fedfm.errors import ConfigError
-from helpers.models import randomize, tiny_fm
+from fedfm.fm import Adapters, FoundationModel, FullWeights
+from fedfm.models.generation import pad_id_of
+from helpers.models import TINY_FM_LORA, randomize, tiny_fm
 
 ROWS = [
     {"instruction": "Say hi.", "input": "", "output": "Hi there!"},
@@ -90,8 +93,8 @@ def test_one_step_clips_each_sample_and_averages_over_the_expected_batch(fm) -> 
     expected /= len(rows)
     dp = DPSGDConfig(noise_multiplier=0.0, max_grad_norm=clip, physical_batch_size=3)
     state = ClientState()
-    res = fm.dp_train(
-        rows, state, ["global", "private"], ["private"], train=SGD, dp=dp, delta=1e-5,
+    res, _ = fm.dp_train(
+        rows, state, Adapters(["global", "private"], ["private"]), train=SGD, dp=dp, delta=1e-5,
         steps=1, planned_steps=1, seed=0,
     )  # fmt: skip
     assert res.sample_rate == 1.0 and res.steps == 1  # batch_size >= n: every row, every step
@@ -108,7 +111,7 @@ def test_noise_is_gaussian_with_std_sigma_c_over_b_and_seeded(fm) -> None:
         fm.set_adapter("private", start)
         dp = DPSGDConfig(noise_multiplier=sigma, max_grad_norm=0.5)
         fm.dp_train(
-            rows, ClientState(), ["private"], ["private"], train=SGD, dp=dp, delta=1e-5,
+            rows, ClientState(), Adapters(["private"], ["private"]), train=SGD, dp=dp, delta=1e-5,
             steps=1, planned_steps=1, seed=seed,
         )  # fmt: skip
         return _flat(start) - _flat(fm.get_adapter("private"))
@@ -130,7 +133,7 @@ def test_micro_batches_and_infinite_epsilon(fm) -> None:
     def update(dp: DPSGDConfig) -> torch.Tensor:
         fm.set_adapter("private", start)
         fm.dp_train(
-            rows, ClientState(), ["private"], ["private"], train=SGD, dp=dp, delta=1e-5,
+            rows, ClientState(), Adapters(["private"], ["private"]), train=SGD, dp=dp, delta=1e-5,
             steps=1, planned_steps=1, seed=0,
         )  # fmt: skip
         return _flat(start) - _flat(fm.get_adapter("private"))
@@ -156,19 +159,56 @@ def test_the_shared_model_is_left_clean_even_after_an_error(fm) -> None:
     clean = _snapshot(model)
     dp = DPSGDConfig(epsilon=4.0, physical_batch_size=2)
     kw = {"train": SGD, "dp": dp, "delta": 1e-5, "steps": 2, "planned_steps": 10}
-    fm.dp_train(rows, ClientState(), ["global", "private"], ["private"], seed=0, **kw)
+    fm.dp_train(rows, ClientState(), Adapters(["global", "private"], ["private"]), seed=0, **kw)
     assert _snapshot(model) == clean
     bad = [*rows, {"input_ids": [1, 2], "attention_mask": [1, 1], "labels": [99999, 99999]}]
     with pytest.raises((IndexError, RuntimeError)):
-        fm.dp_train(bad, ClientState(), ["private"], ["private"], seed=0, **kw)
+        fm.dp_train(bad, ClientState(), Adapters(["private"], ["private"]), seed=0, **kw)
     assert _snapshot(model) == clean
     assert fm.active == [] and fm.trainable == []
     # The next client trains with DP again, and a plain forward/backward works as before.
-    fm.dp_train(rows, ClientState(), ["global"], ["global"], seed=1, **kw)
+    fm.dp_train(rows, ClientState(), Adapters(["global"], ["global"]), seed=1, **kw)
     with fm.use(["global"], ["global"]) as m:
         per_sample_loss(m, collate(rows, 0)).mean().backward()
         assert all(not hasattr(p, "grad_sample") for p in m.parameters())
         m.zero_grad(set_to_none=True)
+
+
+def test_one_dp_train_for_full_weights_and_for_adapters() -> None:
+    # A base of its own outside tiny_fm's numbering, so the bases later tests get stay theirs.
+    args = {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 7}
+    fm = FoundationModel("tiny-llama", "float32", args, lora=TINY_FM_LORA)
+    fm.reset_adapter("global", seed=1)
+    fm.reset_adapter("private", seed=2)
+    randomize(fm, "private", 3, scale=0.3)
+    rows = fm.encode(ROWS)
+    dp = DPSGDConfig(noise_multiplier=0.5, max_grad_norm=0.1)
+    kw = {"train": SGD, "dp": dp, "delta": 1e-5, "steps": 2, "planned_steps": 2, "seed": 3}
+    own = fm.get_weights()
+    start = {k: v * 1.01 for k, v in own.items()}
+    res, trained = fm.dp_train(rows, ClientState(), FullWeights(start), **kw)
+    assert list(trained) == list(own)
+    assert all(torch.equal(v, own[k]) for k, v in fm.get_weights().items())  # base restored
+    assert any(not torch.equal(trained[k], start[k]) for k in start)
+    # The same steps by hand: core DP-SGD on the base carrying the weights.
+    with fm.full_weights(start, trainable=True) as model:
+        by_hand = dp_train(
+            model, rows, ClientState(), pad_id=pad_id_of(fm.tokenizer), autocast=fm.autocast, **kw
+        )
+        expected = fm.get_weights()
+    assert all(torch.equal(trained[k], expected[k]) for k in expected)
+    assert (res.loss, res.epsilon) == (by_hand.loss, by_hand.epsilon)
+    assert fm.active == [] and fm.trainable == []
+    # Adapters: one trainable adapter comes back as get_adapter gives it, several grouped.
+    _, one = fm.dp_train(rows, ClientState(), Adapters(["global", "private"], ["private"]), **kw)
+    assert one.keys() == fm.get_adapter("private").keys()
+    assert all(torch.equal(v, fm.get_adapter("private")[k]) for k, v in one.items())
+    both = ["global", "private"]
+    _, two = fm.dp_train(rows, ClientState(), Adapters(both, both), **kw)
+    assert two.keys() == join_groups(fm.get_adapters(both)).keys()
+    assert all(
+        torch.equal(get_group(two, n)[k], v) for n in both for k, v in fm.get_adapter(n).items()
+    )
 
 
 def test_poisson_sampling_is_seeded_with_the_asked_rate() -> None:
@@ -197,11 +237,13 @@ def test_account_persists_across_rounds_and_resume_and_delta_is_checked(fm, tmp_
     train = TrainConfig(optimizer="adamw", lr=1e-3, batch_size=2)
     kw = {"train": train, "dp": dp, "delta": 0.01, "planned_steps": 6}
     state = ClientState()
-    first = fm.dp_train(rows, state, ["private"], ["private"], steps=3, seed=0, **kw)
+    first, _ = fm.dp_train(rows, state, Adapters(["private"], ["private"]), steps=3, seed=0, **kw)
     assert first.sample_rate == 0.5 and 0 < first.epsilon < 3.0
     save_state(state, tmp_path, "c0")  # what the store writes and a resumed run reads
     resumed = load_state(tmp_path, "c0")
-    second = fm.dp_train(rows, resumed, ["private"], ["private"], steps=3, seed=1, **kw)
+    second, _ = fm.dp_train(
+        rows, resumed, Adapters(["private"], ["private"]), steps=3, seed=1, **kw
+    )
     assert second.noise_multiplier == first.noise_multiplier  # calibrated once
     assert resumed.meta["dp"]["history"] == [[first.noise_multiplier, 0.5, 6]]
     json.dumps(resumed.meta)
@@ -216,10 +258,10 @@ def test_account_persists_across_rounds_and_resume_and_delta_is_checked(fm, tmp_
         "max_grad_norm": 1.0,
     }
     with pytest.raises(ConfigError, match=r"algo\.dp\.delta: delta=0\.25 must be below 1/n"):
-        fm.dp_train(rows, ClientState(), ["private"], ["private"], steps=1, seed=0,
+        fm.dp_train(rows, ClientState(), Adapters(["private"], ["private"]), steps=1, seed=0,
                     **{**kw, "delta": 0.25})  # fmt: skip
-    free = fm.dp_train(
-        rows, ClientState(), ["private"], ["private"], steps=1, seed=0,
+    free, _ = fm.dp_train(
+        rows, ClientState(), Adapters(["private"], ["private"]), steps=1, seed=0,
         **{**kw, "dp": DPSGDConfig(epsilon=math.inf)},
     )  # fmt: skip
     assert free.epsilon == math.inf and free.noise_multiplier == 0.0

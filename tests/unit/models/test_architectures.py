@@ -15,7 +15,7 @@ from fedfm.config import TrainConfig, load_config
 from fedfm.core.dp import DPSGDConfig
 from fedfm.core.federation import ClientState
 from fedfm.engine import build
-from fedfm.fm import FoundationModel
+from fedfm.fm import Adapters, FoundationModel
 from fedfm.models.lora import LoraConfigSpec
 from fedfm.runtime import run
 from helpers.bases import tiny_task
@@ -165,11 +165,10 @@ def test_a_dp_sgd_step_on_the_adapter(model) -> None:
         ]
     )
     before = fm.get_adapter("private")
-    res = fm.dp_train(
+    res, trained = fm.dp_train(
         rows,
         ClientState(),
-        ["private"],
-        ["private"],
+        Adapters(["private"], ["private"]),
         train=TrainConfig(optimizer="sgd", lr=0.5, batch_size=2),
         dp=DPSGDConfig(noise_multiplier=1.0, max_grad_norm=0.1),
         delta=1e-5,
@@ -178,6 +177,7 @@ def test_a_dp_sgd_step_on_the_adapter(model) -> None:
         seed=0,
     )
     after = fm.get_adapter("private")
+    assert list(trained) == list(after) and all(torch.equal(trained[k], after[k]) for k in after)
     assert res.steps == 1 and math.isfinite(res.epsilon) and res.epsilon > 0
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(bool(torch.isfinite(v).all()) for v in after.values())

@@ -7,15 +7,19 @@ import pytest
 import torch
 from peft import PeftModel
 
+from fedfm.core.groups import get_group
 from fedfm.errors import AssetMissingError, ConfigError, UnknownNameError
 from fedfm.models.causal_lm import generate_text, small_tokenizer, tiny_llama
 from fedfm.models.lora import (
     AdapterStateError,
     LoraConfigSpec,
     active_adapters,
+    adapter_param_names,
+    adapter_tensors,
     add_adapters,
     get_adapter_state,
     load_adapter,
+    named_adapter_keys,
     save_adapter,
     set_active,
     set_adapter_state,
@@ -159,23 +163,52 @@ def test_wrong_states_are_refused() -> None:
         get_adapter_state(model, "nope")
 
 
-def test_trainable_state_holds_only_trainable_adapter_tensors() -> None:
+def test_trainable_state_holds_only_trainable_adapters_grouped_by_name() -> None:
     model = _two_adapters()
     set_active(model, ["first", "second"], trainable=["second"])
     state = trainable_state(model)
     assert len(state) == 16
-    assert all(".second." in k and (".lora_A." in k or ".lora_B." in k) for k in state)
-    assert {k.split(".")[-4] for k in state} == set(MODULES)
+    assert set(get_group(state, "second")) == set(get_adapter_state(model, "second"))
+    assert all(k.startswith("second/") and ".second." not in k for k in state)
+    assert {k.split(".")[-3] for k in state} == set(MODULES)
     set_active(model, ["first", "second"], trainable=[])
     assert trainable_state(model) == {}
-    # Writing it back goes to the trainable tensors only.
+    # Writing it back goes to the trainable adapters only.
     set_active(model, ["second"], trainable=["second"])
     zeros = {k: torch.zeros_like(v) for k, v in state.items()}
     set_trainable_state(model, zeros)
     assert all(torch.count_nonzero(v) == 0 for v in get_adapter_state(model, "second").values())
     assert any(torch.count_nonzero(v) > 0 for v in get_adapter_state(model, "first").values())
-    with pytest.raises(AdapterStateError):
+    with pytest.raises(AdapterStateError, match="has shape"):
         set_trainable_state(model, {k: v[:1] for k, v in zeros.items()})
+    with pytest.raises(AdapterStateError, match=r"adapters \['first'\], trainable now"):
+        set_trainable_state(model, {k.replace("second/", "first/"): v for k, v in zeros.items()})
+
+
+def test_live_adapter_tensors_and_their_parameter_names() -> None:
+    model = _two_adapters()
+    live = adapter_tensors(model, "second")
+    assert list(live) == list(get_adapter_state(model, "second"))  # the same keys, in order
+    params = dict(model.named_parameters())
+    names = adapter_param_names(model, "second")
+    assert all(params[names[k]] is p for k, p in live.items())  # the parameters themselves
+    assert all(".lora_A.second." in n or ".lora_B.second." in n for n in names.values())
+    with pytest.raises(UnknownNameError):
+        adapter_tensors(model, "nope")
+
+
+def test_keys_that_name_their_adapter_are_told_apart() -> None:
+    model = _two_adapters()
+    named = [n for n, _ in model.named_parameters() if ".lora_" in n]
+    assert named_adapter_keys(named) == named  # fedfm's earlier format
+    assert named_adapter_keys(["params/" + n for n in named]) == ["params/" + n for n in named]
+    grouped = trainable_state(model) | {
+        f"params/{k}": v for k, v in get_adapter_state(model, "first").items()
+    }
+    assert named_adapter_keys(grouped) == []  # peft's saved keys, grouped or not
+    dora = add_adapters(tiny_llama(seed=0).model, ["d"], LoraConfigSpec(r=2, use_dora=True))
+    assert named_adapter_keys(get_adapter_state(dora, "d")) == []
+    assert named_adapter_keys(k for k, _ in dora.named_parameters() if "magnitude" in k)
 
 
 def test_saved_adapter_loads_with_plain_peft_and_with_fedfm(tmp_path) -> None:

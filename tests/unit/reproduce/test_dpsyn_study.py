@@ -190,6 +190,8 @@ def test_the_claim_is_untestable_when_the_premise_fails(done: Any) -> None:
     res = study.read(open_study(study.STUDY, out, grid=TINY))
     rs = study.readouts(TINY)
     premise, claim = rs[2 * len(TINY.epsilon_votes)], rs[-1]
+    for each in rs[2 * len(TINY.epsilon_votes) + 1 :]:  # every claim names the premise's row
+        assert f"(R{2 * len(TINY.epsilon_votes) + 1})" in str(each.scope)
     holds = study.verdict(premise.value(res), +1) == study.IN_DIRECTION
     _, word = claim.judge(res)
     assert (word == "cannot be tested by this grid") == (not holds)

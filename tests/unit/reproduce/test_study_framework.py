@@ -280,6 +280,34 @@ def test_a_worker_killed_mid_run_is_resumed_by_the_next_invocation_to_equal_resu
     assert (entry["status"], entry["attempts"], entry["interrupted"]) == ("done", 1, 1)
 
 
+def wait_for(inputs: Mapping[str, Path], folder: Path, path: str, timeout_s: float) -> dict:
+    """A computation that waits until ``path`` exists (at most ``timeout_s``)."""
+    deadline = time.time() + timeout_s
+    while not Path(path).exists() and time.time() < deadline:
+        time.sleep(0.05)
+    return {"saw": Path(path).exists()}
+
+
+def test_a_job_starts_when_its_needs_are_done_not_when_every_running_job_is(tmp_path):
+    # "watch" runs beside "a" and waits for "b", which needs only "a": it sees "b" finish
+    # only when "b" starts while "watch" still runs.
+    folder = tmp_path / "eager"
+    mark = str(folder / "b" / "summary.json")
+
+    def jobs(ctx: Context[Any]) -> list[Any]:
+        return [
+            Run("a", make_config(STUDY_RUN), group="train"),
+            Compute("watch", wait_for, {"path": mark, "timeout_s": 240.0}),
+            Run("b", make_config(STUDY_RUN), needs=("a",), group="train"),
+        ]
+
+    study = dataclasses.replace(TOY, name="eager", jobs=jobs)
+    ctx = open_study(study, folder, grid={}, workers=2)
+    run_jobs(study, ctx)
+    assert ctx.done == {"a", "watch", "b"}
+    assert json.loads((folder / "watch" / "result.json").read_text())["result"] == {"saw": True}
+
+
 # ----------------------------------------------------------------------------- statistics
 
 

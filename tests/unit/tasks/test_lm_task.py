@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import fedfm.tasks.lm as lm
 from fedfm.config import load_config
-from fedfm.core.train import get_params, local_train
+from fedfm.core.train import local_train
 from fedfm.data.prompt import IGNORE_INDEX
 from fedfm.engine import build
 from fedfm.errors import ConfigError
 from fedfm.eval.llm import lm_nll
-from fedfm.models.lora import trainable_state
 from fedfm.runtime import run
 from helpers.bases import INSTRUCTION
 from helpers.config import make_config
@@ -77,13 +77,14 @@ def test_batches_mask_everything_but_the_response(task) -> None:
 def test_build_model_is_shared_base_with_fresh_adapter_equal_to_base(task) -> None:
     model = task.build_model(seed=3)
     assert model is task.build_model(seed=3)  # one PeftModel per process
+    assert model is task.foundation_model().model  # the handle's
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert names and all(".lora_A.default." in n or ".lora_B.default." in n for n in names)
     # Same seed, same A; B starts at zero, so the adapted model equals the base.
-    first = trainable_state(model)
-    again = trainable_state(task.build_model(seed=3))
+    first = task.get_params(model)
+    again = task.get_params(task.build_model(seed=3))
     assert all(torch.equal(first[k], again[k]) for k in first)
-    other = trainable_state(task.build_model(seed=4))
+    other = task.get_params(task.build_model(seed=4))
     assert any(not torch.equal(first[k], other[k]) for k in first if "lora_A" in k)
     assert all(float(v.abs().sum()) == 0.0 for k, v in other.items() if "lora_B" in k)
     ids = torch.tensor([[1, 50, 60, 70, 2]])
@@ -92,8 +93,32 @@ def test_build_model_is_shared_base_with_fresh_adapter_equal_to_base(task) -> No
         with model.disable_adapter():
             base = model(input_ids=ids).logits
     assert torch.equal(adapted, base)
-    # What travels (get_params) is exactly the adapter.
-    assert sorted(get_params(model)) == sorted(trainable_state(model))
+
+
+def test_what_travels_is_the_adapter_in_peft_saved_keys(task, tmp_path) -> None:
+    fm = task.foundation_model()
+    model = task.build_model(seed=5)
+    sent = task.get_params(model)
+    # Exactly the trainable adapter, keyed as peft saves it (the adapter not named) ...
+    assert list(sent) == list(fm.get_adapter(lm.ADAPTER))
+    assert all(".default." not in k and k.startswith("base_model.model.") for k in sent)
+    assert sum(v.numel() for v in sent.values()) == sum(
+        p.numel() for p in model.parameters() if p.requires_grad
+    )
+    # ... so it loads into any adapter of this shape, and into plain peft from disk.
+    fm.reset_adapter("elsewhere", seed=1)
+    fm.set_adapter("elsewhere", sent)
+    assert all(torch.equal(v, sent[k]) for k, v in fm.get_adapter("elsewhere").items())
+    task.set_params(model, {k: v + 1 for k, v in sent.items()})
+    assert all(torch.equal(v, sent[k] + 1) for k, v in task.get_params(model).items())
+    assert task.save_adapter(model, tmp_path / "adapter")
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert set(saved) == set(sent) and all(torch.equal(saved[k], sent[k] + 1) for k in sent)
+    # Every key that travels finds its trainable parameter by name (FedProx, SCAFFOLD).
+    params = dict(model.named_parameters())
+    names = task.param_names(model)
+    assert set(names) == set(sent) and all(params[n].requires_grad for n in names.values())
+    fm.delete_adapter("elsewhere")
 
 
 def test_loss_decreases_when_training_on_a_small_set(task) -> None:
@@ -182,10 +207,9 @@ def test_bad_likelihood_settings_name_the_field(tmp_path, section, field) -> Non
 def test_fedavg_over_lora_sends_only_adapter_tensors(tmp_path) -> None:
     cfg = load_config(make_config(INSTRUCTION, tmp_path, name="fedit"))
     summary = run(cfg, progress=False)
-    model = lm.shared_peft_model(
-        "tiny-llama", "float32", TINY, lm.LoraConfigSpec(r=4, alpha=8, dropout=0.0)
-    )
-    adapter = trainable_state(model)
+    task = build(cfg).task
+    model = task.build_model(seed=0)
+    adapter = task.get_params(model)
     n_tensors = len(adapter)
     n_numel = sum(v.numel() for v in adapter.values())
     n_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
@@ -217,7 +241,8 @@ def test_fedit_server_params_are_the_adapter_keys(tmp_path) -> None:
             make_config(INSTRUCTION, tmp_path, algo={"server_opt": {"name": "fedadam", "lr": 0.01}})
         )
     )
-    assert sorted(setup.algo.params) == sorted(trainable_state(setup.algo.model()))
+    fm = setup.task.foundation_model()
+    assert list(setup.algo.params) == list(fm.get_adapter(lm.ADAPTER))
 
 
 @pytest.mark.parametrize(
@@ -258,7 +283,7 @@ def test_bfloat16_base_keeps_a_float32_adapter_and_trains_under_autocast(tmp_pat
     model = task.build_model(seed=0)
     base_dtypes = {p.dtype for p in model.parameters() if not p.requires_grad}
     assert base_dtypes == {torch.bfloat16}
-    assert {v.dtype for v in get_params(model).values()} == {torch.float32}  # what travels
+    assert {v.dtype for v in task.get_params(model).values()} == {torch.float32}  # what travels
     run(cfg, progress=False)
     rows = jsonl_rows(tmp_path / "bf16" / "metrics.jsonl")
     assert rows[-1]["failed"] == 0 and rows[-1]["train_loss"] > 0

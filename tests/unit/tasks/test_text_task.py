@@ -129,7 +129,8 @@ def test_fedavg_runs_on_the_text_task(tmp_path: Any) -> None:
 @pytest.mark.slow
 def test_minilm_lora_classifier_trains_only_adapters_and_head() -> None:
     from fedfm.algorithms.fedavg import FedAvg
-    from fedfm.core.train import get_params
+    from fedfm.core.groups import get_group
+    from fedfm.models.lora import get_adapter_state
 
     cfg = load_config(
         {
@@ -144,12 +145,21 @@ def test_minilm_lora_classifier_trains_only_adapters_and_head() -> None:
     algo = setup.algo
     assert isinstance(algo, FedAvg)
     names = set(algo.params)
-    assert names and all(".lora_" in n or n.startswith("head.") for n in names)
-    assert {"head.weight", "head.bias"} <= names
+    # The adapter in peft's saved keys (group "adapter"), the head beside it (group "head").
+    assert {k.partition("/")[0] for k in names} == {"adapter", "head"}
+    assert {"head/weight", "head/bias"} <= names
     model = algo.model()
     assert model.feature_dim == 384
-    everything = list(model.state_dict())
-    frozen_before = {k: v for k, v in get_params(model, everything).items() if k not in names}
+    peft_model = model.encoder[0].auto_model
+    adapter = get_group(algo.params, "adapter")
+    assert list(adapter) == list(get_adapter_state(peft_model, "adapter"))  # loads into peft
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == sum(v.numel() for v in algo.params.values())
+    frozen_before = {
+        k: v.clone()
+        for k, v in model.state_dict().items()
+        if k.startswith("encoder.") and ".lora_" not in k
+    }
     assert len(frozen_before) > 100  # the encoder's weights
     from fedfm.core.federation import ClientContext, ClientState
     from fedfm.core.messages import Message
@@ -159,6 +169,6 @@ def test_minilm_lora_classifier_trains_only_adapters_and_head() -> None:
     sent = reply.arrays["params"]
     assert set(sent) == names
     assert any(not torch.equal(sent[k], algo.params[k]) for k in names if ".lora_B" in k)
-    after = get_params(model, everything)
+    after = model.state_dict()
     changed = [k for k, v in frozen_before.items() if not torch.equal(after[k], v)]
     assert not changed, changed[:5]
