@@ -19,8 +19,16 @@ is ready and no run has started, and once after the run (the worker keeps the ta
 built).
 
 CPU: the CPU seconds per exchange of those rounds spent by the deployment's processes, by
-part (the server's: SuperLink, ServerApp and the ``flwr`` CLI; the SuperNodes; their
-workers), to tell waiting from work on a loaded machine.
+part (the SuperLink; the ServerApp; Flower's SuperExec and the ``flwr`` CLI; the SuperNodes;
+their workers), to tell waiting from work on a loaded machine.
+
+Requests: the HTTP requests per exchange of those rounds, by sender and by endpoint. Every
+hop of Flower 1.42's deployment engine is HTTP (ServerApp and SuperExec to the SuperLink,
+SuperNodes to the SuperLink, workers to their SuperNode), each message and each of its
+objects (records, arrays, array chunks) one request per hop, and each poll one request;
+Flower's servers spend milliseconds of CPU on each, so the count is what the CPU follows,
+and unlike wall time it does not grow with the machine's load. The deployment's processes
+count their own requests (``request_count/sitecustomize.py``, put on their path).
 
 ``--supernode flower`` runs Flower's own ``flower-supernode`` (3 s between empty polls)
 instead of fedfm's paced one, to measure what the pacing saves. The figures are printed
@@ -39,6 +47,7 @@ import os
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +60,17 @@ from fedfm.runtime.flower import processes as P
 from vs_flower import PeakRss  # this folder: the script's own
 
 PRESET = "tabular-fedavg"
+HERE = Path(__file__).resolve().parent
+#: Where the deployment's processes write their request counts (request_count/).
+COUNT_DIR = "FEDFM_REQUEST_COUNT_DIR"
+
+
+def count_requests(folder: Path) -> None:
+    """Makes every process started from here on count its HTTP requests into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ[COUNT_DIR] = str(folder)
+    path = [str(HERE / "request_count"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    os.environ["PYTHONPATH"] = os.pathsep.join(path)
 
 
 def overrides(out: str, name: str, nodes: int, rounds: int) -> list[str]:
@@ -103,31 +123,62 @@ def wait_ready(worker: P.Proc, timeout_s: float = 300.0) -> None:
         time.sleep(0.2)
 
 
-class RoundsCpu:
-    """CPU seconds the deployment's processes spend in rounds 2..R, by part.
+#: Server-side processes by a word of their command line (the rest: SuperExec and CLI).
+SERVER_PARTS = {"flower-superlink": "SuperLink", "flwr-serverapp": "ServerApp"}
 
-    Watches ``metrics.jsonl``: the processes below this one (SuperLink, ServerApp, the
-    ``flwr`` CLI; SuperNodes; workers) are read when round 1's line appears and again when
-    the last round's does.
+
+def part_of(proc: psutil.Process, parts: dict[int, str]) -> str:
+    """The part a deployment process belongs to."""
+    if proc.pid in parts:
+        return parts[proc.pid]
+    cmd = " ".join(proc.cmdline())
+    return next((v for k, v in SERVER_PARTS.items() if k in cmd), "SuperExec and flwr CLI")
+
+
+@dataclass
+class Read:
+    """One look at a deployment process: its part, CPU seconds and requests sent so far."""
+
+    part: str
+    cpu: float
+    requests: dict[str, int]
+
+
+class RoundsCpu:
+    """CPU seconds and HTTP requests of the deployment's processes in rounds 2..R, by part.
+
+    Watches ``metrics.jsonl``: the processes below this one (SuperLink, ServerApp, SuperExec,
+    the ``flwr`` CLI; SuperNodes; workers) are read when round 1's line appears and again
+    when the last round's does.
 
     Args:
         run_dir: The deployment run's folder.
         rounds: Its rounds.
-        parts: Process id -> part name for the SuperNodes and workers (others: ``server``).
+        parts: Process id -> part name for the SuperNodes and workers (others: by
+            :data:`SERVER_PARTS`).
+        counts: The folder where the processes write their request counts.
     """
 
-    def __init__(self, run_dir: Path, rounds: int, parts: dict[int, str]) -> None:
-        self.run_dir, self.rounds, self.parts = run_dir, rounds, parts
-        self.reads: list[dict[int, tuple[str, float]]] = []
+    def __init__(self, run_dir: Path, rounds: int, parts: dict[int, str], counts: Path) -> None:
+        self.run_dir, self.rounds, self.parts, self.counts = run_dir, rounds, parts, counts
+        self.reads: list[dict[int, Read]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def _read(self) -> dict[int, tuple[str, float]]:
+    def _requests(self, pid: int) -> dict[str, int]:
+        path = self.counts / f"{pid}.json"
+        with contextlib.suppress(OSError, ValueError):
+            return dict(json.loads(path.read_text()))
+        return {}
+
+    def _read(self) -> dict[int, Read]:
+        time.sleep(0.25)  # the processes write their counts every 0.1 s
         out = {}
         for p in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = p.cpu_times()
-                out[p.pid] = (self.parts.get(p.pid, "server"), t.user + t.system)
+                part = part_of(p, self.parts)
+                out[p.pid] = Read(part, t.user + t.system, self._requests(p.pid))
         return out
 
     def _watch(self) -> None:
@@ -139,15 +190,28 @@ class RoundsCpu:
                     break
                 self._stop.wait(0.05)
 
+    def _deltas(self) -> list[tuple[Read, Read]]:
+        if len(self.reads) < 2:
+            return []
+        a, b = self.reads
+        return [(a[pid], r) for pid, r in b.items() if pid in a]
+
     def per_part(self) -> dict[str, float]:
         """Part -> CPU seconds between the two reads (processes alive at both)."""
-        if len(self.reads) < 2:
-            return {}
-        (a, b), out = self.reads, {}
-        for pid, (part, secs) in b.items():
-            if pid in a:
-                out[part] = out.get(part, 0.0) + secs - a[pid][1]
+        out: dict[str, float] = {}
+        for was, now in self._deltas():
+            out[now.part] = out.get(now.part, 0.0) + now.cpu - was.cpu
         return out
+
+    def requests(self) -> dict[str, dict[str, int]]:
+        """Sending part -> endpoint (``fleet/pull-object``) -> requests between the reads."""
+        out: dict[str, dict[str, int]] = {}
+        for was, now in self._deltas():
+            mine = out.setdefault(now.part, {})
+            for path, n in now.requests.items():
+                key = path.removeprefix("/v1/")
+                mine[key] = mine.get(key, 0) + n - was.requests.get(path, 0)
+        return {part: {k: n for k, n in c.items() if n} for part, c in out.items()}
 
     def __enter__(self) -> RoundsCpu:
         self._thread.start()
@@ -185,7 +249,7 @@ def measure(out: str, nodes: int, rounds: int, paced: bool) -> dict[str, Any]:
         parts.update({p.popen.pid: "workers" for p in procs[1::2]})
         dep_dir = Path(out) / f"dep{nodes}"
         t0 = time.perf_counter()
-        with RoundsCpu(dep_dir, rounds, parts) as cpu:
+        with RoundsCpu(dep_dir, rounds, parts, Path(os.environ[COUNT_DIR])) as cpu:
             D.serve(
                 cfg,
                 overwrite=True,
@@ -216,6 +280,10 @@ def measure(out: str, nodes: int, rounds: int, paced: bool) -> dict[str, Any]:
         "idle_before": before,
         "idle_after": after,
         "cpu": {part: secs / n for part, secs in sorted(cpu.per_part().items())},
+        "requests": {
+            part: {k: c / n for k, c in sorted(kinds.items(), key=lambda x: -x[1])}
+            for part, kinds in sorted(cpu.requests().items())
+        },
     }
 
 
@@ -229,6 +297,7 @@ def main() -> None:
     load = [os.getloadavg()]
     results = []
     with tempfile.TemporaryDirectory(prefix="fedfm-deploy-overhead-") as out:
+        count_requests(Path(out) / "requests")
         run(PRESET, overrides(out, "warmup", 3, 1), overwrite=True, progress=False)
         for nodes in args.nodes:
             results.append(measure(out, nodes, args.rounds, paced))
@@ -247,7 +316,14 @@ def main() -> None:
             f" {r['emb_per_exchange']:.3f} s embedded; final metrics equal: {r['equal']}"
         )
         cpu = ", ".join(f"{part} {secs:.3f} s" for part, secs in r["cpu"].items())
-        print(f"  CPU per exchange, all processes of each part together: {cpu}")
+        total = sum(r["cpu"].values())
+        print(f"  CPU per exchange, all processes of each part together: {total:.3f} s ({cpu})")
+        sent = {part: sum(kinds.values()) for part, kinds in r["requests"].items() if kinds}
+        print(f"  HTTP requests per exchange: {sum(sent.values()):.1f}, by sender:")
+        for part, kinds in r["requests"].items():
+            if kinds:
+                each = ", ".join(f"{k} {c:.1f}" for k, c in kinds.items())
+                print(f"    {part} {sent[part]:.1f}: {each}")
     r0 = results[0]
     for when, key in (("before its first run", "idle_before"), ("after the run", "idle_after")):
         mib = r0[key]

@@ -39,7 +39,9 @@ class FakeGrid:
         num_nodes: SuperNodes; node ``i`` serves partition ``i``.
         state_dir: Root of the nodes' state folders.
         dead: Partitions whose node answers the handshake, then nothing.
-        crash_after: Raise (a server crash) after this many pushes.
+        crash_after: Raise (a server crash) at the push after this many (the pushes of one
+            exchange, up to the next pull, count as one: the server pushes message by
+            message).
         node_config: Extra node-config entries.
     """
 
@@ -61,6 +63,7 @@ class FakeGrid:
         self.dead = dead or set()
         self.crash_after = crash_after
         self.pushes = 0
+        self._pushing = False  # the last call pushed: the same exchange goes on
         self.pending: list[Any] = []
         self.run_config = {W.PAYLOAD_KEY: payload.encode()}
         self.contexts = {
@@ -80,6 +83,7 @@ class FakeGrid:
         }
 
     def get_node_ids(self) -> list[int]:
+        self._pushing = False
         return [n for n in self.contexts if n not in self.offline]
 
     def restart(self, node: int, new_node: int) -> None:
@@ -97,9 +101,11 @@ class FakeGrid:
         rounds = {m.metadata.group_id for m in msgs}
         for rnd in [r for r in self.events if str(r) in rounds]:
             self.events.pop(rnd)(self)
-        self.pushes += 1
-        if self.crash_after is not None and self.pushes > self.crash_after:
-            raise KeyboardInterrupt("server killed")
+        if not self._pushing:
+            self.pushes += 1
+            self._pushing = True
+            if self.crash_after is not None and self.pushes > self.crash_after:
+                raise KeyboardInterrupt("server killed")
         ids = []
         for m in msgs:
             m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
@@ -108,6 +114,7 @@ class FakeGrid:
         return ids
 
     def pull_messages(self, ids: list[str]) -> list[Any]:
+        self._pushing = False
         out = []
         for m in list(self.pending):
             node = m.metadata.dst_node_id

@@ -31,7 +31,7 @@ from fedfm.runtime.flower import deploy as D
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
 from fedfm.runtime.flower.wire import Payload
-from helpers import TESTS
+from helpers import TESTS, toy  # noqa: F401  (toy: registers the toy task in this process)
 from helpers.config import toy_config
 from helpers.keys import assert_key_modes
 from helpers.runfiles import untimed_rows

@@ -68,15 +68,17 @@ def test_meta_that_travels_as_json_on_flower_is_exactly_the_counted_bytes() -> N
     rd = W.message_to_records(Message("k", meta=meta), {"round": 1})
     proto = serde.recorddict_to_proto(rd)
     back = serde.recorddict_from_proto(type(proto).FromString(proto.SerializeToString()))
-    native, as_json = back.config_records[W.META], back.config_records[W.META_JSON]
+    record = back.config_records[W.HEADER]
+    as_json = set(json.loads(str(record["header"]))["meta_json"])
     for name, value in meta.items():
+        sent = str(record[W.META_PREFIX + name]).encode("utf-8")
         if name in as_json:  # lists, dicts, None: the record holds the counted text itself
-            assert len(str(as_json[name]).encode("utf-8")) == meta_bytes(value), name
+            assert len(sent) == meta_bytes(value), name
         elif isinstance(value, str) and '"' not in value:
             # A string travels natively as its UTF-8 bytes; the ledger counts its JSON form,
             # 2 quotes more (and a backslash per escaped character, as for 'a"b').
-            assert len(str(native[name]).encode("utf-8")) + 2 == meta_bytes(value), name
-    assert set(as_json) == {n for n, v in meta.items() if isinstance(v, list | dict) or v is None}
+            assert len(sent) + 2 == meta_bytes(value), name
+    assert as_json == {n for n, v in meta.items() if isinstance(v, list | dict) or v is None}
     msg, _ = W.records_to_message(back)
     assert msg.meta == meta
 

@@ -101,6 +101,63 @@ def test_tensors_and_meta_cross_the_wire_exactly():
     assert a.pending == b.pending
 
 
+def test_a_message_is_a_few_flower_objects_whatever_its_tensor_count():
+    # Each Flower object costs one HTTP request per hop on a deployment: a field's tensors
+    # travel packed, small fields and the meta inside the header record.
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    def objects(msg: Message) -> int:
+        fm = flwr_app.Message(W.message_to_records(msg, {"cid": "0"}), 5, W.MESSAGE_TYPE)
+        return len(get_all_nested_objects(fm))
+
+    small = {"w": torch.ones(2), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    lora = {f"l{i}.lora_{ab}": torch.randn(8, 64) for i in range(60) for ab in "AB"}
+    assert len(W.pack_bytes(small)) <= W.INLINE_MAX_BYTES < len(W.pack_bytes(lora))
+    assert objects(Message("evaluate", {"params": {}}, {"loss": 0.5})) == 3
+    assert objects(Message("train", {"params": small, "control": small}, {"lr": 0.1})) == 3
+    assert objects(Message("train", {"params": lora}, {"steps": [1, 2]})) == 6
+    # a large field: an ArrayRecord, its packed Array and the Array's one chunk
+    assert objects(Message("train", {"params": lora, "control": small})) == 6
+    two = W.message_to_records(Message("t", {"p": lora, "q": small}), {"cid": "0"})
+    back, _ = W.records_to_message(wire_trip(two))
+    assert all(torch.equal(back.arrays["p"][k], t) for k, t in lora.items())
+    assert all(torch.equal(back.arrays["q"][k], t) for k, t in small.items())
+    # Clients sent the same large field share its objects (named by content) on the SuperLink.
+    a, b = (W.message_to_records(Message("t", {"p": lora}), {"cid": c}) for c in "01")
+    assert a[W.ARRAYS].object_id == b[W.ARRAYS].object_id
+    assert a[W.HEADER].object_id != b[W.HEADER].object_id
+
+
+def test_packed_arrays_refuse_what_they_cannot_read():
+    from flwr.app import Array
+
+    good = W.pack({"x": torch.arange(4.0)})
+    cut = Array(
+        dtype="uint8", shape=(len(good.data) - 1,), stype=W.PACKED_STYPE, data=good.data[:-1]
+    )
+    with pytest.raises(MessageError, match="tensor 'x' runs past the end"):
+        W.unpack(cut)
+    extra = Array(
+        dtype="uint8", shape=(len(good.data) + 2,), stype=W.PACKED_STYPE, data=good.data + b"00"
+    )
+    with pytest.raises(MessageError, match="2 bytes left over"):
+        W.unpack(extra)
+    with pytest.raises(MessageError, match=r"stype 'numpy\.ndarray' is not a packed fedfm array"):
+        W.unpack(Array.from_numpy_ndarray(torch.ones(2).numpy()))
+    # Unpacked tensors own their storage (a handler may keep and save any one of them).
+    back = W.unpack(W.pack({"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)}))
+    ptrs = {t.untyped_storage().data_ptr() for t in back.values()}
+    assert len(ptrs) == 2 and back["b"].dtype == torch.bfloat16
+
+
+def test_a_message_of_another_wire_version_is_refused_by_name():
+    rd = W.message_to_records(Message("k", meta={"n": 1}), {"round": 1})
+    head = json.loads(str(rd[W.HEADER]["header"]))
+    rd[W.HEADER]["header"] = json.dumps({**head, "wire": 1})
+    with pytest.raises(MessageError, match="fedfm wire format 1 where this fedfm reads 2"):
+        W.records_to_message(rd)
+
+
 def test_malformed_records_and_payloads_are_refused():
     with pytest.raises(MessageError, match="malformed fedfm message"):
         W.records_to_message(flwr_app.RecordDict())

@@ -144,29 +144,100 @@ def test_paced_time_maps_flowers_pauses_and_keeps_the_rest_of_time():
     paced.replied()
     paced.sleep(3)
     assert clock.sleeps[-1] == 0.05
+    # A SuperLink that took 20 ms to say "no message" is asked at most every 200 ms
+    # (never less often than Flower's 3 s).
+    paced.polled(0.02)
+    paced.sleep(3)
+    assert clock.sleeps[-1] == pytest.approx(0.2)
+    paced.polled(1.0)
+    paced.sleep(3)
+    assert clock.sleeps[-1] == 3.0
+    paced.polled(0.001)  # a quick answer: the idle pause again (5 % of 3.25 s idle)
+    paced.sleep(3)
+    assert clock.sleeps[-1] == pytest.approx(0.05 * 3.25)
     import time
 
     assert paced.monotonic is time.monotonic and paced.time is time.time
 
 
-def test_pace_marks_each_reply_and_undoes_itself():
+def test_pace_marks_each_reply_wakes_on_each_message_and_undoes_itself():
     clock = Clock()
 
     def push_messages(**kw: Any) -> str:
         clock.now += 1.0  # the reply takes a second to leave
         return "pushed"
 
+    pulled: list[int | None] = [None, 7]
+
+    def pull_and_store_message(**kw: Any) -> int | None:
+        clock.now += 0.25  # a slow SuperLink: each poll takes 250 ms
+        return pulled.pop(0)  # first no message, then one of run 7
+
     loop = types.ModuleType("loop")
     loop.time = "the time module"  # type: ignore[attr-defined]
     loop._push_messages = push_messages  # type: ignore[attr-defined]
+    loop._pull_and_store_message = pull_and_store_message  # type: ignore[attr-defined]
     paced = N.PacedTime(clock=clock, sleep=clock.sleep)
     clock.now = 100.0
-    undo = N.pace(loop, paced)
+    wakes: list[float] = []
+    undo = N.pace(loop, paced, on_message=lambda: wakes.append(clock.now))
     assert loop.time is paced
     assert loop._push_messages(state=None) == "pushed"
     assert paced.last_reply == 101.0  # marked when the push step returned
+    assert loop._pull_and_store_message(state=None) is None and wakes == []
+    assert paced.poll_s == 0.25  # the empty poll's round trip
+    assert loop._pull_and_store_message(state=None) == 7 and wakes == [101.5]
+    assert paced.poll_s == 0.25  # a poll that brought a message (and its objects) is no measure
     undo()
     assert loop.time == "the time module" and loop._push_messages is push_messages
+    assert loop._pull_and_store_message is pull_and_store_message
+
+
+def test_a_wake_reaches_the_worker_on_loopback_and_a_lost_one_only_costs_the_fallback():
+    from fedfm.runtime.flower.processes import free_port
+
+    port = free_port(udp=True)
+    listener = N.WakeListener(port)
+    try:
+        assert listener.wait(0.0) is False  # nothing sent yet: returns after the timeout
+        wake = N.Wake(port)
+        wake()
+        wake()  # two messages in before the worker looked: one ask reads both
+        assert listener.wait(5.0) is True
+        assert listener.wait(0.0) is False
+        with pytest.raises(OSError):
+            N.WakeListener(port)  # taken: the worker falls back to polling
+    finally:
+        listener.close()
+    N.Wake(port)()  # nobody listens any more: the send is dropped, nothing raises
+
+
+def test_the_wake_port_is_fedfms_and_the_rest_goes_to_flower():
+    argv = ["--superlink", "h:1", "--wake-port", "4242", "--isolation", "process"]
+    assert N.split_args(argv) == (4242, ["--superlink", "h:1", "--isolation", "process"])
+    assert N.split_args(["--insecure"]) == (None, ["--insecure"])
+
+
+def test_a_worker_whose_wake_port_is_taken_polls_as_before(caplog):
+    import functools
+    import time
+
+    from fedfm.runtime.flower.processes import free_port
+    from fedfm.runtime.flower_app import worker
+
+    port = free_port(udp=True)
+    taken = N.WakeListener(port)
+    try:
+        idle, waking = worker._idle_wait(port, 0.05)
+        assert isinstance(idle, functools.partial) and idle.func is time.sleep
+        assert idle.args == (0.05,) and not waking and "asking every 0.05 s" in caplog.text
+    finally:
+        taken.close()
+    idle, waking = worker._idle_wait(port, 0.05)
+    assert waking and getattr(idle, "args", None) == (N.WAKE_FALLBACK_S,)  # waits for a wake
+    idle.func.__self__.close()  # type: ignore[attr-defined]
+    idle, waking = worker._idle_wait(None, 0.05)
+    assert getattr(idle, "args", None) == (0.05,) and not waking
 
 
 def test_the_pinned_flower_supernode_loop_has_the_pauses_that_are_paced():
@@ -179,6 +250,11 @@ def test_the_pinned_flower_supernode_loop_has_the_pauses_that_are_paced():
     assert source.count("time.sleep(3)") == 1  # the idle pause after an empty poll
     assert source.count("time.sleep(0.5)") == 2  # local waits for the reply and its objects
     assert "_push_messages(" in inspect.getsource(loop.start_client_internal)
+    # The pull step returns its run id only after the message's objects are all stored
+    # (and confirmed): the moment the worker is woken.
+    pull = inspect.getsource(loop._pull_and_store_message)
+    assert pull.index("object_store.put(obj_id") < pull.index("confirm_message_received(")
+    assert pull.rstrip().endswith("return run_id")
     undo = N.pace(loop, N.PacedTime())
     try:
         assert isinstance(loop.time, N.PacedTime)

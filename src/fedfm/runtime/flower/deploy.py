@@ -148,6 +148,7 @@ def supernode_command(
     isolation: str = "process",
     paced: bool = True,
     device: str | None = None,
+    wake_port: int | None = None,
 ) -> list[str]:
     """The ``flower-supernode`` command line of one fedfm client.
 
@@ -166,6 +167,8 @@ def supernode_command(
             Flower ships it (a 3 s pause after every empty poll).
         device: The ``device`` this node computes on in place of the run's (node config
             ``device``); None: the run's.
+        wake_port: UDP port on 127.0.0.1 of the node's warm worker, woken once a message
+            is in (paced only; see :mod:`fedfm.runtime.flower.pacing`).
     """
     node_config = f"partition-id={partition_id} num-partitions={num_partitions}"
     if state_dir is not None:
@@ -173,6 +176,8 @@ def supernode_command(
     if device is not None:
         node_config += f' device="{device}"'
     exe = [sys.executable, "-m", SUPERNODE_MODULE] if paced else [bin_path("flower-supernode")]
+    if paced and wake_port is not None:
+        exe += ["--wake-port", str(wake_port)]
     cmd = [*exe, "--superlink", superlink, "--node-config", node_config]
     cmd += ["--host", "127.0.0.1", "--port", str(runtime_port), "--isolation", isolation]
     cmd += (
@@ -185,15 +190,12 @@ def supernode_command(
     return cmd
 
 
-def worker_command(runtime_port: int) -> list[str]:
-    """The command of the fedfm warm worker serving a SuperNode's runtime API."""
-    return [
-        sys.executable,
-        "-m",
-        "fedfm.runtime.flower_app.worker",
-        "--runtime-api-address",
-        f"127.0.0.1:{runtime_port}",
-    ]
+def worker_command(runtime_port: int, wake_port: int | None = None) -> list[str]:
+    """The command of the fedfm warm worker serving a SuperNode's runtime API (woken on
+    ``wake_port`` by a paced SuperNode)."""
+    cmd = [sys.executable, "-m", "fedfm.runtime.flower_app.worker"]
+    cmd += ["--runtime-api-address", f"127.0.0.1:{runtime_port}"]
+    return cmd + ([] if wake_port is None else ["--wake-port", str(wake_port)])
 
 
 def start_superlink(
@@ -423,6 +425,8 @@ def start_client(
         raise ConfigError("isolation", f"'{isolation}' is not 'process' or 'subprocess'")
     env = process_env(home, env_extra)
     runtime_port = free_port()
+    # A paced SuperNode wakes its warm worker when a message is in (no 50 ms task polls).
+    wake_port = free_port(udp=True) if paced and isolation == "process" else None
     state = state_dir or home / "client-states"
     cmd = supernode_command(
         superlink,
@@ -435,12 +439,13 @@ def start_client(
         isolation,
         paced,
         device,
+        wake_port,
     )
     name = name or f"supernode-{partition_id}"
     node = start(name, cmd, env, log_dir, die_with_parent)
     procs = [node]
     if isolation == "process":
-        wcmd = [*worker_command(runtime_port), "--parent-pid", str(node.popen.pid)]
+        wcmd = [*worker_command(runtime_port, wake_port), "--parent-pid", str(node.popen.pid)]
         procs.append(start(f"{name}-worker", wcmd, env, log_dir, die_with_parent))
     return procs
 

@@ -19,14 +19,24 @@ key or environment variable (the values are literals or bound defaults in its co
 
 :func:`pace` replaces the loop's pauses in a SuperNode process: after an empty poll the
 node waits :data:`IDLE_FRACTION` of the time since it last replied, at least
-:data:`MIN_PAUSE_S` and at most Flower's 3 s (right after a reply, while the server
-gathers the other replies and aggregates, it asks every 50 ms, so a message waits at most
-about 5 % of the node's idle time; a node idle for a minute or more asks every 3 s as
-Flower's does, so an idle deployment loads the SuperLink no more); the local waits for the
-reply become :data:`LOCAL_POLL_S`. :func:`quick_object_pulls` makes object pulls retry
-after :data:`FIRST_OBJECT_RETRY_S`, doubling up to :data:`OBJECT_RETRY_CAP_S` (Flower gives
-up on an object after 500 tries: with this cap that is still over 15 minutes, more than
-the server's ``timeout_s``).
+:data:`MIN_PAUSE_S` and :data:`POLL_COST_FACTOR` times as long as that poll took (a busy
+SuperLink answers slowly, and its nodes then ask it less often), and at most Flower's
+3 s. Right after a reply, while the server gathers the other replies and aggregates, a
+node asks every 50 ms, so a message waits at most about 5 % of the node's idle time; a
+node idle for a minute or more asks every 3 s as Flower's does, so an idle deployment
+loads the SuperLink no more. The local waits for the reply become :data:`LOCAL_POLL_S`.
+:func:`quick_object_pulls` makes object pulls retry after :data:`FIRST_OBJECT_RETRY_S`,
+doubling up to :data:`OBJECT_RETRY_CAP_S` (Flower gives up on an object after 500 tries:
+with this cap that is still over 15 minutes, more than the server's ``timeout_s``).
+
+A fourth wait is fedfm's own: the warm worker (:mod:`fedfm.runtime.flower_app.worker`)
+asks its SuperNode's runtime API for a task, and a task shows there before the node has
+pulled the message's objects from the SuperLink. Polled every 50 ms, that is 20 requests a
+second per node while idle, and the worker's first pulls of the objects find them missing.
+With ``--wake-port PORT`` the paced SuperNode sends one datagram to the worker on
+127.0.0.1:PORT (:class:`Wake`) once a message and all its objects are stored; the worker
+waits for it (:class:`WakeListener`) and asks only then, or after
+:data:`WAKE_FALLBACK_S` without one (it listens before its first ask, so no wake is lost).
 
 Both apply only on the Flower version they were read from (the pinned one); on another
 one Flower's waits stay as they are, with a warning.
@@ -34,8 +44,13 @@ one Flower's waits stay as they are, with a warning.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import functools
 import logging
+import select
+import socket
+import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -51,12 +66,20 @@ FLOWER_IDLE_S = 3.0
 IDLE_FRACTION = 0.05
 #: Shortest pause after an empty poll (seconds): at most 20 polls a second per node.
 MIN_PAUSE_S = 0.05
+#: A pause after an empty poll lasts at least this many times the poll's round trip: a
+#: node keeps the SuperLink answering its polls at most a tenth of the time.
+POLL_COST_FACTOR = 10.0
 #: Pause between two looks for the ClientApp's reply in the node's own state (seconds).
 LOCAL_POLL_S = 0.01
 #: First retry of an object pull that found the object not uploaded yet (seconds).
 FIRST_OBJECT_RETRY_S = 0.02
 #: Longest pause between two retries of an object pull (seconds).
 OBJECT_RETRY_CAP_S = 2.0
+#: How long a woken worker waits without a wake before it asks for a task anyway (seconds).
+#: No wake is lost on loopback (the worker listens before its first ask); a sooner ask
+#: would often find a task whose objects the node is still pulling (every pull retried).
+WAKE_FALLBACK_S = 30.0
+_LOOPBACK = "127.0.0.1"
 
 
 def idle_pause(idle_s: float) -> float:
@@ -68,8 +91,9 @@ class PacedTime:
     """Stands in for the ``time`` module inside Flower's SuperNode loop.
 
     Every function is :mod:`time`'s own except :meth:`sleep`, which maps Flower's pauses to
-    paced ones: its idle pause (:data:`FLOWER_IDLE_S`) to :func:`idle_pause`, its shorter
-    local waits to at most :data:`LOCAL_POLL_S`.
+    paced ones: its idle pause (:data:`FLOWER_IDLE_S`) to :func:`idle_pause`, or to
+    :data:`POLL_COST_FACTOR` times the last empty poll's round trip when that is longer
+    (never past Flower's pause), its shorter local waits to at most :data:`LOCAL_POLL_S`.
 
     Args:
         clock: Monotonic clock (seconds).
@@ -84,6 +108,7 @@ class PacedTime:
         self._clock = clock
         self._sleep = sleep
         self.last_reply = clock()  # a node that just started is about to be greeted
+        self.poll_s = 0.0  # round trip of the last poll that found no message
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
@@ -92,10 +117,19 @@ class PacedTime:
         """Marks the moment the node finished handling a message (its reply left)."""
         self.last_reply = self._clock()
 
+    def polled(self, seconds: float) -> None:
+        """Records the round trip of a poll that found no message."""
+        self.poll_s = seconds
+
+    def now(self) -> float:
+        """The clock's time (seconds)."""
+        return self._clock()
+
     def pause(self, flower_s: float) -> float:
         """The pause that replaces Flower's pause of ``flower_s`` seconds."""
         if flower_s >= FLOWER_IDLE_S:
-            return idle_pause(self._clock() - self.last_reply)
+            busy = min(FLOWER_IDLE_S, POLL_COST_FACTOR * self.poll_s)
+            return max(idle_pause(self._clock() - self.last_reply), busy)
         return min(flower_s, LOCAL_POLL_S)
 
     def sleep(self, seconds: float) -> None:
@@ -103,13 +137,19 @@ class PacedTime:
         self._sleep(self.pause(seconds))
 
 
-def pace(loop: ModuleType, paced: PacedTime) -> Callable[[], None]:
+def pace(
+    loop: ModuleType, paced: PacedTime, on_message: Callable[[], None] | None = None
+) -> Callable[[], None]:
     """Installs ``paced`` in Flower's SuperNode loop module; returns what undoes it.
 
-    The loop's ``time`` becomes ``paced``, and its push step (``_push_messages``, which
-    returns once the reply has been sent) marks the node's last reply.
+    The loop's ``time`` becomes ``paced``, its push step (``_push_messages``, which returns
+    once the reply has been sent) marks the node's last reply, and its pull step
+    (``_pull_and_store_message``, which returns a run id once a message and all its
+    objects are stored) calls ``on_message`` when it stored one, and records its round
+    trip when it found none.
     """
-    saved_time, saved_push = loop.time, loop._push_messages
+    saved = loop.time, loop._push_messages, loop._pull_and_store_message
+    saved_push, saved_pull = saved[1], saved[2]
 
     @functools.wraps(saved_push)
     def push_messages(*args: Any, **kwargs: Any) -> Any:
@@ -118,13 +158,76 @@ def pace(loop: ModuleType, paced: PacedTime) -> Callable[[], None]:
         finally:
             paced.replied()
 
+    @functools.wraps(saved_pull)
+    def pull_and_store_message(*args: Any, **kwargs: Any) -> Any:
+        start = paced.now()
+        run_id = saved_pull(*args, **kwargs)
+        if run_id is None:
+            paced.polled(paced.now() - start)
+        elif on_message is not None:
+            on_message()
+        return run_id
+
     loop.time = paced  # type: ignore[attr-defined]
     loop._push_messages = push_messages  # type: ignore[attr-defined]
+    loop._pull_and_store_message = pull_and_store_message  # type: ignore[attr-defined]
 
     def undo() -> None:
-        loop.time, loop._push_messages = saved_time, saved_push  # type: ignore[attr-defined]
+        loop.time, loop._push_messages, loop._pull_and_store_message = saved  # type: ignore[attr-defined]
 
     return undo
+
+
+class Wake:
+    """The SuperNode's side: one datagram to its worker on 127.0.0.1 per stored message.
+
+    A datagram nobody waits for is dropped; a send that fails is ignored (the worker then
+    finds the task at its next fallback ask).
+
+    Args:
+        port: The worker's UDP port on 127.0.0.1.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.address = (_LOOPBACK, port)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def __call__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.sendto(b"\x01", self.address)
+
+
+class WakeListener:
+    """The worker's side of :class:`Wake`: waits for a datagram on 127.0.0.1:``port``.
+
+    Raises:
+        OSError: The port cannot be bound.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind((_LOOPBACK, port))
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for a wake; True if one came (all pending are read)."""
+        ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        woken = False
+        while ready:
+            try:
+                self.sock.recv(16)
+                woken = True
+            except BlockingIOError:
+                break
+        return woken
+
+    def close(self) -> None:
+        """Releases the port."""
+        self.sock.close()
 
 
 def pinned() -> bool:
@@ -166,12 +269,26 @@ def quick_object_pulls(
     return undo
 
 
+def split_args(argv: list[str]) -> tuple[int | None, list[str]]:
+    """fedfm's ``--wake-port`` and the arguments left for Flower's ``flower-supernode``."""
+    ours = argparse.ArgumentParser(add_help=False)
+    ours.add_argument("--wake-port", type=int, default=None)
+    args, rest = ours.parse_known_args(argv)
+    return args.wake_port, rest
+
+
 def main() -> None:
-    """Runs ``flower-supernode`` with the arguments of this command, its waits shortened."""
+    """Runs ``flower-supernode`` with the arguments of this command, its waits shortened.
+
+    ``--wake-port PORT`` (fedfm's own, taken out before Flower reads the rest) wakes the
+    node's warm worker listening on 127.0.0.1:PORT once a message is stored.
+    """
     from flwr.supernode import start_client_internal as loop
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
+    wake_port, rest = split_args(sys.argv[1:])
+    sys.argv = [sys.argv[0], *rest]
     if pinned():
-        pace(loop, PacedTime())
+        pace(loop, PacedTime(), Wake(wake_port) if wake_port is not None else None)
         quick_object_pulls()
     flower_supernode()

@@ -49,9 +49,9 @@ def bin_path(name: str) -> str:
     return str(here) if here.exists() else name
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
+def free_port(host: str = "127.0.0.1", udp: bool = False) -> int:
+    """A TCP (or UDP) port free on ``host`` right now."""
+    with socket.socket(type=socket.SOCK_DGRAM if udp else socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

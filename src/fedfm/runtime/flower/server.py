@@ -224,7 +224,10 @@ class FlowerFederation(Federation):
             for cid, msg in messages.items()
             if cid in self.node_of
         }
-        pushed = {str(i) for i in self.grid.push_messages(list(flower_msgs.values())) if i}
+        # One push per message: Flower shows a message to its SuperNode as soon as it is
+        # pushed and uploads the objects after, so a node that sees its message while the
+        # objects of all messages are still being uploaded retries each object pull.
+        pushed = {str(i) for m in flower_msgs.values() for i in self.grid.push_messages([m]) if i}
         id_of = {c: str(m.metadata.message_id) for c, m in flower_msgs.items()}
         inbox = _Inbox(self.grid, {i for i in id_of.values() if i in pushed}, self.options)
         for cid, msg in messages.items():

@@ -12,17 +12,22 @@ It runs only fedfm's ClientApp: a SuperNode paired with it serves fedfm runs. It
 Flower's runtime-API helpers of the pinned flwr version (1.42); ``isolation="subprocess"``
 in :func:`fedfm.runtime.flower.deploy.supernode_command` is the stock fallback.
 
-Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT``.
+Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT
+[--wake-port WAKE]``. With ``--wake-port`` (the same port as its SuperNode's, see
+:mod:`fedfm.runtime.flower.pacing`) it asks for a task when the SuperNode says a message is
+in (and every 30 s otherwise) instead of every 50 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +112,7 @@ def serve(
     root_certificates: Path | None = None,
     poll_s: float = 0.05,
     parent_pid: int | None = None,
+    wake_port: int | None = None,
 ) -> None:
     """Takes ClientApp tasks from a SuperNode's runtime API until stopped.
 
@@ -114,8 +120,9 @@ def serve(
         address: The SuperNode's runtime API (``host:port``).
         insecure: Connect without TLS (the runtime API listens on 127.0.0.1).
         root_certificates: CA certificate of the runtime API when it uses TLS.
-        poll_s: Sleep between two polls when there is no task.
+        poll_s: Sleep between two polls when there is no task (without a wake port).
         parent_pid: Exit when this process (the SuperNode) is gone.
+        wake_port: UDP port on 127.0.0.1 on which the SuperNode says a message is in.
     """
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
 
@@ -129,7 +136,9 @@ def serve(
     # One try per call: this loop retries itself, without the client's growing back-off,
     # so the first task is taken as soon as the SuperNode's runtime API is up.
     acquire = _client(address, insecure, certs, None, max_tries=1)
+    idle, waking = _idle_wait(wake_port, poll_s)  # listening before the first ask: none lost
     log.info("fedfm worker serving %s", address)
+    woken: object = None  # what the last idle wait returned (False: no wake came)
     try:
         while True:
             try:
@@ -141,13 +150,42 @@ def serve(
                 time.sleep(0.5)
                 continue
             if res.HasField("task") and res.token:
+                if woken is False:
+                    _no_wake(wake_port)
                 run_task(address, res.token, insecure, certs)
-            else:
-                time.sleep(poll_s)
+                if not waking:
+                    continue  # polling: ask again at once
+            # Woken: a message that came in meanwhile has its wake waiting already.
+            woken = idle()
     except KeyboardInterrupt:
         pass
     finally:
         acquire.close()
+
+
+@functools.cache
+def _no_wake(wake_port: int | None) -> None:
+    """Says once that a task waited for the fallback ask instead of being woken."""
+    log.warning(
+        "a task waited for the fallback ask: no wake came on port %s; start the SuperNode"
+        " with the same --wake-port (python -m fedfm.runtime.flower.supernode)",
+        wake_port,
+    )
+
+
+def _idle_wait(wake_port: int | None, poll_s: float) -> tuple[Callable[[], object], bool]:
+    """What the worker does between two asks for a task, and whether that is waiting for
+    a wake (else sleeping ``poll_s``)."""
+    from fedfm.runtime.flower.pacing import WAKE_FALLBACK_S, WakeListener
+
+    if wake_port is None:
+        return functools.partial(time.sleep, poll_s), False
+    try:
+        listener = WakeListener(wake_port)
+    except OSError as e:
+        log.warning("wake port %d unusable (%s): asking every %.2f s", wake_port, e, poll_s)
+        return functools.partial(time.sleep, poll_s), False
+    return functools.partial(listener.wait, WAKE_FALLBACK_S), True
 
 
 def _exit_with(parent_pid: int) -> None:
@@ -178,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--root-certificates", type=Path, default=None)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--poll-s", type=float, default=0.05)
+    p.add_argument("--wake-port", type=int, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -191,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         root_certificates=args.root_certificates,
         poll_s=args.poll_s,
         parent_pid=args.parent_pid,
+        wake_port=args.wake_port,
     )
     sys.exit(0)
 
