@@ -159,18 +159,32 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def bf16_autocast(
-    device: torch.device, enabled: bool = True
+def autocast(
+    device: torch.device, enabled: bool = True, *, half: bool = True
 ) -> contextlib.AbstractContextManager[Any]:
-    """bfloat16 autocast on ``device`` when ``enabled`` and :func:`supports_bf16`, else a no-op.
+    """Mixed-precision autocast on ``device`` when ``enabled``, else a no-op.
 
-    Where bfloat16 is not native (CUDA before compute capability 8.0, MPS) the forward passes
-    stay in the model's dtype: float16 autocast would need a gradient scaler in every training
-    path (local SGD, DP-SGD's clipped per-sample gradients), and without one its gradients
-    underflow.
+    bfloat16 where :func:`supports_bf16`; elsewhere (CUDA before compute capability 8.0,
+    MPS) float16 when ``half``, whose training needs the gradient scaler that
+    :func:`fedfm.core.train.local_train` adds on such a device (:func:`needs_grad_scaler`).
+    DP-SGD passes ``half=False``: it clips per-sample gradients, which a scaled loss would
+    scale, so there it stays in the model's dtype.
     """
-    if not (enabled and supports_bf16(device)):
+    if not enabled or not (half or supports_bf16(device)):
         return contextlib.nullcontext()
     import torch
 
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=autocast_dtype(device))
+
+
+def grad_scaler(device: torch.device) -> torch.amp.GradScaler | None:
+    """A gradient scaler for float16 training on ``device`` (None where bfloat16 is native).
+
+    It starts at 2^12 rather than torch's 2^16: a local round is a few steps, and every step
+    skipped while the scale falls to where the gradients fit is a step the client loses.
+    """
+    if not needs_grad_scaler(device):
+        return None
+    import torch
+
+    return torch.amp.GradScaler(device.type, init_scale=2.0**12)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fedfm.core.settings import BNB_OPTIMIZERS, TrainConfig
-from fedfm.devices import model_device, to_device
+from fedfm.devices import grad_scaler, model_device, to_device
 
 if TYPE_CHECKING:
     from fedfm.core.federation import ClientContext
@@ -34,10 +34,12 @@ class TrainResult:
     Attributes:
         steps: Optimizer steps taken.
         loss: Mean training loss (task loss plus extra loss, without the proximal term).
+        skipped: Steps the float16 gradient scaler skipped (gradients overflowed).
     """
 
     steps: int
     loss: float
+    skipped: int = 0
 
 
 def num_steps(cfg: TrainConfig, num_examples: int) -> int:
@@ -153,6 +155,9 @@ def local_train(
     ref = {n: prox_ref[n].to(p.device) for n, p in named.items()} if mu > 0 and prox_ref else {}
     corr = {n: c.to(named[n].device) for n, c in (grad_correction or {}).items() if n in named}
     device = model_device(model)
+    # float16 autocast (a device without bfloat16) underflows small gradients unscaled.
+    scaler = grad_scaler(device)
+    skipped = 0
     was_training = model.training
     model.train()
     total = torch.zeros((), device=device)
@@ -166,16 +171,31 @@ def local_train(
             # Proximal term of FedProx: pulls local weights towards the round's global weights.
             loss = loss + 0.5 * mu * sum(((p - ref[n]) ** 2).sum() for n, p in named.items())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # corrections and clipping act on the true gradients
         if grad_correction is not None:
             for n, p in named.items():
                 if p.grad is not None:
                     p.grad.add_(corr[n])
         if cfg.clip_norm is not None:
             nn.utils.clip_grad_norm_(params, cfg.clip_norm)
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            skipped += _scaled_step(scaler, opt)
     model.train(was_training)
-    return TrainResult(steps=steps, loss=float(total) / max(steps, 1))
+    return TrainResult(steps=steps, loss=float(total) / max(steps, 1), skipped=skipped)
+
+
+def _scaled_step(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> int:
+    """The scaler's step and update; 1 when it skipped the step (an overflow), else 0."""
+    scale = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    return int(scaler.get_scale() < scale)
 
 
 def local_round(

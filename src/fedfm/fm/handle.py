@@ -23,7 +23,7 @@ from fedfm.data.prompt import (
     fit_prompt,
     fit_template,
 )
-from fedfm.devices import bf16_autocast, model_device
+from fedfm.devices import autocast, model_device
 from fedfm.errors import ConfigError, UnknownNameError
 from fedfm.models.causal_lm import TINY_MODELS, LMBundle
 from fedfm.models.encoders import Encoder, lm_encoder
@@ -147,7 +147,7 @@ class FoundationModel:
         lora: LoRA hyper-parameters of adapters created without their own spec.
         prompt: Prompt formatting and length limits.
         autocast_bf16: Run forward passes (generation, features, DP-SGD) under bfloat16
-            autocast.
+            autocast; where the device lacks bfloat16, float16 (DP-SGD: none).
         quantization: ``4bit`` or ``8bit``: the base is loaded quantised (see
             :func:`shared_base`).
         device: Where the base lives and computes (the CPU when ``None``); every handle on
@@ -207,9 +207,14 @@ class FoundationModel:
         return int(self.bundle.model.config.hidden_size)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bfloat16 autocast on the model's device when ``autocast_bf16`` and the device
-        computes bfloat16 natively (:func:`fedfm.devices.bf16_autocast`), else a no-op."""
-        return bf16_autocast(model_device(self.bundle.model), self.autocast_bf16)
+        """Autocast on the model's device when ``autocast_bf16``: bfloat16 where the device
+        computes it natively, else float16 (:func:`fedfm.devices.autocast`); else a no-op."""
+        return autocast(model_device(self.bundle.model), self.autocast_bf16)
+
+    def dp_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """:meth:`autocast` without the float16 fallback: DP-SGD clips per-sample gradients,
+        which float16's loss scaling would scale."""
+        return autocast(model_device(self.bundle.model), self.autocast_bf16, half=False)
 
     # ----- adapters -----
     def adapters(self) -> list[str]:
@@ -654,7 +659,7 @@ class FoundationModel:
                 planned_steps=planned_steps,
                 seed=seed,
                 pad_id=pad_id_of(self.tokenizer),
-                autocast=self.autocast,
+                autocast=self.dp_autocast,
                 key=key,
                 field=field,
             )

@@ -115,6 +115,8 @@ class InstructionConfig(TaskConfig):
             and travel as without it.
         autocast_bf16: Run forward passes (training and evaluation) under CPU/GPU bfloat16
             autocast: about 1.4x faster than float32 for SmolLM2 on a CPU with AVX512-BF16.
+            On a GPU without bfloat16 (before Ampere), float16 autocast with a gradient
+            scaler in local training; DP-SGD stays in float32 there.
         lora: LoRA rank, scale, dropout and target modules.
         prompt: Chat formatting and length limits.
         test_fraction: Share of the training rows held out for the server when the source
@@ -528,7 +530,8 @@ class InstructionTask(Task):
         return self.bundle.tokenizer
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """bfloat16 autocast when ``autocast_bf16`` is set, else a no-op context."""
+        """Autocast when ``autocast_bf16`` is set (see :meth:`FoundationModel.autocast`), else a
+        no-op context."""
         return self.foundation_model().autocast()
 
     # ----- Task API -----

@@ -107,14 +107,51 @@ def test_model_device_is_where_the_parameters_are() -> None:
     assert devices.model_device(nn.ReLU()) == torch.device("cpu")
 
 
-def test_bf16_autocast_only_where_bfloat16_is_native(monkeypatch) -> None:
+def test_autocast_is_bfloat16_where_native_else_float16_but_never_float16_for_dp(
+    monkeypatch,
+) -> None:
     cpu = torch.device("cpu")
-    with devices.bf16_autocast(cpu):
+    with devices.autocast(cpu):
         assert torch.is_autocast_enabled("cpu")
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
-    assert isinstance(devices.bf16_autocast(cpu, enabled=False), contextlib.nullcontext)
+    assert isinstance(devices.autocast(cpu, enabled=False), contextlib.nullcontext)
+    assert devices.grad_scaler(cpu) is None
     monkeypatch.setattr(devices, "supports_bf16", lambda d: False)  # e.g. a pre-Ampere GPU
-    assert isinstance(devices.bf16_autocast(cpu), contextlib.nullcontext)
+    with devices.autocast(cpu):
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+    assert isinstance(devices.autocast(cpu, half=False), contextlib.nullcontext)
+    scaler = devices.grad_scaler(cpu)
+    assert scaler is not None and scaler.get_scale() == 2.0**12
+
+
+def _fit_line(steps: int, scale: float = 1.0) -> tuple[nn.Linear, train_mod.TrainResult]:
+    """A seeded linear model fitted by :func:`local_train` under the device's autocast."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 1), torch.randn(32, 8)
+    y = x @ torch.linspace(-1, 1, 8)[:, None]
+
+    def loss_fn(m: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
+        with devices.autocast(torch.device("cpu")):
+            out = m(batch)
+        return scale * ((out.float() - y) ** 2).mean(), out
+
+    cfg = TrainConfig(optimizer="sgd", lr=0.1, momentum=0.0)
+    return model, train_mod.local_train(model, iter([x] * steps), loss_fn, cfg, steps)
+
+
+def test_local_training_under_float16_scales_its_gradients_and_skips_overflows(
+    monkeypatch,
+) -> None:
+    reference, ref = _fit_line(20)  # bfloat16 autocast, no scaler
+    monkeypatch.setattr(devices, "supports_bf16", lambda d: False)
+    half, res = _fit_line(20)
+    assert res.skipped == 0 and ref.skipped == 0
+    assert res.loss < 0.5 * _fit_line(1)[1].loss  # it trained
+    assert torch.allclose(half.weight, reference.weight, atol=2e-2)
+    # A loss whose scaled gradients overflow float16: the scaler skips those steps.
+    start, _ = _fit_line(0)
+    blown, res = _fit_line(3, scale=1e4)
+    assert res.skipped == 3 and torch.equal(blown.weight, start.weight)
 
 
 # ----------------------------------------------------------------------------- boundaries
