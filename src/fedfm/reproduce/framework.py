@@ -1,11 +1,9 @@
-"""The study framework: a study declares what it runs, reads, compares and reports; this
-module does the rest, once, for every study (``docs/studies.md``).
-
-A :class:`Study` declares its jobs (:class:`Run`, :class:`Compute`), what it reads of its runs
-(:class:`RunView`), its :class:`Readout` s and its report's sections. The framework runs the
-jobs (worker processes with one torch thread each; a finished run of the same config skipped,
-an unfinished one resumed), records one ``study.json`` per study folder, lists and times the
-jobs for ``--dry-run`` and writes the report with the readouts first.
+"""The study framework (``docs/studies.md``): a :class:`Study` declares its jobs (:class:`Run`,
+:class:`Compute`), what it reads of them (:class:`RunView`), its :class:`Readout` s and its
+report's sections; this module runs the jobs (worker processes with one torch thread each; a
+finished run of the same config skipped, an unfinished one resumed), records one
+``study.json`` per study folder, lists and times the jobs for ``--dry-run`` and writes the
+report with the readouts first.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ G = TypeVar("G")  # a study's grid
 R = TypeVar("R")  # what a study reads from its runs
 
 RECORD = "study.json"
-TEXT = Text("framework")
 RESULT = "result.json"
+TEXT = Text("framework")
 
 # ----------------------------------------------------------------------------- jobs
 
@@ -58,16 +56,12 @@ ConfigFn = Callable[[Mapping[str, "RunView"]], Mapping[str, Any]]
 
 @dataclass(frozen=True)
 class Run:
-    """A run of the engine.
+    """A run of the engine, in the folder ``name`` of the study folder.
 
-    Attributes:
-        name: Its folder under the study folder (unique in the study).
-        config: The run config, or a function of the jobs named in ``needs`` (their views by
-            name) that builds it from their measured values; it raises :class:`Unmet` when
-            they do not allow the run. The framework sets ``name``, ``out_dir`` and
-            ``threads: 1``.
-        needs: Jobs that must have finished before this one is configured.
-        group: Jobs of one group cost about the same (``--dry-run`` estimates from them).
+    ``config`` is the run config, or a function of the views of the jobs in ``needs`` (by
+    name) that builds it from their measured values (raising :class:`Unmet` when they do not
+    allow the run); the framework sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of one
+    ``group`` cost about the same (``--dry-run`` estimates from them).
     """
 
     name: str
@@ -94,6 +88,10 @@ class Compute:
 
 
 Job = Run | Compute
+
+
+def _kind(job: Job) -> str:
+    return "run" if isinstance(job, Run) else "compute"
 
 
 @cache
@@ -134,26 +132,21 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _comparable(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A config without the output folder (moving a study's folder keeps its runs)."""
-    return {k: v for k, v in cfg.items() if k != "out_dir"}
-
-
 def run_status(cfg: Mapping[str, Any]) -> str:
     """``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
-    of this config) or ``done`` (a finished run of this config)."""
+    of this config) or ``done``; the output folder is not compared (a moved study folder keeps
+    its runs)."""
     from fedfm.config import load_config
 
     root = Path(cfg["out_dir"]) / cfg["name"]
-    saved = root / "config.yaml"
-    if not saved.exists():
+    if not (root / "config.yaml").exists():
         return "new"
     try:
-        old = yaml.safe_load(saved.read_text())
+        old = yaml.safe_load((root / "config.yaml").read_text())
     except yaml.YAMLError:
         return "changed"
     new = load_config(dict(cfg)).model_dump(mode="json")
-    if not isinstance(old, dict) or _comparable(old) != _comparable(new):
+    if not isinstance(old, dict) or {**old, "out_dir": 0} != {**new, "out_dir": 0}:
         return "changed"
     try:
         summary = json.loads((root / "summary.json").read_text())
@@ -165,30 +158,44 @@ def run_status(cfg: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------- reading runs
 
 
+def _file(name: str, empty: Any = None) -> cached_property[Any]:
+    """A view's cached property: one of its files (``empty`` when it is not there)."""
+
+    def read(view: RunView) -> Any:
+        path = view.folder / name
+        if name.endswith(".jsonl"):
+            return read_jsonl(path, need_round=False)
+        if not path.exists():
+            return empty
+        if name.endswith(".yaml"):
+            data = yaml.safe_load(path.read_text())
+            return data if isinstance(data, dict) else empty
+        return read_json(path) if empty is None else read_json(path) or empty
+
+    return cached_property(read)
+
+
 class RunView:
-    """What a study reads of one job's folder; each file is read once, when first asked for.
+    """What a study reads of one job's folder (a run's or a computation's); each file is read
+    once, when first asked for.
 
     Args:
-        folder: The run folder (or a computation's folder).
+        folder: The folder.
     """
+
+    summary = _file("summary.json")  # None before the run has finished
+    config = _file("config.yaml", {})  # as the run saved it, every default filled in
+    metrics = _file("metrics.jsonl")  # one row per logged round
+    client_metrics = _file("client_metrics.jsonl")  # per evaluated round, every client's
+    audit = _file("audit.jsonl")  # every field that crossed the wire
+    privacy = _file("privacy.json", {})  # the privacy ledger (empty without DP)
+    partition = _file("partition.json", {})  # the partition's statistics
+    _saved = _file(RESULT)  # a computation's params, its inputs' fingerprint, its result
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.name = folder.name
         self._items: dict[int | None, list[dict[str, Any]]] = {}
-
-    @property
-    def name(self) -> str:
-        """The job's name."""
-        return self.folder.name
-
-    def _json(self, name: str) -> Any:
-        path = self.folder / name
-        return read_json(path) if path.exists() else None
-
-    @cached_property
-    def summary(self) -> dict[str, Any] | None:
-        """``summary.json`` (None before the run has finished)."""
-        return self._json("summary.json")
 
     @property
     def finished(self) -> bool:
@@ -206,47 +213,14 @@ class RunView:
         return dict((self.summary or {}).get("finish", {}))
 
     @cached_property
-    def config(self) -> dict[str, Any]:
-        """``config.yaml`` as the run saved it (every default filled in)."""
-        path = self.folder / "config.yaml"
-        data = yaml.safe_load(path.read_text()) if path.exists() else None
-        return data if isinstance(data, dict) else {}
-
-    @cached_property
-    def metrics(self) -> list[dict[str, Any]]:
-        """``metrics.jsonl``: one row per logged round."""
-        return read_jsonl(self.folder / "metrics.jsonl", need_round=False)
-
-    @cached_property
     def rounds(self) -> dict[int, dict[str, Any]]:
         """The metrics rows by round."""
         return {int(r["round"]): r for r in self.metrics}
 
     @cached_property
-    def client_metrics(self) -> list[dict[str, Any]]:
-        """``client_metrics.jsonl``: per evaluated round, every client's metrics."""
-        return read_jsonl(self.folder / "client_metrics.jsonl", need_round=False)
-
-    @cached_property
-    def audit(self) -> list[dict[str, Any]]:
-        """``audit.jsonl``: every field that crossed the wire."""
-        return read_jsonl(self.folder / "audit.jsonl", need_round=False)
-
-    @cached_property
-    def privacy(self) -> dict[str, Any]:
-        """``privacy.json``: the privacy ledger (empty without DP)."""
-        return self._json("privacy.json") or {}
-
-    @cached_property
-    def partition(self) -> dict[str, Any]:
-        """``partition.json``: the partition's statistics."""
-        return self._json("partition.json") or {}
-
-    @cached_property
     def result(self) -> dict[str, Any] | None:
         """A computation's result (None before it has run)."""
-        saved = self._json(RESULT)
-        return None if saved is None else dict(saved["result"])
+        return None if self._saved is None else dict(self._saved["result"])
 
     def items(self, rnd: int | None = None) -> list[dict[str, Any]]:
         """The items evaluated in round ``rnd`` (the last evaluated round when None); none
@@ -283,14 +257,11 @@ class Readout(Generic[R]):
         name: What is compared, e.g. ``FedHDS − FedIT, Rouge-L of the held-out domain``.
         statistic: How the estimate is paired, e.g. ``paired over items``.
         paper: The paper's claim in words (its direction and, where given, its figure).
-        direction: +1 when the paper says the value lies above ``null``, −1 below.
-        value: The estimate, from what the study read.
-        null: The value of no difference (0; 1 for a ratio).
-        digits: Decimals of the estimate in the report.
+        direction: +1 when the paper says the value lies above ``null`` (0; 1 for a ratio),
+            −1 below; ``value``: the estimate from what the study read, with ``digits``.
         scope: What this grid can and cannot test about the claim.
-        testable: False when this grid cannot test the claim at all (the value is shown,
-            the verdict says so); or a function of what the study read, for a claim whose
-            premise the runs must show first (e.g. "more strong clients help").
+        testable: False when this grid cannot test the claim at all; or a function of what
+            the study read, for a claim whose premise the runs must show first.
     """
 
     name: str
@@ -335,23 +306,19 @@ def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
 
 @dataclass(frozen=True)
 class Study(Generic[G, R]):
-    """A reproduction study, declared on the framework.
+    """A reproduction study (``docs/studies.md``, "Adding a study").
 
     Attributes:
         name: Its key (``fedfm reproduce NAME``) and its folder's name.
         summary: One line for the registry.
-        full: The default grid.
-        quick: The ``--quick`` grid.
-        jobs: The jobs of a grid, given what is measured so far (asked again after each
-            finished job).
+        full: The default grid; ``quick``: the ``--quick`` grid.
+        jobs: The jobs of a grid, given what is measured so far (asked after each job).
         read: What the readouts and the report read from the study folder.
-        readouts: The comparisons the study exists for, per grid (fixed in code).
-        title: The report's title.
-        body: The report's sections after the readouts.
-        reports: Report files of the full and the quick grid, relative to the report folder
+        readouts: The comparisons the study exists for, per grid; ``title``, ``body``: the
+            report's title and its sections after the readouts.
+        reports: Report files of the full and the quick grid under the report folder
             (``docs/`` by default); None: ``<name>-quick.md`` in the study folder.
-        workers: Worker processes by default, of the full and the quick grid (at most the
-            machine's cores).
+        workers: Worker processes by default, full and quick grid (at most the cores).
         later: What ``--dry-run`` cannot list yet (jobs that measured values decide).
     """
 
@@ -385,17 +352,10 @@ def load_studies() -> None:
 
 @dataclass
 class Context(Generic[G]):
-    """One invocation of a study: its grid, its folder, its record and what it has done.
-
-    Attributes:
-        study: The study's name.
-        grid: The grid.
-        quick: Whether it is the ``--quick`` grid.
-        out: The study folder (its runs and ``study.json``).
-        command: The command line the report names.
-        workers: Worker processes.
-        report: The report being written (figures go beside it).
-    """
+    """One invocation of a study: its grid (``quick``: the ``--quick`` one), its folder
+    ``out`` (runs and ``study.json``), the ``command`` its report names, its ``workers``, the
+    ``report`` being written (figures go beside it), the jobs ``done`` and those ``failed``
+    (with the reason)."""
 
     study: str
     grid: G
@@ -415,9 +375,7 @@ class Context(Generic[G]):
 
     def run(self, name: str) -> RunView:
         """The view of a job's folder (cached until the job runs again)."""
-        if name not in self._views:
-            self._views[name] = RunView(self.out / name)
-        return self._views[name]
+        return self._views.setdefault(name, RunView(self.out / name))
 
     def settled(self, names: Iterable[str]) -> bool:
         """Whether none of these jobs is left to run in this invocation."""
@@ -433,7 +391,8 @@ def _now() -> str:
 
 class Record:
     """``study.json``: each job's status, wall and CPU time and the machine's load, and each
-    invocation. Written atomically after every change, so a killed invocation leaves it whole.
+    invocation. Written atomically after every change, so a killed invocation leaves it whole,
+    with the wall and CPU time it had used by its last write.
 
     Args:
         path: The file (read when it exists; a file of another shape starts a new record).
@@ -444,13 +403,19 @@ class Record:
         data: Any = None
         with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
             data = json.loads(path.read_text())
-        ok = isinstance(data, dict) and isinstance(data.get("jobs"), dict)
-        self.jobs: dict[str, dict[str, Any]] = data["jobs"] if ok else {}
-        self.invocations: list[dict[str, Any]] = data.get("invocations", []) if ok else []
-        self.study: dict[str, Any] = data.get("study", {}) if ok else {}
+        if not (isinstance(data, dict) and isinstance(data.get("jobs"), dict)):
+            data = {"jobs": {}}
+        self.jobs: dict[str, dict[str, Any]] = data["jobs"]
+        self.invocations: list[dict[str, Any]] = data.get("invocations", [])
+        self.study: dict[str, Any] = data.get("study", {})
+        # The running invocation's entry, and its start's wall clock and CPU time.
+        self.clock: tuple[dict[str, Any], float, float] | None = None
 
     def save(self) -> None:
         """Writes the file (replacing it in one step)."""
+        if self.clock is not None:
+            inv, t0, cpu0 = self.clock
+            inv.update(wall_s=time.perf_counter() - t0, cpu_s=_cpu_all() - cpu0)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         data = {"study": self.study, "jobs": self.jobs, "invocations": self.invocations}
@@ -459,9 +424,8 @@ class Record:
 
     def job(self, job: Job) -> dict[str, Any]:
         """A job's entry, created on first use."""
-        kind = "run" if isinstance(job, Run) else "compute"
         entry = self.jobs.setdefault(job.name, {"wall_s": 0.0, "cpu_s": 0.0, "attempts": 0})
-        entry.update(kind=kind, needs=list(job.needs), group=job.group or kind)
+        entry.update(kind=_kind(job), needs=list(job.needs), group=job.group or _kind(job))
         return entry
 
     def mark(self, job: Job, status: str, save: bool = True, **values: Any) -> None:
@@ -473,12 +437,11 @@ class Record:
     def measured(self, job: Job, m: Mapping[str, Any]) -> None:
         """Adds one execution's measurements to a job's entry and saves."""
         e = self.job(job)
-        e["wall_s"] = float(e.get("wall_s", 0.0)) + m["wall_s"]
-        e["cpu_s"] = float(e.get("cpu_s", 0.0)) + m["cpu_s"]
+        for key in ("wall_s", "cpu_s"):
+            e[key] = float(e.get(key, 0.0)) + m[key]
         e["attempts"] = int(e.get("attempts", 0)) + 1
         e.update(load_start=m["load_start"], load_end=m["load_end"], pid=m["pid"])
-        status = "failed" if m["error"] else "done"
-        self.mark(job, status, error=m["error"])
+        self.mark(job, "failed" if m["error"] else "done", error=m["error"])
 
 
 def _cpu_self() -> float:
@@ -581,9 +544,9 @@ def _prepare(job: Job, ctx: Context[Any]) -> _Step:
             return _Step("skip", f"needs {n}, which did not finish ({ctx.failed[n]})")
         if n not in ctx.done:
             return _Step("wait", n)
-    views = {n: ctx.run(n) for n in job.needs}
     if isinstance(job, Run):
         try:
+            views = {n: ctx.run(n) for n in job.needs}
             cfg = dict(job.config(views) if callable(job.config) else job.config)
         except Unmet as e:
             return _Step("skip", str(e))
@@ -620,41 +583,6 @@ def _plan(study: Study[Any, Any], ctx: Context[Any]) -> list[Job]:
     return jobs
 
 
-def _finished(job: Job, m: Mapping[str, Any], ctx: Context[Any]) -> None:
-    ctx.record.measured(job, m)
-    ctx._views.pop(job.name, None)  # the folder changed: read it again
-    if m["error"]:
-        ctx.failed[job.name] = m["error"]
-    else:
-        ctx.done.add(job.name)
-
-
-@contextlib.contextmanager
-def _pool(workers: int) -> Iterator[tuple[ProcessPoolExecutor, Any]]:
-    # spawn: fresh interpreters, no forked torch thread pools; one job per process, so no
-    # job inherits another's caches (loaded models, features).
-    mpc = mp.get_context("spawn")
-    queue = mpc.Queue()
-    pool = ProcessPoolExecutor(
-        workers, mp_context=mpc, initializer=_init_worker, initargs=(queue,), max_tasks_per_child=1
-    )
-    try:
-        yield pool, queue
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _drain(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
-    """Records the jobs that workers have started (with their process ids)."""
-    while True:
-        try:
-            name, pid = queue.get_nowait()
-        except Empty:
-            return
-        if name not in ctx.done and name not in ctx.failed:  # a late notice of a finished job
-            ctx.record.mark(jobs[name], "running", pid=pid)
-
-
 def _ready(
     study: Study[Any, Any], ctx: Context[Any], running: Iterable[str]
 ) -> tuple[list[tuple[Job, dict[str, Any]]], bool]:
@@ -684,39 +612,77 @@ def _ready(
     return ready, moved
 
 
-def _run_serial(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
-    """Runs the jobs one at a time in this process, listing them again after each."""
-    while True:
-        ready, moved = _ready(study, ctx, ())
-        if ready:
-            job, spec = ready[0]
-            inv["ran"] += 1
+Submit = Callable[[Job, dict[str, Any]], "Future[dict[str, Any]]"]
+
+
+@contextlib.contextmanager
+def _executor(ctx: Context[Any]) -> Iterator[tuple[Submit, Any]]:
+    """How jobs start, and the queue of the workers' start notices (None without workers).
+
+    One worker: every job runs at once in this process. More: each job in a fresh process,
+    spawned (no forked torch thread pools) and used once, so that no job inherits another's
+    caches (loaded models, features).
+    """
+    if ctx.workers <= 1:
+
+        def here(job: Job, spec: dict[str, Any]) -> Future[dict[str, Any]]:
             ctx.record.mark(job, "running", pid=os.getpid())
-            _finished(job, execute(spec), ctx)
-        elif not moved:
+            fut: Future[dict[str, Any]] = Future()
+            fut.set_result(execute(spec))
+            return fut
+
+        yield here, None
+        return
+    mpc = mp.get_context("spawn")
+    queue = mpc.Queue()
+    pool = ProcessPoolExecutor(ctx.workers, mpc, _init_worker, (queue,), max_tasks_per_child=1)
+    try:
+        yield (lambda _, spec: pool.submit(execute, spec)), queue
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _started(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
+    """Records the jobs that workers have started (with their process ids)."""
+    while queue is not None:
+        try:
+            name, pid = queue.get_nowait()
+        except Empty:
             return
+        if name not in ctx.done and name not in ctx.failed:  # a late notice of a finished job
+            ctx.record.mark(jobs[name], "running", pid=pid)
 
 
-def _run_pool(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
-    """Keeps ``ctx.workers`` worker processes busy: a job starts as soon as its needs are done.
+def _finished(job: Job, m: Mapping[str, Any], ctx: Context[Any]) -> None:
+    ctx.record.measured(job, m)
+    ctx._views.pop(job.name, None)  # the folder changed: read it again
+    if m["error"]:
+        ctx.failed[job.name] = m["error"]
+    else:
+        ctx.done.add(job.name)
 
-    Each job runs in a fresh process (spawned, one job per process). A worker that dies
-    breaks the pool: its jobs are marked interrupted and the invocation stops starting jobs.
+
+def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
+    """Keeps ``ctx.workers`` jobs running: a job starts as soon as its needs are done.
+
+    A worker that dies breaks the pool: its jobs are marked interrupted and the invocation
+    starts no more jobs.
     """
     futures: dict[Future[dict[str, Any]], Job] = {}
     broken = False
-    with _pool(ctx.workers) as (pool, queue):
+    with _executor(ctx) as (submit, queue):
         while True:
-            ready, moved = ([], False) if broken else _ready(study, ctx, _names(futures))
+            running = [job.name for job in futures.values()]
+            ready, moved = ([], False) if broken else _ready(study, ctx, running)
             for job, spec in ready[: ctx.workers - len(futures)]:
                 inv["ran"] += 1
-                futures[pool.submit(execute, spec)] = job
+                futures[submit(job, spec)] = job
             if not futures:
                 if moved and not broken:
                     continue
                 return
             finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-            _drain(queue, {job.name: job for job in futures.values()}, ctx)
+            _started(queue, {job.name: job for job in futures.values()}, ctx)
             for fut in finished:
                 job = futures.pop(fut)
                 try:
@@ -726,10 +692,6 @@ def _run_pool(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) ->
                     ctx.failed[job.name] = "interrupted: a worker process died"
                     n = int(ctx.record.job(job).get("interrupted", 0)) + 1
                     ctx.record.mark(job, "interrupted", error=ctx.failed[job.name], interrupted=n)
-
-
-def _names(futures: Mapping[Future[dict[str, Any]], Job]) -> list[str]:
-    return [job.name for job in futures.values()]
 
 
 def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
@@ -747,9 +709,9 @@ def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
     inv: dict[str, Any] = {"started": _now(), "command": ctx.command, "workers": ctx.workers}
     inv.update(cpus=os.cpu_count(), load_start=list(os.getloadavg()), ran=0)
     rec.invocations.append(inv)
-    t0, cpu0 = time.perf_counter(), _cpu_all()
+    rec.clock = (inv, time.perf_counter(), _cpu_all())
     try:
-        (_run_serial if ctx.workers <= 1 else _run_pool)(study, ctx, inv)
+        _run(study, ctx, inv)
     except BaseException:
         for name, entry in rec.jobs.items():
             if entry.get("status") == "running":
@@ -757,9 +719,9 @@ def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
                 ctx.failed.setdefault(name, "interrupted")
         raise
     finally:
-        inv.update(wall_s=time.perf_counter() - t0, cpu_s=_cpu_all() - cpu0)
         inv.update(load_end=list(os.getloadavg()), failed=len(ctx.failed))
         rec.save()
+        rec.clock = None
 
 
 # ----------------------------------------------------------------------------- dry run
@@ -785,41 +747,40 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     job; jobs that measured values configure are listed with what they wait for.
     """
     steps: dict[str, _Step] = {}
-    while True:  # what is done now, in dependency order; a study may list more once it is
-        jobs = _plan(study, ctx)
+    jobs: list[Job] = []
+    while len(jobs) != len(jobs := _plan(study, ctx)):  # a study may list more once some are done
         for job in (j for j in jobs if j.name not in steps):
             steps[job.name] = _prepare(job, ctx)
             if steps[job.name].what == "done":
                 ctx.done.add(job.name)
-        if len(_plan(study, ctx)) == len(jobs):
-            break
     walls = {j.name: w for j in jobs if j.name in ctx.done and (w := _wall_of(j.name, ctx))}
     groups: dict[str, list[float]] = {}
     for j in jobs:
         if j.name in walls:
-            groups.setdefault(j.group or type(j).__name__, []).append(walls[j.name])
+            groups.setdefault(j.group or _kind(j), []).append(walls[j.name])
     every = [w for ws in groups.values() for w in ws]
     lines = head(["job", "kind", "needs", "status", "estimate s"])
     left: list[float | None] = []
     for job in jobs:
         step = steps[job.name]
-        measured = MEASURED if callable(getattr(job, "config", 0)) else ""
-        todo = f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}"
-        status = {"done": "done (skipped)", "skip": f"skipped: {step.reason}", "todo": todo}
-        status["wait"] = f"after {step.reason}{measured}"
+        status = {
+            "done": "done (skipped)",
+            "skip": f"skipped: {step.reason}",
+            "todo": f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}",
+            "wait": f"after {step.reason}"
+            + (MEASURED if isinstance(job, Run) and callable(job.config) else ""),
+        }[step.what]
         est: float | None = None
         if step.what in ("todo", "wait"):
             mine = ctx.record.jobs.get(job.name, {})
-            same = groups.get(job.group or type(job).__name__) or every
+            same = groups.get(job.group or _kind(job)) or every
             if mine.get("attempts"):  # its own time, when an earlier invocation ran it
                 est = float(mine["wall_s"]) / int(mine["attempts"])
             elif same:
                 est = sum(same) / len(same)
             left.append(est)
-        kind = "run" if isinstance(job, Run) else "compute"
-        lines.append(
-            row([job.name, kind, ", ".join(job.needs) or DASH, status[step.what], num(est, 0)])
-        )
+        needs = ", ".join(job.needs) or DASH
+        lines.append(row([job.name, _kind(job), needs, status, num(est, 0)]))
     known = [x for x in left if x is not None]
     total = sum(known) / max(1, min(ctx.workers, len(left)))
     unknown = len(left) - len(known)
@@ -839,15 +800,12 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
 # ----------------------------------------------------------------------------- the report
 
 
-def _machine() -> str:
-    return f"{os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()})"
-
-
 def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
     """The section on the jobs' status, wall and CPU time and the machine's load."""
     rec = ctx.record
     ran = [i for i in rec.invocations if i.get("ran")]
-    values = {"record": RECORD, "machine": _machine(), "n": len(ran)}
+    machine = f"{os.cpu_count()} CPU cores ({platform.machine()}, Python"
+    values = {"record": RECORD, "machine": f"{machine} {platform.python_version()})", "n": len(ran)}
     each = []
     for i in ran:
         v = {k: f"{float(i.get(f'{k}_s', 0.0)) / 60:.1f}" for k in ("wall", "cpu")}
@@ -870,15 +828,13 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
         load = " → ".join(num(x, 1) for x in ends) or DASH
         rows.append(row([key, len(es), status, *(num(x, 0) for x in secs), load]))
     errors = [f"- `{j.name}`: {e['error']}" for j, e in entries if e.get("error")]
-    return [
-        TEXT(
-            "times",
-            invocations=invocations if ran else TEXT("no-invocation", values),
-            jobs=rows,
-            unfinished=TEXT("unfinished", jobs=errors) if errors else None,
-        ),
-        "",
-    ]
+    times = TEXT(
+        "times",
+        invocations=invocations if ran else TEXT("no-invocation", values),
+        jobs=rows,
+        unfinished=TEXT("unfinished", jobs=errors) if errors else None,
+    )
+    return [times, ""]
 
 
 def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None = None) -> Path:
@@ -894,11 +850,10 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
     jobs' times."""
     ctx.report = path
     data = study.read(ctx)
-    jobs = _plan(study, ctx)
     values = {"title": study.title(ctx), "command": ctx.command, "out": ctx.out}
     lines = [TEXT("head", values, study=study.name), ""]
     lines += [*readout_lines(study.readouts(ctx.grid), data), *study.body(ctx, data)]
-    lines += time_lines(ctx, jobs)
+    lines += time_lines(ctx, _plan(study, ctx))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path

@@ -41,9 +41,9 @@ def side(est: Estimate, up: str, down: str, sign: int = 1) -> str:
     return f"{up} (> 2 SE)" if r > 0 else f"{down} (> 2 SE)" if r < 0 else "not resolved (≤ 2 SE)"
 
 
-def ratio(ref: float, x: float) -> str:
-    """How many times ``x`` fits in ``ref`` (e.g. a speed-up), ``12.3×``."""
-    return f"{ref / x:.1f}×" if x > 0 else DASH
+def ratio(ref: float | None, x: float | None) -> str:
+    """How many times ``x`` fits in ``ref`` (e.g. a speed-up), ``12.3×``; a dash without both."""
+    return f"{ref / x:.1f}×" if ref and x and x > 0 else DASH
 
 
 def row(cells: Iterable[Any]) -> str:
