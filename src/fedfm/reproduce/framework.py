@@ -1,10 +1,7 @@
-"""The study framework (``docs/studies.md``): a :class:`Study` declares its jobs (:class:`Run`,
-:class:`Compute`), what it reads of them (:class:`RunView`), its :class:`Readout` s and its
-report's sections; this module runs the jobs (worker processes with one torch thread each; a
-finished run of the same config skipped, an unfinished one resumed), records one
-``study.json`` per study folder, lists and times the jobs for ``--dry-run`` and writes the
-report with the readouts first.
-"""
+"""The study framework (``docs/studies.md``): it runs a :class:`Study`'s jobs (worker
+processes of one torch thread; a finished run of the same config skipped, an unfinished one
+resumed), records ``study.json``, lists and times the jobs for ``--dry-run`` and writes the
+report, readouts first."""
 
 from __future__ import annotations
 
@@ -44,7 +41,7 @@ RECORD = "study.json"
 RESULT = "result.json"
 TEXT = Text("framework")
 
-# ----------------------------------------------------------------------------- jobs
+# ----------------------------------------------------------------------------- jobs, runs' views
 
 
 class Unmet(Exception):
@@ -72,13 +69,10 @@ class Run:
 
 @dataclass(frozen=True)
 class Compute:
-    """A job that is not a run: post-processing of the jobs it needs, or a measurement.
-
-    ``fn(inputs, folder, **params)`` gets the folders of ``needs`` by name and its own folder,
-    and returns a JSON mapping, kept in ``<folder>/result.json`` with ``params`` and a
-    fingerprint of its inputs; it is computed again only when either changes. ``fn`` must be a
-    module-level function: it may run in a worker process.
-    """
+    """A job that is not a run (post-processing, a measurement): ``fn(inputs, folder,
+    **params)`` gets the folders of ``needs`` by name and its own, and returns a JSON mapping
+    kept in ``result.json`` with ``params`` and its inputs' fingerprint, computed again when
+    either changes. ``fn`` is module-level: it may run in a worker process."""
 
     name: str
     fn: Callable[..., Mapping[str, Any]]
@@ -155,9 +149,6 @@ def run_status(cfg: Mapping[str, Any]) -> str:
     return "done" if summary.get("rounds") == new["rounds"] else "partial"
 
 
-# ----------------------------------------------------------------------------- reading runs
-
-
 def _file(name: str, empty: Any = None) -> cached_property[Any]:
     """A view's cached property: one of its files (``empty`` when it is not there)."""
 
@@ -176,12 +167,7 @@ def _file(name: str, empty: Any = None) -> cached_property[Any]:
 
 
 class RunView:
-    """What a study reads of one job's folder (a run's or a computation's); each file is read
-    once, when first asked for.
-
-    Args:
-        folder: The folder.
-    """
+    """What a study reads of one job's folder; each file is read once, when first asked for."""
 
     summary = _file("summary.json")  # None before the run has finished
     config = _file("config.yaml", {})  # as the run saved it, every default filled in
@@ -223,8 +209,7 @@ class RunView:
         return None if self._saved is None else dict(self._saved["result"])
 
     def items(self, rnd: int | None = None) -> list[dict[str, Any]]:
-        """The items evaluated in round ``rnd`` (the last evaluated round when None); none
-        when the run kept no items."""
+        """The items evaluated in round ``rnd`` (None: the last); none if the run kept none."""
         from fedfm.eval.compare import read_items
 
         if rnd not in self._items:
@@ -246,7 +231,7 @@ class RunView:
         )
 
 
-# ----------------------------------------------------------------------------- readouts
+# ----------------------------------------------------------------------------- studies, readouts
 
 
 @dataclass(frozen=True)
@@ -299,9 +284,6 @@ def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
             notes.setdefault(r.scope, []).append(f"R{i}")
     notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
     return [TEXT("readouts", rows=rows, notes=notes_), ""]
-
-
-# ----------------------------------------------------------------------------- studies
 
 
 @dataclass(frozen=True)
@@ -382,9 +364,6 @@ class Context(Generic[G]):
         return all(n in self.done or n in self.failed for n in names)
 
 
-# ----------------------------------------------------------------------------- study.json
-
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
@@ -455,7 +434,7 @@ def _cpu_all() -> float:
     return _cpu_self() + kids.ru_utime + kids.ru_stime
 
 
-# ----------------------------------------------------------------------------- executing jobs
+# ----------------------------------------------------------------------------- running jobs
 
 _STARTED: Any = None  # a worker's queue of (job, pid) start notices to the parent
 
@@ -497,10 +476,8 @@ def _compute(spec: Mapping[str, Any]) -> None:
 
 
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
-    """Executes one job (in a worker process or in this one); returns its measurements.
-
-    A failing job returns its error: it is recorded in the study, not fatal to it.
-    """
+    """Executes one job (in a worker or in this process); returns its measurements and its
+    error, if any (recorded, not fatal to the study)."""
     if _STARTED is not None:
         _STARTED.put((spec["name"], os.getpid()))
     t0, cpu0, load0 = time.perf_counter(), _cpu_self(), os.getloadavg()[0]
@@ -586,11 +563,8 @@ def _plan(study: Study[Any, Any], ctx: Context[Any]) -> list[Job]:
 def _ready(
     study: Study[Any, Any], ctx: Context[Any], running: Iterable[str]
 ) -> tuple[list[tuple[Job, dict[str, Any]]], bool]:
-    """The jobs that can start now, and whether any other job settled while listing them.
-
-    The study lists its jobs again at every call, so a job that a measured value decides
-    appears once that value is there.
-    """
+    """The jobs that can start now, and whether another job settled while listing them (the
+    study lists its jobs again: a job that a measured value decides appears once it is)."""
     rec, busy = ctx.record, set(running)
     ready: list[tuple[Job, dict[str, Any]]] = []
     moved = False
@@ -617,12 +591,9 @@ Submit = Callable[[Job, dict[str, Any]], "Future[dict[str, Any]]"]
 
 @contextlib.contextmanager
 def _executor(ctx: Context[Any]) -> Iterator[tuple[Submit, Any]]:
-    """How jobs start, and the queue of the workers' start notices (None without workers).
-
-    One worker: every job runs at once in this process. More: each job in a fresh process,
-    spawned (no forked torch thread pools) and used once, so that no job inherits another's
-    caches (loaded models, features).
-    """
+    """How jobs start, and the queue of the workers' start notices: with one worker, at once
+    in this process; with more, each in a fresh spawned process (no forked torch thread
+    pools) used once, so that no job inherits another's caches (loaded models, features)."""
     if ctx.workers <= 1:
 
         def here(job: Job, spec: dict[str, Any]) -> Future[dict[str, Any]]:
@@ -663,11 +634,8 @@ def _finished(job: Job, m: Mapping[str, Any], ctx: Context[Any]) -> None:
 
 
 def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
-    """Keeps ``ctx.workers`` jobs running: a job starts as soon as its needs are done.
-
-    A worker that dies breaks the pool: its jobs are marked interrupted and the invocation
-    starts no more jobs.
-    """
+    """Keeps ``ctx.workers`` jobs running, each started once its needs are done. A worker
+    that dies breaks the pool: its jobs are marked interrupted, and no more start."""
     futures: dict[Future[dict[str, Any]], Job] = {}
     broken = False
     with _executor(ctx) as (submit, queue):
@@ -695,12 +663,8 @@ def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None
 
 
 def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
-    """Runs every job of the study that is not done into ``ctx.out``.
-
-    A job starts once its needs are done and a worker is free; after each finished job the
-    study lists its jobs again. Each job's status and cost, and this invocation's, are
-    recorded in ``study.json``.
-    """
+    """Runs every job of the study that is not done into ``ctx.out``, recording each job's
+    status and cost, and this invocation's, in ``study.json``."""
     rec = ctx.record
     rec.study = {"name": study.name, "grid": "quick" if ctx.quick else "full"}
     for entry in rec.jobs.values():  # a killed invocation left these behind
@@ -724,9 +688,6 @@ def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
         rec.clock = None
 
 
-# ----------------------------------------------------------------------------- dry run
-
-
 def _wall_of(name: str, ctx: Context[Any]) -> float | None:
     """A finished job's measured wall seconds: recorded, or logged by the run itself."""
     entry = ctx.record.jobs.get(name, {})
@@ -740,12 +701,9 @@ MEASURED = " (configured from its measured values)"
 
 
 def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
-    """The jobs, each with its status and estimated seconds, and the total estimate.
-
-    A job's estimate is its own wall time when an earlier invocation ran it, else the mean
-    of the finished jobs of its group (the study's cost classes), else of every finished
-    job; jobs that measured values configure are listed with what they wait for.
-    """
+    """The jobs, each with its status and estimated seconds (its own wall time when an
+    earlier invocation ran it, else the mean of the finished jobs of its group, else of every
+    finished job), and the total estimate."""
     steps: dict[str, _Step] = {}
     jobs: list[Job] = []
     while len(jobs) != len(jobs := _plan(study, ctx)):  # a study may list more once some are done
@@ -892,14 +850,8 @@ def reproduce(
     dry_run_only: bool = False,
     report_dir: Path | None = None,
 ) -> Path | list[str]:
-    """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``.
-
-    Returns:
-        The report written, or with ``dry_run_only`` the lines of the job list.
-
-    Raises:
-        ConfigError: An unknown study, or fewer than one worker.
-    """
+    """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``; the report written
+    or, with ``dry_run_only``, the job list. ConfigError: an unknown study, no worker."""
     load_studies()
     study = STUDIES.get(name)
     if workers is not None and workers < 1:
