@@ -38,6 +38,7 @@ G = TypeVar("G")  # a study's grid
 R = TypeVar("R")  # what a study reads from its runs
 
 RECORD = "study.json"
+STAMP = "%Y-%m-%dT%H:%M:%S"  # the record's times
 RESULT = "result.json"
 TEXT = Text("framework")
 
@@ -236,18 +237,12 @@ class RunView:
 
 @dataclass(frozen=True)
 class Readout(Generic[R]):
-    """A comparison a study exists for, fixed in code before its runs.
-
-    Attributes:
-        name: What is compared, e.g. ``FedHDS − FedIT, Rouge-L of the held-out domain``.
-        statistic: How the estimate is paired, e.g. ``paired over items``.
-        paper: The paper's claim in words (its direction and, where given, its figure).
-        direction: +1 when the paper says the value lies above ``null`` (0; 1 for a ratio),
-            −1 below; ``value``: the estimate from what the study read, with ``digits``.
-        scope: What this grid can and cannot test about the claim.
-        testable: False when this grid cannot test the claim at all; or a function of what
-            the study read, for a claim whose premise the runs must show first.
-    """
+    """A comparison a study exists for, fixed in code before its runs: what is compared
+    (``name``), how the estimate is paired (``statistic``), the ``paper``'s claim in words,
+    its ``direction`` (+1: above ``null``, 0 or 1 for a ratio; −1: below), the estimate
+    (``value``, from what the study read, shown with ``digits``), what the grid can and
+    cannot test (``scope``) and whether it can at all (``testable``: a bool, or a function of
+    what the study read for a claim whose premise the runs must show first)."""
 
     name: str
     statistic: str
@@ -272,37 +267,15 @@ def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
     return Readout(name, DASH, paper, +1, lambda _: NONE, scope=scope, testable=False)
 
 
-def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
-    """The report's opening section: every readout, its estimate and its verdict."""
-    rows: list[str] = []
-    notes: dict[str, list[str]] = {}  # one note for the readouts that share it
-    for i, r in enumerate(readouts, start=1):
-        est, word = r.judge(data)
-        shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
-        rows.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
-        if r.scope:
-            notes.setdefault(r.scope, []).append(f"R{i}")
-    notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
-    return [TEXT("readouts", rows=rows, notes=notes_), ""]
-
-
 @dataclass(frozen=True)
 class Study(Generic[G, R]):
-    """A reproduction study (``docs/studies.md``, "Adding a study").
-
-    Attributes:
-        name: Its key (``fedfm reproduce NAME``) and its folder's name.
-        summary: One line for the registry.
-        full: The default grid; ``quick``: the ``--quick`` grid.
-        jobs: The jobs of a grid, given what is measured so far (asked after each job).
-        read: What the readouts and the report read from the study folder.
-        readouts: The comparisons the study exists for, per grid; ``title``, ``body``: the
-            report's title and its sections after the readouts.
-        reports: Report files of the full and the quick grid under the report folder
-            (``docs/`` by default); None: ``<name>-quick.md`` in the study folder.
-        workers: Worker processes by default, full and quick grid (at most the cores).
-        later: What ``--dry-run`` cannot list yet (jobs that measured values decide).
-    """
+    """A reproduction study (``docs/studies.md``, "Adding a study"): its key ``name``
+    (``fedfm reproduce NAME``, its folder), the ``full`` and ``quick`` grids, its ``jobs``
+    given what is measured so far (asked after each job), what it ``read`` s from its folder,
+    its ``readouts`` per grid, its report's ``title`` and ``body`` (the sections after the
+    readouts), its report files, full and quick, under the report folder (None:
+    ``<name>-quick.md`` in the study folder), its default ``workers`` (full, quick; at most
+    the cores) and what ``--dry-run`` cannot list yet (``later``)."""
 
     name: str
     summary: str
@@ -364,18 +337,11 @@ class Context(Generic[G]):
         return all(n in self.done or n in self.failed for n in names)
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S")
-
-
 class Record:
-    """``study.json``: each job's status, wall and CPU time and the machine's load, and each
-    invocation. Written atomically after every change, so a killed invocation leaves it whole,
-    with the wall and CPU time it had used by its last write.
-
-    Args:
-        path: The file (read when it exists; a file of another shape starts a new record).
-    """
+    """``study.json`` at ``path`` (a file of another shape starts a new record): each job's
+    status, wall and CPU time and the machine's load, and each invocation. Written atomically
+    after every change, so a killed invocation leaves it whole, with the wall and CPU time it
+    had used by its last write."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -394,7 +360,7 @@ class Record:
         """Writes the file (replacing it in one step)."""
         if self.clock is not None:
             inv, t0, cpu0 = self.clock
-            inv.update(wall_s=time.perf_counter() - t0, cpu_s=_cpu_all() - cpu0)
+            inv.update(wall_s=time.perf_counter() - t0, cpu_s=_cpu(children=True) - cpu0)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         data = {"study": self.study, "jobs": self.jobs, "invocations": self.invocations}
@@ -409,7 +375,7 @@ class Record:
 
     def mark(self, job: Job, status: str, save: bool = True, **values: Any) -> None:
         """Sets a job's status (and any values) and saves."""
-        self.job(job).update(status=status, updated=_now(), **values)
+        self.job(job).update(status=status, updated=time.strftime(STAMP), **values)
         if save:
             self.save()
 
@@ -423,15 +389,10 @@ class Record:
         self.mark(job, "failed" if m["error"] else "done", error=m["error"])
 
 
-def _cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _cpu_all() -> float:
-    """User + system CPU of this process and its reaped children (the worker processes)."""
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return _cpu_self() + kids.ru_utime + kids.ru_stime
+def _cpu(children: bool = False) -> float:
+    """User + system CPU seconds of this process (and of its reaped children: the workers)."""
+    who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if children else (resource.RUSAGE_SELF,)
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
 
 # ----------------------------------------------------------------------------- running jobs
@@ -455,16 +416,16 @@ def _init_worker(queue: Any) -> None:
     _offline()
 
 
-def _run_config(cfg: dict[str, Any], resume: bool) -> None:
-    import fedfm.algorithms
-    import fedfm.tasks  # noqa: F401  (every algorithm and task registered)
-    from fedfm.config import load_config
-    from fedfm.runtime import run
+def _execute(spec: Mapping[str, Any]) -> None:
+    if spec["kind"] == "run":
+        import fedfm.algorithms
+        import fedfm.tasks  # noqa: F401  (every algorithm and task registered)
+        from fedfm.config import load_config
+        from fedfm.runtime import run
 
-    run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
-
-
-def _compute(spec: Mapping[str, Any]) -> None:
+        resume = spec["resume"]
+        run(load_config(spec["config"]), resume=resume, overwrite=not resume, progress=False)
+        return
     folder = Path(spec["folder"])
     inputs = {k: Path(v) for k, v in spec["inputs"].items()}
     result = spec["fn"](inputs, folder, **spec["params"])
@@ -480,17 +441,14 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
     error, if any (recorded, not fatal to the study)."""
     if _STARTED is not None:
         _STARTED.put((spec["name"], os.getpid()))
-    t0, cpu0, load0 = time.perf_counter(), _cpu_self(), os.getloadavg()[0]
+    t0, cpu0, load0 = time.perf_counter(), _cpu(), os.getloadavg()[0]
     error = None
     try:
-        if spec["kind"] == "run":
-            _run_config(spec["config"], spec["resume"])
-        else:
-            _compute(spec)
+        _execute(spec)
     except Exception as e:  # reported in study.json and the report
         error = f"{type(e).__name__}: {e}"
     out = {"name": spec["name"], "error": error, "wall_s": time.perf_counter() - t0}
-    out.update(cpu_s=_cpu_self() - cpu0, load_start=load0, load_end=os.getloadavg()[0])
+    out.update(cpu_s=_cpu() - cpu0, load_start=load0, load_end=os.getloadavg()[0])
     return {**out, "pid": os.getpid()}
 
 
@@ -624,15 +582,6 @@ def _started(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
             ctx.record.mark(jobs[name], "running", pid=pid)
 
 
-def _finished(job: Job, m: Mapping[str, Any], ctx: Context[Any]) -> None:
-    ctx.record.measured(job, m)
-    ctx._views.pop(job.name, None)  # the folder changed: read it again
-    if m["error"]:
-        ctx.failed[job.name] = m["error"]
-    else:
-        ctx.done.add(job.name)
-
-
 def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
     """Keeps ``ctx.workers`` jobs running, each started once its needs are done. A worker
     that dies breaks the pool: its jobs are marked interrupted, and no more start."""
@@ -654,12 +603,19 @@ def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None
             for fut in finished:
                 job = futures.pop(fut)
                 try:
-                    _finished(job, fut.result(), ctx)
+                    m = fut.result()
                 except BrokenProcessPool:
                     broken = True
                     ctx.failed[job.name] = "interrupted: a worker process died"
                     n = int(ctx.record.job(job).get("interrupted", 0)) + 1
                     ctx.record.mark(job, "interrupted", error=ctx.failed[job.name], interrupted=n)
+                    continue
+                ctx.record.measured(job, m)
+                ctx._views.pop(job.name, None)  # the folder changed: read it again
+                if m["error"]:
+                    ctx.failed[job.name] = m["error"]
+                else:
+                    ctx.done.add(job.name)
 
 
 def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
@@ -670,10 +626,10 @@ def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
     for entry in rec.jobs.values():  # a killed invocation left these behind
         if entry.get("status") == "running":
             entry["status"] = "interrupted"
-    inv: dict[str, Any] = {"started": _now(), "command": ctx.command, "workers": ctx.workers}
-    inv.update(cpus=os.cpu_count(), load_start=list(os.getloadavg()), ran=0)
+    inv: dict[str, Any] = {"started": time.strftime(STAMP), "command": ctx.command}
+    inv.update(workers=ctx.workers, cpus=os.cpu_count(), load_start=list(os.getloadavg()), ran=0)
     rec.invocations.append(inv)
-    rec.clock = (inv, time.perf_counter(), _cpu_all())
+    rec.clock = (inv, time.perf_counter(), _cpu(children=True))
     try:
         _run(study, ctx, inv)
     except BaseException:
@@ -711,11 +667,10 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
             steps[job.name] = _prepare(job, ctx)
             if steps[job.name].what == "done":
                 ctx.done.add(job.name)
-    walls = {j.name: w for j in jobs if j.name in ctx.done and (w := _wall_of(j.name, ctx))}
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[float]] = {}  # the finished jobs' wall times by group
     for j in jobs:
-        if j.name in walls:
-            groups.setdefault(j.group or _kind(j), []).append(walls[j.name])
+        if j.name in ctx.done and (wall := _wall_of(j.name, ctx)):
+            groups.setdefault(j.group or _kind(j), []).append(wall)
     every = [w for ws in groups.values() for w in ws]
     lines = head(["job", "kind", "needs", "status", "estimate s"])
     left: list[float | None] = []
@@ -753,9 +708,6 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     elif left:
         summary += f": no estimate, no job in {ctx.out} has finished and measured its time."
     return [*lines, "", summary, *([f"Later: {study.later}"] if study.later else [])]
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
@@ -804,13 +756,22 @@ def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None =
 
 
 def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
-    """Writes the report from the study folder: title, readouts, the study's sections, the
-    jobs' times."""
+    """Writes the report from the study folder: title, the readouts (each with its estimate
+    and verdict), the study's sections, the jobs' times."""
     ctx.report = path
     data = study.read(ctx)
     values = {"title": study.title(ctx), "command": ctx.command, "out": ctx.out}
-    lines = [TEXT("head", values, study=study.name), ""]
-    lines += [*readout_lines(study.readouts(ctx.grid), data), *study.body(ctx, data)]
+    rows: list[str] = []
+    notes: dict[str, list[str]] = {}  # one note for the readouts that share it
+    for i, r in enumerate(study.readouts(ctx.grid), start=1):
+        est, word = r.judge(data)
+        shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
+        rows.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
+        if r.scope:
+            notes.setdefault(r.scope, []).append(f"R{i}")
+    notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
+    lines = [TEXT("head", values, study=study.name), "", TEXT("readouts", rows=rows, notes=notes_)]
+    lines += ["", *study.body(ctx, data)]
     lines += time_lines(ctx, _plan(study, ctx))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
