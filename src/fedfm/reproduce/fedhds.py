@@ -10,7 +10,7 @@ difference is paired over the same held-out items; the report's setup gives the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -46,21 +46,17 @@ class Grid:
 
     Attributes:
         per_domain_train: Training rows drawn per trained domain (five domains).
-        heldout_items: Items of the held-out domain evaluated (zero-shot).
-        seen_items: Items of the trained domains evaluated (split over the five).
-        rounds: Rounds.
+        heldout_items: Items of the held-out domain evaluated (zero-shot); ``seen_items``:
+            of the trained domains (split over the five).
         heldout_tokens: Generation budget of a held-out item (at least the 90th percentile of
-            the references' SmolLM2 tokens: the evaluator warns otherwise).
-        math_tokens: Generation budget of a GSM8K item.
+            the references' SmolLM2 tokens: the evaluator warns otherwise); ``math_tokens``:
+            of a GSM8K item.
         seeds: Seeds of FedIT and FedHDS; the other methods run the first.
-        clients: Clients (Dirichlet 0.5 over domains).
-        fraction: Clients sampled per round.
-        turbo_model: FedHDS-Turbo's feature model.
-        turbo_args: Arguments of Turbo's feature model.
+        clients: Clients (Dirichlet 0.5 over domains); ``fraction``: sampled per round.
+        turbo_model: FedHDS-Turbo's feature model, with ``turbo_args``.
         methods: Keys of :data:`METHODS` the grid runs (None: all).
-        task: Fields replacing the preset's ``task`` fields (e.g. a tiny model in tests).
-        partition: Fields replacing the preset's ``partition`` fields.
-        algo: Fields of every method's ``algo`` (a method's own fields win).
+        task: Fields replacing the preset's ``task`` fields (e.g. a tiny model in tests);
+            ``partition``: its ``partition`` fields; ``algo``: every method's (its own win).
     """
 
     per_domain_train: int
@@ -90,17 +86,11 @@ FULL = Grid(60, 120, 30, 6)
 
 @dataclass(frozen=True)
 class Method:
-    """One method of the study: its ``algo`` overrides on the preset.
-
-    Attributes:
-        key: Its job name (of the first seed; ``<key>-s<seed>`` for the others).
-        label: Its name in the report.
-        algo: Its ``algo`` fields.
-        seeds: Whether it runs every seed of the grid (else the first only).
-        turbo: Whether its features come from the grid's Turbo feature model.
-        scored: Whether it is evaluated on the grid's items; else on one item of each
-            domain (a run kept for its data fraction only, not in the score tables).
-    """
+    """One method of the study: its job name ``key`` (of the first seed; ``<key>-s<seed>``
+    for the others), its ``label`` in the report and its ``algo`` overrides on the preset;
+    whether it runs every seed of the grid (else the first), takes its features from the
+    grid's Turbo feature model, and is ``scored`` on the grid's items (else on one item per
+    domain: a run kept for its data fraction only, not in the score tables)."""
 
     key: str
     label: str
@@ -138,72 +128,56 @@ def methods(grid: Grid) -> list[Method]:
 
 
 def runs_of(method: Method, grid: Grid) -> list[tuple[int, str]]:
-    """``(seed, job name)`` of every run of the method: its key for the first seed,
-    ``<key>-s<seed>`` for the others."""
+    """``(seed, job name)`` of every run of the method."""
     seeds = grid.seeds if method.seeds else grid.seeds[:1]
     return [(s, method.key if s == grid.seeds[0] else f"{method.key}-s{s}") for s in seeds]
 
 
-def job_config(
-    method: Method, grid: Grid, seed: int, budget: float | None = None
-) -> dict[str, Any]:
-    """The run config of one method and seed (Random at FedHDS's ``budget``)."""
-    cfg = preset("fedhds")
+def job_config(method: Method, grid: Grid, seed: int) -> dict[str, Any]:
+    """The run config of one method and seed (Random's budget: :func:`_at_fedhds_fraction`)."""
     per_domain_test = max(grid.heldout_items, grid.seen_items // len(TRAINED) + 1)
-    task = {
-        "heldout_domain": None,
-        "heldout_domains": [HELDOUT],
-        "train_domains": list(TRAINED),
-        "zeroshot_items": grid.heldout_items,
-        "max_eval": grid.seen_items,
-        "max_new_tokens": grid.heldout_tokens,
-        "domain_max_new_tokens": {"math": grid.math_tokens},
-        "choice_mode": "loglik",
-        "choice_norm": "none",
-        "primary": "zeroshot/score",
-        "source_options": {
-            "per_domain_train": grid.per_domain_train,
-            "per_domain_test": per_domain_test,
-        },
-    }
-    cfg = merge(cfg, {"task": task, "partition": {"num_clients": grid.clients}})
+    source = {"per_domain_train": grid.per_domain_train, "per_domain_test": per_domain_test}
+    task: dict[str, Any] = {"heldout_domain": None, "heldout_domains": [HELDOUT]}
+    task.update(train_domains=list(TRAINED), source_options=source, primary="zeroshot/score")
+    task.update(zeroshot_items=grid.heldout_items, max_eval=grid.seen_items)
+    task.update(max_new_tokens=grid.heldout_tokens, choice_mode="loglik", choice_norm="none")
+    task["domain_max_new_tokens"] = {"math": grid.math_tokens}
     if not method.scored:
-        cfg["task"].update(zeroshot_items=1, max_eval=len(TRAINED))
+        task.update(zeroshot_items=1, max_eval=len(TRAINED))
+    cfg = merge(preset("fedhds"), {"task": task, "partition": {"num_clients": grid.clients}})
     cfg["task"].update(grid.task)
     cfg["partition"].update(grid.partition)
     algo = {**grid.algo, **method.algo}
     if method.turbo:
         algo.update(feature_model=grid.turbo_model, feature_model_args=dict(grid.turbo_args))
     cfg = merge(cfg, {"clients": {"fraction": grid.fraction}, "algo": algo})
-    first = method.key == REFERENCE and seed == grid.seeds[0]
     cfg.update(seed=seed, rounds=grid.rounds, eval_every=grid.rounds, plots=False)
-    cfg["eval_before"] = first  # round 0: the untrained base, once
-    if budget is not None:
-        cfg["algo"]["random_budget"] = round(budget, 6)
+    # Round 0, the untrained base, once.
+    cfg["eval_before"] = method.key == REFERENCE and seed == grid.seeds[0]
     return cfg
 
 
-def _at_fedhds_fraction(method: Method, grid: Grid, seed: int) -> Callable[..., Any]:
-    def config(needs: Mapping[str, RunView]) -> dict[str, Any]:
-        budget = needs["fedhds"].finish.get("data_fraction")
-        if not budget:
-            raise Unmet("FedHDS has no measured data fraction")
-        return job_config(method, grid, seed, float(budget))
-
-    return config
+def _at_fedhds_fraction(
+    method: Method, grid: Grid, seed: int, needs: Mapping[str, RunView]
+) -> dict[str, Any]:
+    budget = needs["fedhds"].finish.get("data_fraction")
+    if not budget:
+        raise Unmet("FedHDS has no measured data fraction")
+    cfg = job_config(method, grid, seed)
+    cfg["algo"]["random_budget"] = round(float(budget), 6)
+    return cfg
 
 
 def jobs(ctx: Context[Grid]) -> list[Run]:
     """Every method and seed; Random after FedHDS, at the data fraction FedHDS measured."""
     grid = ctx.grid
-    out = []
-    for m in methods(grid):
-        for seed, name in runs_of(m, grid):
-            if m.key == "random":
-                out.append(Run(name, _at_fedhds_fraction(m, grid, seed), ("fedhds",), m.key))
-            else:
-                out.append(Run(name, job_config(m, grid, seed), group=m.key))
-    return out
+    return [
+        Run(name, partial(_at_fedhds_fraction, m, grid, seed), ("fedhds",), m.key)
+        if m.key == "random"
+        else Run(name, job_config(m, grid, seed), group=m.key)
+        for m in methods(grid)
+        for seed, name in runs_of(m, grid)
+    ]
 
 
 # ----------------------------------------------------------------------------- reading
@@ -211,37 +185,32 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
 
 @dataclass
 class Results:
-    """The finished runs of the grid.
-
-    Attributes:
-        runs: Job name -> its finished run.
-        grid: The grid.
-    """
+    """The finished runs of the grid, by job name."""
 
     runs: dict[str, RunView]
     grid: Grid
 
     def of(self, key: str) -> list[RunView]:
         """The finished runs of a method, first seed first."""
-        m = next((m for m in METHODS if m.key == key), None)
-        if m is None:
-            return []
+        m = next(m for m in METHODS if m.key == key)
         return [self.runs[n] for _, n in runs_of(m, self.grid) if n in self.runs]
 
     def base(self) -> RunView | None:
         """FedIT's first-seed run, whose round 0 is the untrained base."""
         return self.runs.get(REFERENCE)
 
+    @property
+    def round0(self) -> dict[str, Any]:
+        """The untrained base's metrics (empty before FedIT's first run has finished)."""
+        b = self.base()
+        return b.rounds.get(0, {}) if b is not None else {}
+
 
 def read(ctx: Context[Grid]) -> Results:
-    """The finished runs of the grid, by job name."""
-    res = {}
-    for m in methods(ctx.grid):
-        for _, name in runs_of(m, ctx.grid):
-            view = ctx.run(name)
-            if view.finished and (view.summary or {}).get("rounds") == ctx.grid.rounds:
-                res[name] = view
-    return Results(res, ctx.grid)
+    """The finished runs of the grid."""
+    names = [n for m in methods(ctx.grid) for _, n in runs_of(m, ctx.grid)]
+    rounds = {n: (ctx.run(n).summary or {}).get("rounds") for n in names}
+    return Results({n: ctx.run(n) for n in names if rounds[n] == ctx.grid.rounds}, ctx.grid)
 
 
 def item_scores(view: RunView, zeroshot: bool, rnd: int | None = None) -> dict[str, float]:
@@ -255,9 +224,7 @@ def item_scores(view: RunView, zeroshot: bool, rnd: int | None = None) -> dict[s
 def seed_mean(views: Sequence[RunView], zeroshot: bool = True) -> dict[str, float]:
     """Each item's score averaged over the runs (seeds) that evaluated it (all of them)."""
     maps = [item_scores(v, zeroshot) for v in views]
-    if not maps:
-        return {}
-    ids = set.intersection(*(set(m) for m in maps))
+    ids = set.intersection(*(set(m) for m in maps)) if maps else set()
     return {i: float(np.mean([m[i] for m in maps])) for i in ids}
 
 
@@ -288,12 +255,12 @@ def seed_delta(res: Results, a: str, b: str, i: int) -> Estimate:
 def cost_ratio(res: Results, keys: Sequence[str], of: str = "fedhds") -> Estimate:
     """FedIT's seconds over ``of``'s, per seed (the sum of ``keys`` of each run's finish),
     as the mean and SE over the seeds both ran."""
-    ref, mine = res.of(REFERENCE), res.of(of)
-    ratios = []
-    for r, m in zip(ref, mine, strict=False):
-        x = sum(float(m.finish.get(k, 0.0)) for k in keys)
-        ratios.append(sum(float(r.finish.get(k, 0.0)) for k in keys) / max(x, 1e-9))
-    return mean_se(ratios)
+
+    def secs(view: RunView) -> float:
+        return sum(float(view.finish.get(k, 0.0)) for k in keys)
+
+    pairs = zip(res.of(REFERENCE), res.of(of), strict=False)
+    return mean_se([secs(r) / max(secs(m), 1e-9) for r, m in pairs])
 
 
 TRAIN_S = ("total_train_s",)
@@ -303,6 +270,12 @@ TOTAL_S = ("total_client_s", "total_select_s")
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """FedHDS against FedIT and Random on the held-out task, and its client cost ratios."""
     seeds = "both seeds" if len(grid.seeds) > 1 else "one seed"
+    per_seed, paper = "ratio per seed, mean ± SE over seeds", "16.06× less for the whole tuning"
+
+    def seconds(name: str, keys: Sequence[str]) -> Readout[Results]:
+        value, scope = partial(cost_ratio, keys=keys), TEXT("scope-seconds")
+        return Readout(name, per_seed, f"{paper} (Table 3)", +1, value, 1.0, 1, scope)
+
     return [
         Readout(
             "FedHDS − FedIT, Rouge-L of the held-out task (general)",
@@ -320,25 +293,11 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             lambda r: seed_delta(r, "fedhds", "random", 0),
             scope=TEXT("scope-random"),
         ),
-        *(
-            Readout(
-                name,
-                "ratio per seed, mean ± SE over seeds",
-                "16.06× less for the whole tuning (Table 3)",
-                +1,
-                partial(cost_ratio, keys=keys),
-                null=1.0,
-                digits=1,
-                scope=TEXT("scope-seconds"),
-            )
-            for name, keys in (
-                ("client training time, FedIT / FedHDS", TRAIN_S),
-                (
-                    "client compute with features and clustering (and the server's selection),"
-                    " FedIT / FedHDS",
-                    TOTAL_S,
-                ),
-            )
+        seconds("client training time, FedIT / FedHDS", TRAIN_S),
+        seconds(
+            "client compute with features and clustering (and the server's selection),"
+            " FedIT / FedHDS",
+            TOTAL_S,
         ),
     ]
 
@@ -346,22 +305,28 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 # ----------------------------------------------------------------------------- the report
 
 
-def _finish(views: Sequence[RunView], key: str, part: str = "finish") -> float | None:
-    vals = [float(getattr(v, part)[key]) for v in views if key in getattr(v, part)]
-    return float(np.mean(vals)) if vals else None
+def _mean(views: Sequence[RunView], *keys: str, part: str = "finish") -> float | None:
+    """The mean over the runs of a value of their summary's ``part`` (``finish`` or
+    ``final``), summed over ``keys``; None where no run has any."""
+    values = [[float(getattr(v, part)[k]) for v in views if k in getattr(v, part)] for k in keys]
+    found = [float(np.mean(x)) for x in values if x]
+    return sum(found) if found else None
 
 
 def _final(views: Sequence[RunView], key: str) -> float | None:
-    return _finish(views, key, "final")
+    return _mean(views, key, part="final")
+
+
+def _avg(scores: Mapping[str, float]) -> str:
+    return num(np.mean(list(scores.values())) if scores else None)
 
 
 def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
-    """``(label, method key, runs)`` of every row: one per method and one per seed of it."""
+    """``(label, method key, runs)`` of every row: one per scored method, and one per seed
+    (key "") of a method that ran more than one."""
     out = []
-    for m in methods(res.grid):
+    for m in (m for m in methods(res.grid) if m.scored):
         views = res.of(m.key)
-        if not m.scored:
-            continue
         if len(views) > 1:
             out.append((f"{m.label}, mean of {len(views)} seeds", m.key, views))
             out += [(f"{m.label}, seed {v.config.get('seed')}", "", [v]) for v in views]
@@ -371,60 +336,42 @@ def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
 
 
 def _heldout_rows(res: Results) -> list[list[str]]:
-    base = base_scores(res)
-    ref = res.of(REFERENCE)
-    b = res.base()
-    r0 = b.rounds.get(0, {}) if b is not None else {}
-    base_row = [marked(paired(base, seed_mean(ref))) if base and ref else DASH, DASH]
-    base_row += [num(r0.get(f"zeroshot/truncated/{HELDOUT}"), 2), num(r0.get("score"), 3)]
-    rows = [["untrained base (round 0)", num(np.mean(list(base.values())) if base else None)]]
-    rows[0] += base_row
+    base, fedit, r0 = base_scores(res), seed_mean(res.of(REFERENCE)), res.round0
+    cut = f"zeroshot/truncated/{HELDOUT}"
+    rows = [["untrained base (round 0)", _avg(base), marked(paired(base, fedit)), DASH]]
+    rows[0] += [num(r0.get(cut), 2), num(r0.get("score"), 3)]
     for label, key, views in _rows(res):
         scores = seed_mean(views)
-        vs_fedit = paired(scores, seed_mean(ref)) if ref and key != REFERENCE else None
-        cells = [label, num(np.mean(list(scores.values())) if scores else None), marked(vs_fedit)]
-        cells += [marked(paired(scores, base)) if base else DASH]
-        cells += [num(_final(views, f"zeroshot/truncated/{HELDOUT}"), 2)]
-        rows.append([*cells, num(_final(views, "score"), 3)])
+        vs_fedit = marked(paired(scores, fedit)) if key != REFERENCE else DASH
+        cells = [label, _avg(scores), vs_fedit, marked(paired(scores, base))]
+        rows.append([*cells, num(_final(views, cut), 2), num(_final(views, "score"), 3)])
     return rows
 
 
 def _cost_rows(res: Results) -> list[list[str]]:
     ref = res.of(REFERENCE)
-    ref_train, ref_total = _finish(ref, TRAIN_S[0]), _sum_finish(ref, TOTAL_S)
     rows = []
     for label, _, views in _rows(res):
-        train, total = _finish(views, TRAIN_S[0]), _sum_finish(views, TOTAL_S)
-        fc = _sum_finish(views, ("total_feature_s", "total_cluster_s"))
-        cells = [label, num(_finish(views, "data_fraction"), 4), num(train, 1)]
-        cells += [ratio(ref_train, train) if ref_train and train else DASH, num(fc, 1)]
-        cells += [num(total, 1), ratio(ref_total, total) if ref_total and total else DASH]
-        sel = np.mean([v.audit_bytes("select") for v in views]) if views else None
-        rows.append([*cells, DASH if sel is None else f"{int(sel):,}"])
+        train, total = _mean(views, *TRAIN_S), _mean(views, *TOTAL_S)
+        cells = [label, num(_mean(views, "data_fraction"), 4), num(train, 1)]
+        cells += [ratio(_mean(ref, *TRAIN_S), train)]
+        cells += [num(_mean(views, "total_feature_s", "total_cluster_s"), 1), num(total, 1)]
+        cells += [ratio(_mean(ref, *TOTAL_S), total)]
+        sel = f"{int(np.mean([v.audit_bytes('select') for v in views])):,}" if views else DASH
+        rows.append([*cells, sel])
     return rows
 
 
-def _sum_finish(views: Sequence[RunView], keys: Sequence[str]) -> float | None:
-    parts = [_finish(views, k) for k in keys]
-    return sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
-
-
 def _seen_table(res: Results) -> list[str]:
+    fedit, r0 = seed_mean(res.of(REFERENCE), False), res.round0
     rows = []
-    ref = res.of(REFERENCE)
+    if r0:
+        rows.append(["untrained base (round 0)", num(r0.get("score")), DASH])
+        rows[0] += [num(r0.get(f"score/{d}"), 2) for d in TRAINED]
     for label, key, views in _rows(res):
-        vs = paired(seed_mean(views, False), seed_mean(ref, False))
-        cells = [
-            label,
-            num(_final(views, "score")),
-            marked(vs) if ref and key != REFERENCE and key else DASH,
-        ]
+        vs = marked(paired(seed_mean(views, False), fedit)) if key not in ("", REFERENCE) else DASH
+        cells = [label, num(_final(views, "score")), vs]
         rows.append([*cells, *(num(_final(views, f"score/{d}"), 2) for d in TRAINED)])
-    b = res.base()
-    if b is not None and 0 in b.rounds:
-        r0 = b.rounds[0]
-        cells = ["untrained base (round 0)", num(r0.get("score")), DASH]
-        rows.insert(0, [*cells, *(num(r0.get(f"score/{d}"), 2) for d in TRAINED)])
     return table(["method", "seen score", "Δ vs FedIT ± SE", *TRAINED], rows)
 
 
@@ -445,9 +392,7 @@ def _selection_stats(view: RunView) -> dict[str, float]:
     """Means per round of a FedHDS run's selection log: clusters per asked client, centroids
     and global clusters on the server."""
     path = view.folder / "artefacts" / "selection.jsonl"
-    if not path.exists():
-        return {}
-    rows = read_jsonl(path, need_round=False)
+    rows = read_jsonl(path, need_round=False) if path.exists() else []
     clients = [r for r in rows if r.get("client") is not None and "clusters" in r]
     server = [r for r in rows if r.get("client") is None]
     out = {}
@@ -462,33 +407,26 @@ def _selection_stats(view: RunView) -> dict[str, float]:
 def _hdbscan(res: Results) -> str | None:
     """The data fraction before and after the fix of HDBSCAN's min_samples."""
     labels = {"fedhds": "after (the hdbscan package's count)", "count": "before (sklearn's count)"}
-    found = [(lab, v) for k, lab in labels.items() if (v := res.runs.get(k)) is not None]
-    if not found:
-        return None
     keys = ["rows per client", "clusters per client", "centroids per round"]
     keys.append("global clusters per round")
-    rows = [
-        [
-            lab,
-            num(v.finish.get("data_fraction"), 4),
-            *(num(_selection_stats(v).get(k), 1) for k in keys),
-        ]
-        for lab, v in found
-    ]
-    return TEXT("hdbscan", table=table(["FedHDS", "data fraction", *keys], rows))
+    rows = []
+    for k, label in labels.items():
+        if (v := res.runs.get(k)) is not None:
+            stats = _selection_stats(v)
+            cells = [num(v.finish.get("data_fraction"), 4), *(num(stats.get(x), 1) for x in keys)]
+            rows.append([label, *cells])
+    return TEXT("hdbscan", table=table(["FedHDS", "data fraction", *keys], rows)) if rows else None
 
 
 def _instrument(res: Results) -> str:
     """What the scorer did: budgets against reference lengths, truncation, the base's labels,
     and the item count the per-item SD asks for."""
-    b = res.base()
+    b, r0, grid = res.base(), res.round0, res.grid
     if b is None:
         return TEXT("no-base")
     p90 = dict(b.partition.get("reference_tokens_p90", {}))
-    grid = res.grid
     budget = {HELDOUT: grid.heldout_tokens, "math": grid.math_tokens}
     cut = {d: f"{'zeroshot/' if d == HELDOUT else ''}truncated/{d}" for d in p90}
-    r0 = b.rounds.get(0, {})
     rows = [
         [d, p90.get(d, DASH), budget.get(d, DASH), *(num(x.get(cut[d]), 2) for x in (r0, b.final))]
         for d in sorted(p90)
@@ -498,14 +436,15 @@ def _instrument(res: Results) -> str:
         preds = {k.rsplit("/", 1)[1]: v for k, v in r0.items() if k.startswith(f"pred/{d}/")}
         if preds:
             shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(preds.items()))
-            hist.append([d, *(num(r0.get(f"{k}/{d}"), 3) for k in ("acc", "majority", "uniform"))])
-            hist[-1].append(shares)
+            cells = [num(r0.get(f"{k}/{d}"), 3) for k in ("acc", "majority", "uniform")]
+            hist.append([d, *cells, shares])
     fedit = res.of(REFERENCE)
-    pilot = paired(item_scores(fedit[0], True) if fedit else {}, base_scores(res))
     diffs = {
         "FedHDS − FedIT (seeds averaged per item, R1)": delta(res, "fedhds", REFERENCE),
         "FedHDS − FedIT, first seed": seed_delta(res, "fedhds", REFERENCE, 0),
-        "FedIT − base, first seed (the pilot's statistic)": pilot,
+        "FedIT − base, first seed (the pilot's statistic)": paired(
+            item_scores(fedit[0], True) if fedit else {}, base_scores(res)
+        ),
     }
     sds = []
     for name, est in diffs.items():
@@ -522,9 +461,7 @@ def _instrument(res: Results) -> str:
 
 def body(ctx: Context[Grid], res: Results) -> list[str]:
     """The setup, the instrument, the results, the paper's figures and what differs."""
-    grid = ctx.grid
-    b = res.base()
-    r0 = b.rounds.get(0, {}) if b is not None else {}
+    grid, r0 = ctx.grid, res.round0
     round0 = {"rouge": num(r0.get("zeroshot/rougeL_all")), "score": num(r0.get("score"))}
     missing = [f"- `{n}`" for m in methods(grid) for _, n in runs_of(m, grid) if n not in res.runs]
     paper = [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER]

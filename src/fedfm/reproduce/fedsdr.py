@@ -1,22 +1,19 @@
 """FedSDR reproduction study (ICML 2026, arXiv 2605.18028; METHODS.md section 1): does FedSD
 keep more general ability, and is it more than moving less?
 
-FedSD trains on the global model's own rewrites of the clients' answers; FedSDR adds a LoRA-R
-trained on the raw answers, aggregated alone. The study compares FedIT, +FedSD, FedSDR and a
-matched-drift FedIT (FedIT's lr rescaled once so that its update norm equals +FedSD's), all
-scored by likelihood only on the instruction suite: zero-shot label accuracy on domains no
-client trains on, the NLL of held-out C4 text (kept ability) and the references' NLL of the
-trained domains (fidelity), each difference paired over items (the report's setup has the
-grid).
+FedIT, +FedSD (trained on the global model's rewrites of the clients' answers), FedSDR (adds
+a LoRA-R on the raw answers, aggregated alone) and a matched-drift FedIT (lr rescaled once to
++FedSD's update norm), scored by likelihood only: zero-shot label accuracy on domains no
+client trains on and the NLL of held-out C4 text (kept ability), the references' NLL of the
+trained domains (fidelity), each difference paired over items.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,19 +57,14 @@ class Grid:
     """A study grid.
 
     Attributes:
-        rounds: Communication rounds.
-        steps: Local steps per round of FedIT and +FedSD, and of FedSDR's LoRA-R (raw).
-        steps_s: FedSDR's LoRA-S steps per round (on the rewrites), before its LoRA-R steps.
+        steps: Local steps per round of FedIT and +FedSD, and of FedSDR's LoRA-R (raw);
+            ``steps_s``: FedSDR's LoRA-S steps (on the rewrites) before them.
         lr: Local learning rate (AdamW) of every method but the matched-drift control.
-        per_domain: Training items per client (one client per trained domain).
-        seen_items: Held-out items evaluated per trained domain (fidelity).
-        zeroshot_items: Test items per domain no client trains on (kept ability).
-        docs: C4 documents scored (their first ``doc_tokens`` tokens).
-        doc_tokens: Tokens scored per document.
-        domains: The trained domains, one client each.
-        zeroshot: The domains no client trains on.
-        optimizer: The server optimizer.
-        rewrite_tokens: New tokens of each FedSD rewrite.
+        per_domain: Training items per client (one client per trained domain, ``domains``).
+        seen_items: Held-out items evaluated per trained domain (fidelity); ``zeroshot_items``
+            per ``zeroshot`` domain (no client trains on them: kept ability).
+        docs: C4 documents scored, their first ``doc_tokens`` tokens each.
+        optimizer: The server optimizer; ``rewrite_tokens``: new tokens of a FedSD rewrite.
         task: Fields replacing the task's (e.g. a tiny model in tests).
         label: Which grid it is, for the report's title.
         cache_dir: Folder of the rewrite cache; ``None``: the default.
@@ -91,7 +83,7 @@ class Grid:
     zeroshot: tuple[str, ...] = ("movie", "spam")
     optimizer: str = "fedavg"
     rewrite_tokens: int = 192
-    task: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    task: Mapping[str, Any] = field(default_factory=dict)
     label: str = "full grid"
     cache_dir: str | None = None
 
@@ -108,24 +100,14 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
     cfg.update(rounds=grid.rounds, plots=False, eval_every=grid.rounds)
     cfg["eval_before"] = method == "fedit"  # its round 0 is the untrained base
     task = cfg["task"]
-    task["source_options"].update(
-        per_domain_train=grid.per_domain,
-        per_domain_test=max(grid.seen_items, grid.zeroshot_items),
-        domains=[*grid.domains, *grid.zeroshot],
-    )
-    task.update(
-        train_domains=list(grid.domains),
-        heldout_domains=list(grid.zeroshot),
-        zeroshot_items=grid.zeroshot_items,
-        max_eval=grid.seen_items * len(grid.domains),
-        choice_mode="loglik",
-        choice_norm="none",
-        eval_ppl=True,
-        likelihood_only=True,
-        text_nll={"corpus": CORPUS, "docs": grid.docs, "max_tokens": grid.doc_tokens},
-        primary="zeroshot/score",
-        eval_batch_size=8,
-    )
+    n_test = max(grid.seen_items, grid.zeroshot_items)
+    source = {"per_domain_train": grid.per_domain, "per_domain_test": n_test}
+    task["source_options"].update(source, domains=[*grid.domains, *grid.zeroshot])
+    task.update(train_domains=list(grid.domains), heldout_domains=list(grid.zeroshot))
+    task.update(zeroshot_items=grid.zeroshot_items, max_eval=grid.seen_items * len(grid.domains))
+    task.update(choice_mode="loglik", choice_norm="none", eval_ppl=True, likelihood_only=True)
+    task["text_nll"] = {"corpus": CORPUS, "docs": grid.docs, "max_tokens": grid.doc_tokens}
+    task.update(primary="zeroshot/score", eval_batch_size=8)
     task.update(copy.deepcopy(dict(grid.task)))
     cfg["clients"] = {"fraction": 1.0, "min_clients": len(grid.domains)}
     cfg["train"].update(steps=grid.steps, lr=grid.lr if lr is None else lr)
@@ -135,8 +117,8 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
         refine["cache_dir"] = grid.cache_dir
     server = {"name": grid.optimizer}
     if method == "fedsdr":
-        cfg["algo"].update(server_opt=server, steps_s=grid.steps_s, steps_r=grid.steps)
-        cfg["algo"]["update_cosines"] = True
+        steps = {"steps_s": grid.steps_s, "steps_r": grid.steps}
+        cfg["algo"].update(server_opt=server, **steps, update_cosines=True)
         return cfg
     cfg["algorithm"] = "fedavg"
     fedsd = {"enabled": method == "fedsd", **refine}
@@ -145,11 +127,8 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
 
 
 def matched_lr(grid: Grid, fedit: RunView, fedsd: RunView) -> tuple[float, float]:
-    """The matched-drift control's lr and the norm ratio ‖Δ_FedSD‖ / ‖Δ_FedIT‖ it comes from.
-
-    Raises:
-        Unmet: A run logged no (or a zero) update norm.
-    """
+    """The matched-drift control's lr and the norm ratio ‖Δ_FedSD‖ / ‖Δ_FedIT‖ it comes from
+    (:class:`Unmet` where a run logged no, or a zero, update norm)."""
     a, b = fedit.final.get("update_norm"), fedsd.final.get("update_norm")
     if not isinstance(a, int | float) or not isinstance(b, int | float) or a <= 0 or b <= 0:
         raise Unmet(f"FedIT's or +FedSD's update norm is missing ({a}, {b})")
@@ -158,8 +137,7 @@ def matched_lr(grid: Grid, fedit: RunView, fedsd: RunView) -> tuple[float, float
 
 def jobs(ctx: Context[Grid]) -> list[Job]:
     """FedIT and +FedSD; FedSDR after +FedSD (it reads the cached rewrites); the matched-drift
-    control configured from FedIT's and +FedSD's measured update norms; the reference
-    lengths (a measurement of the data, for the instrument check)."""
+    control from their measured update norms; the references' lengths (the instrument)."""
     grid = ctx.grid
 
     def matched(needs: Mapping[str, RunView]) -> dict[str, Any]:
@@ -173,9 +151,6 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
         Run("matched", matched, needs=("fedit", "fedsd"), group="train"),
         Compute("lengths", measure_lengths, {"config": job_config(grid, "fedit")}),
     ]
-
-
-# ----------------------------------------------------------------------------- measurements
 
 
 def _quantiles(values: Sequence[int]) -> dict[str, float]:
@@ -234,6 +209,20 @@ class Results:
         """Whether the method's items are there."""
         return bool(self.items(method))
 
+    def row(self, method: str) -> dict[str, Any]:
+        """The metrics row of a method's evaluation (the base: FedIT's round 0)."""
+        if method == BASE:
+            return self.runs["fedit"].rounds.get(0, {}) if "fedit" in self.runs else {}
+        return self.runs[method].final if method in self.runs else {}
+
+    def shown(self) -> list[str]:
+        """The base and the methods whose items are there."""
+        return [m for m in (BASE, *METHODS) if self.has(m)]
+
+    def ran(self) -> list[tuple[str, RunView]]:
+        """The finished runs, in the order of :data:`METHODS`."""
+        return [(m, self.runs[m]) for m in METHODS if m in self.runs]
+
 
 def read(ctx: Context[Grid]) -> Results:
     """The finished runs and the length measurement."""
@@ -246,12 +235,17 @@ def _per_token(it: Mapping[str, Any]) -> float:
     return float(it["nll"]) / n if n else math.nan
 
 
-def kept_acc(items: Sequence[Mapping[str, Any]], zeroshot: Sequence[str]) -> dict[str, dict]:
-    """``{domain: {item id: 0/1}}``: the zero-shot label accuracy of each held-out item."""
-    out: dict[str, dict[Any, float]] = {d: {} for d in zeroshot}
+def per_domain(
+    items: Sequence[Mapping[str, Any]], domains: Sequence[str], zeroshot: bool
+) -> dict[str, dict[Any, float]]:
+    """``{domain: {item id: value}}``: of the zero-shot items their label accuracy (0/1), of
+    the others (the trained domains) their reference's NLL per token (fidelity)."""
+    out: dict[str, dict[Any, float]] = {d: {} for d in domains}
     for it in items:
-        if it.get("zeroshot") and it["domain"] in out and it.get("score") is not None:
-            out[it["domain"]][it["id"]] = float(it["score"])
+        if bool(it.get("zeroshot")) == zeroshot and it["domain"] in out:
+            value = it.get("score") if zeroshot else _per_token(it) if "nll" in it else None
+            if value is not None:
+                out[it["domain"]][it["id"]] = float(value)
     return out
 
 
@@ -260,28 +254,18 @@ def text_nll(items: Sequence[Mapping[str, Any]]) -> dict[Any, float]:
     return {it["id"]: _per_token(it) for it in items if it.get("metric") == "text_nll"}
 
 
-def fidelity(items: Sequence[Mapping[str, Any]], domains: Sequence[str]) -> dict[str, dict]:
-    """``{domain: {item id: NLL per token of its reference}}`` of the trained domains."""
-    out: dict[str, dict[Any, float]] = {d: {} for d in domains}
-    for it in items:
-        if not it.get("zeroshot") and it["domain"] in out and "nll" in it:
-            out[it["domain"]][it["id"]] = _per_token(it)
-    return out
-
-
+# A measure of one method: {domain or corpus: {unit: value}}.
 Measure = Callable[[Results, str, Grid], "dict[str, dict[Any, float]]"]
-"""A measure of one method: ``{domain or corpus: {unit: value}}``."""
-
 
 MEASURES: dict[str, tuple[str, Measure]] = {
     "acc": (
         "zero-shot label accuracy (movie, spam)",
-        lambda res, m, grid: kept_acc(res.items(m), grid.zeroshot),
+        lambda res, m, grid: per_domain(res.items(m), grid.zeroshot, True),
     ),
     "text": ("NLL per token, held-out C4 text", lambda res, m, _: {CORPUS: text_nll(res.items(m))}),
     "fidelity": (
         "reference NLL per token, trained domains",
-        lambda res, m, grid: fidelity(res.items(m), grid.domains),
+        lambda res, m, grid: per_domain(res.items(m), grid.domains, False),
     ),
 }
 
@@ -309,21 +293,17 @@ def level(res: Results, m: str, measure: str, grid: Grid) -> dict[str, float]:
 # ----------------------------------------------------------------------------- readouts
 
 
-def _scopes(grid: Grid) -> dict[str, str]:
-    """What each kind of readout measures, in the grid's numbers."""
-    values = {**vars(grid), "domains": ", ".join(grid.domains)}
-    values["zeroshot"] = " and ".join(grid.zeroshot)
-    kinds = ("kept", "fidelity", "matched", "premise", "benchmarks")
-    return {k: TEXT(f"scope-{k}", values) for k in kinds}
-
-
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """The comparisons the study exists for (fixed before the runs)."""
 
     def est(a: str, b: str, measure: str) -> Callable[[Results], Estimate]:
         return lambda r: diff(r, a, b, measure, grid)
 
-    items, docs, sc = "paired over items, mean over domains", "paired over documents", _scopes(grid)
+    items, docs = "paired over items, mean over domains", "paired over documents"
+    values = {**vars(grid), "domains": ", ".join(grid.domains)}
+    values["zeroshot"] = " and ".join(grid.zeroshot)
+    kinds = ("kept", "fidelity", "matched", "premise", "benchmarks")
+    sc = {k: TEXT(f"scope-{k}", values) for k in kinds}  # what each kind of readout measures
     rows = (  # name, statistic, the paper, direction, a, b, measure, scope
         ("FedIT − base (round 0), NLL per token of held-out C4 text", docs,
          "the budget moves the base: FedIT's NLL above the base's", +1, "fedit", BASE, "text",
@@ -362,32 +342,16 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 # ----------------------------------------------------------------------------- the report
 
 
-def _methods(res: Results) -> list[str]:
-    return [m for m in (BASE, *METHODS) if res.has(m)]
-
-
-def _row_of(res: Results, m: str) -> dict[str, Any]:
-    """The metrics row of a method's evaluation (the base: FedIT's round 0)."""
-    if m == BASE:
-        return res.runs["fedit"].rounds.get(0, {}) if "fedit" in res.runs else {}
-    return res.runs[m].final if m in res.runs else {}
-
-
 def _zeroshot_tables(grid: Grid, res: Results) -> str | None:
     """What the scorer predicted on each zero-shot domain, beside the baselines."""
     parts: list[Any] = []
     for d in grid.zeroshot:
-        labels = sorted(
-            {
-                k.rsplit("/", 1)[1]
-                for m in _methods(res)
-                for k in _row_of(res, m)
-                if k.startswith(f"zeroshot/pred/{d}/")
-            }
-        )
+        pred = f"zeroshot/pred/{d}/"
+        found = {k for m in res.shown() for k in res.row(m) if k.startswith(pred)}
+        labels = sorted({k.rsplit("/", 1)[1] for k in found})
         rows = []
-        for m in _methods(res):
-            r = _row_of(res, m)
+        for m in res.shown():
+            r = res.row(m)
             keys = [f"{k}/{d}" for k in ("acc", "majority", "uniform")]
             keys += [f"pred/{d}/{x}" for x in labels]
             cells = [num(r.get(f"zeroshot/{k}")) for k in keys]
@@ -399,17 +363,14 @@ def _zeroshot_tables(grid: Grid, res: Results) -> str | None:
 
 def _trained_labels(grid: Grid, res: Results) -> str | None:
     """The trained classification domains' accuracy beside their majority baseline."""
-    seen = [d for d in grid.domains if any(f"pred/{d}/" in k for k in _row_of(res, BASE))]
+    seen = [d for d in grid.domains if any(f"pred/{d}/" in k for k in res.row(BASE))]
     if not seen:
         return None
-    rows = [
-        [
-            LABELS[m],
-            *(f"{num(r.get(f'acc/{d}'))} (maj. {num(r.get(f'majority/{d}'))})" for d in seen),
-        ]
-        for m in _methods(res)
-        for r in [_row_of(res, m)]
-    ]
+
+    def cell(r: Mapping[str, Any], d: str) -> str:
+        return f"{num(r.get(f'acc/{d}'))} (maj. {num(r.get(f'majority/{d}'))})"
+
+    rows = [[LABELS[m], *(cell(res.row(m), d) for d in seen)] for m in res.shown()]
     return TEXT("trained-labels", table=table(["model", *seen], rows))
 
 
@@ -438,7 +399,7 @@ def _doc_tokens(grid: Grid, res: Results) -> str | None:
 
 def _levels_table(grid: Grid, res: Results) -> list[str]:
     rows = []
-    for m in _methods(res):
+    for m in res.shown():
         acc, text, fid = (level(res, m, k, grid) for k in ("acc", "text", "fidelity"))
         cells = [num(acc.get(d)) for d in [*grid.zeroshot, "mean"]] + [num(text.get(CORPUS))]
         rows.append([LABELS[m], *cells, *(num(fid.get(d)) for d in [*grid.domains, "mean"])])
@@ -446,47 +407,35 @@ def _levels_table(grid: Grid, res: Results) -> list[str]:
     return table([*header, *(f"ref. NLL {d}" for d in grid.domains), "ref. NLL mean"], rows)
 
 
-PAIRS: tuple[tuple[str, str], ...] = (
-    ("fedit", BASE),
-    ("fedsd", BASE),
-    ("fedsd", "fedit"),
-    ("fedsdr", "fedit"),
-)
-PAIRS += (("fedsdr", "fedsd"), ("matched", "fedit"), ("fedsd", "matched"))
+PAIRS: tuple[tuple[str, str], ...] = (("fedit", BASE), ("fedsd", BASE), ("fedsd", "fedit"))
+PAIRS += (("fedsdr", "fedit"), ("fedsdr", "fedsd"), ("matched", "fedit"), ("fedsd", "matched"))
 
 
-def _diff_table(grid: Grid, res: Results) -> list[str]:
+def _diff_table(
+    grid: Grid, res: Results, measure: str | None = None, keys: Sequence[str] = ()
+) -> list[str]:
+    """The paired differences of :data:`PAIRS`: on every measure, or on one per domain."""
     rows = []
-    for a, b in PAIRS:
-        if res.has(a) and res.has(b):
+    for a, b in ((a, b) for a, b in PAIRS if res.has(a) and res.has(b)):
+        if measure is None:
             cells = [marked(diff(res, a, b, k, grid)) for k in MEASURES]
-            rows.append([f"{LABELS[a]} − {LABELS[b]}", *cells])
-    header = ["difference", *(MEASURES[k][0] for k in MEASURES)]
-    return table(header, rows)
-
-
-def _domain_table(grid: Grid, res: Results, measure: str, keys: Sequence[str]) -> list[str]:
-    fn = MEASURES[measure][1]
-    rows = []
-    for a, b in PAIRS:
-        if res.has(a) and res.has(b):
-            va, vb = fn(res, a, grid), fn(res, b, grid)
+        else:
+            va, vb = (MEASURES[measure][1](res, m, grid) for m in (a, b))
             cells = [marked(paired(va.get(d, {}), vb.get(d, {}))) for d in keys]
-            rows.append([f"{LABELS[a]} − {LABELS[b]}", *cells])
-    return table(["difference", *keys], rows)
+        rows.append([f"{LABELS[a]} − {LABELS[b]}", *cells])
+    header = [MEASURES[k][0] for k in MEASURES] if measure is None else keys
+    return table(["difference", *header], rows)
 
 
 def _norms(grid: Grid, res: Results) -> list[str]:
     """Each method's update norm and training loss per round."""
     rounds = range(1, grid.rounds + 1)
     rows = []
-    for m in METHODS:
-        if m in res.runs:
-            r = res.runs[m]
-            lr = float(r.config.get("train", {}).get("lr", math.nan))
-            cells = [num(r.rounds.get(k, {}).get("update_norm"), 4) for k in rounds]
-            cells += [num(r.rounds.get(k, {}).get("train_loss"), 3) for k in rounds]
-            rows.append([LABELS[m], f"{lr:.3g}", *cells])
+    for m, r in res.ran():
+        lr = float(r.config.get("train", {}).get("lr", math.nan))
+        cells = [num(r.rounds.get(k, {}).get("update_norm"), 4) for k in rounds]
+        cells += [num(r.rounds.get(k, {}).get("train_loss"), 3) for k in rounds]
+        rows.append([LABELS[m], f"{lr:.3g}", *cells])
     header = ["method", "local lr", *(f"‖θ_{k} − θ_0‖" for k in rounds)]
     return table([*header, *(f"train loss r{k}" for k in rounds)], rows)
 
@@ -557,13 +506,11 @@ def _cosines(grid: Grid, res: Results) -> list[str]:
     """The clients' update cosines per round and the uplink bytes."""
     rounds = range(1, grid.rounds + 1)
     rows = []
-    for m in METHODS:
-        if m in res.runs:
-            r = res.runs[m]
-            cos = {k: (a, b) for k, a, b in update_cosine_rows(r.metrics)}
-            up = sorted({int(x.get("bytes_up_arrays", 0)) for x in r.metrics if int(x["round"])})
-            cells = [f"{cos[k][0]:.3f} / {cos[k][1]:.3f}" if k in cos else DASH for k in rounds]
-            rows.append([LABELS[m], *cells, ", ".join(f"{u:,}" for u in up)])
+    for m, r in res.ran():
+        cos = {k: (a, b) for k, a, b in update_cosine_rows(r.metrics)}
+        up = sorted({int(x.get("bytes_up_arrays", 0)) for x in r.metrics if int(x["round"])})
+        cells = [f"{cos[k][0]:.3f} / {cos[k][1]:.3f}" if k in cos else DASH for k in rounds]
+        rows.append([LABELS[m], *cells, ", ".join(f"{u:,}" for u in up)])
     return table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows)
 
 
@@ -593,8 +540,8 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         doc_tokens=_doc_tokens(grid, res),
         levels=_levels_table(grid, res),
         differences=_diff_table(grid, res),
-        acc_domains=_domain_table(grid, res, "acc", grid.zeroshot),
-        fidelity_domains=_domain_table(grid, res, "fidelity", grid.domains),
+        acc_domains=_diff_table(grid, res, "acc", grid.zeroshot),
+        fidelity_domains=_diff_table(grid, res, "fidelity", grid.domains),
         norms=_norms(grid, res),
         matched=_matched(grid, res),
         rewrites=_rewrites(res, grid),

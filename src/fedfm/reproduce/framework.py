@@ -1,12 +1,7 @@
-"""The study framework: a study declares what it runs, reads, compares and reports; this
-module does the rest, once, for every study (``docs/studies.md``).
-
-A :class:`Study` declares its jobs (:class:`Run`, :class:`Compute`), what it reads of its runs
-(:class:`RunView`), its :class:`Readout` s and its report's sections. The framework runs the
-jobs (worker processes with one torch thread each; a finished run of the same config skipped,
-an unfinished one resumed), records one ``study.json`` per study folder, lists and times the
-jobs for ``--dry-run`` and writes the report with the readouts first.
-"""
+"""The study framework (``docs/studies.md``): it runs a :class:`Study`'s jobs (worker
+processes of one torch thread; a finished run of the same config skipped, an unfinished one
+resumed), records ``study.json``, lists and times the jobs for ``--dry-run`` and writes the
+report, readouts first."""
 
 from __future__ import annotations
 
@@ -43,10 +38,11 @@ G = TypeVar("G")  # a study's grid
 R = TypeVar("R")  # what a study reads from its runs
 
 RECORD = "study.json"
-TEXT = Text("framework")
+STAMP = "%Y-%m-%dT%H:%M:%S"  # the record's times
 RESULT = "result.json"
+TEXT = Text("framework")
 
-# ----------------------------------------------------------------------------- jobs
+# ----------------------------------------------------------------------------- jobs, runs' views
 
 
 class Unmet(Exception):
@@ -58,16 +54,12 @@ ConfigFn = Callable[[Mapping[str, "RunView"]], Mapping[str, Any]]
 
 @dataclass(frozen=True)
 class Run:
-    """A run of the engine.
+    """A run of the engine, in the folder ``name`` of the study folder.
 
-    Attributes:
-        name: Its folder under the study folder (unique in the study).
-        config: The run config, or a function of the jobs named in ``needs`` (their views by
-            name) that builds it from their measured values; it raises :class:`Unmet` when
-            they do not allow the run. The framework sets ``name``, ``out_dir`` and
-            ``threads: 1``.
-        needs: Jobs that must have finished before this one is configured.
-        group: Jobs of one group cost about the same (``--dry-run`` estimates from them).
+    ``config`` is the run config, or a function of the views of the jobs in ``needs`` (by
+    name) that builds it from their measured values (raising :class:`Unmet` when they do not
+    allow the run); the framework sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of one
+    ``group`` cost about the same (``--dry-run`` estimates from them).
     """
 
     name: str
@@ -78,13 +70,10 @@ class Run:
 
 @dataclass(frozen=True)
 class Compute:
-    """A job that is not a run: post-processing of the jobs it needs, or a measurement.
-
-    ``fn(inputs, folder, **params)`` gets the folders of ``needs`` by name and its own folder,
-    and returns a JSON mapping, kept in ``<folder>/result.json`` with ``params`` and a
-    fingerprint of its inputs; it is computed again only when either changes. ``fn`` must be a
-    module-level function: it may run in a worker process.
-    """
+    """A job that is not a run (post-processing, a measurement): ``fn(inputs, folder,
+    **params)`` gets the folders of ``needs`` by name and its own, and returns a JSON mapping
+    kept in ``result.json`` with ``params`` and its inputs' fingerprint, computed again when
+    either changes. ``fn`` is module-level: it may run in a worker process."""
 
     name: str
     fn: Callable[..., Mapping[str, Any]]
@@ -94,6 +83,10 @@ class Compute:
 
 
 Job = Run | Compute
+
+
+def _kind(job: Job) -> str:
+    return "run" if isinstance(job, Run) else "compute"
 
 
 @cache
@@ -134,26 +127,21 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _comparable(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A config without the output folder (moving a study's folder keeps its runs)."""
-    return {k: v for k, v in cfg.items() if k != "out_dir"}
-
-
 def run_status(cfg: Mapping[str, Any]) -> str:
     """``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
-    of this config) or ``done`` (a finished run of this config)."""
+    of this config) or ``done``; the output folder is not compared (a moved study folder keeps
+    its runs)."""
     from fedfm.config import load_config
 
     root = Path(cfg["out_dir"]) / cfg["name"]
-    saved = root / "config.yaml"
-    if not saved.exists():
+    if not (root / "config.yaml").exists():
         return "new"
     try:
-        old = yaml.safe_load(saved.read_text())
+        old = yaml.safe_load((root / "config.yaml").read_text())
     except yaml.YAMLError:
         return "changed"
     new = load_config(dict(cfg)).model_dump(mode="json")
-    if not isinstance(old, dict) or _comparable(old) != _comparable(new):
+    if not isinstance(old, dict) or {**old, "out_dir": 0} != {**new, "out_dir": 0}:
         return "changed"
     try:
         summary = json.loads((root / "summary.json").read_text())
@@ -162,33 +150,39 @@ def run_status(cfg: Mapping[str, Any]) -> str:
     return "done" if summary.get("rounds") == new["rounds"] else "partial"
 
 
-# ----------------------------------------------------------------------------- reading runs
+def _file(name: str, empty: Any = None) -> cached_property[Any]:
+    """A view's cached property: one of its files (``empty`` when it is not there)."""
+
+    def read(view: RunView) -> Any:
+        path = view.folder / name
+        if name.endswith(".jsonl"):
+            return read_jsonl(path, need_round=False)
+        if not path.exists():
+            return empty
+        if name.endswith(".yaml"):
+            data = yaml.safe_load(path.read_text())
+            return data if isinstance(data, dict) else empty
+        return read_json(path) if empty is None else read_json(path) or empty
+
+    return cached_property(read)
 
 
 class RunView:
-    """What a study reads of one job's folder; each file is read once, when first asked for.
+    """What a study reads of one job's folder; each file is read once, when first asked for."""
 
-    Args:
-        folder: The run folder (or a computation's folder).
-    """
+    summary = _file("summary.json")  # None before the run has finished
+    config = _file("config.yaml", {})  # as the run saved it, every default filled in
+    metrics = _file("metrics.jsonl")  # one row per logged round
+    client_metrics = _file("client_metrics.jsonl")  # per evaluated round, every client's
+    audit = _file("audit.jsonl")  # every field that crossed the wire
+    privacy = _file("privacy.json", {})  # the privacy ledger (empty without DP)
+    partition = _file("partition.json", {})  # the partition's statistics
+    _saved = _file(RESULT)  # a computation's params, its inputs' fingerprint, its result
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.name = folder.name
         self._items: dict[int | None, list[dict[str, Any]]] = {}
-
-    @property
-    def name(self) -> str:
-        """The job's name."""
-        return self.folder.name
-
-    def _json(self, name: str) -> Any:
-        path = self.folder / name
-        return read_json(path) if path.exists() else None
-
-    @cached_property
-    def summary(self) -> dict[str, Any] | None:
-        """``summary.json`` (None before the run has finished)."""
-        return self._json("summary.json")
 
     @property
     def finished(self) -> bool:
@@ -206,51 +200,17 @@ class RunView:
         return dict((self.summary or {}).get("finish", {}))
 
     @cached_property
-    def config(self) -> dict[str, Any]:
-        """``config.yaml`` as the run saved it (every default filled in)."""
-        path = self.folder / "config.yaml"
-        data = yaml.safe_load(path.read_text()) if path.exists() else None
-        return data if isinstance(data, dict) else {}
-
-    @cached_property
-    def metrics(self) -> list[dict[str, Any]]:
-        """``metrics.jsonl``: one row per logged round."""
-        return read_jsonl(self.folder / "metrics.jsonl", need_round=False)
-
-    @cached_property
     def rounds(self) -> dict[int, dict[str, Any]]:
         """The metrics rows by round."""
         return {int(r["round"]): r for r in self.metrics}
 
     @cached_property
-    def client_metrics(self) -> list[dict[str, Any]]:
-        """``client_metrics.jsonl``: per evaluated round, every client's metrics."""
-        return read_jsonl(self.folder / "client_metrics.jsonl", need_round=False)
-
-    @cached_property
-    def audit(self) -> list[dict[str, Any]]:
-        """``audit.jsonl``: every field that crossed the wire."""
-        return read_jsonl(self.folder / "audit.jsonl", need_round=False)
-
-    @cached_property
-    def privacy(self) -> dict[str, Any]:
-        """``privacy.json``: the privacy ledger (empty without DP)."""
-        return self._json("privacy.json") or {}
-
-    @cached_property
-    def partition(self) -> dict[str, Any]:
-        """``partition.json``: the partition's statistics."""
-        return self._json("partition.json") or {}
-
-    @cached_property
     def result(self) -> dict[str, Any] | None:
         """A computation's result (None before it has run)."""
-        saved = self._json(RESULT)
-        return None if saved is None else dict(saved["result"])
+        return None if self._saved is None else dict(self._saved["result"])
 
     def items(self, rnd: int | None = None) -> list[dict[str, Any]]:
-        """The items evaluated in round ``rnd`` (the last evaluated round when None); none
-        when the run kept no items."""
+        """The items evaluated in round ``rnd`` (None: the last); none if the run kept none."""
         from fedfm.eval.compare import read_items
 
         if rnd not in self._items:
@@ -272,26 +232,17 @@ class RunView:
         )
 
 
-# ----------------------------------------------------------------------------- readouts
+# ----------------------------------------------------------------------------- studies, readouts
 
 
 @dataclass(frozen=True)
 class Readout(Generic[R]):
-    """A comparison a study exists for, fixed in code before its runs.
-
-    Attributes:
-        name: What is compared, e.g. ``FedHDS − FedIT, Rouge-L of the held-out domain``.
-        statistic: How the estimate is paired, e.g. ``paired over items``.
-        paper: The paper's claim in words (its direction and, where given, its figure).
-        direction: +1 when the paper says the value lies above ``null``, −1 below.
-        value: The estimate, from what the study read.
-        null: The value of no difference (0; 1 for a ratio).
-        digits: Decimals of the estimate in the report.
-        scope: What this grid can and cannot test about the claim.
-        testable: False when this grid cannot test the claim at all (the value is shown,
-            the verdict says so); or a function of what the study read, for a claim whose
-            premise the runs must show first (e.g. "more strong clients help").
-    """
+    """A comparison a study exists for, fixed in code before its runs: what is compared
+    (``name``), how the estimate is paired (``statistic``), the ``paper``'s claim in words,
+    its ``direction`` (+1: above ``null``, 0 or 1 for a ratio; −1: below), the estimate
+    (``value``, from what the study read, shown with ``digits``), what the grid can and
+    cannot test (``scope``) and whether it can at all (``testable``: a bool, or a function of
+    what the study read for a claim whose premise the runs must show first)."""
 
     name: str
     statistic: str
@@ -316,44 +267,15 @@ def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
     return Readout(name, DASH, paper, +1, lambda _: NONE, scope=scope, testable=False)
 
 
-def readout_lines(readouts: Sequence[Readout[R]], data: R) -> list[str]:
-    """The report's opening section: every readout, its estimate and its verdict."""
-    rows: list[str] = []
-    notes: dict[str, list[str]] = {}  # one note for the readouts that share it
-    for i, r in enumerate(readouts, start=1):
-        est, word = r.judge(data)
-        shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
-        rows.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
-        if r.scope:
-            notes.setdefault(r.scope, []).append(f"R{i}")
-    notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
-    return [TEXT("readouts", rows=rows, notes=notes_), ""]
-
-
-# ----------------------------------------------------------------------------- studies
-
-
 @dataclass(frozen=True)
 class Study(Generic[G, R]):
-    """A reproduction study, declared on the framework.
-
-    Attributes:
-        name: Its key (``fedfm reproduce NAME``) and its folder's name.
-        summary: One line for the registry.
-        full: The default grid.
-        quick: The ``--quick`` grid.
-        jobs: The jobs of a grid, given what is measured so far (asked again after each
-            finished job).
-        read: What the readouts and the report read from the study folder.
-        readouts: The comparisons the study exists for, per grid (fixed in code).
-        title: The report's title.
-        body: The report's sections after the readouts.
-        reports: Report files of the full and the quick grid, relative to the report folder
-            (``docs/`` by default); None: ``<name>-quick.md`` in the study folder.
-        workers: Worker processes by default, of the full and the quick grid (at most the
-            machine's cores).
-        later: What ``--dry-run`` cannot list yet (jobs that measured values decide).
-    """
+    """A reproduction study (``docs/studies.md``, "Adding a study"): its key ``name``
+    (``fedfm reproduce NAME``, its folder), the ``full`` and ``quick`` grids, its ``jobs``
+    given what is measured so far (asked after each job), what it ``read`` s from its folder,
+    its ``readouts`` per grid, its report's ``title`` and ``body`` (the sections after the
+    readouts), its report files, full and quick, under the report folder (None:
+    ``<name>-quick.md`` in the study folder), its default ``workers`` (full, quick; at most
+    the cores) and what ``--dry-run`` cannot list yet (``later``)."""
 
     name: str
     summary: str
@@ -385,17 +307,10 @@ def load_studies() -> None:
 
 @dataclass
 class Context(Generic[G]):
-    """One invocation of a study: its grid, its folder, its record and what it has done.
-
-    Attributes:
-        study: The study's name.
-        grid: The grid.
-        quick: Whether it is the ``--quick`` grid.
-        out: The study folder (its runs and ``study.json``).
-        command: The command line the report names.
-        workers: Worker processes.
-        report: The report being written (figures go beside it).
-    """
+    """One invocation of a study: its grid (``quick``: the ``--quick`` one), its folder
+    ``out`` (runs and ``study.json``), the ``command`` its report names, its ``workers``, the
+    ``report`` being written (figures go beside it), the jobs ``done`` and those ``failed``
+    (with the reason)."""
 
     study: str
     grid: G
@@ -415,42 +330,37 @@ class Context(Generic[G]):
 
     def run(self, name: str) -> RunView:
         """The view of a job's folder (cached until the job runs again)."""
-        if name not in self._views:
-            self._views[name] = RunView(self.out / name)
-        return self._views[name]
+        return self._views.setdefault(name, RunView(self.out / name))
 
     def settled(self, names: Iterable[str]) -> bool:
         """Whether none of these jobs is left to run in this invocation."""
         return all(n in self.done or n in self.failed for n in names)
 
 
-# ----------------------------------------------------------------------------- study.json
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S")
-
-
 class Record:
-    """``study.json``: each job's status, wall and CPU time and the machine's load, and each
-    invocation. Written atomically after every change, so a killed invocation leaves it whole.
-
-    Args:
-        path: The file (read when it exists; a file of another shape starts a new record).
-    """
+    """``study.json`` at ``path`` (a file of another shape starts a new record): each job's
+    status, wall and CPU time and the machine's load, and each invocation. Written atomically
+    after every change, so a killed invocation leaves it whole, with the wall and CPU time it
+    had used by its last write."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         data: Any = None
         with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
             data = json.loads(path.read_text())
-        ok = isinstance(data, dict) and isinstance(data.get("jobs"), dict)
-        self.jobs: dict[str, dict[str, Any]] = data["jobs"] if ok else {}
-        self.invocations: list[dict[str, Any]] = data.get("invocations", []) if ok else []
-        self.study: dict[str, Any] = data.get("study", {}) if ok else {}
+        if not (isinstance(data, dict) and isinstance(data.get("jobs"), dict)):
+            data = {"jobs": {}}
+        self.jobs: dict[str, dict[str, Any]] = data["jobs"]
+        self.invocations: list[dict[str, Any]] = data.get("invocations", [])
+        self.study: dict[str, Any] = data.get("study", {})
+        # The running invocation's entry, and its start's wall clock and CPU time.
+        self.clock: tuple[dict[str, Any], float, float] | None = None
 
     def save(self) -> None:
         """Writes the file (replacing it in one step)."""
+        if self.clock is not None:
+            inv, t0, cpu0 = self.clock
+            inv.update(wall_s=time.perf_counter() - t0, cpu_s=_cpu(children=True) - cpu0)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         data = {"study": self.study, "jobs": self.jobs, "invocations": self.invocations}
@@ -459,40 +369,33 @@ class Record:
 
     def job(self, job: Job) -> dict[str, Any]:
         """A job's entry, created on first use."""
-        kind = "run" if isinstance(job, Run) else "compute"
         entry = self.jobs.setdefault(job.name, {"wall_s": 0.0, "cpu_s": 0.0, "attempts": 0})
-        entry.update(kind=kind, needs=list(job.needs), group=job.group or kind)
+        entry.update(kind=_kind(job), needs=list(job.needs), group=job.group or _kind(job))
         return entry
 
     def mark(self, job: Job, status: str, save: bool = True, **values: Any) -> None:
         """Sets a job's status (and any values) and saves."""
-        self.job(job).update(status=status, updated=_now(), **values)
+        self.job(job).update(status=status, updated=time.strftime(STAMP), **values)
         if save:
             self.save()
 
     def measured(self, job: Job, m: Mapping[str, Any]) -> None:
         """Adds one execution's measurements to a job's entry and saves."""
         e = self.job(job)
-        e["wall_s"] = float(e.get("wall_s", 0.0)) + m["wall_s"]
-        e["cpu_s"] = float(e.get("cpu_s", 0.0)) + m["cpu_s"]
+        for key in ("wall_s", "cpu_s"):
+            e[key] = float(e.get(key, 0.0)) + m[key]
         e["attempts"] = int(e.get("attempts", 0)) + 1
         e.update(load_start=m["load_start"], load_end=m["load_end"], pid=m["pid"])
-        status = "failed" if m["error"] else "done"
-        self.mark(job, status, error=m["error"])
+        self.mark(job, "failed" if m["error"] else "done", error=m["error"])
 
 
-def _cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+def _cpu(children: bool = False) -> float:
+    """User + system CPU seconds of this process (and of its reaped children: the workers)."""
+    who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if children else (resource.RUSAGE_SELF,)
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
 
-def _cpu_all() -> float:
-    """User + system CPU of this process and its reaped children (the worker processes)."""
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return _cpu_self() + kids.ru_utime + kids.ru_stime
-
-
-# ----------------------------------------------------------------------------- executing jobs
+# ----------------------------------------------------------------------------- running jobs
 
 _STARTED: Any = None  # a worker's queue of (job, pid) start notices to the parent
 
@@ -513,16 +416,16 @@ def _init_worker(queue: Any) -> None:
     _offline()
 
 
-def _run_config(cfg: dict[str, Any], resume: bool) -> None:
-    import fedfm.algorithms
-    import fedfm.tasks  # noqa: F401  (every algorithm and task registered)
-    from fedfm.config import load_config
-    from fedfm.runtime import run
+def _execute(spec: Mapping[str, Any]) -> None:
+    if spec["kind"] == "run":
+        import fedfm.algorithms
+        import fedfm.tasks  # noqa: F401  (every algorithm and task registered)
+        from fedfm.config import load_config
+        from fedfm.runtime import run
 
-    run(load_config(cfg), resume=resume, overwrite=not resume, progress=False)
-
-
-def _compute(spec: Mapping[str, Any]) -> None:
+        resume = spec["resume"]
+        run(load_config(spec["config"]), resume=resume, overwrite=not resume, progress=False)
+        return
     folder = Path(spec["folder"])
     inputs = {k: Path(v) for k, v in spec["inputs"].items()}
     result = spec["fn"](inputs, folder, **spec["params"])
@@ -534,23 +437,18 @@ def _compute(spec: Mapping[str, Any]) -> None:
 
 
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
-    """Executes one job (in a worker process or in this one); returns its measurements.
-
-    A failing job returns its error: it is recorded in the study, not fatal to it.
-    """
+    """Executes one job (in a worker or in this process); returns its measurements and its
+    error, if any (recorded, not fatal to the study)."""
     if _STARTED is not None:
         _STARTED.put((spec["name"], os.getpid()))
-    t0, cpu0, load0 = time.perf_counter(), _cpu_self(), os.getloadavg()[0]
+    t0, cpu0, load0 = time.perf_counter(), _cpu(), os.getloadavg()[0]
     error = None
     try:
-        if spec["kind"] == "run":
-            _run_config(spec["config"], spec["resume"])
-        else:
-            _compute(spec)
+        _execute(spec)
     except Exception as e:  # reported in study.json and the report
         error = f"{type(e).__name__}: {e}"
     out = {"name": spec["name"], "error": error, "wall_s": time.perf_counter() - t0}
-    out.update(cpu_s=_cpu_self() - cpu0, load_start=load0, load_end=os.getloadavg()[0])
+    out.update(cpu_s=_cpu() - cpu0, load_start=load0, load_end=os.getloadavg()[0])
     return {**out, "pid": os.getpid()}
 
 
@@ -581,9 +479,9 @@ def _prepare(job: Job, ctx: Context[Any]) -> _Step:
             return _Step("skip", f"needs {n}, which did not finish ({ctx.failed[n]})")
         if n not in ctx.done:
             return _Step("wait", n)
-    views = {n: ctx.run(n) for n in job.needs}
     if isinstance(job, Run):
         try:
+            views = {n: ctx.run(n) for n in job.needs}
             cfg = dict(job.config(views) if callable(job.config) else job.config)
         except Unmet as e:
             return _Step("skip", str(e))
@@ -620,49 +518,11 @@ def _plan(study: Study[Any, Any], ctx: Context[Any]) -> list[Job]:
     return jobs
 
 
-def _finished(job: Job, m: Mapping[str, Any], ctx: Context[Any]) -> None:
-    ctx.record.measured(job, m)
-    ctx._views.pop(job.name, None)  # the folder changed: read it again
-    if m["error"]:
-        ctx.failed[job.name] = m["error"]
-    else:
-        ctx.done.add(job.name)
-
-
-@contextlib.contextmanager
-def _pool(workers: int) -> Iterator[tuple[ProcessPoolExecutor, Any]]:
-    # spawn: fresh interpreters, no forked torch thread pools; one job per process, so no
-    # job inherits another's caches (loaded models, features).
-    mpc = mp.get_context("spawn")
-    queue = mpc.Queue()
-    pool = ProcessPoolExecutor(
-        workers, mp_context=mpc, initializer=_init_worker, initargs=(queue,), max_tasks_per_child=1
-    )
-    try:
-        yield pool, queue
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _drain(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
-    """Records the jobs that workers have started (with their process ids)."""
-    while True:
-        try:
-            name, pid = queue.get_nowait()
-        except Empty:
-            return
-        if name not in ctx.done and name not in ctx.failed:  # a late notice of a finished job
-            ctx.record.mark(jobs[name], "running", pid=pid)
-
-
 def _ready(
     study: Study[Any, Any], ctx: Context[Any], running: Iterable[str]
 ) -> tuple[list[tuple[Job, dict[str, Any]]], bool]:
-    """The jobs that can start now, and whether any other job settled while listing them.
-
-    The study lists its jobs again at every call, so a job that a measured value decides
-    appears once that value is there.
-    """
+    """The jobs that can start now, and whether another job settled while listing them (the
+    study lists its jobs again: a job that a measured value decides appears once it is)."""
     rec, busy = ctx.record, set(running)
     ready: list[tuple[Job, dict[str, Any]]] = []
     moved = False
@@ -684,72 +544,94 @@ def _ready(
     return ready, moved
 
 
-def _run_serial(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
-    """Runs the jobs one at a time in this process, listing them again after each."""
-    while True:
-        ready, moved = _ready(study, ctx, ())
-        if ready:
-            job, spec = ready[0]
-            inv["ran"] += 1
+Submit = Callable[[Job, dict[str, Any]], "Future[dict[str, Any]]"]
+
+
+@contextlib.contextmanager
+def _executor(ctx: Context[Any]) -> Iterator[tuple[Submit, Any]]:
+    """How jobs start, and the queue of the workers' start notices: with one worker, at once
+    in this process; with more, each in a fresh spawned process (no forked torch thread
+    pools) used once, so that no job inherits another's caches (loaded models, features)."""
+    if ctx.workers <= 1:
+
+        def here(job: Job, spec: dict[str, Any]) -> Future[dict[str, Any]]:
             ctx.record.mark(job, "running", pid=os.getpid())
-            _finished(job, execute(spec), ctx)
-        elif not moved:
+            fut: Future[dict[str, Any]] = Future()
+            fut.set_result(execute(spec))
+            return fut
+
+        yield here, None
+        return
+    mpc = mp.get_context("spawn")
+    queue = mpc.Queue()
+    pool = ProcessPoolExecutor(ctx.workers, mpc, _init_worker, (queue,), max_tasks_per_child=1)
+    try:
+        yield (lambda _, spec: pool.submit(execute, spec)), queue
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _started(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
+    """Records the jobs that workers have started (with their process ids)."""
+    while queue is not None:
+        try:
+            name, pid = queue.get_nowait()
+        except Empty:
             return
+        if name not in ctx.done and name not in ctx.failed:  # a late notice of a finished job
+            ctx.record.mark(jobs[name], "running", pid=pid)
 
 
-def _run_pool(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
-    """Keeps ``ctx.workers`` worker processes busy: a job starts as soon as its needs are done.
-
-    Each job runs in a fresh process (spawned, one job per process). A worker that dies
-    breaks the pool: its jobs are marked interrupted and the invocation stops starting jobs.
-    """
+def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
+    """Keeps ``ctx.workers`` jobs running, each started once its needs are done. A worker
+    that dies breaks the pool: its jobs are marked interrupted, and no more start."""
     futures: dict[Future[dict[str, Any]], Job] = {}
     broken = False
-    with _pool(ctx.workers) as (pool, queue):
+    with _executor(ctx) as (submit, queue):
         while True:
-            ready, moved = ([], False) if broken else _ready(study, ctx, _names(futures))
+            running = [job.name for job in futures.values()]
+            ready, moved = ([], False) if broken else _ready(study, ctx, running)
             for job, spec in ready[: ctx.workers - len(futures)]:
                 inv["ran"] += 1
-                futures[pool.submit(execute, spec)] = job
+                futures[submit(job, spec)] = job
             if not futures:
                 if moved and not broken:
                     continue
                 return
             finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-            _drain(queue, {job.name: job for job in futures.values()}, ctx)
+            _started(queue, {job.name: job for job in futures.values()}, ctx)
             for fut in finished:
                 job = futures.pop(fut)
                 try:
-                    _finished(job, fut.result(), ctx)
+                    m = fut.result()
                 except BrokenProcessPool:
                     broken = True
                     ctx.failed[job.name] = "interrupted: a worker process died"
                     n = int(ctx.record.job(job).get("interrupted", 0)) + 1
                     ctx.record.mark(job, "interrupted", error=ctx.failed[job.name], interrupted=n)
-
-
-def _names(futures: Mapping[Future[dict[str, Any]], Job]) -> list[str]:
-    return [job.name for job in futures.values()]
+                    continue
+                ctx.record.measured(job, m)
+                ctx._views.pop(job.name, None)  # the folder changed: read it again
+                if m["error"]:
+                    ctx.failed[job.name] = m["error"]
+                else:
+                    ctx.done.add(job.name)
 
 
 def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
-    """Runs every job of the study that is not done into ``ctx.out``.
-
-    A job starts once its needs are done and a worker is free; after each finished job the
-    study lists its jobs again. Each job's status and cost, and this invocation's, are
-    recorded in ``study.json``.
-    """
+    """Runs every job of the study that is not done into ``ctx.out``, recording each job's
+    status and cost, and this invocation's, in ``study.json``."""
     rec = ctx.record
     rec.study = {"name": study.name, "grid": "quick" if ctx.quick else "full"}
     for entry in rec.jobs.values():  # a killed invocation left these behind
         if entry.get("status") == "running":
             entry["status"] = "interrupted"
-    inv: dict[str, Any] = {"started": _now(), "command": ctx.command, "workers": ctx.workers}
-    inv.update(cpus=os.cpu_count(), load_start=list(os.getloadavg()), ran=0)
+    inv: dict[str, Any] = {"started": time.strftime(STAMP), "command": ctx.command}
+    inv.update(workers=ctx.workers, cpus=os.cpu_count(), load_start=list(os.getloadavg()), ran=0)
     rec.invocations.append(inv)
-    t0, cpu0 = time.perf_counter(), _cpu_all()
+    rec.clock = (inv, time.perf_counter(), _cpu(children=True))
     try:
-        (_run_serial if ctx.workers <= 1 else _run_pool)(study, ctx, inv)
+        _run(study, ctx, inv)
     except BaseException:
         for name, entry in rec.jobs.items():
             if entry.get("status") == "running":
@@ -757,12 +639,9 @@ def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
                 ctx.failed.setdefault(name, "interrupted")
         raise
     finally:
-        inv.update(wall_s=time.perf_counter() - t0, cpu_s=_cpu_all() - cpu0)
         inv.update(load_end=list(os.getloadavg()), failed=len(ctx.failed))
         rec.save()
-
-
-# ----------------------------------------------------------------------------- dry run
+        rec.clock = None
 
 
 def _wall_of(name: str, ctx: Context[Any]) -> float | None:
@@ -778,48 +657,43 @@ MEASURED = " (configured from its measured values)"
 
 
 def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
-    """The jobs, each with its status and estimated seconds, and the total estimate.
-
-    A job's estimate is its own wall time when an earlier invocation ran it, else the mean
-    of the finished jobs of its group (the study's cost classes), else of every finished
-    job; jobs that measured values configure are listed with what they wait for.
-    """
+    """The jobs, each with its status and estimated seconds (its own wall time when an
+    earlier invocation ran it, else the mean of the finished jobs of its group, else of every
+    finished job), and the total estimate."""
     steps: dict[str, _Step] = {}
-    while True:  # what is done now, in dependency order; a study may list more once it is
-        jobs = _plan(study, ctx)
+    jobs: list[Job] = []
+    while len(jobs) != len(jobs := _plan(study, ctx)):  # a study may list more once some are done
         for job in (j for j in jobs if j.name not in steps):
             steps[job.name] = _prepare(job, ctx)
             if steps[job.name].what == "done":
                 ctx.done.add(job.name)
-        if len(_plan(study, ctx)) == len(jobs):
-            break
-    walls = {j.name: w for j in jobs if j.name in ctx.done and (w := _wall_of(j.name, ctx))}
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[float]] = {}  # the finished jobs' wall times by group
     for j in jobs:
-        if j.name in walls:
-            groups.setdefault(j.group or type(j).__name__, []).append(walls[j.name])
+        if j.name in ctx.done and (wall := _wall_of(j.name, ctx)):
+            groups.setdefault(j.group or _kind(j), []).append(wall)
     every = [w for ws in groups.values() for w in ws]
     lines = head(["job", "kind", "needs", "status", "estimate s"])
     left: list[float | None] = []
     for job in jobs:
         step = steps[job.name]
-        measured = MEASURED if callable(getattr(job, "config", 0)) else ""
-        todo = f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}"
-        status = {"done": "done (skipped)", "skip": f"skipped: {step.reason}", "todo": todo}
-        status["wait"] = f"after {step.reason}{measured}"
+        status = {
+            "done": "done (skipped)",
+            "skip": f"skipped: {step.reason}",
+            "todo": f"{step.reason}: {'resumes' if step.reason == 'partial' else 'runs'}",
+            "wait": f"after {step.reason}"
+            + (MEASURED if isinstance(job, Run) and callable(job.config) else ""),
+        }[step.what]
         est: float | None = None
         if step.what in ("todo", "wait"):
             mine = ctx.record.jobs.get(job.name, {})
-            same = groups.get(job.group or type(job).__name__) or every
+            same = groups.get(job.group or _kind(job)) or every
             if mine.get("attempts"):  # its own time, when an earlier invocation ran it
                 est = float(mine["wall_s"]) / int(mine["attempts"])
             elif same:
                 est = sum(same) / len(same)
             left.append(est)
-        kind = "run" if isinstance(job, Run) else "compute"
-        lines.append(
-            row([job.name, kind, ", ".join(job.needs) or DASH, status[step.what], num(est, 0)])
-        )
+        needs = ", ".join(job.needs) or DASH
+        lines.append(row([job.name, _kind(job), needs, status, num(est, 0)]))
     known = [x for x in left if x is not None]
     total = sum(known) / max(1, min(ctx.workers, len(left)))
     unknown = len(left) - len(known)
@@ -836,18 +710,12 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     return [*lines, "", summary, *([f"Later: {study.later}"] if study.later else [])]
 
 
-# ----------------------------------------------------------------------------- the report
-
-
-def _machine() -> str:
-    return f"{os.cpu_count()} CPU cores ({platform.machine()}, Python {platform.python_version()})"
-
-
 def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
     """The section on the jobs' status, wall and CPU time and the machine's load."""
     rec = ctx.record
     ran = [i for i in rec.invocations if i.get("ran")]
-    values = {"record": RECORD, "machine": _machine(), "n": len(ran)}
+    machine = f"{os.cpu_count()} CPU cores ({platform.machine()}, Python"
+    values = {"record": RECORD, "machine": f"{machine} {platform.python_version()})", "n": len(ran)}
     each = []
     for i in ran:
         v = {k: f"{float(i.get(f'{k}_s', 0.0)) / 60:.1f}" for k in ("wall", "cpu")}
@@ -870,15 +738,13 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
         load = " → ".join(num(x, 1) for x in ends) or DASH
         rows.append(row([key, len(es), status, *(num(x, 0) for x in secs), load]))
     errors = [f"- `{j.name}`: {e['error']}" for j, e in entries if e.get("error")]
-    return [
-        TEXT(
-            "times",
-            invocations=invocations if ran else TEXT("no-invocation", values),
-            jobs=rows,
-            unfinished=TEXT("unfinished", jobs=errors) if errors else None,
-        ),
-        "",
-    ]
+    times = TEXT(
+        "times",
+        invocations=invocations if ran else TEXT("no-invocation", values),
+        jobs=rows,
+        unfinished=TEXT("unfinished", jobs=errors) if errors else None,
+    )
+    return [times, ""]
 
 
 def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None = None) -> Path:
@@ -890,15 +756,23 @@ def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None =
 
 
 def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
-    """Writes the report from the study folder: title, readouts, the study's sections, the
-    jobs' times."""
+    """Writes the report from the study folder: title, the readouts (each with its estimate
+    and verdict), the study's sections, the jobs' times."""
     ctx.report = path
     data = study.read(ctx)
-    jobs = _plan(study, ctx)
     values = {"title": study.title(ctx), "command": ctx.command, "out": ctx.out}
-    lines = [TEXT("head", values, study=study.name), ""]
-    lines += [*readout_lines(study.readouts(ctx.grid), data), *study.body(ctx, data)]
-    lines += time_lines(ctx, jobs)
+    rows: list[str] = []
+    notes: dict[str, list[str]] = {}  # one note for the readouts that share it
+    for i, r in enumerate(study.readouts(ctx.grid), start=1):
+        est, word = r.judge(data)
+        shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
+        rows.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
+        if r.scope:
+            notes.setdefault(r.scope, []).append(f"R{i}")
+    notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
+    lines = [TEXT("head", values, study=study.name), "", TEXT("readouts", rows=rows, notes=notes_)]
+    lines += ["", *study.body(ctx, data)]
+    lines += time_lines(ctx, _plan(study, ctx))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path
@@ -937,14 +811,8 @@ def reproduce(
     dry_run_only: bool = False,
     report_dir: Path | None = None,
 ) -> Path | list[str]:
-    """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``.
-
-    Returns:
-        The report written, or with ``dry_run_only`` the lines of the job list.
-
-    Raises:
-        ConfigError: An unknown study, or fewer than one worker.
-    """
+    """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``; the report written
+    or, with ``dry_run_only``, the job list. ConfigError: an unknown study, no worker."""
     load_studies()
     study = STUDIES.get(name)
     if workers is not None and workers < 1:

@@ -1,26 +1,15 @@
-"""Statistics of the reproduction studies, in one place: means with standard errors, paired
-differences, a paired bootstrap, and the verdict rule of a readout.
+"""Statistics of the reproduction studies: means with standard errors, paired differences,
+bootstraps and the verdict rule of a readout.
 
-Two runs of a study that share their units of variation are compared *paired*. A unit is a
-seed (a seed fixes the partition, the splits and the initialisations, so two methods of one
-seed see the same clients), an evaluated item or a test row (every method is scored on the
-same ones). The difference is the mean over the units both have of d_u = a_u − b_u, and its
-standard error is the sample standard deviation of d_u (ddof = 1) over √n: pairing removes
-the between-unit variance that two independent means would carry. :func:`paired` does this
-for every kind of unit (its keys are seeds, item ids or row ids).
+Two runs that share their units (seeds: a seed fixes the partition, splits and
+initialisations; evaluated items; test rows) are compared *paired*: the mean over the shared
+units of d_u = a_u − b_u, with SE = sd(d_u, ddof 1) / √n, free of the between-unit variance
+two independent means would carry. A statistic that is not a mean (macro-F1) gets its SE from
+a paired bootstrap; seeds each scored on the same rows are crossed factors (:func:`crossed`,
+:func:`crossed_bootstrap`; Owen 2007, "The pigeonhole bootstrap").
 
-A statistic that is not a mean over units (macro-F1) gets its SE from a paired bootstrap:
-the same resampled rows for both sides (:func:`paired_bootstrap`, :func:`macro_f1_diff`).
-
-Where every seed is scored on every test row (seeds of a noise draw, each scored on the same
-held-out rows), the two are crossed random factors: :func:`crossed` gives the SE of a mean
-over both, :func:`crossed_bootstrap` that of a statistic such as macro-F1 (Owen 2007, "The
-pigeonhole bootstrap").
-
-A value is *resolved* when it lies more than two standard errors from zero (about a 95 %
-interval under normality; with 5 seeds, 4 degrees of freedom, the t quantile is 2.78, so 2 SE
-is a lenient screen, not a test). :func:`verdict` applies that rule to a readout: in the
-paper's direction beyond 2 SE, against it beyond 2 SE, or not resolved.
+A value is *resolved* beyond 2 SE from zero (about 95 % under normality; with 5 seeds the t
+quantile is 2.78, so 2 SE is a lenient screen, not a test).
 """
 
 from __future__ import annotations
@@ -34,19 +23,13 @@ import numpy as np
 
 K = TypeVar("K")  # a unit: a seed, an item id, a test row id
 
-BOOTSTRAP = 1000
-"""Paired bootstrap resamples of a statistic that is not a mean (macro-F1)."""
+BOOTSTRAP = 1000  # bootstrap resamples of a statistic that is not a mean (macro-F1)
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A mean with its standard error.
-
-    Attributes:
-        mean: Mean of the values (NaN when there are none).
-        se: Standard error, sample std (ddof = 1) / √n (NaN for fewer than two values).
-        n: Number of values (seeds, items, rows).
-    """
+    """A mean (NaN without values) with its standard error (NaN for fewer than two) over
+    ``n`` values (seeds, items, rows)."""
 
     mean: float
     se: float
@@ -64,9 +47,8 @@ class Estimate:
         """+1 when the mean is more than ``k`` SE above ``null``, −1 when below, 0 otherwise."""
         if self.n < 2 or not math.isfinite(self.se) or not math.isfinite(self.mean):
             return 0
-        if self.mean - null > k * self.se:
-            return 1
-        return -1 if self.mean - null < -k * self.se else 0
+        d = self.mean - null
+        return 1 if d > k * self.se else -1 if d < -k * self.se else 0
 
 
 NONE = Estimate(math.nan, math.nan, 0)
@@ -82,22 +64,15 @@ def mean_se(values: Sequence[float]) -> Estimate:
 
 
 def paired(a: Mapping[K, float], b: Mapping[K, float]) -> Estimate:
-    """Mean of the per-unit differences a_u − b_u over the units both have, with its SE.
-
-    The keys are the units: seeds (paired over seeds), item ids (paired over items) or test
-    row ids (paired over rows).
-    """
+    """Mean of the per-unit differences a_u − b_u over the units (seeds, item or row ids) both
+    have, with its SE."""
     units = sorted(set(a) & set(b))  # type: ignore[type-var]
     return mean_se([a[u] - b[u] for u in units])
 
 
 def pooled_paired(pairs: Sequence[tuple[Mapping[int, float], Mapping[int, float]]]) -> Estimate:
-    """A paired difference pooled over cells (datasets, settings) of one unit.
-
-    Per seed, the differences a_s − b_s of every cell are averaged; the estimate is the mean
-    and SE of these per-seed averages over the seeds that every cell has (so each seed weighs
-    every cell equally, and the SE still comes from the spread over seeds).
-    """
+    """A paired difference pooled over cells (datasets, settings): the mean and SE over the
+    seeds every cell has of each seed's average of a_s − b_s over the cells."""
     if not pairs:
         return NONE
     seeds = set.intersection(*(set(a) & set(b) for a, b in pairs))
@@ -105,10 +80,8 @@ def pooled_paired(pairs: Sequence[tuple[Mapping[int, float], Mapping[int, float]
 
 
 def mean_of(parts: Sequence[Estimate]) -> Estimate:
-    """The mean of independent estimates (e.g. one per domain) with SE √(Σ SE²) / G.
-
-    ``n`` is the units summed over the parts; a part without values is left out.
-    """
+    """The mean of independent estimates (e.g. one per domain, a part without values left
+    out) with SE √(Σ SE²) / G over the units of all parts."""
     parts = [p for p in parts if p.n > 0]
     if not parts:
         return NONE
@@ -117,15 +90,10 @@ def mean_of(parts: Sequence[Estimate]) -> Estimate:
 
 
 def crossed(d: np.ndarray) -> Estimate:
-    """The mean of a ``(seeds, rows)`` array of paired differences, with a two-way SE.
-
-    ``d[s, i]`` is a − b for seed ``s`` on test row ``i``. Seeds and rows are crossed random
-    factors, so the SE combines both: ``SE² = s²_seeds / S + s²_rows / N``, where
-    ``s²_seeds`` is the sample variance (ddof 1) of the ``S`` per-seed means (over rows) and
-    ``s²_rows`` that of the ``N`` per-row means (over seeds). Each term also holds the
-    interaction's share ``σ²_e / (S·N)`` once, so the sum counts it twice: slightly
-    conservative. A factor with one level contributes nothing (one seed: the SE of rows alone,
-    as :func:`paired` over rows). ``n`` is ``S·N``.
+    """The mean of paired differences ``d[seed, row]`` with the two-way SE of crossed
+    factors, ``SE² = s²_seeds / S + s²_rows / N`` (sample variances of the per-seed and
+    per-row means; each holds the interaction's share once, so the sum is slightly
+    conservative). A factor with one level adds nothing; ``n`` is ``S·N``.
     """
     d = np.asarray(d, dtype=float)
     if d.ndim != 2 or d.size == 0:
@@ -146,18 +114,10 @@ def crossed_bootstrap(
     resamples: int = BOOTSTRAP,
     seed: int = 0,
 ) -> Estimate:
-    """A statistic's difference over ``(seeds, rows)`` with the SE of a two-way bootstrap.
-
-    Each resample draws the seeds and, independently, the test rows with replacement (the
-    pigeonhole bootstrap of Owen 2007, as conservative as :func:`crossed`), the same for both
-    sides.
-
-    Args:
-        shape: ``(S, N)``: seeds and rows.
-        diff: The statistic of a minus that of b, given index arrays of seeds ``[S]`` and rows
-            ``[N]`` (e.g. the mean over the seeds of each seed's macro-F1 difference).
-        resamples: Bootstrap resamples (seeded).
-        seed: Seed of the resampling.
+    """A statistic's difference over ``shape = (S, N)`` seeds and rows, with the SE of a
+    two-way bootstrap (seeds and rows drawn independently with replacement, the same for both
+    sides; as conservative as :func:`crossed`). ``diff(seeds, rows)`` gets index arrays and
+    returns a's statistic minus b's; the ``resamples`` are drawn from ``seed``.
     """
     s_count, n_count = shape
     if s_count == 0 or n_count == 0:
@@ -172,11 +132,8 @@ def crossed_bootstrap(
 
 
 def macro_f1_rows(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Macro-F1 of each row of predictions ``pred`` ``(S, N)`` against ``y`` ``(N,)``.
-
-    :func:`fedfm.tasks.base.macro_f1` per row (the mean over the classes present in ``y`` or
-    in that row's predictions), vectorised for the bootstrap.
-    """
+    """:func:`fedfm.tasks.base.macro_f1` of each row of ``pred`` ``(S, N)`` against ``y``
+    ``(N,)``, vectorised for the bootstrap."""
     pred, y = np.asarray(pred), np.asarray(y)
     f1 = []
     for c in np.union1d(np.unique(pred), np.unique(y)):
@@ -190,14 +147,9 @@ def macro_f1_rows(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
 def paired_bootstrap(
     n: int, diff: Callable[[np.ndarray], float], resamples: int = BOOTSTRAP, seed: int = 0
 ) -> Estimate:
-    """A statistic's difference on all ``n`` rows with the SE of its paired bootstrap.
-
-    Args:
-        n: Rows (shared by both sides, in one order).
-        diff: Statistic of a minus that of b on the rows of an index array ``[n]``.
-        resamples: Bootstrap resamples (seeded: the same rows give the same SE).
-        seed: Seed of the resampling.
-    """
+    """A statistic's difference on ``n`` shared rows, with the SE of its paired bootstrap:
+    ``diff(rows)`` gets an index array and returns a's statistic minus b's; the
+    ``resamples`` are drawn from ``seed``."""
     if n == 0:
         return NONE
     rng = np.random.default_rng(seed)
@@ -231,17 +183,9 @@ UNRESOLVED = "not resolved (≤ 2 SE)"
 
 
 def verdict(est: Estimate, direction: int, null: float = 0.0) -> str:
-    """The verdict rule of a readout, fixed for every study.
-
-    Args:
-        est: The readout's estimate (a − b, or a ratio).
-        direction: +1 when the paper says the value lies above ``null``, −1 below.
-        null: The value of "no difference" (0 for a difference, 1 for a ratio).
-
-    Returns:
-        In the paper's direction beyond 2 SE, against it beyond 2 SE, not resolved within
-        2 SE; "not measured" without a value, and "no SE" for a single value (not resolved).
-    """
+    """The verdict rule of a readout, the same for every study: in the paper's ``direction``
+    (+1: above ``null``, −1: below) beyond 2 SE, against it beyond 2 SE, or not resolved;
+    "not measured" without a value, "no SE" for a single value (not resolved)."""
     if est.n == 0 or not math.isfinite(est.mean):
         return "not measured"
     if est.n < 2 or not math.isfinite(est.se):

@@ -1,5 +1,5 @@
-"""Markdown of the study reports: numbers, rows, headers and difference markers, one way, and
-the reports' fixed text (:class:`Text`)."""
+"""Markdown of the study reports: numbers, rows, headers, difference markers, and the reports'
+fixed text (:class:`Text`)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def side(est: Estimate, up: str, down: str, sign: int = 1) -> str:
     return f"{up} (> 2 SE)" if r > 0 else f"{down} (> 2 SE)" if r < 0 else "not resolved (≤ 2 SE)"
 
 
-def ratio(ref: float, x: float) -> str:
-    """How many times ``x`` fits in ``ref`` (e.g. a speed-up), ``12.3×``."""
-    return f"{ref / x:.1f}×" if x > 0 else DASH
+def ratio(ref: float | None, x: float | None) -> str:
+    """How many times ``x`` fits in ``ref`` (e.g. a speed-up), ``12.3×``; a dash without both."""
+    return f"{ref / x:.1f}×" if ref and x and x > 0 else DASH
 
 
 def row(cells: Iterable[Any]) -> str:
@@ -85,19 +85,13 @@ _ALONE = re.compile(r"\$(?:([_a-zA-Z][_a-zA-Z0-9]*)|\{([_a-zA-Z][_a-zA-Z0-9]*)\}
 
 
 class Text:
-    """A study's fixed report text, kept out of its code: ``reports/<name>.md`` (package data).
+    """A study's fixed report text, ``<folder>/<name>.md`` (the package's ``reports/``).
 
-    The file is a series of sections, each opened by a line ``<!-- section: NAME -->`` and
-    running to the next (blank lines at either end dropped; what precedes the first section
-    is a note to its reader). A section is a :class:`string.Template`: the study fills each
-    ``$name`` (``${name}``), a list value line by line (a list in it as a table row, under a
-    header the section holds). A placeholder alone on its line whose value is None (a block
-    the report leaves out) drops that line, with one blank line beside it where it stands as
-    a paragraph of its own; an empty list drops the line alone.
-
-    Args:
-        name: The file's name without ``.md``.
-        folder: Where it is (the package's ``reports/`` by default).
+    The file's sections each open with a line ``<!-- section: NAME -->`` (what precedes the
+    first is a note to its reader) and are :class:`string.Template` s: a list value fills its
+    line line by line (a list in it as a table row); a placeholder alone on its line whose
+    value is None drops that line, with one blank line beside it where it stands as a
+    paragraph of its own; an empty list drops the line alone (``docs/studies.md``).
     """
 
     def __init__(self, name: str, folder: Path | None = None) -> None:
@@ -106,23 +100,17 @@ class Text:
 
     @cached_property
     def sections(self) -> dict[str, str]:
-        """Section name -> its template text.
-
-        Raises:
-            ValueError: A section name stands twice.
-        """
+        """Section name -> its template text (blank lines at either end dropped); a name that
+        stands twice raises ValueError."""
         parts = _SECTION.split(self.path.read_text(encoding="utf-8"))
         if len(set(parts[1::2])) < len(parts[1::2]):
             raise ValueError(f"{self.path}: a section name stands twice")
         return {k: v.strip("\n") for k, v in zip(parts[1::2], parts[2::2], strict=True)}
 
     def __call__(self, section: str, *sources: Mapping[str, Any], **values: Any) -> str:
-        """The section filled from ``sources`` (e.g. ``vars(grid)``), then ``values``.
-
-        Raises:
-            KeyError: No such section, or a placeholder without a value.
-            ValueError: A ``$`` that starts no placeholder.
-        """
+        """The section filled from ``sources`` (e.g. ``vars(grid)``), then ``values``; a
+        KeyError for no such section or a placeholder without a value, a ValueError for a
+        ``$`` that starts no placeholder."""
         if section not in self.sections:
             raise KeyError(f"{self.path}: no section {section!r}")
         values = {k: v for src in sources for k, v in src.items()} | values

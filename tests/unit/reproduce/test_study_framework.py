@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import multiprocessing as mp
 import os
 import signal
 import threading
@@ -306,6 +307,40 @@ def test_a_job_starts_when_its_needs_are_done_not_when_every_running_job_is(tmp_
     run_jobs(study, ctx)
     assert ctx.done == {"a", "watch", "b"}
     assert json.loads((folder / "watch" / "result.json").read_text())["result"] == {"saw": True}
+
+
+def sleep_then(inputs: Mapping[str, Path], folder: Path, seconds: float, die: bool) -> dict:
+    """A computation that sleeps ``seconds``, then returns or kills its process (SIGKILL)."""
+    time.sleep(seconds)
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+def _dying_jobs(ctx: Context[Any]) -> list[Any]:
+    return [
+        Compute("slow", sleep_then, {"seconds": 0.5, "die": False}),
+        Compute("die", sleep_then, {"seconds": 0.0, "die": True}, needs=("slow",)),
+    ]
+
+
+def _invoke_and_die(folder: str) -> None:
+    study = dataclasses.replace(TOY, name="dying", jobs=_dying_jobs)
+    run_jobs(study, open_study(study, Path(folder), grid={}))  # in this process: one worker
+
+
+def test_an_invocation_killed_by_sigkill_keeps_the_time_it_had_measured(tmp_path):
+    proc = mp.get_context("spawn").Process(target=_invoke_and_die, args=(str(tmp_path),))
+    proc.start()
+    proc.join(timeout=240)
+    assert proc.exitcode == -signal.SIGKILL
+    record = json.loads((tmp_path / "study.json").read_text())
+    assert record["jobs"]["slow"]["status"] == "done"
+    assert record["jobs"]["die"]["status"] == "running"
+    # No `finally` ran, yet the invocation's wall time covers the job that finished before.
+    (inv,) = record["invocations"]
+    assert inv["ran"] == 2 and inv["wall_s"] >= 0.5 and inv["cpu_s"] >= 0.0
+    assert inv["wall_s"] >= record["jobs"]["slow"]["wall_s"]
 
 
 # ----------------------------------------------------------------------------- statistics
