@@ -1,16 +1,11 @@
 """DP federated text generation study: do the weak clients' votes select better samples?
 
-``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` ("Resource-Adaptive Federated
-Text Generation with Differential Privacy", ICLR 2026, arXiv:2603.07027) on Rotten Tomatoes
-with the controls the paper's comparison lacks (docs/studies.md, docs/dpsyn.md): three
-generators (the base model, 1 and 4 strong clients of 20 with DP-SGD) each stop once their
-pool is saved; **offline voting** (:class:`~fedfm.reproduce.framework.Compute` jobs) replays
-the weak clients' votes with the algorithm's own pure functions over many seeds of the vote
-noise and the draw, at several ε_vote, and selects four ways of one size from each pool: by
-votes with replacement (the algorithm's ``resample``), uniform with replacement (the
-duplication-matched control), top by votes (``rank``) and uniform without replacement (no
-voting). Each selection is scored on the real test rows by a classifier trained on it alone;
-a difference ``d[seed, row]`` gets the two-way SE of :func:`fedfm.reproduce.stats.crossed`.
+``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` (arXiv:2603.07027) on Rotten
+Tomatoes with the controls the paper's comparison lacks (docs/dpsyn.md): three generators (the
+base model, 1 and 4 strong clients of 20 with DP-SGD) each stop once their pool is saved;
+**offline voting** replays the weak clients' votes with the algorithm's own functions over many
+seeds of the vote noise and the draw, at several ε_vote, and selects four ways of one size from
+each pool (:data:`SELECTIONS`), each scored on the real test rows by a classifier trained on it.
 
 Choices of ours: the base pool is voted on by the weak clients of the fewest-strong
 generator; the offline vote noise is seeded per (seed, ε, client), a simulation of the
@@ -23,8 +18,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +47,7 @@ from fedfm.reproduce.stats import (
     crossed_bootstrap,
     macro_f1_rows,
     mean_se,
+    paired,
     verdict,
 )
 from fedfm.reproduce.tables import DASH, Text, head, marked, num, row
@@ -77,19 +74,14 @@ class Grid:
     """The study's sizes.
 
     Attributes:
-        clients: Clients of the federation (IID over Rotten Tomatoes).
-        rows: Training rows per client.
+        clients, rows: Clients of the federation (IID over Rotten Tomatoes), rows of each.
         strong: Strong clients of the fine-tuned generators (the base model is the third).
-        epsilon_train: ε of each strong client's DP-SGD.
-        train_rounds: Fine-tuning rounds.
-        steps: DP-SGD steps per round.
-        batch_size: Expected Poisson batch of DP-SGD.
-        lr: Learning rate of the strong clients' AdamW.
-        pool: Samples each generator generates.
-        size: Samples each selection keeps.
+        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD: its ε,
+            rounds, steps per round, expected Poisson batch and AdamW learning rate.
+        pool, size: Samples each generator generates, and each selection keeps.
         max_new_tokens: Tokens per generated review.
-        max_length: Tokens per training row (prompt and review).
-        max_prompt_length: Tokens of the prompt (the chat template's system turn included).
+        max_length, max_prompt_length: Tokens per training row (prompt and review), and of
+            the prompt (the chat template's system turn included).
         prompt_template: The prompt of a code.
         probe_templates: Prompts the base model is tried with before the study (the
             preset's, the chosen one, a descriptive one naming what the codes mean).
@@ -183,11 +175,8 @@ def vote_name(strong: int) -> str:
 
 
 def strong_fraction(grid: Grid, strong: int) -> float:
-    """``clients.roles.strong`` of ``strong`` clients (the base model: the fewest's roles).
-
-    Half a client above the count, so that ``floor(fraction · clients)`` is the count
-    whatever the rounding of the product.
-    """
+    """``clients.roles.strong`` of ``strong`` clients (the base model: the fewest's roles);
+    half a client above the count, so that ``floor(fraction · clients)`` is the count."""
     return (max(strong, grid.few) + 0.5) / grid.clients
 
 
@@ -303,7 +292,7 @@ def ceiling_agrees(emb: Mapping[str, np.ndarray], x: np.ndarray, labels: np.ndar
     ``embeddings.npz``) predicts each sample's own label: does the text read as its code?"""
     from fedfm.eval.synthetic import logreg_predict
 
-    ids = sorted(emb_ids(emb), key=int)
+    ids = sorted((k.split("/", 1)[1] for k in emb if k.startswith("emb/")), key=int)
     real_x = np.concatenate([emb[f"emb/{c}"] for c in ids])
     real_y = np.concatenate([emb[f"y/{c}"] for c in ids])
     return np.asarray(logreg_predict(real_x, real_y, x) == labels)
@@ -501,21 +490,30 @@ def vote_offline(
     folder.mkdir(parents=True, exist_ok=True)
     stacked: dict[str, Any] = {k: np.stack(v) for k, v in preds.items()}
     np.savez_compressed(folder / PREDICTIONS, **stacked)
+    # The votes' signal (their spread over the pool's entries) against the noise's scale.
     mass = np.sum(list(clean.values()), axis=0)  # (P,) the votes before noise
+    noise = {f"{e:g}": analytic_gaussian_sigma(float(e), delta) for e in epsilon_votes}
+    signal = {
+        "voters": len(voters),
+        "private_samples": sum(len(emb[f"code/{c}"]) for c in voters),
+        "k": int(algo["k"]),
+        "mass_mean": float(mass.mean()),
+        "mass_sd": float(mass.std(ddof=1)) if len(mass) > 1 else math.nan,
+        "mass_max": float(mass.max()),
+        "zero_share": float(np.mean(mass == 0)),
+        "noise_sd": {e: sigma * math.sqrt(len(voters)) for e, sigma in noise.items()},
+    }
+    hit = on_code.astype(float)
+    varied = len(mass) > 1 and mass.std() > 0 and hit.std() > 0
     return {
         "pool": _describe(pool, on_code),
-        "signal": _signal(mass, epsilon_votes, delta, int(algo["k"]), emb, voters),
-        "correlation_votes_on_code": _corr(mass, on_code.astype(float)),
+        "signal": signal,
+        "correlation_votes_on_code": float(np.corrcoef(mass, hit)[0, 1]) if varied else math.nan,
         "selections": stats,
         "privacy": _privacy(pool, voters, epsilon_votes, delta),
         "voters": list(voters),
         "seconds": time.perf_counter() - t0,
     }
-
-
-def emb_ids(emb: Mapping[str, np.ndarray]) -> list[str]:
-    """The client ids of an ``embeddings.npz``."""
-    return [k.split("/", 1)[1] for k in emb if k.startswith("emb/")]
 
 
 def _describe(pool: _Pool, on_code: np.ndarray) -> dict[str, Any]:
@@ -534,40 +532,6 @@ def _describe(pool: _Pool, on_code: np.ndarray) -> dict[str, Any]:
         "on_code": float(on_code.mean()),
         "examples": {c: v[:3] for c, v in by_code.items()},
     }
-
-
-def _signal(
-    mass: np.ndarray,
-    epsilon_votes: Sequence[float],
-    delta: float,
-    k: int,
-    emb: Mapping[str, np.ndarray],
-    voter_ids: Sequence[str],
-) -> dict[str, Any]:
-    """The votes' signal (their spread over the pool's entries) against the noise's scale."""
-    from fedfm.core.privacy import analytic_gaussian_sigma
-
-    n_voters = len(voter_ids)
-    noise = {
-        f"{e:g}": analytic_gaussian_sigma(float(e), delta) * math.sqrt(n_voters)
-        for e in epsilon_votes
-    }
-    return {
-        "voters": n_voters,
-        "private_samples": int(sum(len(emb[f"code/{c}"]) for c in voter_ids)),
-        "k": k,
-        "mass_mean": float(mass.mean()),
-        "mass_sd": float(mass.std(ddof=1)) if len(mass) > 1 else math.nan,
-        "mass_max": float(mass.max()),
-        "zero_share": float(np.mean(mass == 0)),
-        "noise_sd": noise,
-    }
-
-
-def _corr(a: np.ndarray, b: np.ndarray) -> float:
-    if len(a) < 2 or a.std() == 0 or b.std() == 0:
-        return math.nan
-    return float(np.corrcoef(a, b)[0, 1])
 
 
 def _privacy(
@@ -598,6 +562,8 @@ def _privacy(
 
 # ----------------------------------------------------------------------------- reading
 
+Side = tuple[int, str]  # (strong clients of the pool, selection key)
+
 
 @dataclass
 class Results:
@@ -622,9 +588,13 @@ class Results:
     preds: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     runs: dict[int, RunView] = field(default_factory=dict)
 
+    def pred(self, side: Side) -> np.ndarray | None:
+        """``(seeds, N)`` predictions of one selection's classifiers (``None`` when missing)."""
+        return self.preds.get(side[0], {}).get(side[1])
+
     def correct(self, strong: int, key: str) -> np.ndarray | None:
         """``(seeds, N)`` correctness of one selection's classifiers (``None`` when missing)."""
-        p = self.preds.get(strong, {}).get(key)
+        p = self.pred((strong, key))
         return None if p is None or self.y is None else (p == self.y[None, :]).astype(float)
 
 
@@ -650,8 +620,6 @@ def read(ctx: Context[Grid]) -> Results:
 
 # ----------------------------------------------------------------------------- statistics
 
-Side = tuple[int, str]  # (strong clients of the pool, selection key)
-
 
 def acc_diff(res: Results, a: Side, b: Side) -> Estimate:
     """Accuracy of selection ``a`` minus ``b``, over the seeds and the test rows (two-way SE,
@@ -672,7 +640,7 @@ def acc_level(res: Results, a: Side) -> Estimate:
 def f1_diff(res: Results, a: Side, b: Side, seed: int = 0) -> Estimate:
     """Macro-F1 of ``a`` minus ``b`` (each seed's, averaged over seeds), with the SE of the
     two-way bootstrap over seeds and test rows."""
-    pa, pb = res.preds.get(a[0], {}).get(a[1]), res.preds.get(b[0], {}).get(b[1])
+    pa, pb = res.pred(a), res.pred(b)
     if pa is None or pb is None or res.y is None or a == b:
         return NONE
     s, y = min(len(pa), len(pb)), res.y
@@ -687,7 +655,7 @@ def f1_diff(res: Results, a: Side, b: Side, seed: int = 0) -> Estimate:
 
 def f1_level(res: Results, a: Side) -> Estimate:
     """Macro-F1 of one selection: mean and SE over its seeds."""
-    p = res.preds.get(a[0], {}).get(a[1])
+    p = res.pred(a)
     if p is None or res.y is None:
         return NONE
     return mean_se(macro_f1_rows(p, res.y).tolist())
@@ -696,7 +664,7 @@ def f1_level(res: Results, a: Side) -> Estimate:
 def predicted(res: Results, a: Side, classes: int) -> list[float]:
     """The share of test rows predicted as each class, averaged over seeds (a classifier that
     collapses onto one class shows here before in its accuracy)."""
-    p = res.preds.get(a[0], {}).get(a[1])
+    p = res.pred(a)
     if p is None or not classes:
         return []
     shares = [np.bincount(r.astype(np.int64), minlength=classes) / len(r) for r in p]
@@ -711,9 +679,8 @@ def seed_values(res: Results, a: Side, what: str) -> list[float]:
 
 def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
     """A per-seed value of ``a`` minus ``b``, mean and SE over seeds (paired by index)."""
-    va, vb = seed_values(res, a, what), seed_values(res, b, what)
-    n = min(len(va), len(vb))
-    return mean_se([x - y for x, y in zip(va[:n], vb[:n], strict=True)])
+    va, vb = (dict(enumerate(seed_values(res, x, what))) for x in (a, b))
+    return paired(va, vb)
 
 
 # ----------------------------------------------------------------------------- readouts
@@ -721,14 +688,9 @@ def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
 STAT = "paired over seeds × test rows (two-way SE)"
 
 
-def pool_label(grid: Grid, strong: int) -> str:
+def pool_label(strong: int) -> str:
     """``the base model's pool``, ``the 1-strong pool``."""
     return "the base model's pool" if strong == 0 else f"the {strong}-strong pool"
-
-
-def _acc(a: Side, b: Side) -> Callable[[Results], Estimate]:
-    """A readout's value: :func:`acc_diff` of ``a`` and ``b``."""
-    return lambda r: acc_diff(r, a, b)
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
@@ -741,12 +703,12 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             out.append(
                 Readout(
                     f"by votes − uniform, both with replacement ({grid.size} of {grid.pool}),"
-                    f" {pool_label(grid, s)}, ε_vote {eps:g}",
+                    f" {pool_label(s)}, ε_vote {eps:g}",
                     STAT,
                     "the votes select better samples than chance (voting raises downstream"
                     " scores; Yelp, 1% strong: about +0.20 F1)",
                     +1,
-                    _acc((s, f"votes/{eps:g}"), (s, "uniform")),
+                    partial(acc_diff, a=(s, f"votes/{eps:g}"), b=(s, "uniform")),
                     scope=TEXT("scope-votes"),
                 )
             )
@@ -757,7 +719,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
         "more strong clients help without voting (the premise of claim 1; Yelp: 10% strong"
         " 0.6280 without voting)",
         +1,
-        _acc((many, "subset"), (few, "subset")),
+        partial(acc_diff, a=(many, "subset"), b=(few, "subset")),
         scope=TEXT("scope-premise"),
     )
     out.append(premise)
@@ -774,7 +736,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
                 "few strong clients with voting reach many without (Yelp: 1% strong with"
                 " voting 0.6149, 10% without 0.6280)",
                 +1,
-                _acc((few, f"votes/{eps:g}"), (many, "subset")),
+                partial(acc_diff, a=(few, f"votes/{eps:g}"), b=(many, "subset")),
                 scope=TEXT("scope-claim", premise=premise_no),
                 testable=premise_holds,
             )
@@ -873,13 +835,13 @@ def _instrument(res: Results) -> str:
         acc = acc_level(res, (s, "pool"))
         cells = [p["samples"], p["distinct_texts"], per_code, num(p["truncated"]), p["empty"]]
         cells += [num(p["words"], 1), num(p["on_code"]), acc.fmt()]
-        pools.append(row([pool_label(res.grid, s), *cells]))
+        pools.append(row([pool_label(s), *cells]))
     samples = []
     for s, v in sorted(res.votes.items()):
         for code, texts in v["pool"]["examples"].items():
             for t in texts:
                 short = t.replace("\n", " ").replace("|", "/")
-                samples.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
+                samples.append(f"- {pool_label(s)}, *{code}*: {short[:200]}")
     return TEXT(
         "instrument",
         values,
@@ -919,7 +881,7 @@ def _training_lines(res: Results) -> list[str]:
         gen_s = rounds.get(r_train + 1, {}).get("time/generate_s")
         cells = [num(max(sigmas), 3) if sigmas else DASH, _eps(mech)]
         cells += [", ".join(num(n, 2) for n in norms) or DASH, num(train_s, 0), num(gen_s, 0)]
-        lines.append(row([pool_label(res.grid, s), *cells]))
+        lines.append(row([pool_label(s), *cells]))
     return lines
 
 
@@ -954,9 +916,7 @@ def _signal_lines(res: Results) -> list[str]:
         cells = [g["voters"], g["private_samples"], g["k"]]
         cells += [num(g[k], 1) for k in ("mass_mean", "mass_sd", "mass_max")]
         cells += [num(g["zero_share"]), *[num(g["noise_sd"].get(f"{e:g}"), 1) for e in eps]]
-        lines.append(
-            row([pool_label(res.grid, s), *cells, num(v.get("correlation_votes_on_code"))])
-        )
+        lines.append(row([pool_label(s), *cells, num(v.get("correlation_votes_on_code"))]))
     return lines
 
 
@@ -976,7 +936,7 @@ def _scores_lines(res: Results) -> list[str]:
             cells.append(num(float(np.mean(seed_values(res, side, "distinct"))), 1))
             cells.append(num(float(np.mean(seed_values(res, side, "on_code")))))
             cells.append(" / ".join(num(x, 2) for x in predicted(res, side, len(names))))
-            lines.append(row([pool_label(res.grid, s), _sel_label(key), *cells]))
+            lines.append(row([pool_label(s), _sel_label(key), *cells]))
     return lines
 
 
@@ -996,7 +956,7 @@ def _within_lines(res: Results) -> list[str]:
                 (f"by votes − subset, ε_vote {e:g}", f"votes/{e:g}", "subset"),
             ]
         for label, a, b in pairs:
-            lines.append(row([pool_label(res.grid, s), label, *_diff_cells(res, (s, a), (s, b))]))
+            lines.append(row([pool_label(s), label, *_diff_cells(res, (s, a), (s, b))]))
     return lines
 
 
@@ -1028,7 +988,7 @@ def _privacy_lines(res: Results) -> list[str]:
             mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")
             cells = [_eps(p["mechanisms"].get(k)) for k in mech]
             cells += [_eps(p["strong"]), _eps(p["weak"])]
-            lines.append(row([pool_label(res.grid, s), e, num(p["sigma_vote"], 3), *cells]))
+            lines.append(row([pool_label(s), e, num(p["sigma_vote"], 3), *cells]))
     return lines
 
 
