@@ -697,30 +697,30 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     """Voting against its duplication-matched control (base and fewest-strong pools, each
     ε_vote), the premise of the paper's first claim, and the claim's direction."""
     few, many = grid.few, grid.many
-    out: list[Readout[Results]] = []
-    for eps in grid.epsilon_votes:
-        for s in (0, few):
-            out.append(
-                Readout(
-                    f"by votes − uniform, both with replacement ({grid.size} of {grid.pool}),"
-                    f" {pool_label(s)}, ε_vote {eps:g}",
-                    STAT,
-                    "the votes select better samples than chance (voting raises downstream"
-                    " scores; Yelp, 1% strong: about +0.20 F1)",
-                    +1,
-                    partial(acc_diff, a=(s, f"votes/{eps:g}"), b=(s, "uniform")),
-                    scope=TEXT("scope-votes"),
-                )
-            )
-    premise: Readout[Results] = Readout(
-        f"{many} strong − {few} strong without voting (uniform {grid.size} of {grid.pool},"
-        " without replacement)",
-        STAT,
+    size = f"{grid.size} of {grid.pool}"
+
+    def acc(name: str, paper: str, a: Side, b: Side, scope: str, **kw: Any) -> Readout[Results]:
+        return Readout(name, STAT, paper, +1, partial(acc_diff, a=a, b=b), scope=scope, **kw)
+
+    out = [
+        acc(
+            f"by votes − uniform, both with replacement ({size}), {pool_label(s)}, ε_vote {eps:g}",
+            "the votes select better samples than chance (voting raises downstream scores; Yelp,"
+            " 1% strong: about +0.20 F1)",
+            (s, f"votes/{eps:g}"),
+            (s, "uniform"),
+            TEXT("scope-votes"),
+        )
+        for eps in grid.epsilon_votes
+        for s in (0, few)
+    ]
+    premise = acc(
+        f"{many} strong − {few} strong without voting (uniform {size}, without replacement)",
         "more strong clients help without voting (the premise of claim 1; Yelp: 10% strong"
         " 0.6280 without voting)",
-        +1,
-        partial(acc_diff, a=(many, "subset"), b=(few, "subset")),
-        scope=TEXT("scope-premise"),
+        (many, "subset"),
+        (few, "subset"),
+        TEXT("scope-premise"),
     )
     out.append(premise)
     premise_no = len(out)  # its R number (readouts count from 1)
@@ -728,19 +728,13 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     def premise_holds(r: Results) -> bool:
         return verdict(premise.value(r), +1) == IN_DIRECTION
 
+    claim = "few strong clients with voting reach many without (Yelp: 1% strong with voting"
+    claim += " 0.6149, 10% without 0.6280)"
+    scope = TEXT("scope-claim", premise=premise_no)
     for eps in grid.epsilon_votes:
-        out.append(
-            Readout(
-                f"{few} strong with voting (ε_vote {eps:g}) − {many} strong without",
-                STAT,
-                "few strong clients with voting reach many without (Yelp: 1% strong with"
-                " voting 0.6149, 10% without 0.6280)",
-                +1,
-                partial(acc_diff, a=(few, f"votes/{eps:g}"), b=(many, "subset")),
-                scope=TEXT("scope-claim", premise=premise_no),
-                testable=premise_holds,
-            )
-        )
+        name = f"{few} strong with voting (ε_vote {eps:g}) − {many} strong without"
+        vs = ((few, f"votes/{eps:g}"), (many, "subset"))
+        out.append(acc(name, claim, *vs, scope, testable=premise_holds))
     return out
 
 
@@ -781,11 +775,8 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     values.update({k: f"{a[k]:g}" for k in ("max_grad_norm", "epsilon_profile")})
     values.update(embedder=a["embedder"], optimizer=cfg["train"]["optimizer"])
     values.update(delta=f"{cfg['privacy']['delta']:g}", few=grid.few)
-    ses = [
-        acc_diff(res, (p, f"votes/{e:g}"), (p, "uniform")).se
-        for p in (0, grid.few)
-        for e in grid.epsilon_votes
-    ]
+    # The voting readouts' SEs (R1 to Rn): the smallest difference they resolve.
+    ses = [r.value(res).se for r in readouts(grid)[: 2 * len(grid.epsilon_votes)]]
     ses = [x for x in ses if math.isfinite(x)]
     resolution = {"difference": f"{2 * max(ses):.3f}", "n": len(ses)} if ses else {}
     text = TEXT(
@@ -828,7 +819,7 @@ def _instrument(res: Results) -> str:
     values = {k: e[k] for k in ("test_rows", "train_rows")}
     values.update(majority=num(e["majority"]), frechet=num(e["frechet_real"]))
     values.update(acc=num(e["ceiling"]["acc"]), f1=num(e["ceiling"]["macro_f1"]))
-    pools = []
+    pools, samples = [], []
     for s, v in sorted(res.votes.items()):
         p = v["pool"]
         per_code = ", ".join(f"{c} {n}" for c, n in p["per_code"].items())
@@ -836,12 +827,9 @@ def _instrument(res: Results) -> str:
         cells = [p["samples"], p["distinct_texts"], per_code, num(p["truncated"]), p["empty"]]
         cells += [num(p["words"], 1), num(p["on_code"]), acc.fmt()]
         pools.append(row([pool_label(s), *cells]))
-    samples = []
-    for s, v in sorted(res.votes.items()):
-        for code, texts in v["pool"]["examples"].items():
-            for t in texts:
-                short = t.replace("\n", " ").replace("|", "/")
-                samples.append(f"- {pool_label(s)}, *{code}*: {short[:200]}")
+        for code, texts in p["examples"].items():
+            short = [t.replace("\n", " ").replace("|", "/")[:200] for t in texts]
+            samples += [f"- {pool_label(s)}, *{code}*: {t}" for t in short]
     return TEXT(
         "instrument",
         values,
@@ -946,49 +934,42 @@ def _diff_cells(res: Results, a: Side, b: Side) -> list[str]:
 
 
 def _within_lines(res: Results) -> list[str]:
-    lines = []
-    for s in sorted(res.votes):
-        pairs = [("uniform − subset (duplication alone)", "uniform", "subset")]
-        for e in res.grid.epsilon_votes:
-            pairs += [
-                (f"by votes − uniform, ε_vote {e:g}", f"votes/{e:g}", "uniform"),
-                (f"top − subset, ε_vote {e:g}", f"top/{e:g}", "subset"),
-                (f"by votes − subset, ε_vote {e:g}", f"votes/{e:g}", "subset"),
-            ]
-        for label, a, b in pairs:
-            lines.append(row([pool_label(s), label, *_diff_cells(res, (s, a), (s, b))]))
-    return lines
+    pairs = [("uniform − subset (duplication alone)", "uniform", "subset")]
+    for e in res.grid.epsilon_votes:
+        pairs += [
+            (f"by votes − uniform, ε_vote {e:g}", f"votes/{e:g}", "uniform"),
+            (f"top − subset, ε_vote {e:g}", f"top/{e:g}", "subset"),
+            (f"by votes − subset, ε_vote {e:g}", f"votes/{e:g}", "subset"),
+        ]
+    return [
+        row([pool_label(s), label, *_diff_cells(res, (s, a), (s, b))])
+        for s in sorted(res.votes)
+        for label, a, b in pairs
+    ]
 
 
 def _between_lines(res: Results) -> list[str]:
-    grid = res.grid
-    lines = []
-    few, many = grid.few, grid.many
-    pairs = [
-        (f"{s} strong − base model, no voting", (s, "subset"), (0, "subset")) for s in grid.strong
-    ]
-    pairs.append((f"{many} strong − {few} strong, no voting", (many, "subset"), (few, "subset")))
-    pairs += [
-        (
-            f"{few} strong by votes (ε_vote {e:g}) − {many} strong, no voting",
-            (few, f"votes/{e:g}"),
-            (many, "subset"),
+    few, many = res.grid.few, res.grid.many
+    pairs = [(f"{s} strong − base model", (s, "subset"), (0, "subset")) for s in res.grid.strong]
+    pairs.append((f"{many} strong − {few} strong", (many, "subset"), (few, "subset")))
+    for e in res.grid.epsilon_votes:
+        pairs.append(
+            (
+                f"{few} strong by votes (ε_vote {e:g}) − {many} strong",
+                (few, f"votes/{e:g}"),
+                (many, "subset"),
+            )
         )
-        for e in grid.epsilon_votes
-    ]
-    for label, a, b in pairs:
-        lines.append(row([label, *_diff_cells(res, a, b)]))
-    return lines
+    return [row([f"{label}, no voting", *_diff_cells(res, a, b)]) for label, a, b in pairs]
 
 
 def _privacy_lines(res: Results) -> list[str]:
     lines = []
+    mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")
     for s, v in sorted(res.votes.items()):
         for e, p in v["privacy"].items():
-            mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")
-            cells = [_eps(p["mechanisms"].get(k)) for k in mech]
-            cells += [_eps(p["strong"]), _eps(p["weak"])]
-            lines.append(row([pool_label(s), e, num(p["sigma_vote"], 3), *cells]))
+            eps = [*(p["mechanisms"].get(k) for k in mech), p["strong"], p["weak"]]
+            lines.append(row([pool_label(s), e, num(p["sigma_vote"], 3), *map(_eps, eps)]))
     return lines
 
 
