@@ -454,15 +454,8 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
 
 @dataclass
 class Choice:
-    """The (β, λ) the selection rule picks.
-
-    Attributes:
-        beta: Chosen gate scale.
-        lam: Chosen distillation weight.
-        mean_rank: (β, λ) -> mean rank over the cells (1 = best).
-        cells: (preset, setting tag) cells that entered the ranking.
-        missing: Cells left out because a configuration had no validation value.
-    """
+    """The (β, λ) the selection rule picks, every (β, λ)'s mean rank over the cells (1 = best),
+    the (preset, setting tag) cells ranked and those left out (a configuration had no value)."""
 
     beta: float
     lam: float
@@ -874,7 +867,9 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
     fed = federated(choice)
     width = 0.8 / max(len(fed), 1)
-    panels = [(label, ps, split) for label, ps in _groups(grid, res) for split in ("test", "local")]
+    # Accuracy and RMSE get their own panels (their scales differ).
+    kinds = (("accuracy", res.classification(grid.presets)), ("RMSE", res.regression(grid.presets)))
+    panels = [(label, ps, split) for label, ps in kinds if ps for split in ("test", "local")]
     settings = grid.all_settings()
     size = (3.6 * len(panels) + 1, 3.0 * len(settings))
     fig, axes = plt.subplots(len(settings), len(panels), figsize=size, squeeze=False)
@@ -900,15 +895,6 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
         "Negative transfer: bar = mean client ± SE over seeds, ▼ = worst client", fontsize=10
     )
     return _save(fig, path)
-
-
-def _groups(grid: Grid, res: Results) -> list[tuple[str, list[str]]]:
-    """Presets by task kind: accuracy and RMSE get their own panels (their scales differ)."""
-    groups = (
-        ("accuracy", res.classification(grid.presets)),
-        ("RMSE", res.regression(grid.presets)),
-    )
-    return [(label, ps) for label, ps in groups if ps]
 
 
 def _save(fig: Any, path: Path) -> Path:
