@@ -492,7 +492,7 @@ def vote_offline(
     np.savez_compressed(folder / PREDICTIONS, **stacked)
     # The votes' signal (their spread over the pool's entries) against the noise's scale.
     mass = np.sum(list(clean.values()), axis=0)  # (P,) the votes before noise
-    noise = {f"{e:g}": analytic_gaussian_sigma(float(e), delta) for e in epsilon_votes}
+    sigmas = {f"{e:g}": analytic_gaussian_sigma(float(e), delta) for e in epsilon_votes}
     signal = {
         "voters": len(voters),
         "private_samples": sum(len(emb[f"code/{c}"]) for c in voters),
@@ -501,7 +501,7 @@ def vote_offline(
         "mass_sd": float(mass.std(ddof=1)) if len(mass) > 1 else math.nan,
         "mass_max": float(mass.max()),
         "zero_share": float(np.mean(mass == 0)),
-        "noise_sd": {e: sigma * math.sqrt(len(voters)) for e, sigma in noise.items()},
+        "noise_sd": {e: sigma * math.sqrt(len(voters)) for e, sigma in sigmas.items()},
     }
     hit = on_code.astype(float)
     varied = len(mass) > 1 and mass.std() > 0 and hit.std() > 0
