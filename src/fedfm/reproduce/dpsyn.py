@@ -747,18 +747,6 @@ def _eps(x: Any) -> str:
     return "∞" if not math.isfinite(float(x)) else f"{float(x):.2f}"
 
 
-def _sel_label(key: str) -> str:
-    kind, _, eps = key.partition("/")
-    what = dict(SELECTIONS).get(kind, "the whole pool")
-    return f"{what}, ε_vote {eps}" if eps else what
-
-
-def _keys(grid: Grid) -> list[str]:
-    """Every selection key of a pool, in the report's order."""
-    voted = [f"{kind}/{e:g}" for e in grid.epsilon_votes for kind in VOTED]
-    return ["pool", "subset", "uniform", *voted]
-
-
 def body(ctx: Context[Grid], res: Results) -> list[str]:
     """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
     from fedfm.config import load_config
@@ -786,7 +774,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         runs_done=len(res.runs),
         votes_done=len(res.votes),
         generators=len(grid.generators),
-        codes=", ".join(map(str, _codes(grid))),
+        codes=str(grid.task["dataset"]) if grid.task.get("dataset") else "rotten, fresh",
         test=(
             "every real test row" if grid.test_rows is None else f"{grid.test_rows} real test rows"
         ),
@@ -804,10 +792,6 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         resolution=f" {TEXT('resolution', resolution)}" if ses else "",
     )
     return [text, ""]
-
-
-def _codes(grid: Grid) -> list[str]:
-    return ["rotten", "fresh"] if not grid.task.get("dataset") else [str(grid.task["dataset"])]
 
 
 def _instrument(res: Results) -> str:
@@ -914,17 +898,19 @@ def _scores_lines(res: Results) -> list[str]:
         "pool | selection | accuracy | macro-F1 | Fréchet (distinct) | distinct | on-code"
         " | test rows predicted as " + " / ".join(names)
     )
+    # Every selection of a pool, in the report's order.
+    voted = [f"{kind}/{e:g}" for e in res.grid.epsilon_votes for kind in VOTED]
     for s in sorted(res.votes):
-        for key in _keys(res.grid):
-            if key not in res.preds.get(s, {}):
-                continue
+        for key in (k for k in ["pool", "subset", "uniform", *voted] if k in res.preds.get(s, {})):
             side = (s, key)
             cells = [acc_level(res, side).fmt(), f1_level(res, side).fmt()]
             cells.append(mean_se(seed_values(res, side, "frechet")).fmt())
             cells.append(num(float(np.mean(seed_values(res, side, "distinct"))), 1))
             cells.append(num(float(np.mean(seed_values(res, side, "on_code")))))
             cells.append(" / ".join(num(x, 2) for x in predicted(res, side, len(names))))
-            lines.append(row([pool_label(s), _sel_label(key), *cells]))
+            kind, _, eps = key.partition("/")
+            what = dict(SELECTIONS).get(kind, "the whole pool")
+            lines.append(row([pool_label(s), f"{what}, ε_vote {eps}" if eps else what, *cells]))
     return lines
 
 
