@@ -392,6 +392,12 @@ class Results:
         """Seed -> value of one statistic (empty when the cell has none)."""
         return self.final.get((cell, split, metric, stat), {})
 
+    def nt(
+        self, preset: str, tag: str, v: Variant, split: str, stat: str = "nt_mean", metric: str = ""
+    ) -> dict[int, float]:
+        """Seed -> one statistic of a main-grid cell, of the primary metric unless ``metric``."""
+        return self.get(CellKey(preset, tag, v.key), split, metric or self.primary(preset), stat)
+
     def kind(self, preset: str) -> str:
         return self.kinds.get(preset, "classification")
 
@@ -509,9 +515,7 @@ def config_scores(
         for st in grid.settings:
             scores = {}
             for b, lam in grid.configs():
-                vals = res.get(
-                    CellKey(p, st.tag, gated(b, lam).key), split, res.primary(p), "nt_mean"
-                )
+                vals = res.nt(p, st.tag, gated(b, lam), split)
                 if vals:
                     scores[(b, lam)] = float(np.mean(list(vals.values())))
             out[(p, st.tag)] = scores
@@ -567,6 +571,8 @@ def data_notes(grid: Grid) -> list[str]:
 
 # ----------------------------------------------------------------------------- tables
 
+WHERE = {"test": "global test", "local": "local split"}  # the two test sets in the tables
+
 
 def _name(preset: str) -> str:
     return preset.removeprefix("fedekd-")
@@ -581,10 +587,6 @@ def _unit(metric: str) -> str:
     return {"acc": "accuracy", "macro_f1": "macro-F1", "rmse": "RMSE"}[metric]
 
 
-def _where(split: str) -> str:
-    return "global test" if split == "test" else "local split"
-
-
 def _est(values: Mapping[int, float]) -> Estimate:
     return mean_se(list(values.values()))
 
@@ -593,7 +595,7 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
     metrics = metrics_of(res.kind(preset))
     m = metrics[0][0]
     header = ["setting", "method"]
-    for where in ("global test", "local split"):
+    for where in WHERE.values():
         header += [f"{_unit(m)} {where}", f"NT mean {where}", f"NT worst {where}"]
         header.append(f"harmed {where}")
     if len(metrics) > 1:
@@ -601,16 +603,15 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
     lines = head(header)
     for st in grid.all_settings():
         for v in featured(choice):
-            cell = CellKey(preset, st.tag, v.key)
             cells = [st.label, v.label]
             for split in ("test", "local"):
-                cells.append(_est(res.get(cell, split, m, "value")).fmt(_digits(m)))
+                cells.append(_est(res.nt(preset, st.tag, v, split, "value")).fmt(_digits(m)))
                 for stat in ("nt_mean", "nt_worst", "harmed"):
-                    nt = _est(res.get(cell, split, m, stat)).fmt(_digits(m, stat))
+                    nt = _est(res.nt(preset, st.tag, v, split, stat)).fmt(_digits(m, stat))
                     cells.append(nt if v.reference else "—")
             if len(metrics) > 1:
                 for split in ("test", "local"):
-                    vals = res.get(cell, split, "macro_f1", "nt_mean")
+                    vals = res.nt(preset, st.tag, v, split, metric="macro_f1")
                     cells.append(_est(vals).fmt(3) if v.reference else "—")
             lines.append(row(cells))
     return lines
@@ -619,7 +620,7 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
 # Statistics of a comparison: (split, stat, column title).
 DIFF_STATS = tuple(
     (split, stat, f"Δ {stat.replace('nt_', 'NT ')}, {where}")
-    for split, where in (("test", "global test"), ("local", "local split"))
+    for split, where in WHERE.items()
     for stat in ("nt_mean", "nt_worst", "harmed")
 )
 
@@ -646,8 +647,7 @@ def comparisons(choice: tuple[float, float]) -> list[Comparison]:
 
 
 def _pair(res: Results, comp: Comparison, preset: str, tag: str, split: str, stat: str) -> tuple:
-    m = res.primary(preset)
-    return tuple(res.get(CellKey(preset, tag, v.key), split, m, stat) for v in (comp.a, comp.b))
+    return tuple(res.nt(preset, tag, v, split, stat) for v in (comp.a, comp.b))
 
 
 def _pooled(
@@ -734,7 +734,7 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
         groups.append(("control", _tags(grid.control_settings)))
     header = ["method"]
     for label, _ in groups:
-        for where in ("global test", "local split"):
+        for where in WHERE.values():
             header.append(f"classification pooled NT mean, {where}, {label}")
             header.append(f"cells NT > 0 / < 0 / cells, {where}, {label}")
     lines = head(header)
@@ -742,11 +742,7 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
         cells = [v.label]
         for _, tags in groups:
             for split in ("test", "local"):
-                nts = {
-                    (p, t): res.get(CellKey(p, t, v.key), split, res.primary(p), "nt_mean")
-                    for p in grid.presets
-                    for t in tags
-                }
+                nts = {(p, t): res.nt(p, t, v, split) for p in grid.presets for t in tags}
                 cls = [x for (p, _), x in nts.items() if res.kind(p) == "classification" and x]
                 pooled = pooled_paired([(x, dict.fromkeys(x, 0.0)) for x in cls])
                 pos, neg, n = _tally(_est(x) for x in nts.values())
@@ -877,9 +873,8 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
         for c, (label, presets, split) in enumerate(panels):
             ax = axes[r, c]
             for j, v in enumerate(fed):
-                cells = [(CellKey(p, st.tag, v.key), res.primary(p)) for p in presets]
-                ests = [_est(res.get(cell, split, m, "nt_mean")) for cell, m in cells]
-                worst = [_est(res.get(cell, split, m, "nt_worst")).mean for cell, m in cells]
+                ests = [_est(res.nt(p, st.tag, v, split)) for p in presets]
+                worst = [_est(res.nt(p, st.tag, v, split, "nt_worst")).mean for p in presets]
                 x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
                 ses = [e.se if e.n > 1 else 0.0 for e in ests]
                 colour = palette[v.label]
@@ -889,7 +884,7 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xticks(np.arange(len(presets)), [_name(p) for p in presets], fontsize=8)
             ax.set_ylabel(f"NT, {label}")
-            ax.set_title(f"{st.label}, {_where(split)}", fontsize=9)
+            ax.set_title(f"{st.label}, {WHERE[split]}", fontsize=9)
     axes[0, 0].legend(fontsize=6)
     fig.suptitle(
         "Negative transfer: bar = mean client ± SE over seeds, ▼ = worst client", fontsize=10
@@ -942,7 +937,7 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
                 ax.plot(rounds, mu, label=v.label, lw=1.2, color=colour)
                 ax.fill_between(rounds, mu - se, mu + se, alpha=0.2, color=colour)
             ax.axhline(0, color="k", lw=0.8)
-            ax.set_title(f"{_name(p)}, {_where(split)}", fontsize=9)
+            ax.set_title(f"{_name(p)}, {WHERE[split]}", fontsize=9)
             plots.integer_rounds(ax)
             ax.set_ylabel(f"mean-client NT, {_unit(res.primary(p))}")
     axes[0, 0].legend(fontsize=6)
