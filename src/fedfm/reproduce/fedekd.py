@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import logging.handlers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -551,13 +552,8 @@ def data_notes(grid: Grid) -> list[str]:
     (the loaders are called afresh: a cached source would not log again)."""
     from fedfm.data.sources import SOURCES
 
-    notes: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            notes.append(record.getMessage())
-
-    handler = Grab(logging.WARNING)
+    handler = logging.handlers.BufferingHandler(capacity=10**6)  # keeps every record
+    handler.setLevel(logging.WARNING)
     data_log = logging.getLogger("fedfm.data")
     data_log.addHandler(handler)
     try:
@@ -566,7 +562,7 @@ def data_notes(grid: Grid) -> list[str]:
             SOURCES.get(task["dataset"])(**task.get("source_options", {}))
     finally:
         data_log.removeHandler(handler)
-    return notes
+    return [record.getMessage() for record in handler.buffer]
 
 
 # ----------------------------------------------------------------------------- tables
