@@ -781,7 +781,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         strong=", ".join(map(str, grid.strong)),
         epsilon_votes=", ".join(f"{e:g}" for e in grid.epsilon_votes),
         instrument=_instrument(res),
-        sizing=_sizing(grid),
+        sizing=_sizing(grid, float(cfg["privacy"]["delta"])),
         signal=_signal_lines(res),
         scores=_scores_lines(res),
         within=_within_lines(res),
@@ -857,13 +857,12 @@ def _training_lines(res: Results) -> list[str]:
     return lines
 
 
-def _sizing(grid: Grid) -> str:
+def _sizing(grid: Grid, delta: float) -> str:
     """What the grid's sizes promise before any run: the expected mass against the noise."""
     from fedfm.core.privacy import analytic_gaussian_sigma
 
     n = len(voters(grid, grid.few))
     mass = n * grid.rows * math.sqrt(grid.k) / grid.pool
-    delta = float(generator_config(grid, grid.few)["privacy"]["delta"])
     noise = [analytic_gaussian_sigma(e, delta) * math.sqrt(n) for e in grid.epsilon_votes]
     shown = ", ".join(
         f"{x:.1f} at ε_vote {e:g}" for x, e in zip(noise, grid.epsilon_votes, strict=True)

@@ -539,12 +539,10 @@ def gate_of(ctx: Context[Grid]) -> tuple[Choice | None, tuple[float, float]]:
 
 def jobs(ctx: Context[Grid]) -> list[Run]:
     """The main grid; once none of it is left to run, the runs of the rule's (β, λ)."""
-    grid = ctx.grid
-    main = [Run(c.name, job_config(c, grid), group=c.variant.method) for c in main_cells(grid)]
-    if not ctx.settled(r.name for r in main):
-        return main
-    after = chosen_cells(grid, gate_of(ctx)[1])
-    return main + [Run(c.name, job_config(c, grid), group=c.variant.method) for c in after]
+    todo = main_cells(ctx.grid)
+    if ctx.settled(c.name for c in todo):
+        todo += chosen_cells(ctx.grid, gate_of(ctx)[1])
+    return [Run(c.name, job_config(c, ctx.grid), group=c.variant.method) for c in todo]
 
 
 def data_notes(grid: Grid) -> list[str]:
