@@ -612,10 +612,13 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
 
 
 # Statistics of a comparison: (split, stat, column title).
-DIFF_STATS = tuple(
-    (split, stat, f"Δ {stat.replace('nt_', 'NT ')}, {where}")
-    for split, where in WHERE.items()
-    for stat in ("nt_mean", "nt_worst", "harmed")
+DIFF_STATS = (
+    ("test", "nt_mean", "Δ NT mean, global test"),
+    ("test", "nt_worst", "Δ NT worst, global test"),
+    ("test", "harmed", "Δ harmed, global test"),
+    ("local", "nt_mean", "Δ NT mean, local split"),
+    ("local", "nt_worst", "Δ NT worst, local split"),
+    ("local", "harmed", "Δ harmed, local split"),
 )
 
 
@@ -1040,9 +1043,10 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
                 r.res, Comparison(gated(*r.gate), b), cls, split, stat, _tags(grid.settings)
             )
 
+        b = "ungated KD at its λ" if other is None else "FedAvg"
+        where = "global test set" if split == "test" else "local test splits"
         return Readout(
-            f"FedeKD at the rule's (β, λ) − {'ungated KD at its λ' if other is None else 'FedAvg'},"
-            f" {what}-client NT, {'global test set' if split == 'test' else 'local test splits'}",
+            f"FedeKD at the rule's (β, λ) − {b}, {what}-client NT, {where}",
             "paired over seeds",
             "the energy gate lowers negative transfer under heterogeneity",
             +1,
