@@ -1,16 +1,11 @@
 """DP federated text generation study: do the weak clients' votes select better samples?
 
-``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` ("Resource-Adaptive Federated
-Text Generation with Differential Privacy", ICLR 2026, arXiv:2603.07027) on Rotten Tomatoes
-with the controls the paper's comparison lacks (docs/studies.md, docs/dpsyn.md): three
-generators (the base model, 1 and 4 strong clients of 20 with DP-SGD) each stop once their
-pool is saved; **offline voting** (:class:`~fedfm.reproduce.framework.Compute` jobs) replays
-the weak clients' votes with the algorithm's own pure functions over many seeds of the vote
-noise and the draw, at several ε_vote, and selects four ways of one size from each pool: by
-votes with replacement (the algorithm's ``resample``), uniform with replacement (the
-duplication-matched control), top by votes (``rank``) and uniform without replacement (no
-voting). Each selection is scored on the real test rows by a classifier trained on it alone;
-a difference ``d[seed, row]`` gets the two-way SE of :func:`fedfm.reproduce.stats.crossed`.
+``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` (arXiv:2603.07027) on Rotten
+Tomatoes with the controls the paper's comparison lacks (docs/dpsyn.md): three generators (the
+base model, 1 and 4 strong clients of 20 with DP-SGD) each stop once their pool is saved;
+**offline voting** replays the weak clients' votes with the algorithm's own functions over many
+seeds of the vote noise and the draw, at several ε_vote, and selects four ways of one size from
+each pool (:data:`SELECTIONS`), each scored on the real test rows by a classifier trained on it.
 
 Choices of ours: the base pool is voted on by the weak clients of the fewest-strong
 generator; the offline vote noise is seeded per (seed, ε, client), a simulation of the
@@ -23,8 +18,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +47,7 @@ from fedfm.reproduce.stats import (
     crossed_bootstrap,
     macro_f1_rows,
     mean_se,
+    paired,
     verdict,
 )
 from fedfm.reproduce.tables import DASH, Text, head, marked, num, row
@@ -77,19 +74,14 @@ class Grid:
     """The study's sizes.
 
     Attributes:
-        clients: Clients of the federation (IID over Rotten Tomatoes).
-        rows: Training rows per client.
+        clients, rows: Clients of the federation (IID over Rotten Tomatoes), rows of each.
         strong: Strong clients of the fine-tuned generators (the base model is the third).
-        epsilon_train: ε of each strong client's DP-SGD.
-        train_rounds: Fine-tuning rounds.
-        steps: DP-SGD steps per round.
-        batch_size: Expected Poisson batch of DP-SGD.
-        lr: Learning rate of the strong clients' AdamW.
-        pool: Samples each generator generates.
-        size: Samples each selection keeps.
+        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD: its ε,
+            rounds, steps per round, expected Poisson batch and AdamW learning rate.
+        pool, size: Samples each generator generates, and each selection keeps.
         max_new_tokens: Tokens per generated review.
-        max_length: Tokens per training row (prompt and review).
-        max_prompt_length: Tokens of the prompt (the chat template's system turn included).
+        max_length, max_prompt_length: Tokens per training row (prompt and review), and of
+            the prompt (the chat template's system turn included).
         prompt_template: The prompt of a code.
         probe_templates: Prompts the base model is tried with before the study (the
             preset's, the chosen one, a descriptive one naming what the codes mean).
@@ -183,11 +175,8 @@ def vote_name(strong: int) -> str:
 
 
 def strong_fraction(grid: Grid, strong: int) -> float:
-    """``clients.roles.strong`` of ``strong`` clients (the base model: the fewest's roles).
-
-    Half a client above the count, so that ``floor(fraction · clients)`` is the count
-    whatever the rounding of the product.
-    """
+    """``clients.roles.strong`` of ``strong`` clients (the base model: the fewest's roles);
+    half a client above the count, so that ``floor(fraction · clients)`` is the count."""
     return (max(strong, grid.few) + 0.5) / grid.clients
 
 
@@ -303,7 +292,7 @@ def ceiling_agrees(emb: Mapping[str, np.ndarray], x: np.ndarray, labels: np.ndar
     ``embeddings.npz``) predicts each sample's own label: does the text read as its code?"""
     from fedfm.eval.synthetic import logreg_predict
 
-    ids = sorted(emb_ids(emb), key=int)
+    ids = sorted((k.split("/", 1)[1] for k in emb if k.startswith("emb/")), key=int)
     real_x = np.concatenate([emb[f"emb/{c}"] for c in ids])
     real_y = np.concatenate([emb[f"y/{c}"] for c in ids])
     return np.asarray(logreg_predict(real_x, real_y, x) == labels)
@@ -501,21 +490,30 @@ def vote_offline(
     folder.mkdir(parents=True, exist_ok=True)
     stacked: dict[str, Any] = {k: np.stack(v) for k, v in preds.items()}
     np.savez_compressed(folder / PREDICTIONS, **stacked)
+    # The votes' signal (their spread over the pool's entries) against the noise's scale.
     mass = np.sum(list(clean.values()), axis=0)  # (P,) the votes before noise
+    sigmas = {f"{e:g}": analytic_gaussian_sigma(float(e), delta) for e in epsilon_votes}
+    signal = {
+        "voters": len(voters),
+        "private_samples": sum(len(emb[f"code/{c}"]) for c in voters),
+        "k": int(algo["k"]),
+        "mass_mean": float(mass.mean()),
+        "mass_sd": float(mass.std(ddof=1)) if len(mass) > 1 else math.nan,
+        "mass_max": float(mass.max()),
+        "zero_share": float(np.mean(mass == 0)),
+        "noise_sd": {e: sigma * math.sqrt(len(voters)) for e, sigma in sigmas.items()},
+    }
+    hit = on_code.astype(float)
+    varied = len(mass) > 1 and mass.std() > 0 and hit.std() > 0
     return {
         "pool": _describe(pool, on_code),
-        "signal": _signal(mass, epsilon_votes, delta, int(algo["k"]), emb, voters),
-        "correlation_votes_on_code": _corr(mass, on_code.astype(float)),
+        "signal": signal,
+        "correlation_votes_on_code": float(np.corrcoef(mass, hit)[0, 1]) if varied else math.nan,
         "selections": stats,
         "privacy": _privacy(pool, voters, epsilon_votes, delta),
         "voters": list(voters),
         "seconds": time.perf_counter() - t0,
     }
-
-
-def emb_ids(emb: Mapping[str, np.ndarray]) -> list[str]:
-    """The client ids of an ``embeddings.npz``."""
-    return [k.split("/", 1)[1] for k in emb if k.startswith("emb/")]
 
 
 def _describe(pool: _Pool, on_code: np.ndarray) -> dict[str, Any]:
@@ -534,40 +532,6 @@ def _describe(pool: _Pool, on_code: np.ndarray) -> dict[str, Any]:
         "on_code": float(on_code.mean()),
         "examples": {c: v[:3] for c, v in by_code.items()},
     }
-
-
-def _signal(
-    mass: np.ndarray,
-    epsilon_votes: Sequence[float],
-    delta: float,
-    k: int,
-    emb: Mapping[str, np.ndarray],
-    voter_ids: Sequence[str],
-) -> dict[str, Any]:
-    """The votes' signal (their spread over the pool's entries) against the noise's scale."""
-    from fedfm.core.privacy import analytic_gaussian_sigma
-
-    n_voters = len(voter_ids)
-    noise = {
-        f"{e:g}": analytic_gaussian_sigma(float(e), delta) * math.sqrt(n_voters)
-        for e in epsilon_votes
-    }
-    return {
-        "voters": n_voters,
-        "private_samples": int(sum(len(emb[f"code/{c}"]) for c in voter_ids)),
-        "k": k,
-        "mass_mean": float(mass.mean()),
-        "mass_sd": float(mass.std(ddof=1)) if len(mass) > 1 else math.nan,
-        "mass_max": float(mass.max()),
-        "zero_share": float(np.mean(mass == 0)),
-        "noise_sd": noise,
-    }
-
-
-def _corr(a: np.ndarray, b: np.ndarray) -> float:
-    if len(a) < 2 or a.std() == 0 or b.std() == 0:
-        return math.nan
-    return float(np.corrcoef(a, b)[0, 1])
 
 
 def _privacy(
@@ -598,6 +562,8 @@ def _privacy(
 
 # ----------------------------------------------------------------------------- reading
 
+Side = tuple[int, str]  # (strong clients of the pool, selection key)
+
 
 @dataclass
 class Results:
@@ -622,9 +588,13 @@ class Results:
     preds: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     runs: dict[int, RunView] = field(default_factory=dict)
 
+    def pred(self, side: Side) -> np.ndarray | None:
+        """``(seeds, N)`` predictions of one selection's classifiers (``None`` when missing)."""
+        return self.preds.get(side[0], {}).get(side[1])
+
     def correct(self, strong: int, key: str) -> np.ndarray | None:
         """``(seeds, N)`` correctness of one selection's classifiers (``None`` when missing)."""
-        p = self.preds.get(strong, {}).get(key)
+        p = self.pred((strong, key))
         return None if p is None or self.y is None else (p == self.y[None, :]).astype(float)
 
 
@@ -650,8 +620,6 @@ def read(ctx: Context[Grid]) -> Results:
 
 # ----------------------------------------------------------------------------- statistics
 
-Side = tuple[int, str]  # (strong clients of the pool, selection key)
-
 
 def acc_diff(res: Results, a: Side, b: Side) -> Estimate:
     """Accuracy of selection ``a`` minus ``b``, over the seeds and the test rows (two-way SE,
@@ -672,7 +640,7 @@ def acc_level(res: Results, a: Side) -> Estimate:
 def f1_diff(res: Results, a: Side, b: Side, seed: int = 0) -> Estimate:
     """Macro-F1 of ``a`` minus ``b`` (each seed's, averaged over seeds), with the SE of the
     two-way bootstrap over seeds and test rows."""
-    pa, pb = res.preds.get(a[0], {}).get(a[1]), res.preds.get(b[0], {}).get(b[1])
+    pa, pb = res.pred(a), res.pred(b)
     if pa is None or pb is None or res.y is None or a == b:
         return NONE
     s, y = min(len(pa), len(pb)), res.y
@@ -687,7 +655,7 @@ def f1_diff(res: Results, a: Side, b: Side, seed: int = 0) -> Estimate:
 
 def f1_level(res: Results, a: Side) -> Estimate:
     """Macro-F1 of one selection: mean and SE over its seeds."""
-    p = res.preds.get(a[0], {}).get(a[1])
+    p = res.pred(a)
     if p is None or res.y is None:
         return NONE
     return mean_se(macro_f1_rows(p, res.y).tolist())
@@ -696,7 +664,7 @@ def f1_level(res: Results, a: Side) -> Estimate:
 def predicted(res: Results, a: Side, classes: int) -> list[float]:
     """The share of test rows predicted as each class, averaged over seeds (a classifier that
     collapses onto one class shows here before in its accuracy)."""
-    p = res.preds.get(a[0], {}).get(a[1])
+    p = res.pred(a)
     if p is None or not classes:
         return []
     shares = [np.bincount(r.astype(np.int64), minlength=classes) / len(r) for r in p]
@@ -711,9 +679,8 @@ def seed_values(res: Results, a: Side, what: str) -> list[float]:
 
 def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
     """A per-seed value of ``a`` minus ``b``, mean and SE over seeds (paired by index)."""
-    va, vb = seed_values(res, a, what), seed_values(res, b, what)
-    n = min(len(va), len(vb))
-    return mean_se([x - y for x, y in zip(va[:n], vb[:n], strict=True)])
+    va, vb = (dict(enumerate(seed_values(res, x, what))) for x in (a, b))
+    return paired(va, vb)
 
 
 # ----------------------------------------------------------------------------- readouts
@@ -721,44 +688,39 @@ def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
 STAT = "paired over seeds × test rows (two-way SE)"
 
 
-def pool_label(grid: Grid, strong: int) -> str:
+def pool_label(strong: int) -> str:
     """``the base model's pool``, ``the 1-strong pool``."""
     return "the base model's pool" if strong == 0 else f"the {strong}-strong pool"
-
-
-def _acc(a: Side, b: Side) -> Callable[[Results], Estimate]:
-    """A readout's value: :func:`acc_diff` of ``a`` and ``b``."""
-    return lambda r: acc_diff(r, a, b)
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """Voting against its duplication-matched control (base and fewest-strong pools, each
     ε_vote), the premise of the paper's first claim, and the claim's direction."""
     few, many = grid.few, grid.many
-    out: list[Readout[Results]] = []
-    for eps in grid.epsilon_votes:
-        for s in (0, few):
-            out.append(
-                Readout(
-                    f"by votes − uniform, both with replacement ({grid.size} of {grid.pool}),"
-                    f" {pool_label(grid, s)}, ε_vote {eps:g}",
-                    STAT,
-                    "the votes select better samples than chance (voting raises downstream"
-                    " scores; Yelp, 1% strong: about +0.20 F1)",
-                    +1,
-                    _acc((s, f"votes/{eps:g}"), (s, "uniform")),
-                    scope=TEXT("scope-votes"),
-                )
-            )
-    premise: Readout[Results] = Readout(
-        f"{many} strong − {few} strong without voting (uniform {grid.size} of {grid.pool},"
-        " without replacement)",
-        STAT,
+    size = f"{grid.size} of {grid.pool}"
+
+    def acc(name: str, paper: str, a: Side, b: Side, scope: str, **kw: Any) -> Readout[Results]:
+        return Readout(name, STAT, paper, +1, partial(acc_diff, a=a, b=b), scope=scope, **kw)
+
+    out = [
+        acc(
+            f"by votes − uniform, both with replacement ({size}), {pool_label(s)}, ε_vote {eps:g}",
+            "the votes select better samples than chance (voting raises downstream scores; Yelp,"
+            " 1% strong: about +0.20 F1)",
+            (s, f"votes/{eps:g}"),
+            (s, "uniform"),
+            TEXT("scope-votes"),
+        )
+        for eps in grid.epsilon_votes
+        for s in (0, few)
+    ]
+    premise = acc(
+        f"{many} strong − {few} strong without voting (uniform {size}, without replacement)",
         "more strong clients help without voting (the premise of claim 1; Yelp: 10% strong"
         " 0.6280 without voting)",
-        +1,
-        _acc((many, "subset"), (few, "subset")),
-        scope=TEXT("scope-premise"),
+        (many, "subset"),
+        (few, "subset"),
+        TEXT("scope-premise"),
     )
     out.append(premise)
     premise_no = len(out)  # its R number (readouts count from 1)
@@ -766,19 +728,13 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     def premise_holds(r: Results) -> bool:
         return verdict(premise.value(r), +1) == IN_DIRECTION
 
+    claim = "few strong clients with voting reach many without (Yelp: 1% strong with voting"
+    claim += " 0.6149, 10% without 0.6280)"
+    scope = TEXT("scope-claim", premise=premise_no)
     for eps in grid.epsilon_votes:
-        out.append(
-            Readout(
-                f"{few} strong with voting (ε_vote {eps:g}) − {many} strong without",
-                STAT,
-                "few strong clients with voting reach many without (Yelp: 1% strong with"
-                " voting 0.6149, 10% without 0.6280)",
-                +1,
-                _acc((few, f"votes/{eps:g}"), (many, "subset")),
-                scope=TEXT("scope-claim", premise=premise_no),
-                testable=premise_holds,
-            )
-        )
+        name = f"{few} strong with voting (ε_vote {eps:g}) − {many} strong without"
+        vs = ((few, f"votes/{eps:g}"), (many, "subset"))
+        out.append(acc(name, claim, *vs, scope, testable=premise_holds))
     return out
 
 
@@ -789,18 +745,6 @@ def _eps(x: Any) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return DASH
     return "∞" if not math.isfinite(float(x)) else f"{float(x):.2f}"
-
-
-def _sel_label(key: str) -> str:
-    kind, _, eps = key.partition("/")
-    what = dict(SELECTIONS).get(kind, "the whole pool")
-    return f"{what}, ε_vote {eps}" if eps else what
-
-
-def _keys(grid: Grid) -> list[str]:
-    """Every selection key of a pool, in the report's order."""
-    voted = [f"{kind}/{e:g}" for e in grid.epsilon_votes for kind in VOTED]
-    return ["pool", "subset", "uniform", *voted]
 
 
 def body(ctx: Context[Grid], res: Results) -> list[str]:
@@ -819,11 +763,8 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     values.update({k: f"{a[k]:g}" for k in ("max_grad_norm", "epsilon_profile")})
     values.update(embedder=a["embedder"], optimizer=cfg["train"]["optimizer"])
     values.update(delta=f"{cfg['privacy']['delta']:g}", few=grid.few)
-    ses = [
-        acc_diff(res, (p, f"votes/{e:g}"), (p, "uniform")).se
-        for p in (0, grid.few)
-        for e in grid.epsilon_votes
-    ]
+    # The voting readouts' SEs (R1 to Rn): the smallest difference they resolve.
+    ses = [r.value(res).se for r in readouts(grid)[: 2 * len(grid.epsilon_votes)]]
     ses = [x for x in ses if math.isfinite(x)]
     resolution = {"difference": f"{2 * max(ses):.3f}", "n": len(ses)} if ses else {}
     text = TEXT(
@@ -833,14 +774,14 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         runs_done=len(res.runs),
         votes_done=len(res.votes),
         generators=len(grid.generators),
-        codes=", ".join(map(str, _codes(grid))),
+        codes=str(grid.task["dataset"]) if grid.task.get("dataset") else "rotten, fresh",
         test=(
             "every real test row" if grid.test_rows is None else f"{grid.test_rows} real test rows"
         ),
         strong=", ".join(map(str, grid.strong)),
         epsilon_votes=", ".join(f"{e:g}" for e in grid.epsilon_votes),
         instrument=_instrument(res),
-        sizing=_sizing(grid),
+        sizing=_sizing(grid, float(cfg["privacy"]["delta"])),
         signal=_signal_lines(res),
         scores=_scores_lines(res),
         within=_within_lines(res),
@@ -853,10 +794,6 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     return [text, ""]
 
 
-def _codes(grid: Grid) -> list[str]:
-    return ["rotten", "fresh"] if not grid.task.get("dataset") else [str(grid.task["dataset"])]
-
-
 def _instrument(res: Results) -> str:
     """The test rows and the ceiling, each pool, the prompt probe, DP-SGD's moves, samples."""
     e = res.embed
@@ -866,20 +803,17 @@ def _instrument(res: Results) -> str:
     values = {k: e[k] for k in ("test_rows", "train_rows")}
     values.update(majority=num(e["majority"]), frechet=num(e["frechet_real"]))
     values.update(acc=num(e["ceiling"]["acc"]), f1=num(e["ceiling"]["macro_f1"]))
-    pools = []
+    pools, samples = [], []
     for s, v in sorted(res.votes.items()):
         p = v["pool"]
         per_code = ", ".join(f"{c} {n}" for c, n in p["per_code"].items())
         acc = acc_level(res, (s, "pool"))
         cells = [p["samples"], p["distinct_texts"], per_code, num(p["truncated"]), p["empty"]]
         cells += [num(p["words"], 1), num(p["on_code"]), acc.fmt()]
-        pools.append(row([pool_label(res.grid, s), *cells]))
-    samples = []
-    for s, v in sorted(res.votes.items()):
-        for code, texts in v["pool"]["examples"].items():
-            for t in texts:
-                short = t.replace("\n", " ").replace("|", "/")
-                samples.append(f"- {pool_label(res.grid, s)}, *{code}*: {short[:200]}")
+        pools.append(row([pool_label(s), *cells]))
+        for code, texts in p["examples"].items():
+            short = [t.replace("\n", " ").replace("|", "/")[:200] for t in texts]
+            samples += [f"- {pool_label(s)}, *{code}*: {t}" for t in short]
     return TEXT(
         "instrument",
         values,
@@ -919,17 +853,16 @@ def _training_lines(res: Results) -> list[str]:
         gen_s = rounds.get(r_train + 1, {}).get("time/generate_s")
         cells = [num(max(sigmas), 3) if sigmas else DASH, _eps(mech)]
         cells += [", ".join(num(n, 2) for n in norms) or DASH, num(train_s, 0), num(gen_s, 0)]
-        lines.append(row([pool_label(res.grid, s), *cells]))
+        lines.append(row([pool_label(s), *cells]))
     return lines
 
 
-def _sizing(grid: Grid) -> str:
+def _sizing(grid: Grid, delta: float) -> str:
     """What the grid's sizes promise before any run: the expected mass against the noise."""
     from fedfm.core.privacy import analytic_gaussian_sigma
 
     n = len(voters(grid, grid.few))
     mass = n * grid.rows * math.sqrt(grid.k) / grid.pool
-    delta = float(generator_config(grid, grid.few)["privacy"]["delta"])
     noise = [analytic_gaussian_sigma(e, delta) * math.sqrt(n) for e in grid.epsilon_votes]
     shown = ", ".join(
         f"{x:.1f} at ε_vote {e:g}" for x, e in zip(noise, grid.epsilon_votes, strict=True)
@@ -954,9 +887,7 @@ def _signal_lines(res: Results) -> list[str]:
         cells = [g["voters"], g["private_samples"], g["k"]]
         cells += [num(g[k], 1) for k in ("mass_mean", "mass_sd", "mass_max")]
         cells += [num(g["zero_share"]), *[num(g["noise_sd"].get(f"{e:g}"), 1) for e in eps]]
-        lines.append(
-            row([pool_label(res.grid, s), *cells, num(v.get("correlation_votes_on_code"))])
-        )
+        lines.append(row([pool_label(s), *cells, num(v.get("correlation_votes_on_code"))]))
     return lines
 
 
@@ -966,17 +897,19 @@ def _scores_lines(res: Results) -> list[str]:
         "pool | selection | accuracy | macro-F1 | Fréchet (distinct) | distinct | on-code"
         " | test rows predicted as " + " / ".join(names)
     )
+    # Every selection of a pool, in the report's order.
+    voted = [f"{kind}/{e:g}" for e in res.grid.epsilon_votes for kind in VOTED]
     for s in sorted(res.votes):
-        for key in _keys(res.grid):
-            if key not in res.preds.get(s, {}):
-                continue
+        for key in (k for k in ["pool", "subset", "uniform", *voted] if k in res.preds.get(s, {})):
             side = (s, key)
             cells = [acc_level(res, side).fmt(), f1_level(res, side).fmt()]
             cells.append(mean_se(seed_values(res, side, "frechet")).fmt())
             cells.append(num(float(np.mean(seed_values(res, side, "distinct"))), 1))
             cells.append(num(float(np.mean(seed_values(res, side, "on_code")))))
             cells.append(" / ".join(num(x, 2) for x in predicted(res, side, len(names))))
-            lines.append(row([pool_label(res.grid, s), _sel_label(key), *cells]))
+            kind, _, eps = key.partition("/")
+            what = dict(SELECTIONS).get(kind, "the whole pool")
+            lines.append(row([pool_label(s), f"{what}, ε_vote {eps}" if eps else what, *cells]))
     return lines
 
 
@@ -986,49 +919,42 @@ def _diff_cells(res: Results, a: Side, b: Side) -> list[str]:
 
 
 def _within_lines(res: Results) -> list[str]:
-    lines = []
-    for s in sorted(res.votes):
-        pairs = [("uniform − subset (duplication alone)", "uniform", "subset")]
-        for e in res.grid.epsilon_votes:
-            pairs += [
-                (f"by votes − uniform, ε_vote {e:g}", f"votes/{e:g}", "uniform"),
-                (f"top − subset, ε_vote {e:g}", f"top/{e:g}", "subset"),
-                (f"by votes − subset, ε_vote {e:g}", f"votes/{e:g}", "subset"),
-            ]
-        for label, a, b in pairs:
-            lines.append(row([pool_label(res.grid, s), label, *_diff_cells(res, (s, a), (s, b))]))
-    return lines
+    pairs = [("uniform − subset (duplication alone)", "uniform", "subset")]
+    for e in res.grid.epsilon_votes:
+        pairs += [
+            (f"by votes − uniform, ε_vote {e:g}", f"votes/{e:g}", "uniform"),
+            (f"top − subset, ε_vote {e:g}", f"top/{e:g}", "subset"),
+            (f"by votes − subset, ε_vote {e:g}", f"votes/{e:g}", "subset"),
+        ]
+    return [
+        row([pool_label(s), label, *_diff_cells(res, (s, a), (s, b))])
+        for s in sorted(res.votes)
+        for label, a, b in pairs
+    ]
 
 
 def _between_lines(res: Results) -> list[str]:
-    grid = res.grid
-    lines = []
-    few, many = grid.few, grid.many
-    pairs = [
-        (f"{s} strong − base model, no voting", (s, "subset"), (0, "subset")) for s in grid.strong
-    ]
-    pairs.append((f"{many} strong − {few} strong, no voting", (many, "subset"), (few, "subset")))
-    pairs += [
-        (
-            f"{few} strong by votes (ε_vote {e:g}) − {many} strong, no voting",
-            (few, f"votes/{e:g}"),
-            (many, "subset"),
+    few, many = res.grid.few, res.grid.many
+    pairs = [(f"{s} strong − base model", (s, "subset"), (0, "subset")) for s in res.grid.strong]
+    pairs.append((f"{many} strong − {few} strong", (many, "subset"), (few, "subset")))
+    for e in res.grid.epsilon_votes:
+        pairs.append(
+            (
+                f"{few} strong by votes (ε_vote {e:g}) − {many} strong",
+                (few, f"votes/{e:g}"),
+                (many, "subset"),
+            )
         )
-        for e in grid.epsilon_votes
-    ]
-    for label, a, b in pairs:
-        lines.append(row([label, *_diff_cells(res, a, b)]))
-    return lines
+    return [row([f"{label}, no voting", *_diff_cells(res, a, b)]) for label, a, b in pairs]
 
 
 def _privacy_lines(res: Results) -> list[str]:
     lines = []
+    mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")
     for s, v in sorted(res.votes.items()):
         for e, p in v["privacy"].items():
-            mech = ("dp-sgd:train", "analytic-gaussian:profile", "analytic-gaussian:vote")
-            cells = [_eps(p["mechanisms"].get(k)) for k in mech]
-            cells += [_eps(p["strong"]), _eps(p["weak"])]
-            lines.append(row([pool_label(res.grid, s), e, num(p["sigma_vote"], 3), *cells]))
+            eps = [*(p["mechanisms"].get(k) for k in mech), p["strong"], p["weak"]]
+            lines.append(row([pool_label(s), e, num(p["sigma_vote"], 3), *map(_eps, eps)]))
     return lines
 
 

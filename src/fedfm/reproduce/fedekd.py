@@ -4,12 +4,7 @@ stronger skew, and negative transfer over a longer run.
 ``fedfm reproduce fedekd`` runs, on the six ``fedekd-*`` presets, the **main grid** (two
 skewed settings, five seeds, the baselines and FedeKD at every (β, λ)), chooses β and λ by the
 rule below on each client's validation split, then runs with the chosen (β, λ) the near-IID
-**control** setting and the **long runs** (60 rounds on three presets), and writes
-``docs/fedekd.md``; ``--quick`` writes its report under the output folder instead. The
-report's setup and statistics sections give the splits (local test, validation, training
-rows; the global test set) and the negative-transfer references (FedAvg and FedProx against
-the shared architecture alone, the private/proxy methods against each client's private
-architecture alone).
+**control** setting and the **long runs** (60 rounds on three presets).
 
 The rule that chooses β and λ (stated before the grid ran; it never reads a test number):
 for every (dataset, skewed setting) cell of the main grid, the 12 gated configurations are
@@ -23,7 +18,9 @@ configuration; the report says whether the two agree.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import logging.handlers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,14 +52,9 @@ REFERENCE_GATE = (1.0, 1.0)
 # ----------------------------------------------------------------------------- the grid
 
 
-@dataclass(frozen=True)
-class Method:
-    """A family of rows of the study (its key is the registered algorithm).
-
-    Attributes:
-        label: Name in the report.
-        reference: Method whose run is the local-only reference (None for local-only itself).
-    """
+class Method(NamedTuple):
+    """A family of rows (its key is the registered algorithm): its name in the report and the
+    method whose run is its local-only reference (None for local-only itself)."""
 
     label: str
     reference: str | None
@@ -138,13 +130,9 @@ def ungated(lam: float) -> Variant:
 
 @dataclass(frozen=True)
 class Setting:
-    """A heterogeneity setting: Dirichlet α over this many clients.
-
-    Attributes:
-        alpha: Dirichlet concentration (label skew; quantile bins of the target for regression).
-        num_clients: Clients.
-        min_size: Smallest partition the partitioner accepts (None: the preset's).
-    """
+    """A heterogeneity setting: Dirichlet α (label skew; quantile bins of the target for
+    regression) over ``num_clients`` clients, the partitioner's smallest partition (None: the
+    preset's)."""
 
     alpha: float
     num_clients: int
@@ -176,11 +164,7 @@ class Grid:
         rounds: Rounds of the main grid (None: the preset's).
         eval_every: Clients are evaluated every this many rounds (and after the last).
         val_fraction: Share of each client's partition held out for validation.
-        long_presets: Presets of the long runs.
-        long_setting: Setting of the long runs.
-        long_seeds: Seeds of the long runs.
-        long_rounds: Rounds of the long runs.
-        long_eval_every: Evaluation interval of the long runs.
+        long_presets, long_setting, long_seeds, long_rounds, long_eval_every: The long runs.
         train: Overrides of the ``train`` section.
     """
 
@@ -217,15 +201,9 @@ class Grid:
         ]
 
 
+DATASETS = ("breast-cancer", "credit", "covid", "digits", "concrete", "diabetes")
 FULL = Grid(
-    presets=(
-        "fedekd-breast-cancer",
-        "fedekd-credit",
-        "fedekd-covid",
-        "fedekd-digits",
-        "fedekd-concrete",
-        "fedekd-diabetes",
-    ),
+    presets=tuple(f"fedekd-{d}" for d in DATASETS),
     long_presets=("fedekd-breast-cancer", "fedekd-credit", "fedekd-diabetes"),
 )
 QUICK = Grid(
@@ -258,13 +236,7 @@ class Cell(NamedTuple):
     def name(self) -> str:
         """Run folder name."""
         head = "long-" if self.long else ""
-        data = self.preset.removeprefix("fedekd-")
-        return f"{head}{data}-{self.setting.tag}-s{self.seed}-{self.variant.key}"
-
-    def reference(self) -> Cell | None:
-        """The local-only run of the same seed, setting and partition."""
-        ref = self.variant.reference
-        return self._replace(variant=ref) if ref else None
+        return f"{head}{_name(self.preset)}-{self.setting.tag}-s{self.seed}-{self.variant.key}"
 
 
 def main_cells(grid: Grid) -> list[Cell]:
@@ -283,10 +255,13 @@ def featured(choice: tuple[float, float]) -> list[Variant]:
     the baselines, the chosen gate and the reference gate, each with ungated KD at its λ."""
     out = [Variant(m) for m in BASELINES]
     for b, lam in (choice, REFERENCE_GATE):
-        for v in (ungated(lam), gated(b, lam)):
-            if v not in out:
-                out.append(v)
+        out += [v for v in (ungated(lam), gated(b, lam)) if v not in out]
     return out
+
+
+def federated(choice: tuple[float, float]) -> list[Variant]:
+    """The featured variants that have a local-only reference (all but local-only)."""
+    return [v for v in featured(choice) if v.reference is not None]
 
 
 def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
@@ -418,11 +393,23 @@ class Results:
         """Seed -> value of one statistic (empty when the cell has none)."""
         return self.final.get((cell, split, metric, stat), {})
 
+    def nt(
+        self, preset: str, tag: str, v: Variant, split: str, stat: str = "nt_mean", metric: str = ""
+    ) -> dict[int, float]:
+        """Seed -> one statistic of a main-grid cell, of the primary metric unless ``metric``."""
+        return self.get(CellKey(preset, tag, v.key), split, metric or self.primary(preset), stat)
+
     def kind(self, preset: str) -> str:
         return self.kinds.get(preset, "classification")
 
     def primary(self, preset: str) -> str:
         return metrics_of(self.kind(preset))[0][0]
+
+    def classification(self, presets: Iterable[str]) -> list[str]:
+        return [p for p in presets if self.kind(p) == "classification"]
+
+    def regression(self, presets: Iterable[str]) -> list[str]:
+        return [p for p in presets if self.kind(p) == "regression"]
 
 
 def _finished(run: RunView) -> bool:
@@ -432,14 +419,7 @@ def _finished(run: RunView) -> bool:
 def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
     """Reads every finished run of ``jobs`` and its local-only reference."""
     res = Results()
-    cache: dict[tuple[str, str, str], dict[int, dict[str, float]]] = {}
-
-    def curve(run: RunView, split: str, metric: str) -> dict[int, dict[str, float]]:
-        key = (run.name, split, metric)
-        if key not in cache:
-            cache[key] = client_curves(run, split, metric)
-        return cache[key]
-
+    curve = functools.cache(client_curves)  # a reference run is read for many variants
     for job in jobs:
         run = ctx.run(job.name)
         if not _finished(run):
@@ -451,16 +431,15 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
         cell = CellKey(job.preset, job.setting.tag, job.variant.key, job.long)
         if job.variant.reference is None and not job.long:
             res.sizes.setdefault((job.preset, job.setting.tag), {})[job.seed] = run.partition
-        ref_job = job.reference()
-        ref = ctx.run(ref_job.name) if ref_job else None
+        ref_variant = job.variant.reference
+        ref = ctx.run(job._replace(variant=ref_variant).name) if ref_variant else None
         for metric, hib in metrics_of(kind):
             for split in SPLITS:
                 mine = curve(run, split, metric)
                 if not mine:
                     continue
-                last = max(mine)
                 res.final.setdefault((cell, split, metric, "value"), {})[job.seed] = float(
-                    np.mean(list(mine[last].values()))
+                    np.mean(list(mine[max(mine)].values()))
                 )
                 if ref is None or not _finished(ref):
                     continue
@@ -482,15 +461,8 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
 
 @dataclass
 class Choice:
-    """The (β, λ) the selection rule picks.
-
-    Attributes:
-        beta: Chosen gate scale.
-        lam: Chosen distillation weight.
-        mean_rank: (β, λ) -> mean rank over the cells (1 = best).
-        cells: (preset, setting tag) cells that entered the ranking.
-        missing: Cells left out because a configuration had no validation value.
-    """
+    """The (β, λ) the selection rule picks, every (β, λ)'s mean rank over the cells (1 = best),
+    the (preset, setting tag) cells ranked and those left out (a configuration had no value)."""
 
     beta: float
     lam: float
@@ -502,15 +474,6 @@ class Choice:
     def gate(self) -> tuple[float, float]:
         """(β, λ)."""
         return (self.beta, self.lam)
-
-
-def rank_configs(scores: Mapping[tuple[float, float], float]) -> dict[tuple[float, float], float]:
-    """Ranks of configurations by score, higher score = rank 1; ties share the mean rank."""
-    from scipy.stats import rankdata
-
-    keys = list(scores)
-    ranks = rankdata([-scores[k] for k in keys], method="average")
-    return {k: float(r) for k, r in zip(keys, ranks, strict=True)}
 
 
 def choose_gate(
@@ -527,11 +490,17 @@ def choose_gate(
     Returns:
         The choice (ties to the smaller β, then the smaller λ), or None when no cell is complete.
     """
+    from scipy.stats import rankdata
+
     complete = {c: s for c, s in cells.items() if all(k in s for k in configs)}
     missing = [c for c in cells if c not in complete]
     if not complete:
         return None
-    ranks = [rank_configs({k: s[k] for k in configs}) for s in complete.values()]
+    # Per cell, rank 1 for the highest score; ties share the mean rank.
+    ranks = [
+        dict(zip(configs, rankdata([-s[k] for k in configs]), strict=True))
+        for s in complete.values()
+    ]
     mean_rank = {k: float(np.mean([r[k] for r in ranks])) for k in configs}
     best = min(configs, key=lambda k: (mean_rank[k], k[0], k[1]))
     return Choice(best[0], best[1], mean_rank, list(complete), missing)
@@ -547,20 +516,15 @@ def config_scores(
         for st in grid.settings:
             scores = {}
             for b, lam in grid.configs():
-                cell = CellKey(p, st.tag, gated(b, lam).key)
-                vals = res.get(cell, split, res.primary(p), "nt_mean")
+                vals = res.nt(p, st.tag, gated(b, lam), split)
                 if vals:
                     scores[(b, lam)] = float(np.mean(list(vals.values())))
             out[(p, st.tag)] = scores
     return out
 
 
-def default_gate() -> tuple[float, float]:
-    """FedeKD's default (β, λ) in the code."""
-    from fedfm.algorithms.fedekd import FedeKDConfig
-
-    d = FedeKDConfig()
-    return (d.beta, d.lam)
+def _choose(grid: Grid, res: Results, split: str) -> Choice | None:
+    return choose_gate(grid.configs(), config_scores(grid, res, split))
 
 
 # ----------------------------------------------------------------------------- the jobs
@@ -569,19 +533,16 @@ def default_gate() -> tuple[float, float]:
 def gate_of(ctx: Context[Grid]) -> tuple[Choice | None, tuple[float, float]]:
     """The rule's choice on the main grid's validation numbers, and the gate the runs after
     it use (the reference gate when nothing could be chosen)."""
-    grid = ctx.grid
-    choice = choose_gate(grid.configs(), config_scores(grid, analyse(ctx, main_cells(grid))))
+    choice = _choose(ctx.grid, analyse(ctx, main_cells(ctx.grid)), "val")
     return choice, choice.gate if choice else REFERENCE_GATE
 
 
 def jobs(ctx: Context[Grid]) -> list[Run]:
     """The main grid; once none of it is left to run, the runs of the rule's (β, λ)."""
-    grid = ctx.grid
-    main = [Run(c.name, job_config(c, grid), group=c.variant.method) for c in main_cells(grid)]
-    if not ctx.settled(r.name for r in main):
-        return main
-    after = chosen_cells(grid, gate_of(ctx)[1])
-    return main + [Run(c.name, job_config(c, grid), group=c.variant.method) for c in after]
+    todo = main_cells(ctx.grid)
+    if ctx.settled(c.name for c in todo):
+        todo += chosen_cells(ctx.grid, gate_of(ctx)[1])
+    return [Run(c.name, job_config(c, ctx.grid), group=c.variant.method) for c in todo]
 
 
 def data_notes(grid: Grid) -> list[str]:
@@ -589,13 +550,8 @@ def data_notes(grid: Grid) -> list[str]:
     (the loaders are called afresh: a cached source would not log again)."""
     from fedfm.data.sources import SOURCES
 
-    notes: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            notes.append(record.getMessage())
-
-    handler = Grab(logging.WARNING)
+    handler = logging.handlers.BufferingHandler(capacity=10**6)  # keeps every record
+    handler.setLevel(logging.WARNING)
     data_log = logging.getLogger("fedfm.data")
     data_log.addHandler(handler)
     try:
@@ -604,26 +560,25 @@ def data_notes(grid: Grid) -> list[str]:
             SOURCES.get(task["dataset"])(**task.get("source_options", {}))
     finally:
         data_log.removeHandler(handler)
-    return notes
+    return [record.getMessage() for record in handler.buffer]
 
 
 # ----------------------------------------------------------------------------- tables
+
+WHERE = {"test": "global test", "local": "local split"}  # the two test sets in the tables
 
 
 def _name(preset: str) -> str:
     return preset.removeprefix("fedekd-")
 
 
-def _digits(metric: str) -> int:
-    return 2 if metric == "rmse" else 3
+def _digits(metric: str, stat: str = "") -> int:
+    """Decimals of a metric's values and differences; one for the count of harmed clients."""
+    return 1 if stat == "harmed" else 2 if metric == "rmse" else 3
 
 
 def _unit(metric: str) -> str:
     return {"acc": "accuracy", "macro_f1": "macro-F1", "rmse": "RMSE"}[metric]
-
-
-def _where(split: str) -> str:
-    return "global test" if split == "test" else "local split"
 
 
 def _est(values: Mapping[int, float]) -> Estimate:
@@ -633,26 +588,24 @@ def _est(values: Mapping[int, float]) -> Estimate:
 def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, float]) -> list:
     metrics = metrics_of(res.kind(preset))
     m = metrics[0][0]
-    u = _unit(m)
     header = ["setting", "method"]
-    for where in ("global test", "local split"):
-        header += [f"{u} {where}", f"NT mean {where}", f"NT worst {where}", f"harmed {where}"]
+    for where in WHERE.values():
+        header += [f"{_unit(m)} {where}", f"NT mean {where}", f"NT worst {where}"]
+        header.append(f"harmed {where}")
     if len(metrics) > 1:
         header += ["NT macro-F1 mean global test", "NT macro-F1 mean local split"]
     lines = head(header)
-    d = _digits(m)
     for st in grid.all_settings():
         for v in featured(choice):
-            cell = CellKey(preset, st.tag, v.key)
             cells = [st.label, v.label]
             for split in ("test", "local"):
-                cells.append(_est(res.get(cell, split, m, "value")).fmt(d))
-                stats = (("nt_mean", d), ("nt_worst", d), ("harmed", 1)) if v.reference else ()
-                cells += [_est(res.get(cell, split, m, st)).fmt(dg) for st, dg in stats]
-                cells += [] if v.reference else ["—"] * 3
+                cells.append(_est(res.nt(preset, st.tag, v, split, "value")).fmt(_digits(m)))
+                for stat in ("nt_mean", "nt_worst", "harmed"):
+                    nt = _est(res.nt(preset, st.tag, v, split, stat)).fmt(_digits(m, stat))
+                    cells.append(nt if v.reference else "—")
             if len(metrics) > 1:
                 for split in ("test", "local"):
-                    vals = res.get(cell, split, "macro_f1", "nt_mean")
+                    vals = res.nt(preset, st.tag, v, split, metric="macro_f1")
                     cells.append(_est(vals).fmt(3) if v.reference else "—")
             lines.append(row(cells))
     return lines
@@ -687,13 +640,11 @@ def comparisons(choice: tuple[float, float]) -> list[Comparison]:
     out = [Comparison(sel, ungated(choice[1]))]
     if choice != REFERENCE_GATE:
         out.append(Comparison(gated(*REFERENCE_GATE), ungated(REFERENCE_GATE[1])))
-    out += [Comparison(sel, Variant("fedavg")), Comparison(sel, Variant("fedprox"))]
-    return out
+    return [*out, Comparison(sel, Variant("fedavg")), Comparison(sel, Variant("fedprox"))]
 
 
 def _pair(res: Results, comp: Comparison, preset: str, tag: str, split: str, stat: str) -> tuple:
-    m = res.primary(preset)
-    return tuple(res.get(CellKey(preset, tag, v.key), split, m, stat) for v in (comp.a, comp.b))
+    return tuple(res.nt(preset, tag, v, split, stat) for v in (comp.a, comp.b))
 
 
 def _pooled(
@@ -704,13 +655,6 @@ def _pooled(
     return pooled_paired([(a, b) for a, b in pairs if a and b])
 
 
-def _pooled_classification(
-    grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
-) -> Estimate:
-    cls = [p for p in grid.presets if res.kind(p) == "classification"]
-    return _pooled(res, comp, cls, split, stat, tags)
-
-
 def _tags(settings: Sequence[Setting]) -> list[str]:
     return [st.tag for st in settings]
 
@@ -719,29 +663,25 @@ def _comparison_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     """Per (dataset, setting) paired differences, then classification pooled per setting."""
     lines = head(["dataset", "setting", *[t for _, _, t in DIFF_STATS]])
     for p in grid.presets:
-        d = _digits(res.primary(p))
+        m = res.primary(p)
         for st in grid.all_settings():
             cells = [_name(p), st.label]
             for split, stat, _ in DIFF_STATS:
-                a, b = _pair(res, comp, p, st.tag, split, stat)
-                cells.append(paired(a, b).fmt(1 if stat == "harmed" else d, signed=True))
+                est = paired(*_pair(res, comp, p, st.tag, split, stat))
+                cells.append(est.fmt(_digits(m, stat), signed=True))
             lines.append(row(cells))
-    if any(res.kind(p) == "classification" for p in grid.presets):
+    cls = res.classification(grid.presets)
+    if cls:
         groups = [(st.label, [st.tag]) for st in grid.all_settings()]
         if len(grid.settings) > 1:
             groups.append(("skewed settings", _tags(grid.settings)))
         for label, tags in groups:
             cells = ["**classification pooled**", label]
             for split, stat, _ in DIFF_STATS:
-                est = _pooled_classification(grid, res, comp, split, stat, tags)
-                cells.append(est.fmt(1 if stat == "harmed" else 3, signed=True))
+                est = _pooled(res, comp, cls, split, stat, tags)
+                cells.append(est.fmt(_digits("acc", stat), signed=True))
             lines.append(row(cells))
     return lines
-
-
-def _sign(stat: str) -> int:
-    """+1 where a higher value is better, −1 for the count of harmed clients."""
-    return -1 if stat == "harmed" else 1
 
 
 def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
@@ -754,32 +694,33 @@ def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
 def _cell_counts(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> tuple[int, int, int]:
-    """Cells where a is better, where b is better (each by more than 2 SE), and cells."""
+    """Cells where a is better, where b is better (each by more than 2 SE), and cells; fewer
+    harmed clients are better."""
     ests = (paired(*_pair(res, comp, p, t, split, stat)) for p in grid.presets for t in tags)
-    return _tally(ests, _sign(stat))
+    return _tally(ests, -1 if stat == "harmed" else 1)
 
 
 def _findings_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
     """Per statistic: pooled estimates with SE, cell counts and the verdict."""
     skew, ctrl = _tags(grid.settings), _tags(grid.control_settings)
-    regs = [p for p in grid.presets if res.kind(p) == "regression"]
+    cls, regs = res.classification(grid.presets), res.regression(grid.presets)
     header = ["statistic", "classification pooled, skewed settings", "verdict"]
     header += ["classification pooled, control"] if ctrl else []
     header += [f"{_name(p)}, skewed settings pooled" for p in regs]
     header += ["cells a better / b better / cells (skewed settings, > 2 SE)"]
     lines = head(header)
     for split, stat, title in DIFF_STATS:
-        dig = 1 if stat == "harmed" else 3
-        est = _pooled_classification(grid, res, comp, split, stat, skew)
-        cells = [title, est.fmt(dig, signed=True), side(est, "a better", "b better", _sign(stat))]
+        dig, sign = _digits("acc", stat), -1 if stat == "harmed" else 1
+        est = _pooled(res, comp, cls, split, stat, skew)
+        cells = [title, est.fmt(dig, signed=True), side(est, "a better", "b better", sign)]
         if ctrl:
-            cells.append(_pooled_classification(grid, res, comp, split, stat, ctrl).fmt(dig, True))
+            cells.append(_pooled(res, comp, cls, split, stat, ctrl).fmt(dig, True))
         for p in regs:
-            reg = _pooled(res, comp, [p], split, stat, skew)
-            cells.append(reg.fmt(1 if stat == "harmed" else 2, signed=True))
+            cells.append(
+                _pooled(res, comp, [p], split, stat, skew).fmt(_digits("rmse", stat), True)
+            )
         up, down, n = _cell_counts(grid, res, comp, split, stat, skew)
-        cells.append(f"{up} / {down} / {n}")
-        lines.append(row(cells))
+        lines.append(row([*cells, f"{up} / {down} / {n}"]))
     return lines
 
 
@@ -790,26 +731,18 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
         groups.append(("control", _tags(grid.control_settings)))
     header = ["method"]
     for label, _ in groups:
-        for where in ("global test", "local split"):
+        for where in WHERE.values():
             header.append(f"classification pooled NT mean, {where}, {label}")
             header.append(f"cells NT > 0 / < 0 / cells, {where}, {label}")
     lines = head(header)
-    for v in featured(choice):
-        if v.reference is None:
-            continue
+    for v in federated(choice):
         cells = [v.label]
         for _, tags in groups:
             for split in ("test", "local"):
-                vals = {
-                    p: [
-                        res.get(CellKey(p, t, v.key), split, res.primary(p), "nt_mean")
-                        for t in tags
-                    ]
-                    for p in grid.presets
-                }
-                cls = [x for p, xs in vals.items() if res.kind(p) == "classification" for x in xs]
-                pooled = pooled_paired([(x, dict.fromkeys(x, 0.0)) for x in cls if x])
-                pos, neg, n = _tally(_est(x) for xs in vals.values() for x in xs)
+                nts = {(p, t): res.nt(p, t, v, split) for p in grid.presets for t in tags}
+                cls = [x for (p, _), x in nts.items() if res.kind(p) == "classification" and x]
+                pooled = pooled_paired([(x, dict.fromkeys(x, 0.0)) for x in cls])
+                pos, neg, n = _tally(_est(x) for x in nts.values())
                 cells += [pooled.fmt(3, True), f"{pos} / {neg} / {n}"]
         lines.append(row(cells))
     return lines
@@ -834,46 +767,29 @@ def _validation_table(grid: Grid, res: Results) -> list[str]:
         d = _digits(res.primary(p))
         for st in grid.settings:
             s = scores.get((p, st.tag), {})
-            cells = [_name(p), st.label]
-            cells += [f"{s[c]:+.{d}f}" if c in s else "—" for c in configs]
-            lines.append(row(cells))
+            cells = [f"{s[c]:+.{d}f}" if c in s else "—" for c in configs]
+            lines.append(row([_name(p), st.label, *cells]))
     return lines
-
-
-GATE_GRID_STATS = tuple(x for x in DIFF_STATS if x[1] != "harmed")
 
 
 def _gate_grid_table(grid: Grid, res: Results) -> list[str]:
     """Every gated configuration against ungated KD at its λ, over the skewed settings."""
     tags = _tags(grid.settings)
-    regs = [p for p in grid.presets if res.kind(p) == "regression"]
-    header = ["configuration", *[f"{t}, classification pooled" for _, _, t in GATE_GRID_STATS]]
+    cls, regs = res.classification(grid.presets), res.regression(grid.presets)
+    stats = [x for x in DIFF_STATS if x[1] != "harmed"]
+    header = ["configuration", *[f"{t}, classification pooled" for _, _, t in stats]]
     header += [f"Δ NT mean, global test, {_name(p)}" for p in regs]
     header += ["cells a better / b better (NT mean, global test, > 2 SE)"]
     lines = head(header)
     for comp in (Comparison(gated(b, lam), ungated(lam)) for b, lam in grid.configs()):
         cells = [comp.label]
-        for split, stat, _ in GATE_GRID_STATS:
-            cells.append(_pooled_classification(grid, res, comp, split, stat, tags).fmt(3, True))
-        for p in regs:
-            cells.append(_pooled(res, comp, [p], "test", "nt_mean", tags).fmt(2, True))
+        cells += [
+            _pooled(res, comp, cls, split, stat, tags).fmt(3, True) for split, stat, _ in stats
+        ]
+        cells += [_pooled(res, comp, [p], "test", "nt_mean", tags).fmt(2, True) for p in regs]
         up, down, n = _cell_counts(grid, res, comp, "test", "nt_mean", tags)
-        cells.append(f"{up} / {down} of {n}")
-        lines.append(row(cells))
+        lines.append(row([*cells, f"{up} / {down} of {n}"]))
     return lines
-
-
-def _common_rounds(curves: Sequence[Mapping[int, float]]) -> list[int]:
-    """Rounds present in every curve (none for no curves)."""
-    if not curves:
-        return []
-    return sorted(set.intersection(*(set(c) for c in curves)))
-
-
-def _key_rounds(rounds: Sequence[int], keep: Sequence[int] = (), k: int = 6) -> list[int]:
-    """About ``k`` rounds spread over ``rounds`` (first and last included), plus ``keep``."""
-    idx = np.unique(np.linspace(0, len(rounds) - 1, min(k, len(rounds))).round().astype(int))
-    return sorted({*(rounds[i] for i in idx), *(r for r in keep if r in rounds)})
 
 
 def _long_curve(res: Results, grid: Grid, preset: str, v: Variant, split: str) -> dict:
@@ -890,12 +806,17 @@ def _at(curve: Mapping[int, Mapping[int, float]], r: int) -> dict[int, float]:
 def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: str) -> list[str]:
     """Mean-client NT per method at key rounds of the long runs, and paired differences."""
     d = _digits(res.primary(preset))
-    fed = [v for v in featured(choice) if v.reference is not None]
+    fed = federated(choice)
     cuts = [Comparison(gated(*choice), ungated(choice[1])), Comparison(gated(*choice), fed[0])]
     curves = {v: _long_curve(res, grid, preset, v, split) for v in fed}
     rounds = sorted({r for c in curves.values() for per in c.values() for r in per})
     lines = head(["round", *[f"NT {v.label}" for v in fed], *[f"Δ {c.label}" for c in cuts]])
-    for r in _key_rounds(rounds, keep=(grid.rounds or 15,)) if rounds else []:
+    if not rounds:
+        return lines
+    # About six rounds spread over the run (first and last included), and the main grid's last.
+    idx = np.unique(np.linspace(0, len(rounds) - 1, min(6, len(rounds))).round().astype(int))
+    keep = grid.rounds or 15
+    for r in sorted({*(rounds[i] for i in idx), *([keep] if keep in rounds else [])}):
         cells = [str(r), *[_est(_at(curves[v], r)).fmt(d) for v in fed]]
         cells += [paired(_at(curves[c.a], r), _at(curves[c.b], r)).fmt(d, True) for c in cuts]
         lines.append(row(cells))
@@ -928,40 +849,20 @@ def _preset_summary(preset_name: str) -> str:
     cells = [f"{t['dataset']} ({t['kind']})", f"{t.get('model', 'mlp')} {t.get('model_args', {})}"]
     cells += [a.get("private_archs"), a.get("proxy_arch"), f"{skew}, min {p.get('min_size')}"]
     local = f"{tr.get('steps')} steps per stage, bs {tr.get('batch_size')},"
-    return row(
-        [
-            _name(preset_name),
-            *cells,
-            d.get("rounds"),
-            f"{local} {tr.get('optimizer')} lr {tr.get('lr')}",
-        ]
-    )
+    local += f" {tr.get('optimizer')} lr {tr.get('lr')}"
+    return row([_name(preset_name), *cells, d.get("rounds"), local])
 
 
 # ----------------------------------------------------------------------------- figures
 
 
-def _groups(grid: Grid, res: Results) -> list[tuple[str, list[str]]]:
-    """Presets by task kind: accuracy and RMSE get their own panels (their scales differ)."""
-    out = []
-    for kind, label in (("classification", "accuracy"), ("regression", "RMSE")):
-        ps = [p for p in grid.presets if res.kind(p) == kind]
-        if ps:
-            out.append((label, ps))
-    return out
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    plots.save(fig, str(path), dpi=100)
-    return path
-
-
 def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
-    fed = [v for v in featured(choice) if v.reference is not None]
+    fed = federated(choice)
     width = 0.8 / max(len(fed), 1)
-    panels = [(label, ps, split) for label, ps in _groups(grid, res) for split in ("test", "local")]
+    # Accuracy and RMSE get their own panels (their scales differ).
+    kinds = (("accuracy", res.classification(grid.presets)), ("RMSE", res.regression(grid.presets)))
+    panels = [(label, ps, split) for label, ps in kinds if ps for split in ("test", "local")]
     settings = grid.all_settings()
     size = (3.6 * len(panels) + 1, 3.0 * len(settings))
     fig, axes = plt.subplots(len(settings), len(panels), figsize=size, squeeze=False)
@@ -969,9 +870,8 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
         for c, (label, presets, split) in enumerate(panels):
             ax = axes[r, c]
             for j, v in enumerate(fed):
-                cells = [(CellKey(p, st.tag, v.key), res.primary(p)) for p in presets]
-                ests = [_est(res.get(cell, split, m, "nt_mean")) for cell, m in cells]
-                worst = [_est(res.get(cell, split, m, "nt_worst")).mean for cell, m in cells]
+                ests = [_est(res.nt(p, st.tag, v, split)) for p in presets]
+                worst = [_est(res.nt(p, st.tag, v, split, "nt_worst")).mean for p in presets]
                 x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
                 ses = [e.se if e.n > 1 else 0.0 for e in ests]
                 colour = palette[v.label]
@@ -981,7 +881,7 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xticks(np.arange(len(presets)), [_name(p) for p in presets], fontsize=8)
             ax.set_ylabel(f"NT, {label}")
-            ax.set_title(f"{st.label}, {_where(split)}", fontsize=9)
+            ax.set_title(f"{st.label}, {WHERE[split]}", fontsize=9)
     axes[0, 0].legend(fontsize=6)
     fig.suptitle(
         "Negative transfer: bar = mean client ± SE over seeds, ▼ = worst client", fontsize=10
@@ -989,12 +889,18 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
     return _save(fig, path)
 
 
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    plots.save(fig, str(path), dpi=100)
+    return path
+
+
 def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
     """Mean ranks of the (β, λ) grid: on validation (the rule) and on the global test set."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), squeeze=False)
     sources = (("validation split (the rule)", "val"), ("global test set", "test"))
     for ax, (title, split) in zip(axes[0], sources, strict=True):
-        ch = choose_gate(grid.configs(), config_scores(grid, res, split))
+        ch = _choose(grid, res, split)
         mat = np.full((len(grid.betas), len(grid.lams)), np.nan)
         for i, b in enumerate(grid.betas):
             for j, lam in enumerate(grid.lams):
@@ -1011,25 +917,24 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
 
 def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Mean-client NT over the rounds of the long runs, ± SE bands, per set and split."""
-    fed = [v for v in featured(choice) if v.reference is not None]
     n = len(grid.long_presets)
     fig, axes = plt.subplots(2, n, figsize=(4.2 * n, 6.0), squeeze=False)
     for c, p in enumerate(grid.long_presets):
         for r, split in enumerate(("test", "local")):
             ax = axes[r, c]
-            for v in fed:
+            for v in federated(choice):
                 curve = _long_curve(res, grid, p, v, split)
-                rounds = _common_rounds(list(curve.values()))
+                rounds = sorted(set.intersection(*map(set, curve.values()))) if curve else []
                 if not rounds:
                     continue
-                ests = [mean_se(list(_at(curve, rr).values())) for rr in rounds]
+                ests = [_est(_at(curve, rr)) for rr in rounds]
                 mu = np.array([e.mean for e in ests])
                 se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
                 colour = palette[v.label]
                 ax.plot(rounds, mu, label=v.label, lw=1.2, color=colour)
                 ax.fill_between(rounds, mu - se, mu + se, alpha=0.2, color=colour)
             ax.axhline(0, color="k", lw=0.8)
-            ax.set_title(f"{_name(p)}, {_where(split)}", fontsize=9)
+            ax.set_title(f"{_name(p)}, {WHERE[split]}", fontsize=9)
             plots.integer_rounds(ax)
             ax.set_ylabel(f"mean-client NT, {_unit(res.primary(p))}")
     axes[0, 0].legend(fontsize=6)
@@ -1060,7 +965,7 @@ def _settings_text(sts: Sequence[Setting]) -> str:
     )
 
 
-def _setup(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> dict[str, Any]:
+def _setup(ctx: Context[Grid], gate: tuple[float, float]) -> dict[str, Any]:
     """How to reproduce: the command, the grid, presets and split sizes."""
     grid = ctx.grid
     after = chosen_cells(grid, gate)
@@ -1083,9 +988,12 @@ def _setup(ctx: Context[Grid], res: Results, gate: tuple[float, float]) -> dict[
 
 def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
     """The rule's choice, whether the code's default follows it, and its evidence."""
+    from fedfm.algorithms.fedekd import FedeKDConfig
+
     if choice is None:
         return TEXT("no-choice")
-    d_gate = default_gate()
+    default = FedeKDConfig()
+    d_gate = (default.beta, default.lam)
     values = {"beta": f"{choice.beta:g}", "lam": f"{choice.lam:g}", "cells": len(choice.cells)}
     values.update(rank=f"{choice.mean_rank[choice.gate]:.2f}", configs=len(grid.configs()))
     values.update(left_out=TEXT("left-out", n=len(choice.missing)) if choice.missing else "")
@@ -1095,25 +1003,11 @@ def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
     values.update(history=TEXT("unchanged" if choice.gate == REFERENCE_GATE else "changed"))
     picks = []  # what the same ranking would pick on the test sets (reported, never used)
     for split, where in (("local", "local test splits"), ("test", "global test set")):
-        ch = choose_gate(grid.configs(), config_scores(grid, res, split))
-        if ch:
+        if ch := _choose(grid, res, split):
             picks.append(TEXT("pick", where=where, beta=f"{ch.beta:g}", lam=f"{ch.lam:g}"))
     values.update(contrast=TEXT("contrast", picks=" and ".join(picks)) if picks else "")
     ranks, validation = _ranks_table(grid, choice), _validation_table(grid, res)
     return TEXT("chosen", values, ranks=ranks, validation=validation)
-
-
-def _long(grid: Grid, res: Results, gate: tuple[float, float]) -> str | None:
-    """Negative transfer over the rounds of the long runs."""
-    if not grid.long_presets:
-        return None
-    curves = _headed(
-        (f"{_name(p)}, {where}", _curve_table(grid, res, p, gate, split))
-        for p in grid.long_presets
-        for split, where in (("test", "global test set"), ("local", "local test splits"))
-    )
-    values = {"setting": grid.long_setting.label, "rounds": grid.long_rounds}
-    return TEXT("long", values, curves=curves)
 
 
 def _headed(tables: Iterable[tuple[str, list[str]]]) -> str:
@@ -1137,23 +1031,18 @@ def read(ctx: Context[Grid]) -> Read:
     return Read(analyse(ctx, main_cells(ctx.grid) + chosen_cells(ctx.grid, gate)), choice, gate)
 
 
-def _gate_vs(grid: Grid, other: str | None, split: str, stat: str) -> Any:
-    """FedeKD at the rule's gate minus ungated KD at its λ (or ``other``), pooled over the
-    classification sets and the skewed settings."""
-
-    def value(r: Read) -> Estimate:
-        b = ungated(r.gate[1]) if other is None else Variant(other)
-        comp = Comparison(gated(*r.gate), b)
-        return _pooled_classification(grid, r.res, comp, split, stat, _tags(grid.settings))
-
-    return value
-
-
 def readouts(grid: Grid) -> list[Readout[Read]]:
     """The gate against ungated KD (mean and worst client, both sets) and against FedAvg on
     the clients' own data; and what cannot be compared with the paper."""
 
     def nt(what: str, split: str, other: str | None = None, stat: str = "nt_mean") -> Readout[Read]:
+        def value(r: Read) -> Estimate:
+            b = ungated(r.gate[1]) if other is None else Variant(other)
+            cls = r.res.classification(grid.presets)
+            return _pooled(
+                r.res, Comparison(gated(*r.gate), b), cls, split, stat, _tags(grid.settings)
+            )
+
         b = "ungated KD at its λ" if other is None else "FedAvg"
         where = "global test set" if split == "test" else "local test splits"
         return Readout(
@@ -1161,7 +1050,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
             "paired over seeds",
             "the energy gate lowers negative transfer under heterogeneity",
             +1,
-            _gate_vs(grid, other, split, stat),
+            value,
             scope=TEXT("scope-paper"),
         )
 
@@ -1186,10 +1075,16 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
     figs = _figures(grid, res, gate, report.parent / report.stem)
     notes = data_notes(grid)
     comps = comparisons(gate)
+    curves = [
+        (f"{_name(p)}, {where}", _curve_table(grid, res, p, gate, split))
+        for p in grid.long_presets
+        for split, where in (("test", "global test set"), ("local", "local test splits"))
+    ]
+    long = {"setting": grid.long_setting.label, "rounds": grid.long_rounds}
     text = TEXT(
         "body",
         vars(grid),
-        _setup(ctx, res, gate),
+        _setup(ctx, gate),
         sizes=_sizes_table(grid, res),
         data_notes=TEXT("data-notes", notes="; ".join(notes)) if notes else None,
         choice=_choice(grid, res, r.choice),
@@ -1198,7 +1093,7 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
         per_cell=_headed((c.label, _comparison_table(grid, res, c)) for c in comps),
         per_dataset=_headed((_name(p), _dataset_table(grid, res, p, gate)) for p in grid.presets),
         gate_grid=_gate_grid_table(grid, res),
-        long=_long(grid, res, gate),
+        long=TEXT("long", long, curves=_headed(curves)) if grid.long_presets else None,
         figures=[f"![{f.stem}]({report.stem}/{f.name})" for f in figs],
     )
     return [text, ""]

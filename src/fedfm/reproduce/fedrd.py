@@ -1,13 +1,11 @@
 """FedRD reproduction study: FedRD against controls for its public rows, the paper's KD
 baselines and a client-side adapter on the foundation model, over seeds and rounds.
 
-``fedfm reproduce fedrd`` runs, on Fashion-MNIST (SmallCNN students, a frozen
-EfficientNet-Lite0 on the server) and on TREC (a fastText-style student, a frozen
-all-MiniLM-L6-v2), at Dirichlet label skew α ∈ {0.1, 0.5}, seed by seed, every method of
-:data:`METHODS`, then probes Lite0's features linearly so the report can say whether the
-teacher beats the student (the report's introduction says what each method controls for).
-With one worker the runs go one after another in one process: the foundation model's
-features are computed once per process and reused by every later run on the same rows.
+On Fashion-MNIST (SmallCNN students, a frozen EfficientNet-Lite0 on the server) and TREC (a
+fastText-style student, a frozen all-MiniLM-L6-v2), at Dirichlet label skew, seed by seed,
+every method of :data:`METHODS`, and a linear probe of Lite0's features: does the teacher beat
+the student? With one worker the runs share one process, so the foundation model's features
+are computed once and reused by every later run on the same rows.
 """
 
 from __future__ import annotations
@@ -16,11 +14,13 @@ import copy
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import matplotlib.pyplot as plt
 import numpy as np
 
 from fedfm import plots
@@ -47,21 +47,13 @@ TEXT = Text("fedrd")
 
 @dataclass(frozen=True)
 class Method:
-    """One row family of the study.
-
-    Attributes:
-        label: Name in the report.
-        presets: Modality -> preset.
-        algo: Overrides of the preset's ``algo`` section (e.g. α = β = 0).
-        public: Whether the server trains on the labelled public rows.
-        kind: ``control``, ``method``, ``kd`` (a KD baseline) or ``baseline``.
-    """
+    """One row family: its label, its preset per modality, overrides of the preset's ``algo``
+    section, and whether the server trains on the labelled public rows."""
 
     label: str
     presets: Mapping[str, str]
     algo: Mapping[str, Any] = field(default_factory=dict)
     public: bool = True
-    kind: str = "baseline"
 
 
 ONLY = {"adapter": ("vision",), "lora": ("text",)}  # the other methods have both modalities
@@ -70,18 +62,17 @@ METHODS: dict[str, Method] = {
         label,
         {mod: f"fedrd-{mod}{suffix}" for mod in ONLY.get(key, ("vision", "text"))},
         {"alpha": 0.0, "beta": 0.0} if key == "ab0" else {},
-        public=kind != "baseline",
-        kind=kind,
+        public,
     )
-    for key, label, suffix, kind in (
-        ("fedavg", "student FedAvg (no public rows)", "-fedavg", "baseline"),
-        ("ft", "student FedAvg + public fine-tuning", "-ft", "control"),
-        ("ab0", "FedRD, α = β = 0 (public CE only)", "", "control"),
-        ("fedrd", "FedRD", "", "method"),
-        ("nophi", "FedRD without φ", "-nophi", "kd"),
-        ("hint", "Fed-Hint (FitNets hints)", "-hint", "kd"),
-        ("adapter", "federated adapter on the FM (clients hold Lite0)", "-adapter", "baseline"),
-        ("lora", "federated LoRA on the FM (clients hold MiniLM)", "-lora", "baseline"),
+    for key, label, suffix, public in (
+        ("fedavg", "student FedAvg (no public rows)", "-fedavg", False),
+        ("ft", "student FedAvg + public fine-tuning", "-ft", True),
+        ("ab0", "FedRD, α = β = 0 (public CE only)", "", True),
+        ("fedrd", "FedRD", "", True),
+        ("nophi", "FedRD without φ", "-nophi", True),
+        ("hint", "Fed-Hint (FitNets hints)", "-hint", True),
+        ("adapter", "federated adapter on the FM (clients hold Lite0)", "-adapter", False),
+        ("lora", "federated LoRA on the FM (clients hold MiniLM)", "-lora", False),
     )
 }
 """Every method; FedRD is compared with each of the others, seed by seed."""
@@ -154,9 +145,9 @@ class Cell(NamedTuple):
         """Run folder name, e.g. ``vision-a0.1-s2-fedrd``."""
         return f"{self.modality}-a{self.alpha:g}-s{self.seed}-{self.method}"
 
-    @property
-    def preset(self) -> str:
-        return METHODS[self.method].presets[self.modality]
+
+def _methods(grid: Grid, mod: str) -> list[str]:
+    return [m for m in grid.methods if mod in METHODS[m].presets]
 
 
 def cells(grid: Grid) -> list[Cell]:
@@ -166,8 +157,7 @@ def cells(grid: Grid) -> list[Cell]:
         for s in grid.seeds
         for mod in grid.modalities
         for a in grid.alphas
-        for m in grid.methods
-        if mod in METHODS[m].presets
+        for m in _methods(grid, mod)
     ]
 
 
@@ -177,8 +167,8 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     The model arguments of the study's ``algo.teacher_options`` apply to the adapter's
     ``model_args.fm_size`` too, so both foundation-model paths see images of one size.
     """
-    data = preset(job.preset)
     m = METHODS[job.method]
+    data = preset(m.presets[job.modality])
     ov = copy.deepcopy(grid.overrides.get(job.modality, {}))
     algo_ov = ov.pop("algo", {})
     size = algo_ov.get("teacher_options", {}).get("image_size")
@@ -198,12 +188,19 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     return data
 
 
+def _first(grid: Grid, method: str, mod: str = "vision") -> dict[str, Any]:
+    """The run config of ``method`` at the grid's first α and seed."""
+    return job_config(Cell(mod, grid.alphas[0], grid.seeds[0], method), grid)
+
+
 # ----------------------------------------------------------------------------- Lite0 probe
 
+PROBE = "lite0-probe"
 
-def lite0_probe(
-    sizes: Sequence[int], n_train: int, n_test: int, seed: int = 0
-) -> dict[int, dict[str, float]]:
+
+def probe(
+    inputs: Mapping[str, Path], folder: Path, sizes: Sequence[int], n_train: int, n_test: int
+) -> dict[str, Any]:
     """Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size.
 
     Logistic regression (scikit-learn) on pooled features of ``n_train`` training images
@@ -220,8 +217,8 @@ def lite0_probe(
     torch.set_num_threads(1)
     src = load_source("fashion_mnist")
     assert src.train is not None and src.test is not None  # the source has both splits
-    tr = src.train.shuffle(seed=seed).select(range(n_train))
-    te = src.test.shuffle(seed=seed).select(range(n_test))
+    tr = src.train.shuffle(seed=0).select(range(n_train))
+    te = src.test.shuffle(seed=0).select(range(n_test))
 
     def images(ds: Any) -> torch.Tensor:
         return torch.tensor(np.asarray(ds["image"]), dtype=torch.float32)[:, None] / 255.0
@@ -246,7 +243,7 @@ def lite0_probe(
         # One BLAS thread: on a shared machine L-BFGS with a thread pool is many times slower.
         with threadpool_limits(1):
             clf = LogisticRegression(max_iter=2000).fit(ftr, ytr)
-        out[int(size)] = {
+        out[str(int(size))] = {
             "acc": float(clf.score(fte, yte)),
             "s_per_100": secs / (n_train + n_test) * 100,
             "n_train": n_train,
@@ -255,27 +252,13 @@ def lite0_probe(
     return out
 
 
-def public_size(grid: Grid) -> int:
-    """The vision public set's size (the probe trains on as many images)."""
-    data = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
-    return int(data["algo"].get("public_size", 500))
-
-
-def probe(inputs: Mapping[str, Path], folder: Path, **params: Any) -> dict[str, Any]:
-    """The probe as a computation of the study (its result, by input size)."""
-    del inputs, folder
-    return {str(k): v for k, v in lite0_probe(**params).items()}
-
-
-PROBE = "lite0-probe"
-
-
 def jobs(ctx: Context[Grid]) -> list[Job]:
     """The Lite0 probe (when the grid has images), then every run."""
     grid = ctx.grid
     out: list[Job] = []
     if "vision" in grid.modalities and grid.probe_sizes:
-        params = {"sizes": [int(s) for s in grid.probe_sizes], "n_train": public_size(grid)}
+        n_train = int(_first(grid, "fedrd")["algo"].get("public_size", 500))
+        params = {"sizes": [int(s) for s in grid.probe_sizes], "n_train": n_train}
         out.append(Compute(PROBE, probe, {**params, "n_test": grid.probe_test}))
     return out + [Run(c.name, job_config(c, grid), group=c.method) for c in cells(grid)]
 
@@ -290,43 +273,33 @@ class RunResult:
     Attributes:
         final: Metrics of the last evaluated round (``acc``, ``macro_f1``, ``teacher/acc``...).
         curve: Round -> test accuracy at every evaluated round.
-        server: Means over rounds of the server's co-training metrics (``server_*``).
-        warmup: The warm-up's metrics (round 1), if any.
+        server: Means over rounds of the server's co-training metrics (``server_*``), their
+            last round's values (``server_*@last``) and the warm-up's (``warmup_*``, round 1).
         rounds: Last evaluated round.
-        bytes_up: Mean bytes sent up per round.
     """
 
     final: dict[str, float]
     curve: dict[int, float]
     server: dict[str, float]
-    warmup: dict[str, float]
     rounds: int
-    bytes_up: float
 
 
 def read_run(view: RunView) -> RunResult | None:
     """The run's results, or None when it has no evaluated round yet."""
-    rows = view.metrics
-    evals = [r for r in rows if "acc" in r and r.get("round", 0) > 0]
+    evals = [r for r in view.metrics if "acc" in r and r.get("round", 0) > 0]
     if not evals:
         return None
-    trained = [r for r in rows if r.get("round", 0) >= 1]
-    keys = {k for r in trained for k in r if k.startswith("server_")}
-    server = {
-        k: float(np.mean([r[k] for r in trained if k in r]))
-        for k in keys
-        if k not in ("server_steps",)
-    }
+    trained = [r for r in view.metrics if r.get("round", 0) >= 1]
+    keys = {k for r in trained for k in r if k.startswith("server_")} - {"server_steps"}
+    server = {k: float(np.mean([r[k] for r in trained if k in r])) for k in keys}
     # The last round's server metrics too: how far the public rows are fitted at the end.
     server.update({f"{k}@last": float(trained[-1][k]) for k in keys if k in trained[-1]})
-    warm = {k: float(v) for r in trained[:1] for k, v in r.items() if k.startswith("warmup_")}
+    server.update({k: float(v) for k, v in trained[0].items() if k.startswith("warmup_")})
     return RunResult(
         final={k: float(v) for k, v in evals[-1].items() if isinstance(v, int | float)},
         curve={int(r["round"]): float(r["acc"]) for r in evals},
         server=server,
-        warmup=warm,
         rounds=int(evals[-1]["round"]),
-        bytes_up=float(np.mean([r.get("bytes_up", 0) for r in trained])) if trained else 0.0,
     )
 
 
@@ -334,24 +307,28 @@ Results = dict[Cell, RunResult]
 
 
 def read(ctx: Context[Grid]) -> Results:
-    """Every finished-or-evaluated run of the grid that has results."""
-    res = {}
-    for job in cells(ctx.grid):
-        r = read_run(ctx.run(job.name))
-        if r is not None:
-            res[job] = r
-    return res
+    """Every run of the grid that has an evaluated round."""
+    runs = {job: read_run(ctx.run(job.name)) for job in cells(ctx.grid)}
+    return {job: r for job, r in runs.items() if r is not None}
 
 
-def _seeds(res: Results, grid: Grid, mod: str, alpha: float, method: str, value: Any) -> dict:
+def _seeds(
+    res: Results, grid: Grid, mod: str, alpha: float, method: str, value: Callable[..., Any]
+) -> dict[int, float]:
     """Seed -> ``value(run)`` of one cell (seeds whose run gives None left out)."""
     runs = {s: res.get(Cell(mod, alpha, s, method)) for s in grid.seeds}
     got = {s: value(r) for s, r in runs.items() if r is not None}
     return {s: float(v) for s, v in got.items() if v is not None}
 
 
+def _rounds(grid: Grid, mod: str, method: str) -> int:
+    if grid.rounds is not None:
+        return grid.rounds
+    return int(preset(METHODS[method].presets[mod]).get("rounds", 40))
+
+
 def per_seed(res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: str) -> dict:
-    """Seed -> the final ``metric`` of one cell (seeds without that metric left out)."""
+    """Seed -> the final ``metric`` of one cell's finished runs."""
     n = _rounds(grid, mod, method)
     return _seeds(
         res, grid, mod, alpha, method, lambda r: r.final.get(metric) if r.rounds == n else None
@@ -363,26 +340,12 @@ def _est(res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: 
     return mean_se(list(per_seed(res, grid, mod, alpha, method, metric).values()))
 
 
-def _rounds(grid: Grid, mod: str, method: str) -> int:
-    if grid.rounds is not None:
-        return grid.rounds
-    return int(preset(METHODS[method].presets[mod]).get("rounds", 40))
-
-
-def _server_seed(res: Results, grid: Grid, mod: str, alpha: float, method: str, key: str) -> dict:
-    return _seeds(res, grid, mod, alpha, method, lambda r: {**r.server, **r.warmup}.get(key))
-
-
-def curve_seed(res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int) -> dict:
+def _curve(res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int) -> dict:
     """Seed -> test accuracy at round ``rnd``."""
     return _seeds(res, grid, mod, alpha, method, lambda r: r.curve.get(rnd))
 
 
 # ----------------------------------------------------------------------------- tables
-
-
-def _methods(grid: Grid, mod: str) -> list[str]:
-    return [m for m in grid.methods if mod in METHODS[m].presets]
 
 
 def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
@@ -398,6 +361,12 @@ def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
     return lines
 
 
+def _minus(res: Results, grid: Grid, mod: str, alpha: float, other: str, metric: str) -> Estimate:
+    """FedRD − ``other`` on the final ``metric``, paired by seed."""
+    mine = per_seed(res, grid, mod, alpha, "fedrd", metric)
+    return paired(mine, per_seed(res, grid, mod, alpha, other, metric))
+
+
 def differences(grid: Grid, res: Results, mod: str, alpha: float) -> dict[str, dict[str, Any]]:
     """FedRD minus every other method, paired by seed: accuracy and macro-F1 estimates."""
     return {
@@ -405,12 +374,6 @@ def differences(grid: Grid, res: Results, mod: str, alpha: float) -> dict[str, d
         for m in _methods(grid, mod)
         if m != "fedrd"
     }
-
-
-def _minus(res: Results, grid: Grid, mod: str, alpha: float, other: str, metric: str) -> Estimate:
-    """FedRD − ``other`` on the final ``metric``, paired by seed."""
-    mine = per_seed(res, grid, mod, alpha, "fedrd", metric)
-    return paired(mine, per_seed(res, grid, mod, alpha, other, metric))
 
 
 def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
@@ -457,14 +420,13 @@ DROP = 0.2
 """A fall of test accuracy this large between two evaluations flags a run as unstable."""
 
 
-def unstable_lines(grid: Grid, res: Results, mod: str) -> list[str]:
+def unstable_lines(res: Results, mod: str) -> list[str]:
     """Runs of ``mod`` whose test accuracy fell by more than :data:`DROP` between two
     evaluations."""
     lines = []
-    mine = {j: r for j, r in res.items() if j.modality == mod}
-    for job, r in sorted(mine.items(), key=lambda kv: kv[0].name):
+    for job, r in sorted(res.items(), key=lambda kv: kv[0].name):
         for a, b in itertools.pairwise(sorted(r.curve)):
-            if r.curve[a] - r.curve[b] > DROP:
+            if job.modality == mod and r.curve[a] - r.curve[b] > DROP:
                 values = {"run": job.name, "method": METHODS[job.method].label, "a": a, "b": b}
                 lines.append(
                     TEXT("unstable", values, before=f"{r.curve[a]:.3f}", after=f"{r.curve[b]:.3f}")
@@ -472,26 +434,26 @@ def unstable_lines(grid: Grid, res: Results, mod: str) -> list[str]:
     return lines
 
 
-def curve_rounds(grid: Grid, res: Results) -> list[int]:
+def curve_rounds(res: Results) -> list[int]:
     """Rounds evaluated in every run that has results."""
     sets = [set(r.curve) for r in res.values()]
     return sorted(set.intersection(*sets)) if sets else []
 
 
 def curves_table(grid: Grid, res: Results, mod: str) -> list[str]:
-    """Mean ± SE test accuracy at each evaluated round, and FedRD − public fine-tuning."""
-    rounds = curve_rounds(grid, res)
+    """Mean ± SE test accuracy at each evaluated round, and FedRD − each public-row control."""
+    rounds = curve_rounds(res)
     lines = head(["α", "method", *[f"round {r}" for r in rounds]])
     for a in grid.alphas:
         for m in _methods(grid, mod):
-            cells = [mean_se(list(curve_seed(res, grid, mod, a, m, r).values())) for r in rounds]
+            cells = [mean_se(list(_curve(res, grid, mod, a, m, r).values())) for r in rounds]
             lines.append(row([f"{a:g}", METHODS[m].label, *[c.fmt() for c in cells]]))
         for ref in ("ft", "ab0"):
             if ref in _methods(grid, mod) and "fedrd" in _methods(grid, mod):
-                seeds = {
-                    m: [curve_seed(res, grid, mod, a, m, r) for r in rounds] for m in ("fedrd", ref)
-                }
-                diffs = [paired(x, y) for x, y in zip(seeds["fedrd"], seeds[ref], strict=True)]
+                diffs = [
+                    paired(_curve(res, grid, mod, a, "fedrd", r), _curve(res, grid, mod, a, ref, r))
+                    for r in rounds
+                ]
                 label = f"**FedRD − {METHODS[ref].label}** (paired)"
                 lines.append(row([f"{a:g}", label, *[d.fmt(signed=True) for d in diffs]]))
     return lines
@@ -509,32 +471,28 @@ def teacher_table(grid: Grid, res: Results, mod: str) -> list[str]:
     ]
     lines = head(["α", "method", *[label for _, label in keys], "test CKA(f_t, f_s)"])
     for a in grid.alphas:
-        for m in _methods(grid, mod):
-            if not METHODS[m].public:
-                continue
-            cells = [
-                mean_se(list(_server_seed(res, grid, mod, a, m, k).values())).fmt() for k, _ in keys
-            ]
+        for m in (m for m in _methods(grid, mod) if METHODS[m].public):
+            cells = []
+            for k, _ in keys:
+                vals = _seeds(res, grid, mod, a, m, lambda r, k=k: r.server.get(k))
+                cells.append(mean_se(list(vals.values())).fmt())
             cka = _est(res, grid, mod, a, m, "cka_test").fmt()
             lines.append(row([f"{a:g}", METHODS[m].label, *cells, cka]))
     return lines
 
 
-def probe_text(probe: Any, grid: Grid, res: Results) -> str:
+def probe_text(probe: Mapping[str, Any] | None, grid: Grid, res: Results) -> str:
     """The Lite0 probe per input size next to the students' accuracy."""
     if not probe:
         return TEXT("probe-none")
-    if isinstance(probe, str):
-        return TEXT("probe-failed", error=probe)
     rows = sorted(probe.items(), key=lambda kv: int(kv[0]))
-    size = _teacher_size(grid)
+    size = _first(grid, "fedrd")["algo"].get("teacher_options", {}).get("image_size")
+    size = None if size is None else int(size)
     best = max(rows, key=lambda kv: kv[1]["acc"])
-    used = probe.get(str(size), probe.get(size)) if size is not None else None
+    used = probe.get(str(size)) if size is not None else None
     gaps = []
     for a in grid.alphas:
-        for m in ("fedavg", "ft"):
-            if m not in grid.methods:
-                continue
+        for m in (m for m in ("fedavg", "ft") if m in grid.methods):
             est = _est(res, grid, "vision", a, m, "acc")
             if est.n and used:
                 values = {"alpha": f"{a:g}", "method": METHODS[m].label, "student": est.fmt()}
@@ -546,20 +504,12 @@ def probe_text(probe: Any, grid: Grid, res: Results) -> str:
     return TEXT("probe-table", first, best_, rows=cells, gaps=gaps)
 
 
-def _teacher_size(grid: Grid) -> int | None:
-    if "vision" not in grid.modalities:
-        return None
-    data = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
-    size = data["algo"].get("teacher_options", {}).get("image_size")
-    return int(size) if size is not None else None
-
-
 def setup_table(grid: Grid) -> list[str]:
     """One line per method: algorithm, data, client model, server, rounds and training."""
     lines = []
     for mod in grid.modalities:
         for m in _methods(grid, mod):
-            c = job_config(Cell(mod, grid.alphas[0], grid.seeds[0], m), grid)
+            c = _first(grid, m, mod)
             t, al, p, tr = c["task"], c.get("algo", {}), c["partition"], c["train"]
             sizes = [f"{k} {t[k]}" for k in ("max_train", "max_test") if t.get(k)]
             data = f"{t['dataset']} ({', '.join(sizes)})" if sizes else t["dataset"]
@@ -569,8 +519,7 @@ def setup_table(grid: Grid) -> list[str]:
                 fm = f"{al.get('teacher')} {al.get('teacher_options', {})}"
                 fm = "no FM" if c["algorithm"] == "fedavg-ft" else fm
                 # The vision public split is an algo field, the text one a task field.
-                public = al.get("public_size", t.get("public_size"))
-                parts = [fm, f"public {public}"]
+                parts = [fm, f"public {al.get('public_size', t.get('public_size'))}"]
                 parts += [f"{k}={al[k]}" for k in ("alpha", "beta") if al.get(k) is not None]
                 if al.get("warmup_epochs"):
                     parts.append(f"warm-up {al['warmup_epochs']} epochs")
@@ -586,20 +535,22 @@ def setup_table(grid: Grid) -> list[str]:
     return lines
 
 
-# ----------------------------------------------------------------------------- figures
+def scale_row(grid: Grid) -> str:
+    """The row of the substitutions on scale, from the grid's FedRD config."""
+    c = _first(grid, "fedrd")
+    t, al, tr = c["task"], c["algo"], c["train"]
+    values = {"clients": c["partition"].get("num_clients"), "max_train": t.get("max_train")}
+    values.update(test_fraction=f"{t.get('local_test_fraction', 0.2):g}", steps=tr.get("steps"))
+    values.update(rounds=c["rounds"], public=al.get("public_size"))
+    return TEXT("scale-row", values, size=al.get("teacher_options", {}).get("image_size"))
 
 
 def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
     """Test accuracy over rounds (mean over seeds, ± SE bands): a row per modality, a column
     per α."""
-    rounds = curve_rounds(grid, res)
+    rounds = curve_rounds(res)
     if not rounds:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     mods, alphas = list(grid.modalities), list(grid.alphas)
     palette = plots.colours(METHODS[m].label for m in grid.methods)
     size = (5.5 * len(alphas), 3.6 * len(mods))
@@ -607,7 +558,7 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
     for i, mod in enumerate(mods):
         for ax, a in zip(axes[i], alphas, strict=True):
             for m in _methods(grid, mod):
-                est = [mean_se(list(curve_seed(res, grid, mod, a, m, r).values())) for r in rounds]
+                est = [mean_se(list(_curve(res, grid, mod, a, m, r).values())) for r in rounds]
                 mu = np.array([e.mean for e in est])
                 se = np.array([e.se if math.isfinite(e.se) else 0.0 for e in est])
                 colour = palette[METHODS[m].label]
@@ -620,56 +571,37 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
         axes[i][0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(fig, str(path), dpi=110)
     return path
 
 
-def scale_row(grid: Grid) -> str:
-    """The row of the substitutions on scale, from the grid's FedRD config."""
-    c = job_config(Cell("vision", grid.alphas[0], grid.seeds[0], "fedrd"), grid)
-    t, al, tr = c["task"], c["algo"], c["train"]
-    values = {"clients": c["partition"].get("num_clients"), "max_train": t.get("max_train")}
-    values.update(test_fraction=f"{t.get('local_test_fraction', 0.2):g}", steps=tr.get("steps"))
-    values.update(rounds=c["rounds"], public=al.get("public_size"))
-    return TEXT("scale-row", values, size=al.get("teacher_options", {}).get("image_size"))
-
-
-def _fedrd_minus(grid: Grid, mod: str, alpha: float, other: str) -> Any:
-    return lambda r: _minus(r, grid, mod, alpha, other, "acc")
+# ----------------------------------------------------------------------------- the report
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """Per modality and α: FedRD against the public fine-tuning control (the FM's part) and
     against FedRD without φ (the reprogramming's part); the paper's other claims this study
     does not test."""
-    out: list[Readout[Results]] = []
     fm = TEXT("scope-fm")
-    for mod in grid.modalities:
-        for a in grid.alphas:
-            where = f"{mod}, α = {a:g}"
-            if "ft" in _methods(grid, mod):
-                out.append(
-                    Readout(
-                        f"FedRD − student FedAvg + public fine-tuning, test accuracy, {where}",
-                        "paired over seeds",
-                        "the FM's distillation helps the student (beyond the public rows)",
-                        +1,
-                        _fedrd_minus(grid, mod, a, "ft"),
-                        scope=TEXT("scope-ft", fm=fm),
-                    )
-                )
-            if "nophi" in _methods(grid, mod):
-                out.append(
-                    Readout(
-                        f"FedRD − FedRD without φ, test accuracy, {where}",
-                        "paired over seeds",
-                        "reprogramming beats KD without it under non-IID data",
-                        +1,
-                        _fedrd_minus(grid, mod, a, "nophi"),
-                        scope=fm,
-                    )
-                )
+    claims = (
+        ("ft", "the FM's distillation helps the student (beyond the public rows)"),
+        ("nophi", "reprogramming beats KD without it under non-IID data"),
+    )
+    scopes = {"ft": TEXT("scope-ft", fm=fm), "nophi": fm}
+    out: list[Readout[Results]] = [
+        Readout(
+            f"FedRD − {METHODS[m].label}, test accuracy, {mod}, α = {a:g}",
+            "paired over seeds",
+            paper,
+            +1,
+            partial(_minus, grid=grid, mod=mod, alpha=a, other=m, metric="acc"),
+            scope=scopes[m],
+        )
+        for mod in grid.modalities
+        for a in grid.alphas
+        for m, paper in claims
+        if m in _methods(grid, mod)
+    ]
     return [
         *out,
         untestable(
@@ -695,7 +627,7 @@ def results_text(grid: Grid, res: Results, mod: str) -> str:
         curves=curves_table(grid, res, mod),
         seeds=seeds_table(grid, res, mod),
         drop=f"{DROP:g}",
-        unstable=unstable_lines(grid, res, mod) or [TEXT("no-unstable")],
+        unstable=unstable_lines(res, mod) or [TEXT("no-unstable")],
         server=teacher_table(grid, res, mod),
     )
 
