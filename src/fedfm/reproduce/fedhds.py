@@ -267,6 +267,12 @@ TRAIN_S = ("total_train_s",)
 TOTAL_S = ("total_client_s", "total_select_s")
 
 
+def selected(res: Results) -> bool:
+    """Whether FedHDS trained on any row: with none selected it is the untrained base, and
+    its readouts would measure FedIT's training, not the selection."""
+    return any(v.finish.get("data_fraction") for v in res.of("fedhds"))
+
+
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """FedHDS against FedIT and Random on the held-out task, and its client cost ratios."""
     seeds = "both seeds" if len(grid.seeds) > 1 else "one seed"
@@ -274,7 +280,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 
     def seconds(name: str, keys: Sequence[str]) -> Readout[Results]:
         value, scope = partial(cost_ratio, keys=keys), TEXT("scope-seconds")
-        return Readout(name, per_seed, f"{paper} (Table 3)", +1, value, 1.0, 1, scope)
+        return Readout(name, per_seed, f"{paper} (Table 3)", +1, value, 1.0, 1, scope, selected)
 
     return [
         Readout(
@@ -284,6 +290,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             +1,
             lambda r: delta(r, "fedhds", REFERENCE),
             scope=TEXT("scope-items"),
+            testable=selected,
         ),
         Readout(
             "FedHDS − Random at FedHDS's data fraction, Rouge-L of the held-out task",
@@ -292,6 +299,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             +1,
             lambda r: seed_delta(r, "fedhds", "random", 0),
             scope=TEXT("scope-random"),
+            testable=selected,
         ),
         seconds("client training time, FedIT / FedHDS", TRAIN_S),
         seconds(

@@ -114,3 +114,16 @@ def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path
     run_study(study.STUDY, again, tmp_path / "r.md")
     record = json.loads((tmp_path / "study.json").read_text())
     assert [i["ran"] for i in record["invocations"]] == [7, 0]
+
+
+def test_readouts_cannot_be_tested_when_fedhds_selected_no_row() -> None:
+    class View:  # what a readout reads of a finished run
+        def __init__(self, fraction: float) -> None:
+            self.finish = {"data_fraction": fraction}
+
+    grid = study.Grid(4, 4, 4, 1)
+    none = study.Results({"fedhds": View(0.0), "fedhds-s1": View(0.0)}, grid)  # type: ignore[dict-item]
+    some = study.Results({"fedhds": View(0.0), "fedhds-s1": View(0.02)}, grid)  # type: ignore[dict-item]
+    assert not study.selected(none) and study.selected(some)
+    for r in study.readouts(grid):
+        assert r.testable is study.selected
