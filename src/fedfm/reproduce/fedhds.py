@@ -268,9 +268,11 @@ TOTAL_S = ("total_client_s", "total_select_s")
 
 
 def selected(res: Results) -> bool:
-    """Whether FedHDS trained on any row: with none selected it is the untrained base, and
-    its readouts would measure FedIT's training, not the selection."""
-    return any(v.finish.get("data_fraction") for v in res.of("fedhds"))
+    """Whether FedHDS's first seed trained on any row. With none selected it is the untrained
+    base, its readouts would measure FedIT's training, not the selection, and Random (drawn
+    at that seed's fraction) does not run to control for it."""
+    runs = res.of("fedhds")
+    return bool(runs) and bool(runs[0].finish.get("data_fraction"))
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:

@@ -122,8 +122,8 @@ def test_readouts_cannot_be_tested_when_fedhds_selected_no_row() -> None:
             self.finish = {"data_fraction": fraction}
 
     grid = study.Grid(4, 4, 4, 1)
-    none = study.Results({"fedhds": View(0.0), "fedhds-s1": View(0.0)}, grid)  # type: ignore[dict-item]
-    some = study.Results({"fedhds": View(0.0), "fedhds-s1": View(0.02)}, grid)  # type: ignore[dict-item]
+    none = study.Results({"fedhds": View(0.0), "fedhds-s1": View(0.02)}, grid)  # type: ignore[dict-item]
+    some = study.Results({"fedhds": View(0.02), "fedhds-s1": View(0.0)}, grid)  # type: ignore[dict-item]
     assert not study.selected(none) and study.selected(some)
     for r in study.readouts(grid):
         assert r.testable is study.selected
