@@ -10,8 +10,10 @@ generation kernels fall back to the CPU or are unsupported, and bfloat16 autocas
 the macOS version, so a run that works on the CPU could fail or differ there. ``mps`` is
 accepted when asked for by name.
 
-Autocast: bfloat16 where the device computes it natively (CPUs, CUDA from compute capability
-8.0, Ampere on), else float16 with a gradient scaler (:func:`needs_grad_scaler`).
+Autocast: bfloat16 where the device computes it natively (CPUs with AVX512-BF16 or AMX, CUDA
+from compute capability 8.0, Ampere on); on other GPUs float16 with a gradient scaler
+(:func:`needs_grad_scaler`); on other CPUs none (float32), because there bfloat16 and float16
+matrix products are emulated, about ten times slower than float32's.
 
 Placement: a model lives on the run's device; what it computes on follows the model
 (:func:`model_device`, :func:`to_device`), and what leaves a client (messages, client state,
@@ -84,20 +86,38 @@ def resolve(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def cpu_bf16_native() -> bool:
+    """Whether this CPU has bfloat16 instructions (x86: AVX512-BF16 or AMX).
+
+    Other architectures are taken to have them (ARMv8.6 and later; fedfm cannot ask torch).
+    """
+    import platform
+
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
+
 def supports_bf16(device: torch.device) -> bool:
     """Whether autocast on ``device`` can compute in bfloat16 natively."""
     import torch
 
     if device.type == "cuda":
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    return device.type == "cpu"
+    return device.type == "cpu" and cpu_bf16_native()
 
 
-def autocast_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where :func:`supports_bf16`, else float16."""
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """bfloat16 where :func:`supports_bf16`; else float16 on an accelerator and None (no
+    autocast, float32) on a CPU, where half-precision products are emulated and slower."""
     import torch
 
-    return torch.bfloat16 if supports_bf16(device) else torch.float16
+    if supports_bf16(device):
+        return torch.bfloat16
+    return None if device.type == "cpu" else torch.float16
 
 
 def needs_grad_scaler(device: torch.device) -> bool:
@@ -164,17 +184,19 @@ def autocast(
 ) -> contextlib.AbstractContextManager[Any]:
     """Mixed-precision autocast on ``device`` when ``enabled``, else a no-op.
 
-    bfloat16 where :func:`supports_bf16`; elsewhere (CUDA before compute capability 8.0,
-    MPS) float16 when ``half``, whose training needs the gradient scaler that
-    :func:`fedfm.core.train.local_train` adds on such a device (:func:`needs_grad_scaler`).
+    The dtype is :func:`autocast_dtype`'s: bfloat16 where native; float16 on other
+    accelerators (CUDA before compute capability 8.0, MPS) when ``half``, whose training
+    needs the gradient scaler that :func:`fedfm.core.train.local_train` adds on such a
+    device (:func:`needs_grad_scaler`); none on a CPU without bfloat16 instructions.
     DP-SGD passes ``half=False``: it clips per-sample gradients, which a scaled loss would
     scale, so there it stays in the model's dtype.
     """
-    if not enabled or not (half or supports_bf16(device)):
-        return contextlib.nullcontext()
     import torch
 
-    return torch.autocast(device_type=device.type, dtype=autocast_dtype(device))
+    dtype = autocast_dtype(device) if enabled else None
+    if dtype is None or (dtype == torch.float16 and not half):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def grad_scaler(device: torch.device) -> torch.amp.GradScaler | None:

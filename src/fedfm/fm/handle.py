@@ -147,7 +147,8 @@ class FoundationModel:
         lora: LoRA hyper-parameters of adapters created without their own spec.
         prompt: Prompt formatting and length limits.
         autocast_bf16: Run forward passes (generation, features, DP-SGD) under bfloat16
-            autocast; where the device lacks bfloat16, float16 (DP-SGD: none).
+            autocast; where a GPU lacks bfloat16, float16 (DP-SGD: none); where a CPU
+            lacks it, none.
         quantization: ``4bit`` or ``8bit``: the base is loaded quantised (see
             :func:`shared_base`).
         device: Where the base lives and computes (the CPU when ``None``); every handle on
@@ -208,7 +209,8 @@ class FoundationModel:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast on the model's device when ``autocast_bf16``: bfloat16 where the device
-        computes it natively, else float16 (:func:`fedfm.devices.autocast`); else a no-op."""
+        computes it natively, else float16 on a GPU and none on a CPU
+        (:func:`fedfm.devices.autocast`); else a no-op."""
         return autocast(model_device(self.bundle.model), self.autocast_bf16)
 
     def dp_autocast(self) -> contextlib.AbstractContextManager[Any]:

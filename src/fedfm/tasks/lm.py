@@ -116,7 +116,8 @@ class InstructionConfig(TaskConfig):
         autocast_bf16: Run forward passes (training and evaluation) under CPU/GPU bfloat16
             autocast: about 1.4x faster than float32 for SmolLM2 on a CPU with AVX512-BF16.
             On a GPU without bfloat16 (before Ampere), float16 autocast with a gradient
-            scaler in local training; DP-SGD stays in float32 there.
+            scaler in local training; DP-SGD stays in float32 there. On a CPU without
+            bfloat16 instructions none: there half precision is emulated and slower.
         lora: LoRA rank, scale, dropout and target modules.
         prompt: Chat formatting and length limits.
         test_fraction: Share of the training rows held out for the server when the source

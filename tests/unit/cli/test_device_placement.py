@@ -111,17 +111,34 @@ def test_autocast_is_bfloat16_where_native_else_float16_but_never_float16_for_dp
     monkeypatch,
 ) -> None:
     cpu = torch.device("cpu")
+    monkeypatch.setattr(devices, "cpu_bf16_native", lambda: True)
     with devices.autocast(cpu):
         assert torch.is_autocast_enabled("cpu")
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert isinstance(devices.autocast(cpu, enabled=False), contextlib.nullcontext)
     assert devices.grad_scaler(cpu) is None
-    monkeypatch.setattr(devices, "supports_bf16", lambda d: False)  # e.g. a pre-Ampere GPU
+    _half(monkeypatch)  # a pre-Ampere GPU's float16, taken on the CPU
     with devices.autocast(cpu):
         assert torch.get_autocast_dtype("cpu") == torch.float16
     assert isinstance(devices.autocast(cpu, half=False), contextlib.nullcontext)
     scaler = devices.grad_scaler(cpu)
     assert scaler is not None and scaler.get_scale() == 2.0**12
+
+
+def test_a_cpu_without_bfloat16_instructions_gets_no_autocast(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(devices, "cpu_bf16_native", lambda: False)
+    assert not devices.supports_bf16(cpu) and devices.autocast_dtype(cpu) is None
+    assert isinstance(devices.autocast(cpu), contextlib.nullcontext)
+    assert devices.grad_scaler(cpu) is None and not devices.needs_grad_scaler(cpu)
+    # A GPU keeps float16 where it lacks bfloat16.
+    monkeypatch.setattr(devices, "supports_bf16", lambda d: False)
+    assert devices.autocast_dtype(torch.device("cuda")) == torch.float16
+
+
+def _half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autocast and the scaler as on a GPU without bfloat16, taken on the CPU."""
+    monkeypatch.setattr(devices, "autocast_dtype", lambda d: torch.float16)
 
 
 def _fit_line(steps: int, scale: float = 1.0) -> tuple[nn.Linear, train_mod.TrainResult]:
@@ -142,8 +159,9 @@ def _fit_line(steps: int, scale: float = 1.0) -> tuple[nn.Linear, train_mod.Trai
 def test_local_training_under_float16_scales_its_gradients_and_skips_overflows(
     monkeypatch,
 ) -> None:
+    monkeypatch.setattr(devices, "cpu_bf16_native", lambda: True)
     reference, ref = _fit_line(20)  # bfloat16 autocast, no scaler
-    monkeypatch.setattr(devices, "supports_bf16", lambda d: False)
+    _half(monkeypatch)
     half, res = _fit_line(20)
     assert res.skipped == 0 and ref.skipped == 0
     assert res.loss < 0.5 * _fit_line(1)[1].loss  # it trained

@@ -82,8 +82,11 @@ def test_device_names_resolve_and_unknown_or_absent_devices_are_refused(monkeypa
         devices.check("cuda:2")
 
 
-def test_autocast_is_bf16_on_the_cpu_and_ram_is_what_fits() -> None:
+def test_autocast_is_bf16_on_a_cpu_with_its_instructions_and_ram_is_what_fits(
+    monkeypatch,
+) -> None:
     cpu = torch.device("cpu")
+    monkeypatch.setattr(devices, "cpu_bf16_native", lambda: True)
     assert devices.supports_bf16(cpu) and devices.autocast_dtype(cpu) == torch.bfloat16
     assert not devices.needs_grad_scaler(cpu)
     assert devices.memory_available(cpu) > 0
