@@ -959,17 +959,10 @@ def _privacy_lines(res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="dpsyn",
-        summary="DP federated text generation: the weak clients' votes against chance",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
-        title=lambda ctx: TEXT("title", label=ctx.grid.label),
-        body=body,
-        reports=("dpsyn-study.md", "dpsyn-quick.md"),
+    Study.of(
+        __name__,
+        "DP federated text generation: the weak clients' votes against chance",
+        ("dpsyn-study.md", "dpsyn-quick.md"),
         workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
     )
 )

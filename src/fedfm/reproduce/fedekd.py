@@ -1100,17 +1100,10 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="fedekd",
-        summary="FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
-        title=lambda ctx: TEXT("title"),
-        body=body,
-        reports=("fedekd.md", None),
+    Study.of(
+        __name__,
+        "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
+        ("fedekd.md", None),
         workers=(2, 1),
         later="after the main grid, the rule's (β, λ) adds the control-setting and long runs.",
     )

@@ -498,16 +498,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="fedhds",
-        summary="FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
+    Study.of(
+        __name__,
+        "FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
+        ("fedhds.md", None),
         title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
-        body=body,
-        reports=("fedhds.md", None),
     )
 )

@@ -663,16 +663,9 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="fedrd",
-        summary="FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
-        title=lambda ctx: TEXT("title"),
-        body=body,
-        reports=("fedrd.md", None),
+    Study.of(
+        __name__,
+        "FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
+        ("fedrd.md", None),
     )
 )
