@@ -938,13 +938,8 @@ def _between_lines(res: Results) -> list[str]:
     pairs = [(f"{s} strong − base model", (s, "subset"), (0, "subset")) for s in res.grid.strong]
     pairs.append((f"{many} strong − {few} strong", (many, "subset"), (few, "subset")))
     for e in res.grid.epsilon_votes:
-        pairs.append(
-            (
-                f"{few} strong by votes (ε_vote {e:g}) − {many} strong",
-                (few, f"votes/{e:g}"),
-                (many, "subset"),
-            )
-        )
+        label = f"{few} strong by votes (ε_vote {e:g}) − {many} strong"
+        pairs.append((label, (few, f"votes/{e:g}"), (many, "subset")))
     return [row([f"{label}, no voting", *_diff_cells(res, a, b)]) for label, a, b in pairs]
 
 
