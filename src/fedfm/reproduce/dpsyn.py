@@ -938,13 +938,8 @@ def _between_lines(res: Results) -> list[str]:
     pairs = [(f"{s} strong − base model", (s, "subset"), (0, "subset")) for s in res.grid.strong]
     pairs.append((f"{many} strong − {few} strong", (many, "subset"), (few, "subset")))
     for e in res.grid.epsilon_votes:
-        pairs.append(
-            (
-                f"{few} strong by votes (ε_vote {e:g}) − {many} strong",
-                (few, f"votes/{e:g}"),
-                (many, "subset"),
-            )
-        )
+        label = f"{few} strong by votes (ε_vote {e:g}) − {many} strong"
+        pairs.append((label, (few, f"votes/{e:g}"), (many, "subset")))
     return [row([f"{label}, no voting", *_diff_cells(res, a, b)]) for label, a, b in pairs]
 
 
@@ -959,17 +954,10 @@ def _privacy_lines(res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="dpsyn",
-        summary="DP federated text generation: the weak clients' votes against chance",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
-        title=lambda ctx: TEXT("title", label=ctx.grid.label),
-        body=body,
-        reports=("dpsyn-study.md", "dpsyn-quick.md"),
+    Study.of(
+        __name__,
+        "DP federated text generation: the weak clients' votes against chance",
+        ("dpsyn-study.md", "dpsyn-quick.md"),
         workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
     )
 )

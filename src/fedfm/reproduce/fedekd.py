@@ -424,10 +424,8 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
         run = ctx.run(job.name)
         if not _finished(run):
             continue
-        primary = (run.summary or {})["primary"]
-        kind = res.kinds.setdefault(
-            job.preset, "regression" if primary == "rmse" else "classification"
-        )
+        regression = (run.summary or {})["primary"] == "rmse"
+        kind = res.kinds.setdefault(job.preset, "regression" if regression else "classification")
         cell = CellKey(job.preset, job.setting.tag, job.variant.key, job.long)
         if job.variant.reference is None and not job.long:
             res.sizes.setdefault((job.preset, job.setting.tag), {})[job.seed] = run.partition
@@ -438,9 +436,8 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
                 mine = curve(run, split, metric)
                 if not mine:
                     continue
-                res.final.setdefault((cell, split, metric, "value"), {})[job.seed] = float(
-                    np.mean(list(mine[max(mine)].values()))
-                )
+                value = float(np.mean(list(mine[max(mine)].values())))
+                res.final.setdefault((cell, split, metric, "value"), {})[job.seed] = value
                 if ref is None or not _finished(ref):
                     continue
                 theirs = curve(ref, split, metric)
@@ -581,10 +578,6 @@ def _unit(metric: str) -> str:
     return {"acc": "accuracy", "macro_f1": "macro-F1", "rmse": "RMSE"}[metric]
 
 
-def _est(values: Mapping[int, float]) -> Estimate:
-    return mean_se(list(values.values()))
-
-
 def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, float]) -> list:
     metrics = metrics_of(res.kind(preset))
     m = metrics[0][0]
@@ -599,14 +592,14 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
         for v in featured(choice):
             cells = [st.label, v.label]
             for split in ("test", "local"):
-                cells.append(_est(res.nt(preset, st.tag, v, split, "value")).fmt(_digits(m)))
+                cells.append(mean_se(res.nt(preset, st.tag, v, split, "value")).fmt(_digits(m)))
                 for stat in ("nt_mean", "nt_worst", "harmed"):
-                    nt = _est(res.nt(preset, st.tag, v, split, stat)).fmt(_digits(m, stat))
+                    nt = mean_se(res.nt(preset, st.tag, v, split, stat)).fmt(_digits(m, stat))
                     cells.append(nt if v.reference else "—")
             if len(metrics) > 1:
                 for split in ("test", "local"):
                     vals = res.nt(preset, st.tag, v, split, metric="macro_f1")
-                    cells.append(_est(vals).fmt(3) if v.reference else "—")
+                    cells.append(mean_se(vals).fmt(3) if v.reference else "—")
             lines.append(row(cells))
     return lines
 
@@ -742,7 +735,7 @@ def _own_nt_table(grid: Grid, res: Results, choice: tuple[float, float]) -> list
                 nts = {(p, t): res.nt(p, t, v, split) for p in grid.presets for t in tags}
                 cls = [x for (p, _), x in nts.items() if res.kind(p) == "classification" and x]
                 pooled = pooled_paired([(x, dict.fromkeys(x, 0.0)) for x in cls])
-                pos, neg, n = _tally(_est(x) for x in nts.values())
+                pos, neg, n = _tally(mean_se(x) for x in nts.values())
                 cells += [pooled.fmt(3, True), f"{pos} / {neg} / {n}"]
         lines.append(row(cells))
     return lines
@@ -817,7 +810,7 @@ def _curve_table(grid: Grid, res: Results, preset: str, choice: tuple, split: st
     idx = np.unique(np.linspace(0, len(rounds) - 1, min(6, len(rounds))).round().astype(int))
     keep = grid.rounds or 15
     for r in sorted({*(rounds[i] for i in idx), *([keep] if keep in rounds else [])}):
-        cells = [str(r), *[_est(_at(curves[v], r)).fmt(d) for v in fed]]
+        cells = [str(r), *[mean_se(_at(curves[v], r)).fmt(d) for v in fed]]
         cells += [paired(_at(curves[c.a], r), _at(curves[c.b], r)).fmt(d, True) for c in cuts]
         lines.append(row(cells))
     return lines
@@ -870,8 +863,8 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
         for c, (label, presets, split) in enumerate(panels):
             ax = axes[r, c]
             for j, v in enumerate(fed):
-                ests = [_est(res.nt(p, st.tag, v, split)) for p in presets]
-                worst = [_est(res.nt(p, st.tag, v, split, "nt_worst")).mean for p in presets]
+                ests = [mean_se(res.nt(p, st.tag, v, split)) for p in presets]
+                worst = [mean_se(res.nt(p, st.tag, v, split, "nt_worst")).mean for p in presets]
                 x = np.arange(len(presets)) + (j - (len(fed) - 1) / 2) * width
                 ses = [e.se if e.n > 1 else 0.0 for e in ests]
                 colour = palette[v.label]
@@ -927,7 +920,7 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
                 rounds = sorted(set.intersection(*map(set, curve.values()))) if curve else []
                 if not rounds:
                     continue
-                ests = [_est(_at(curve, rr)) for rr in rounds]
+                ests = [mean_se(_at(curve, rr)) for rr in rounds]
                 mu = np.array([e.mean for e in ests])
                 se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
                 colour = palette[v.label]
@@ -1038,10 +1031,8 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
     def nt(what: str, split: str, other: str | None = None, stat: str = "nt_mean") -> Readout[Read]:
         def value(r: Read) -> Estimate:
             b = ungated(r.gate[1]) if other is None else Variant(other)
-            cls = r.res.classification(grid.presets)
-            return _pooled(
-                r.res, Comparison(gated(*r.gate), b), cls, split, stat, _tags(grid.settings)
-            )
+            comp, cls = Comparison(gated(*r.gate), b), r.res.classification(grid.presets)
+            return _pooled(r.res, comp, cls, split, stat, _tags(grid.settings))
 
         b = "ungated KD at its λ" if other is None else "FedAvg"
         where = "global test set" if split == "test" else "local test splits"
@@ -1100,17 +1091,10 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="fedekd",
-        summary="FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
-        title=lambda ctx: TEXT("title"),
-        body=body,
-        reports=("fedekd.md", None),
+    Study.of(
+        __name__,
+        "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
+        ("fedekd.md", None),
         workers=(2, 1),
         later="after the main grid, the rule's (β, λ) adds the control-setting and long runs.",
     )

@@ -374,10 +374,8 @@ def _cost_rows(res: Results) -> list[list[str]]:
 
 def _seen_table(res: Results) -> list[str]:
     fedit, r0 = seed_mean(res.of(REFERENCE), False), res.round0
-    rows = []
-    if r0:
-        rows.append(["untrained base (round 0)", num(r0.get("score")), DASH])
-        rows[0] += [num(r0.get(f"score/{d}"), 2) for d in TRAINED]
+    base = [num(r0.get("score")), DASH, *(num(r0.get(f"score/{d}"), 2) for d in TRAINED)]
+    rows = [["untrained base (round 0)", *base]] if r0 else []
     for label, key, views in _rows(res):
         vs = marked(paired(seed_mean(views, False), fedit)) if key not in ("", REFERENCE) else DASH
         cells = [label, num(_final(views, "score")), vs]
@@ -498,16 +496,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="fedhds",
-        summary="FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
+    Study.of(
+        __name__,
+        "FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
+        ("fedhds.md", None),
         title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
-        body=body,
-        reports=("fedhds.md", None),
     )
 )

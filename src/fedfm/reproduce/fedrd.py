@@ -337,7 +337,7 @@ def per_seed(res: Results, grid: Grid, mod: str, alpha: float, method: str, metr
 
 def _est(res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: str) -> Estimate:
     """Mean ± SE over seeds of one cell's final ``metric``."""
-    return mean_se(list(per_seed(res, grid, mod, alpha, method, metric).values()))
+    return mean_se(per_seed(res, grid, mod, alpha, method, metric))
 
 
 def _curve(res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int) -> dict:
@@ -354,10 +354,8 @@ def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
     for a in grid.alphas:
         for m in _methods(grid, mod):
             acc, f1, t = (_est(res, grid, mod, a, m, k) for k in ("acc", "macro_f1", "teacher/acc"))
-            pub = "yes" if METHODS[m].public else "no"
-            lines.append(
-                row([f"{a:g}", METHODS[m].label, pub, acc.fmt(), f1.fmt(), t.fmt(), acc.n])
-            )
+            cells = ["yes" if METHODS[m].public else "no", acc.fmt(), f1.fmt(), t.fmt(), acc.n]
+            lines.append(row([f"{a:g}", METHODS[m].label, *cells]))
     return lines
 
 
@@ -383,9 +381,8 @@ def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
         for m, d in differences(grid, res, mod, a).items():
             acc, f1 = d["acc"], d["macro_f1"]
             cells = [acc.fmt(signed=True), f1.fmt(signed=True), acc.n]
-            lines.append(
-                row([f"{a:g}", METHODS[m].label, *cells, side(acc, "FedRD higher", "FedRD lower")])
-            )
+            verdict = side(acc, "FedRD higher", "FedRD lower")
+            lines.append(row([f"{a:g}", METHODS[m].label, *cells, verdict]))
     return lines
 
 
@@ -428,9 +425,8 @@ def unstable_lines(res: Results, mod: str) -> list[str]:
         for a, b in itertools.pairwise(sorted(r.curve)):
             if job.modality == mod and r.curve[a] - r.curve[b] > DROP:
                 values = {"run": job.name, "method": METHODS[job.method].label, "a": a, "b": b}
-                lines.append(
-                    TEXT("unstable", values, before=f"{r.curve[a]:.3f}", after=f"{r.curve[b]:.3f}")
-                )
+                values.update(before=f"{r.curve[a]:.3f}", after=f"{r.curve[b]:.3f}")
+                lines.append(TEXT("unstable", values))
     return lines
 
 
@@ -446,7 +442,7 @@ def curves_table(grid: Grid, res: Results, mod: str) -> list[str]:
     lines = head(["α", "method", *[f"round {r}" for r in rounds]])
     for a in grid.alphas:
         for m in _methods(grid, mod):
-            cells = [mean_se(list(_curve(res, grid, mod, a, m, r).values())) for r in rounds]
+            cells = [mean_se(_curve(res, grid, mod, a, m, r)) for r in rounds]
             lines.append(row([f"{a:g}", METHODS[m].label, *[c.fmt() for c in cells]]))
         for ref in ("ft", "ab0"):
             if ref in _methods(grid, mod) and "fedrd" in _methods(grid, mod):
@@ -472,10 +468,10 @@ def teacher_table(grid: Grid, res: Results, mod: str) -> list[str]:
     lines = head(["α", "method", *[label for _, label in keys], "test CKA(f_t, f_s)"])
     for a in grid.alphas:
         for m in (m for m in _methods(grid, mod) if METHODS[m].public):
-            cells = []
-            for k, _ in keys:
-                vals = _seeds(res, grid, mod, a, m, lambda r, k=k: r.server.get(k))
-                cells.append(mean_se(list(vals.values())).fmt())
+            cells = [
+                mean_se(_seeds(res, grid, mod, a, m, lambda r, k=k: r.server.get(k))).fmt()
+                for k, _ in keys
+            ]
             cka = _est(res, grid, mod, a, m, "cka_test").fmt()
             lines.append(row([f"{a:g}", METHODS[m].label, *cells, cka]))
     return lines
@@ -558,7 +554,7 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
     for i, mod in enumerate(mods):
         for ax, a in zip(axes[i], alphas, strict=True):
             for m in _methods(grid, mod):
-                est = [mean_se(list(_curve(res, grid, mod, a, m, r).values())) for r in rounds]
+                est = [mean_se(_curve(res, grid, mod, a, m, r)) for r in rounds]
                 mu = np.array([e.mean for e in est])
                 se = np.array([e.se if math.isfinite(e.se) else 0.0 for e in est])
                 colour = palette[METHODS[m].label]
@@ -663,16 +659,9 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="fedrd",
-        summary="FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
-        title=lambda ctx: TEXT("title"),
-        body=body,
-        reports=("fedrd.md", None),
+    Study.of(
+        __name__,
+        "FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
+        ("fedrd.md", None),
     )
 )

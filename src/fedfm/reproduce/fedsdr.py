@@ -553,17 +553,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study(
-        name="fedsdr",
-        summary="FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
-        full=FULL,
-        quick=QUICK,
-        jobs=jobs,
-        read=read,
-        readouts=readouts,
-        title=lambda ctx: TEXT("title", label=ctx.grid.label),
-        body=body,
-        reports=("fedsdr.md", None),
+    Study.of(
+        __name__,
+        "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
+        ("fedsdr.md", None),
         later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
     )
 )

@@ -16,6 +16,7 @@ import os
 import pkgutil
 import platform
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
 from queue import Empty
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import yaml
 
@@ -66,6 +67,7 @@ class Run:
     config: Mapping[str, Any] | ConfigFn
     needs: tuple[str, ...] = ()
     group: str = ""
+    kind: ClassVar[str] = "run"
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,10 @@ class Compute:
     params: Mapping[str, Any] = field(default_factory=dict)
     needs: tuple[str, ...] = ()
     group: str = ""
+    kind: ClassVar[str] = "compute"
 
 
 Job = Run | Compute
-
-
-def _kind(job: Job) -> str:
-    return "run" if isinstance(job, Run) else "compute"
 
 
 @cache
@@ -272,10 +271,11 @@ class Study(Generic[G, R]):
     """A reproduction study (``docs/studies.md``, "Adding a study"): its key ``name``
     (``fedfm reproduce NAME``, its folder), the ``full`` and ``quick`` grids, its ``jobs``
     given what is measured so far (asked after each job), what it ``read`` s from its folder,
-    its ``readouts`` per grid, its report's ``title`` and ``body`` (the sections after the
-    readouts), its report files, full and quick, under the report folder (None:
-    ``<name>-quick.md`` in the study folder), its default ``workers`` (full, quick; at most
-    the cores) and what ``--dry-run`` cannot list yet (``later``)."""
+    its ``readouts`` per grid, its report's ``body`` (the sections after the readouts), its
+    report files, full and quick, under the report folder (None: ``<name>-quick.md`` in the
+    study folder), its report's ``title`` (None: the section ``title`` of its report text,
+    ``reports/<name>.md``, filled from the grid), its default ``workers`` (full, quick; at
+    most the cores) and what ``--dry-run`` cannot list yet (``later``)."""
 
     name: str
     summary: str
@@ -284,11 +284,22 @@ class Study(Generic[G, R]):
     jobs: Callable[[Context[Any]], Sequence[Job]]
     read: Callable[[Context[Any]], R]
     readouts: Callable[[Any], Sequence[Readout[R]]]
-    title: Callable[[Context[Any]], str]
     body: Callable[[Context[Any], R], list[str]]
     reports: tuple[str | None, str | None]
+    title: Callable[[Context[Any]], str] | None = None
     workers: tuple[int, int] = (1, 1)
     later: str = ""
+
+    @classmethod
+    def of(
+        cls, module: str, summary: str, reports: tuple[str | None, str | None], **kw: Any
+    ) -> Study[Any, Any]:
+        """The study a module declares, named as the module: its grids ``FULL`` and ``QUICK``
+        and its functions ``jobs``, ``read``, ``readouts`` and ``body``."""
+        mod = sys.modules[module]
+        parts = {k: getattr(mod, k) for k in ("jobs", "read", "readouts", "body")}
+        name = module.rsplit(".", 1)[-1]
+        return cls(name, summary, mod.FULL, mod.QUICK, reports=reports, **parts, **kw)
 
 
 STUDIES: Registry[Study[Any, Any]] = Registry("reproduction", "study")
@@ -370,7 +381,7 @@ class Record:
     def job(self, job: Job) -> dict[str, Any]:
         """A job's entry, created on first use."""
         entry = self.jobs.setdefault(job.name, {"wall_s": 0.0, "cpu_s": 0.0, "attempts": 0})
-        entry.update(kind=_kind(job), needs=list(job.needs), group=job.group or _kind(job))
+        entry.update(kind=job.kind, needs=list(job.needs), group=job.group or job.kind)
         return entry
 
     def mark(self, job: Job, status: str, save: bool = True, **values: Any) -> None:
@@ -670,7 +681,7 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
     groups: dict[str, list[float]] = {}  # the finished jobs' wall times by group
     for j in jobs:
         if j.name in ctx.done and (wall := _wall_of(j.name, ctx)):
-            groups.setdefault(j.group or _kind(j), []).append(wall)
+            groups.setdefault(j.group or j.kind, []).append(wall)
     every = [w for ws in groups.values() for w in ws]
     lines = head(["job", "kind", "needs", "status", "estimate s"])
     left: list[float | None] = []
@@ -686,14 +697,14 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
         est: float | None = None
         if step.what in ("todo", "wait"):
             mine = ctx.record.jobs.get(job.name, {})
-            same = groups.get(job.group or _kind(job)) or every
+            same = groups.get(job.group or job.kind) or every
             if mine.get("attempts"):  # its own time, when an earlier invocation ran it
                 est = float(mine["wall_s"]) / int(mine["attempts"])
             elif same:
                 est = sum(same) / len(same)
             left.append(est)
         needs = ", ".join(job.needs) or DASH
-        lines.append(row([job.name, _kind(job), needs, status, num(est, 0)]))
+        lines.append(row([job.name, job.kind, needs, status, num(est, 0)]))
     known = [x for x in left if x is not None]
     total = sum(known) / max(1, min(ctx.workers, len(left)))
     unknown = len(left) - len(known)
@@ -760,7 +771,8 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
     and verdict), the study's sections, the jobs' times."""
     ctx.report = path
     data = study.read(ctx)
-    values = {"title": study.title(ctx), "command": ctx.command, "out": ctx.out}
+    title = study.title(ctx) if study.title else Text(study.name)("title", vars(ctx.grid))
+    values = {"title": title, "command": ctx.command, "out": ctx.out}
     rows: list[str] = []
     notes: dict[str, list[str]] = {}  # one note for the readouts that share it
     for i, r in enumerate(study.readouts(ctx.grid), start=1):

@@ -15,9 +15,9 @@ quantile is 2.78, so 2 SE is a lenient screen, not a test).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -54,9 +54,11 @@ class Estimate:
 NONE = Estimate(math.nan, math.nan, 0)
 
 
-def mean_se(values: Sequence[float]) -> Estimate:
-    """Mean and standard error (sample std with ddof = 1, over √n) of the finite ``values``."""
-    v = np.asarray([x for x in values if math.isfinite(x)], dtype=float)
+def mean_se(values: Iterable[float] | Mapping[Any, float]) -> Estimate:
+    """Mean and standard error (sample std with ddof = 1, over √n) of the finite ``values``
+    (of a mapping: of its values, e.g. seed -> value)."""
+    xs = values.values() if isinstance(values, Mapping) else values
+    v = np.asarray([x for x in xs if math.isfinite(x)], dtype=float)
     if len(v) == 0:
         return NONE
     se = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else math.nan
