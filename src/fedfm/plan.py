@@ -268,7 +268,10 @@ def _weight_bytes(shape: _Shape, dtype_bytes: int, quantization: str | None) -> 
 def _llm_sides(cfg: RunConfig, task_cfg: Any, n_clients: int) -> tuple[Side, Side, list[str]]:
     shape = _llm_shape(task_cfg)
     dtype_bytes = 2 if task_cfg.dtype == "bfloat16" else 4
-    autocast = task_cfg.autocast_bf16
+    from fedfm import devices
+
+    # The autocast the run will have: none on a CPU without bfloat16 instructions.
+    autocast = task_cfg.autocast_bf16 and devices.autocast_dtype(cfg.torch_device()) is not None
     s = 2 if autocast or dtype_bytes == 2 else 4
     weights = _weight_bytes(shape, dtype_bytes, task_cfg.quantization)
     adapters = 1 + _EXTRA_ADAPTERS.get(cfg.algorithm, 0)

@@ -104,3 +104,16 @@ def test_run_prints_the_plans_line_first(tmp_path, monkeypatch, capsys) -> None:
     assert first.startswith("plan: cpu, server and 6 clients in one process: peak ~")
     rows = (tmp_path / "runs" / "p" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(rows[-1])["round"] == 1
+
+
+def test_autocast_counts_only_where_the_cpu_has_bfloat16_instructions(
+    tmp_path, monkeypatch
+) -> None:
+    cfg = make_config(PLAN, tmp_path)
+    cfg["task"]["autocast_bf16"] = True
+    parts = {}
+    for native in (True, False):
+        monkeypatch.setattr(devices, "cpu_bf16_native", lambda native=native: native)
+        parts[native] = make_plan(load_config(cfg)).client.parts
+    assert parts[True]["autocast copies"] > 0 and not parts[False].get("autocast copies")
+    assert parts[False]["activations"] > parts[True]["activations"]  # float32: 4 bytes, not 2
