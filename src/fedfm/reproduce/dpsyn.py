@@ -33,7 +33,6 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     merge,
     preset,
     register,
@@ -954,10 +953,8 @@ def _privacy_lines(res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "DP federated text generation: the weak clients' votes against chance",
-        ("dpsyn-study.md", "dpsyn-quick.md"),
-        workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
-    )
+    __name__,
+    "DP federated text generation: the weak clients' votes against chance",
+    ("dpsyn-study.md", "dpsyn-quick.md"),
+    workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
 )

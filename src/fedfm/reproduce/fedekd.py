@@ -35,7 +35,6 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     preset,
     register,
     untestable,
@@ -1091,11 +1090,8 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
-        ("fedekd.md", None),
-        workers=(2, 1),
-        later="after the main grid, the rule's (β, λ) adds the control-setting and long runs.",
-    )
+    __name__,
+    "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
+    workers=(2, 1),
+    later="after the main grid, the rule's (β, λ) adds the control-setting and long runs.",
 )

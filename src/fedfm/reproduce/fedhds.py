@@ -23,7 +23,6 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     Unmet,
     merge,
     preset,
@@ -505,10 +504,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
-        ("fedhds.md", None),
-        title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
-    )
+    __name__,
+    "FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
+    title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
 )

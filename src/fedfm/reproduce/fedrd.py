@@ -31,7 +31,6 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     merge,
     preset,
     register,
@@ -659,9 +658,5 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
-        ("fedrd.md", None),
-    )
+    __name__, "FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter"
 )

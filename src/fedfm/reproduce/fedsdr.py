@@ -27,7 +27,6 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     Unmet,
     preset,
     register,
@@ -553,10 +552,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
-        ("fedsdr.md", None),
-        later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
-    )
+    __name__,
+    "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
+    later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
 )

@@ -1,7 +1,5 @@
-"""The study framework (``docs/studies.md``): it runs a :class:`Study`'s jobs (worker
-processes of one torch thread; a finished run of the same config skipped, an unfinished one
-resumed), records ``study.json``, lists and times the jobs for ``--dry-run`` and writes the
-report, readouts first."""
+"""The study framework (``docs/studies.md``): it runs a :class:`Study`'s jobs, records
+``study.json``, lists and times the jobs for ``--dry-run`` and writes the report."""
 
 from __future__ import annotations
 
@@ -55,13 +53,9 @@ ConfigFn = Callable[[Mapping[str, "RunView"]], Mapping[str, Any]]
 
 @dataclass(frozen=True)
 class Run:
-    """A run of the engine, in the folder ``name`` of the study folder.
-
-    ``config`` is the run config, or a function of the views of the jobs in ``needs`` (by
-    name) that builds it from their measured values (raising :class:`Unmet` when they do not
-    allow the run); the framework sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of one
-    ``group`` cost about the same (``--dry-run`` estimates from them).
-    """
+    """A run of the engine in the folder ``name``: ``config`` is its config, or a function of
+    the views of ``needs`` (by name) that builds it (raising :class:`Unmet`); jobs of one
+    ``group`` cost about the same (``--dry-run`` estimates from them)."""
 
     name: str
     config: Mapping[str, Any] | ConfigFn
@@ -72,10 +66,9 @@ class Run:
 
 @dataclass(frozen=True)
 class Compute:
-    """A job that is not a run (post-processing, a measurement): ``fn(inputs, folder,
-    **params)`` gets the folders of ``needs`` by name and its own, and returns a JSON mapping
-    kept in ``result.json`` with ``params`` and its inputs' fingerprint, computed again when
-    either changes. ``fn`` is module-level: it may run in a worker process."""
+    """A job that is not a run: ``fn(inputs, folder, **params)`` (module-level: it may run in
+    a worker) gets the folders of ``needs`` by name and its own and returns a JSON mapping,
+    kept in ``result.json`` and computed again when ``params`` or the inputs change."""
 
     name: str
     fn: Callable[..., Mapping[str, Any]]
@@ -127,9 +120,8 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_status(cfg: Mapping[str, Any]) -> str:
-    """``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
-    of this config) or ``done``; the output folder is not compared (a moved study folder keeps
-    its runs)."""
+    """``new``, ``changed`` (a run of another config), ``partial`` (unfinished) or ``done``;
+    the output folder is not compared (a moved study folder keeps its runs)."""
     from fedfm.config import load_config
 
     root = Path(cfg["out_dir"]) / cfg["name"]
@@ -236,12 +228,10 @@ class RunView:
 
 @dataclass(frozen=True)
 class Readout(Generic[R]):
-    """A comparison a study exists for, fixed in code before its runs: what is compared
-    (``name``), how the estimate is paired (``statistic``), the ``paper``'s claim in words,
-    its ``direction`` (+1: above ``null``, 0 or 1 for a ratio; −1: below), the estimate
-    (``value``, from what the study read, shown with ``digits``), what the grid can and
-    cannot test (``scope``) and whether it can at all (``testable``: a bool, or a function of
-    what the study read for a claim whose premise the runs must show first)."""
+    """A comparison a study exists for, fixed before its runs: the ``paper``'s claim, its
+    ``direction`` (+1: above ``null``, −1: below), the estimate (``value`` of what the study
+    read, shown with ``digits``), the grid's ``scope`` and whether it can test the claim
+    (``testable``: a bool, or a function of what was read for a premise the runs must show)."""
 
     name: str
     statistic: str
@@ -268,14 +258,10 @@ def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
 
 @dataclass(frozen=True)
 class Study(Generic[G, R]):
-    """A reproduction study (``docs/studies.md``, "Adding a study"): its key ``name``
-    (``fedfm reproduce NAME``, its folder), the ``full`` and ``quick`` grids, its ``jobs``
-    given what is measured so far (asked after each job), what it ``read`` s from its folder,
-    its ``readouts`` per grid, its report's ``body`` (the sections after the readouts), its
-    report files, full and quick, under the report folder (None: ``<name>-quick.md`` in the
-    study folder), its report's ``title`` (None: the section ``title`` of its report text,
-    ``reports/<name>.md``, filled from the grid), its default ``workers`` (full, quick; at
-    most the cores) and what ``--dry-run`` cannot list yet (``later``)."""
+    """A reproduction study (``docs/studies.md``, "Adding a study"): ``reports`` are its
+    report files, full and quick (None: ``<name>-quick.md`` in the study folder); ``title``
+    None is the section ``title`` of ``reports/<name>.md`` filled from the grid; ``workers``
+    the default (full, quick); ``later`` what ``--dry-run`` cannot list yet."""
 
     name: str
     summary: str
@@ -290,24 +276,22 @@ class Study(Generic[G, R]):
     workers: tuple[int, int] = (1, 1)
     later: str = ""
 
-    @classmethod
-    def of(
-        cls, module: str, summary: str, reports: tuple[str | None, str | None], **kw: Any
-    ) -> Study[Any, Any]:
-        """The study a module declares, named as the module: its grids ``FULL`` and ``QUICK``
-        and its functions ``jobs``, ``read``, ``readouts`` and ``body``."""
-        mod = sys.modules[module]
-        parts = {k: getattr(mod, k) for k in ("jobs", "read", "readouts", "body")}
-        name = module.rsplit(".", 1)[-1]
-        return cls(name, summary, mod.FULL, mod.QUICK, reports=reports, **parts, **kw)
-
 
 STUDIES: Registry[Study[Any, Any]] = Registry("reproduction", "study")
 
 
-def register(study: Study[Any, Any]) -> Study[Any, Any]:
-    """Registers a study under its name."""
-    return STUDIES.register(study.name, study.summary)(study)
+def register(
+    module: str, summary: str, reports: tuple[str | None, str | None] | None = None, **kw: Any
+) -> Study[Any, Any]:
+    """Registers the study a module declares, named as the module: its grids ``FULL`` and
+    ``QUICK``, its functions ``jobs``, ``read``, ``readouts`` and ``body``, its ``reports``
+    (None: ``<name>.md``, the quick one in the study folder) and the fields ``kw``."""
+    mod = sys.modules[module]
+    parts = {k: getattr(mod, k) for k in ("jobs", "read", "readouts", "body")}
+    name = module.rsplit(".", 1)[-1]
+    files = reports or (f"{name}.md", None)
+    study: Study[Any, Any] = Study(name, summary, mod.FULL, mod.QUICK, reports=files, **parts, **kw)
+    return STUDIES.register(name, summary)(study)
 
 
 def load_studies() -> None:
@@ -318,10 +302,9 @@ def load_studies() -> None:
 
 @dataclass
 class Context(Generic[G]):
-    """One invocation of a study: its grid (``quick``: the ``--quick`` one), its folder
-    ``out`` (runs and ``study.json``), the ``command`` its report names, its ``workers``, the
-    ``report`` being written (figures go beside it), the jobs ``done`` and those ``failed``
-    (with the reason)."""
+    """One invocation of a study: its folder ``out`` (runs and ``study.json``), the
+    ``report`` being written (figures go beside it), the jobs ``done`` and ``failed`` (with
+    the reason)."""
 
     study: str
     grid: G
@@ -349,10 +332,9 @@ class Context(Generic[G]):
 
 
 class Record:
-    """``study.json`` at ``path`` (a file of another shape starts a new record): each job's
-    status, wall and CPU time and the machine's load, and each invocation. Written atomically
-    after every change, so a killed invocation leaves it whole, with the wall and CPU time it
-    had used by its last write."""
+    """``study.json`` at ``path`` (another shape starts a new record): each job's status, time
+    and load, and each invocation; written atomically after every change, so a killed
+    invocation leaves it whole, with the time it had used by its last write."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
