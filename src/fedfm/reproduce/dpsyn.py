@@ -1,16 +1,12 @@
-"""DP federated text generation study: do the weak clients' votes select better samples?
+"""DP federated text generation study (:mod:`fedfm.algorithms.dpsyn`, docs/dpsyn.md): do the
+weak clients' votes select better samples than chance?
 
-``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` (arXiv:2603.07027) on Rotten
-Tomatoes with the controls the paper's comparison lacks (docs/dpsyn.md): three generators (the
-base model, 1 and 4 strong clients of 20 with DP-SGD) each stop once their pool is saved;
-**offline voting** replays the weak clients' votes with the algorithm's own functions over many
-seeds of the vote noise and the draw, at several ε_vote, and selects four ways of one size from
-each pool (:data:`SELECTIONS`), each scored on the real test rows by a classifier trained on it.
-
+Three generators (the base model, 1 and 4 strong clients of 20 with DP-SGD) stop once their
+pool is saved; **offline voting** replays the weak clients' votes with the algorithm's own
+functions over many seeds and several ε_vote and selects four ways (:data:`SELECTIONS`).
 Choices of ours: the base pool is voted on by the weak clients of the fewest-strong
-generator; the offline vote noise is seeded per (seed, ε, client), a simulation of the
-mechanism's distribution; *top by votes* keeps each code's quota (as the draws do), not
-``rank``'s ``keep_fraction``, so that all four selections have the same size and code mix.
+generator; the vote noise is seeded per (seed, ε, client); *top by votes* keeps each code's
+quota (not ``rank``'s ``keep_fraction``), so all four selections share size and code mix.
 """
 
 from __future__ import annotations
@@ -73,27 +69,19 @@ class Grid:
     """The study's sizes.
 
     Attributes:
-        clients, rows: Clients of the federation (IID over Rotten Tomatoes), rows of each.
+        clients, rows: Clients (IID over Rotten Tomatoes) and rows of each.
         strong: Strong clients of the fine-tuned generators (the base model is the third).
-        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD: its ε,
-            rounds, steps per round, expected Poisson batch and AdamW learning rate.
+        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD.
         pool, size: Samples each generator generates, and each selection keeps.
-        max_new_tokens: Tokens per generated review.
-        max_length, max_prompt_length: Tokens per training row (prompt and review), and of
-            the prompt (the chat template's system turn included).
-        prompt_template: The prompt of a code.
-        probe_templates: Prompts the base model is tried with before the study (the
-            preset's, the chosen one, a descriptive one naming what the codes mean).
-        probe_samples: Samples per code and probed prompt.
-        k: Votes per private sample.
-        threshold: ``H`` subtracted from the summed noisy votes.
-        epsilon_votes: ε_vote values of the offline voting.
-        seeds: Seeds of the vote noise and the draws.
+        max_new_tokens, max_length, max_prompt_length: Tokens per review, per training row
+            and of the prompt (its chat template included).
+        prompt_template, probe_templates, probe_samples: The prompt of a code; the prompts
+            the base model is tried with first, with samples per code.
+        k, threshold: Votes per private sample; ``H`` subtracted from the summed votes.
+        epsilon_votes, seeds: ε_vote values and seeds of the offline voting.
         seed: The runs' seed (partition, roles, generation).
-        test_rows: Real test rows (``None``: the whole test split).
-        bootstrap: Resamples of the two-way bootstrap of macro-F1.
-        task: Fields replacing the preset's ``task`` fields (a tiny model in tests).
-        algo: Fields replacing the preset's ``algo`` fields (a small embedder in tests).
+        test_rows, bootstrap: Real test rows (None: all); resamples of macro-F1's bootstrap.
+        task, algo: Fields replacing the preset's (a tiny model in tests).
         label: Which grid it is, for the report's title.
     """
 
@@ -137,7 +125,7 @@ class Grid:
 
     @property
     def few(self) -> int:
-        """The fewest strong clients (their weak clients also vote on the base pool)."""
+        """The fewest strong clients (whose weak clients also vote on the base pool)."""
         return min(self.strong)
 
     @property
@@ -153,7 +141,6 @@ FULL = Grid()
 QUICK = Grid(
     rows=250,
     train_rounds=1,
-    steps=5,
     pool=150,
     size=75,
     seeds=10,
@@ -407,11 +394,8 @@ def selections(
     rng: np.random.Generator,
     kind: str,
 ) -> list[int]:
-    """One selection of ``size`` samples, per code as the algorithm allots them.
-
-    ``kind``: ``votes`` (in proportion to ``votes``, with replacement), ``top`` (most
-    votes), ``uniform`` (with replacement) or ``subset`` (without replacement).
-    """
+    """``size`` samples per code as the algorithm allots them: ``kind`` ``votes`` (in
+    proportion, with replacement), ``top``, ``uniform`` (with replacement) or ``subset``."""
     from fedfm.algorithms.dpsyn import draw_by_votes, quotas, top_by_votes
 
     ones = np.ones(len(codes))
@@ -566,18 +550,9 @@ Side = tuple[int, str]  # (strong clients of the pool, selection key)
 
 @dataclass
 class Results:
-    """What the report reads of the study folder.
-
-    Attributes:
-        grid: The grid.
-        embed: The ``embed`` computation's result (``None`` before it ran).
-        probe: The prompt probe's result (``None`` before it ran).
-        y: ``(N,)`` labels of the real test rows.
-        votes: Each pool's offline voting result, by its generator's strong clients.
-        preds: Each pool's predictions on the test rows, ``(seeds, N)`` per selection key
-            (``votes/<ε>``, ``top/<ε>``, ``uniform``, ``subset``; ``pool``: ``(1, N)``).
-        runs: The generator runs that finished, by strong clients.
-    """
+    """What the report reads: the ``embed`` and ``probe`` results (None before they ran), the
+    test labels ``y``, by a pool's strong clients its offline ``votes``, its ``preds``
+    (selection key -> ``(seeds, N)`` test predictions) and its finished generator run."""
 
     grid: Grid
     embed: dict[str, Any] | None = None

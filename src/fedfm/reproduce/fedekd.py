@@ -155,12 +155,10 @@ class Grid:
     Attributes:
         presets: ``fedekd-*`` presets, one per dataset.
         settings: Skewed settings of the main grid (every variant; the rule ranks these).
-        control_settings: Settings run after the choice with the featured variants only (the
-            near-IID control).
-        seeds: Seeds of the main grid (each also draws the partition and the splits).
-        betas: Gate scales of the main grid.
-        lams: Backward-distillation weights of the main grid (ungated KD runs at each).
-        rounds: Rounds of the main grid (None: the preset's).
+        control_settings: The near-IID control, run after the choice (featured variants).
+        seeds, betas, lams, rounds: The main grid's seeds (each draws the partition and the
+            splits), gate scales, backward weights (also ungated KD's) and rounds (None: the
+            preset's).
         eval_every: Clients are evaluated every this many rounds (and after the last).
         val_fraction: Share of each client's partition held out for validation.
         long_presets, long_setting, long_seeds, long_rounds, long_eval_every: The long runs.
@@ -311,13 +309,9 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
 
 
 def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, float]]:
-    """Round -> client id -> ``metric`` on ``split`` at every evaluated round of a run.
-
-    ``split`` is ``local`` (the client's own test split), ``test`` (the global test set) or
-    ``val`` (its validation split), read as ``<split>/<metric>`` from ``client_metrics.jsonl``.
-    FedAvg-family runs log only ``local/`` per client; on ``test`` their clients all hold the
-    global model, whose value is read from the same round of ``metrics.jsonl``.
-    """
+    """Round -> client id -> ``<split>/<metric>`` (``local``, ``test`` or ``val``) of a run's
+    ``client_metrics.jsonl``. FedAvg-family runs log only ``local/``; on ``test`` their clients
+    hold the global model, whose value is read from ``metrics.jsonl``."""
     glob = run.rounds
     out: dict[int, dict[str, float]] = {}
     for rec in run.client_metrics:
@@ -336,10 +330,7 @@ def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, 
 def nt_stats(
     mine: Mapping[str, float], ref: Mapping[str, float], higher_is_better: bool
 ) -> dict[str, float]:
-    """Mean and worst negative transfer over clients, and the number of clients harmed.
-
-    A client is harmed when its NT is below zero (federated worse than local-only).
-    """
+    """Mean and worst negative transfer over clients, and the clients harmed (NT < 0)."""
     from fedfm.algorithms.fedekd import negative_transfer
 
     nt = negative_transfer(mine, ref, higher_is_better)
@@ -371,15 +362,10 @@ class CellKey(NamedTuple):
 
 @dataclass
 class Results:
-    """Everything the report reads, per cell and seed.
-
-    Attributes:
-        kinds: Preset -> ``classification`` or ``regression``.
-        final: (cell, split, metric, stat) -> seed -> value at the last round; stat is
-            ``value`` (mean client metric), ``nt_mean``, ``nt_worst``, ``harmed``, ``clients``.
-        curves: (cell, split, metric) -> seed -> round -> mean-client NT.
-        sizes: (preset, setting tag) -> seed -> partition statistics of the task.
-    """
+    """Everything the report reads: ``kinds`` (preset -> ``classification`` or
+    ``regression``), ``final`` ((cell, split, metric, stat) -> seed -> value at the last
+    round; stat ``value``, ``nt_mean``, ``nt_worst``, ``harmed`` or ``clients``), ``curves``
+    ((cell, split, metric) -> seed -> round -> mean-client NT), ``sizes`` (partitions)."""
 
     kinds: dict[str, str] = field(default_factory=dict)
     final: dict[tuple[CellKey, str, str, str], dict[int, float]] = field(default_factory=dict)
@@ -476,16 +462,9 @@ def choose_gate(
     configs: Sequence[tuple[float, float]],
     cells: Mapping[tuple[str, str], Mapping[tuple[float, float], float]],
 ) -> Choice | None:
-    """The selection rule: the configuration with the lowest mean rank over the cells.
-
-    Args:
-        configs: Candidate (β, λ) configurations.
-        cells: (preset, setting) -> (β, λ) -> mean-client validation NT averaged over seeds
-            (signed so that higher is better). A cell lacking a configuration is left out.
-
-    Returns:
-        The choice (ties to the smaller β, then the smaller λ), or None when no cell is complete.
-    """
+    """The selection rule: the (β, λ) of ``configs`` with the lowest mean rank over the
+    ``cells`` ((preset, setting) -> (β, λ) -> mean-client validation NT over seeds, higher is
+    better; a cell lacking a configuration is left out); None when no cell is complete."""
     from scipy.stats import rankdata
 
     complete = {c: s for c, s in cells.items() if all(k in s for k in configs)}

@@ -45,11 +45,10 @@ class Grid:
 
     Attributes:
         per_domain_train: Training rows drawn per trained domain (five domains).
-        heldout_items: Items of the held-out domain evaluated (zero-shot); ``seen_items``:
-            of the trained domains (split over the five).
-        heldout_tokens: Generation budget of a held-out item (at least the 90th percentile of
-            the references' SmolLM2 tokens: the evaluator warns otherwise); ``math_tokens``:
-            of a GSM8K item.
+        heldout_items, seen_items: Items evaluated of the held-out domain (zero-shot) and
+            of the trained ones.
+        heldout_tokens, math_tokens: Generation budget of a held-out item (at least the
+            references' 90th percentile) and of a GSM8K item.
         seeds: Seeds of FedIT and FedHDS; the other methods run the first.
         clients: Clients (Dirichlet 0.5 over domains); ``fraction``: sampled per round.
         turbo_model: FedHDS-Turbo's feature model, with ``turbo_args``.
@@ -89,11 +88,9 @@ FULL = Grid(120, 90, 30, 3, clients=10, fraction=0.5)
 
 @dataclass(frozen=True)
 class Method:
-    """One method of the study: its job name ``key`` (of the first seed; ``<key>-s<seed>``
-    for the others), its ``label`` in the report and its ``algo`` overrides on the preset;
-    whether it runs every seed of the grid (else the first), takes its features from the
-    grid's Turbo feature model, and is ``scored`` on the grid's items (else on one item per
-    domain: a run kept for its data fraction only, not in the score tables)."""
+    """One method: its job name ``key`` (``<key>-s<seed>`` after the first seed), its ``algo``
+    overrides; whether it runs every seed (else the first), uses the Turbo feature model, and
+    is ``scored`` (else one item per domain: a run kept for its data fraction only)."""
 
     key: str
     label: str

@@ -84,15 +84,13 @@ class Grid:
     Attributes:
         modalities: ``vision`` and/or ``text``.
         alphas: Dirichlet concentrations.
-        seeds: Seeds (each also draws the training pool, the public set and the partition:
-            every method of a seed sees the same clients and public rows).
+        seeds: Seeds (each draws the training pool, the public set and the partition).
         methods: Keys of :data:`METHODS` (one without a preset for a modality is skipped).
-        rounds: Rounds per run (None: the presets').
-        eval_every: Evaluate every this many rounds (and after the last): the curves' step.
-        overrides: Per modality, ``section -> {key: value}`` merged into every run's config;
-            the ``algo`` section only where the method trains on the public rows.
-        probe_sizes: Lite0 input sizes of the linear probe (empty: skip).
-        probe_test: Test images the probe is scored on.
+        rounds, eval_every: Rounds per run (None: the presets'), the curves' step.
+        overrides: Per modality, ``section -> {key: value}`` merged into every run's config
+            (``algo`` only where the method trains on the public rows).
+        probe_sizes, probe_test: Lite0 input sizes of the linear probe (empty: none), and
+            its test images.
     """
 
     modalities: Sequence[str] = ("vision", "text")
@@ -161,11 +159,8 @@ def cells(grid: Grid) -> list[Cell]:
 
 
 def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
-    """The run config of one job: the preset, the method's overrides, α, seed, study settings.
-
-    The model arguments of the study's ``algo.teacher_options`` apply to the adapter's
-    ``model_args.fm_size`` too, so both foundation-model paths see images of one size.
-    """
+    """The run config of one job; the study's ``algo.teacher_options.image_size`` is the
+    adapter's ``fm_size`` too, so both foundation-model paths see images of one size."""
     m = METHODS[job.method]
     data = preset(m.presets[job.modality])
     ov = copy.deepcopy(grid.overrides.get(job.modality, {}))
@@ -200,12 +195,9 @@ PROBE = "lite0-probe"
 def probe(
     inputs: Mapping[str, Path], folder: Path, sizes: Sequence[int], n_train: int, n_test: int
 ) -> dict[str, Any]:
-    """Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size.
-
-    Logistic regression (scikit-learn) on pooled features of ``n_train`` training images
-    (as many as the public set: the rows the teacher path learns from), scored on ``n_test``
-    test images; also the seconds per 100 images for the features.
-    """
+    """Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size
+    (logistic regression on ``n_train`` training images, as many as the public set, scored on
+    ``n_test``), and the features' seconds per 100 images."""
     import torch
     from sklearn.linear_model import LogisticRegression
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
@@ -267,15 +259,9 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
 
 @dataclass
 class RunResult:
-    """What the report reads from one run.
-
-    Attributes:
-        final: Metrics of the last evaluated round (``acc``, ``macro_f1``, ``teacher/acc``...).
-        curve: Round -> test accuracy at every evaluated round.
-        server: Means over rounds of the server's co-training metrics (``server_*``), their
-            last round's values (``server_*@last``) and the warm-up's (``warmup_*``, round 1).
-        rounds: Last evaluated round.
-    """
+    """What the report reads from one run: the ``final`` evaluated round's metrics, the test
+    accuracy ``curve`` by round, the ``server`` metrics (``server_*`` means over rounds,
+    ``server_*@last``, the warm-up's ``warmup_*``) and the last evaluated round."""
 
     final: dict[str, float]
     curve: dict[int, float]

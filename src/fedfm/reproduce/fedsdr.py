@@ -56,12 +56,10 @@ class Grid:
     """A study grid.
 
     Attributes:
-        steps: Local steps per round of FedIT and +FedSD, and of FedSDR's LoRA-R (raw);
-            ``steps_s``: FedSDR's LoRA-S steps (on the rewrites) before them.
+        steps, steps_s: Local steps per round (FedSDR: of LoRA-R), LoRA-S steps before them.
         lr: Local learning rate (AdamW) of every method but the matched-drift control.
         per_domain: Training items per client (one client per trained domain, ``domains``).
-        seen_items: Held-out items evaluated per trained domain (fidelity); ``zeroshot_items``
-            per ``zeroshot`` domain (no client trains on them: kept ability).
+        seen_items, zeroshot_items: Items evaluated per trained and per ``zeroshot`` domain.
         docs: C4 documents scored, their first ``doc_tokens`` tokens each.
         optimizer: The server optimizer; ``rewrite_tokens``: new tokens of a FedSD rewrite.
         task: Fields replacing the task's (e.g. a tiny model in tests).

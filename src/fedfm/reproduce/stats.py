@@ -92,11 +92,9 @@ def mean_of(parts: Sequence[Estimate]) -> Estimate:
 
 
 def crossed(d: np.ndarray) -> Estimate:
-    """The mean of paired differences ``d[seed, row]`` with the two-way SE of crossed
-    factors, ``SE² = s²_seeds / S + s²_rows / N`` (sample variances of the per-seed and
-    per-row means; each holds the interaction's share once, so the sum is slightly
-    conservative). A factor with one level adds nothing; ``n`` is ``S·N``.
-    """
+    """The mean of paired differences ``d[seed, row]`` with the two-way SE of crossed factors,
+    ``SE² = s²_seeds / S + s²_rows / N`` (each variance holds the interaction once: slightly
+    conservative); a factor with one level adds nothing; ``n`` is ``S·N``."""
     d = np.asarray(d, dtype=float)
     if d.ndim != 2 or d.size == 0:
         return NONE
@@ -116,11 +114,9 @@ def crossed_bootstrap(
     resamples: int = BOOTSTRAP,
     seed: int = 0,
 ) -> Estimate:
-    """A statistic's difference over ``shape = (S, N)`` seeds and rows, with the SE of a
-    two-way bootstrap (seeds and rows drawn independently with replacement, the same for both
-    sides; as conservative as :func:`crossed`). ``diff(seeds, rows)`` gets index arrays and
-    returns a's statistic minus b's; the ``resamples`` are drawn from ``seed``.
-    """
+    """A statistic's difference over ``(S, N)`` seeds and rows, with the SE of a two-way
+    bootstrap (seeds and rows drawn independently, the same for both sides): ``diff(seeds,
+    rows)`` gets index arrays and returns a's statistic minus b's."""
     s_count, n_count = shape
     if s_count == 0 or n_count == 0:
         return NONE

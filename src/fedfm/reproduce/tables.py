@@ -85,14 +85,9 @@ _ALONE = re.compile(r"\$(?:([_a-zA-Z][_a-zA-Z0-9]*)|\{([_a-zA-Z][_a-zA-Z0-9]*)\}
 
 
 class Text:
-    """A study's fixed report text, ``<folder>/<name>.md`` (the package's ``reports/``).
-
-    The file's sections each open with a line ``<!-- section: NAME -->`` (what precedes the
-    first is a note to its reader) and are :class:`string.Template` s: a list value fills its
-    line line by line (a list in it as a table row); a placeholder alone on its line whose
-    value is None drops that line, with one blank line beside it where it stands as a
-    paragraph of its own; an empty list drops the line alone (``docs/studies.md``).
-    """
+    """A study's fixed report text, ``<folder>/<name>.md`` (the package's ``reports/``): its
+    sections open with ``<!-- section: NAME -->`` and are :class:`string.Template` s filled as
+    ``docs/studies.md`` ("Report text") describes."""
 
     def __init__(self, name: str, folder: Path | None = None) -> None:
         folder = folder or Path(str(resources.files("fedfm.reproduce") / "reports"))
