@@ -446,16 +446,10 @@ class Choice:
     """The (β, λ) the selection rule picks, every (β, λ)'s mean rank over the cells (1 = best),
     the (preset, setting tag) cells ranked and those left out (a configuration had no value)."""
 
-    beta: float
-    lam: float
+    gate: tuple[float, float]
     mean_rank: dict[tuple[float, float], float]
     cells: list[tuple[str, str]]
     missing: list[tuple[str, str]]
-
-    @property
-    def gate(self) -> tuple[float, float]:
-        """(β, λ)."""
-        return (self.beta, self.lam)
 
 
 def choose_gate(
@@ -478,7 +472,7 @@ def choose_gate(
     ]
     mean_rank = {k: float(np.mean([r[k] for r in ranks])) for k in configs}
     best = min(configs, key=lambda k: (mean_rank[k], k[0], k[1]))
-    return Choice(best[0], best[1], mean_rank, list(complete), missing)
+    return Choice(best, mean_rank, list(complete), missing)
 
 
 def config_scores(
@@ -582,14 +576,11 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
     return lines
 
 
-# Statistics of a comparison: (split, stat, column title).
-DIFF_STATS = (
-    ("test", "nt_mean", "Δ NT mean, global test"),
-    ("test", "nt_worst", "Δ NT worst, global test"),
-    ("test", "harmed", "Δ harmed, global test"),
-    ("local", "nt_mean", "Δ NT mean, local split"),
-    ("local", "nt_worst", "Δ NT worst, local split"),
-    ("local", "harmed", "Δ harmed, local split"),
+# Statistics of a comparison: (split, stat, column title), e.g. "Δ NT mean, global test".
+DIFF_STATS = tuple(
+    (split, stat, f"Δ {title}, {WHERE[split]}")
+    for split in WHERE
+    for stat, title in (("nt_mean", "NT mean"), ("nt_worst", "NT worst"), ("harmed", "harmed"))
 )
 
 
@@ -964,8 +955,8 @@ def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
     if choice is None:
         return TEXT("no-choice")
     default = FedeKDConfig()
-    d_gate = (default.beta, default.lam)
-    values = {"beta": f"{choice.beta:g}", "lam": f"{choice.lam:g}", "cells": len(choice.cells)}
+    d_gate, (beta, lam) = (default.beta, default.lam), choice.gate
+    values = {"beta": f"{beta:g}", "lam": f"{lam:g}", "cells": len(choice.cells)}
     values.update(rank=f"{choice.mean_rank[choice.gate]:.2f}", configs=len(grid.configs()))
     values.update(left_out=TEXT("left-out", n=len(choice.missing)) if choice.missing else "")
     values.update(default_beta=f"{d_gate[0]:g}", default_lam=f"{d_gate[1]:g}")
@@ -975,7 +966,7 @@ def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
     picks = []  # what the same ranking would pick on the test sets (reported, never used)
     for split, where in (("local", "local test splits"), ("test", "global test set")):
         if ch := _choose(grid, res, split):
-            picks.append(TEXT("pick", where=where, beta=f"{ch.beta:g}", lam=f"{ch.lam:g}"))
+            picks.append(TEXT("pick", where=where, beta=f"{ch.gate[0]:g}", lam=f"{ch.gate[1]:g}"))
     values.update(contrast=TEXT("contrast", picks=" and ".join(picks)) if picks else "")
     ranks, validation = _ranks_table(grid, choice), _validation_table(grid, res)
     return TEXT("chosen", values, ranks=ranks, validation=validation)
