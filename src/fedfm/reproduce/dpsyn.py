@@ -225,9 +225,6 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     return out
 
 
-# ----------------------------------------------------------------------------- computations
-
-
 def embed_real(
     inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -543,8 +540,6 @@ def _privacy(
     return out
 
 
-# ----------------------------------------------------------------------------- reading
-
 Side = tuple[int, str]  # (strong clients of the pool, selection key)
 
 
@@ -590,9 +585,6 @@ def read(ctx: Context[Grid]) -> Results:
             with np.load(ctx.out / vote_name(s) / PREDICTIONS) as z:
                 res.preds[s] = {k: np.asarray(z[k]) for k in z.files}
     return res
-
-
-# ----------------------------------------------------------------------------- statistics
 
 
 def acc_diff(res: Results, a: Side, b: Side) -> Estimate:
@@ -657,8 +649,6 @@ def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
     return paired(va, vb)
 
 
-# ----------------------------------------------------------------------------- readouts
-
 STAT = "paired over seeds × test rows (two-way SE)"
 
 
@@ -710,9 +700,6 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
         vs = ((few, f"votes/{eps:g}"), (many, "subset"))
         out.append(acc(name, claim, *vs, scope, testable=premise_holds))
     return out
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def _eps(x: Any) -> str:

@@ -48,8 +48,6 @@ TEXT = Text("fedekd")
 # study always runs it, so the report can compare it with the rule's choice.
 REFERENCE_GATE = (1.0, 1.0)
 
-# ----------------------------------------------------------------------------- the grid
-
 
 class Method(NamedTuple):
     """A family of rows (its key is the registered algorithm): its name in the report and the
@@ -305,9 +303,6 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     return data
 
 
-# ----------------------------------------------------------------------------- reading runs
-
-
 def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, float]]:
     """Round -> client id -> ``<split>/<metric>`` (``local``, ``test`` or ``val``) of a run's
     ``client_metrics.jsonl``. FedAvg-family runs log only ``local/``; on ``test`` their clients
@@ -438,9 +433,6 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
     return res
 
 
-# ----------------------------------------------------------------------------- the rule
-
-
 @dataclass
 class Choice:
     """The (β, λ) the selection rule picks, every (β, λ)'s mean rank over the cells (1 = best),
@@ -496,9 +488,6 @@ def _choose(grid: Grid, res: Results, split: str) -> Choice | None:
     return choose_gate(grid.configs(), config_scores(grid, res, split))
 
 
-# ----------------------------------------------------------------------------- the jobs
-
-
 def gate_of(ctx: Context[Grid]) -> tuple[Choice | None, tuple[float, float]]:
     """The rule's choice on the main grid's validation numbers, and the gate the runs after
     it use (the reference gate when nothing could be chosen)."""
@@ -531,8 +520,6 @@ def data_notes(grid: Grid) -> list[str]:
         data_log.removeHandler(handler)
     return [record.getMessage() for record in handler.buffer]
 
-
-# ----------------------------------------------------------------------------- tables
 
 WHERE = {"test": "global test", "local": "local split"}  # the two test sets in the tables
 
@@ -815,9 +802,6 @@ def _preset_summary(preset_name: str) -> str:
     return row([_name(preset_name), *cells, d.get("rounds"), local])
 
 
-# ----------------------------------------------------------------------------- figures
-
-
 def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
     fed = federated(choice)
@@ -916,9 +900,6 @@ def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path
     if grid.long_presets:
         paths.append(_curves_figure(grid, res, choice, folder / "nt_curves.png", palette))
     return paths
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def _settings_text(sts: Sequence[Setting]) -> str:

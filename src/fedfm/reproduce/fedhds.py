@@ -183,9 +183,6 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
     return sorted(out, key=lambda r: r.name not in first)
 
 
-# ----------------------------------------------------------------------------- reading
-
-
 @dataclass
 class Results:
     """The finished runs of the grid, by job name."""
@@ -314,9 +311,6 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             TOTAL_S,
         ),
     ]
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def _mean(views: Sequence[RunView], *keys: str, part: str = "finish") -> float | None:

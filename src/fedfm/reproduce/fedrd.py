@@ -41,8 +41,6 @@ from fedfm.reproduce.tables import Text, head, row, side
 
 TEXT = Text("fedrd")
 
-# ----------------------------------------------------------------------------- the grid
-
 
 @dataclass(frozen=True)
 class Method:
@@ -187,8 +185,6 @@ def _first(grid: Grid, method: str, mod: str = "vision") -> dict[str, Any]:
     return job_config(Cell(mod, grid.alphas[0], grid.seeds[0], method), grid)
 
 
-# ----------------------------------------------------------------------------- Lite0 probe
-
 PROBE = "lite0-probe"
 
 
@@ -252,9 +248,6 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
         params = {"sizes": [int(s) for s in grid.probe_sizes], "n_train": n_train}
         out.append(Compute(PROBE, probe, {**params, "n_test": grid.probe_test}))
     return out + [Run(c.name, job_config(c, grid), group=c.method) for c in cells(grid)]
-
-
-# ----------------------------------------------------------------------------- reading runs
 
 
 @dataclass
@@ -328,9 +321,6 @@ def _est(res: Results, grid: Grid, mod: str, alpha: float, method: str, metric: 
 def _curve(res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: int) -> dict:
     """Seed -> test accuracy at round ``rnd``."""
     return _seeds(res, grid, mod, alpha, method, lambda r: r.curve.get(rnd))
-
-
-# ----------------------------------------------------------------------------- tables
 
 
 def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
@@ -554,9 +544,6 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     plots.save(fig, str(path), dpi=110)
     return path
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:

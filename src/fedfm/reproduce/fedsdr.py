@@ -186,9 +186,6 @@ def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[st
     return out
 
 
-# ----------------------------------------------------------------------------- reading runs
-
-
 @dataclass
 class Results:
     """The finished runs by method, and the reference-length measurement."""
@@ -287,9 +284,6 @@ def level(res: Results, m: str, measure: str, grid: Grid) -> dict[str, float]:
     return {**per, **({"mean": float(np.mean(list(per.values())))} if per else {})}
 
 
-# ----------------------------------------------------------------------------- readouts
-
-
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """The comparisons the study exists for (fixed before the runs)."""
 
@@ -334,9 +328,6 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             sc["benchmarks"],
         ),
     ]
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def _zeroshot_tables(grid: Grid, res: Results) -> str | None:

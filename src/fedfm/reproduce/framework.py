@@ -41,8 +41,6 @@ STAMP = "%Y-%m-%dT%H:%M:%S"  # the record's times
 RESULT = "result.json"
 TEXT = Text("framework")
 
-# ----------------------------------------------------------------------------- jobs, runs' views
-
 
 class Unmet(Exception):
     """A job's needs do not allow it (e.g. a measured value is missing): it is skipped."""
@@ -223,9 +221,6 @@ class RunView:
         )
 
 
-# ----------------------------------------------------------------------------- studies, readouts
-
-
 @dataclass(frozen=True)
 class Readout(Generic[R]):
     """A comparison a study exists for, fixed before its runs: the ``paper``'s claim, its
@@ -387,8 +382,6 @@ def _cpu(children: bool = False) -> float:
     who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if children else (resource.RUSAGE_SELF,)
     return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
-
-# ----------------------------------------------------------------------------- running jobs
 
 _STARTED: Any = None  # a worker's queue of (job, pid) start notices to the parent
 

@@ -173,8 +173,6 @@ def macro_f1_diff(
     return paired_bootstrap(len(yt), diff, seed=seed)
 
 
-# ----------------------------------------------------------------------------- the verdict
-
 IN_DIRECTION = "in the paper's direction (> 2 SE)"
 AGAINST = "against the paper (> 2 SE)"
 UNRESOLVED = "not resolved (≤ 2 SE)"

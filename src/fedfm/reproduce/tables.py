@@ -78,8 +78,6 @@ def values(xs: Iterable[Any]) -> str:
     return "{" + ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs) + "}"
 
 
-# ----------------------------------------------------------------------------- report text
-
 _SECTION = re.compile(r"^<!-- section: ([\w.-]+) -->\n", re.M)
 _ALONE = re.compile(r"\$(?:([_a-zA-Z][_a-zA-Z0-9]*)|\{([_a-zA-Z][_a-zA-Z0-9]*)\})")
 
