@@ -40,7 +40,7 @@ from fedfm.reproduce.framework import (
     untestable,
 )
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
-from fedfm.reproduce.tables import Text, head, joined, row, side, values
+from fedfm.reproduce.tables import Text, band, head, joined, row, save, side, values
 
 TEXT = Text("fedekd")
 
@@ -832,13 +832,7 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
     fig.suptitle(
         "Negative transfer: bar = mean client ± SE over seeds, ▼ = worst client", fontsize=10
     )
-    return _save(fig, path)
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    plots.save(fig, str(path), dpi=100)
-    return path
+    return save(fig, path, 100)
 
 
 def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
@@ -858,7 +852,7 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
         ax.set_yticks(range(len(grid.betas)), [f"β={x:g}" for x in grid.betas])
         ax.set_title(f"mean rank of mean-client NT, {title}", fontsize=9)
         fig.colorbar(im, ax=ax)
-    return _save(fig, path)
+    return save(fig, path, 100)
 
 
 def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
@@ -874,11 +868,7 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
                 if not rounds:
                     continue
                 ests = [mean_se(_at(curve, rr)) for rr in rounds]
-                mu = np.array([e.mean for e in ests])
-                se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
-                colour = palette[v.label]
-                ax.plot(rounds, mu, label=v.label, lw=1.2, color=colour)
-                ax.fill_between(rounds, mu - se, mu + se, alpha=0.2, color=colour)
+                band(ax, rounds, ests, 0.2, label=v.label, lw=1.2, color=palette[v.label])
             ax.axhline(0, color="k", lw=0.8)
             ax.set_title(f"{_name(p)}, {WHERE[split]}", fontsize=9)
             plots.integer_rounds(ax)
@@ -886,11 +876,10 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
     axes[0, 0].legend(fontsize=6)
     title = f"Negative transfer over rounds, {grid.long_setting.label} (mean ± SE over seeds)"
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save(fig, path, 100)
 
 
 def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
     # One colour per method in every figure of the study.
     palette = plots.colours(v.label for v in featured(choice))
     paths = [
@@ -1012,8 +1001,7 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
     """The paper and the method, the setup, the statistics, the choice of (β, λ), the findings,
     the tables and the figures."""
     grid, res, gate = ctx.grid, r.res, r.gate
-    report = ctx.report or ctx.out / "fedekd.md"
-    figs = _figures(grid, res, gate, report.parent / report.stem)
+    figs = _figures(grid, res, gate, ctx.figures)
     notes = data_notes(grid)
     comps = comparisons(gate)
     curves = [
@@ -1035,7 +1023,7 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
         per_dataset=_headed((_name(p), _dataset_table(grid, res, p, gate)) for p in grid.presets),
         gate_grid=_gate_grid_table(grid, res),
         long=TEXT("long", long, curves=_headed(curves)) if grid.long_presets else None,
-        figures=[f"![{f.stem}]({report.stem}/{f.name})" for f in figs],
+        figures=[f"![{f.stem}]({ctx.figures.name}/{f.name})" for f in figs],
     )
     return [text, ""]
 

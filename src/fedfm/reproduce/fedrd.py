@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from fedfm.reproduce.framework import (
     untestable,
 )
 from fedfm.reproduce.stats import Estimate, mean_se, paired
-from fedfm.reproduce.tables import Text, head, row, side
+from fedfm.reproduce.tables import Text, band, head, row, save, side
 
 TEXT = Text("fedrd")
 
@@ -530,20 +529,14 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
         for ax, a in zip(axes[i], alphas, strict=True):
             for m in _methods(grid, mod):
                 est = [mean_se(_curve(res, grid, mod, a, m, r)) for r in rounds]
-                mu = np.array([e.mean for e in est])
-                se = np.array([e.se if math.isfinite(e.se) else 0.0 for e in est])
-                colour = palette[METHODS[m].label]
-                ax.plot(rounds, mu, marker="o", ms=3, label=METHODS[m].label, color=colour)
-                ax.fill_between(rounds, mu - se, mu + se, alpha=0.15, color=colour)
+                label = METHODS[m].label
+                band(ax, rounds, est, 0.15, marker="o", ms=3, label=label, color=palette[label])
             ax.set_title(f"{mod}, Dirichlet α = {a:g}")
             ax.set_xlabel("round")
             ax.set_ylabel("test accuracy")
             ax.grid(alpha=0.3)
         axes[i][0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    plots.save(fig, str(path), dpi=110)
-    return path
+    return save(fig, path, 110)
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
@@ -604,8 +597,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     """The method, the setup, per modality the results, the probe, the substitutions."""
     grid = ctx.grid
     jobs_ = cells(grid)
-    report = ctx.report or ctx.out / "fedrd.md"
-    fig = curves_figure(grid, res, report.parent / report.stem / "accuracy_over_rounds.png")
+    fig = curves_figure(grid, res, ctx.figures / "accuracy_over_rounds.png")
     done = sum(j in res and res[j].rounds == _rounds(grid, j.modality, j.method) for j in jobs_)
     vision = "vision" in grid.modalities
     text = TEXT(
@@ -625,7 +617,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         probe=TEXT("probe", probe=probe_text(ctx.run(PROBE).result, grid, res)) if vision else None,
         scale_row=scale_row(grid) if vision else None,
         text_row=TEXT("text-row") if "text" in grid.modalities else None,
-        figures=None if fig is None else TEXT("figures", path=f"{report.stem}/{fig.name}"),
+        figures=None if fig is None else TEXT("figures", path=f"{ctx.figures.name}/{fig.name}"),
     )
     return [text, ""]
 

@@ -321,6 +321,12 @@ class Context(Generic[G]):
         """The view of a job's folder (cached until the job runs again)."""
         return self._views.setdefault(name, RunView(self.out / name))
 
+    @property
+    def figures(self) -> Path:
+        """The folder of the report's figures: beside the report, named as it."""
+        report = self.report or self.out / f"{self.study}.md"
+        return report.parent / report.stem
+
     def settled(self, names: Iterable[str]) -> bool:
         """Whether none of these jobs is left to run in this invocation."""
         return all(n in self.done or n in self.failed for n in names)

@@ -1,5 +1,5 @@
-"""Markdown of the study reports: numbers, rows, headers, difference markers, and the reports'
-fixed text (:class:`Text`)."""
+"""Markdown of the study reports: numbers, rows, headers, difference markers, the reports'
+fixed text (:class:`Text`), and the figures' mean ± SE bands."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+import numpy as np
+
+from fedfm import plots
 from fedfm.reproduce.stats import Estimate
 
 DASH = "—"
@@ -76,6 +79,23 @@ def blocks(*parts: str | Sequence[str]) -> list[str]:
 def values(xs: Iterable[Any]) -> str:
     """A set of grid values, ``{1, 2, 4}``."""
     return "{" + ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs) + "}"
+
+
+def band(ax: Any, x: Sequence[int], ests: Sequence[Estimate], alpha: float, **line: Any) -> None:
+    """Means over ``x`` as a line (``line``: its style, ``color`` included) in a ± SE band
+    (none where an estimate has one value)."""
+    mu = np.array([e.mean for e in ests])
+    se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
+    ax.plot(x, mu, **line)
+    ax.fill_between(x, mu - se, mu + se, alpha=alpha, color=line["color"])
+
+
+def save(fig: Any, path: Path, dpi: int) -> Path:
+    """Lays a figure out and writes it to ``path`` (its folder created)."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plots.save(fig, str(path), dpi=dpi)
+    return path
 
 
 _SECTION = re.compile(r"^<!-- section: ([\w.-]+) -->\n", re.M)
