@@ -32,6 +32,7 @@ from fedfm.reproduce.framework import (
     merge,
     preset,
     register,
+    resolved,
     task_of,
 )
 from fedfm.reproduce.stats import (
@@ -708,14 +709,11 @@ def _eps(x: Any) -> str:
     return "∞" if not math.isfinite(float(x)) else f"{float(x):.2f}"
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
-
     grid = ctx.grid
     cfg = generator_config(grid, grid.few)
-    algo, task = resolve(load_config(cfg))  # every default filled in
+    _, algo, task = resolved(cfg)
     a, t = algo.model_dump(), task.model_dump()
     values: dict[str, Any] = {k: f"{v:g}" for k, v in vars(grid).items() if isinstance(v, float)}
     values.update(dataset=t["dataset"], lm=t["lm"], autocast=t["autocast_bf16"])
@@ -728,7 +726,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     ses = [r.value(res).se for r in readouts(grid)[: 2 * len(grid.epsilon_votes)]]
     ses = [x for x in ses if math.isfinite(x)]
     resolution = {"difference": f"{2 * max(ses):.3f}", "n": len(ses)} if ses else {}
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         values,
@@ -752,7 +750,6 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         voters=len(voters(grid, grid.few)),
         resolution=f" {TEXT('resolution', resolution)}" if ses else "",
     )
-    return [text, ""]
 
 
 def _instrument(res: Results) -> str:

@@ -997,7 +997,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
     ]
 
 
-def body(ctx: Context[Grid], r: Read) -> list[str]:
+def body(ctx: Context[Grid], r: Read) -> str:
     """The paper and the method, the setup, the statistics, the choice of (β, λ), the findings,
     the tables and the figures."""
     grid, res, gate = ctx.grid, r.res, r.gate
@@ -1010,7 +1010,7 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
         for split, where in (("test", "global test set"), ("local", "local test splits"))
     ]
     long = {"setting": grid.long_setting.label, "rounds": grid.long_rounds}
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         _setup(ctx, gate),
@@ -1025,7 +1025,6 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
         long=TEXT("long", long, curves=_headed(curves)) if grid.long_presets else None,
         figures=[f"![{f.stem}]({ctx.figures.name}/{f.name})" for f in figs],
     )
-    return [text, ""]
 
 
 STUDY = register(

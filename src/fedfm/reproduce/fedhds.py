@@ -465,13 +465,13 @@ def _instrument(res: Results) -> str:
     )
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """The setup, the instrument, the results, the paper's figures and what differs."""
     grid, r0 = ctx.grid, res.round0
     round0 = {"rouge": num(r0.get("zeroshot/rougeL_all")), "score": num(r0.get("score"))}
     missing = [f"- `{n}`" for m in methods(grid) for _, n in runs_of(m, grid) if n not in res.runs]
     paper = [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER]
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         heldout=HELDOUT,
@@ -491,7 +491,6 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         paper=paper,
         not_run=TEXT("not-run", missing=missing) if missing else None,
     )
-    return [text, ""]
 
 
 STUDY = register(

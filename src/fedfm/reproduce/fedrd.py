@@ -593,14 +593,14 @@ def results_text(grid: Grid, res: Results, mod: str) -> str:
     )
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """The method, the setup, per modality the results, the probe, the substitutions."""
     grid = ctx.grid
     jobs_ = cells(grid)
     fig = curves_figure(grid, res, ctx.figures / "accuracy_over_rounds.png")
     done = sum(j in res and res[j].rounds == _rounds(grid, j.modality, j.method) for j in jobs_)
     vision = "vision" in grid.modalities
-    text = TEXT(
+    return TEXT(
         "body",
         command=ctx.command,
         modalities=", ".join(grid.modalities),
@@ -619,7 +619,6 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         text_row=TEXT("text-row") if "text" in grid.modalities else None,
         figures=None if fig is None else TEXT("figures", path=f"{ctx.figures.name}/{fig.name}"),
     )
-    return [text, ""]
 
 
 STUDY = register(

@@ -30,6 +30,7 @@ from fedfm.reproduce.framework import (
     Unmet,
     preset,
     register,
+    resolved,
     task_of,
     untestable,
 )
@@ -502,20 +503,17 @@ def _cosines(grid: Grid, res: Results) -> list[str]:
     return table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows)
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """Setup, the instrument, kept ability and fidelity, update norms, rewrites, analyses."""
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
-
     grid = ctx.grid
-    run_cfg = load_config(job_config(grid, "fedsdr"))
-    t, tr = resolve(run_cfg)[1].model_dump(), run_cfg.train.model_dump()  # defaults filled in
+    run_cfg, _, task = resolved(job_config(grid, "fedsdr"))
+    t, tr = task.model_dump(), run_cfg.train.model_dump()
     setup = {"model": t["model"], "autocast": t.get("autocast_bf16"), "lora_r": t["lora"]["r"]}
     setup.update(targets=", ".join(t["lora"]["target_modules"]), batch_size=tr["batch_size"])
     setup.update(local_optimizer=tr["optimizer"], lr=f"{grid.lr:g}")
     missing = [f"`{m}`" for m in METHODS if m not in res.runs]
     not_finished = TEXT("not-finished", missing=", ".join(missing), command=ctx.command)
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         setup,
@@ -537,7 +535,6 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         cosines=_cosines(grid, res),
         not_finished=not_finished if missing else None,
     )
-    return [text, ""]
 
 
 STUDY = register(

@@ -92,15 +92,22 @@ def preset(name: str) -> dict[str, Any]:
     return data
 
 
+def resolved(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """A run config validated, and its algorithm's and task's configs (every default filled)."""
+    from fedfm.config import load_config
+    from fedfm.engine import resolve
+
+    cfg = load_config(dict(config))
+    algo, task = resolve(cfg)
+    return cfg, algo, task
+
+
 def task_of(config: Mapping[str, Any]) -> Any:
     """The task of a run config (its data, partition and model), without the algorithm."""
     import fedfm.tasks  # noqa: F401  (every task registered)
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
-    cfg = load_config(dict(config))
-    _, task_cfg = resolve(cfg)
+    cfg, _, task_cfg = resolved(config)
     return TASKS.get(task_cfg.kind)(task_cfg, cfg)
 
 
@@ -265,7 +272,7 @@ class Study(Generic[G, R]):
     jobs: Callable[[Context[Any]], Sequence[Job]]
     read: Callable[[Context[Any]], R]
     readouts: Callable[[Any], Sequence[Readout[R]]]
-    body: Callable[[Context[Any], R], list[str]]
+    body: Callable[[Context[Any], R], str | list[str]]
     reports: tuple[str | None, str | None]
     title: Callable[[Context[Any]], str] | None = None
     workers: tuple[int, int] = (1, 1)
@@ -764,7 +771,8 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
             notes.setdefault(r.scope, []).append(f"R{i}")
     notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
     lines = [TEXT("head", values, study=study.name), "", TEXT("readouts", rows=rows, notes=notes_)]
-    lines += ["", *study.body(ctx, data)]
+    body = study.body(ctx, data)
+    lines += ["", *([body, ""] if isinstance(body, str) else body)]
     lines += time_lines(ctx, _plan(study, ctx))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
