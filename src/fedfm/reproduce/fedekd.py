@@ -98,8 +98,7 @@ class Variant:
         return Variant(ref) if ref else None
 
     def algo(self, preset_algo: Mapping[str, Any]) -> dict[str, Any]:
-        """The run's ``algo`` section, every gate field explicit (so that a later change of
-        FedeKD's defaults or of a preset's β does not change a finished run's config)."""
+        """The run's ``algo`` section, every gate field explicit (defaults may change)."""
         if self.method == "local":
             return {}
         if self.method in ("fedavg", "fedprox"):
@@ -127,9 +126,7 @@ def ungated(lam: float) -> Variant:
 
 @dataclass(frozen=True)
 class Setting:
-    """A heterogeneity setting: Dirichlet α (label skew; quantile bins of the target for
-    regression) over ``num_clients`` clients, the partitioner's smallest partition (None: the
-    preset's)."""
+    """A heterogeneity setting: Dirichlet α over ``num_clients``, the smallest partition."""
 
     alpha: float
     num_clients: int
@@ -246,8 +243,7 @@ def main_cells(grid: Grid) -> list[Cell]:
 
 
 def featured(choice: tuple[float, float]) -> list[Variant]:
-    """The variants of the long runs, of the control settings and of the per-dataset tables:
-    the baselines, the chosen gate and the reference gate, each with ungated KD at its λ."""
+    """The baselines, the chosen and the reference gate, each with ungated KD at its λ."""
     out = [Variant(m) for m in BASELINES]
     for b, lam in (choice, REFERENCE_GATE):
         out += [v for v in (ungated(lam), gated(b, lam)) if v not in out]
@@ -260,8 +256,7 @@ def federated(choice: tuple[float, float]) -> list[Variant]:
 
 
 def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
-    """What runs once (β, λ) is chosen: the control settings with the featured variants, then
-    the long runs, each seed by seed."""
+    """What runs once (β, λ) is chosen: the control settings, then the long runs."""
     control = [
         Cell(p, st, s, v)
         for s in grid.seeds
@@ -435,8 +430,7 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
 
 @dataclass
 class Choice:
-    """The (β, λ) the selection rule picks, every (β, λ)'s mean rank over the cells (1 = best),
-    the (preset, setting tag) cells ranked and those left out (a configuration had no value)."""
+    """The rule's (β, λ), every (β, λ)'s mean rank, the cells ranked and those left out."""
 
     gate: tuple[float, float]
     mean_rank: dict[tuple[float, float], float]
@@ -470,8 +464,7 @@ def choose_gate(
 def config_scores(
     grid: Grid, res: Results, split: str = "val"
 ) -> dict[tuple[str, str], dict[tuple[float, float], float]]:
-    """(preset, setting) -> (β, λ) -> mean over seeds of the mean-client NT on ``split``
-    (primary metric); on the validation split these are the numbers the rule ranks."""
+    """(preset, setting) -> (β, λ) -> mean-client NT on ``split``, mean over seeds."""
     out: dict[tuple[str, str], dict[tuple[float, float], float]] = {}
     for p in grid.presets:
         for st in grid.settings:
@@ -489,8 +482,7 @@ def _choose(grid: Grid, res: Results, split: str) -> Choice | None:
 
 
 def gate_of(ctx: Context[Grid]) -> tuple[Choice | None, tuple[float, float]]:
-    """The rule's choice on the main grid's validation numbers, and the gate the runs after
-    it use (the reference gate when nothing could be chosen)."""
+    """The rule's choice, and the gate the later runs use (the reference without one)."""
     choice = _choose(ctx.grid, analyse(ctx, main_cells(ctx.grid)), "val")
     return choice, choice.gate if choice else REFERENCE_GATE
 
@@ -504,8 +496,7 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
 
 
 def data_notes(grid: Grid) -> list[str]:
-    """Rows the sources dropped (missing numeric feature or target), captured from their log
-    (the loaders are called afresh: a cached source would not log again)."""
+    """Rows the sources dropped, captured from their log (the loaders are called afresh)."""
     from fedfm.data.sources import SOURCES
 
     handler = logging.handlers.BufferingHandler(capacity=10**6)  # keeps every record
@@ -634,8 +625,7 @@ def _comparison_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
 
 
 def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
-    """Cells above zero and below zero (each by more than 2 SE, times ``sign``), and the cells
-    with an SE."""
+    """Cells above and below zero by more than 2 SE (times ``sign``), and cells with an SE."""
     rs = [e.resolved() * sign for e in ests if e.n >= 2]
     return sum(r > 0 for r in rs), sum(r < 0 for r in rs), len(rs)
 
@@ -643,8 +633,7 @@ def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
 def _cell_counts(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> tuple[int, int, int]:
-    """Cells where a is better, where b is better (each by more than 2 SE), and cells; fewer
-    harmed clients are better."""
+    """Cells where a, where b is better by more than 2 SE, and cells (fewer harmed: better)."""
     ests = (paired(*_pair(res, comp, p, t, split, stat)) for p in grid.presets for t in tags)
     return _tally(ests, -1 if stat == "harmed" else 1)
 
@@ -957,15 +946,13 @@ class Read:
 
 
 def read(ctx: Context[Grid]) -> Read:
-    """The rule's choice from the main grid's validation numbers, then every run it implies
-    (so the report always shows the runs of the configuration the rule picks)."""
+    """The rule's choice from the main grid, then every run it implies."""
     choice, gate = gate_of(ctx)
     return Read(analyse(ctx, main_cells(ctx.grid) + chosen_cells(ctx.grid, gate)), choice, gate)
 
 
 def readouts(grid: Grid) -> list[Readout[Read]]:
-    """The gate against ungated KD (mean and worst client, both sets) and against FedAvg on
-    the clients' own data; and what cannot be compared with the paper."""
+    """The gate against ungated KD and FedAvg; what cannot be compared with the paper."""
 
     def nt(what: str, split: str, other: str | None = None, stat: str = "nt_mean") -> Readout[Read]:
         def value(r: Read) -> Estimate:
@@ -998,8 +985,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
 
 
 def body(ctx: Context[Grid], r: Read) -> str:
-    """The paper and the method, the setup, the statistics, the choice of (β, λ), the findings,
-    the tables and the figures."""
+    """The method, setup, statistics, choice of (β, λ), findings, tables and figures."""
     grid, res, gate = ctx.grid, r.res, r.gate
     figs = _figures(grid, res, gate, ctx.figures)
     notes = data_notes(grid)

@@ -235,8 +235,7 @@ def base_scores(res: Results, zeroshot: bool = True) -> dict[str, float]:
 
 
 def delta(res: Results, a: str, b: str, zeroshot: bool = True) -> Estimate:
-    """Method ``a`` − method ``b`` (``base``: the untrained base), paired over items; each
-    item's score is first averaged over the seeds a method ran."""
+    """``a`` − ``b`` (``base``: the untrained base), paired over items, seeds averaged."""
     sides = [
         base_scores(res, zeroshot) if k == "base" else seed_mean(res.of(k), zeroshot)
         for k in (a, b)
@@ -253,8 +252,7 @@ def seed_delta(res: Results, a: str, b: str, i: int) -> Estimate:
 
 
 def cost_ratio(res: Results, keys: Sequence[str], of: str = "fedhds") -> Estimate:
-    """FedIT's seconds over ``of``'s, per seed (the sum of ``keys`` of each run's finish),
-    as the mean and SE over the seeds both ran."""
+    """FedIT's seconds (the sum of ``keys``) over ``of``'s, mean ± SE over seeds."""
 
     def secs(view: RunView) -> float:
         return sum(float(view.finish.get(k, 0.0)) for k in keys)
@@ -314,8 +312,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 
 
 def _mean(views: Sequence[RunView], *keys: str, part: str = "finish") -> float | None:
-    """The mean over the runs of a value of their summary's ``part`` (``finish`` or
-    ``final``), summed over ``keys``; None where no run has any."""
+    """The runs' mean of their summary's ``part``, summed over ``keys``; None for none."""
     values = [[float(getattr(v, part)[k]) for v in views if k in getattr(v, part)] for k in keys]
     found = [float(np.mean(x)) for x in values if x]
     return sum(found) if found else None
@@ -330,8 +327,7 @@ def _avg(scores: Mapping[str, float]) -> str:
 
 
 def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
-    """``(label, method key, runs)`` of every row: one per scored method, and one per seed
-    (key "") of a method that ran more than one."""
+    """``(label, method key, runs)`` per scored method, and per seed (key "") of several."""
     out = []
     for m in (m for m in methods(res.grid) if m.scored):
         views = res.of(m.key)
@@ -395,8 +391,7 @@ def _seed_gap(res: Results) -> str | None:
 
 
 def _selection_stats(view: RunView) -> dict[str, float]:
-    """Means per round of a FedHDS run's selection log: clusters per asked client, centroids
-    and global clusters on the server."""
+    """Means per round of a FedHDS run's selection log (clusters, centroids)."""
     path = view.folder / "artefacts" / "selection.jsonl"
     rows = read_jsonl(path, need_round=False) if path.exists() else []
     clients = [r for r in rows if r.get("client") is not None and "clusters" in r]
@@ -425,8 +420,7 @@ def _hdbscan(res: Results) -> str | None:
 
 
 def _instrument(res: Results) -> str:
-    """What the scorer did: budgets against reference lengths, truncation, the base's labels,
-    and the item count the per-item SD asks for."""
+    """What the scorer did: budgets, truncation, the base's labels, the items needed."""
     b, r0, grid = res.base(), res.round0, res.grid
     if b is None:
         return TEXT("no-base")

@@ -43,8 +43,7 @@ TEXT = Text("fedrd")
 
 @dataclass(frozen=True)
 class Method:
-    """One row family: its label, its preset per modality, overrides of the preset's ``algo``
-    section, and whether the server trains on the labelled public rows."""
+    """A row family: label, preset per modality, ``algo`` overrides, public rows or not."""
 
     label: str
     presets: Mapping[str, str]
@@ -156,8 +155,7 @@ def cells(grid: Grid) -> list[Cell]:
 
 
 def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
-    """The run config of one job; the study's ``algo.teacher_options.image_size`` is the
-    adapter's ``fm_size`` too, so both foundation-model paths see images of one size."""
+    """The run config of one job (the adapter's ``fm_size`` is the teacher's image size)."""
     m = METHODS[job.method]
     data = preset(m.presets[job.modality])
     ov = copy.deepcopy(grid.overrides.get(job.modality, {}))
@@ -361,8 +359,7 @@ def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
 
 
 def teacher_lines(grid: Grid, res: Results, mod: str) -> list[str]:
-    """Whether the teacher path beats the student: FedRD's z_t accuracy (on the test subset)
-    next to the public fine-tuning control's student accuracy (on the whole test set)."""
+    """FedRD's teacher-path accuracy next to the public fine-tuning control's student's."""
     lines = []
     for a in grid.alphas:
         for m in ("fedrd", "nophi"):
@@ -392,8 +389,7 @@ DROP = 0.2
 
 
 def unstable_lines(res: Results, mod: str) -> list[str]:
-    """Runs of ``mod`` whose test accuracy fell by more than :data:`DROP` between two
-    evaluations."""
+    """Runs of ``mod`` whose test accuracy fell by more than :data:`DROP` between evaluations."""
     lines = []
     for job, r in sorted(res.items(), key=lambda kv: kv[0].name):
         for a, b in itertools.pairwise(sorted(r.curve)):
@@ -516,8 +512,7 @@ def scale_row(grid: Grid) -> str:
 
 
 def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
-    """Test accuracy over rounds (mean over seeds, ± SE bands): a row per modality, a column
-    per α."""
+    """Test accuracy over rounds, mean ± SE over seeds; a row per modality, a column per α."""
     rounds = curve_rounds(res)
     if not rounds:
         return None
@@ -540,9 +535,8 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
-    """Per modality and α: FedRD against the public fine-tuning control (the FM's part) and
-    against FedRD without φ (the reprogramming's part); the paper's other claims this study
-    does not test."""
+    """Per modality and α: FedRD against public fine-tuning and against FedRD without φ;
+    the paper's other claims, untested."""
     fm = TEXT("scope-fm")
     claims = (
         ("ft", "the FM's distillation helps the student (beyond the public rows)"),
@@ -577,8 +571,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 
 
 def results_text(grid: Grid, res: Results, mod: str) -> str:
-    """One modality's results: teacher against students, finals, differences, curves, seeds,
-    unstable runs and the server's view."""
+    """One modality's results: finals, differences, curves, seeds and the server's view."""
     return TEXT(
         "results",
         modality=mod,

@@ -157,8 +157,7 @@ def _quantiles(values: Sequence[int]) -> dict[str, float]:
 
 
 def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]) -> dict:
-    """Token lengths of the references (reference and end-of-turn token) per domain, of the
-    training rows and the evaluated items, and the share cut by ``prompt.max_length``."""
+    """Token lengths of the references per domain and part, and the share cut by the budget."""
     from fedfm.data.prompt import fit_prompt
     from fedfm.tasks.lm import InstructionTask
 
@@ -233,8 +232,7 @@ def _per_token(it: Mapping[str, Any]) -> float:
 def per_domain(
     items: Sequence[Mapping[str, Any]], domains: Sequence[str], zeroshot: bool
 ) -> dict[str, dict[Any, float]]:
-    """``{domain: {item id: value}}``: of the zero-shot items their label accuracy (0/1), of
-    the others (the trained domains) their reference's NLL per token (fidelity)."""
+    """``{domain: {item id: value}}``: zero-shot label accuracy, or reference NLL per token."""
     out: dict[str, dict[Any, float]] = {d: {} for d in domains}
     for it in items:
         if bool(it.get("zeroshot")) == zeroshot and it["domain"] in out:

@@ -125,8 +125,7 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_status(cfg: Mapping[str, Any]) -> str:
-    """``new``, ``changed`` (a run of another config), ``partial`` (unfinished) or ``done``;
-    the output folder is not compared (a moved study folder keeps its runs)."""
+    """``new``, ``changed``, ``partial`` or ``done`` (the output folder is not compared)."""
     from fedfm.config import load_config
 
     root = Path(cfg["out_dir"]) / cfg["name"]
@@ -304,9 +303,7 @@ def load_studies() -> None:
 
 @dataclass
 class Context(Generic[G]):
-    """One invocation of a study: its folder ``out`` (runs and ``study.json``), the
-    ``report`` being written (figures go beside it), the jobs ``done`` and ``failed`` (with
-    the reason)."""
+    """One invocation of a study: its folder, the report written, the jobs done and failed."""
 
     study: str
     grid: G
@@ -436,8 +433,7 @@ def _execute(spec: Mapping[str, Any]) -> None:
 
 
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
-    """Executes one job (in a worker or in this process); returns its measurements and its
-    error, if any (recorded, not fatal to the study)."""
+    """Executes one job; returns its measurements and its error, if any (not fatal)."""
     if _STARTED is not None:
         _STARTED.put((spec["name"], os.getpid()))
     t0, cpu0, load0 = time.perf_counter(), _cpu(), os.getloadavg()[0]
@@ -520,8 +516,7 @@ def _plan(study: Study[Any, Any], ctx: Context[Any]) -> list[Job]:
 def _ready(
     study: Study[Any, Any], ctx: Context[Any], running: Iterable[str]
 ) -> tuple[list[tuple[Job, dict[str, Any]]], bool]:
-    """The jobs that can start now, and whether another job settled while listing them (the
-    study lists its jobs again: a job that a measured value decides appears once it is)."""
+    """The jobs that can start now, and whether another job settled while listing them."""
     rec, busy = ctx.record, set(running)
     ready: list[tuple[Job, dict[str, Any]]] = []
     moved = False
@@ -582,8 +577,7 @@ def _started(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
 
 
 def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
-    """Keeps ``ctx.workers`` jobs running, each started once its needs are done. A worker
-    that dies breaks the pool: its jobs are marked interrupted, and no more start."""
+    """Keeps ``ctx.workers`` jobs running; a dead worker's jobs are marked interrupted."""
     futures: dict[Future[dict[str, Any]], Job] = {}
     broken = False
     with _executor(ctx) as (submit, queue):
@@ -618,8 +612,7 @@ def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None
 
 
 def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
-    """Runs every job of the study that is not done into ``ctx.out``, recording each job's
-    status and cost, and this invocation's, in ``study.json``."""
+    """Runs every job not done into ``ctx.out``, recording status and cost in ``study.json``."""
     rec = ctx.record
     rec.study = {"name": study.name, "grid": "quick" if ctx.quick else "full"}
     for entry in rec.jobs.values():  # a killed invocation left these behind
@@ -755,8 +748,7 @@ def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None =
 
 
 def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
-    """Writes the report from the study folder: title, the readouts (each with its estimate
-    and verdict), the study's sections, the jobs' times."""
+    """Writes the report: title, readouts with their verdicts, the study's body, the times."""
     ctx.report = path
     data = study.read(ctx)
     title = study.title(ctx) if study.title else Text(study.name)("title", vars(ctx.grid))

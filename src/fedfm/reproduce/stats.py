@@ -28,8 +28,7 @@ BOOTSTRAP = 1000  # bootstrap resamples of a statistic that is not a mean (macro
 
 @dataclass(frozen=True)
 class Estimate:
-    """A mean (NaN without values) with its standard error (NaN for fewer than two) over
-    ``n`` values (seeds, items, rows)."""
+    """A mean with its standard error over ``n`` values (NaN where undefined)."""
 
     mean: float
     se: float
@@ -55,8 +54,7 @@ NONE = Estimate(math.nan, math.nan, 0)
 
 
 def mean_se(values: Iterable[float] | Mapping[Any, float]) -> Estimate:
-    """Mean and standard error (sample std with ddof = 1, over √n) of the finite ``values``
-    (of a mapping: of its values, e.g. seed -> value)."""
+    """Mean and SE (ddof = 1, over √n) of the finite ``values`` (or a mapping's values)."""
     xs = values.values() if isinstance(values, Mapping) else values
     v = np.asarray([x for x in xs if math.isfinite(x)], dtype=float)
     if len(v) == 0:
@@ -66,8 +64,7 @@ def mean_se(values: Iterable[float] | Mapping[Any, float]) -> Estimate:
 
 
 def paired(a: Mapping[K, float], b: Mapping[K, float]) -> Estimate:
-    """Mean of the per-unit differences a_u − b_u over the units (seeds, item or row ids) both
-    have, with its SE."""
+    """Mean and SE of the differences a_u − b_u over the units (seeds, ids) both have."""
     units = sorted(set(a) & set(b))  # type: ignore[type-var]
     return mean_se([a[u] - b[u] for u in units])
 
@@ -130,8 +127,7 @@ def crossed_bootstrap(
 
 
 def macro_f1_rows(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """:func:`fedfm.tasks.base.macro_f1` of each row of ``pred`` ``(S, N)`` against ``y``
-    ``(N,)``, vectorised for the bootstrap."""
+    """Macro-F1 of each row of ``pred`` ``(S, N)`` against ``y`` ``(N,)``, vectorised."""
     pred, y = np.asarray(pred), np.asarray(y)
     f1 = []
     for c in np.union1d(np.unique(pred), np.unique(y)):

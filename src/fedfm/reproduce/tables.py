@@ -36,8 +36,7 @@ def marked(est: Estimate | None, digits: int = 3) -> str:
 
 
 def side(est: Estimate, up: str, down: str, sign: int = 1) -> str:
-    """Which side a paired difference favours by more than 2 SE (``sign`` −1 where lower is
-    better), or that it is not resolved."""
+    """Which side a difference favours by more than 2 SE (``sign`` −1: lower is better)."""
     if est.n < 2 or not math.isfinite(est.se):
         return "no SE (one value): not resolved"
     r = est.resolved() * sign
@@ -82,8 +81,7 @@ def values(xs: Iterable[Any]) -> str:
 
 
 def band(ax: Any, x: Sequence[int], ests: Sequence[Estimate], alpha: float, **line: Any) -> None:
-    """Means over ``x`` as a line (``line``: its style, ``color`` included) in a ± SE band
-    (none where an estimate has one value)."""
+    """Means over ``x`` as a line (``line``: its style, ``color`` included) in a ± SE band."""
     mu = np.array([e.mean for e in ests])
     se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
     ax.plot(x, mu, **line)
@@ -113,8 +111,7 @@ class Text:
 
     @cached_property
     def sections(self) -> dict[str, str]:
-        """Section name -> its template text (blank lines at either end dropped); a name that
-        stands twice raises ValueError."""
+        """Section name -> its template text (ValueError for a name that stands twice)."""
         parts = _SECTION.split(self.path.read_text(encoding="utf-8"))
         if len(set(parts[1::2])) < len(parts[1::2]):
             raise ValueError(f"{self.path}: a section name stands twice")
