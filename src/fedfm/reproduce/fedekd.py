@@ -524,8 +524,7 @@ def _digits(metric: str, stat: str = "") -> int:
     return 1 if stat == "harmed" else 2 if metric == "rmse" else 3
 
 
-def _unit(metric: str) -> str:
-    return {"acc": "accuracy", "macro_f1": "macro-F1", "rmse": "RMSE"}[metric]
+UNITS = {"acc": "accuracy", "macro_f1": "macro-F1", "rmse": "RMSE"}
 
 
 def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, float]) -> list:
@@ -533,7 +532,7 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
     m = metrics[0][0]
     header = ["setting", "method"]
     for where in WHERE.values():
-        header += [f"{_unit(m)} {where}", f"NT mean {where}", f"NT worst {where}"]
+        header += [f"{UNITS[m]} {where}", f"NT mean {where}", f"NT worst {where}"]
         header.append(f"harmed {where}")
     if len(metrics) > 1:
         header += ["NT macro-F1 mean global test", "NT macro-F1 mean local split"]
@@ -861,7 +860,7 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
             ax.axhline(0, color="k", lw=0.8)
             ax.set_title(f"{_name(p)}, {WHERE[split]}", fontsize=9)
             plots.integer_rounds(ax)
-            ax.set_ylabel(f"mean-client NT, {_unit(res.primary(p))}")
+            ax.set_ylabel(f"mean-client NT, {UNITS[res.primary(p)]}")
     axes[0, 0].legend(fontsize=6)
     title = f"Negative transfer over rounds, {grid.long_setting.label} (mean ± SE over seeds)"
     fig.suptitle(title, fontsize=10)
