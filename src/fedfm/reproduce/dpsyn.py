@@ -289,8 +289,7 @@ def probe_prompts(
     templates: Sequence[str],
     per_code: int,
 ) -> dict[str, Any]:
-    """The base model tried with each prompt template: how many of its samples read as their
-    code to the ceiling (on-code), how many the token budget cut, what they look like."""
+    """The base model tried with each prompt template: on-code share, cuts, examples."""
     from fedfm.core.seeding import derive_seed
     from fedfm.models.encoders import text_embedder
     from fedfm.models.generation import GenerationConfig
@@ -359,8 +358,7 @@ def clean_votes(
     k: int,
     voter_ids: Sequence[str],
 ) -> dict[str, np.ndarray]:
-    """Each voter's vote histogram before noise (:func:`~fedfm.algorithms.dpsyn.knn_votes`
-    of its rows' embeddings ``emb/<cid>`` and codes ``code/<cid>``), by client id."""
+    """Each voter's vote histogram before noise (``knn_votes`` of its rows), by client id."""
     from fedfm.algorithms.dpsyn import knn_votes
 
     return {
@@ -589,8 +587,7 @@ def read(ctx: Context[Grid]) -> Results:
 
 
 def acc_diff(res: Results, a: Side, b: Side) -> Estimate:
-    """Accuracy of selection ``a`` minus ``b``, over the seeds and the test rows (two-way SE,
-    :func:`fedfm.reproduce.stats.crossed`); seeds pair by index."""
+    """Accuracy of selection ``a`` minus ``b`` over seeds × test rows (two-way SE)."""
     ca, cb = res.correct(*a), res.correct(*b)
     if ca is None or cb is None or a == b:
         return NONE
@@ -605,8 +602,7 @@ def acc_level(res: Results, a: Side) -> Estimate:
 
 
 def f1_diff(res: Results, a: Side, b: Side, seed: int = 0) -> Estimate:
-    """Macro-F1 of ``a`` minus ``b`` (each seed's, averaged over seeds), with the SE of the
-    two-way bootstrap over seeds and test rows."""
+    """Macro-F1 of ``a`` minus ``b``, averaged over seeds (two-way bootstrap SE)."""
     pa, pb = res.pred(a), res.pred(b)
     if pa is None or pb is None or res.y is None or a == b:
         return NONE
@@ -629,8 +625,7 @@ def f1_level(res: Results, a: Side) -> Estimate:
 
 
 def predicted(res: Results, a: Side, classes: int) -> list[float]:
-    """The share of test rows predicted as each class, averaged over seeds (a classifier that
-    collapses onto one class shows here before in its accuracy)."""
+    """The share of test rows predicted as each class, averaged over seeds."""
     p = res.pred(a)
     if p is None or not classes:
         return []
@@ -659,8 +654,7 @@ def pool_label(strong: int) -> str:
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
-    """Voting against its duplication-matched control (base and fewest-strong pools, each
-    ε_vote), the premise of the paper's first claim, and the claim's direction."""
+    """Voting against its control per pool and ε_vote, the first claim's premise and claim."""
     few, many = grid.few, grid.many
     size = f"{grid.size} of {grid.pool}"
 

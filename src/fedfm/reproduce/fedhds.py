@@ -267,9 +267,7 @@ TOTAL_S = ("total_client_s", "total_select_s")
 
 
 def selected(res: Results) -> bool:
-    """Whether FedHDS's first seed trained on any row. With none selected it is the untrained
-    base, its readouts would measure FedIT's training, not the selection, and Random (drawn
-    at that seed's fraction) does not run to control for it."""
+    """Whether FedHDS's first seed trained on any row (else its readouts measure no selection)."""
     runs = res.of("fedhds")
     return bool(runs) and bool(runs[0].finish.get("data_fraction"))
 

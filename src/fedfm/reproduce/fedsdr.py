@@ -134,8 +134,7 @@ def matched_lr(grid: Grid, fedit: RunView, fedsd: RunView) -> tuple[float, float
 
 
 def jobs(ctx: Context[Grid]) -> list[Job]:
-    """FedIT and +FedSD; FedSDR after +FedSD (it reads the cached rewrites); the matched-drift
-    control from their measured update norms; the references' lengths (the instrument)."""
+    """FedIT, +FedSD, FedSDR after it, the matched-drift control, the references' lengths."""
     grid = ctx.grid
 
     def matched(needs: Mapping[str, RunView]) -> dict[str, Any]:

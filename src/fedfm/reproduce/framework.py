@@ -649,9 +649,8 @@ MEASURED = " (configured from its measured values)"
 
 
 def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
-    """The jobs, each with its status and estimated seconds (its own wall time when an
-    earlier invocation ran it, else the mean of the finished jobs of its group, else of every
-    finished job), and the total estimate."""
+    """The jobs with status and estimated seconds (own, group's or all finished jobs' mean),
+    and the total estimate."""
     steps: dict[str, _Step] = {}
     jobs: list[Job] = []
     while len(jobs) != len(jobs := _plan(study, ctx)):  # a study may list more once some are done
