@@ -1,16 +1,12 @@
-"""DP federated text generation study: do the weak clients' votes select better samples?
+"""DP federated text generation study (:mod:`fedfm.algorithms.dpsyn`, docs/dpsyn.md): do the
+weak clients' votes select better samples than chance?
 
-``fedfm reproduce dpsyn`` tests :mod:`fedfm.algorithms.dpsyn` (arXiv:2603.07027) on Rotten
-Tomatoes with the controls the paper's comparison lacks (docs/dpsyn.md): three generators (the
-base model, 1 and 4 strong clients of 20 with DP-SGD) each stop once their pool is saved;
-**offline voting** replays the weak clients' votes with the algorithm's own functions over many
-seeds of the vote noise and the draw, at several ε_vote, and selects four ways of one size from
-each pool (:data:`SELECTIONS`), each scored on the real test rows by a classifier trained on it.
-
+Three generators (the base model, 1 and 4 strong clients of 20 with DP-SGD) stop once their
+pool is saved; **offline voting** replays the weak clients' votes with the algorithm's own
+functions over many seeds and several ε_vote and selects four ways (:data:`SELECTIONS`).
 Choices of ours: the base pool is voted on by the weak clients of the fewest-strong
-generator; the offline vote noise is seeded per (seed, ε, client), a simulation of the
-mechanism's distribution; *top by votes* keeps each code's quota (as the draws do), not
-``rank``'s ``keep_fraction``, so that all four selections have the same size and code mix.
+generator; the vote noise is seeded per (seed, ε, client); *top by votes* keeps each code's
+quota (not ``rank``'s ``keep_fraction``), so all four selections share size and code mix.
 """
 
 from __future__ import annotations
@@ -33,10 +29,10 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     merge,
     preset,
     register,
+    resolved,
     task_of,
 )
 from fedfm.reproduce.stats import (
@@ -74,27 +70,19 @@ class Grid:
     """The study's sizes.
 
     Attributes:
-        clients, rows: Clients of the federation (IID over Rotten Tomatoes), rows of each.
+        clients, rows: Clients (IID over Rotten Tomatoes) and rows of each.
         strong: Strong clients of the fine-tuned generators (the base model is the third).
-        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD: its ε,
-            rounds, steps per round, expected Poisson batch and AdamW learning rate.
+        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD.
         pool, size: Samples each generator generates, and each selection keeps.
-        max_new_tokens: Tokens per generated review.
-        max_length, max_prompt_length: Tokens per training row (prompt and review), and of
-            the prompt (the chat template's system turn included).
-        prompt_template: The prompt of a code.
-        probe_templates: Prompts the base model is tried with before the study (the
-            preset's, the chosen one, a descriptive one naming what the codes mean).
-        probe_samples: Samples per code and probed prompt.
-        k: Votes per private sample.
-        threshold: ``H`` subtracted from the summed noisy votes.
-        epsilon_votes: ε_vote values of the offline voting.
-        seeds: Seeds of the vote noise and the draws.
+        max_new_tokens, max_length, max_prompt_length: Tokens per review, per training row
+            and of the prompt (its chat template included).
+        prompt_template, probe_templates, probe_samples: The prompt of a code; the prompts
+            the base model is tried with first, with samples per code.
+        k, threshold: Votes per private sample; ``H`` subtracted from the summed votes.
+        epsilon_votes, seeds: ε_vote values and seeds of the offline voting.
         seed: The runs' seed (partition, roles, generation).
-        test_rows: Real test rows (``None``: the whole test split).
-        bootstrap: Resamples of the two-way bootstrap of macro-F1.
-        task: Fields replacing the preset's ``task`` fields (a tiny model in tests).
-        algo: Fields replacing the preset's ``algo`` fields (a small embedder in tests).
+        test_rows, bootstrap: Real test rows (None: all); resamples of macro-F1's bootstrap.
+        task, algo: Fields replacing the preset's (a tiny model in tests).
         label: Which grid it is, for the report's title.
     """
 
@@ -138,7 +126,7 @@ class Grid:
 
     @property
     def few(self) -> int:
-        """The fewest strong clients (their weak clients also vote on the base pool)."""
+        """The fewest strong clients (whose weak clients also vote on the base pool)."""
         return min(self.strong)
 
     @property
@@ -154,7 +142,6 @@ FULL = Grid()
 QUICK = Grid(
     rows=250,
     train_rounds=1,
-    steps=5,
     pool=150,
     size=75,
     seeds=10,
@@ -239,9 +226,6 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     return out
 
 
-# ----------------------------------------------------------------------------- computations
-
-
 def embed_real(
     inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -305,8 +289,7 @@ def probe_prompts(
     templates: Sequence[str],
     per_code: int,
 ) -> dict[str, Any]:
-    """The base model tried with each prompt template: how many of its samples read as their
-    code to the ceiling (on-code), how many the token budget cut, what they look like."""
+    """The base model tried with each prompt template: on-code share, cuts, examples."""
     from fedfm.core.seeding import derive_seed
     from fedfm.models.encoders import text_embedder
     from fedfm.models.generation import GenerationConfig
@@ -375,8 +358,7 @@ def clean_votes(
     k: int,
     voter_ids: Sequence[str],
 ) -> dict[str, np.ndarray]:
-    """Each voter's vote histogram before noise (:func:`~fedfm.algorithms.dpsyn.knn_votes`
-    of its rows' embeddings ``emb/<cid>`` and codes ``code/<cid>``), by client id."""
+    """Each voter's vote histogram before noise (``knn_votes`` of its rows), by client id."""
     from fedfm.algorithms.dpsyn import knn_votes
 
     return {
@@ -408,11 +390,8 @@ def selections(
     rng: np.random.Generator,
     kind: str,
 ) -> list[int]:
-    """One selection of ``size`` samples, per code as the algorithm allots them.
-
-    ``kind``: ``votes`` (in proportion to ``votes``, with replacement), ``top`` (most
-    votes), ``uniform`` (with replacement) or ``subset`` (without replacement).
-    """
+    """``size`` samples per code as the algorithm allots them: ``kind`` ``votes`` (in
+    proportion, with replacement), ``top``, ``uniform`` (with replacement) or ``subset``."""
     from fedfm.algorithms.dpsyn import draw_by_votes, quotas, top_by_votes
 
     ones = np.ones(len(codes))
@@ -560,25 +539,14 @@ def _privacy(
     return out
 
 
-# ----------------------------------------------------------------------------- reading
-
 Side = tuple[int, str]  # (strong clients of the pool, selection key)
 
 
 @dataclass
 class Results:
-    """What the report reads of the study folder.
-
-    Attributes:
-        grid: The grid.
-        embed: The ``embed`` computation's result (``None`` before it ran).
-        probe: The prompt probe's result (``None`` before it ran).
-        y: ``(N,)`` labels of the real test rows.
-        votes: Each pool's offline voting result, by its generator's strong clients.
-        preds: Each pool's predictions on the test rows, ``(seeds, N)`` per selection key
-            (``votes/<ε>``, ``top/<ε>``, ``uniform``, ``subset``; ``pool``: ``(1, N)``).
-        runs: The generator runs that finished, by strong clients.
-    """
+    """What the report reads: the ``embed`` and ``probe`` results (None before they ran), the
+    test labels ``y``, by a pool's strong clients its offline ``votes``, its ``preds``
+    (selection key -> ``(seeds, N)`` test predictions) and its finished generator run."""
 
     grid: Grid
     embed: dict[str, Any] | None = None
@@ -618,12 +586,8 @@ def read(ctx: Context[Grid]) -> Results:
     return res
 
 
-# ----------------------------------------------------------------------------- statistics
-
-
 def acc_diff(res: Results, a: Side, b: Side) -> Estimate:
-    """Accuracy of selection ``a`` minus ``b``, over the seeds and the test rows (two-way SE,
-    :func:`fedfm.reproduce.stats.crossed`); seeds pair by index."""
+    """Accuracy of selection ``a`` minus ``b`` over seeds × test rows (two-way SE)."""
     ca, cb = res.correct(*a), res.correct(*b)
     if ca is None or cb is None or a == b:
         return NONE
@@ -638,8 +602,7 @@ def acc_level(res: Results, a: Side) -> Estimate:
 
 
 def f1_diff(res: Results, a: Side, b: Side, seed: int = 0) -> Estimate:
-    """Macro-F1 of ``a`` minus ``b`` (each seed's, averaged over seeds), with the SE of the
-    two-way bootstrap over seeds and test rows."""
+    """Macro-F1 of ``a`` minus ``b``, averaged over seeds (two-way bootstrap SE)."""
     pa, pb = res.pred(a), res.pred(b)
     if pa is None or pb is None or res.y is None or a == b:
         return NONE
@@ -662,8 +625,7 @@ def f1_level(res: Results, a: Side) -> Estimate:
 
 
 def predicted(res: Results, a: Side, classes: int) -> list[float]:
-    """The share of test rows predicted as each class, averaged over seeds (a classifier that
-    collapses onto one class shows here before in its accuracy)."""
+    """The share of test rows predicted as each class, averaged over seeds."""
     p = res.pred(a)
     if p is None or not classes:
         return []
@@ -683,8 +645,6 @@ def seed_diff(res: Results, a: Side, b: Side, what: str) -> Estimate:
     return paired(va, vb)
 
 
-# ----------------------------------------------------------------------------- readouts
-
 STAT = "paired over seeds × test rows (two-way SE)"
 
 
@@ -694,8 +654,7 @@ def pool_label(strong: int) -> str:
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
-    """Voting against its duplication-matched control (base and fewest-strong pools, each
-    ε_vote), the premise of the paper's first claim, and the claim's direction."""
+    """Voting against its control per pool and ε_vote, the first claim's premise and claim."""
     few, many = grid.few, grid.many
     size = f"{grid.size} of {grid.pool}"
 
@@ -738,23 +697,17 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     return out
 
 
-# ----------------------------------------------------------------------------- the report
-
-
 def _eps(x: Any) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return DASH
     return "∞" if not math.isfinite(float(x)) else f"{float(x):.2f}"
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
-
     grid = ctx.grid
     cfg = generator_config(grid, grid.few)
-    algo, task = resolve(load_config(cfg))  # every default filled in
+    _, algo, task = resolved(cfg)
     a, t = algo.model_dump(), task.model_dump()
     values: dict[str, Any] = {k: f"{v:g}" for k, v in vars(grid).items() if isinstance(v, float)}
     values.update(dataset=t["dataset"], lm=t["lm"], autocast=t["autocast_bf16"])
@@ -767,7 +720,7 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
     ses = [r.value(res).se for r in readouts(grid)[: 2 * len(grid.epsilon_votes)]]
     ses = [x for x in ses if math.isfinite(x)]
     resolution = {"difference": f"{2 * max(ses):.3f}", "n": len(ses)} if ses else {}
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         values,
@@ -791,7 +744,6 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         voters=len(voters(grid, grid.few)),
         resolution=f" {TEXT('resolution', resolution)}" if ses else "",
     )
-    return [text, ""]
 
 
 def _instrument(res: Results) -> str:
@@ -954,10 +906,8 @@ def _privacy_lines(res: Results) -> list[str]:
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "DP federated text generation: the weak clients' votes against chance",
-        ("dpsyn-study.md", "dpsyn-quick.md"),
-        workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
-    )
+    __name__,
+    "DP federated text generation: the weak clients' votes against chance",
+    ("dpsyn-study.md", "dpsyn-quick.md"),
+    workers=(2, 2),  # the 4-strong generator alone is most of one worker's time
 )

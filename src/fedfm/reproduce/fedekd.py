@@ -35,21 +35,18 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     preset,
     register,
     untestable,
 )
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
-from fedfm.reproduce.tables import Text, head, joined, row, side, values
+from fedfm.reproduce.tables import Text, band, head, joined, row, save, side, values
 
 TEXT = Text("fedekd")
 
 # The gate setting FedeKD had as its default before the selection rule was first applied; the
 # study always runs it, so the report can compare it with the rule's choice.
 REFERENCE_GATE = (1.0, 1.0)
-
-# ----------------------------------------------------------------------------- the grid
 
 
 class Method(NamedTuple):
@@ -101,8 +98,7 @@ class Variant:
         return Variant(ref) if ref else None
 
     def algo(self, preset_algo: Mapping[str, Any]) -> dict[str, Any]:
-        """The run's ``algo`` section, every gate field explicit (so that a later change of
-        FedeKD's defaults or of a preset's β does not change a finished run's config)."""
+        """The run's ``algo`` section, every gate field explicit (defaults may change)."""
         if self.method == "local":
             return {}
         if self.method in ("fedavg", "fedprox"):
@@ -130,9 +126,7 @@ def ungated(lam: float) -> Variant:
 
 @dataclass(frozen=True)
 class Setting:
-    """A heterogeneity setting: Dirichlet α (label skew; quantile bins of the target for
-    regression) over ``num_clients`` clients, the partitioner's smallest partition (None: the
-    preset's)."""
+    """A heterogeneity setting: Dirichlet α over ``num_clients``, the smallest partition."""
 
     alpha: float
     num_clients: int
@@ -156,12 +150,10 @@ class Grid:
     Attributes:
         presets: ``fedekd-*`` presets, one per dataset.
         settings: Skewed settings of the main grid (every variant; the rule ranks these).
-        control_settings: Settings run after the choice with the featured variants only (the
-            near-IID control).
-        seeds: Seeds of the main grid (each also draws the partition and the splits).
-        betas: Gate scales of the main grid.
-        lams: Backward-distillation weights of the main grid (ungated KD runs at each).
-        rounds: Rounds of the main grid (None: the preset's).
+        control_settings: The near-IID control, run after the choice (featured variants).
+        seeds, betas, lams, rounds: The main grid's seeds (each draws the partition and the
+            splits), gate scales, backward weights (also ungated KD's) and rounds (None: the
+            preset's).
         eval_every: Clients are evaluated every this many rounds (and after the last).
         val_fraction: Share of each client's partition held out for validation.
         long_presets, long_setting, long_seeds, long_rounds, long_eval_every: The long runs.
@@ -251,8 +243,7 @@ def main_cells(grid: Grid) -> list[Cell]:
 
 
 def featured(choice: tuple[float, float]) -> list[Variant]:
-    """The variants of the long runs, of the control settings and of the per-dataset tables:
-    the baselines, the chosen gate and the reference gate, each with ungated KD at its λ."""
+    """The baselines, the chosen and the reference gate, each with ungated KD at its λ."""
     out = [Variant(m) for m in BASELINES]
     for b, lam in (choice, REFERENCE_GATE):
         out += [v for v in (ungated(lam), gated(b, lam)) if v not in out]
@@ -265,8 +256,7 @@ def federated(choice: tuple[float, float]) -> list[Variant]:
 
 
 def chosen_cells(grid: Grid, choice: tuple[float, float]) -> list[Cell]:
-    """What runs once (β, λ) is chosen: the control settings with the featured variants, then
-    the long runs, each seed by seed."""
+    """What runs once (β, λ) is chosen: the control settings, then the long runs."""
     control = [
         Cell(p, st, s, v)
         for s in grid.seeds
@@ -308,17 +298,10 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
     return data
 
 
-# ----------------------------------------------------------------------------- reading runs
-
-
 def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, float]]:
-    """Round -> client id -> ``metric`` on ``split`` at every evaluated round of a run.
-
-    ``split`` is ``local`` (the client's own test split), ``test`` (the global test set) or
-    ``val`` (its validation split), read as ``<split>/<metric>`` from ``client_metrics.jsonl``.
-    FedAvg-family runs log only ``local/`` per client; on ``test`` their clients all hold the
-    global model, whose value is read from the same round of ``metrics.jsonl``.
-    """
+    """Round -> client id -> ``<split>/<metric>`` (``local``, ``test`` or ``val``) of a run's
+    ``client_metrics.jsonl``. FedAvg-family runs log only ``local/``; on ``test`` their clients
+    hold the global model, whose value is read from ``metrics.jsonl``."""
     glob = run.rounds
     out: dict[int, dict[str, float]] = {}
     for rec in run.client_metrics:
@@ -337,10 +320,7 @@ def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, 
 def nt_stats(
     mine: Mapping[str, float], ref: Mapping[str, float], higher_is_better: bool
 ) -> dict[str, float]:
-    """Mean and worst negative transfer over clients, and the number of clients harmed.
-
-    A client is harmed when its NT is below zero (federated worse than local-only).
-    """
+    """Mean and worst negative transfer over clients, and the clients harmed (NT < 0)."""
     from fedfm.algorithms.fedekd import negative_transfer
 
     nt = negative_transfer(mine, ref, higher_is_better)
@@ -372,15 +352,10 @@ class CellKey(NamedTuple):
 
 @dataclass
 class Results:
-    """Everything the report reads, per cell and seed.
-
-    Attributes:
-        kinds: Preset -> ``classification`` or ``regression``.
-        final: (cell, split, metric, stat) -> seed -> value at the last round; stat is
-            ``value`` (mean client metric), ``nt_mean``, ``nt_worst``, ``harmed``, ``clients``.
-        curves: (cell, split, metric) -> seed -> round -> mean-client NT.
-        sizes: (preset, setting tag) -> seed -> partition statistics of the task.
-    """
+    """Everything the report reads: ``kinds`` (preset -> ``classification`` or
+    ``regression``), ``final`` ((cell, split, metric, stat) -> seed -> value at the last
+    round; stat ``value``, ``nt_mean``, ``nt_worst``, ``harmed`` or ``clients``), ``curves``
+    ((cell, split, metric) -> seed -> round -> mean-client NT), ``sizes`` (partitions)."""
 
     kinds: dict[str, str] = field(default_factory=dict)
     final: dict[tuple[CellKey, str, str, str], dict[int, float]] = field(default_factory=dict)
@@ -453,40 +428,23 @@ def analyse(ctx: Context[Grid], jobs: Iterable[Cell]) -> Results:
     return res
 
 
-# ----------------------------------------------------------------------------- the rule
-
-
 @dataclass
 class Choice:
-    """The (β, λ) the selection rule picks, every (β, λ)'s mean rank over the cells (1 = best),
-    the (preset, setting tag) cells ranked and those left out (a configuration had no value)."""
+    """The rule's (β, λ), every (β, λ)'s mean rank, the cells ranked and those left out."""
 
-    beta: float
-    lam: float
+    gate: tuple[float, float]
     mean_rank: dict[tuple[float, float], float]
     cells: list[tuple[str, str]]
     missing: list[tuple[str, str]]
-
-    @property
-    def gate(self) -> tuple[float, float]:
-        """(β, λ)."""
-        return (self.beta, self.lam)
 
 
 def choose_gate(
     configs: Sequence[tuple[float, float]],
     cells: Mapping[tuple[str, str], Mapping[tuple[float, float], float]],
 ) -> Choice | None:
-    """The selection rule: the configuration with the lowest mean rank over the cells.
-
-    Args:
-        configs: Candidate (β, λ) configurations.
-        cells: (preset, setting) -> (β, λ) -> mean-client validation NT averaged over seeds
-            (signed so that higher is better). A cell lacking a configuration is left out.
-
-    Returns:
-        The choice (ties to the smaller β, then the smaller λ), or None when no cell is complete.
-    """
+    """The selection rule: the (β, λ) of ``configs`` with the lowest mean rank over the
+    ``cells`` ((preset, setting) -> (β, λ) -> mean-client validation NT over seeds, higher is
+    better; a cell lacking a configuration is left out); None when no cell is complete."""
     from scipy.stats import rankdata
 
     complete = {c: s for c, s in cells.items() if all(k in s for k in configs)}
@@ -500,14 +458,13 @@ def choose_gate(
     ]
     mean_rank = {k: float(np.mean([r[k] for r in ranks])) for k in configs}
     best = min(configs, key=lambda k: (mean_rank[k], k[0], k[1]))
-    return Choice(best[0], best[1], mean_rank, list(complete), missing)
+    return Choice(best, mean_rank, list(complete), missing)
 
 
 def config_scores(
     grid: Grid, res: Results, split: str = "val"
 ) -> dict[tuple[str, str], dict[tuple[float, float], float]]:
-    """(preset, setting) -> (β, λ) -> mean over seeds of the mean-client NT on ``split``
-    (primary metric); on the validation split these are the numbers the rule ranks."""
+    """(preset, setting) -> (β, λ) -> mean-client NT on ``split``, mean over seeds."""
     out: dict[tuple[str, str], dict[tuple[float, float], float]] = {}
     for p in grid.presets:
         for st in grid.settings:
@@ -524,12 +481,8 @@ def _choose(grid: Grid, res: Results, split: str) -> Choice | None:
     return choose_gate(grid.configs(), config_scores(grid, res, split))
 
 
-# ----------------------------------------------------------------------------- the jobs
-
-
 def gate_of(ctx: Context[Grid]) -> tuple[Choice | None, tuple[float, float]]:
-    """The rule's choice on the main grid's validation numbers, and the gate the runs after
-    it use (the reference gate when nothing could be chosen)."""
+    """The rule's choice, and the gate the later runs use (the reference without one)."""
     choice = _choose(ctx.grid, analyse(ctx, main_cells(ctx.grid)), "val")
     return choice, choice.gate if choice else REFERENCE_GATE
 
@@ -543,8 +496,7 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
 
 
 def data_notes(grid: Grid) -> list[str]:
-    """Rows the sources dropped (missing numeric feature or target), captured from their log
-    (the loaders are called afresh: a cached source would not log again)."""
+    """Rows the sources dropped, captured from their log (the loaders are called afresh)."""
     from fedfm.data.sources import SOURCES
 
     handler = logging.handlers.BufferingHandler(capacity=10**6)  # keeps every record
@@ -560,8 +512,6 @@ def data_notes(grid: Grid) -> list[str]:
     return [record.getMessage() for record in handler.buffer]
 
 
-# ----------------------------------------------------------------------------- tables
-
 WHERE = {"test": "global test", "local": "local split"}  # the two test sets in the tables
 
 
@@ -574,8 +524,7 @@ def _digits(metric: str, stat: str = "") -> int:
     return 1 if stat == "harmed" else 2 if metric == "rmse" else 3
 
 
-def _unit(metric: str) -> str:
-    return {"acc": "accuracy", "macro_f1": "macro-F1", "rmse": "RMSE"}[metric]
+UNITS = {"acc": "accuracy", "macro_f1": "macro-F1", "rmse": "RMSE"}
 
 
 def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, float]) -> list:
@@ -583,7 +532,7 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
     m = metrics[0][0]
     header = ["setting", "method"]
     for where in WHERE.values():
-        header += [f"{_unit(m)} {where}", f"NT mean {where}", f"NT worst {where}"]
+        header += [f"{UNITS[m]} {where}", f"NT mean {where}", f"NT worst {where}"]
         header.append(f"harmed {where}")
     if len(metrics) > 1:
         header += ["NT macro-F1 mean global test", "NT macro-F1 mean local split"]
@@ -604,14 +553,11 @@ def _dataset_table(grid: Grid, res: Results, preset: str, choice: tuple[float, f
     return lines
 
 
-# Statistics of a comparison: (split, stat, column title).
-DIFF_STATS = (
-    ("test", "nt_mean", "Δ NT mean, global test"),
-    ("test", "nt_worst", "Δ NT worst, global test"),
-    ("test", "harmed", "Δ harmed, global test"),
-    ("local", "nt_mean", "Δ NT mean, local split"),
-    ("local", "nt_worst", "Δ NT worst, local split"),
-    ("local", "harmed", "Δ harmed, local split"),
+# Statistics of a comparison: (split, stat, column title), e.g. "Δ NT mean, global test".
+DIFF_STATS = tuple(
+    (split, stat, f"Δ {title}, {WHERE[split]}")
+    for split in WHERE
+    for stat, title in (("nt_mean", "NT mean"), ("nt_worst", "NT worst"), ("harmed", "harmed"))
 )
 
 
@@ -678,8 +624,7 @@ def _comparison_table(grid: Grid, res: Results, comp: Comparison) -> list[str]:
 
 
 def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
-    """Cells above zero and below zero (each by more than 2 SE, times ``sign``), and the cells
-    with an SE."""
+    """Cells above and below zero by more than 2 SE (times ``sign``), and cells with an SE."""
     rs = [e.resolved() * sign for e in ests if e.n >= 2]
     return sum(r > 0 for r in rs), sum(r < 0 for r in rs), len(rs)
 
@@ -687,8 +632,7 @@ def _tally(ests: Iterable[Estimate], sign: int = 1) -> tuple[int, int, int]:
 def _cell_counts(
     grid: Grid, res: Results, comp: Comparison, split: str, stat: str, tags: Sequence[str]
 ) -> tuple[int, int, int]:
-    """Cells where a is better, where b is better (each by more than 2 SE), and cells; fewer
-    harmed clients are better."""
+    """Cells where a, where b is better by more than 2 SE, and cells (fewer harmed: better)."""
     ests = (paired(*_pair(res, comp, p, t, split, stat)) for p in grid.presets for t in tags)
     return _tally(ests, -1 if stat == "harmed" else 1)
 
@@ -846,9 +790,6 @@ def _preset_summary(preset_name: str) -> str:
     return row([_name(preset_name), *cells, d.get("rounds"), local])
 
 
-# ----------------------------------------------------------------------------- figures
-
-
 def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
     """Bars of mean-client NT ± SE per method, worst client marked, per setting and set."""
     fed = federated(choice)
@@ -879,13 +820,7 @@ def _nt_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dic
     fig.suptitle(
         "Negative transfer: bar = mean client ± SE over seeds, ▼ = worst client", fontsize=10
     )
-    return _save(fig, path)
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    plots.save(fig, str(path), dpi=100)
-    return path
+    return save(fig, path, 100)
 
 
 def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
@@ -905,7 +840,7 @@ def _gate_figure(grid: Grid, res: Results, path: Path) -> Path:
         ax.set_yticks(range(len(grid.betas)), [f"β={x:g}" for x in grid.betas])
         ax.set_title(f"mean rank of mean-client NT, {title}", fontsize=9)
         fig.colorbar(im, ax=ax)
-    return _save(fig, path)
+    return save(fig, path, 100)
 
 
 def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette: dict) -> Path:
@@ -921,23 +856,18 @@ def _curves_figure(grid: Grid, res: Results, choice: tuple, path: Path, palette:
                 if not rounds:
                     continue
                 ests = [mean_se(_at(curve, rr)) for rr in rounds]
-                mu = np.array([e.mean for e in ests])
-                se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
-                colour = palette[v.label]
-                ax.plot(rounds, mu, label=v.label, lw=1.2, color=colour)
-                ax.fill_between(rounds, mu - se, mu + se, alpha=0.2, color=colour)
+                band(ax, rounds, ests, 0.2, label=v.label, lw=1.2, color=palette[v.label])
             ax.axhline(0, color="k", lw=0.8)
             ax.set_title(f"{_name(p)}, {WHERE[split]}", fontsize=9)
             plots.integer_rounds(ax)
-            ax.set_ylabel(f"mean-client NT, {_unit(res.primary(p))}")
+            ax.set_ylabel(f"mean-client NT, {UNITS[res.primary(p)]}")
     axes[0, 0].legend(fontsize=6)
     title = f"Negative transfer over rounds, {grid.long_setting.label} (mean ± SE over seeds)"
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save(fig, path, 100)
 
 
 def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
     # One colour per method in every figure of the study.
     palette = plots.colours(v.label for v in featured(choice))
     paths = [
@@ -947,9 +877,6 @@ def _figures(grid: Grid, res: Results, choice: tuple[float, float], folder: Path
     if grid.long_presets:
         paths.append(_curves_figure(grid, res, choice, folder / "nt_curves.png", palette))
     return paths
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def _settings_text(sts: Sequence[Setting]) -> str:
@@ -986,8 +913,8 @@ def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
     if choice is None:
         return TEXT("no-choice")
     default = FedeKDConfig()
-    d_gate = (default.beta, default.lam)
-    values = {"beta": f"{choice.beta:g}", "lam": f"{choice.lam:g}", "cells": len(choice.cells)}
+    d_gate, (beta, lam) = (default.beta, default.lam), choice.gate
+    values = {"beta": f"{beta:g}", "lam": f"{lam:g}", "cells": len(choice.cells)}
     values.update(rank=f"{choice.mean_rank[choice.gate]:.2f}", configs=len(grid.configs()))
     values.update(left_out=TEXT("left-out", n=len(choice.missing)) if choice.missing else "")
     values.update(default_beta=f"{d_gate[0]:g}", default_lam=f"{d_gate[1]:g}")
@@ -997,7 +924,7 @@ def _choice(grid: Grid, res: Results, choice: Choice | None) -> str:
     picks = []  # what the same ranking would pick on the test sets (reported, never used)
     for split, where in (("local", "local test splits"), ("test", "global test set")):
         if ch := _choose(grid, res, split):
-            picks.append(TEXT("pick", where=where, beta=f"{ch.beta:g}", lam=f"{ch.lam:g}"))
+            picks.append(TEXT("pick", where=where, beta=f"{ch.gate[0]:g}", lam=f"{ch.gate[1]:g}"))
     values.update(contrast=TEXT("contrast", picks=" and ".join(picks)) if picks else "")
     ranks, validation = _ranks_table(grid, choice), _validation_table(grid, res)
     return TEXT("chosen", values, ranks=ranks, validation=validation)
@@ -1018,15 +945,13 @@ class Read:
 
 
 def read(ctx: Context[Grid]) -> Read:
-    """The rule's choice from the main grid's validation numbers, then every run it implies
-    (so the report always shows the runs of the configuration the rule picks)."""
+    """The rule's choice from the main grid, then every run it implies."""
     choice, gate = gate_of(ctx)
     return Read(analyse(ctx, main_cells(ctx.grid) + chosen_cells(ctx.grid, gate)), choice, gate)
 
 
 def readouts(grid: Grid) -> list[Readout[Read]]:
-    """The gate against ungated KD (mean and worst client, both sets) and against FedAvg on
-    the clients' own data; and what cannot be compared with the paper."""
+    """The gate against ungated KD and FedAvg; what cannot be compared with the paper."""
 
     def nt(what: str, split: str, other: str | None = None, stat: str = "nt_mean") -> Readout[Read]:
         def value(r: Read) -> Estimate:
@@ -1058,12 +983,10 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
     ]
 
 
-def body(ctx: Context[Grid], r: Read) -> list[str]:
-    """The paper and the method, the setup, the statistics, the choice of (β, λ), the findings,
-    the tables and the figures."""
+def body(ctx: Context[Grid], r: Read) -> str:
+    """The method, setup, statistics, choice of (β, λ), findings, tables and figures."""
     grid, res, gate = ctx.grid, r.res, r.gate
-    report = ctx.report or ctx.out / "fedekd.md"
-    figs = _figures(grid, res, gate, report.parent / report.stem)
+    figs = _figures(grid, res, gate, ctx.figures)
     notes = data_notes(grid)
     comps = comparisons(gate)
     curves = [
@@ -1072,7 +995,7 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
         for split, where in (("test", "global test set"), ("local", "local test splits"))
     ]
     long = {"setting": grid.long_setting.label, "rounds": grid.long_rounds}
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         _setup(ctx, gate),
@@ -1085,17 +1008,13 @@ def body(ctx: Context[Grid], r: Read) -> list[str]:
         per_dataset=_headed((_name(p), _dataset_table(grid, res, p, gate)) for p in grid.presets),
         gate_grid=_gate_grid_table(grid, res),
         long=TEXT("long", long, curves=_headed(curves)) if grid.long_presets else None,
-        figures=[f"![{f.stem}]({report.stem}/{f.name})" for f in figs],
+        figures=[f"![{f.stem}]({ctx.figures.name}/{f.name})" for f in figs],
     )
-    return [text, ""]
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
-        ("fedekd.md", None),
-        workers=(2, 1),
-        later="after the main grid, the rule's (β, λ) adds the control-setting and long runs.",
-    )
+    __name__,
+    "FedeKD vs local, FedAvg, FedProx, ungated KD on six datasets",
+    workers=(2, 1),
+    later="after the main grid, the rule's (β, λ) adds the control-setting and long runs.",
 )

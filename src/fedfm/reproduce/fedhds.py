@@ -23,7 +23,6 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     Unmet,
     merge,
     preset,
@@ -46,11 +45,10 @@ class Grid:
 
     Attributes:
         per_domain_train: Training rows drawn per trained domain (five domains).
-        heldout_items: Items of the held-out domain evaluated (zero-shot); ``seen_items``:
-            of the trained domains (split over the five).
-        heldout_tokens: Generation budget of a held-out item (at least the 90th percentile of
-            the references' SmolLM2 tokens: the evaluator warns otherwise); ``math_tokens``:
-            of a GSM8K item.
+        heldout_items, seen_items: Items evaluated of the held-out domain (zero-shot) and
+            of the trained ones.
+        heldout_tokens, math_tokens: Generation budget of a held-out item (at least the
+            references' 90th percentile) and of a GSM8K item.
         seeds: Seeds of FedIT and FedHDS; the other methods run the first.
         clients: Clients (Dirichlet 0.5 over domains); ``fraction``: sampled per round.
         turbo_model: FedHDS-Turbo's feature model, with ``turbo_args``.
@@ -90,11 +88,9 @@ FULL = Grid(120, 90, 30, 3, clients=10, fraction=0.5)
 
 @dataclass(frozen=True)
 class Method:
-    """One method of the study: its job name ``key`` (of the first seed; ``<key>-s<seed>``
-    for the others), its ``label`` in the report and its ``algo`` overrides on the preset;
-    whether it runs every seed of the grid (else the first), takes its features from the
-    grid's Turbo feature model, and is ``scored`` on the grid's items (else on one item per
-    domain: a run kept for its data fraction only, not in the score tables)."""
+    """One method: its job name ``key`` (``<key>-s<seed>`` after the first seed), its ``algo``
+    overrides; whether it runs every seed (else the first), uses the Turbo feature model, and
+    is ``scored`` (else one item per domain: a run kept for its data fraction only)."""
 
     key: str
     label: str
@@ -187,9 +183,6 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
     return sorted(out, key=lambda r: r.name not in first)
 
 
-# ----------------------------------------------------------------------------- reading
-
-
 @dataclass
 class Results:
     """The finished runs of the grid, by job name."""
@@ -242,8 +235,7 @@ def base_scores(res: Results, zeroshot: bool = True) -> dict[str, float]:
 
 
 def delta(res: Results, a: str, b: str, zeroshot: bool = True) -> Estimate:
-    """Method ``a`` − method ``b`` (``base``: the untrained base), paired over items; each
-    item's score is first averaged over the seeds a method ran."""
+    """``a`` − ``b`` (``base``: the untrained base), paired over items, seeds averaged."""
     sides = [
         base_scores(res, zeroshot) if k == "base" else seed_mean(res.of(k), zeroshot)
         for k in (a, b)
@@ -260,8 +252,7 @@ def seed_delta(res: Results, a: str, b: str, i: int) -> Estimate:
 
 
 def cost_ratio(res: Results, keys: Sequence[str], of: str = "fedhds") -> Estimate:
-    """FedIT's seconds over ``of``'s, per seed (the sum of ``keys`` of each run's finish),
-    as the mean and SE over the seeds both ran."""
+    """FedIT's seconds (the sum of ``keys``) over ``of``'s, mean ± SE over seeds."""
 
     def secs(view: RunView) -> float:
         return sum(float(view.finish.get(k, 0.0)) for k in keys)
@@ -276,9 +267,7 @@ TOTAL_S = ("total_client_s", "total_select_s")
 
 
 def selected(res: Results) -> bool:
-    """Whether FedHDS's first seed trained on any row. With none selected it is the untrained
-    base, its readouts would measure FedIT's training, not the selection, and Random (drawn
-    at that seed's fraction) does not run to control for it."""
+    """Whether FedHDS's first seed trained on any row (else its readouts measure no selection)."""
     runs = res.of("fedhds")
     return bool(runs) and bool(runs[0].finish.get("data_fraction"))
 
@@ -320,12 +309,8 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     ]
 
 
-# ----------------------------------------------------------------------------- the report
-
-
 def _mean(views: Sequence[RunView], *keys: str, part: str = "finish") -> float | None:
-    """The mean over the runs of a value of their summary's ``part`` (``finish`` or
-    ``final``), summed over ``keys``; None where no run has any."""
+    """The runs' mean of their summary's ``part``, summed over ``keys``; None for none."""
     values = [[float(getattr(v, part)[k]) for v in views if k in getattr(v, part)] for k in keys]
     found = [float(np.mean(x)) for x in values if x]
     return sum(found) if found else None
@@ -340,8 +325,7 @@ def _avg(scores: Mapping[str, float]) -> str:
 
 
 def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
-    """``(label, method key, runs)`` of every row: one per scored method, and one per seed
-    (key "") of a method that ran more than one."""
+    """``(label, method key, runs)`` per scored method, and per seed (key "") of several."""
     out = []
     for m in (m for m in methods(res.grid) if m.scored):
         views = res.of(m.key)
@@ -405,8 +389,7 @@ def _seed_gap(res: Results) -> str | None:
 
 
 def _selection_stats(view: RunView) -> dict[str, float]:
-    """Means per round of a FedHDS run's selection log: clusters per asked client, centroids
-    and global clusters on the server."""
+    """Means per round of a FedHDS run's selection log (clusters, centroids)."""
     path = view.folder / "artefacts" / "selection.jsonl"
     rows = read_jsonl(path, need_round=False) if path.exists() else []
     clients = [r for r in rows if r.get("client") is not None and "clusters" in r]
@@ -435,8 +418,7 @@ def _hdbscan(res: Results) -> str | None:
 
 
 def _instrument(res: Results) -> str:
-    """What the scorer did: budgets against reference lengths, truncation, the base's labels,
-    and the item count the per-item SD asks for."""
+    """What the scorer did: budgets, truncation, the base's labels, the items needed."""
     b, r0, grid = res.base(), res.round0, res.grid
     if b is None:
         return TEXT("no-base")
@@ -475,13 +457,13 @@ def _instrument(res: Results) -> str:
     )
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """The setup, the instrument, the results, the paper's figures and what differs."""
     grid, r0 = ctx.grid, res.round0
     round0 = {"rouge": num(r0.get("zeroshot/rougeL_all")), "score": num(r0.get("score"))}
     missing = [f"- `{n}`" for m in methods(grid) for _, n in runs_of(m, grid) if n not in res.runs]
     paper = [[m.label, *PAPER[m.key]] for m in methods(grid) if m.key in PAPER]
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         heldout=HELDOUT,
@@ -501,14 +483,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         paper=paper,
         not_run=TEXT("not-run", missing=missing) if missing else None,
     )
-    return [text, ""]
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
-        ("fedhds.md", None),
-        title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
-    )
+    __name__,
+    "FedHDS, FedHDS-Turbo and Random vs FedIT on a held-out task",
+    title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
 )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,24 +30,20 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     merge,
     preset,
     register,
     untestable,
 )
 from fedfm.reproduce.stats import Estimate, mean_se, paired
-from fedfm.reproduce.tables import Text, head, row, side
+from fedfm.reproduce.tables import Text, band, head, row, save, side
 
 TEXT = Text("fedrd")
-
-# ----------------------------------------------------------------------------- the grid
 
 
 @dataclass(frozen=True)
 class Method:
-    """One row family: its label, its preset per modality, overrides of the preset's ``algo``
-    section, and whether the server trains on the labelled public rows."""
+    """A row family: label, preset per modality, ``algo`` overrides, public rows or not."""
 
     label: str
     presets: Mapping[str, str]
@@ -85,15 +80,13 @@ class Grid:
     Attributes:
         modalities: ``vision`` and/or ``text``.
         alphas: Dirichlet concentrations.
-        seeds: Seeds (each also draws the training pool, the public set and the partition:
-            every method of a seed sees the same clients and public rows).
+        seeds: Seeds (each draws the training pool, the public set and the partition).
         methods: Keys of :data:`METHODS` (one without a preset for a modality is skipped).
-        rounds: Rounds per run (None: the presets').
-        eval_every: Evaluate every this many rounds (and after the last): the curves' step.
-        overrides: Per modality, ``section -> {key: value}`` merged into every run's config;
-            the ``algo`` section only where the method trains on the public rows.
-        probe_sizes: Lite0 input sizes of the linear probe (empty: skip).
-        probe_test: Test images the probe is scored on.
+        rounds, eval_every: Rounds per run (None: the presets'), the curves' step.
+        overrides: Per modality, ``section -> {key: value}`` merged into every run's config
+            (``algo`` only where the method trains on the public rows).
+        probe_sizes, probe_test: Lite0 input sizes of the linear probe (empty: none), and
+            its test images.
     """
 
     modalities: Sequence[str] = ("vision", "text")
@@ -162,11 +155,7 @@ def cells(grid: Grid) -> list[Cell]:
 
 
 def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
-    """The run config of one job: the preset, the method's overrides, α, seed, study settings.
-
-    The model arguments of the study's ``algo.teacher_options`` apply to the adapter's
-    ``model_args.fm_size`` too, so both foundation-model paths see images of one size.
-    """
+    """The run config of one job (the adapter's ``fm_size`` is the teacher's image size)."""
     m = METHODS[job.method]
     data = preset(m.presets[job.modality])
     ov = copy.deepcopy(grid.overrides.get(job.modality, {}))
@@ -193,20 +182,15 @@ def _first(grid: Grid, method: str, mod: str = "vision") -> dict[str, Any]:
     return job_config(Cell(mod, grid.alphas[0], grid.seeds[0], method), grid)
 
 
-# ----------------------------------------------------------------------------- Lite0 probe
-
 PROBE = "lite0-probe"
 
 
 def probe(
     inputs: Mapping[str, Path], folder: Path, sizes: Sequence[int], n_train: int, n_test: int
 ) -> dict[str, Any]:
-    """Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size.
-
-    Logistic regression (scikit-learn) on pooled features of ``n_train`` training images
-    (as many as the public set: the rows the teacher path learns from), scored on ``n_test``
-    test images; also the seconds per 100 images for the features.
-    """
+    """Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size
+    (logistic regression on ``n_train`` training images, as many as the public set, scored on
+    ``n_test``), and the features' seconds per 100 images."""
     import torch
     from sklearn.linear_model import LogisticRegression
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
@@ -263,20 +247,11 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     return out + [Run(c.name, job_config(c, grid), group=c.method) for c in cells(grid)]
 
 
-# ----------------------------------------------------------------------------- reading runs
-
-
 @dataclass
 class RunResult:
-    """What the report reads from one run.
-
-    Attributes:
-        final: Metrics of the last evaluated round (``acc``, ``macro_f1``, ``teacher/acc``...).
-        curve: Round -> test accuracy at every evaluated round.
-        server: Means over rounds of the server's co-training metrics (``server_*``), their
-            last round's values (``server_*@last``) and the warm-up's (``warmup_*``, round 1).
-        rounds: Last evaluated round.
-    """
+    """What the report reads from one run: the ``final`` evaluated round's metrics, the test
+    accuracy ``curve`` by round, the ``server`` metrics (``server_*`` means over rounds,
+    ``server_*@last``, the warm-up's ``warmup_*``) and the last evaluated round."""
 
     final: dict[str, float]
     curve: dict[int, float]
@@ -345,9 +320,6 @@ def _curve(res: Results, grid: Grid, mod: str, alpha: float, method: str, rnd: i
     return _seeds(res, grid, mod, alpha, method, lambda r: r.curve.get(rnd))
 
 
-# ----------------------------------------------------------------------------- tables
-
-
 def results_table(grid: Grid, res: Results, mod: str) -> list[str]:
     """Mean ± SE over seeds of the final accuracy and macro-F1 per (α, method)."""
     lines = []
@@ -387,8 +359,7 @@ def differences_table(grid: Grid, res: Results, mod: str) -> list[str]:
 
 
 def teacher_lines(grid: Grid, res: Results, mod: str) -> list[str]:
-    """Whether the teacher path beats the student: FedRD's z_t accuracy (on the test subset)
-    next to the public fine-tuning control's student accuracy (on the whole test set)."""
+    """FedRD's teacher-path accuracy next to the public fine-tuning control's student's."""
     lines = []
     for a in grid.alphas:
         for m in ("fedrd", "nophi"):
@@ -418,8 +389,7 @@ DROP = 0.2
 
 
 def unstable_lines(res: Results, mod: str) -> list[str]:
-    """Runs of ``mod`` whose test accuracy fell by more than :data:`DROP` between two
-    evaluations."""
+    """Runs of ``mod`` whose test accuracy fell by more than :data:`DROP` between evaluations."""
     lines = []
     for job, r in sorted(res.items(), key=lambda kv: kv[0].name):
         for a, b in itertools.pairwise(sorted(r.curve)):
@@ -542,8 +512,7 @@ def scale_row(grid: Grid) -> str:
 
 
 def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
-    """Test accuracy over rounds (mean over seeds, ± SE bands): a row per modality, a column
-    per α."""
+    """Test accuracy over rounds, mean ± SE over seeds; a row per modality, a column per α."""
     rounds = curve_rounds(res)
     if not rounds:
         return None
@@ -555,29 +524,19 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
         for ax, a in zip(axes[i], alphas, strict=True):
             for m in _methods(grid, mod):
                 est = [mean_se(_curve(res, grid, mod, a, m, r)) for r in rounds]
-                mu = np.array([e.mean for e in est])
-                se = np.array([e.se if math.isfinite(e.se) else 0.0 for e in est])
-                colour = palette[METHODS[m].label]
-                ax.plot(rounds, mu, marker="o", ms=3, label=METHODS[m].label, color=colour)
-                ax.fill_between(rounds, mu - se, mu + se, alpha=0.15, color=colour)
+                label = METHODS[m].label
+                band(ax, rounds, est, 0.15, marker="o", ms=3, label=label, color=palette[label])
             ax.set_title(f"{mod}, Dirichlet α = {a:g}")
             ax.set_xlabel("round")
             ax.set_ylabel("test accuracy")
             ax.grid(alpha=0.3)
         axes[i][0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    plots.save(fig, str(path), dpi=110)
-    return path
-
-
-# ----------------------------------------------------------------------------- the report
+    return save(fig, path, 110)
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
-    """Per modality and α: FedRD against the public fine-tuning control (the FM's part) and
-    against FedRD without φ (the reprogramming's part); the paper's other claims this study
-    does not test."""
+    """Per modality and α: FedRD against public fine-tuning and against FedRD without φ;
+    the paper's other claims, untested."""
     fm = TEXT("scope-fm")
     claims = (
         ("ft", "the FM's distillation helps the student (beyond the public rows)"),
@@ -612,8 +571,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 
 
 def results_text(grid: Grid, res: Results, mod: str) -> str:
-    """One modality's results: teacher against students, finals, differences, curves, seeds,
-    unstable runs and the server's view."""
+    """One modality's results: finals, differences, curves, seeds and the server's view."""
     return TEXT(
         "results",
         modality=mod,
@@ -628,15 +586,14 @@ def results_text(grid: Grid, res: Results, mod: str) -> str:
     )
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """The method, the setup, per modality the results, the probe, the substitutions."""
     grid = ctx.grid
     jobs_ = cells(grid)
-    report = ctx.report or ctx.out / "fedrd.md"
-    fig = curves_figure(grid, res, report.parent / report.stem / "accuracy_over_rounds.png")
+    fig = curves_figure(grid, res, ctx.figures / "accuracy_over_rounds.png")
     done = sum(j in res and res[j].rounds == _rounds(grid, j.modality, j.method) for j in jobs_)
     vision = "vision" in grid.modalities
-    text = TEXT(
+    return TEXT(
         "body",
         command=ctx.command,
         modalities=", ".join(grid.modalities),
@@ -653,15 +610,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         probe=TEXT("probe", probe=probe_text(ctx.run(PROBE).result, grid, res)) if vision else None,
         scale_row=scale_row(grid) if vision else None,
         text_row=TEXT("text-row") if "text" in grid.modalities else None,
-        figures=None if fig is None else TEXT("figures", path=f"{report.stem}/{fig.name}"),
+        figures=None if fig is None else TEXT("figures", path=f"{ctx.figures.name}/{fig.name}"),
     )
-    return [text, ""]
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter",
-        ("fedrd.md", None),
-    )
+    __name__, "FedRD vs public-row controls, FedRD without φ, Fed-Hint, FedAvg, FM adapter"
 )

@@ -27,10 +27,10 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
-    Study,
     Unmet,
     preset,
     register,
+    resolved,
     task_of,
     untestable,
 )
@@ -57,12 +57,10 @@ class Grid:
     """A study grid.
 
     Attributes:
-        steps: Local steps per round of FedIT and +FedSD, and of FedSDR's LoRA-R (raw);
-            ``steps_s``: FedSDR's LoRA-S steps (on the rewrites) before them.
+        steps, steps_s: Local steps per round (FedSDR: of LoRA-R), LoRA-S steps before them.
         lr: Local learning rate (AdamW) of every method but the matched-drift control.
         per_domain: Training items per client (one client per trained domain, ``domains``).
-        seen_items: Held-out items evaluated per trained domain (fidelity); ``zeroshot_items``
-            per ``zeroshot`` domain (no client trains on them: kept ability).
+        seen_items, zeroshot_items: Items evaluated per trained and per ``zeroshot`` domain.
         docs: C4 documents scored, their first ``doc_tokens`` tokens each.
         optimizer: The server optimizer; ``rewrite_tokens``: new tokens of a FedSD rewrite.
         task: Fields replacing the task's (e.g. a tiny model in tests).
@@ -136,8 +134,7 @@ def matched_lr(grid: Grid, fedit: RunView, fedsd: RunView) -> tuple[float, float
 
 
 def jobs(ctx: Context[Grid]) -> list[Job]:
-    """FedIT and +FedSD; FedSDR after +FedSD (it reads the cached rewrites); the matched-drift
-    control from their measured update norms; the references' lengths (the instrument)."""
+    """FedIT, +FedSD, FedSDR after it, the matched-drift control, the references' lengths."""
     grid = ctx.grid
 
     def matched(needs: Mapping[str, RunView]) -> dict[str, Any]:
@@ -159,8 +156,7 @@ def _quantiles(values: Sequence[int]) -> dict[str, float]:
 
 
 def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]) -> dict:
-    """Token lengths of the references (reference and end-of-turn token) per domain, of the
-    training rows and the evaluated items, and the share cut by ``prompt.max_length``."""
+    """Token lengths of the references per domain and part, and the share cut by the budget."""
     from fedfm.data.prompt import fit_prompt
     from fedfm.tasks.lm import InstructionTask
 
@@ -187,9 +183,6 @@ def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[st
             d: {**_quantiles(v), "cut": float(np.mean(cut[d]))} for d, v in sorted(refs.items())
         }
     return out
-
-
-# ----------------------------------------------------------------------------- reading runs
 
 
 @dataclass
@@ -238,8 +231,7 @@ def _per_token(it: Mapping[str, Any]) -> float:
 def per_domain(
     items: Sequence[Mapping[str, Any]], domains: Sequence[str], zeroshot: bool
 ) -> dict[str, dict[Any, float]]:
-    """``{domain: {item id: value}}``: of the zero-shot items their label accuracy (0/1), of
-    the others (the trained domains) their reference's NLL per token (fidelity)."""
+    """``{domain: {item id: value}}``: zero-shot label accuracy, or reference NLL per token."""
     out: dict[str, dict[Any, float]] = {d: {} for d in domains}
     for it in items:
         if bool(it.get("zeroshot")) == zeroshot and it["domain"] in out:
@@ -290,9 +282,6 @@ def level(res: Results, m: str, measure: str, grid: Grid) -> dict[str, float]:
     return {**per, **({"mean": float(np.mean(list(per.values())))} if per else {})}
 
 
-# ----------------------------------------------------------------------------- readouts
-
-
 def readouts(grid: Grid) -> list[Readout[Results]]:
     """The comparisons the study exists for (fixed before the runs)."""
 
@@ -337,9 +326,6 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             sc["benchmarks"],
         ),
     ]
-
-
-# ----------------------------------------------------------------------------- the report
 
 
 def _zeroshot_tables(grid: Grid, res: Results) -> str | None:
@@ -514,20 +500,17 @@ def _cosines(grid: Grid, res: Results) -> list[str]:
     return table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows)
 
 
-def body(ctx: Context[Grid], res: Results) -> list[str]:
+def body(ctx: Context[Grid], res: Results) -> str:
     """Setup, the instrument, kept ability and fidelity, update norms, rewrites, analyses."""
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
-
     grid = ctx.grid
-    run_cfg = load_config(job_config(grid, "fedsdr"))
-    t, tr = resolve(run_cfg)[1].model_dump(), run_cfg.train.model_dump()  # defaults filled in
+    run_cfg, _, task = resolved(job_config(grid, "fedsdr"))
+    t, tr = task.model_dump(), run_cfg.train.model_dump()
     setup = {"model": t["model"], "autocast": t.get("autocast_bf16"), "lora_r": t["lora"]["r"]}
     setup.update(targets=", ".join(t["lora"]["target_modules"]), batch_size=tr["batch_size"])
     setup.update(local_optimizer=tr["optimizer"], lr=f"{grid.lr:g}")
     missing = [f"`{m}`" for m in METHODS if m not in res.runs]
     not_finished = TEXT("not-finished", missing=", ".join(missing), command=ctx.command)
-    text = TEXT(
+    return TEXT(
         "body",
         vars(grid),
         setup,
@@ -549,14 +532,10 @@ def body(ctx: Context[Grid], res: Results) -> list[str]:
         cosines=_cosines(grid, res),
         not_finished=not_finished if missing else None,
     )
-    return [text, ""]
 
 
 STUDY = register(
-    Study.of(
-        __name__,
-        "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
-        ("fedsdr.md", None),
-        later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
-    )
+    __name__,
+    "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
+    later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
 )

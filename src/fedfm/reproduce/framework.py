@@ -1,7 +1,5 @@
-"""The study framework (``docs/studies.md``): it runs a :class:`Study`'s jobs (worker
-processes of one torch thread; a finished run of the same config skipped, an unfinished one
-resumed), records ``study.json``, lists and times the jobs for ``--dry-run`` and writes the
-report, readouts first."""
+"""The study framework (``docs/studies.md``): it runs a :class:`Study`'s jobs, records
+``study.json``, lists and times the jobs for ``--dry-run`` and writes the report."""
 
 from __future__ import annotations
 
@@ -43,8 +41,6 @@ STAMP = "%Y-%m-%dT%H:%M:%S"  # the record's times
 RESULT = "result.json"
 TEXT = Text("framework")
 
-# ----------------------------------------------------------------------------- jobs, runs' views
-
 
 class Unmet(Exception):
     """A job's needs do not allow it (e.g. a measured value is missing): it is skipped."""
@@ -55,13 +51,9 @@ ConfigFn = Callable[[Mapping[str, "RunView"]], Mapping[str, Any]]
 
 @dataclass(frozen=True)
 class Run:
-    """A run of the engine, in the folder ``name`` of the study folder.
-
-    ``config`` is the run config, or a function of the views of the jobs in ``needs`` (by
-    name) that builds it from their measured values (raising :class:`Unmet` when they do not
-    allow the run); the framework sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of one
-    ``group`` cost about the same (``--dry-run`` estimates from them).
-    """
+    """A run of the engine in the folder ``name``: ``config`` is its config, or a function of
+    the views of ``needs`` (by name) that builds it (raising :class:`Unmet`); jobs of one
+    ``group`` cost about the same (``--dry-run`` estimates from them)."""
 
     name: str
     config: Mapping[str, Any] | ConfigFn
@@ -72,10 +64,9 @@ class Run:
 
 @dataclass(frozen=True)
 class Compute:
-    """A job that is not a run (post-processing, a measurement): ``fn(inputs, folder,
-    **params)`` gets the folders of ``needs`` by name and its own, and returns a JSON mapping
-    kept in ``result.json`` with ``params`` and its inputs' fingerprint, computed again when
-    either changes. ``fn`` is module-level: it may run in a worker process."""
+    """A job that is not a run: ``fn(inputs, folder, **params)`` (module-level: it may run in
+    a worker) gets the folders of ``needs`` by name and its own and returns a JSON mapping,
+    kept in ``result.json`` and computed again when ``params`` or the inputs change."""
 
     name: str
     fn: Callable[..., Mapping[str, Any]]
@@ -101,15 +92,22 @@ def preset(name: str) -> dict[str, Any]:
     return data
 
 
+def resolved(config: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """A run config validated, and its algorithm's and task's configs (every default filled)."""
+    from fedfm.config import load_config
+    from fedfm.engine import resolve
+
+    cfg = load_config(dict(config))
+    algo, task = resolve(cfg)
+    return cfg, algo, task
+
+
 def task_of(config: Mapping[str, Any]) -> Any:
     """The task of a run config (its data, partition and model), without the algorithm."""
     import fedfm.tasks  # noqa: F401  (every task registered)
-    from fedfm.config import load_config
-    from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
-    cfg = load_config(dict(config))
-    _, task_cfg = resolve(cfg)
+    cfg, _, task_cfg = resolved(config)
     return TASKS.get(task_cfg.kind)(task_cfg, cfg)
 
 
@@ -127,9 +125,7 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_status(cfg: Mapping[str, Any]) -> str:
-    """``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
-    of this config) or ``done``; the output folder is not compared (a moved study folder keeps
-    its runs)."""
+    """``new``, ``changed``, ``partial`` or ``done`` (the output folder is not compared)."""
     from fedfm.config import load_config
 
     root = Path(cfg["out_dir"]) / cfg["name"]
@@ -231,17 +227,12 @@ class RunView:
         )
 
 
-# ----------------------------------------------------------------------------- studies, readouts
-
-
 @dataclass(frozen=True)
 class Readout(Generic[R]):
-    """A comparison a study exists for, fixed in code before its runs: what is compared
-    (``name``), how the estimate is paired (``statistic``), the ``paper``'s claim in words,
-    its ``direction`` (+1: above ``null``, 0 or 1 for a ratio; −1: below), the estimate
-    (``value``, from what the study read, shown with ``digits``), what the grid can and
-    cannot test (``scope``) and whether it can at all (``testable``: a bool, or a function of
-    what the study read for a claim whose premise the runs must show first)."""
+    """A comparison a study exists for, fixed before its runs: the ``paper``'s claim, its
+    ``direction`` (+1: above ``null``, −1: below), the estimate (``value`` of what the study
+    read, shown with ``digits``), the grid's ``scope`` and whether it can test the claim
+    (``testable``: a bool, or a function of what was read for a premise the runs must show)."""
 
     name: str
     statistic: str
@@ -268,14 +259,10 @@ def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
 
 @dataclass(frozen=True)
 class Study(Generic[G, R]):
-    """A reproduction study (``docs/studies.md``, "Adding a study"): its key ``name``
-    (``fedfm reproduce NAME``, its folder), the ``full`` and ``quick`` grids, its ``jobs``
-    given what is measured so far (asked after each job), what it ``read`` s from its folder,
-    its ``readouts`` per grid, its report's ``body`` (the sections after the readouts), its
-    report files, full and quick, under the report folder (None: ``<name>-quick.md`` in the
-    study folder), its report's ``title`` (None: the section ``title`` of its report text,
-    ``reports/<name>.md``, filled from the grid), its default ``workers`` (full, quick; at
-    most the cores) and what ``--dry-run`` cannot list yet (``later``)."""
+    """A reproduction study (``docs/studies.md``, "Adding a study"): ``reports`` are its
+    report files, full and quick (None: ``<name>-quick.md`` in the study folder); ``title``
+    None is the section ``title`` of ``reports/<name>.md`` filled from the grid; ``workers``
+    the default (full, quick); ``later`` what ``--dry-run`` cannot list yet."""
 
     name: str
     summary: str
@@ -284,30 +271,28 @@ class Study(Generic[G, R]):
     jobs: Callable[[Context[Any]], Sequence[Job]]
     read: Callable[[Context[Any]], R]
     readouts: Callable[[Any], Sequence[Readout[R]]]
-    body: Callable[[Context[Any], R], list[str]]
+    body: Callable[[Context[Any], R], str | list[str]]
     reports: tuple[str | None, str | None]
     title: Callable[[Context[Any]], str] | None = None
     workers: tuple[int, int] = (1, 1)
     later: str = ""
 
-    @classmethod
-    def of(
-        cls, module: str, summary: str, reports: tuple[str | None, str | None], **kw: Any
-    ) -> Study[Any, Any]:
-        """The study a module declares, named as the module: its grids ``FULL`` and ``QUICK``
-        and its functions ``jobs``, ``read``, ``readouts`` and ``body``."""
-        mod = sys.modules[module]
-        parts = {k: getattr(mod, k) for k in ("jobs", "read", "readouts", "body")}
-        name = module.rsplit(".", 1)[-1]
-        return cls(name, summary, mod.FULL, mod.QUICK, reports=reports, **parts, **kw)
-
 
 STUDIES: Registry[Study[Any, Any]] = Registry("reproduction", "study")
 
 
-def register(study: Study[Any, Any]) -> Study[Any, Any]:
-    """Registers a study under its name."""
-    return STUDIES.register(study.name, study.summary)(study)
+def register(
+    module: str, summary: str, reports: tuple[str | None, str | None] | None = None, **kw: Any
+) -> Study[Any, Any]:
+    """Registers the study a module declares, named as the module: its grids ``FULL`` and
+    ``QUICK``, its functions ``jobs``, ``read``, ``readouts`` and ``body``, its ``reports``
+    (None: ``<name>.md``, the quick one in the study folder) and the fields ``kw``."""
+    mod = sys.modules[module]
+    parts = {k: getattr(mod, k) for k in ("jobs", "read", "readouts", "body")}
+    name = module.rsplit(".", 1)[-1]
+    files = reports or (f"{name}.md", None)
+    study: Study[Any, Any] = Study(name, summary, mod.FULL, mod.QUICK, reports=files, **parts, **kw)
+    return STUDIES.register(name, summary)(study)
 
 
 def load_studies() -> None:
@@ -318,10 +303,7 @@ def load_studies() -> None:
 
 @dataclass
 class Context(Generic[G]):
-    """One invocation of a study: its grid (``quick``: the ``--quick`` one), its folder
-    ``out`` (runs and ``study.json``), the ``command`` its report names, its ``workers``, the
-    ``report`` being written (figures go beside it), the jobs ``done`` and those ``failed``
-    (with the reason)."""
+    """One invocation of a study: its folder, the report written, the jobs done and failed."""
 
     study: str
     grid: G
@@ -343,16 +325,21 @@ class Context(Generic[G]):
         """The view of a job's folder (cached until the job runs again)."""
         return self._views.setdefault(name, RunView(self.out / name))
 
+    @property
+    def figures(self) -> Path:
+        """The folder of the report's figures: beside the report, named as it."""
+        report = self.report or self.out / f"{self.study}.md"
+        return report.parent / report.stem
+
     def settled(self, names: Iterable[str]) -> bool:
         """Whether none of these jobs is left to run in this invocation."""
         return all(n in self.done or n in self.failed for n in names)
 
 
 class Record:
-    """``study.json`` at ``path`` (a file of another shape starts a new record): each job's
-    status, wall and CPU time and the machine's load, and each invocation. Written atomically
-    after every change, so a killed invocation leaves it whole, with the wall and CPU time it
-    had used by its last write."""
+    """``study.json`` at ``path`` (another shape starts a new record): each job's status, time
+    and load, and each invocation; written atomically after every change, so a killed
+    invocation leaves it whole, with the time it had used by its last write."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -406,8 +393,6 @@ def _cpu(children: bool = False) -> float:
     return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
 
-# ----------------------------------------------------------------------------- running jobs
-
 _STARTED: Any = None  # a worker's queue of (job, pid) start notices to the parent
 
 
@@ -448,8 +433,7 @@ def _execute(spec: Mapping[str, Any]) -> None:
 
 
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
-    """Executes one job (in a worker or in this process); returns its measurements and its
-    error, if any (recorded, not fatal to the study)."""
+    """Executes one job; returns its measurements and its error, if any (not fatal)."""
     if _STARTED is not None:
         _STARTED.put((spec["name"], os.getpid()))
     t0, cpu0, load0 = time.perf_counter(), _cpu(), os.getloadavg()[0]
@@ -532,8 +516,7 @@ def _plan(study: Study[Any, Any], ctx: Context[Any]) -> list[Job]:
 def _ready(
     study: Study[Any, Any], ctx: Context[Any], running: Iterable[str]
 ) -> tuple[list[tuple[Job, dict[str, Any]]], bool]:
-    """The jobs that can start now, and whether another job settled while listing them (the
-    study lists its jobs again: a job that a measured value decides appears once it is)."""
+    """The jobs that can start now, and whether another job settled while listing them."""
     rec, busy = ctx.record, set(running)
     ready: list[tuple[Job, dict[str, Any]]] = []
     moved = False
@@ -594,8 +577,7 @@ def _started(queue: Any, jobs: Mapping[str, Job], ctx: Context[Any]) -> None:
 
 
 def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None:
-    """Keeps ``ctx.workers`` jobs running, each started once its needs are done. A worker
-    that dies breaks the pool: its jobs are marked interrupted, and no more start."""
+    """Keeps ``ctx.workers`` jobs running; a dead worker's jobs are marked interrupted."""
     futures: dict[Future[dict[str, Any]], Job] = {}
     broken = False
     with _executor(ctx) as (submit, queue):
@@ -630,8 +612,7 @@ def _run(study: Study[Any, Any], ctx: Context[Any], inv: dict[str, Any]) -> None
 
 
 def run_jobs(study: Study[Any, Any], ctx: Context[Any]) -> None:
-    """Runs every job of the study that is not done into ``ctx.out``, recording each job's
-    status and cost, and this invocation's, in ``study.json``."""
+    """Runs every job not done into ``ctx.out``, recording status and cost in ``study.json``."""
     rec = ctx.record
     rec.study = {"name": study.name, "grid": "quick" if ctx.quick else "full"}
     for entry in rec.jobs.values():  # a killed invocation left these behind
@@ -668,9 +649,8 @@ MEASURED = " (configured from its measured values)"
 
 
 def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
-    """The jobs, each with its status and estimated seconds (its own wall time when an
-    earlier invocation ran it, else the mean of the finished jobs of its group, else of every
-    finished job), and the total estimate."""
+    """The jobs with status and estimated seconds (own, group's or all finished jobs' mean),
+    and the total estimate."""
     steps: dict[str, _Step] = {}
     jobs: list[Job] = []
     while len(jobs) != len(jobs := _plan(study, ctx)):  # a study may list more once some are done
@@ -767,8 +747,7 @@ def report_path(study: Study[Any, Any], ctx: Context[Any], folder: Path | None =
 
 
 def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
-    """Writes the report from the study folder: title, the readouts (each with its estimate
-    and verdict), the study's sections, the jobs' times."""
+    """Writes the report: title, readouts with their verdicts, the study's body, the times."""
     ctx.report = path
     data = study.read(ctx)
     title = study.title(ctx) if study.title else Text(study.name)("title", vars(ctx.grid))
@@ -783,7 +762,8 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
             notes.setdefault(r.scope, []).append(f"R{i}")
     notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
     lines = [TEXT("head", values, study=study.name), "", TEXT("readouts", rows=rows, notes=notes_)]
-    lines += ["", *study.body(ctx, data)]
+    body = study.body(ctx, data)
+    lines += ["", *([body, ""] if isinstance(body, str) else body)]
     lines += time_lines(ctx, _plan(study, ctx))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

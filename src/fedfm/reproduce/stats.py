@@ -28,8 +28,7 @@ BOOTSTRAP = 1000  # bootstrap resamples of a statistic that is not a mean (macro
 
 @dataclass(frozen=True)
 class Estimate:
-    """A mean (NaN without values) with its standard error (NaN for fewer than two) over
-    ``n`` values (seeds, items, rows)."""
+    """A mean with its standard error over ``n`` values (NaN where undefined)."""
 
     mean: float
     se: float
@@ -55,8 +54,7 @@ NONE = Estimate(math.nan, math.nan, 0)
 
 
 def mean_se(values: Iterable[float] | Mapping[Any, float]) -> Estimate:
-    """Mean and standard error (sample std with ddof = 1, over √n) of the finite ``values``
-    (of a mapping: of its values, e.g. seed -> value)."""
+    """Mean and SE (ddof = 1, over √n) of the finite ``values`` (or a mapping's values)."""
     xs = values.values() if isinstance(values, Mapping) else values
     v = np.asarray([x for x in xs if math.isfinite(x)], dtype=float)
     if len(v) == 0:
@@ -66,8 +64,7 @@ def mean_se(values: Iterable[float] | Mapping[Any, float]) -> Estimate:
 
 
 def paired(a: Mapping[K, float], b: Mapping[K, float]) -> Estimate:
-    """Mean of the per-unit differences a_u − b_u over the units (seeds, item or row ids) both
-    have, with its SE."""
+    """Mean and SE of the differences a_u − b_u over the units (seeds, ids) both have."""
     units = sorted(set(a) & set(b))  # type: ignore[type-var]
     return mean_se([a[u] - b[u] for u in units])
 
@@ -92,11 +89,9 @@ def mean_of(parts: Sequence[Estimate]) -> Estimate:
 
 
 def crossed(d: np.ndarray) -> Estimate:
-    """The mean of paired differences ``d[seed, row]`` with the two-way SE of crossed
-    factors, ``SE² = s²_seeds / S + s²_rows / N`` (sample variances of the per-seed and
-    per-row means; each holds the interaction's share once, so the sum is slightly
-    conservative). A factor with one level adds nothing; ``n`` is ``S·N``.
-    """
+    """The mean of paired differences ``d[seed, row]`` with the two-way SE of crossed factors,
+    ``SE² = s²_seeds / S + s²_rows / N`` (each variance holds the interaction once: slightly
+    conservative); a factor with one level adds nothing; ``n`` is ``S·N``."""
     d = np.asarray(d, dtype=float)
     if d.ndim != 2 or d.size == 0:
         return NONE
@@ -116,11 +111,9 @@ def crossed_bootstrap(
     resamples: int = BOOTSTRAP,
     seed: int = 0,
 ) -> Estimate:
-    """A statistic's difference over ``shape = (S, N)`` seeds and rows, with the SE of a
-    two-way bootstrap (seeds and rows drawn independently with replacement, the same for both
-    sides; as conservative as :func:`crossed`). ``diff(seeds, rows)`` gets index arrays and
-    returns a's statistic minus b's; the ``resamples`` are drawn from ``seed``.
-    """
+    """A statistic's difference over ``(S, N)`` seeds and rows, with the SE of a two-way
+    bootstrap (seeds and rows drawn independently, the same for both sides): ``diff(seeds,
+    rows)`` gets index arrays and returns a's statistic minus b's."""
     s_count, n_count = shape
     if s_count == 0 or n_count == 0:
         return NONE
@@ -134,8 +127,7 @@ def crossed_bootstrap(
 
 
 def macro_f1_rows(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """:func:`fedfm.tasks.base.macro_f1` of each row of ``pred`` ``(S, N)`` against ``y``
-    ``(N,)``, vectorised for the bootstrap."""
+    """Macro-F1 of each row of ``pred`` ``(S, N)`` against ``y`` ``(N,)``, vectorised."""
     pred, y = np.asarray(pred), np.asarray(y)
     f1 = []
     for c in np.union1d(np.unique(pred), np.unique(y)):
@@ -176,8 +168,6 @@ def macro_f1_diff(
 
     return paired_bootstrap(len(yt), diff, seed=seed)
 
-
-# ----------------------------------------------------------------------------- the verdict
 
 IN_DIRECTION = "in the paper's direction (> 2 SE)"
 AGAINST = "against the paper (> 2 SE)"

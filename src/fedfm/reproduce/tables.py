@@ -1,5 +1,5 @@
-"""Markdown of the study reports: numbers, rows, headers, difference markers, and the reports'
-fixed text (:class:`Text`)."""
+"""Markdown of the study reports: numbers, rows, headers, difference markers, the reports'
+fixed text (:class:`Text`), and the figures' mean ± SE bands."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+import numpy as np
+
+from fedfm import plots
 from fedfm.reproduce.stats import Estimate
 
 DASH = "—"
@@ -33,8 +36,7 @@ def marked(est: Estimate | None, digits: int = 3) -> str:
 
 
 def side(est: Estimate, up: str, down: str, sign: int = 1) -> str:
-    """Which side a paired difference favours by more than 2 SE (``sign`` −1 where lower is
-    better), or that it is not resolved."""
+    """Which side a difference favours by more than 2 SE (``sign`` −1: lower is better)."""
     if est.n < 2 or not math.isfinite(est.se):
         return "no SE (one value): not resolved"
     r = est.resolved() * sign
@@ -78,21 +80,30 @@ def values(xs: Iterable[Any]) -> str:
     return "{" + ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs) + "}"
 
 
-# ----------------------------------------------------------------------------- report text
+def band(ax: Any, x: Sequence[int], ests: Sequence[Estimate], alpha: float, **line: Any) -> None:
+    """Means over ``x`` as a line (``line``: its style, ``color`` included) in a ± SE band."""
+    mu = np.array([e.mean for e in ests])
+    se = np.array([e.se if e.n > 1 else 0.0 for e in ests])
+    ax.plot(x, mu, **line)
+    ax.fill_between(x, mu - se, mu + se, alpha=alpha, color=line["color"])
+
+
+def save(fig: Any, path: Path, dpi: int) -> Path:
+    """Lays a figure out and writes it to ``path`` (its folder created)."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plots.save(fig, str(path), dpi=dpi)
+    return path
+
 
 _SECTION = re.compile(r"^<!-- section: ([\w.-]+) -->\n", re.M)
 _ALONE = re.compile(r"\$(?:([_a-zA-Z][_a-zA-Z0-9]*)|\{([_a-zA-Z][_a-zA-Z0-9]*)\})")
 
 
 class Text:
-    """A study's fixed report text, ``<folder>/<name>.md`` (the package's ``reports/``).
-
-    The file's sections each open with a line ``<!-- section: NAME -->`` (what precedes the
-    first is a note to its reader) and are :class:`string.Template` s: a list value fills its
-    line line by line (a list in it as a table row); a placeholder alone on its line whose
-    value is None drops that line, with one blank line beside it where it stands as a
-    paragraph of its own; an empty list drops the line alone (``docs/studies.md``).
-    """
+    """A study's fixed report text, ``<folder>/<name>.md`` (the package's ``reports/``): its
+    sections open with ``<!-- section: NAME -->`` and are :class:`string.Template` s filled as
+    ``docs/studies.md`` ("Report text") describes."""
 
     def __init__(self, name: str, folder: Path | None = None) -> None:
         folder = folder or Path(str(resources.files("fedfm.reproduce") / "reports"))
@@ -100,8 +111,7 @@ class Text:
 
     @cached_property
     def sections(self) -> dict[str, str]:
-        """Section name -> its template text (blank lines at either end dropped); a name that
-        stands twice raises ValueError."""
+        """Section name -> its template text (ValueError for a name that stands twice)."""
         parts = _SECTION.split(self.path.read_text(encoding="utf-8"))
         if len(set(parts[1::2])) < len(parts[1::2]):
             raise ValueError(f"{self.path}: a section name stands twice")
