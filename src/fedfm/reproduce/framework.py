@@ -52,8 +52,9 @@ ConfigFn = Callable[[Mapping[str, "RunView"]], Mapping[str, Any]]
 @dataclass(frozen=True)
 class Run:
     """A run of the engine in the folder ``name``: ``config`` is its config, or a function of
-    the views of ``needs`` (by name) that builds it (raising :class:`Unmet`); jobs of one
-    ``group`` cost about the same (``--dry-run`` estimates from them)."""
+    the views of ``needs`` (by name) that builds it (raising :class:`Unmet`); the framework
+    sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of one ``group`` cost about the same
+    (``--dry-run`` estimates from them)."""
 
     name: str
     config: Mapping[str, Any] | ConfigFn
@@ -125,7 +126,9 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_status(cfg: Mapping[str, Any]) -> str:
-    """``new``, ``changed``, ``partial`` or ``done`` (the output folder is not compared)."""
+    """``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
+    of this config) or ``done``; the output folder is not compared (a moved study keeps its
+    runs)."""
     from fedfm.config import load_config
 
     root = Path(cfg["out_dir"]) / cfg["name"]
@@ -229,7 +232,8 @@ class RunView:
 
 @dataclass(frozen=True)
 class Readout(Generic[R]):
-    """A comparison a study exists for, fixed before its runs: the ``paper``'s claim, its
+    """A comparison a study exists for, fixed before its runs: what is compared (``name``),
+    how the estimate is paired (``statistic``), the ``paper``'s claim, its
     ``direction`` (+1: above ``null``, −1: below), the estimate (``value`` of what the study
     read, shown with ``digits``), the grid's ``scope`` and whether it can test the claim
     (``testable``: a bool, or a function of what was read for a premise the runs must show)."""
@@ -259,7 +263,9 @@ def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
 
 @dataclass(frozen=True)
 class Study(Generic[G, R]):
-    """A reproduction study (``docs/studies.md``, "Adding a study"): ``reports`` are its
+    """A reproduction study (``docs/studies.md``, "Adding a study"): ``fedfm reproduce
+    name`` runs the ``jobs`` of its ``full`` or ``quick`` grid (asked again after each job),
+    ``read`` s their folders, judges its ``readouts`` and writes its ``body``; ``reports`` are its
     report files, full and quick (None: ``<name>-quick.md`` in the study folder); ``title``
     None is the section ``title`` of ``reports/<name>.md`` filled from the grid; ``workers``
     the default (full, quick); ``later`` what ``--dry-run`` cannot list yet."""
