@@ -439,12 +439,29 @@ class Engine:
             **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
             "artefacts": _artefact_list(folder, setup.algo),
             "wall_s_this_session": round(wall, 2),
+            "compute": _compute(self.cfg, task),
             **({"finish": final} if final else {}),
         }
         tmp = folder.summary.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(folder.summary)
         return summary
+
+
+def _compute(cfg: RunConfig, task: Task) -> dict[str, Any]:
+    """The device and the autocast dtype the run computed in (None: the model's own dtype).
+
+    A config's ``autocast_bf16: true`` is in effect only where the device has bfloat16 (or,
+    on an older GPU, float16) instructions, so a run folder read elsewhere needs this line to
+    tell what its numbers were computed in. (DP-SGD keeps no float16 autocast: see
+    :func:`fedfm.devices.autocast`.)
+    """
+    from fedfm.devices import autocast_dtype
+
+    device = cfg.torch_device()
+    wanted = bool(getattr(getattr(task, "cfg", None), "autocast_bf16", False))
+    dtype = autocast_dtype(device) if wanted else None
+    return {"device": str(device), "autocast": str(dtype).removeprefix("torch.") if dtype else None}
 
 
 def _artefact_list(folder: RunFolder, algo: Algorithm) -> dict[str, dict[str, Any]]:

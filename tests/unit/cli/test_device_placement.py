@@ -58,7 +58,22 @@ def _same_runs(tmp_path: Path, cfg: dict[str, Any]) -> None:
         rows = _rows(tmp_path / c["name"])
         timeless = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
         out[device] = (summary["final"], timeless)
+        assert summary["compute"]["device"] == "cpu"
     assert out["cpu"] == out["auto"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_summary_records_the_precision_the_run_computed_in(monkeypatch, native) -> None:
+    """``autocast_bf16: true`` is bfloat16 only where the CPU has it; a task without the
+    option (tabular) and one that turns it off compute in the model's dtype."""
+    from fedfm.engine import _compute
+
+    monkeypatch.setattr(devices, "cpu_bf16_native", lambda: native)
+    cfg = load_config({"device": "cpu"})
+    on, off = (SimpleNamespace(cfg=SimpleNamespace(autocast_bf16=b)) for b in (True, False))
+    assert _compute(cfg, on) == {"device": "cpu", "autocast": "bfloat16" if native else None}
+    assert _compute(cfg, off)["autocast"] is None
+    assert _compute(cfg, SimpleNamespace(cfg=SimpleNamespace()))["autocast"] is None
 
 
 # ----------------------------------------------------------------------------- whole runs
