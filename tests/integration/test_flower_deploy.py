@@ -30,6 +30,7 @@ from fedfm.runtime import run
 from fedfm.runtime.flower import deploy as D
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
+from fedfm.runtime.flower.watch import checkpoint_round
 from fedfm.runtime.flower.wire import Payload
 from helpers import TESTS, toy  # noqa: F401  (toy: registers the toy task in this process)
 from helpers.config import toy_config
@@ -275,7 +276,12 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
             for i in range(2)
         ]  # fmt: skip
         server = _fedfm(started, tmp_path, "serve1", *serve)
-        logged = lambda: any(r["round"] >= 1 for r in untimed_rows(metrics))  # noqa: E731
+        # A round's metrics row is written before its checkpoint: wait for both, or a SIGTERM
+        # in between stops the run at round 0.
+        logged = lambda: (  # noqa: E731
+            any(r["round"] >= 1 for r in untimed_rows(metrics))
+            and checkpoint_round(metrics.parent) >= 1
+        )
         _wait_for("round 1", logged, 150, server)
         assert _stopped_cleanly(server, signal.SIGTERM, tmp, "fedfm-serve-") == 143
         out = _output(tmp_path, "serve1")
