@@ -179,6 +179,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def autocast_in_effect(device: torch.device, enabled: bool) -> torch.dtype | None:
+    """The dtype a run's ``autocast_bf16: enabled`` computes in on ``device`` (None: none)."""
+    return autocast_dtype(device) if enabled else None
+
+
 def autocast(
     device: torch.device, enabled: bool = True, *, half: bool = True
 ) -> contextlib.AbstractContextManager[Any]:
@@ -193,7 +198,7 @@ def autocast(
     """
     import torch
 
-    dtype = autocast_dtype(device) if enabled else None
+    dtype = autocast_in_effect(device, enabled)
     if dtype is None or (dtype == torch.float16 and not half):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

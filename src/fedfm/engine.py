@@ -456,11 +456,11 @@ def _compute(cfg: RunConfig, task: Task) -> dict[str, Any]:
     tell what its numbers were computed in. (DP-SGD keeps no float16 autocast: see
     :func:`fedfm.devices.autocast`.)
     """
-    from fedfm.devices import autocast_dtype
+    from fedfm.devices import autocast_in_effect
 
     device = cfg.torch_device()
     wanted = bool(getattr(getattr(task, "cfg", None), "autocast_bf16", False))
-    dtype = autocast_dtype(device) if wanted else None
+    dtype = autocast_in_effect(device, wanted)
     return {"device": str(device), "autocast": str(dtype).removeprefix("torch.") if dtype else None}
 
 

@@ -271,7 +271,7 @@ def _llm_sides(cfg: RunConfig, task_cfg: Any, n_clients: int) -> tuple[Side, Sid
     from fedfm import devices
 
     # The autocast the run will have: none on a CPU without bfloat16 instructions.
-    autocast = task_cfg.autocast_bf16 and devices.autocast_dtype(cfg.torch_device()) is not None
+    autocast = devices.autocast_in_effect(cfg.torch_device(), task_cfg.autocast_bf16) is not None
     s = 2 if autocast or dtype_bytes == 2 else 4
     weights = _weight_bytes(shape, dtype_bytes, task_cfg.quantization)
     adapters = 1 + _EXTRA_ADAPTERS.get(cfg.algorithm, 0)
