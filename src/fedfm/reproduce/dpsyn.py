@@ -72,12 +72,14 @@ class Grid:
     Attributes:
         clients, rows: Clients (IID over Rotten Tomatoes) and rows of each.
         strong: Strong clients of the fine-tuned generators (the base model is the third).
-        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD.
+        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD: its ε,
+            rounds, steps per round, expected Poisson batch and AdamW learning rate.
         pool, size: Samples each generator generates, and each selection keeps.
         max_new_tokens, max_length, max_prompt_length: Tokens per review, per training row
             and of the prompt (its chat template included).
         prompt_template, probe_templates, probe_samples: The prompt of a code; the prompts
-            the base model is tried with first, with samples per code.
+            the base model is tried with first (the preset's, the chosen one, a descriptive
+            one naming what the codes mean), with samples per code.
         k, threshold: Votes per private sample; ``H`` subtracted from the summed votes.
         epsilon_votes, seeds: ε_vote values and seeds of the offline voting.
         seed: The runs' seed (partition, roles, generation).
