@@ -48,29 +48,25 @@ class Size:
                 self.code_tokens += 1
 
 
+def git(*args: str) -> str:
+    """The output of one git command (an error stops the benchmark)."""
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout
+
+
 def files_at(rev: str, folder: str) -> dict[str, str]:
     """Path -> text of every file under ``folder`` at ``rev`` (``WT``: the working tree)."""
-    if rev == "WT":
-        return {str(p): p.read_text() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
-    names = subprocess.run(
-        ["git", "ls-tree", "-r", "--name-only", rev, folder],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    show = ["git", "show"]
-    return {
-        n: subprocess.run([*show, f"{rev}:{n}"], capture_output=True, text=True).stdout
-        for n in names
-    }
+    if rev == "WT":  # the files git would commit (tracked or new, not ignored)
+        listed = git("ls-files", "--cached", "--others", "--exclude-standard", folder).split()
+        return {n: Path(n).read_text() for n in listed if Path(n).is_file()}
+    names = git("ls-tree", "-r", "--name-only", rev, folder).split()
+    return {n: git("show", f"{rev}:{n}") for n in names}
 
 
 def size(files: dict[str, str]) -> Size:
-    """The totals of ``files``, skipping caches."""
+    """The totals of ``files``."""
     out = Size()
     for path, text in files.items():
-        if "__pycache__" not in path:
-            out.add(path, text)
+        out.add(path, text)
     return out
 
 
