@@ -555,6 +555,8 @@ def test_the_study_runs_and_reports_what_it_measured(
     assert record["jobs"]["matched"]["needs"] == ["fedit", "fedsd"]
     text = report.read_text()
     assert text.index("## Readouts") < text.index("## Setup") and "did not finish" not in text
+    # What the runs computed in, from their summaries (autocast off: float32).
+    assert "these runs computed in float32)" in text
     views = {m: RunView(runs / m) for m in study.METHODS}
     # Every run logs its update norm; the control's lr is FedIT's rescaled by the norm ratio.
     norms = {m: float(v.final["update_norm"]) for m, v in views.items()}
