@@ -62,20 +62,15 @@ def files_at(rev: str, folder: str) -> dict[str, str]:
     return {n: git("show", f"{rev}:{n}") for n in names}
 
 
-def size(files: dict[str, str]) -> Size:
-    """The totals of ``files``."""
-    out = Size()
-    for path, text in files.items():
-        out.add(path, text)
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("revs", nargs="+", help="git revisions; WT for the working tree")
     p.add_argument("--folder", default="src/fedfm/reproduce")
     args = p.parse_args()
-    sizes = {rev: size(files_at(rev, args.folder)) for rev in args.revs}
+    sizes = {rev: Size() for rev in args.revs}
+    for rev, total in sizes.items():
+        for path, text in files_at(rev, args.folder).items():
+            total.add(path, text)
     first = next(iter(sizes.values()))
     print(f"{args.folder}: size per revision (change from {args.revs[0]})")
     columns = (("lines", 14), ("bytes", 16), ("code_tokens", 15), ("prose_words", 15))

@@ -500,13 +500,6 @@ def _cosines(grid: Grid, res: Results) -> list[str]:
     return table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows)
 
 
-def _computed(res: Results) -> str:
-    """The dtypes the runs computed in, from their summaries (runs before the record: not known)."""
-    seen = [(v.summary or {}).get("compute", {"autocast": "?"})["autocast"] for _, v in res.ran()]
-    names = sorted({"not recorded" if x == "?" else x or "float32" for x in seen})
-    return " and ".join(names) or DASH
-
-
 def body(ctx: Context[Grid], res: Results) -> str:
     """Setup, the instrument, kept ability and fidelity, update norms, rewrites, analyses."""
     grid = ctx.grid
@@ -514,7 +507,9 @@ def body(ctx: Context[Grid], res: Results) -> str:
     t, tr = task.model_dump(), run_cfg.train.model_dump()
     setup = {"model": t["model"], "autocast": t.get("autocast_bf16"), "lora_r": t["lora"]["r"]}
     setup.update(targets=", ".join(t["lora"]["target_modules"]), batch_size=tr["batch_size"])
-    setup.update(local_optimizer=tr["optimizer"], lr=f"{grid.lr:g}", computed=_computed(res))
+    computed = sorted({v.computed or "not recorded" for _, v in res.ran()})
+    setup.update(local_optimizer=tr["optimizer"], lr=f"{grid.lr:g}")
+    setup.update(computed=" and ".join(computed) or DASH)
     missing = [f"`{m}`" for m in METHODS if m not in res.runs]
     not_finished = TEXT("not-finished", missing=", ".join(missing), command=ctx.command)
     return TEXT(

@@ -188,6 +188,13 @@ class RunView:
         return self.summary is not None
 
     @property
+    def computed(self) -> str | None:
+        """The dtype the run computed in (``float32`` without autocast), from its summary;
+        None before it finished or where the summary predates that record."""
+        compute = (self.summary or {}).get("compute")
+        return None if compute is None else str(compute["autocast"] or "float32")
+
+    @property
     def final(self) -> dict[str, Any]:
         """The summary's metrics of the last evaluation."""
         return dict((self.summary or {}).get("final", {}))
