@@ -384,3 +384,47 @@ def test_every_aggregating_algorithm_sends_only_noised_updates_in_client_mode(
     priv = json.loads((folder / "privacy.json").read_text())
     assert priv["relation"].startswith("add or remove one client") and priv["run"]["epsilon"] > 0
     assert len(priv["clients"]) == n
+
+
+# ----------------------------------------------------------------------------- noise size
+
+# Coordinates of the noise-size checks: the SD estimate's relative standard error is
+# 1/√(2·D) ≈ 0.16%, so a 1.5% tolerance is about 9 of them (and a tenth of a share fails).
+NOISE_DIM = 100_000
+NOISE_REL = 0.015
+
+
+@pytest.mark.parametrize("adaptive", [None, {"count_stddev": 5.0}], ids=["fixed", "adaptive"])
+def test_a_clients_noise_is_its_share_z_c_over_root_m(tmp_path: Path, adaptive: Any) -> None:
+    """Client mode: sent − clipped update has SD ``z_Δ·C/√M`` in both clipping modes."""
+    from fedfm.core.federation import ClientContext
+    from fedfm.core.state import ClientState
+
+    level = dict(mode="client", min_clients=4, noise_multiplier=1.2, epsilon=None, clip=0.5)
+    dp = _user_dp(tmp_path, 40, **level, adaptive=adaptive)
+    assert (dp.z_update > dp.z) == (adaptive is not None)  # the count takes its share
+    gen = torch.Generator().manual_seed(3)
+    update = {"a": torch.randn(NOISE_DIM // 2, generator=gen), "b": torch.randn(NOISE_DIM // 2)}
+    ctx = ClientContext("7", "default", 1, 5, None, ClientState())  # type: ignore[arg-type]
+    sent, _ = dp.privatise(ctx, update, Message("train", meta={"clip": 0.5}))
+    clipped, norm = clip_update(update, 0.5)
+    assert norm > 0.5  # clipped to C: the noise is not measured against a raw update
+    noise = torch.cat([(sent[k].double() - clipped[k]).flatten() for k in sorted(clipped)])
+    want = dp.z_update * 0.5 / math.sqrt(4)
+    assert float(noise.std()) == pytest.approx(want, rel=NOISE_REL)
+    assert abs(float(noise.mean())) < 5 * want / math.sqrt(NOISE_DIM)
+
+
+@pytest.mark.parametrize("adaptive", [None, {"count_stddev": 5.0}], ids=["fixed", "adaptive"])
+def test_the_servers_noise_on_the_aggregate_is_z_c(tmp_path: Path, adaptive: Any) -> None:
+    """Server mode: Δ of unchanged clients is ``ξ/m`` with SD ``z_Δ·C/m``."""
+    n = 8
+    dp = _user_dp(tmp_path, n, noise_multiplier=0.9, epsilon=None, clip=0.4, adaptive=adaptive)
+    fed = FakeFederation([str(i) for i in range(n)], {})
+    dp.sample(fed)
+    zeros = {"w": torch.zeros(NOISE_DIM)}
+    acc = dp.accumulator(zeros)
+    for _ in range(4):
+        acc.add(zeros)
+    delta = acc.result()["w"].double()
+    assert float(delta.std()) == pytest.approx(dp.z_update * 0.4 / dp.expected, rel=NOISE_REL)
