@@ -29,7 +29,7 @@ from pydantic import (
 from fedfm import devices
 
 # The sections the core owns, re-exported: configs are imported from here.
-from fedfm.core.settings import BNB_OPTIMIZERS, Strict, TrainConfig, UserLevelConfig
+from fedfm.core.settings import BNB_OPTIMIZERS, SecAggConfig, Strict, TrainConfig, UserLevelConfig
 from fedfm.core.settings import AdaptiveClipConfig as AdaptiveClipConfig
 from fedfm.core.settings import LrSchedule as LrSchedule
 from fedfm.errors import ConfigError
@@ -73,12 +73,17 @@ class PrivacyConfig(Strict):
             same noise (exact re-runs in simulation; no guarantee against anyone who knows
             the seed).
         user_level: Client-level DP-FedAvg of the aggregated tensors; None: off.
+        secure_aggregation: ``secagg+``: the server learns only the sum of the clients'
+            updates (SecAgg+, :mod:`fedfm.core.secagg`); ``none``: it sees each update.
+        secagg: SecAgg+'s parameters.
     """
 
     delta: float = Field(1e-5, gt=0, lt=1)
     accountant: Literal["rdp", "pld"] = "rdp"
     noise: Literal["secret", "seeded"] = "secret"
     user_level: UserLevelConfig | None = None
+    secure_aggregation: Literal["none", "secagg+"] = "none"
+    secagg: SecAggConfig = Field(default_factory=SecAggConfig)
 
 
 class LogConfig(Strict):

@@ -23,7 +23,7 @@ import yaml
 
 import fedfm.algorithms
 import fedfm.tasks  # noqa: F401  (registers the tasks)
-from fedfm.algorithms.base import ALGORITHMS, Algorithm, ClientHalf, client_half
+from fedfm.algorithms.base import ALGORITHMS, Algorithm, ClientHalf, client_half, client_handlers
 from fedfm.algorithms.presets import algo_section
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
@@ -37,7 +37,7 @@ from fedfm.core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from fedfm.core.federation import ClientInfo, ClientRunner, Federation, assign_roles
+from fedfm.core.federation import ClientInfo, ClientRunner, Federation, Handler, assign_roles
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import RunFolder, RunFolderError, RunFolderLease, read_jsonl
 from fedfm.core.state import ClientStateStore
@@ -80,7 +80,11 @@ class ClientSide:
     def client_runner(self) -> ClientRunner:
         """The algorithm's client half, ready to serve any client of the run."""
         roles = {c.cid: c.role for c in self.clients()}
-        return ClientRunner(self.client.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
+        return ClientRunner(self.handlers(), self.kinds(), roles, self.task, self.cfg.seed)
+
+    def handlers(self) -> dict[str, Handler]:
+        """The client half's handlers (inside SecAgg+'s when the run uses it)."""
+        return client_handlers(self.client, self.message_kinds)
 
 
 @dataclass

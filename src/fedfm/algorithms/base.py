@@ -26,6 +26,7 @@ from fedfm.core.artefacts import Artefacts
 from fedfm.core.federation import Federation, Handler
 from fedfm.core.messages import MessageKind
 from fedfm.core.privacy import PrivacyLedger
+from fedfm.core.secagg import ClientSecAgg, SecAgg, resolve, secure_kinds
 from fedfm.core.userdp import UserDP
 from fedfm.errors import ConfigError, FedfmError, TooFewClientsError
 from fedfm.registry import Registry
@@ -127,6 +128,49 @@ def client_user_dp(task: Task, run: RunConfig) -> UserDP | None:
     return user_dp_of(run, len(task.client_ids()), ledger)
 
 
+def secagg_of(algo: type[Algorithm], run: RunConfig, num_clients: int) -> SecAgg | None:
+    """The run's SecAgg+ parameters, or None when ``privacy.secure_aggregation`` is none.
+
+    Raises:
+        ConfigError: The algorithm's server step is not a sum of client vectors, server-side
+            DP noise, or parameters that do not fit the run's clients (:func:`resolve`).
+    """
+    if run.privacy.secure_aggregation == "none":
+        return None
+    field = "privacy.secure_aggregation"
+    if not algo.secure_fields:
+        raise ConfigError(
+            field,
+            f"algorithm '{run.algorithm}' has no server step that is a weighted sum of client"
+            " vectors, the only thing SecAgg+ computes",
+        )
+    level = run.privacy.user_level
+    if level is not None and level.mode == "server":
+        raise ConfigError(
+            field,
+            "server-side DP noise needs every raw update on the server, which SecAgg+ hides;"
+            " use privacy.user_level.mode=client (distributed DP)",
+        )
+    c = run.clients
+    if level is not None:  # Poisson sampling: the expected count, and at most every client
+        sampled, most = max(1, round(c.fraction * num_clients)), num_clients
+    else:
+        sampled = min(num_clients, max(c.min_clients, round(c.fraction * num_clients)))
+        most = sampled
+    return resolve(run.privacy.secagg, sampled, most, weighted=level is None)
+
+
+def client_handlers(half: ClientHalf, kinds: dict[str, MessageKind]) -> dict[str, Handler]:
+    """The client half's handlers, wrapped in SecAgg+'s client half when the run uses it."""
+    inner = half.handlers()
+    run = half.run
+    if run.privacy.secure_aggregation == "none":
+        return inner
+    # The client checks the server's threshold against its own config, share by share.
+    sa = SecAgg(run.privacy.secagg, 0, 0, weighted=run.privacy.user_level is None)
+    return ClientSecAgg(sa).handlers(inner, kinds)
+
+
 class Algorithm:
     """Base of every algorithm: defaults for the optional steps, nothing else.
 
@@ -147,6 +191,9 @@ class Algorithm:
         update_kinds: The kinds whose replies carry the updates it aggregates (and, under
             client-side DP-FedAvg, nothing else); empty: no ``privacy.user_level``.
         user_dp: The run's client-level DP-FedAvg (:mod:`fedfm.core.userdp`), or None.
+        secure_fields: Update kind -> the field whose weighted sum its server step is: the
+            kinds SecAgg+ (``privacy.secure_aggregation``) may sum; empty: it refuses it.
+        secagg: The run's SecAgg+ parameters, or None.
     """
 
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
@@ -154,6 +201,7 @@ class Algorithm:
     messages: ClassVar[tuple[MessageKind, ...]] = ()
     personalised: ClassVar[bool] = False
     update_kinds: ClassVar[tuple[str, ...]] = ()
+    secure_fields: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -170,6 +218,7 @@ class Algorithm:
         self.privacy = PrivacyLedger(run.privacy.delta, run.privacy.accountant, run.privacy.noise)
         self.artefacts = Artefacts()
         self.user_dp = self._user_dp(task, run)
+        self.secagg = secagg_of(type(self), run, len(task.client_ids()))
 
     def _user_dp(self, task: Task, run: RunConfig) -> UserDP | None:
         """DP-FedAvg when ``privacy.user_level`` asks for it and the algorithm aggregates."""
@@ -199,6 +248,8 @@ class Algorithm:
         if level is not None and level.mode == "client":
             for name in cls.update_kinds:
                 kinds[name] = kinds[name].as_private()
+        if run.privacy.secure_aggregation == "secagg+":
+            kinds = secure_kinds(kinds, cls.secure_fields, dp=level is not None)
         return kinds
 
     @classmethod

@@ -71,6 +71,7 @@ from fedfm.core.replies import (
     weighted_mean_metric,
 )
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.secagg import secure_round
 from fedfm.core.train import client_config, local_round
 from fedfm.core.userdp import UPDATE_META, Skipped, UserDP, fold_reply
 from fedfm.errors import ConfigError
@@ -225,7 +226,9 @@ def fedavg_round(
     delta, loss = opt.accumulator(params), MetricMean("loss")
     ups = UpdateCosines(params) if cosines else None
     got = 0
-    for cid, r in fed.stream({c: msg for c in cids}, like={"params": params}):
+    if algo.secagg is not None:  # the server learns only the sum: no loss, no cosines
+        got = secure_round(fed, algo.secagg, {c: msg for c in cids}, "params", params, delta)
+    for cid, r in fed.stream({} if algo.secagg else {c: msg for c in cids}, {"params": params}):
         fold_reply(delta, r, "params")
         got += 1
         if "loss" in r.meta:  # a DP client sends none
@@ -302,6 +305,25 @@ def _metrics(reply: Message) -> dict[str, float]:
     return metrics
 
 
+def refuse_secagg(cfg: FedAvgConfig, cosines: bool = False) -> None:
+    """Refuses SecAgg+ with a server step that needs each client's update.
+
+    Raises:
+        ConfigError: A robust aggregator (``algo.aggregator.name``) or update cosines.
+    """
+    if not cfg.aggregator.plain:
+        raise ConfigError(
+            "algo.aggregator",
+            f"'{cfg.aggregator.name}' needs each client's update; under"
+            " privacy.secure_aggregation=secagg+ the server learns only their sum",
+        )
+    if cosines:
+        raise ConfigError(
+            "algo.update_cosines",
+            "needs each client's update; under secagg+ the server learns only their sum",
+        )
+
+
 # ----------------------------------------------------------------------------- algorithms
 
 
@@ -348,6 +370,7 @@ class FedAvg(Algorithm):
     Client = FedAvgClient
     messages = (TRAIN, EVALUATE, *FedSDPhase.kinds)
     update_kinds = ("train",)
+    secure_fields = {"train": "params"}
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
         if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: the defaults
@@ -360,6 +383,8 @@ class FedAvg(Algorithm):
         self.origin = {k: v.clone() for k, v in self.params.items()}
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.fedsd = FedSDPhase(cfg)
+        if self.secagg is not None:
+            refuse_secagg(cfg, cfg.update_cosines)
 
     @classmethod
     @override

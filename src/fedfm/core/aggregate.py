@@ -189,6 +189,20 @@ class RunningMean:
         self.count += 1
         self.total += w
 
+    def add_sum(self, total: Mapping[str, Tensor], weight: float, count: int) -> None:
+        """Adds ``count`` updates already weighted and summed, Σ_k w_k·(u_k − b) (SecAgg+).
+
+        Raises:
+            ValueError: No reference yet, or a bad total weight.
+        """
+        if self.ref is None:
+            raise ValueError(f"{self.what}: a sum needs the reference tensors first")
+        w = check_weight(weight, self.count, self.what)
+        for name, acc in self._sums.items():
+            acc += total[name].to(device=acc.device, dtype=acc.dtype)
+        self.count += count
+        self.total += w
+
     def result(self) -> Arrays:
         """The mean of the updates added so far (new tensors).
 

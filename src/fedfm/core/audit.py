@@ -86,6 +86,9 @@ class AuditLedger:
         if kind is not None and kind.dp and direction == "up":
             for row in self.pending[first:]:
                 row["privacy"] = kind.privacy_of(row["field"]) or "none"
+        if kind is not None and kind.secagg_fields and direction == "up":
+            for row in self.pending[first:]:  # what SecAgg+ lets leave a client
+                row["secagg"] = kind.secagg_fields.get(row["field"], "none")
         return total
 
     def _record(self, rnd: int, client: str, direction: str, msg: Message) -> int:

@@ -150,6 +150,9 @@ class MessageKind:
         private: In this run, only DP clients send this kind and nothing unnoised may
             leave them: every up field must be in ``dp_fields`` or ``public_fields``
             (checked when the algorithm is built, and on every reply).
+        secagg_fields: Up fields of the SecAgg+ protocol -> what they are (key material,
+            encrypted shares, a masked vector), as the audit ledger marks them.
+        secure_field: Under SecAgg+, the field whose update this kind's masked vector sums.
     """
 
     name: str
@@ -164,6 +167,8 @@ class MessageKind:
     public_fields: tuple[str, ...] = ()
     dp: bool = False
     private: bool = False
+    secagg_fields: Mapping[str, str] = field(default_factory=dict, hash=False)
+    secure_field: str = ""
 
     def as_private(self) -> MessageKind:
         """This kind as DP clients send it: only its DP outputs and public fields travel up."""

@@ -128,6 +128,59 @@ class UserLevelConfig(Strict):
     adaptive: AdaptiveClipConfig | None = None
 
 
+class SecAggConfig(Strict):
+    """SecAgg+ (Bell et al., CCS 2020; see :mod:`fedfm.core.secagg`).
+
+    Defaults as Flower's ``SecAggPlusWorkflow`` where it has them (``max_weight``,
+    ``clipping_range``, ``quantization_range``, ``modulus_range``); ``num_shares`` and
+    ``reconstruction_threshold``, which Flower asks for, default to every sampled client and
+    60% of the shares (ours).
+
+    Attributes:
+        num_shares: Shares of each client's secrets, its own included: an integer above 2,
+            or a fraction (at most 1) of the round's clients.
+        reconstruction_threshold: Shares that rebuild a secret: an integer, or a fraction of
+            ``num_shares``; at least half of the shares and at most all of them.
+        max_weight: A client's example count is carried in its masked vector as
+            ``min(1, n_k/max_weight)`` (larger counts weigh as ``max_weight``).
+        clipping_range: Each coordinate of a weighted update is clipped to ``±clipping_range``
+            before quantisation.
+        quantization_range: Levels of the quantisation, ``[0, quantization_range − 1]``.
+        modulus_range: The modulus of the masked sum, a power of two up to 2**62 above the
+            round's clients times ``quantization_range``.
+    """
+
+    num_shares: int | float = Field(1.0, gt=0)
+    reconstruction_threshold: int | float = Field(0.6, gt=0)
+    max_weight: float = Field(1000.0, gt=0)
+    clipping_range: float = Field(8.0, gt=0)
+    quantization_range: int = Field(4194304, ge=2)
+    modulus_range: int = Field(4294967296, ge=4)
+
+    @field_validator("num_shares")
+    @classmethod
+    def _shares(cls, v: int | float) -> int | float:
+        if isinstance(v, float) and v > 1:
+            raise ValueError("a fraction of the round's clients must be at most 1")
+        if isinstance(v, int) and v <= 2:
+            raise ValueError("as an integer it must be above 2")
+        return v
+
+    @field_validator("reconstruction_threshold")
+    @classmethod
+    def _threshold(cls, v: int | float) -> int | float:
+        if isinstance(v, float) and v > 1:
+            raise ValueError("a fraction of the shares must be at most 1")
+        return v
+
+    @field_validator("modulus_range")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1) or v > 2**62:
+            raise ValueError(f"{v} must be a power of two up to 2**62")
+        return v
+
+
 class _ClientsView(Protocol):
     @property
     def fraction(self) -> float: ...

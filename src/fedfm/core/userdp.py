@@ -457,6 +457,13 @@ class DPSum:
             self.total[k] += t
         self.count += 1
 
+    def add_sum(self, total: Mapping[str, Tensor], bits: float, count: int) -> None:
+        """Adds the sum of ``count`` clients' noised updates and count shares (SecAgg+)."""
+        for k, t in total.items():
+            self.total[k] += _cpu64(t)
+        self.bits += bits
+        self.count += count
+
     def add_reply(self, reply: Message, field: str) -> None:
         """Adds a reply's tensors of ``field`` and, in client mode, its count share."""
         self.add(reply.arrays[field])

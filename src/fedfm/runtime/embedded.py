@@ -84,7 +84,7 @@ def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedg
     return EmbeddedFederation(
         setup.clients(),
         setup.cfg.seed,
-        setup.client.handlers(),
+        setup.handlers(),
         setup.kinds(),
         setup.task,
         store,
