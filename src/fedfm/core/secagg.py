@@ -154,7 +154,8 @@ def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAg
             small for ``most`` quantised vectors.
     """
     shares = _count(cfg.num_shares, sampled)
-    threshold = _count(cfg.reconstruction_threshold, shares)
+    t = cfg.reconstruction_threshold
+    threshold = t if isinstance(t, int) else _count(t, shares)
     if threshold > shares:
         raise ConfigError(
             f"{FIELD}.reconstruction_threshold",
