@@ -219,6 +219,8 @@ class Algorithm:
         self.artefacts = Artefacts()
         self.user_dp = self._user_dp(task, run)
         self.secagg = secagg_of(type(self), run, len(task.client_ids()))
+        if self.secagg is not None and self.user_dp is not None:
+            self.user_dp.secure(self.secagg.threshold)  # distributed DP: ε against the server
 
     def _user_dp(self, task: Task, run: RunConfig) -> UserDP | None:
         """DP-FedAvg when ``privacy.user_level`` asks for it and the algorithm aggregates."""

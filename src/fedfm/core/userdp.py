@@ -166,6 +166,11 @@ def split_noise(z: float, count_stddev: float) -> float:
     return float((z**-2 - (2 * count_stddev) ** -2) ** -0.5)
 
 
+def _finite(x: float) -> float | None:
+    """``x``, or None (JSON null) when it is infinite."""
+    return x if math.isfinite(x) else None
+
+
 def _cpu64(t: Tensor) -> Tensor:
     return t.detach().to("cpu", torch.float64)
 
@@ -236,9 +241,30 @@ class UserDP:
             self.count_stddev = (sb if sb is not None else self.expected / 20) if self.z else 0.0
             self.z_update = split_noise(self.z, self.count_stddev)
         self.share = 1.0 / math.sqrt(cfg.min_clients) if self.client_side else 1.0  # type: ignore[arg-type]
+        self.secure_threshold = 0  # SecAgg+'s t when the server sees only the sum (secure())
         self.state: dict[str, Any] = {"clip": cfg.clip, "rounds": 0}
         self.last: dict[str, float] = {}
         self._noise_seed = 0  # of this round's server noise, drawn with the sample
+        self._note()
+
+    def secure(self, threshold: int) -> None:
+        """The run sums the clients' noised updates under SecAgg+ with threshold ``t``.
+
+        Against the server the ledger then holds the aggregate's Gaussian (multiplier ``z``)
+        for each client's participation rather than each noisy update's (``z/√M``).
+
+        Raises:
+            ConfigError: ``t < min_clients``: a sum of fewer shares than the full noise could
+                be unmasked (``privacy.secagg.reconstruction_threshold``).
+        """
+        m = int(self.cfg.min_clients or 0)
+        if threshold < m:
+            raise ConfigError(
+                "privacy.secagg.reconstruction_threshold",
+                f"{threshold} is below privacy.user_level.min_clients={m}: a sum of fewer noise"
+                " shares than the full noise could be unmasked",
+            )
+        self.secure_threshold = threshold
         self._note()
 
     # ----- checks and calibration -----
@@ -305,6 +331,13 @@ class UserDP:
             self.ledger.add(
                 _Mechanism("dp-fedavg", name, "*", self.z * sens, sens, self.q, 1, "client")
             )
+            return
+        if self.secure_threshold:  # the server sees the sum of at least t ≥ M shares
+            for cid in cids:
+                self.ledger.add_gaussian(
+                    cid, self.z * sens, sens, name="sum seen by the server (SecAgg+)",
+                    relation="client",
+                )  # fmt: skip
             return
         for cid in cids:  # every asked client released its share, answered or not
             self.ledger.add_gaussian(
@@ -383,7 +416,48 @@ class UserDP:
             note["epsilon_secure_aggregation"] = aggregate_epsilon(
                 self.q, self.z, rounds, delta, acc
             )
+        if self.secure_threshold:
+            note["adversary"] = (
+                "an honest-but-curious server that sees only the sum of the noised updates"
+                " (SecAgg+), colluding with fewer than the threshold of clients"
+            )
+            note["secure_aggregation"] = self._secure_note(rounds, delta, acc)
         self.ledger.notes["user_level"] = note
+
+    def _secure_note(self, rounds: int, delta: float, acc: str) -> dict[str, Any]:
+        """What distributed DP under SecAgg+ assumes, and its ε against the server."""
+        m, t = int(self.cfg.min_clients or 0), self.secure_threshold
+        # c clients that collude with the server take their own noise out of the sum.
+        c = t - 1
+        z_left = self.z * math.sqrt((m - c) / m) if m > c else 0.0
+        return {
+            "protocol": "SecAgg+ (Bell et al. 2020)",
+            "threshold": t,
+            "assumptions": (
+                f"honest-but-curious server; fewer than t={t} clients collude with it; at"
+                f" least min_clients={m} noise shares in every unmasked sum (t ≥ min_clients)"
+            ),
+            "epsilon_server_every_round": _finite(
+                aggregate_epsilon(1.0, self.z, rounds, delta, acc)
+            ),
+            "epsilon_server_note": (
+                "the ledger's run ε composes, per client, the rounds it took part in: the"
+                " server drew the sample, so no amplification by sampling against it"
+            ),
+            "epsilon_if_sample_hidden": _finite(
+                aggregate_epsilon(self.q, self.z, rounds, delta, acc)
+            ),
+            "epsilon_every_round_with_colluders": _finite(
+                aggregate_epsilon(1.0, z_left, rounds, delta, acc)
+            ),
+            "colluders": c,
+            "quantisation": (
+                "each client adds its continuous Gaussian share, then clips to ±clipping_range"
+                " and rounds stochastically before masking; ε is that of the continuous sum"
+                " (the distributed discrete Gaussian of Kairouz et al. 2021, which accounts for"
+                " the rounding, is not implemented)"
+            ),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Bound, rounds and the server's secret stream, for the checkpoint."""
