@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm import plots
-from fedfm.core.audit import dp_clients, unprotected
+from fedfm.core.audit import dp_clients, secagg_stages, unprotected
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
@@ -465,6 +465,9 @@ def section_audit(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
         )
         head = ["kind", "field", "type", "direction", "bytes", "messages"]
         out.append(f"<h3>{_esc(r.label)}</h3>" + _table(head, rows) + check)
+        if stages := secagg_stages(r.audit):
+            head = ["stage", "what left the clients", "bytes up", "bytes down"]
+            out.append("<p>SecAgg+ bytes per stage:</p>" + _table(head, stages))
         out.append(_per_round_bytes(r))
     return "".join(out)
 

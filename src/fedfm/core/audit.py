@@ -47,6 +47,24 @@ def unprotected(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def secagg_stages(rows: Iterable[Mapping[str, Any]]) -> list[list[Any]]:
+    """Bytes per SecAgg+ stage: ``[kind, what left the clients, bytes up, bytes down]``.
+
+    A stage is a message kind whose up rows carry a ``secagg`` label, in the order the
+    stages first appear.
+    """
+    rows = list(rows)
+    labels: dict[str, set[str]] = {}
+    for r in rows:
+        if r["direction"] == "up" and r.get("secagg"):
+            labels.setdefault(r["kind"], set()).add(str(r["secagg"]))
+    sums = {k: [0, 0] for k in labels}
+    for r in rows:
+        if r["kind"] in sums:
+            sums[r["kind"]][0 if r["direction"] == "up" else 1] += int(r["bytes"])
+    return [[k, ", ".join(sorted(labels[k])), *sums[k]] for k in labels]
+
+
 class AuditLedger:
     """Records every message field with its shape, dtype and size.
 
