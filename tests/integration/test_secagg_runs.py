@@ -17,13 +17,17 @@ from helpers.config import toy_config
 from helpers.grid import FakeGrid, flower_run
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-SECAGG = {"secure_aggregation": "secagg+", "secagg": {"num_shares": 5, "reconstruction_threshold": 3}}
+SECAGG = {
+    "secure_aggregation": "secagg+",
+    "secagg": {"num_shares": 5, "reconstruction_threshold": 3},
+}
 
 
 def _cfg(tmp: Path, name: str, secure: bool, **kw: Any) -> dict[str, Any]:
     privacy = SECAGG if secure else {}
-    return toy_config(tmp, name=name, **{"seed": 2, "num_clients": 6, "rounds": 2,
-                                         "privacy": privacy, **kw})  # fmt: skip
+    return toy_config(
+        tmp, name=name, **{"seed": 2, "num_clients": 6, "rounds": 2, "privacy": privacy, **kw}
+    )
 
 
 def _rows(folder: Path, log: str) -> list[dict[str, Any]]:
@@ -51,12 +55,13 @@ class DropGrid(FakeGrid):
 
         count = getattr(self, "count", 0)
         for m in self.pending:
-            if m.metadata.dst_node_id == self.drop and m.metadata.message_id in ids:
-                if m.metadata.message_type == W.MESSAGE_TYPE and m.metadata.group_id == "1":
-                    count += 1
-                    self.count = count
-                    if count >= self.at:
-                        self.dead = {self.drop - 100}
+            md = m.metadata
+            mine = md.dst_node_id == self.drop and md.message_id in ids
+            if mine and md.message_type == W.MESSAGE_TYPE and md.group_id == "1":
+                count += 1
+                self.count = count
+                if count >= self.at:
+                    self.dead = {self.drop - 100}
         return super().pull_messages(ids)
 
 
@@ -71,8 +76,11 @@ def test_embedded_and_flower_runs_sum_as_the_plain_run_within_the_bound(tmp_path
     for name in ("emb", "fl"):
         got = _final(tmp_path / name)
         assert 0 < float((got - want).abs().max()) < 1e-3, name
-        ups = {(r["kind"], r["field"], r.get("secagg")) for r in _rows(tmp_path / name, "audit.jsonl")
-               if r["direction"] == "up"}  # fmt: skip
+        ups = {
+            (r["kind"], r["field"], r.get("secagg"))
+            for r in _rows(tmp_path / name, "audit.jsonl")
+            if r["direction"] == "up"
+        }
         assert ups == {
             ("secagg.keys", "keys", "key material"),
             ("secagg.shares", "shares", "encrypted shares"),
@@ -91,16 +99,21 @@ def test_a_flower_node_dropping_at_each_stage_leaves_the_sum_exact(tmp_path: Pat
     """Node 3 dies at a stage of round 1; the round sums the others (and it, if it dies only
     while unmasking), as a plain run of those clients does, within the bound."""
     quick = {"timeout_s": 1}  # how long the server waits for the dead node
-    flower_run(_cfg(tmp_path, "fl", True, rounds=1), tmp_path / "n1",
-               grid_cls=type("Grid", (DropGrid,), {"at": at}), options=quick)  # fmt: skip
+    flower_run(
+        _cfg(tmp_path, "fl", True, rounds=1),
+        tmp_path / "n1",
+        grid_cls=type("Grid", (DropGrid,), {"at": at}),
+        options=quick,
+    )
     fails = _rows(tmp_path / "fl", "failures.jsonl")
     stage = {1: "secagg.keys", 2: "secagg.shares", 3: "train", 4: "secagg.unmask"}[at]
     assert [(f["client"], f["kind"]) for f in fails] == [("3", stage)]
     assert _rows(tmp_path / "fl", "metrics.jsonl")[-1]["clients"] == (6 if at == 4 else 5)
     # The plain run's reference: every client, or node 3 dead at its one message.
     grid = FakeGrid if at == 4 else type("Grid", (DropGrid,), {"at": 1})
-    flower_run(_cfg(tmp_path, "plain", False, rounds=1), tmp_path / "n2", grid_cls=grid,
-               options=quick)  # fmt: skip
+    flower_run(
+        _cfg(tmp_path, "plain", False, rounds=1), tmp_path / "n2", grid_cls=grid, options=quick
+    )
     diff = float((_final(tmp_path / "fl") - _final(tmp_path / "plain")).abs().max())
     assert 0 < diff < 1e-3
 
@@ -115,17 +128,27 @@ def test_a_flower_node_dropping_at_each_stage_leaves_the_sum_exact(tmp_path: Pat
         (["algo.aggregator.name=median"], "algo.aggregator"),
         (["algo.update_cosines=true"], "algo.update_cosines"),
         (
-            ["privacy.user_level.mode=server", "privacy.user_level.clip=1",
-             "privacy.user_level.noise_multiplier=1"],
+            [
+                "privacy.user_level.mode=server",
+                "privacy.user_level.clip=1",
+                "privacy.user_level.noise_multiplier=1",
+            ],
             "privacy.secure_aggregation",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_bad_secagg_input_exits_2_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, over: list[str], field: str
 ) -> None:
-    argv = ["run", "tabular-fedavg", f"out_dir={tmp_path}", "name=bad", "rounds=1",
-            "privacy.secure_aggregation=secagg+", *over]  # fmt: skip
+    argv = [
+        "run",
+        "tabular-fedavg",
+        f"out_dir={tmp_path}",
+        "name=bad",
+        "rounds=1",
+        "privacy.secure_aggregation=secagg+",
+        *over,
+    ]
     code, _, err = run_cli(argv, monkeypatch, capsys)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and field in err, err
@@ -133,29 +156,39 @@ def test_bad_secagg_input_exits_2_with_one_line(
 
 
 def test_tabular_dpfedavg_epsilon_under_secagg_is_recomputed(tmp_path: Path) -> None:
-    """The preset's ε against the server under SecAgg+, from its config by dp-accounting."""
+    """The preset's ε against the server under SecAgg+, recomputed with dp-accounting: per
+    client, a Gaussian of multiplier z (the sum's) for each round it took part in."""
     from fedfm.algorithms.base import ALGORITHMS
+    from fedfm.core.fake import FakeFederation
+    from fedfm.core.privacy import PrivacyLedger
     from fedfm.core.userdp import aggregate_epsilon
     from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
-    cfg = load_config("tabular-dpfedavg", [f"out_dir={tmp_path}", "privacy.secure_aggregation=secagg+"])
+    over = [f"out_dir={tmp_path}", "privacy.secure_aggregation=secagg+"]
+    cfg = load_config("tabular-dpfedavg", over)
     algo_cfg, task_cfg = resolve(cfg)
     task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
     algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
-    dp = algo.user_dp
+    dp, delta = algo.user_dp, 1e-4
     assert dp is not None and algo.secagg is not None
     assert algo.secagg.threshold == math.ceil(0.6 * 60) >= 20  # of 0.2·300 expected clients
-    note = algo.privacy.notes["user_level"]["secure_aggregation"]
-    z, delta = dp.z, 1e-4
-    assert aggregate_epsilon(0.2, z, 40, delta, "rdp") == pytest.approx(4.0, abs=0.05)
-    every = note["epsilon_server_every_round"]
-    assert note["epsilon_if_sample_hidden"] == pytest.approx(aggregate_epsilon(0.2, z, 0, delta, "rdp"))
-    assert every is None or every == 0.0  # no round run yet: nothing spent
-    # After 40 rounds in all of which a client took part, against the server: Gaussian(z)×40.
-    from fedfm.core.privacy import PrivacyLedger
-
+    assert aggregate_epsilon(0.2, dp.z, 40, delta, "rdp") == pytest.approx(4.0, rel=1e-3)
+    fed = FakeFederation([str(i) for i in range(300)], {})
+    taken: dict[str, int] = {}
+    for rnd in (1, 2, 3):
+        fed.rnd = rnd
+        for cid in dp.sample(fed):
+            taken[cid] = taken.get(cid, 0) + 1
     ledger = PrivacyLedger(delta)
-    ledger.add_gaussian("c", z, 1.0, count=40, relation="client")
-    assert ledger.epsilon() == pytest.approx(aggregate_epsilon(1.0, z, 40, delta, "rdp"), rel=1e-9)
-    assert 4.0 < ledger.epsilon() < 116  # above the aggregate's, far below the per-update one
+    for cid, k in taken.items():
+        ledger.add_gaussian(cid, dp.z, 1.0, count=k, relation="client")
+    assert algo.privacy.epsilon() == pytest.approx(ledger.epsilon(), rel=1e-9)
+    most = max(taken.values())
+    assert ledger.epsilon() == pytest.approx(aggregate_epsilon(1.0, dp.z, most, delta, "rdp"))
+    # Without SecAgg+ the server sees each noisy update: multiplier z/√20 per participation.
+    bare = PrivacyLedger(delta)
+    bare.add_gaussian("c", dp.z / math.sqrt(20), 1.0, count=most, relation="client")
+    assert bare.epsilon() > 3 * ledger.epsilon()
+    note = algo.privacy.notes["user_level"]["secure_aggregation"]
+    assert note["threshold"] == 36 and "honest-but-curious" in note["assumptions"]

@@ -37,7 +37,7 @@ matches a control's drift to it).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -71,7 +71,7 @@ from fedfm.core.replies import (
     weighted_mean_metric,
 )
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.secagg import secure_round
+from fedfm.core.secagg import refuse_non_sum, secure_round
 from fedfm.core.train import client_config, local_round
 from fedfm.core.userdp import UPDATE_META, Skipped, UserDP, fold_reply
 from fedfm.errors import ConfigError
@@ -227,7 +227,7 @@ def fedavg_round(
     ups = UpdateCosines(params) if cosines else None
     got = 0
     if algo.secagg is not None:  # the server learns only the sum: no loss, no cosines
-        got = secure_round(fed, algo.secagg, {c: msg for c in cids}, "params", params, delta)
+        got = len(secure_round(fed, algo.secagg, {c: msg for c in cids}, "params", params, delta))
     for cid, r in fed.stream({} if algo.secagg else {c: msg for c in cids}, {"params": params}):
         fold_reply(delta, r, "params")
         got += 1
@@ -305,25 +305,6 @@ def _metrics(reply: Message) -> dict[str, float]:
     return metrics
 
 
-def refuse_secagg(cfg: FedAvgConfig, cosines: bool = False) -> None:
-    """Refuses SecAgg+ with a server step that needs each client's update.
-
-    Raises:
-        ConfigError: A robust aggregator (``algo.aggregator.name``) or update cosines.
-    """
-    if not cfg.aggregator.plain:
-        raise ConfigError(
-            "algo.aggregator",
-            f"'{cfg.aggregator.name}' needs each client's update; under"
-            " privacy.secure_aggregation=secagg+ the server learns only their sum",
-        )
-    if cosines:
-        raise ConfigError(
-            "algo.update_cosines",
-            "needs each client's update; under secagg+ the server learns only their sum",
-        )
-
-
 # ----------------------------------------------------------------------------- algorithms
 
 
@@ -370,7 +351,7 @@ class FedAvg(Algorithm):
     Client = FedAvgClient
     messages = (TRAIN, EVALUATE, *FedSDPhase.kinds)
     update_kinds = ("train",)
-    secure_fields = {"train": "params"}
+    secure_fields: ClassVar[dict[str, str]] = {"train": "params"}
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
         if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: the defaults
@@ -384,7 +365,7 @@ class FedAvg(Algorithm):
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.fedsd = FedSDPhase(cfg)
         if self.secagg is not None:
-            refuse_secagg(cfg, cfg.update_cosines)
+            refuse_non_sum(cfg.aggregator, cfg.update_cosines)
 
     @classmethod
     @override

@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field, field_validator
@@ -91,6 +91,7 @@ from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.replies import MetricMean, meta_number, summarise_by_prefix, weighted_mean_metric
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.secagg import refuse_non_sum, secure_round
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_round, set_params
 from fedfm.core.userdp import UPDATE_META, fold_reply
@@ -384,6 +385,7 @@ class FedeKD(Algorithm):
     Client = FedeKDClient
     messages = (FORWARD, BACKWARD, EVALUATE)
     update_kinds = ("forward", "backward")
+    secure_fields: ClassVar[dict[str, str]] = {"forward": "proxy"}  # the proxy's weighted sum
     personalised = True
 
     def __init__(self, cfg: FedeKDConfig, task: Task, run: RunConfig) -> None:
@@ -396,6 +398,8 @@ class FedeKD(Algorithm):
         self._proxy = shared_proxy(task, run, cfg)
         self.proxy: dict[str, Tensor] = get_params(self._proxy)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+        if self.secagg is not None:
+            refuse_non_sum(cfg.aggregator)
 
     def proxy_model(self) -> nn.Module:
         """The proxy instance this process's server and client halves share (scratch)."""
@@ -408,7 +412,11 @@ class FedeKD(Algorithm):
         dp_meta = self.user_dp.down_meta() if self.user_dp is not None else {}
         msg = Message("forward", {"proxy": self.proxy}, dict(dp_meta))
         delta, fwd_loss, answered = self.opt.accumulator(self.proxy), MetricMean("loss"), []
-        for cid, r in fed.stream({c: msg for c in cids}, like={"proxy": self.proxy}):
+        plain = {c: msg for c in cids}
+        if self.secagg is not None:  # the server learns only the proxies' sum
+            answered = secure_round(fed, self.secagg, plain, "proxy", self.proxy, delta)
+            plain = {}
+        for cid, r in fed.stream(plain, like={"proxy": self.proxy}):
             fold_reply(delta, r, "proxy")
             if "loss" in r.meta:  # a DP client sends none
                 fwd_loss.add(r)

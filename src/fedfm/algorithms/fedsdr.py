@@ -37,7 +37,7 @@ Choices of ours (the paper is silent):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 from torch import Tensor
@@ -59,6 +59,7 @@ from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.secagg import refuse_non_sum
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import TrainResult, client_config, local_train, num_steps, trainable
 from fedfm.fm import FoundationModel
@@ -182,6 +183,7 @@ class FedSDR(Algorithm):
     Client = FedSDRClient
     messages = (TRAIN, EVALUATE, REFINE)
     update_kinds = ("train",)
+    secure_fields: ClassVar[dict[str, str]] = {"train": "params"}  # LoRA-R's weighted sum
 
     def __init__(self, cfg: FedSDRConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
@@ -193,6 +195,8 @@ class FedSDR(Algorithm):
         self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.refinery = Refinery(cfg.refinery)
+        if self.secagg is not None:
+            refuse_non_sum(cfg.aggregator, cfg.update_cosines)
 
     @classmethod
     @override

@@ -67,6 +67,7 @@ from torch import Tensor
 from fedfm.core.aggregate import RunningMean
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.messages import Arrays, Message, MessageKind, MetaSpec
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.seeding import derive_seed
 from fedfm.core.settings import SecAggConfig
 from fedfm.core.userdp import BIT, DPSum
@@ -330,10 +331,11 @@ class ClientSecAgg:
         pairs = [
             x + y
             for x, y in zip(
-                _split(b, t, len(members)), _split(bytes.fromhex(st["s"]), t, len(members)),
+                _split(b, t, len(members)),
+                _split(bytes.fromhex(st["s"]), t, len(members)),
                 strict=True,
             )
-        ]  # fmt: skip
+        ]
         out: Arrays = {}
         for j, pair in zip(members, pairs, strict=True):
             if j == ctx.cid:
@@ -359,12 +361,14 @@ class ClientSecAgg:
                 if i not in st.get("peers_c", {}):
                     raise Refused(f"client {ctx.cid}: a share from {i!r}, not a neighbour")
                 raw = _bytes(ct)
-                key = _hkdf(_agree(bytes.fromhex(st["c"]), bytes.fromhex(st["peers_c"][i])),
-                            b"fedfm share")  # fmt: skip
+                key = _hkdf(
+                    _agree(bytes.fromhex(st["c"]), bytes.fromhex(st["peers_c"][i])), b"fedfm share"
+                )
                 pair = AESGCM(key).decrypt(raw[:12], raw[12:], _aad(i, ctx.cid, ctx.rnd))
                 st["held"][i] = pair.hex()
-            plain = Message(msg.kind, {k: v for k, v in msg.arrays.items() if k != FORWARDED},
-                            dict(msg.meta))  # fmt: skip
+            plain = Message(
+                msg.kind, {k: v for k, v in msg.arrays.items() if k != FORWARDED}, dict(msg.meta)
+            )
             reply = inner(ctx, plain)
             vec = self._vector(reply, plain.arrays[field], field)
             rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
@@ -470,12 +474,14 @@ class SecureSum:
         total: Σ of the vectors' update part per tensor (float64): Σ r_k·u_k, or Σ u_k.
         extra: Σ of the last coordinate: Σ r_k (weighted), or Σ of the clip bits.
         count: ``|U3|``.
+        clients: ``U3``, the clients whose vectors the sum holds.
         dropped: Clients that shared their keys but sent no vector (unmasked from shares).
     """
 
     total: Arrays
     extra: float
     count: int
+    clients: list[str]
     dropped: list[str]
 
 
@@ -520,7 +526,9 @@ def secure_sum(
     graph = neighbours(sorted(keys), sa.shares, derive_seed(fed.seed, fed.rnd, "secagg"))
     short = [c for c, near in graph.items() if len(near) + 1 < t]
     if short:
-        raise _fail(fed, f"client {short[0]} has {len(graph[short[0]]) + 1} shares, fewer than t={t}")
+        raise _fail(
+            fed, f"client {short[0]} has {len(graph[short[0]]) + 1} shares, fewer than t={t}"
+        )
     share_msgs = {c: _share_message(c, graph[c], keys, t) for c in graph}
     shared = _stage(fed, t, "shared their keys", fed.send(share_msgs))
     for c, r in shared.items():
@@ -533,8 +541,14 @@ def secure_sum(
     for c, r in fed.stream(masked):
         y = r.arrays[MASKED]["y"]
         if y.dtype != torch.int64 or y.shape != (d,):
-            fed.failures.append({"round": fed.rnd, "client": c, "kind": r.kind,
-                                 "error": "masked vector of another shape or dtype"})  # fmt: skip
+            fed.failures.append(
+                {
+                    "round": fed.rnd,
+                    "client": c,
+                    "kind": r.kind,
+                    "error": "masked vector of another shape or dtype",
+                }
+            )
             continue
         total += y.numpy().astype(np.uint64)
         sent.append(c)
@@ -543,7 +557,7 @@ def secure_sum(
     dropped = sorted(set(shared) - set(sent))
     total = _unmask(fed, sa, graph, keys, sent, dropped, total)
     vec = total.astype(np.float64) * sa.step - len(sent) * sa.cfg.clipping_range
-    return SecureSum(unflatten(vec[:-1], base), float(vec[-1]), len(sent), dropped)
+    return SecureSum(unflatten(vec[:-1], base), float(vec[-1]), len(sent), sent, dropped)
 
 
 def _stage(fed: Federation, t: int, what: str, got: dict[str, Message]) -> dict[str, Message]:
@@ -563,17 +577,25 @@ def _with_shares(msg: Message, c: str, near: list[str], shared: Mapping[str, Mes
 
 
 def _unmask(
-    fed: Federation, sa: SecAgg, graph: Mapping[str, list[str]], keys: Mapping[str, Message],
-    sent: list[str], dropped: list[str], total: np.ndarray,
-) -> np.ndarray:  # fmt: skip
+    fed: Federation,
+    sa: SecAgg,
+    graph: Mapping[str, list[str]],
+    keys: Mapping[str, Message],
+    sent: list[str],
+    dropped: list[str],
+    total: np.ndarray,
+) -> np.ndarray:
     t, d, alive, gone = sa.threshold, total.size, set(sent), set(dropped)
     asks = {
-        c: Message(UNMASK, meta={
-            "active": sorted((set(graph[c]) | {c}) & alive),
-            "dropped": sorted(set(graph[c]) & gone),
-        })
+        c: Message(
+            UNMASK,
+            meta={
+                "active": sorted((set(graph[c]) | {c}) & alive),
+                "dropped": sorted(set(graph[c]) & gone),
+            },
+        )
         for c in sent
-    }  # fmt: skip
+    }
     replies = fed.send(asks)
     b_shares: dict[str, list[bytes]] = {c: [] for c in sent}
     sk_shares: dict[str, list[bytes]] = {c: [] for c in dropped}
@@ -602,26 +624,50 @@ def _unmask(
 
 def fold_sum(acc: Any, got: SecureSum) -> None:
     """Folds a secure sum into a round's accumulator (a mean of deltas, or DP-FedAvg's sum)."""
-    if isinstance(acc, DPSum):
-        acc.add_sum(got.total, got.extra, got.count)
-    elif isinstance(acc, RunningMean):
+    if isinstance(acc, DPSum | RunningMean):
         acc.add_sum(got.total, got.extra, got.count)
     else:
         raise TypeError(f"SecAgg+ cannot fold into {type(acc).__name__}: not a sum")
 
 
 def secure_round(
-    fed: Federation, sa: SecAgg, messages: Mapping[str, Message], field: str,
-    base: Mapping[str, Tensor], acc: Any,
-) -> int:  # fmt: skip
-    """One update exchange under SecAgg+, its sum folded into ``acc``; the survivors' count."""
+    fed: Federation,
+    sa: SecAgg,
+    messages: Mapping[str, Message],
+    field: str,
+    base: Mapping[str, Tensor],
+    acc: Any,
+) -> list[str]:
+    """One update exchange under SecAgg+, its sum folded into ``acc``; the summed clients."""
     got = secure_sum(fed, sa, messages, base)
     fold_sum(acc, got)
     log.info(
         "round %d: SecAgg+ summed %d clients (%d unmasked from shares)",
-        fed.rnd, got.count, len(got.dropped),
-    )  # fmt: skip
-    return got.count
+        fed.rnd,
+        got.count,
+        len(got.dropped),
+    )
+    return got.clients
+
+
+def refuse_non_sum(aggregator: AggregatorConfig, cosines: bool = False) -> None:
+    """Refuses SecAgg+ with a server step that needs each client's update.
+
+    Raises:
+        ConfigError: A robust aggregator (``algo.aggregator``) or update cosines
+            (``algo.update_cosines``).
+    """
+    if not aggregator.plain:
+        raise ConfigError(
+            "algo.aggregator",
+            f"'{aggregator.name}' needs each client's update; under"
+            " privacy.secure_aggregation=secagg+ the server learns only their sum",
+        )
+    if cosines:
+        raise ConfigError(
+            "algo.update_cosines",
+            "needs each client's update; under secagg+ the server learns only their sum",
+        )
 
 
 def stage_bytes(rows: Iterator[Mapping[str, Any]] | Sequence[Mapping[str, Any]]) -> dict[str, int]:
