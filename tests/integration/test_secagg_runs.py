@@ -192,3 +192,49 @@ def test_tabular_dpfedavg_epsilon_under_secagg_is_recomputed(tmp_path: Path) -> 
     assert bare.epsilon() > 3 * ledger.epsilon()
     note = algo.privacy.notes["user_level"]["secure_aggregation"]
     assert note["threshold"] == 36 and "honest-but-curious" in note["assumptions"]
+
+
+def _server_tensors(folder: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    ck = sorted((folder / "checkpoints").glob("round_*"))[-1]
+    arrays = load_file(ck / "server.safetensors")
+    keep = sorted(k for k in arrays if k.split("/")[0] in ("params", "proxy"))
+    return torch.cat([arrays[k].double().flatten() for k in keep])
+
+
+@pytest.mark.parametrize("algorithm", ["fedprox", "fedekd", "fedsdr", "dp-fedavg"])
+def test_every_sum_algorithm_runs_under_secagg_as_its_plain_run(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """FedProx, FedeKD's proxy, FedSDR's LoRA-R and client-side DP-FedAvg under SecAgg+ (the
+    defaults: every client holds a share, t = 60% of them): only protocol fields leave the
+    clients, and without DP noise the model equals the plain run's within the bound."""
+    from helpers import flower as fs
+
+    base = fs.algorithm_config(tmp_path / "plain", algorithm.replace("dp-", ""))
+    assert base is not None
+    base["rounds"] = 1  # later rounds train from models that differ within the bound
+    if algorithm == "dp-fedavg":
+        level = {"clip": 0.5, "noise_multiplier": 1.0, "mode": "client", "min_clients": 2}
+        base["privacy"] = {"delta": 1e-3, "user_level": level}
+    secure = json.loads(json.dumps(base))
+    secure["out_dir"] = str(tmp_path / "secure")
+    secure.setdefault("privacy", {})["secure_aggregation"] = "secagg+"
+    run(load_config(secure), progress=False)
+    folder = tmp_path / "secure" / base["name"]
+    ups = [r for r in _rows(folder, "audit.jsonl") if r["direction"] == "up"]
+    update = {"fedekd": "forward"}.get(algorithm.replace("dp-", ""), "train")
+    assert {r["field"] for r in ups if r["kind"] == update} == {"masked"}
+    assert {r.get("secagg") for r in ups if r["kind"].startswith("secagg") or r["kind"] == update} == {
+        "key material",
+        "encrypted shares",
+        "masked vector",
+    }
+    if algorithm == "dp-fedavg":  # noised on the clients: no plain twin to compare with
+        note = json.loads((folder / "privacy.json").read_text())["user_level"]
+        assert note["secure_aggregation"]["threshold"] >= 2
+        return
+    run(load_config(base), progress=False)
+    diff = _server_tensors(folder) - _server_tensors(tmp_path / "plain" / base["name"])
+    assert 0 < float(diff.abs().max()) < 1e-3
