@@ -414,7 +414,12 @@ def undeclared(run: RunData) -> list[str]:
 
     if run.algorithm not in ALGORITHMS:
         return [f"algorithm '{run.algorithm}' is not registered here: fields not checked"]
-    kinds = kinds_of(ALGORITHMS.get(run.algorithm))
+    from fedfm.core.secagg import secure_kinds
+
+    algo = ALGORITHMS.get(run.algorithm)
+    kinds = kinds_of(algo)
+    if any(r.get("secagg") for r in run.audit):  # the kinds in their SecAgg+ form
+        kinds = secure_kinds(kinds, algo.secure_fields, dp=False)
     bad: dict[tuple[str, str, str], int] = {}
     for row in run.audit:
         kind = kinds.get(row["kind"])

@@ -92,6 +92,7 @@ def test_embedded_and_flower_runs_sum_as_the_plain_run_within_the_bound(tmp_path
 
     html = write_html([tmp_path / "emb"], tmp_path / "report.html").read_text()
     assert "SecAgg+ bytes per stage" in html and "encrypted shares" in html
+    assert "every field that crossed the wire is declared" in html
 
 
 @pytest.mark.parametrize("at", [1, 2, 3, 4], ids=["keys", "shares", "masked", "unmask"])
