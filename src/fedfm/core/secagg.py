@@ -205,10 +205,16 @@ def _hkdf(secret: bytes, info: bytes) -> bytes:
 
 
 def prg(seed: bytes, d: int, modulus: int) -> np.ndarray:
-    """``d`` values in ``[0, modulus)`` from AES-256-CTR keyed by HKDF(seed) (uint64)."""
+    """``d`` values in ``[0, modulus)`` from AES-256-CTR keyed by HKDF(seed), as uint64.
+
+    Four keystream bytes per value up to a modulus of 2**32, eight above.
+    """
     key = _hkdf(seed, b"fedfm secagg+ mask")
-    stream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(8 * d))
-    return np.frombuffer(stream, dtype=np.uint64) & np.uint64(modulus - 1)
+    word = np.uint32 if modulus <= 2**32 else np.uint64
+    size = np.dtype(word).itemsize
+    encrypt = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+    stream = np.frombuffer(encrypt.update(bytes(size * d)), dtype=word)
+    return stream.astype(np.uint64) & np.uint64(modulus - 1)
 
 
 def _split(secret: bytes, t: int, n: int) -> list[bytes]:
@@ -262,6 +268,24 @@ def quantise(x: np.ndarray, sa: SecAgg, rng: np.random.Generator) -> np.ndarray:
     low = np.floor(y)
     q = low + (rng.random(y.shape) < (y - low))
     return np.minimum(q, sa.cfg.quantization_range - 1).astype(np.uint64)
+
+
+def wire_dtype(modulus: int) -> torch.dtype:
+    """The tensor dtype of a masked vector: 4 bytes a value up to a modulus of 2**32."""
+    return torch.int32 if modulus <= 2**32 else torch.int64
+
+
+def to_wire(y: np.ndarray, modulus: int) -> Tensor:
+    """Values in ``[0, modulus)`` as a signed tensor of the same bits (no signed overflow)."""
+    if modulus <= 2**32:
+        return torch.from_numpy(y.astype(np.uint32).view(np.int32))
+    return torch.from_numpy(y.view(np.int64))
+
+
+def from_wire(t: Tensor) -> np.ndarray:
+    """:func:`to_wire`'s tensor back to uint64 values."""
+    a = t.numpy()
+    return (a.view(np.uint32) if a.dtype == np.int32 else a.view(np.uint64)).astype(np.uint64)
 
 
 def unflatten(v: np.ndarray, like: Mapping[str, Tensor]) -> Arrays:
@@ -372,15 +396,17 @@ class ClientSecAgg:
             reply = inner(ctx, plain)
             vec = self._vector(reply, plain.arrays[field], field)
             rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
-            y = quantise(vec, self.sa, rng) + prg(bytes.fromhex(st["b"]), vec.size, 1 << 64)
+            modulus = self.sa.cfg.modulus_range
+            y = quantise(vec, self.sa, rng)
+            y += prg(bytes.fromhex(st["b"]), vec.size, modulus)
             own = bytes.fromhex(st["s"])
-            for j in sorted(forwarded):
-                m = prg(_agree(own, bytes.fromhex(st["peers_s"][j])), vec.size, 1 << 64)
-                y = y + m if ctx.cid < j else y - m
-            y &= np.uint64(self.sa.cfg.modulus_range - 1)
+            for j in sorted(forwarded):  # uint64 wraps modulo 2**64, a multiple of M
+                m = prg(_agree(own, bytes.fromhex(st["peers_s"][j])), vec.size, modulus)
+                (np.add if ctx.cid < j else np.subtract)(y, m, out=y)
+            y &= np.uint64(modulus - 1)
             st["sent"] = True
             st["masked_with"] = sorted(forwarded)
-            return Message(msg.kind, {MASKED: {"y": torch.from_numpy(y.astype(np.int64))}})
+            return Message(msg.kind, {MASKED: {"y": to_wire(y, modulus)}})
 
         return handle
 
@@ -540,7 +566,7 @@ def secure_sum(
     masked = {c: _with_shares(messages[c], c, graph[c], shared) for c in shared}
     for c, r in fed.stream(masked):
         y = r.arrays[MASKED]["y"]
-        if y.dtype != torch.int64 or y.shape != (d,):
+        if y.dtype != wire_dtype(sa.cfg.modulus_range) or y.shape != (d,):
             fed.failures.append(
                 {
                     "round": fed.rnd,
@@ -550,7 +576,7 @@ def secure_sum(
                 }
             )
             continue
-        total += y.numpy().astype(np.uint64)
+        total += from_wire(y)
         sent.append(c)
     if len(sent) < t:
         raise _fail(fed, f"{len(sent)} clients sent masked vectors, fewer than t={t}")
@@ -609,13 +635,14 @@ def _unmask(
     for who, got in (*b_shares.items(), *sk_shares.items()):
         if len(got) < t:
             raise _fail(fed, f"{len(got)} shares of client {who}'s secret, fewer than t={t}")
+    modulus = sa.cfg.modulus_range
     for c in sent:
-        total -= prg(_combine(b_shares[c][:t]), d, 1 << 64)
+        total -= prg(_combine(b_shares[c][:t]), d, modulus)
     for x in dropped:
         sk = _combine(sk_shares[x][:t])
         for j in sorted(set(graph[x]) & alive):
-            m = prg(_agree(sk, _bytes(keys[j].arrays["keys"]["s"])), d, 1 << 64)
-            total = total - m if j < x else total + m  # j added +m when j < x
+            m = prg(_agree(sk, _bytes(keys[j].arrays["keys"]["s"])), d, modulus)
+            (np.subtract if j < x else np.add)(total, m, out=total)  # j added +m when j < x
     return total & np.uint64(sa.cfg.modulus_range - 1)
 
 

@@ -18,6 +18,7 @@ from fedfm.core.secagg import (
     ClientSecAgg,
     SecAgg,
     _combine,
+    from_wire,
     prg,
     quantise,
     resolve,
@@ -175,7 +176,7 @@ def test_the_servers_messages_alone_do_not_give_a_clients_vector() -> None:
     got = secure_sum(cl2.fed, cl2.sa, cl2.messages(), BASE)
     modulus = cl2.sa.cfg.modulus_range
     for cid in ("0", "6"):
-        y = ups[cid]["train"].arrays[MASKED]["y"].numpy().astype(np.uint64)
+        y = from_wire(ups[cid]["train"].arrays[MASKED]["y"])
         x = np.append(min(1.0, SIZES[cid] / 400.0) * _flat(cl2.vectors[cid]), 0.0)
         q = quantise(x, cl2.sa, np.random.default_rng(0)).astype(np.int64)
         # Off by far more than rounding: the masks look uniform on [0, M).
@@ -191,10 +192,10 @@ def test_the_servers_messages_alone_do_not_give_a_clients_vector() -> None:
         sk_holders = [j for j in ups if UNMASK in ups[j] and cid in ups[j][UNMASK].arrays["sk"]]
         assert len(b) >= cl2.sa.threshold and sk_holders == []
         d = y.size
-        left = (y - prg(_combine(b[: cl2.sa.threshold]), d, 1 << 64)) & np.uint64(modulus - 1)
+        left = (y - prg(_combine(b[: cl2.sa.threshold]), d, modulus)) & np.uint64(modulus - 1)
         assert np.abs(left.astype(np.int64) - q).min() > 1000
         # t − 1 shares rebuild another seed: the self mask does not come off.
-        wrong = (y - prg(_combine(b[: cl2.sa.threshold - 1]), d, 1 << 64)) & np.uint64(modulus - 1)
+        wrong = (y - prg(_combine(b[: cl2.sa.threshold - 1]), d, modulus)) & np.uint64(modulus - 1)
         assert not np.array_equal(wrong, left)
     assert got.count == 6
 
