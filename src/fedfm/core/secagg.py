@@ -252,22 +252,23 @@ def _aad(sender: str, receiver: str, rnd: int) -> bytes:
 
 
 def flat_update(reply: Arrays, sent: Arrays) -> np.ndarray:
-    """``reply − sent`` over every tensor in sorted name order, float64."""
-    return np.concatenate(
-        [
-            (reply[k].detach().double() - sent[k].detach().double()).flatten().numpy()
-            for k in sorted(sent)
-        ]
-    )
+    """``reply − sent`` over every tensor in sorted name order (in their dtype, as the plain
+    mean takes it), as float64."""
+    parts = [(reply[k].detach() - sent[k].detach()).flatten().numpy() for k in sorted(sent)]
+    return np.concatenate(parts).astype(np.float64)
 
 
 def quantise(x: np.ndarray, sa: SecAgg, rng: np.random.Generator) -> np.ndarray:
     """Clip to ``±clipping_range``, stochastic rounding to ``[0, Q−1]`` (uint64)."""
     c = sa.cfg.clipping_range
-    y = (np.clip(x, -c, c) + c) / sa.step
+    y = np.clip(x, -c, c)
+    y += c
+    y /= sa.step
     low = np.floor(y)
-    q = low + (rng.random(y.shape) < (y - low))
-    return np.minimum(q, sa.cfg.quantization_range - 1).astype(np.uint64)
+    y -= low  # the fraction: rounded up with that probability
+    q = low.astype(np.uint64)
+    q += rng.random(y.shape) < y
+    return np.minimum(q, np.uint64(sa.cfg.quantization_range - 1), out=q)
 
 
 def wire_dtype(modulus: int) -> torch.dtype:
