@@ -40,8 +40,10 @@ compose. Against whom:
   part in, that is a Gaussian of multiplier ``z/√M`` on that client's data, with no
   amplification by sampling (the server drew the sample): this is what the ledger composes,
   client by client. The aggregate's ε (what secure aggregation of the shares would give
-  against the server) is reported beside it (``epsilon_secure_aggregation``); fedfm does not
-  run secure aggregation.
+  against the server) is reported beside it (``epsilon_secure_aggregation``).
+* ``client`` mode under SecAgg+ (``privacy.secure_aggregation``, :mod:`fedfm.core.secagg`):
+  the server sees only the sum of at least ``t ≥ M`` shares, so the ledger composes a
+  Gaussian of multiplier ``z`` per participation (:meth:`UserDP.secure`).
 
 ``epsilon`` calibrates ``z`` for the aggregate after the run's ``rounds`` (dp-accounting's
 ``calibrate_dp_mechanism``); a given ``noise_multiplier`` is checked against it.
