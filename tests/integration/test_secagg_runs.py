@@ -227,7 +227,9 @@ def test_every_sum_algorithm_runs_under_secagg_as_its_plain_run(
     ups = [r for r in _rows(folder, "audit.jsonl") if r["direction"] == "up"]
     update = {"fedekd": "forward"}.get(algorithm.replace("dp-", ""), "train")
     assert {r["field"] for r in ups if r["kind"] == update} == {"masked"}
-    assert {r.get("secagg") for r in ups if r["kind"].startswith("secagg") or r["kind"] == update} == {
+    assert {
+        r.get("secagg") for r in ups if r["kind"].startswith("secagg") or r["kind"] == update
+    } == {
         "key material",
         "encrypted shares",
         "masked vector",

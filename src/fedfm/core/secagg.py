@@ -252,8 +252,10 @@ def _aad(sender: str, receiver: str, rnd: int) -> bytes:
 
 
 def flat_update(reply: Arrays, sent: Arrays) -> np.ndarray:
-    """``reply − sent`` over every tensor in sorted name order (in their dtype, as the plain
-    mean takes it), as float64."""
+    """``reply − sent`` in sorted name order, as float64 (subtracted in their own dtype).
+
+    The plain mean subtracts in the tensors' dtype too, so both sum the same differences.
+    """
     parts = [(reply[k].detach() - sent[k].detach()).flatten().numpy() for k in sorted(sent)]
     return np.concatenate(parts).astype(np.float64)
 
@@ -633,9 +635,9 @@ def _unmask(
         for j, s in r.arrays["sk"].items():
             if j in sk_shares:
                 sk_shares[j].append(_bytes(s))
-    for who, got in (*b_shares.items(), *sk_shares.items()):
-        if len(got) < t:
-            raise _fail(fed, f"{len(got)} shares of client {who}'s secret, fewer than t={t}")
+    short = sorted(w for w, got in (*b_shares.items(), *sk_shares.items()) if len(got) < t)
+    if short:
+        raise _fail(fed, f"fewer than t={t} shares of the secrets of clients {', '.join(short)}")
     modulus = sa.cfg.modulus_range
     for c in sent:
         total -= prg(_combine(b_shares[c][:t]), d, modulus)

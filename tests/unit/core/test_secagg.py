@@ -26,6 +26,7 @@ from fedfm.core.secagg import (
     secure_round,
     secure_sum,
 )
+from fedfm.core.seeding import derive_seed
 from fedfm.core.settings import SecAggConfig
 from fedfm.core.state import ClientState
 from fedfm.errors import TooFewClientsError
@@ -133,11 +134,14 @@ def test_too_few_shares_of_a_dropped_clients_key_fail_the_round() -> None:
     keys = cl.fed.send({c: Message(KEYS) for c in CIDS})
     from fedfm.core.secagg import neighbours
 
-    near = neighbours(sorted(keys), cl.sa.shares, 0)["3"]
-    cl.drop.update({j: UNMASK for j in near[:3]})
+    graph = neighbours(sorted(keys), cl.sa.shares, derive_seed(0, cl.fed.rnd, "secagg"))
+    near = graph["3"]  # four holders of 3's shares: two die, two are left (t = 3)
+    cl.drop.update({j: UNMASK for j in near[:2]})
     cl.states = {c: ClientState() for c in CIDS}  # a fresh round
     cl.fed.failures.clear()
-    with pytest.raises(TooFewClientsError, match="fewer than t=3"):
+    with pytest.raises(
+        TooFewClientsError, match=r"fewer than t=3 shares of the secrets of clients [\d, ]*\b3\b"
+    ):
         secure_sum(cl.fed, cl.sa, cl.messages(), BASE)
 
 
