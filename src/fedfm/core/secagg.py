@@ -252,11 +252,15 @@ def _aad(sender: str, receiver: str, rnd: int) -> bytes:
 
 
 def flat_update(reply: Arrays, sent: Arrays) -> np.ndarray:
-    """``reply − sent`` in sorted name order, as float64 (subtracted in their own dtype).
+    """``reply − sent`` in sorted name order, as float64.
 
-    The plain mean subtracts in the tensors' dtype too, so both sum the same differences.
+    Subtracted in each tensor's compute dtype (float32, float64 for float64), as the plain
+    mean subtracts, so both sum the same differences.
     """
-    parts = [(reply[k].detach() - sent[k].detach()).flatten().numpy() for k in sorted(sent)]
+    parts = []
+    for k in sorted(sent):
+        cd = torch.promote_types(sent[k].dtype, torch.float32)
+        parts.append((reply[k].detach().to(cd) - sent[k].detach().to(cd)).flatten().numpy())
     return np.concatenate(parts).astype(np.float64)
 
 
