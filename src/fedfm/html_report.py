@@ -472,9 +472,20 @@ def section_audit(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
         out.append(f"<h3>{_esc(r.label)}</h3>" + _table(head, rows) + check)
         if stages := secagg_stages(r.audit):
             head = ["stage", "what left the clients", "bytes up", "bytes down"]
-            out.append("<p>SecAgg+ bytes per stage:</p>" + _table(head, stages))
+            out.append(_secagg_guarantee(r) + _table(head, stages))
         out.append(_per_round_bytes(r))
     return "".join(out)
+
+
+def _secagg_guarantee(run: RunData) -> str:
+    """What SecAgg+ promised this run, with its threshold (DESIGN.md principle 19)."""
+    t = next((row["secagg/threshold"] for row in run.rows if "secagg/threshold" in row), "t")
+    return (
+        f"<p>SecAgg+ (threshold t = {_esc(t)}): against an honest-but-curious server colluding"
+        " with fewer than t clients, the server learned only the sum of the vectors it got;"
+        " a round with fewer than t survivors, or fewer than t shares of a secret, failed"
+        " before anything was unmasked. SecAgg+ bytes per stage:</p>"
+    )
 
 
 def _per_round_bytes(run: RunData) -> str:

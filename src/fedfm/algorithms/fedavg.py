@@ -225,9 +225,10 @@ def fedavg_round(
     msg = train_message(params, opt)
     delta, loss = opt.accumulator(params), MetricMean("loss")
     ups = UpdateCosines(params) if cosines else None
-    got = 0
+    got, secure = 0, dict[str, float]()
     if algo.secagg is not None:  # the server learns only the sum: no loss, no cosines
-        got = len(secure_round(fed, algo.secagg, {c: msg for c in cids}, "params", params, delta))
+        summed = secure_round(fed, algo.secagg, {c: msg for c in cids}, "params", params, delta)
+        got, secure = summed.count, summed.metrics()
     for cid, r in fed.stream({} if algo.secagg else {c: msg for c in cids}, {"params": params}):
         fold_reply(delta, r, "params")
         got += 1
@@ -239,6 +240,7 @@ def fedavg_round(
     new = opt.apply_delta(params, delta.result()) if got or opt.user_dp else dict(params)
     metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
     metrics["clients"] = got
+    metrics.update(secure)
     if origin is not None:
         metrics["update_norm"] = update_norm(new, origin)
     return new, {**metrics, **(ups.result() if ups is not None else {})}

@@ -413,9 +413,10 @@ class FedeKD(Algorithm):
         msg = Message("forward", {"proxy": self.proxy}, dict(dp_meta))
         delta, fwd_loss, answered = self.opt.accumulator(self.proxy), MetricMean("loss"), []
         plain = {c: msg for c in cids}
+        secure: dict[str, float] = {}
         if self.secagg is not None:  # the server learns only the proxies' sum
-            answered = secure_round(fed, self.secagg, plain, "proxy", self.proxy, delta)
-            plain = {}
+            summed = secure_round(fed, self.secagg, plain, "proxy", self.proxy, delta)
+            answered, secure, plain = summed.clients, summed.metrics(), {}
         for cid, r in fed.stream(plain, like={"proxy": self.proxy}):
             fold_reply(delta, r, "proxy")
             if "loss" in r.meta:  # a DP client sends none
@@ -433,6 +434,7 @@ class FedeKD(Algorithm):
         if reported:
             out["train_loss"] = weighted_mean_metric(reported, "loss")
         out["clients"] = len(bwd)
+        out.update(secure)
         gated = {c: r for c, r in bwd.items() if "energy" in r.meta}
         if gated:
             out["energy"] = weighted_mean_metric(gated, "energy")

@@ -516,6 +516,15 @@ class SecureSum:
     count: int
     clients: list[str]
     dropped: list[str]
+    threshold: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The round's SecAgg+ figures: its threshold, the clients summed, those unmasked."""
+        return {
+            "secagg/threshold": self.threshold,
+            "secagg/summed": self.count,
+            "secagg/unmasked_dropped": len(self.dropped),
+        }
 
 
 def neighbours(cids: Sequence[str], shares: int, seed: int) -> dict[str, list[str]]:
@@ -590,7 +599,8 @@ def secure_sum(
     dropped = sorted(set(shared) - set(sent))
     total = _unmask(fed, sa, graph, keys, sent, dropped, total)
     vec = total.astype(np.float64) * sa.step - len(sent) * sa.cfg.clipping_range
-    return SecureSum(unflatten(vec[:-1], base), float(vec[-1]), len(sent), sent, dropped)
+    total_arrays = unflatten(vec[:-1], base)
+    return SecureSum(total_arrays, float(vec[-1]), len(sent), sent, dropped, t)
 
 
 def _stage(fed: Federation, t: int, what: str, got: dict[str, Message]) -> dict[str, Message]:
@@ -671,8 +681,8 @@ def secure_round(
     field: str,
     base: Mapping[str, Tensor],
     acc: Any,
-) -> list[str]:
-    """One update exchange under SecAgg+, its sum folded into ``acc``; the summed clients."""
+) -> SecureSum:
+    """One update exchange under SecAgg+, its sum folded into ``acc`` (and returned)."""
     got = secure_sum(fed, sa, messages, base)
     fold_sum(acc, got)
     log.info(
@@ -681,7 +691,7 @@ def secure_round(
         got.count,
         len(got.dropped),
     )
-    return got.clients
+    return got
 
 
 def refuse_non_sum(aggregator: AggregatorConfig, cosines: bool = False) -> None:

@@ -109,7 +109,12 @@ def test_fedavg_delta_through_secagg_equals_the_weighted_mean() -> None:
     cl = Clients({"5": "train"})
     acc = mean_delta(BASE)
     summed = secure_round(cl.fed, cl.sa, cl.messages(), "params", BASE, acc)
-    assert sorted(summed) == ["0", "1", "2", "3", "4", "6"]
+    assert sorted(summed.clients) == ["0", "1", "2", "3", "4", "6"]
+    assert summed.metrics() == {
+        "secagg/threshold": 3,
+        "secagg/summed": 6,
+        "secagg/unmasked_dropped": 1,
+    }
     want, weight = cl.plain([c for c in CIDS if c != "5"])
     got = _flat(acc.result())
     # |S'/W' − S/W| ≤ (|ΔS| + |S/W|·|ΔW|)/W' with |ΔS|, |ΔW| ≤ the bound
