@@ -241,3 +241,22 @@ def test_every_sum_algorithm_runs_under_secagg_as_its_plain_run(
     run(load_config(base), progress=False)
     diff = _server_tensors(folder) - _server_tensors(tmp_path / "plain" / base["name"])
     assert 0 < float(diff.abs().max()) < 1e-3
+
+
+def test_distributed_dp_runs_on_the_flower_grid(tmp_path: Path) -> None:
+    """Client-side DP-FedAvg under SecAgg+ on Flower: only the masked, noised vector and the
+    protocol's public key material leave the clients; the ledger names the threshold."""
+    level = {"clip": 0.5, "noise_multiplier": 1.0, "mode": "client", "min_clients": 3}
+    privacy = {**SECAGG, "delta": 1e-3, "user_level": level}
+    cfg = _cfg(tmp_path, "dp", True, privacy=privacy)
+    flower_run(cfg, tmp_path / "nodes")
+    ups = {
+        (r["kind"], r["field"], r.get("privacy"), r.get("secagg"))
+        for r in _rows(tmp_path / "dp", "audit.jsonl")
+        if r["direction"] == "up"
+    }
+    assert ("train", "masked", "dp", "masked vector") in ups
+    assert {p for _, _, p, _ in ups} == {"dp", "public"}
+    note = json.loads((tmp_path / "dp" / "privacy.json").read_text())["user_level"]
+    assert note["secure_aggregation"]["threshold"] == 3
+    assert "fewer than t=3 clients collude" in note["secure_aggregation"]["assumptions"]
