@@ -139,4 +139,9 @@ def test_the_runnable_blocks_run_as_written(tmp_path):
     # The run submitted with Flower's own commands finished.
     summary = json.loads((work / "runs" / "existing" / "summary.json").read_text())
     assert summary["rounds"] == 1 and summary["failed_clients"] == 0
+    # The SecAgg+ deployment: one masked vector per client and round, nothing else summed.
+    secagg = (work / "runs" / "secagg" / "audit.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in secagg]
+    train_up = [r["field"] for r in rows if r["kind"] == "train" and r["direction"] == "up"]
+    assert train_up == ["masked"] * 6
     assert not list((tmp_path / "tmp").iterdir())  # the fedfm commands cleaned up

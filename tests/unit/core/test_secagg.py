@@ -222,3 +222,15 @@ def test_bad_secagg_parameters_are_refused_naming_the_field() -> None:
         resolve(SecAggConfig(num_shares=1.0, reconstruction_threshold=3), 10, 10, True)
     with pytest.raises(ConfigError, match=r"modulus_range.*sum of 10 clients"):
         resolve(SecAggConfig(quantization_range=2**20, modulus_range=2**23), 10, 10, True)
+
+
+def test_a_client_refuses_a_threshold_below_its_own_config() -> None:
+    """A server that asks for fewer shares than the config's threshold is refused (logged)."""
+    cl = Clients()
+    keys = cl.fed.send({c: Message(KEYS) for c in CIDS})
+    arrays = {f"{j}/{w}": keys[j].arrays["keys"][w] for j in ("1", "2", "3", "4") for w in "cs"}
+    low = Message(SHARES, {"keys": arrays}, {"threshold": 2})  # config: 3 of 5 shares
+    assert cl.fed.send({"0": low}) == {}
+    assert "threshold 2 for 5 shares is outside [3, 5]" in cl.fed.failures[-1]["error"]
+    ok = Message(SHARES, {"keys": arrays}, {"threshold": 3})
+    assert set(cl.fed.send({"0": ok})["0"].arrays["shares"]) == {"1", "2", "3", "4"}
