@@ -136,6 +136,16 @@ def test_a_flower_node_dropping_at_each_stage_leaves_the_sum_exact(tmp_path: Pat
             ],
             "privacy.secure_aggregation",
         ),
+        (
+            [
+                "privacy.user_level.mode=client",
+                "privacy.user_level.clip=1",
+                "privacy.user_level.noise_multiplier=1",
+                "privacy.user_level.min_clients=8",
+                "privacy.secagg.reconstruction_threshold=6",
+            ],
+            "privacy.secagg.reconstruction_threshold",
+        ),
     ],
 )
 def test_bad_secagg_input_exits_2_with_one_line(
