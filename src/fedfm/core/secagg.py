@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -712,13 +712,3 @@ def refuse_non_sum(aggregator: AggregatorConfig, cosines: bool = False) -> None:
             "algo.update_cosines",
             "needs each client's update; under secagg+ the server learns only their sum",
         )
-
-
-def stage_bytes(rows: Iterator[Mapping[str, Any]] | Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """Uplink bytes per SecAgg+ label over audit rows (for the report)."""
-    out: dict[str, int] = {}
-    for r in rows:
-        label = r.get("secagg")
-        if label and r.get("direction") == "up":
-            out[str(label)] = out.get(str(label), 0) + int(r["bytes"])
-    return out
