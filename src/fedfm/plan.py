@@ -241,10 +241,22 @@ def parallel_workers(cfg: RunConfig, task: Any) -> int:
     """Workers for a run whose ``task`` is built (its weights and data already in memory).
 
     Explicit values are taken as they are; ``auto`` fits the workers' training memory (as
-    :func:`make_plan` counts it) into the memory available now.
+    :func:`make_plan` counts it) into the memory available now. The global random states are
+    left as they were (building a model on ``meta`` may seed them), so that a run draws the
+    same numbers whatever its ``clients.parallel``.
     """
     if cfg.clients.parallel == 1:
         return 1
+    from fedfm.core.checkpoint import rng_state, set_rng_state
+
+    saved = rng_state()
+    try:
+        return _parallel_workers(cfg, task)
+    finally:
+        set_rng_state(saved)
+
+
+def _parallel_workers(cfg: RunConfig, task: Any) -> int:
     from fedfm import devices
     from fedfm.engine import resolve
     from fedfm.tasks.lm import InstructionConfig
