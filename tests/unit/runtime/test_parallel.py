@@ -189,3 +189,47 @@ def test_parallel_is_checked_at_load(tmp_path: Path, changes: dict, message: str
     with pytest.raises((ConfigError, ValueError), match=message):
         load_config(toy_config(tmp_path, "fedavg", **changes))
     assert load_config(toy_config(tmp_path, clients={"parallel": "auto"})).clients.parallel
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_the_plan_counts_each_workers_training_memory_and_auto_fits_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedfm import devices, plan
+    from fedfm.engine import build
+    from helpers.bases import INSTRUCTION
+    from helpers.config import make_config
+
+    assert plan.fit_workers(8, 100, 350) == 3 and plan.fit_workers(2, 100, 10**6) == 2
+    assert plan.fit_workers(8, 100, 50) == 1  # one client at a time always runs
+    monkeypatch.setattr(plan, "_rss", lambda: 0)  # no measured data: equal plans
+    made = {
+        p: plan.make_plan(load_config(make_config(INSTRUCTION, tmp_path, clients={"parallel": p})))
+        for p in (1, 3)
+    }
+    one, three = made[1], made[3]
+    training = one.client.peak - one.client.parts["weights"]
+    evaluation = one.server.parts["evaluation"]
+    base = one.server.peak - evaluation
+    assert three.workers == 3 and one.workers == 1 and 3 * training > evaluation
+    assert one.process == base + max(evaluation, training)
+    assert three.process == base + 3 * training  # each worker its own training memory
+    assert "3 trained at once in worker processes" in three.summary()
+    # auto: as many workers as cores and sampled clients, no more than the memory holds.
+    monkeypatch.setattr(devices, "cores", lambda: 16)
+    auto = load_config(make_config(INSTRUCTION, tmp_path, clients={"parallel": "auto"}))
+    assert plan.make_plan(auto).workers == 3  # three sampled clients (one per domain)
+    free = base + 2 * training + training // 2
+    monkeypatch.setattr(devices, "memory_available", lambda device: free)
+    fitted = plan.make_plan(auto)
+    assert fitted.workers == 2 and fitted.fits
+    monkeypatch.setattr(devices, "cores", lambda: 2)
+    monkeypatch.setattr(devices, "memory_available", lambda device: 10 * training)
+    assert plan.make_plan(auto).workers == 2  # no more workers than cores
+    # In a run the weights are loaded already: the memory free now is the workers'.
+    setup = build(auto)
+    assert plan.parallel_workers(auto, setup.task) == 2
+    monkeypatch.setattr(devices, "memory_available", lambda device: int(1.5 * training))
+    assert plan.parallel_workers(auto, setup.task) == 1
