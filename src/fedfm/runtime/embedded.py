@@ -101,8 +101,7 @@ class EmbeddedFederation(Federation):
         """The clients in forked workers; each outcome as :meth:`ClientRunner.call`'s."""
         call, rnd = self.runner.call, self.rnd
         jobs = [
-            partial(call, cid, rnd, self.store.get(cid), msg, like)
-            for cid, msg in messages.items()
+            partial(call, cid, rnd, self.store.get(cid), msg, like) for cid, msg in messages.items()
         ]
         workers = min(self.workers, len(jobs))
         outcomes = side_by_side(jobs, workers, worker_threads(self.threads, workers))
