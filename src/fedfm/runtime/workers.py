@@ -112,7 +112,7 @@ def _death(status: int) -> str:
     return f"its worker process exited with code {os.waitstatus_to_exitcode(status)}"
 
 
-def _finish(run: _Running) -> tuple[Any | BaseException, Any]:
+def _finish(run: _Running) -> tuple[Any, Any]:
     """The job's result (or its failure) and the generator state it left, once its pipe closed."""
     os.close(run.fd)
     _, status = os.waitpid(run.pid, 0)
@@ -124,7 +124,7 @@ def _finish(run: _Running) -> tuple[Any | BaseException, Any]:
 
 def side_by_side(
     jobs: Sequence[Callable[[], Any]], workers: int, threads: int
-) -> Iterator[Any | BaseException]:
+) -> Iterator[Any]:
     """Runs each job in a forked worker, at most ``workers`` at once.
 
     Args:
@@ -138,7 +138,7 @@ def side_by_side(
         are killed.
     """
     running: dict[int, _Running] = {}
-    done: dict[int, tuple[Any | BaseException, Any]] = {}
+    done: dict[int, tuple[Any, Any]] = {}
     nxt = head = 0
     sel = selectors.DefaultSelector()
     try:
