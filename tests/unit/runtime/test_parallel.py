@@ -233,3 +233,23 @@ def test_the_plan_counts_each_workers_training_memory_and_auto_fits_them(
     assert plan.parallel_workers(auto, setup.task) == 2
     monkeypatch.setattr(devices, "memory_available", lambda device: int(1.5 * training))
     assert plan.parallel_workers(auto, setup.task) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("0", "error: config error: clients.parallel: must be auto or a number of worker"),
+        ("some", "clients.parallel"),
+    ],
+)
+def test_a_bad_parallel_on_the_command_line_is_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    value: str, expected: str,
+) -> None:  # fmt: skip
+    from helpers.cli import run_cli
+
+    args = ["run", "tabular-fedavg", "rounds=1", f"out_dir={tmp_path}", f"clients.parallel={value}"]
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.strip().lower().startswith(expected.lower()) or expected in err
+    assert not list(tmp_path.iterdir())  # nothing written
