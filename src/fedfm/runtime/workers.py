@@ -122,9 +122,7 @@ def _finish(run: _Running) -> tuple[Any, Any]:
     return (value if kind == "ok" else WorkerFailed(value)), rng
 
 
-def side_by_side(
-    jobs: Sequence[Callable[[], Any]], workers: int, threads: int
-) -> Iterator[Any]:
+def side_by_side(jobs: Sequence[Callable[[], Any]], workers: int, threads: int) -> Iterator[Any]:
     """Runs each job in a forked worker, at most ``workers`` at once.
 
     Args:
