@@ -27,6 +27,7 @@ import os
 import pickle
 import selectors
 import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,10 @@ def _child(job: Callable[[], Any], fd: int, threads: int) -> None:
     """The worker's whole life: run the job, send (outcome, generator state), exit."""
     code = 0
     try:
+        # The server's sys.stdout/stderr may be a live display's proxies, whose lock a thread
+        # of the server (its refresh) may have held at the fork: write to the streams beneath.
+        sys.stdout = sys.__stdout__ or sys.stdout
+        sys.stderr = sys.__stderr__ or sys.stderr
         torch.set_num_threads(threads)
         try:
             outcome: tuple[str, Any] = ("ok", job())

@@ -163,6 +163,14 @@ def test_a_killed_worker_is_a_failed_client_and_the_run_goes_on(tmp_path: Path) 
     assert rounds == {"0": 2, "1": 1, "2": 2, "3": 2}
 
 
+def test_workers_run_under_the_live_progress_display(tmp_path: Path) -> None:
+    """The display's refresh thread owns the proxies of stdout/stderr; workers that print and
+    warn under it write to the streams beneath and finish."""
+    cfg = toy_config(tmp_path, "test-two-phase", rounds=2, threads=1, clients={"parallel": 2})
+    run(load_config(cfg), progress=True)
+    assert len(untimed_rows(tmp_path / "test-two-phase" / "metrics.jsonl")) == 3
+
+
 def test_side_by_side_hands_results_on_in_order_and_kills_the_rest_when_closed() -> None:
     jobs = [lambda i=i: i * i for i in range(5)]
     jobs[2] = lambda: 1 / 0
