@@ -8,6 +8,8 @@ process and one ClientApp per virtual SuperNode in Ray actors (as many actors at
 the machine has CPUs). Wall time includes what a user pays: task build, Ray start, actor
 start-up. The ratio flower/embedded is printed last (target >= 3: the embedded runtime
 should be at least three times faster than Flower's simulation engine on small workloads).
+The final global parameters of the two runtimes are compared (the same engine on both: they
+must be equal, tolerance 0); the script exits 1 with one line when they differ.
 
 It also runs the workload on Flower's deployment engine (a SuperLink and one SuperNode per
 client on 127.0.0.1, each SuperNode with its fedfm warm worker, or Flower's process per
@@ -21,14 +23,23 @@ ServerApp running Flower's own FedAvg strategy over the LoRA arrays, and a Clien
 ``train`` loads the base model from disk and wraps it with peft on every call (FlowerTune's
 ``get_model``), sets the received adapter, trains and replies. Each side runs in a fresh
 process; its wall time and the peak of the resident memory summed over its process tree (Ray's
-workers and daemons included) are measured from outside, and the final global adapters of the
-two sides are compared. Both sides get every core: Flower one Ray actor of one thread per core
-(each client its own process), fedfm as many torch threads in its one process
-(``--llm-threads``). The ratios flower/fedfm of wall time and of peak memory are printed
-last.
+workers and daemons included) are measured from outside. Both sides get every core: Flower one
+Ray actor of one thread per core (each client its own process), fedfm ``--llm-threads`` torch
+threads shared by its clients trained side by side in worker processes forked from the server
+(``clients.parallel``, ``--llm-parallel``: auto, from the cores and the memory plan), which
+share the one base. The ratios flower/fedfm of wall time and of peak memory are printed last
+(targets: fedfm wall <= 0.75x Flower's, fedfm peak <= 0.5x Flower's summed peak).
+
+The final global adapters of the two sides are compared tensor by tensor: Flower's arrays are
+keyed by the peft model's parameter names (``...q_proj.lora_A.default.weight``), fedfm's by
+peft's saved keys (``...q_proj.lora_A.weight``), so Flower's are mapped to saved keys by peft
+itself (``get_peft_model_state_dict`` over a peft model built on the meta device). The script
+exits 1 with one line when the adapters share no tensor or differ by more than
+``--tolerance`` (largest absolute difference of an element).
 
 Usage: .venv/bin/python benchmarks/vs_flower.py [--repeats 1] [--steps 20] [--skip-deploy]
-       .venv/bin/python benchmarks/vs_flower.py --llm [--llm-steps 4]
+       .venv/bin/python benchmarks/vs_flower.py --llm [--llm-steps 4] [--llm-clients 10]
+           [--llm-rounds 2] [--llm-parallel auto] [--tolerance 1e-3]
 """
 
 from __future__ import annotations
@@ -43,12 +54,14 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from fedfm.config import load_config
+from fedfm.core.agreement import compare_tensors
 from fedfm.runtime import run
 from fedfm.runtime.flower import deploy as D
 from fedfm.runtime.flower import processes as P
@@ -102,38 +115,73 @@ def final(out: str, name: str) -> dict:
     return {k: v for k, v in rows[-1].items() if k != "time_s"}
 
 
+def final_params(run_folder: Path) -> dict[str, Any]:
+    """The global parameters of a fedfm run's last checkpoint (the one key format)."""
+    from fedfm.core.checkpoint import checkpoints_newest_first, load_checkpoint
+    from fedfm.core.groups import get_group
+
+    last = checkpoints_newest_first(run_folder / "checkpoints")[0]
+    return get_group(load_checkpoint(last).server_arrays, "params")
+
+
+def check_agreement(what: str, ours: dict[str, Any], theirs: dict[str, Any], tol: float) -> bool:
+    """Prints the comparison of two final models in one line; whether they agree."""
+    agreement = compare_tensors(ours, theirs, tol)
+    print(f"{what}: {agreement.line()}", flush=True)
+    return agreement.ok
+
+
 class PeakRss:
     """Samples the resident memory of process trees (a SuperNode, and its worker).
 
     ``peak[name]`` is the peak of the group's total; ``parts[name]`` the peak of each of
-    its processes (with their children) on its own.
+    its processes (with their children) on its own. ``pss[name]`` is the peak of the group's
+    total proportional set size (Linux): a page shared by k processes counts 1/k in each, so
+    the sum over processes is the memory they use together. A resident-set sum counts a page
+    each process shares (a forked worker's copy-on-write base, libraries) once per process.
     """
 
     def __init__(self, groups: dict[str, list[int]], every_s: float = 0.2) -> None:
         self.groups = groups
         self.peak = dict.fromkeys(groups, 0)
+        self.pss = dict.fromkeys(groups, 0)
         self.parts = {name: [0] * len(pids) for name, pids in groups.items()}
         self.every_s = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def _rss(pid: int) -> int:
+    def _pss(pid: int) -> int:
+        """Proportional set size of one process (0 where /proc does not tell it)."""
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    @classmethod
+    def _rss(cls, pid: int) -> tuple[int, int]:
+        """Resident and proportional set sizes of a process and its children, summed."""
         try:
             p = psutil.Process(pid)
             procs = [p, *p.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return 0, 0
+        rss = pss = 0
         for q in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
-                total += q.memory_info().rss
-        return total
+                rss += q.memory_info().rss
+                pss += cls._pss(q.pid)
+        return rss, pss
 
     def _run(self) -> None:
         while not self._stop.is_set():
             for name, pids in self.groups.items():
-                each = [self._rss(pid) for pid in pids]
+                both = [self._rss(pid) for pid in pids]
+                each = [rss for rss, _ in both]
+                self.pss[name] = max(self.pss[name], sum(pss for _, pss in both))
                 self.peak[name] = max(self.peak[name], sum(each))
                 self.parts[name] = [max(a, b) for a, b in zip(self.parts[name], each, strict=True)]
             self._stop.wait(self.every_s)
@@ -186,6 +234,10 @@ def deployment(out: str, steps: int, clients: int, isolation: str) -> tuple[floa
 # ----------------------------------------------------------------------------- the LLM case
 
 LLM_CLIENTS, LLM_ROUNDS, LLM_BATCH = 10, 2, 4
+# Largest |fedfm - Flower| of an adapter element that counts as the same adapter: both sides
+# train the same batches in bfloat16 autocast, but not through the same code (fedfm's loop,
+# Flower's plain one), so their roundings may differ (ours).
+LLM_TOLERANCE = 1e-3
 LORA = {
     "r": 8,
     "alpha": 16,
@@ -194,12 +246,30 @@ LORA = {
 }
 
 
-def llm_config(out: str, steps: int, name: str, threads: int = 1) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LlmSize:
+    """The LLM case's size: local steps, clients and rounds (reduced for a correctness run)."""
+
+    steps: int = 4
+    clients: int = LLM_CLIENTS
+    rounds: int = LLM_ROUNDS
+
+    def args(self) -> list[str]:
+        """The command-line options that give this size."""
+        return [
+            *("--llm-steps", str(self.steps), "--llm-clients", str(self.clients)),
+            *("--llm-rounds", str(self.rounds)),
+        ]
+
+
+def llm_config(
+    out: str, size: LlmSize, name: str, threads: int = 1, parallel: str = "1"
+) -> dict[str, Any]:
     """FedIT on SmolLM2; dropout 0 so that both sides train the same numbers without RNG."""
     return {
         "name": name,
         "algorithm": "fedavg",
-        "rounds": LLM_ROUNDS,
+        "rounds": size.rounds,
         "seed": 0,
         "task": {
             "kind": "instruction",
@@ -216,8 +286,9 @@ def llm_config(out: str, steps: int, name: str, threads: int = 1) -> dict[str, A
             "eval_ppl": False,
             "max_new_tokens": 1,
         },
-        "partition": {"scheme": "iid", "num_clients": LLM_CLIENTS},
-        "train": {"steps": steps, "batch_size": LLM_BATCH, "optimizer": "adamw", "lr": 5e-4},
+        "partition": {"scheme": "iid", "num_clients": size.clients},
+        "clients": {"parallel": parallel if parallel == "auto" else int(parallel)},
+        "train": {"steps": size.steps, "batch_size": LLM_BATCH, "optimizer": "adamw", "lr": 5e-4},
         "eval_before": False,
         "out_dir": out,
         "plots": False,
@@ -225,7 +296,7 @@ def llm_config(out: str, steps: int, name: str, threads: int = 1) -> dict[str, A
     }
 
 
-def llm_prepare(out: str, steps: int) -> None:
+def llm_prepare(out: str, size: LlmSize) -> None:
     """Writes what the Flower side needs: each (round, client)'s token batches, exactly those
     fedfm's clients draw, its example count, and fedfm's initial adapter."""
     import torch
@@ -233,7 +304,7 @@ def llm_prepare(out: str, steps: int) -> None:
     from fedfm.core.federation import derive_seed
     from fedfm.engine import build
 
-    setup = build(load_config(llm_config(out, steps, "prepare")))
+    setup = build(load_config(llm_config(out, size, "prepare")))
     task, seed = setup.task, setup.cfg.seed
     # The initial global adapter is the one fedfm's FedAvg drew when it was built.
     init = {k: v.clone() for k, v in setup.algo.params.items()}  # type: ignore[attr-defined]
@@ -241,20 +312,50 @@ def llm_prepare(out: str, steps: int) -> None:
     for cid in task.client_ids():
         data = task.client_data(cid)
         rounds = {}
-        for rnd in range(1, LLM_ROUNDS + 1):
+        for rnd in range(1, size.rounds + 1):
             it = task.batches(data, LLM_BATCH, derive_seed(seed, rnd, cid, "batches"))
-            rounds[rnd] = [next(it) for _ in range(steps)]
+            rounds[rnd] = [next(it) for _ in range(size.steps)]
         work["clients"][cid] = {"n": task.num_examples(data), "batches": rounds}
     torch.save(work, Path(out) / "flower_work.pt")
 
 
-def flowertune_apps(out: str, steps: int) -> tuple[Any, Any]:
+def flower_lora() -> Any:
+    """The peft config of the Flower side (FlowerTune's)."""
+    import peft
+
+    return peft.LoraConfig(
+        r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+        target_modules=LORA["target_modules"], task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+
+def flower_saved_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """Flower's final arrays (keyed by the peft model's parameter names) under peft's saved
+    keys, fedfm's one format, mapped by peft itself over a model built on the meta device."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fedfm.models.causal_lm import causal_lm_config
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(causal_lm_config("smollm2-135m-instruct"))
+    model = peft.get_peft_model(base, flower_lora())
+    return dict(
+        peft.get_peft_model_state_dict(
+            model, state_dict=state, adapter_name="default", save_embedding_layers=False
+        )
+    )
+
+
+def flowertune_apps(out: str, size: LlmSize) -> tuple[Any, Any]:
     """A FlowerTune-style ServerApp (Flower's FedAvg) and ClientApp (loads the base per call)."""
     import torch
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     work_file = Path(out) / "flower_work.pt"
     client_app, server_app = ClientApp(), ServerApp()
@@ -266,11 +367,7 @@ def flowertune_apps(out: str, steps: int) -> tuple[Any, Any]:
         from fedfm.models.causal_lm import smollm2_dir
 
         base = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
-        config = peft.LoraConfig(
-            r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-            target_modules=LORA["target_modules"], task_type="CAUSAL_LM",
-        )  # fmt: skip
-        return peft.get_peft_model(base, config)
+        return peft.get_peft_model(base, flower_lora())
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -278,18 +375,24 @@ def flowertune_apps(out: str, steps: int) -> tuple[Any, Any]:
         cid = str(context.node_config["partition-id"])
         rnd = int(msg.content["config"]["server-round"])
         model = get_model()
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=False)
+        # FlowerTune's set_parameters: peft places the adapter's saved keys (a load that
+        # placed nothing would train from peft's own random initialisation).
+        received = msg.content["arrays"].to_torch_state_dict()
+        placed = set_peft_model_state_dict(model, received)
+        if placed.unexpected_keys:
+            raise RuntimeError(f"adapter keys not placed: {placed.unexpected_keys[:3]}")
         client = torch.load(work_file, weights_only=False)["clients"][cid]
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
         model.train()
-        for batch in client["batches"][rnd][:steps]:
+        for batch in client["batches"][rnd][: size.steps]:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(**batch).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        state = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+        # FlowerTune's get_parameters: the adapter under peft's saved keys.
+        state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
         reply = RecordDict(
             {"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": client["n"]})}
         )
@@ -301,13 +404,13 @@ def flowertune_apps(out: str, steps: int) -> tuple[Any, Any]:
         strategy = FedAvg(
             fraction_train=1.0,
             fraction_evaluate=0.0,
-            min_train_nodes=LLM_CLIENTS,
-            min_available_nodes=LLM_CLIENTS,
+            min_train_nodes=size.clients,
+            min_available_nodes=size.clients,
         )
         result = strategy.start(
             grid=grid,
             initial_arrays=ArrayRecord(init),
-            num_rounds=LLM_ROUNDS,
+            num_rounds=size.rounds,
             train_config=ConfigRecord({}),
         )
         torch.save(result.arrays.to_torch_state_dict(), Path(out) / "flower_final.pt")
@@ -315,25 +418,20 @@ def flowertune_apps(out: str, steps: int) -> tuple[Any, Any]:
     return server_app, client_app
 
 
-def llm_child(side: str, out: str, steps: int, threads: int) -> None:
+def llm_child(side: str, out: str, size: LlmSize, threads: int, parallel: str) -> None:
     """One side of the LLM case in this fresh process."""
     import torch
 
     if side == "fedfm":
-        from fedfm.core.checkpoint import checkpoints_newest_first, load_checkpoint
-        from fedfm.core.groups import get_group
-
-        cfg = load_config(llm_config(out, steps, "fedfm-llm", threads))
+        cfg = load_config(llm_config(out, size, "fedfm-llm", threads, parallel))
         run(cfg, overwrite=True, progress=False)
-        last = checkpoints_newest_first(Path(out) / cfg.name / "checkpoints")[0]
-        final = get_group(load_checkpoint(last).server_arrays, "params")
-        torch.save(final, Path(out) / "fedfm_final.pt")
+        torch.save(final_params(Path(out) / cfg.name), Path(out) / "fedfm_final.pt")
         return
     from flwr.simulation import run_simulation
 
     from fedfm.runtime.flower.options import flower_env, quiet_flower
 
-    server_app, client_app = flowertune_apps(out, steps)
+    server_app, client_app = flowertune_apps(out, size)
     backend = {
         "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
         "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False},
@@ -343,15 +441,18 @@ def llm_child(side: str, out: str, steps: int, threads: int) -> None:
         run_simulation(
             server_app=server_app,
             client_app=client_app,
-            num_supernodes=LLM_CLIENTS,
+            num_supernodes=size.clients,
             backend_config=backend,  # type: ignore[arg-type]
         )
 
 
-def llm_side(side: str, out: str, steps: int, threads: int) -> tuple[float, int]:
-    """Runs one side in a fresh process: (wall seconds, peak RSS summed over its tree)."""
-    cmd = [sys.executable, __file__, "--llm-child", side, "--out", out]
-    cmd += ["--llm-steps", str(steps), "--llm-threads", str(threads)]
+def llm_side(
+    side: str, out: str, size: LlmSize, threads: int, parallel: str = "1"
+) -> tuple[float, int, int]:
+    """Runs one side in a fresh process: (wall seconds, peak RSS and peak PSS summed over its
+    process tree)."""
+    cmd = [sys.executable, __file__, "--llm-child", side, "--out", out, *size.args()]
+    cmd += ["--llm-threads", str(threads), "--llm-parallel", parallel]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -359,40 +460,45 @@ def llm_side(side: str, out: str, steps: int, threads: int) -> tuple[float, int]
         _, stderr = proc.communicate()
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{side} failed:\n{stderr[-3000:]}")
-    return wall, mem.peak[side]
+        print(stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{side} failed (exit code {proc.returncode})")
+    return wall, mem.peak[side], mem.pss[side]
 
 
-def llm_case(steps: int, threads: int) -> None:
+def llm_case(size: LlmSize, threads: int, parallel: str, tolerance: float) -> bool:
+    """Both sides of the LLM case; whether their final adapters agree."""
     import torch
 
     from fedfm.models.causal_lm import smollm2_dir
 
     smollm2_dir()  # convert once here, so that neither side pays for it
     with tempfile.TemporaryDirectory() as out:
-        llm_prepare(out, steps)
-        emb_wall, emb_mem = llm_side("fedfm", out, steps, threads)
+        llm_prepare(out, size)
+        emb_wall, emb_rss, emb_mem = llm_side("fedfm", out, size, threads, parallel)
         print(
-            f"fedfm embedded ({threads} torch threads): {emb_wall:.1f} s,"
-            f" peak RSS {emb_mem / 2**30:.2f} GiB",
+            f"fedfm embedded ({threads} torch threads, clients.parallel={parallel}):"
+            f" {emb_wall:.1f} s, peak summed over processes: PSS {emb_mem / 2**30:.2f} GiB,"
+            f" RSS {emb_rss / 2**30:.2f} GiB",
             flush=True,
         )
-        fl_wall, fl_mem = llm_side("flower", out, steps, 1)
-        print(f"Flower simulation (FlowerTune layout, {os.cpu_count()} Ray actors of 1 thread):"
-              f" {fl_wall:.1f} s, peak RSS summed over"
-              f" processes {fl_mem / 2**30:.2f} GiB", flush=True)  # fmt: skip
-        ours = torch.load(Path(out) / "fedfm_final.pt")
-        theirs = torch.load(Path(out) / "flower_final.pt")
-        keys = sorted(set(ours) & set(theirs))
-        gap = max(float((ours[k] - theirs[k]).abs().max()) for k in keys) if keys else float("nan")
-        scale = max(float(ours[k].abs().max()) for k in keys) if keys else float("nan")
+        fl_wall, fl_rss, fl_mem = llm_side("flower", out, size, 1)
         print(
-            f"final global adapters: {len(keys)} of {len(ours)} tensors in common, max |fedfm -"
-            f" flower| = {gap:.2e} (max |value| {scale:.2e})"
+            f"Flower simulation (FlowerTune layout, {os.cpu_count()} Ray actors of 1 thread):"
+            f" {fl_wall:.1f} s, peak summed over processes: PSS {fl_mem / 2**30:.2f} GiB,"
+            f" RSS {fl_rss / 2**30:.2f} GiB",
+            flush=True,
         )
-    work = f"FedIT SmolLM2 LoRA, {LLM_CLIENTS} clients x {LLM_ROUNDS} rounds x {steps} steps"
-    print(f"{work}: ratio flower/fedfm wall time {fl_wall / emb_wall:.2f}, peak memory"
-          f" {fl_mem / emb_mem:.2f}")  # fmt: skip
+        ours = torch.load(Path(out) / "fedfm_final.pt")
+        theirs = flower_saved_keys(torch.load(Path(out) / "flower_final.pt"))
+        same = check_agreement("final global adapters, fedfm vs Flower", ours, theirs, tolerance)
+    work = f"FedIT SmolLM2 LoRA, {size.clients} clients x {size.rounds} rounds x {size.steps} steps"
+    print(
+        f"{work}: ratio flower/fedfm wall time {fl_wall / emb_wall:.2f}, peak memory"
+        f" {fl_mem / emb_mem:.2f} (PSS; RSS {fl_rss / emb_rss:.2f}); fedfm/flower wall"
+        f" {emb_wall / fl_wall:.2f} (target <= 0.75), peak PSS {emb_mem / fl_mem:.2f}"
+        " (target <= 0.5)"
+    )
+    return same
 
 
 def main() -> None:
@@ -404,6 +510,17 @@ def main() -> None:
     ap.add_argument("--isolation", default="process", choices=["process", "subprocess"])
     ap.add_argument("--llm", action="store_true", help="the FedIT SmolLM2 case instead")
     ap.add_argument("--llm-steps", type=int, default=4, help="local steps per client and round")
+    ap.add_argument("--llm-clients", type=int, default=LLM_CLIENTS, help="clients, all sampled")
+    ap.add_argument("--llm-rounds", type=int, default=LLM_ROUNDS, help="rounds")
+    ap.add_argument(
+        "--llm-parallel", default="auto", help="fedfm's clients.parallel: auto or N (1: none)"
+    )
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=LLM_TOLERANCE,
+        help="largest |fedfm - Flower| of a final adapter element that agrees",
+    )
     ap.add_argument(
         "--llm-threads",
         type=int,
@@ -413,11 +530,13 @@ def main() -> None:
     ap.add_argument("--llm-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    size = LlmSize(args.llm_steps, args.llm_clients, args.llm_rounds)
     if args.llm_child is not None:
-        llm_child(args.llm_child, args.out, args.llm_steps, args.llm_threads)
+        llm_child(args.llm_child, args.out, size, args.llm_threads, args.llm_parallel)
         return
     if args.llm:
-        llm_case(args.llm_steps, args.llm_threads)
+        if not llm_case(size, args.llm_threads, args.llm_parallel, args.tolerance):
+            raise SystemExit("final global adapters of fedfm and Flower differ (line above)")
         return
     with tempfile.TemporaryDirectory() as out:
         emb_cfg = config(out, args.steps, "embedded")
@@ -430,6 +549,14 @@ def main() -> None:
             print(f"repeat {i}: embedded {emb[-1]:.2f} s  flower-sim {sim[-1]:.2f} s", flush=True)
         same = final(out, "embedded") == final(out, "flower-sim")
         print(f"final metrics equal on both runtimes: {same}  ({final(out, 'embedded')})")
+        agree = check_agreement(
+            "final global parameters, embedded vs flower-sim",
+            final_params(Path(out) / "embedded"),
+            final_params(Path(out) / "flower-sim"),
+            0.0,
+        )
+        if not (same and agree):
+            raise SystemExit("the embedded and flower-sim runs ended differently (lines above)")
         if not args.skip_deploy:
             wall, mem = deployment(out, args.steps, 10, args.isolation)
             print(f"deployment engine ({args.isolation} isolation, 10 SuperNodes): {wall:.1f} s")

@@ -46,6 +46,18 @@ class ClientsConfig(Strict):
         default_factory=dict,
         description="role -> fraction of the clients (seeded) or a list of client ids",
     )
+    parallel: int | Literal["auto"] = Field(
+        1,
+        description="clients trained at once in worker processes on the embedded runtime:"
+        " N, or auto (from the cores and the memory plan); 1 runs them one after the other",
+    )
+
+    @field_validator("parallel")
+    @classmethod
+    def _workers(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be auto or a number of worker processes >= 1")
+        return v
 
     @field_validator("roles")
     @classmethod
@@ -146,6 +158,12 @@ class RunConfig(Strict):
                 "train.schedule.warmup_rounds",
                 f"{warmup} warm-up rounds leave none of the run's {self.rounds} rounds",
             )
+        if self.clients.parallel not in (1, "auto"):
+            why = devices.fork_refused(self.torch_device())
+            if self.runtime != "embedded":
+                why = f"worker processes are the embedded runtime's; {self.runtime} has its own"
+            if why:
+                raise ConfigError("clients.parallel", why)
         if self.train.optimizer in BNB_OPTIMIZERS and self.torch_device().type != "cuda":
             raise ConfigError(
                 "train.optimizer",

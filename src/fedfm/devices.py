@@ -215,3 +215,30 @@ def grad_scaler(device: torch.device) -> torch.amp.GradScaler | None:
     import torch
 
     return torch.amp.GradScaler(device.type, init_scale=2.0**12)
+
+
+def fork_refused(device: torch.device) -> str | None:
+    """Why clients cannot be trained in processes forked from the server on ``device``, or None.
+
+    Forked workers share the server's frozen base through copy-on-write pages; a CUDA context
+    does not survive a fork, and some platforms have no fork at all.
+    """
+    import os
+
+    if not hasattr(os, "fork"):
+        return "worker processes are forked from the server, and this platform cannot fork"
+    if device.type != "cpu":
+        return (
+            f"worker processes share the base by fork, which {device.type} does not survive;"
+            " on an accelerator clients run one after the other (clients.parallel: 1 or auto)"
+        )
+    return None
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

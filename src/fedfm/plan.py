@@ -30,7 +30,11 @@ backward pass through a frozen base with LoRA; ``N`` tokens of ``batch x max_len
   ``eval_batch_size x max_length`` (in ``s``, float32, log-softmax); generation keeps the key /
   value cache of ``eval_batch_size x (max_prompt_length + max_new_tokens)`` tokens;
 * the server: the global adapter, the running mean of the replies and the server optimizer's
-  state; the client-state store: adapters kept per client (FedSDR's LoRA-S).
+  state; the client-state store: adapters kept per client (FedSDR's LoRA-S);
+* workers (``clients.parallel``): each client trained at once in its own forked process holds
+  its own training memory (everything of a client but the shared weights and data: adapters,
+  gradients, optimizer state, activations); ``auto`` takes as many workers as there are cores
+  and sampled clients, and no more than the memory available holds.
 
 ``benchmarks/plan_accuracy.py`` compares the estimate with measured peaks (docs/plan.md).
 """
@@ -86,8 +90,10 @@ class Plan:
         available: Bytes free on it now.
         server: The server's side.
         client: One client's side.
-        process: Estimated peak of the process that holds the run on this runtime.
+        process: Estimated peak of the process that holds the run on this runtime (with its
+            workers, summed).
         process_what: What that process holds (``server and 10 clients``, ``one client``).
+        workers: Clients trained at once in worker processes (1: in the run's process).
         clients: Number of clients; ``sampled`` of them train each round.
         up: Bytes one client sends per round; ``down``: receives.
         notes: What the estimate leaves out for this config.
@@ -104,6 +110,7 @@ class Plan:
     up: int
     down: int
     notes: list[str] = field(default_factory=list)
+    workers: int = 1
 
     @property
     def fits(self) -> bool:
@@ -167,10 +174,21 @@ def make_plan(cfg: RunConfig) -> Plan:
     per_client = client.trainable * 4 * copies
     device = cfg.torch_device()
     embedded = cfg.runtime != "flower"
+    workers = 1
+    what = f"server and {n} clients in one process" if embedded else "one client"
     if embedded:  # one base and one data set; the server evaluates between trainings
         evaluation = server.parts.get("evaluation", 0)
-        training = client.peak - client.parts.get("weights", 0) - data
-        process = server.peak - evaluation + max(evaluation, training)
+        base = server.peak - evaluation
+        training = _training(client)
+        available = devices.memory_available(device)
+        workers = _workers(cfg, sampled, training, max(0, available - base))
+        process = base + max(evaluation, workers * training)
+        if workers > 1:
+            what = f"server and {n} clients, {workers} trained at once in worker processes"
+            notes.append(
+                f"{workers} workers of {training / MB:,.0f} MiB of training memory each; a"
+                " worker shares the base and data with the server until it writes a page"
+            )
     else:
         process = client.peak
     return Plan(
@@ -179,13 +197,80 @@ def make_plan(cfg: RunConfig) -> Plan:
         server=server,
         client=client,
         process=process,
-        process_what=f"server and {n} clients in one process" if embedded else "one client",
+        process_what=what,
         clients=n,
         sampled=sampled,
         up=per_client,
         down=per_client,
         notes=notes,
+        workers=workers,
     )
+
+
+def _training(client: Side) -> int:
+    """A client's own training memory: its peak less the weights and data it shares."""
+    shared = client.parts.get("weights", 0) + client.parts.get("task data (measured)", 0)
+    return max(0, client.peak - shared)
+
+
+def fit_workers(limit: int, per_worker: int, available: int) -> int:
+    """The most workers, up to ``limit``, whose training memory fits ``available`` (at least 1).
+
+    Args:
+        limit: Cores, or sampled clients, whichever is fewer.
+        per_worker: Training memory of one worker.
+        available: Memory left for the workers.
+    """
+    fit = available // per_worker if per_worker > 0 else limit
+    return int(max(1, min(limit, fit)))
+
+
+def _workers(cfg: RunConfig, sampled: int, per_worker: int, available: int) -> int:
+    """Workers a run's ``clients.parallel`` stands for (``auto``: :func:`fit_workers`)."""
+    from fedfm import devices
+
+    asked = cfg.clients.parallel
+    if asked != "auto":
+        return min(int(asked), max(1, sampled))
+    if devices.fork_refused(cfg.torch_device()):
+        return 1  # one base per device, and only one device: clients one after the other
+    return fit_workers(min(devices.cores(), sampled), per_worker, available)
+
+
+def parallel_workers(cfg: RunConfig, task: Any) -> int:
+    """Workers for a run whose ``task`` is built (its weights and data already in memory).
+
+    Explicit values are taken as they are; ``auto`` fits the workers' training memory (as
+    :func:`make_plan` counts it) into the memory available now. The global random states are
+    left as they were (building a model on ``meta`` may seed them), so that a run draws the
+    same numbers whatever its ``clients.parallel``.
+    """
+    if cfg.clients.parallel == 1:
+        return 1
+    from fedfm.core.checkpoint import rng_state, set_rng_state
+
+    saved = rng_state()
+    try:
+        return _parallel_workers(cfg, task)
+    finally:
+        set_rng_state(saved)
+
+
+def _parallel_workers(cfg: RunConfig, task: Any) -> int:
+    from fedfm import devices
+    from fedfm.engine import resolve
+    from fedfm.tasks.lm import InstructionConfig
+
+    _, task_cfg = resolve(cfg)
+    n = len(task.client_ids())
+    c = cfg.clients
+    sampled = min(n, max(c.min_clients, round(c.fraction * n)))
+    if isinstance(task_cfg, InstructionConfig):
+        _, client, _ = _llm_sides(cfg, task_cfg, n)
+    else:
+        _, client, _ = _model_sides(cfg, task)
+    available = devices.memory_available(cfg.torch_device())
+    return _workers(cfg, sampled, _training(client), available)
 
 
 def _rss() -> int:

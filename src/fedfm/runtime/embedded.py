@@ -8,11 +8,18 @@ per-client trainable state is kept per client, in a
 reply, so a client that crashes mid-round leaves its state as it was. Clients run one after
 the other, each when the algorithm asks for its reply, so an algorithm that folds replies
 into a running sum holds one reply at a time.
+
+With ``clients.parallel`` above 1 the clients of one exchange (any message kind) run side by
+side in worker processes forked from this one (:mod:`fedfm.runtime.workers`), sharing the
+frozen base; their replies are handed to the algorithm in the same order, and each state is
+committed here as it is handed on, so a run's metrics, audit log and checkpoints are those of
+the sequential run. A worker that dies is a failed client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 from fedfm.config import RunConfig
@@ -28,6 +35,7 @@ from fedfm.core.messages import Message, MessageKind
 from fedfm.core.state import ClientStateStore
 from fedfm.engine import Engine, Setup
 from fedfm.errors import ConfigError
+from fedfm.runtime.workers import side_by_side, worker_threads
 
 
 class EmbeddedFederation(Federation):
@@ -41,6 +49,8 @@ class EmbeddedFederation(Federation):
         task: The task (data and shared models).
         store: Client-state store.
         ledger: Audit ledger.
+        workers: Clients trained at once, each in a worker process (1: in this process).
+        threads: Torch threads the workers share.
     """
 
     def __init__(
@@ -52,10 +62,14 @@ class EmbeddedFederation(Federation):
         task: Any,
         store: ClientStateStore,
         ledger: AuditLedger,
+        workers: int = 1,
+        threads: int = 1,
     ) -> None:
         super().__init__(clients, seed, kinds, ledger)
         self.runner = ClientRunner(handlers, kinds, self._roles, task, seed)
         self.store = store
+        self.workers = workers
+        self.threads = threads
 
     @property
     def handlers(self) -> Mapping[str, Handler]:
@@ -69,6 +83,9 @@ class EmbeddedFederation(Federation):
     def _exchange(
         self, messages: dict[str, Message], like: Templates | None
     ) -> Iterator[tuple[str, Message | Exception]]:
+        if self.workers > 1 and len(messages) > 1:
+            yield from self._side_by_side(messages, like)
+            return
         for cid, msg in messages.items():
             try:
                 reply, state = self.runner.call(cid, self.rnd, self.store.get(cid), msg, like)
@@ -78,9 +95,32 @@ class EmbeddedFederation(Federation):
             self.store.put(cid, state)
             yield cid, reply
 
+    def _side_by_side(
+        self, messages: dict[str, Message], like: Templates | None
+    ) -> Iterator[tuple[str, Message | Exception]]:
+        """The clients in forked workers; each outcome as :meth:`ClientRunner.call`'s."""
+        call, rnd = self.runner.call, self.rnd
+        jobs = [
+            partial(call, cid, rnd, self.store.get(cid), msg, like) for cid, msg in messages.items()
+        ]
+        workers = min(self.workers, len(jobs))
+        outcomes = side_by_side(jobs, workers, worker_threads(self.threads, workers))
+        for cid, outcome in zip(messages, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                yield cid, outcome
+                continue
+            reply, state = outcome
+            self.store.put(cid, state)
+            yield cid, reply
+
 
 def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
-    """The engine's federation factory for the embedded runtime: every client in this process."""
+    """The engine's federation factory for the embedded runtime: every client in this process
+    (``clients.parallel`` of them at once in forked workers; ``auto`` from the memory plan)."""
+    import torch
+
+    from fedfm.plan import parallel_workers
+
     return EmbeddedFederation(
         setup.clients(),
         setup.cfg.seed,
@@ -89,6 +129,8 @@ def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedg
         setup.task,
         store,
         ledger,
+        workers=parallel_workers(setup.cfg, setup.task),
+        threads=setup.cfg.threads or torch.get_num_threads(),
     )
 
 
