@@ -6,6 +6,8 @@ is in the run's ``metrics.jsonl``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -15,6 +17,26 @@ from rich.table import Table
 from fedfm.config import RunConfig
 
 MIB = 2**20  # bytes per MiB, as in reports and plots (the ledger counts bytes)
+
+_ANNOUNCE: list[Callable[[], None]] = []
+
+
+@contextmanager
+def announce_at_start(announce: Callable[[], None]) -> Iterator[None]:
+    """Defers ``announce`` (e.g. the command's memory-plan and device lines) until the next
+    run display opens: the engine opens it only once the config, the built task and algorithm
+    and the run folder have passed every check, so a refused run prints its one error line
+    and nothing else.
+
+    A module-level slot, not a parameter, because the display opens in whichever runtime runs
+    the engine (the Flower simulation runs it in a thread of this process).
+    """
+    _ANNOUNCE.append(announce)
+    try:
+        yield
+    finally:
+        if announce in _ANNOUNCE:
+            _ANNOUNCE.remove(announce)
 
 
 def _fmt(v: Any) -> str:
@@ -94,6 +116,8 @@ class RoundDisplay:
         self.task_id = self.progress.add_task("rounds", total=cfg.rounds, completed=start)
 
     def __enter__(self) -> RoundDisplay:
+        while _ANNOUNCE:  # every check has passed: what the command deferred (printed once)
+            _ANNOUNCE.pop(0)()
         self.progress.__enter__()
         return self
 
