@@ -66,7 +66,9 @@ def run(
     with announce_at_start(announce):
         summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
 
-    Console().print(summary_line(summary, Path(cfg.out_dir) / cfg.name))
+    Console().print(
+        summary_line(summary, Path(cfg.out_dir) / cfg.name), soft_wrap=True, markup=False
+    )
 
 
 @app.command()

@@ -106,6 +106,7 @@ def bars(
     title: str,
     ylabel: str,
     palette: Mapping[str, str] | None = None,
+    lines: Mapping[str, Sequence[float | None]] | None = None,
 ) -> Figure:
     """Grouped bars: a group per entry of ``groups``, a bar per label (missing values: none).
 
@@ -115,6 +116,8 @@ def bars(
         title: Panel title.
         ylabel: The y axis's label.
         palette: Label -> colour (:func:`colours` of the labels when None).
+        lines: Baseline name -> one value per group, drawn as a horizontal line across the
+            group's bars (e.g. the majority-class and uniform accuracies of each domain).
     """
     palette = palette or colours(values)
     n = max(1, len(values))
@@ -124,11 +127,24 @@ def bars(
         xs = [g + (i - (n - 1) / 2) * width for g, v in enumerate(vals) if v is not None]
         ys = [v for v in vals if v is not None]
         ax.bar(xs, ys, width, label=label, color=palette.get(label))
+    for (name, vals), style in zip((lines or {}).items(), ("--", ":", "-."), strict=False):
+        for g, v in enumerate(vals):
+            if v is not None:  # one legend entry per baseline, however many groups
+                first = all(x is None for x in vals[:g])
+                ax.hlines(
+                    v,
+                    g - 0.45,
+                    g + 0.45,
+                    colors="black",
+                    linestyles=style,
+                    lw=1.2,
+                    label=name if first else None,
+                )
     ax.set_xticks(range(len(groups)), list(groups), rotation=30 if len(groups) > 6 else 0)
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, axis="y")
-    if values:
+    if values or lines:
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -155,14 +156,18 @@ class RoundDisplay:
 
 
 def summary_line(summary: dict[str, Any], folder: Any) -> str:
-    """The line a run ends with: its headline metric (4 decimals), rounds, privacy guarantee
-    when DP was used, and its run folder."""
+    """The line a run ends with: its headline metric (4 decimals) with its standard error
+    where the evaluator logs one (``<primary>_se``), rounds, privacy guarantee when DP was
+    used, and where to look: the run's ``report.html`` when it was written, else its folder."""
     final = summary["final"]
     primary = summary["primary"]
     value = final.get(primary, float("nan"))
-    msg = f"{summary['name']}: {primary}={value:.4f} after {summary['rounds']} rounds"
+    se = final.get(f"{primary}_se")
+    spread = f" ± {se:.4f} SE" if isinstance(se, int | float) else ""
+    msg = f"{summary['name']}: {primary}={value:.4f}{spread} after {summary['rounds']} rounds"
     if "privacy" in summary:
         msg += (
             f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"
         )
-    return f"{msg}  ->  {folder}"
+    page = Path(folder) / "report.html"
+    return f"{msg}  ->  {page if page.is_file() else folder}"
