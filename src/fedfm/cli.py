@@ -32,6 +32,7 @@ def _offline_defaults() -> None:
     # transformers' loading and saving bars ("Loading weights") are not a run's progress;
     # HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 @app.command()
@@ -47,6 +48,7 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
 ) -> None:
     """Run an experiment and write runs/<name>/."""
+    import fedfm.integrations  # noqa: F401  (registers the hf_trainer task)
     from fedfm.config import load_run_config
     from fedfm.runtime import run as run_config
 

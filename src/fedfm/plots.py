@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 import matplotlib
 
@@ -127,19 +128,20 @@ def bars(
         xs = [g + (i - (n - 1) / 2) * width for g, v in enumerate(vals) if v is not None]
         ys = [v for v in vals if v is not None]
         ax.bar(xs, ys, width, label=label, color=palette.get(label))
-    for (name, vals), style in zip((lines or {}).items(), ("--", ":", "-."), strict=False):
-        for g, v in enumerate(vals):
-            if v is not None:  # one legend entry per baseline, however many groups
-                first = all(x is None for x in vals[:g])
-                ax.hlines(
-                    v,
-                    g - 0.45,
-                    g + 0.45,
-                    colors="black",
-                    linestyles=style,
-                    lw=1.2,
-                    label=name if first else None,
-                )
+    styles: tuple[Literal["--", ":", "-."], ...] = ("--", ":", "-.")
+    for (name, vals), style in zip((lines or {}).items(), styles, strict=False):
+        # One segment across each group's bars, one legend entry per baseline.
+        xs = [g for g, v in enumerate(vals) if v is not None]
+        ys = [v for v in vals if v is not None]
+        ax.hlines(
+            ys,
+            [x - 0.45 for x in xs],
+            [x + 0.45 for x in xs],
+            colors="black",
+            linestyles=style,
+            lw=1.2,
+            label=name,
+        )
     ax.set_xticks(range(len(groups)), list(groups), rotation=30 if len(groups) > 6 else 0)
     ax.set_title(title)
     ax.set_ylabel(ylabel)
