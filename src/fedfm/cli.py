@@ -48,11 +48,11 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress display")] = False,
 ) -> None:
     """Run an experiment and write runs/<name>/."""
-    import fedfm.integrations  # noqa: F401  (registers the hf_trainer task)
     from fedfm.config import load_run_config
     from fedfm.runtime import run as run_config
 
     cfg = load_run_config(config, overrides or [], resume, flower_commands.algo_keys)
+    import fedfm.integrations  # noqa: F401  (the hf_trainer task; after the cheap checks)
     from fedfm.devices import describe
     from fedfm.plan import make_plan, plan_fits_or_warn
     from fedfm.progress import announce_at_start, summary_line
