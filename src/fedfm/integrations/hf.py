@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import Tensor, nn
 
 from fedfm.config import RunConfig, TrainConfig
@@ -100,6 +100,12 @@ class HFTrainerConfig(TaskConfig):
     script: str
     factory: str = "federated"
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("script")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        # Flower's client processes need not share this process's working directory.
+        return str(Path(value).expanduser().resolve())
 
 
 def load_setup(cfg: HFTrainerConfig) -> TrainerSetup:

@@ -16,8 +16,10 @@ from fedfm.config import TrainConfig, load_config
 from fedfm.core.train import local_train, trainable
 from fedfm.errors import ConfigError
 from fedfm.integrations.hf import HFTrainerConfig, HFTrainerTask, run_trainer
+from fedfm.runtime import run
 from helpers import REPO
 from helpers.cli import run_cli
+from helpers.grid import same_run
 
 SCRIPT = REPO / "examples" / "hf_trainer.py"
 TINY = {"size": "tiny", "per_domain": 8, "max_length": 64}
@@ -112,3 +114,14 @@ def test_the_example_runs_federated_through_the_command(tmp_path, monkeypatch, c
     assert (folder / "adapter" / "adapter_config.json").is_file()
     assert "train_runtime" not in out + err  # the Trainer prints nothing of its own
     assert out.strip().splitlines()[-1].startswith("hf-trainer: loss=")
+
+
+@pytest.mark.slow  # Ray's actors: a minute or more on a loaded machine
+def test_the_example_on_flowers_simulation_equals_the_embedded_run(tmp_path):
+    task = {"kind": "hf_trainer", "script": str(SCRIPT), "options": TINY}
+    base = {"rounds": 1, "seed": 0, "task": task, "train": {"steps": 2}, "plots": False}
+    run({**base, "name": "emb", "out_dir": str(tmp_path)}, progress=False)
+    sim_cfg = {**base, "name": "sim", "out_dir": str(tmp_path), "runtime": "flower-sim"}
+    opts = {"imports": ["fedfm.integrations"], "sim_cpus": 2, "node_wait_s": 600}
+    run(sim_cfg, progress=False, options=opts)
+    same_run(tmp_path / "emb", tmp_path / "sim")
