@@ -46,6 +46,7 @@ LAYERS = (
     "measure",
     "analyze",
     "reproduce",
+    "integrations",
     "catalog",
     "cli",
     "__main__",

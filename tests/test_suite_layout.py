@@ -19,7 +19,8 @@ from helpers import REPO, TESTS
 # Test folders of fedfm's parts: its packages, and "cli" for the command and the top-level
 # modules behind it (config, plan, report, html_report, devices, harness).
 UNIT = {
-    "algorithms", "cli", "core", "data", "eval", "fm", "models", "reproduce", "runtime", "tasks"
+    "algorithms", "cli", "core", "data", "eval", "fm", "integrations", "models", "reproduce",
+    "runtime", "tasks",
 }  # fmt: skip
 TOP = {"test_imports.py", "test_suite_layout.py"}  # checks of the whole tree
 

@@ -54,6 +54,7 @@ def load() -> Catalog:
 def build() -> Catalog:
     """The manifest from the live registries (imports every built-in module: seconds)."""
     import fedfm.algorithms
+    import fedfm.integrations
     import fedfm.tasks  # noqa: F401  (registering imports)
     from fedfm.algorithms.base import ALGORITHMS
     from fedfm.core.optim import SERVER_OPTIMIZERS

@@ -29,6 +29,10 @@ def _offline_defaults() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers' loading and saving bars ("Loading weights") are not a run's progress;
+    # HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 @app.command()
@@ -48,18 +52,25 @@ def run(
     from fedfm.runtime import run as run_config
 
     cfg = load_run_config(config, overrides or [], resume, flower_commands.algo_keys)
+    import fedfm.integrations  # noqa: F401  (the hf_trainer task; after the cheap checks)
+    from fedfm.devices import describe
     from fedfm.plan import make_plan, plan_fits_or_warn
+    from fedfm.progress import announce_at_start, summary_line
 
     plan = make_plan(cfg)
-    Console().print(plan.summary(), soft_wrap=True, markup=False)
-    plan_fits_or_warn(plan, strict=False)
-    from fedfm.devices import describe
+    device = f"device {cfg.device}: {describe(cfg.torch_device())}"
 
-    Console().print(f"device {cfg.device}: {describe(cfg.torch_device())}", markup=False)
-    summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
-    from fedfm.progress import summary_line
+    def announce() -> None:  # printed once every check has passed (one line if refused)
+        Console().print(plan.summary(), soft_wrap=True, markup=False)
+        plan_fits_or_warn(plan, strict=False)
+        Console().print(device, markup=False)
 
-    Console().print(summary_line(summary, Path(cfg.out_dir) / cfg.name))
+    with announce_at_start(announce):
+        summary = run_config(cfg, resume=resume, overwrite=overwrite, progress=not quiet)
+
+    Console().print(
+        summary_line(summary, Path(cfg.out_dir) / cfg.name), soft_wrap=True, markup=False
+    )
 
 
 @app.command()

@@ -233,7 +233,7 @@ def section_curves(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
 
 
 ZEROSHOT = "zeroshot/"
-NOT_METRICS = ("local", "n", "pred", "majority", "uniform")
+NOT_METRICS = ("local", "n", "pred", "majority", "uniform", "bal_acc_se")
 """Key prefixes that are not per-domain metrics: per-client values, counts, and the label
 histograms with their baselines (shown in their own table)."""
 
@@ -294,9 +294,35 @@ def section_breakdown(runs: Sequence[RunData], palette: Mapping[str, str]) -> st
         domains = sorted({d for b in per_run.values() for d in b.get(m, {})})
         values = {lab: [b.get(m, {}).get(d) for d in domains] for lab, b in per_run.items()}
         values = {lab: v for lab, v in values.items() if any(x is not None for x in v)}
-        out.append(_img(plots.bars(domains, values, f"{m} by domain", m, colours), m))
+        lines = _baselines(runs, m, domains)
+        fig = plots.bars(domains, values, f"{m} by domain", m, colours, lines)
+        out.append(_img(fig, m))
         out.append(_table(["run", *domains], [[lab, *v] for lab, v in values.items()]))
     return "".join(out) + section_histograms(runs)
+
+
+BASELINES = {"acc": ("majority", "uniform"), "bal_acc": ("uniform",)}
+"""The baselines drawn on a metric's chart: a majority-class answer scores ``majority/<d>``
+in accuracy, and, like a uniform guess, 1 / (number of labels) in balanced accuracy."""
+BASELINE_NAMES = {"majority": "majority class", "uniform": "uniform guess"}
+
+
+def _baselines(
+    runs: Sequence[RunData], metric: str, domains: Sequence[str]
+) -> dict[str, list[float | None]]:
+    """The baselines of ``metric`` per domain, from the first run's last row that has them
+    (gold labels do not change between rounds)."""
+    prefix = ZEROSHOT if metric.startswith(ZEROSHOT) else ""
+    keys = BASELINES.get(metric.removeprefix(prefix), ())
+    out: dict[str, list[float | None]] = {}
+    for key in keys:
+        name = "majority class or uniform" if metric.endswith("bal_acc") else BASELINE_NAMES[key]
+        for row in reversed(runs[0].rows if runs else []):
+            vals = [row.get(f"{prefix}{key}/{d}") for d in domains]
+            if any(isinstance(v, (int, float)) for v in vals):
+                out[name] = [float(v) if isinstance(v, (int, float)) else None for v in vals]
+                break
+    return out
 
 
 def label_histograms(run: RunData, rnd: int) -> dict[str, dict[str, float]]:
@@ -311,11 +337,15 @@ def label_histograms(run: RunData, rnd: int) -> dict[str, dict[str, float]]:
     for domain, hist in out.items():
         prefix = ZEROSHOT if domain.startswith(ZEROSHOT) else ""
         name = domain.removeprefix(prefix)
-        for key in ("acc", "majority", "uniform"):
+        for key in ("acc", "bal_acc", "majority", "uniform"):
             value = row.get(f"{prefix}{key}/{name}")
             if isinstance(value, (int, float)):
                 hist[key] = float(value)
     return dict(out)
+
+
+HIST_COLUMNS = ("acc", "bal_acc", "majority", "uniform")
+"""The columns beside a domain's predicted-label shares."""
 
 
 def section_histograms(runs: Sequence[RunData]) -> str:
@@ -326,20 +356,22 @@ def section_histograms(runs: Sequence[RunData]) -> str:
     for r in runs:
         for rnd in _evaluated_rounds(r):
             for domain, hist in label_histograms(r, rnd).items():
-                names = [k for k in hist if k not in ("acc", "majority", "uniform")]
+                names = [k for k in hist if k not in HIST_COLUMNS]
                 labels[domain] = list(dict.fromkeys([*labels[domain], *names]))
                 tables[domain].append([f"{r.label}, round {rnd}", hist])
     if not tables:
         return ""
     out = [
         "<h3>Predicted labels</h3><p>Share of each domain's items answered with each label;"
+        " <em>balanced acc</em> is the mean recall over the gold labels (a majority-class"
+        " answer scores 1 / labels);"
         " <em>majority</em> is the accuracy of always answering the most frequent gold label,"
         " <em>uniform</em> that of a uniform guess.</p>"
     ]
     for domain in sorted(tables):
-        head = ["run", *labels[domain], "acc", "majority", "uniform"]
+        head = ["run", *labels[domain], "acc", "balanced acc", "majority", "uniform"]
         rows = [
-            [lab, *(h.get(k) for k in [*labels[domain], "acc", "majority", "uniform"])]
+            [lab, *(h.get(k) for k in [*labels[domain], *HIST_COLUMNS])]
             for lab, h in tables[domain]
         ]
         out.append(f"<h4>{_esc(domain)}</h4>" + _table(head, rows))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 import matplotlib
 
@@ -106,6 +107,7 @@ def bars(
     title: str,
     ylabel: str,
     palette: Mapping[str, str] | None = None,
+    lines: Mapping[str, Sequence[float | None]] | None = None,
 ) -> Figure:
     """Grouped bars: a group per entry of ``groups``, a bar per label (missing values: none).
 
@@ -115,6 +117,8 @@ def bars(
         title: Panel title.
         ylabel: The y axis's label.
         palette: Label -> colour (:func:`colours` of the labels when None).
+        lines: Baseline name -> one value per group, drawn as a horizontal line across the
+            group's bars (e.g. the majority-class and uniform accuracies of each domain).
     """
     palette = palette or colours(values)
     n = max(1, len(values))
@@ -124,11 +128,25 @@ def bars(
         xs = [g + (i - (n - 1) / 2) * width for g, v in enumerate(vals) if v is not None]
         ys = [v for v in vals if v is not None]
         ax.bar(xs, ys, width, label=label, color=palette.get(label))
+    styles: tuple[Literal["--", ":", "-."], ...] = ("--", ":", "-.")
+    for (name, vals), style in zip((lines or {}).items(), styles, strict=False):
+        # One segment across each group's bars, one legend entry per baseline.
+        xs = [g for g, v in enumerate(vals) if v is not None]
+        ys = [v for v in vals if v is not None]
+        ax.hlines(
+            ys,
+            [x - 0.45 for x in xs],
+            [x + 0.45 for x in xs],
+            colors="black",
+            linestyles=style,
+            lw=1.2,
+            label=name,
+        )
     ax.set_xticks(range(len(groups)), list(groups), rotation=30 if len(groups) > 6 else 0)
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, axis="y")
-    if values:
+    if values or lines:
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -6,6 +6,9 @@ is in the run's ``metrics.jsonl``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -15,6 +18,26 @@ from rich.table import Table
 from fedfm.config import RunConfig
 
 MIB = 2**20  # bytes per MiB, as in reports and plots (the ledger counts bytes)
+
+_ANNOUNCE: list[Callable[[], None]] = []
+
+
+@contextmanager
+def announce_at_start(announce: Callable[[], None]) -> Iterator[None]:
+    """Defers ``announce`` (e.g. the command's memory-plan and device lines) until the next
+    run display opens: the engine opens it only once the config, the built task and algorithm
+    and the run folder have passed every check, so a refused run prints its one error line
+    and nothing else.
+
+    A module-level slot, not a parameter, because the display opens in whichever runtime runs
+    the engine (the Flower simulation runs it in a thread of this process).
+    """
+    _ANNOUNCE.append(announce)
+    try:
+        yield
+    finally:
+        if announce in _ANNOUNCE:
+            _ANNOUNCE.remove(announce)
 
 
 def _fmt(v: Any) -> str:
@@ -94,6 +117,8 @@ class RoundDisplay:
         self.task_id = self.progress.add_task("rounds", total=cfg.rounds, completed=start)
 
     def __enter__(self) -> RoundDisplay:
+        while _ANNOUNCE:  # every check has passed: what the command deferred (printed once)
+            _ANNOUNCE.pop(0)()
         self.progress.__enter__()
         return self
 
@@ -131,14 +156,18 @@ class RoundDisplay:
 
 
 def summary_line(summary: dict[str, Any], folder: Any) -> str:
-    """The line a run ends with: its headline metric (4 decimals), rounds, privacy guarantee
-    when DP was used, and its run folder."""
+    """The line a run ends with: its headline metric (4 decimals) with its standard error
+    where the evaluator logs one (``<primary>_se``), rounds, privacy guarantee when DP was
+    used, and where to look: the run's ``report.html`` when it was written, else its folder."""
     final = summary["final"]
     primary = summary["primary"]
     value = final.get(primary, float("nan"))
-    msg = f"{summary['name']}: {primary}={value:.4f} after {summary['rounds']} rounds"
+    se = final.get(f"{primary}_se")
+    spread = f" ± {se:.4f} SE" if isinstance(se, int | float) else ""
+    msg = f"{summary['name']}: {primary}={value:.4f}{spread} after {summary['rounds']} rounds"
     if "privacy" in summary:
         msg += (
             f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"
         )
-    return f"{msg}  ->  {folder}"
+    page = Path(folder) / "report.html"
+    return f"{msg}  ->  {page if page.is_file() else folder}"

@@ -238,6 +238,8 @@ def local_round(
     data = ctx.data if data is None else data
     cfg = client_config(ctx, cfg)
     n = steps or num_steps(cfg, task.num_examples(data))
+    if isinstance(task, OwnLocalStep):  # the task's own loop (a Hugging Face Trainer)
+        return task.local_step(model, data, cfg, n, ctx.rng_seed(purpose), loss_fn=loss_fn, **kw)
     batches = task.batches(data, cfg.batch_size, ctx.rng_seed(purpose))
     keyed = [k for k in ("prox_ref", "grad_correction") if kw.get(k) is not None]
     if keyed:
@@ -245,6 +247,23 @@ def local_round(
         for k in keyed:
             kw[k] = {names[key]: t for key, t in kw[k].items() if key in names}
     return local_train(model, batches, loss_fn or task.loss, cfg, n, **kw)
+
+
+@runtime_checkable
+class OwnLocalStep(Protocol):
+    """A task whose clients train with a loop of their own instead of :func:`local_train`.
+
+    :mod:`fedfm.integrations.hf` is one: a user's Hugging Face ``Trainer``.
+    :func:`local_round` hands it the client's data, the round's settings, the number of
+    steps and the seed of the batch order, and the extras of the algorithm (``loss_fn``,
+    ``prox_ref``, ...), which it must refuse when it cannot honour them.
+    """
+
+    def local_step(
+        self, model: nn.Module, data: Any, cfg: TrainConfig, steps: int, seed: int, **kw: Any
+    ) -> TrainResult:
+        """Trains ``model`` in place for ``steps`` optimizer steps; the steps and mean loss."""
+        ...
 
 
 @runtime_checkable

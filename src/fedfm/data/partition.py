@@ -26,7 +26,9 @@ bins before ``dirichlet``/``pathological`` (label skew for regression).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 import warnings
 from collections.abc import Callable
@@ -296,7 +298,10 @@ def _natural(ds: datasets.Dataset, cfg: PartitionConfig) -> list[list[int]]:
         )
     part = NaturalIdPartitioner(partition_by=_KEY)
     part.dataset = keys
-    return _rows_of(part, cfg.num_clients)
+    # flwr-datasets draws a tqdm bar over the rows here with no switch to turn it off: a
+    # partition of a few thousand rows is no progress to show.
+    with contextlib.redirect_stderr(io.StringIO()):
+        return _rows_of(part, cfg.num_clients)
 
 
 def quantity_sizes(n: int, num_clients: int, alpha: float, min_size: int, seed: int) -> list[int]:

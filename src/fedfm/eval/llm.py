@@ -13,9 +13,11 @@
 * :func:`evaluate_instructions` — per-row dispatch on the ``metric`` column of an instruction
   suite (``rouge`` / ``gsm8k`` / ``choice``), overall and per-domain means, with what shows a
   broken instrument beside them: each classification domain's predicted-label histogram and
-  its majority-class and uniform baselines, and each domain's share of generations cut by the
-  token budget; :func:`evaluate_instruction_items` also returns every item (prompt,
-  reference, answer, score).
+  its majority-class and uniform baselines, its balanced accuracy and macro-F1
+  (:func:`fedfm.eval.metrics.class_balanced_scores`, which a majority-class answer cannot
+  win), and each domain's share of generations cut by the token budget;
+  :func:`evaluate_instruction_items` also returns every item (prompt, reference, answer,
+  score).
 * :func:`head_to_head` — win rate of one model's items over another's.
 * :func:`evaluate_held_out_domain` — zero-shot evaluation on one domain left out of training.
 """
@@ -42,6 +44,7 @@ from fedfm.data.prompt import (
 from fedfm.devices import model_device
 from fedfm.errors import FedfmError
 from fedfm.eval.metrics import (
+    class_balanced_scores,
     gsm8k_correct,
     perplexity,
     pick_choice,
@@ -402,7 +405,11 @@ def evaluate_instruction_items(
         each ``choice`` domain ``pred/{domain}/{label}`` (share of its items answered with
         each label, ``(none)`` for generations naming none), ``majority/{domain}`` (the
         accuracy of always answering the most frequent gold label) and ``uniform/{domain}``
-        (the expected accuracy of a uniform guess, 1 / number of labels).
+        (the expected accuracy of a uniform guess, 1 / number of labels), ``bal_acc/{domain}``,
+        ``f1_macro/{domain}`` and ``bal_acc_se/{domain}``
+        (:func:`fedfm.eval.metrics.class_balanced_scores`), and ``bal_acc``, ``f1_macro``,
+        ``bal_acc_se`` over the classification domains (each weighs the same); ``score_se``,
+        the standard error of ``score`` (items independent).
         ``items``: one dict per row, in order, with ``id`` (the row's ``id``, else its
         index), ``domain``, ``metric`` (the key it counts towards), ``prompt``, ``reference``
         (what the answer was scored against), ``answer`` (the generation, or the picked
@@ -516,8 +523,10 @@ def instrument_readouts(
 
     Returns:
         ``truncated/<domain>`` and ``truncated`` over the generated items (row indices in
-        ``generated``); per ``choice`` domain ``pred/<domain>/<label>``, ``majority/<domain>``
-        and ``uniform/<domain>`` (see :func:`evaluate_instruction_items`).
+        ``generated``); per ``choice`` domain ``pred/<domain>/<label>``, ``majority/<domain>``,
+        ``uniform/<domain>``, ``bal_acc/<domain>``, ``f1_macro/<domain>`` and
+        ``bal_acc_se/<domain>``, and their means over those domains (see
+        :func:`evaluate_instruction_items`).
     """
     out: dict[str, float] = {}
     cut: dict[str, list[bool]] = defaultdict(list)
@@ -543,6 +552,18 @@ def instrument_readouts(
             out[f"pred/{domain}/{label}"] = answered.count(label) / len(idx)
         out[f"majority/{domain}"] = max(gold.values()) / len(idx)
         out[f"uniform/{domain}"] = 1.0 / len(labels)
+        golds = [
+            str(rows[i]["choices"][resolve_answer(_reference(rows[i]), rows[i]["choices"])])
+            for i in idx
+        ]
+        for key, value in class_balanced_scores(golds, answered).items():
+            out[f"{key}/{domain}"] = value
+    if by_domain:  # every classification domain weighs the same, as in ``score``
+        names = sorted(by_domain)
+        for key in ("bal_acc", "f1_macro"):
+            out[key] = float(np.mean([out[f"{key}/{d}"] for d in names]))
+        out["bal_acc_se"] = float(np.sqrt(sum(out[f"bal_acc_se/{d}"] ** 2 for d in names)))
+        out["bal_acc_se"] /= len(names)
     return out
 
 
@@ -617,6 +638,9 @@ def _aggregate(values: list[tuple[str, str, float]]) -> dict[str, float]:
         results[f"score/{domain}"] = float(np.mean(vals))
         results[f"n/{domain}"] = float(len(vals))
     results["score"] = float(np.mean([results[f"score/{d}"] for d in by_domain]))
+    # The standard error of that mean of domain means (items independent; ours).
+    var = [np.var(v, ddof=1) / len(v) if len(v) > 1 else 0.0 for v in by_domain.values()]
+    results["score_se"] = float(np.sqrt(sum(var))) / len(by_domain)
     results["n"] = float(len(values))
     return results
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import string
+import warnings
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
@@ -196,6 +197,36 @@ def macro_f1(y_true: Sequence, y_pred: Sequence) -> float:
     """
     _check_pairs(y_true, y_pred)
     return float(skm.f1_score(y_true, y_pred, average="macro", zero_division=0))
+
+
+@METRICS.register("balanced_acc", help="mean per-class recall over the true classes")
+def balanced_accuracy(y_true: Sequence, y_pred: Sequence) -> float:
+    """Mean recall over the classes of ``y_true``: always answering one class scores
+    1 / (number of true classes), however frequent that class is."""
+    return class_balanced_scores(y_true, y_pred)["bal_acc"]
+
+
+def class_balanced_scores(y_true: Sequence, y_pred: Sequence) -> dict[str, float]:
+    """The classification readouts a majority-class answer cannot win, from scikit-learn.
+
+    ``bal_acc``: ``balanced_accuracy_score`` (mean recall over the classes of ``y_true``);
+    ``f1_macro``: ``f1_score(average="macro", labels=<classes of y_true>, zero_division=0)``,
+    so an answer outside the true classes (another label, no label) only costs recall;
+    ``bal_acc_se``: its standard error, ``sqrt(sum_c r_c (1 - r_c) / n_c) / C`` with ``r_c``
+    the recall of class ``c`` over its ``n_c`` items (ours: each class's recall a binomial
+    proportion, the classes independent).
+    """
+    _check_pairs(y_true, y_pred)
+    classes = sorted({str(y) for y in y_true})
+    true, pred = [str(y) for y in y_true], [str(y) for y in y_pred]
+    with warnings.catch_warnings():  # "y_pred contains classes not in y_true": counted wrong
+        warnings.simplefilter("ignore", UserWarning)
+        bal = float(skm.balanced_accuracy_score(true, pred))
+    f1 = float(skm.f1_score(true, pred, labels=classes, average="macro", zero_division=0))
+    recall = skm.recall_score(true, pred, labels=classes, average=None, zero_division=0)
+    counts = [true.count(c) for c in classes]
+    var = sum(r * (1 - r) / n for r, n in zip(recall, counts, strict=True))
+    return {"bal_acc": bal, "f1_macro": f1, "bal_acc_se": math.sqrt(var) / len(classes)}
 
 
 @METRICS.register("rmse", help="root mean squared error (regression)")

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import io
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -208,11 +210,15 @@ def smollm2_dir() -> Path:
 def _convert_smollm2(out: Path) -> None:
     pkg = _smollm2_package_dir()
     start = time.perf_counter()
-    log.info("converting %s to a Hugging Face folder (once, about 20 s)", SMOLLM2_GGUF)
+    # One line instead of transformers' GGUF bar, which it draws whatever its progress-bar
+    # switch says; the bar stays when the switch is on (HF_HUB_DISABLE_PROGRESS_BARS=0).
+    print(f"converting SmolLM2 once from {SMOLLM2_GGUF} (about 20 s)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        pkg, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
-    )
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    with contextlib.nullcontext() if bars else contextlib.redirect_stderr(io.StringIO()):
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            pkg, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
+        )
     # save_pretrained refuses a model that carries a GGUF quantization_config, although its
     # weights are already dequantised: rebuild a plain model from the config and copy them over.
     config = gguf_model.config

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -172,7 +173,10 @@ def add_adapters(
         if isinstance(model, peft.PeftModel):
             peft_model = model
         else:
-            peft_model = peft.get_peft_model(model, config, adapter_name=names[0])
+            with warnings.catch_warnings():
+                # peft 0.21 probes transformers 5's deprecated alias (a FutureWarning per call).
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+                peft_model = peft.get_peft_model(model, config, adapter_name=names[0])
         for name in names:
             if name not in peft_model.peft_config:
                 peft_model.add_adapter(name, config)

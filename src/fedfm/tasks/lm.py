@@ -149,7 +149,7 @@ class InstructionConfig(TaskConfig):
         zeroshot_items: Test items evaluated per held-out domain; ``None``: as many as each
             seen domain gets from ``max_eval`` (all when ``max_eval`` is ``None``).
         primary: The run's headline metric: ``score`` (default), a metric kind (``acc``,
-            ``rougeL``, ``gsm8k_acc``), either with ``/<domain>``, or the same under
+            ``bal_acc``, ``rougeL``, ``gsm8k_acc``), either with ``/<domain>``, or the same under
             ``zeroshot/`` for the held-out domains.
         bucket: Batch rows of similar length together (less padding).
         pad_to_multiple_of: Pad training batches to a multiple of this many tokens. Fewer
@@ -432,6 +432,8 @@ class InstructionTask(Task):
             if m in ROW_METRICS and (m == "choice" or not self.cfg.likelihood_only)
         ]
         kinds = {ROW_METRICS.get(m).key for m, _ in scored} | ({"score"} if scored else set())
+        if any(m == "choice" for m, _ in scored):
+            kinds.add("bal_acc")  # mean balanced accuracy over the classification domains
         metric, _, domain = name.removeprefix(ZEROSHOT).partition("/")
         domains = {d for _, d in scored}
         if metric not in kinds or (domain and domain not in domains):

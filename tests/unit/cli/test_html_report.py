@@ -18,7 +18,7 @@ import pytest
 
 from fedfm.cli import app
 from fedfm.config import load_config
-from fedfm.html_report import load_run, render, undeclared
+from fedfm.html_report import _baselines, load_run, render, undeclared
 from fedfm.runtime import run
 
 
@@ -111,6 +111,7 @@ def test_plain_numbers_label_histograms_and_harness_scores(tmp_path: Path) -> No
     }
     (d / "summary.json").write_text(json.dumps(summary))
     hist = {"acc": 0.25, "acc/qtype": 0.25, "majority/qtype": 0.3, "uniform/qtype": 1 / 6}
+    hist |= {"bal_acc": 0.5, "bal_acc/qtype": 0.5}
     rows = [
         {"round": 0, **hist, "pred/qtype/abbreviation": 0.95, "pred/qtype/human": 0.05},
         {"round": 1, **hist, "pred/qtype/abbreviation": 0.1, "pred/qtype/human": 0.9},
@@ -123,9 +124,17 @@ def test_plain_numbers_label_histograms_and_harness_scores(tmp_path: Path) -> No
     assert "<td>0.6667</td>" in page and "161.8800" not in page
     # The histogram shows round 0's collapse onto one label beside the baselines.
     assert "<h3>Predicted labels" in page
-    head = "<th>run</th><th>abbreviation</th><th>human</th><th>acc</th><th>majority</th>"
-    assert head in page
-    assert "<td>llm, round 0</td><td>0.95</td><td>0.05</td><td>0.25</td><td>0.3</td>" in page
+    head = "<th>run</th><th>abbreviation</th><th>human</th><th>acc</th><th>balanced acc</th>"
+    assert head + "<th>majority</th>" in page
+    cells = "<td>0.95</td><td>0.05</td><td>0.25</td><td>0.5</td><td>0.3</td>"
+    assert f"<td>llm, round 0</td>{cells}" in page
+    # The accuracy chart draws both baselines; the balanced one, 1 / labels.
+    run = load_run(d)
+    assert _baselines([run], "acc", ["qtype"]) == {
+        "majority class": [0.3],
+        "uniform guess": [1 / 6],
+    }
+    assert _baselines([run], "bal_acc", ["qtype"]) == {"majority class or uniform": [1 / 6]}
     assert "<h2>lm-evaluation-harness" in page and "<td>trec</td><td>acc</td><td>0.35</td>" in page
 
 

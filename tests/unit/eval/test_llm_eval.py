@@ -130,10 +130,22 @@ def test_evaluate_instructions_per_domain(tok, yes7, choice_mode):
         "pred/medical/no": 0.0,
         "majority/medical": 2 / 3,
         "uniform/medical": 0.5,
+        # Recall 1 on yes, 0 on no; F1 0.8 on yes (precision 2/3), 0 on no.
+        "bal_acc/medical": 0.5,
+        "bal_acc": 0.5,
+        "f1_macro/medical": 0.4,
+        "f1_macro": 0.4,
+        "bal_acc_se/medical": 0.0,
+        "bal_acc_se": 0.0,
     }
     # Every generation ended with its end-of-turn token within the 6-token budget.
     generated = ["general", "math"] + (["medical"] if choice_mode == "generate" else [])
     expected |= {f"truncated/{d}": 0.0 for d in generated} | {"truncated": 0.0}
+    # score's SE: general's two ROUGE values are not known by hand, so it is only bounded
+    # by the two domains with known items (math 0/1: variance 1/2 over 2; medical 1,0,1).
+    se = res.pop("score_se")
+    known = (0.5 / 2 + (1 / 3) / 3) / 9  # var/n of math and medical, over 3 domains squared
+    assert se**2 >= known - 1e-12
     assert res == pytest.approx(expected)
 
 
@@ -150,7 +162,7 @@ def test_evaluate_with_perplexity_and_held_out_domain(tok):
     zero_shot = evaluate_held_out_domain(model, tok, suite, "math", max_new_tokens=2)
     assert set(zero_shot) == {
         *("gsm8k_acc", "gsm8k_acc/math", "score", "score/math", "n", "n/math"),
-        *("truncated", "truncated/math"),
+        *("truncated", "truncated/math", "score_se"),
     }
     with pytest.raises(FedfmError, match="not in dataset"):
         split_held_out_domain(suite, "law")

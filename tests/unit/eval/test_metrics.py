@@ -16,7 +16,9 @@ from fedfm.eval.llm import lm_nll
 from fedfm.eval.metrics import (
     METRICS,
     accuracy,
+    balanced_accuracy,
     choice_accuracy,
+    class_balanced_scores,
     exact_match,
     gsm8k_correct,
     gsm8k_number,
@@ -144,3 +146,13 @@ def test_uniform_logits_have_perplexity_equal_to_vocab_size():
     assert n == (1 + 1) + (4 + 1)  # response words + eos per row
     assert nll == pytest.approx(n * math.log(10), rel=1e-5)
     assert perplexity(nll, n) == pytest.approx(10.0, rel=1e-5)
+
+
+def test_class_balanced_scores_by_hand():
+    # Gold a,a,a,b; the answers a,a,b,(none). Recall a 2/3, b 0: balanced accuracy 1/3.
+    # F1 over the gold classes: a (precision 1, recall 2/3) 0.8, b (precision 0) 0 -> 0.4.
+    got = class_balanced_scores(["a", "a", "a", "b"], ["a", "a", "b", "(none)"])
+    se = math.sqrt((2 / 3) * (1 / 3) / 3 + 0.0) / 2
+    assert got == pytest.approx({"bal_acc": 1 / 3, "f1_macro": 0.4, "bal_acc_se": se})
+    # Always the majority class: accuracy 3/4, balanced accuracy 1/2 (one class of two).
+    assert balanced_accuracy(["a", "a", "a", "b"], ["a"] * 4) == pytest.approx(0.5)

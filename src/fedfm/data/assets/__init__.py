@@ -136,7 +136,3 @@ def main() -> None:
     """Fetches every asset that needs fetching and prints where it lies."""
     path = fetch_llamafactory()
     print(f"llamafactory {LLAMAFACTORY_VERSION} demo data: {path}")
-
-
-if __name__ == "__main__":
-    main()
