@@ -30,7 +30,7 @@ import yaml
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
-from fedfm.reproduce.stats import NONE, Estimate, verdict
+from fedfm.reproduce.stats import NONE, Estimate, mde_of, verdict
 from fedfm.reproduce.tables import DASH, Text, head, num, row
 
 G = TypeVar("G")  # a study's grid
@@ -243,7 +243,9 @@ class Readout(Generic[R]):
     how the estimate is paired (``statistic``), the ``paper``'s claim, its
     ``direction`` (+1: above ``null``, −1: below), the estimate (``value`` of what the study
     read, shown with ``digits``), the grid's ``scope`` and whether it can test the claim
-    (``testable``: a bool, or a function of what was read for a premise the runs must show)."""
+    (``testable``: a bool, or a function of what was read for a premise the runs must show);
+    ``margin`` is the paper's own effect on the readout's scale, where it reports one (the
+    report says when the grid's minimum detectable effect is larger)."""
 
     name: str
     statistic: str
@@ -254,6 +256,7 @@ class Readout(Generic[R]):
     digits: int = 3
     scope: str = ""
     testable: bool | Callable[[R], bool] = True
+    margin: float | None = None
 
     def judge(self, data: R) -> tuple[Estimate, str]:
         """The estimate and its verdict."""
@@ -770,7 +773,11 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
     for i, r in enumerate(study.readouts(ctx.grid), start=1):
         est, word = r.judge(data)
         shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
-        rows.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
+        mde = mde_of(est)
+        if r.margin is not None and math.isfinite(mde) and mde > abs(r.margin):
+            word += f"; the paper's margin {abs(r.margin):.{r.digits}f} is below this MDE"
+        cells = [f"R{i}", r.name, shown, r.statistic, r.paper, num(mde, r.digits)]
+        rows.append(row([*cells, f"**{word}**"]))
         if r.scope:
             notes.setdefault(r.scope, []).append(f"R{i}")
     notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
