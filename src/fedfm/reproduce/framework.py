@@ -327,6 +327,7 @@ class Context(Generic[G]):
     out: Path
     command: str
     workers: int = 1
+    pilot: bool = False  # only the study's premise pilot (its jobs list nothing else)
     report: Path | None = None
     done: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
@@ -797,15 +798,19 @@ def open_study(
     grid: Any = None,
     workers: int | None = None,
     command: str | None = None,
+    pilot: bool = False,
 ) -> Context[Any]:
-    """The context of one invocation: ``out`` is the study folder itself."""
+    """The context of one invocation: ``out`` is the study folder itself; ``pilot``: only
+    the study's premise pilot runs (its main jobs are listed but not started)."""
+    flags = (" --quick" if quick else "") + (" --pilot" if pilot else "")
     return Context(
         study=study.name,
         grid=grid if grid is not None else (study.quick if quick else study.full),
         quick=quick,
         out=Path(out),
-        command=command or f"fedfm reproduce {study.name}" + (" --quick" if quick else ""),
+        command=command or f"fedfm reproduce {study.name}{flags}",
         workers=workers or min(study.workers[1 if quick else 0], os.cpu_count() or 1),
+        pilot=pilot,
     )
 
 
@@ -822,15 +827,18 @@ def reproduce(
     workers: int | None = None,
     dry_run_only: bool = False,
     report_dir: Path | None = None,
+    pilot: bool = False,
 ) -> Path | list[str]:
     """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``; the report written
-    or, with ``dry_run_only``, the job list. ConfigError: an unknown study, no worker."""
+    or, with ``dry_run_only``, the job list; ``pilot``: only the study's premise pilot.
+    ConfigError: an unknown study, no worker."""
     load_studies()
     study = STUDIES.get(name)
     if workers is not None and workers < 1:
         raise ConfigError("jobs", f"must be at least 1, got {workers}")
     _offline()
-    ctx = open_study(study, Path(out) / (f"{name}-quick" if quick else name), quick, None, workers)
+    folder = Path(out) / (f"{name}-quick" if quick else name)
+    ctx = open_study(study, folder, quick, None, workers, pilot=pilot)
     if dry_run_only:
         return dry_run(study, ctx)
     return run_study(study, ctx, report_path(study, ctx, report_dir))

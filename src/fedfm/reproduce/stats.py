@@ -111,7 +111,9 @@ def macro_f1(y: Sequence[Any], pred: Sequence[Any]) -> float:
 
     if not len(y):
         return math.nan
-    return float(f1_score(list(map(str, y)), list(map(str, pred)), average="macro", zero_division=0))
+    return float(
+        f1_score(list(map(str, y)), list(map(str, pred)), average="macro", zero_division=0)
+    )
 
 
 def balanced_weights(y: Sequence[Any]) -> np.ndarray:
