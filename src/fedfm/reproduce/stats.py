@@ -84,6 +84,12 @@ def mde(sd: float, n: int, k: float = 2.0) -> float:
     return k * sd / math.sqrt(n) if n > 1 and math.isfinite(sd) else math.nan
 
 
+def units_for(sd: float, effect: float, k: float = 2.0) -> int:
+    """The units a mean difference of per-unit SD ``sd`` needs for ``effect`` to reach its
+    minimum detectable effect: ``⌈(k · sd / effect)²⌉``."""
+    return math.ceil((k * sd / abs(effect)) ** 2)
+
+
 def mde_of(est: Estimate, k: float = 2.0) -> float:
     """The minimum detectable effect of an estimate's own grid: ``k`` SE (NaN without an SE)."""
     return k * est.se if est.n > 1 and math.isfinite(est.se) else math.nan

@@ -17,6 +17,7 @@ from fedfm.reproduce.stats import (
     mde,
     mde_of,
     paired,
+    units_for,
 )
 
 Y = ["ham", "ham", "ham", "spam"]
@@ -70,3 +71,6 @@ def test_the_minimum_detectable_effect_is_two_se_from_the_items_and_their_sd() -
     assert mde_of(d) == pytest.approx(mde(0.1, 3)) == pytest.approx(2 * 0.1 / math.sqrt(3))
     assert math.isnan(mde_of(Estimate(0.5, math.nan, 1)))
     assert math.isnan(mde(0.1, 1))
+    # FedHDS - Random: the paper's 0.0041 Rouge-L at SD 0.10 needs (0.2 / 0.0041)² = 2380 items
+    assert units_for(0.10, 0.0041) == math.ceil((0.2 / 0.0041) ** 2) == 2380
+    assert mde(0.10, units_for(0.10, 0.0041)) <= 0.0041 < mde(0.10, 2379)
