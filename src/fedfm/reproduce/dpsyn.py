@@ -877,11 +877,9 @@ def _pilot(res: Results) -> str:
         norms = ", ".join(num(x, 3) for x in v["update_norms"]) or DASH
         rows.append(row([f"{s} strong, ε_train = ∞", *cells, norms]))
     est = Estimate(**p["difference"])
-    values = {
-        "difference": est.fmt(signed=True),
-        "mde": num(p["mde"]),
-        "ratio": num(p["norm_ratio"]),
-    }
+    first = [p["pools"][str(s)]["update_norms"][:1] for s in (grid.few, grid.many)]
+    ratio = first[0][0] / first[1][0] if all(f and f[0] for f in first) else None
+    values = {"difference": est.fmt(signed=True), "mde": num(p["mde"]), "ratio": num(ratio)}
     values.update(verdict=verdict(est, +1), few=grid.few, many=grid.many)
     values["labels"] = ", ".join(map(str, p["test_labels"]))
     gate = TEXT("pilot-holds" if p["holds"] else "pilot-fails", vars(grid), values)
