@@ -236,7 +236,7 @@ def pilot_jobs(grid: Grid) -> list[Job]:
     out.append(Compute(EMBED, embed_real, {"config": generator_config(grid, 0)}, group="embed"))
     for s in order:
         params = {"voters": voters(grid, s), "epsilon_votes": [], "seeds": grid.seeds}
-        needs = (pilot_name(s), EMBED)
+        needs: tuple[str, ...] = (pilot_name(s), EMBED)
         out.append(
             Compute(
                 f"vote-{pilot_name(s)}", vote_offline, {**params, "size": grid.size}, needs, "vote"
@@ -879,7 +879,8 @@ def _pilot(res: Results) -> str:
     est = Estimate(**p["difference"])
     first = [p["pools"][str(s)]["update_norms"][:1] for s in (grid.few, grid.many)]
     ratio = first[0][0] / first[1][0] if all(f and f[0] for f in first) else None
-    values = {"difference": est.fmt(signed=True), "mde": num(p["mde"]), "ratio": num(ratio)}
+    values: dict[str, Any] = {"difference": est.fmt(signed=True), "mde": num(p["mde"])}
+    values["ratio"] = num(ratio)
     values.update(verdict=verdict(est, +1), few=grid.few, many=grid.many)
     values["labels"] = ", ".join(map(str, p["test_labels"]))
     gate = TEXT("pilot-holds" if p["holds"] else "pilot-fails", vars(grid), values)

@@ -95,7 +95,7 @@ def mde_of(est: Estimate, k: float = 2.0) -> float:
     return k * est.se if est.n > 1 and math.isfinite(est.se) else math.nan
 
 
-def balanced_accuracy(y: Sequence[Any], pred: Sequence[Any]) -> float:
+def balanced_accuracy(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
     """Mean per-class recall of ``pred`` against ``y`` over ``y``'s classes (scikit-learn's;
     an off-label answer is a miss of its item's class; NaN for no rows)."""
     import warnings
@@ -109,7 +109,7 @@ def balanced_accuracy(y: Sequence[Any], pred: Sequence[Any]) -> float:
         return float(balanced_accuracy_score(list(map(str, y)), list(map(str, pred))))
 
 
-def macro_f1(y: Sequence[Any], pred: Sequence[Any]) -> float:
+def macro_f1(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
     """Macro-F1 over the classes of ``y`` and ``pred`` (scikit-learn's; a class never
     predicted scores 0; NaN for no rows). A predicted label outside ``y``'s classes counts
     as a class of its own (an off-label answer)."""
