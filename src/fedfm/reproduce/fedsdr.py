@@ -721,5 +721,6 @@ def body(ctx: Context[Grid], res: Results) -> str:
 STUDY = register(
     __name__,
     "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
-    later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
+    later="+FedSD, FedSDR and the matched-drift control run once the pilot (FedIT) shows"
+    " forgetting; the control's lr once FedIT and +FedSD have measured their update norms",
 )
