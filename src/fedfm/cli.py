@@ -176,11 +176,14 @@ def reproduce(
     report_dir: Annotated[
         Path | None, typer.Option(help="folder of the report (default: the study's, docs/)")
     ] = None,
+    pilot: Annotated[
+        bool, typer.Option("--pilot", help="only the study's premise pilot (its first readout)")
+    ] = False,
 ) -> None:
     """Run a reproduction study and write its markdown report (readouts first)."""
     from fedfm.reproduce.framework import reproduce as run_study
 
-    result = run_study(study, out, quick, jobs, dry_run, report_dir)
+    result = run_study(study, out, quick, jobs, dry_run, report_dir, pilot)
     if isinstance(result, list):
         print("\n".join(result))
     else:

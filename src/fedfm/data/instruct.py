@@ -188,22 +188,49 @@ def _frame(ds: datasets.Dataset) -> pd.DataFrame:
 
 
 def _sample(
-    src: LoadedSource, n_train: int, n_test: int, rng: np.random.Generator, name: str
+    src: LoadedSource,
+    n_train: int,
+    n_test: int,
+    rng: np.random.Generator,
+    name: str,
+    balanced: bool = False,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Draws disjoint train and test rows (test from the source's own test split if any)."""
+    """Draws disjoint train and test rows (test from the source's own test split if any);
+    ``balanced``: a labelled domain's test rows hold each label equally often."""
     train_pool = _frame(src.train)
+    even = balanced and bool(DOMAINS[name].choices)
     if src.test is not None:
         test_pool = _frame(src.test)
         _check_size(name, "per_domain_test", n_test, len(test_pool))
         _check_size(name, "per_domain_train", n_train, len(train_pool))
-        test = test_pool.iloc[np.sort(rng.permutation(len(test_pool))[:n_test])]
+        order = rng.permutation(len(test_pool))
+        picks = _even(test_pool, order, n_test, name) if even else order[:n_test]
+        test = test_pool.iloc[np.sort(picks)]
         train = train_pool.iloc[np.sort(rng.permutation(len(train_pool))[:n_train])]
         return train, test
     _check_size(name, "per_domain_train", n_train + n_test, len(train_pool))
     perm = rng.permutation(len(train_pool))
-    test = train_pool.iloc[np.sort(perm[:n_test])]
-    train = train_pool.iloc[np.sort(perm[n_test : n_test + n_train])]
+    picks = _even(train_pool, perm, n_test, name) if even else perm[:n_test]
+    rest = perm[~np.isin(perm, picks)]
+    _check_size(name, "per_domain_train", n_train, len(rest))
+    test = train_pool.iloc[np.sort(picks)]
+    train = train_pool.iloc[np.sort(rest[:n_train])]
     return train, test
+
+
+def _even(pool: pd.DataFrame, order: np.ndarray, n: int, name: str) -> np.ndarray:
+    """``n`` row positions of ``pool`` in the drawn ``order``, an equal number per label (the
+    remainder to the lowest labels): a majority answer then scores chance in accuracy too."""
+    labels = pool["label"].to_numpy()[order]
+    classes = sorted(set(labels.tolist()))
+    per, extra = divmod(n, len(classes))
+    picks = []
+    for i, c in enumerate(classes):
+        want = per + (i < extra)
+        got = order[labels == c][:want]
+        _check_size(f"{name}, label {c}", "per_domain_test", want, int(np.sum(labels == c)))
+        picks.append(got)
+    return np.concatenate(picks)
 
 
 def _check_size(domain: str, field: str, wanted: int, available: int) -> None:
@@ -265,9 +292,10 @@ def build_suite(
     per_domain_test: int = 40,
     seed: int = 0,
     domains: Sequence[str] | None = None,
+    balanced_test: bool = False,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """Builds the suite's train and held-out test sets (test is ``None`` when ``per_domain_test``
-    is 0).
+    is 0); ``balanced_test``: each labelled domain's test rows hold its labels equally often.
 
     Raises:
         ConfigError: Unknown domain, negative size, or more items than a domain's source holds.
@@ -287,7 +315,9 @@ def build_suite(
     for name in sorted(chosen, key=DOMAIN_ORDER.index):
         rng = np.random.default_rng([seed, DOMAIN_ORDER.index(name)])
         src = load_source(DOMAINS[name].source)
-        train_rows, test_rows = _sample(src, per_domain_train, per_domain_test, rng, name)
+        train_rows, test_rows = _sample(
+            src, per_domain_train, per_domain_test, rng, name, balanced_test
+        )
         train_parts.append(_items(name, train_rows, rng))
         test_parts.append(_items(name, test_rows, rng))
     test = _concat(test_parts) if per_domain_test > 0 else None
@@ -309,7 +339,8 @@ def instruct_suite(
     per_domain_test: int = 40,
     seed: int = 0,
     domains: list[str] | None = None,
+    balanced_test: bool = False,
 ) -> LoadedSource:
     """The multi-domain instruction suite as a source (see the module docstring)."""
-    train, test = build_suite(per_domain_train, per_domain_test, seed, domains)
+    train, test = build_suite(per_domain_train, per_domain_test, seed, domains, balanced_test)
     return LoadedSource(source_info("instruct_suite"), train, test)

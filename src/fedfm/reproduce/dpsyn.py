@@ -29,6 +29,7 @@ from fedfm.reproduce.framework import (
     Readout,
     Run,
     RunView,
+    Unmet,
     merge,
     preset,
     register,
@@ -39,9 +40,13 @@ from fedfm.reproduce.stats import (
     IN_DIRECTION,
     NONE,
     Estimate,
+    balanced_accuracy,
+    balanced_weights,
     crossed,
     crossed_bootstrap,
+    macro_f1,
     macro_f1_rows,
+    mde_of,
     mean_se,
     paired,
     verdict,
@@ -52,6 +57,7 @@ TEXT = Text("dpsyn")
 PRESET = "dpsyn-rotten-tomatoes"
 EMBED = "embed"
 PROBE = "prompts"
+PILOT = "pilot"
 EMBEDDINGS = "embeddings.npz"
 PREDICTIONS = "predictions.npz"
 
@@ -86,6 +92,8 @@ class Grid:
         test_rows, bootstrap: Real test rows (None: all); resamples of macro-F1's bootstrap.
         task, algo: Fields replacing the preset's (a tiny model in tests).
         label: Which grid it is, for the report's title.
+        gated: Whether the main grid's generators wait for the premise pilot to hold (False:
+            they run whatever it shows, e.g. to time the whole grid at a tiny size).
     """
 
     clients: int = 20
@@ -120,6 +128,7 @@ class Grid:
     task: Mapping[str, Any] = field(default_factory=dict)
     algo: Mapping[str, Any] = field(default_factory=dict)
     label: str = "full grid"
+    gated: bool = True
 
     @property
     def generators(self) -> tuple[int, ...]:
@@ -206,17 +215,107 @@ def generator_config(grid: Grid, strong: int) -> dict[str, Any]:
     return cfg
 
 
+def pilot_name(strong: int) -> str:
+    """The pilot generator of ``strong`` strong clients without DP: ``pilot-strong1``."""
+    return f"pilot-{pool_name(strong)}"
+
+
+def pilot_config(grid: Grid, strong: int) -> dict[str, Any]:
+    """A pilot generator: the grid's generator of ``strong`` strong clients at ε_train = ∞
+    (no clipping, no noise), everything else the same."""
+    cfg = generator_config(grid, strong)
+    cfg["algo"]["epsilon_train"] = "inf"
+    return cfg
+
+
+def pilot_jobs(grid: Grid) -> list[Job]:
+    """The premise pilot: the fewest and the most strong clients fine-tuned without DP, their
+    pools scored without voting (uniform subsets), and the check that gates the main grid."""
+    order = sorted({grid.few, grid.many}, reverse=True)
+    out: list[Job] = [Run(pilot_name(s), pilot_config(grid, s), group="pilot") for s in order]
+    out.append(Compute(EMBED, embed_real, {"config": generator_config(grid, 0)}, group="embed"))
+    for s in order:
+        params = {"voters": voters(grid, s), "epsilon_votes": [], "seeds": grid.seeds}
+        needs: tuple[str, ...] = (pilot_name(s), EMBED)
+        out.append(
+            Compute(
+                f"vote-{pilot_name(s)}", vote_offline, {**params, "size": grid.size}, needs, "vote"
+            )
+        )
+    needs = (EMBED, *(f"vote-{pilot_name(s)}" for s in order), *map(pilot_name, order))
+    params = {"few": grid.few, "many": grid.many, "rounds": grid.train_rounds}
+    out.append(Compute(PILOT, judge_pilot, params, needs, "pilot-check"))
+    return out
+
+
+def judge_pilot(
+    inputs: Mapping[str, Path], folder: Path, few: int, many: int, rounds: int
+) -> dict[str, Any]:
+    """The premise at ε_train = ∞: ``many`` strong clients' pool against ``few``'s without
+    voting (uniform subsets, the same seeds), by balanced accuracy paired over seeds × test
+    rows; each pool's accuracy, balanced accuracy and macro-F1; the runs' update norms."""
+    with np.load(inputs[EMBED] / EMBEDDINGS) as z:
+        y = np.asarray(z["test/y"])
+    w = balanced_weights(y.tolist())
+    pools: dict[str, Any] = {}
+    hits: dict[int, np.ndarray] = {}
+    for s in (few, many):
+        with np.load(inputs[f"vote-{pilot_name(s)}"] / PREDICTIONS) as z:
+            pred = np.asarray(z["subset"])
+        hits[s] = (pred == y[None, :]).astype(float) * w[None, :]
+        view = RunView(inputs[pilot_name(s)])
+        norms = [view.rounds.get(i, {}).get("update_norm") for i in range(1, rounds + 1)]
+        pools[str(s)] = {
+            "accuracy": mean_se([float(np.mean(p == y)) for p in pred]).__dict__,
+            "balanced": mean_se([balanced_accuracy(y, p) for p in pred]).__dict__,
+            "macro_f1": mean_se([macro_f1(y, p) for p in pred]).__dict__,
+            "update_norms": norms,
+        }
+    n = min(len(hits[few]), len(hits[many]))
+    est = crossed(hits[many][:n] - hits[few][:n])
+    holds = verdict(est, +1) == IN_DIRECTION
+    first = [pools[str(s)]["update_norms"][0] for s in (many, few)]
+    norm_ratio = first[0] / first[1] if all(first) else math.nan
+    return {
+        "difference": est.__dict__,
+        "mde": mde_of(est),
+        "holds": holds,
+        "pools": pools,
+        "test_labels": np.bincount(y).tolist(),
+        "norm_ratio": norm_ratio,
+    }
+
+
+def _pilot_holds(grid: Grid, strong: int, needs: Mapping[str, RunView]) -> dict[str, Any]:
+    """The main generator's config, once the pilot showed its premise (else :class:`Unmet`)."""
+    got = needs[PILOT].result
+    if grid.gated and (not got or not got["holds"]):
+        est = Estimate(**got["difference"]).fmt() if got else "not measured"
+        raise Unmet(
+            f"the pilot (ε_train = ∞) does not show {grid.many} strong clients above"
+            f" {grid.few} without voting ({est}): the claim cannot be tested at this scale"
+        )
+    return generator_config(grid, strong)
+
+
 def jobs(ctx: Context[Grid]) -> list[Job]:
-    """The generators (the longest first, so that two workers start it at once), the
-    embedding of the real rows, one offline voting per pool."""
+    """The pilot first (:func:`pilot_jobs`); then, where it holds, the generators (the
+    longest first, so that two workers start it at once), one offline voting per pool."""
     grid = ctx.grid
+    out = pilot_jobs(grid)
+    if ctx.pilot:
+        return out
     order = sorted(grid.generators, reverse=True)
-    out: list[Job] = [
-        Run(pool_name(s), generator_config(grid, s), group="generate" if s == 0 else "fine-tune")
+    out += [
+        Run(
+            pool_name(s),
+            partial(_pilot_holds, grid, s),
+            (PILOT,),
+            "generate" if s == 0 else "fine-tune",
+        )
         for s in order
     ]
     base = generator_config(grid, 0)
-    out.append(Compute(EMBED, embed_real, {"config": base}, group="embed"))
     probe = {"config": base, "templates": list(grid.probe_templates)}
     out.append(
         Compute(PROBE, probe_prompts, {**probe, "per_code": grid.probe_samples}, (EMBED,), "probe")
@@ -551,6 +650,7 @@ class Results:
     (selection key -> ``(seeds, N)`` test predictions) and its finished generator run."""
 
     grid: Grid
+    pilot: dict[str, Any] | None = None
     embed: dict[str, Any] | None = None
     probe: dict[str, Any] | None = None
     y: np.ndarray | None = None
@@ -570,7 +670,7 @@ class Results:
 
 def read(ctx: Context[Grid]) -> Results:
     """The finished generators, the embedding's result and every offline voting."""
-    res = Results(ctx.grid, probe=ctx.run(PROBE).result)
+    res = Results(ctx.grid, pilot=ctx.run(PILOT).result, probe=ctx.run(PROBE).result)
     emb = ctx.run(EMBED).result
     if emb is not None:
         res.embed = emb
@@ -663,7 +763,22 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     def acc(name: str, paper: str, a: Side, b: Side, scope: str, **kw: Any) -> Readout[Results]:
         return Readout(name, STAT, paper, +1, partial(acc_diff, a=a, b=b), scope=scope, **kw)
 
-    out = [
+    def pilot(r: Results) -> Estimate:
+        return NONE if r.pilot is None else Estimate(**r.pilot["difference"])
+
+    out: list[Readout[Results]] = [
+        Readout(
+            f"pilot: {many} strong − {few} strong at ε_train = ∞, without voting (uniform"
+            f" {size}, without replacement), balanced accuracy",
+            STAT,
+            "more strong clients help (the premise every claim rests on; without DP it must"
+            " hold, or the claim cannot be tested at this scale)",
+            +1,
+            pilot,
+            scope=TEXT("scope-pilot"),
+        )
+    ]
+    out += [
         acc(
             f"by votes − uniform, both with replacement ({size}), {pool_label(s)}, ε_vote {eps:g}",
             "the votes select better samples than chance (voting raises downstream scores; Yelp,"
@@ -719,13 +834,15 @@ def body(ctx: Context[Grid], res: Results) -> str:
     values.update(embedder=a["embedder"], optimizer=cfg["train"]["optimizer"])
     values.update(delta=f"{cfg['privacy']['delta']:g}", few=grid.few)
     # The voting readouts' SEs (R1 to Rn): the smallest difference they resolve.
-    ses = [r.value(res).se for r in readouts(grid)[: 2 * len(grid.epsilon_votes)]]
+    ses = [r.value(res).se for r in readouts(grid)[1 : 1 + 2 * len(grid.epsilon_votes)]]
     ses = [x for x in ses if math.isfinite(x)]
     resolution = {"difference": f"{2 * max(ses):.3f}", "n": len(ses)} if ses else {}
     return TEXT(
         "body",
         vars(grid),
         values,
+        pilot=_pilot(res),
+        main_missing=None if res.runs else TEXT("no-main", command=ctx.command),
         runs_done=len(res.runs),
         votes_done=len(res.votes),
         generators=len(grid.generators),
@@ -746,6 +863,28 @@ def body(ctx: Context[Grid], res: Results) -> str:
         voters=len(voters(grid, grid.few)),
         resolution=f" {TEXT('resolution', resolution)}" if ses else "",
     )
+
+
+def _pilot(res: Results) -> str:
+    """The premise pilot: each pool's scores without voting, the difference, the norms."""
+    p, grid = res.pilot, res.grid
+    if p is None:
+        return TEXT("no-pilot")
+    rows = []
+    for s in (grid.few, grid.many):
+        v = p["pools"][str(s)]
+        cells = [Estimate(**v[k]).fmt() for k in ("accuracy", "balanced", "macro_f1")]
+        norms = ", ".join(num(x, 3) for x in v["update_norms"]) or DASH
+        rows.append(row([f"{s} strong, ε_train = ∞", *cells, norms]))
+    est = Estimate(**p["difference"])
+    first = [p["pools"][str(s)]["update_norms"][:1] for s in (grid.few, grid.many)]
+    ratio = first[0][0] / first[1][0] if all(f and f[0] for f in first) else None
+    values: dict[str, Any] = {"difference": est.fmt(signed=True), "mde": num(p["mde"])}
+    values["ratio"] = num(ratio)
+    values.update(verdict=verdict(est, +1), few=grid.few, many=grid.many)
+    values["labels"] = ", ".join(map(str, p["test_labels"]))
+    gate = TEXT("pilot-holds" if p["holds"] else "pilot-fails", vars(grid), values)
+    return TEXT("pilot", vars(grid), values, rows=rows, gate=gate)
 
 
 def _instrument(res: Results) -> str:

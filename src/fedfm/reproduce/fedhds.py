@@ -1,6 +1,12 @@
 """FedHDS reproduction study (Qin et al., ACL 2025 Findings): Rouge-L on a held-out task
 against FedIT, Random at FedHDS's data fraction, FedHDS-Turbo and the untrained base.
 
+Its premise first (DESIGN principle 18): the paper tunes a pretrained *base* LM, which needs
+instruction data. The full grid runs SmolLM2 as a base LM (its chat template off: the Alpaca
+prompt) on open-ended data only, and FedIT's first seed is the pilot (``fedfm reproduce fedhds
+--pilot``): FedIT − base on the held-out task must be resolved above zero, or the other
+methods do not run (their configs wait for it).
+
 The paper scores only tasks no client trained on, where FedIT's overfitting of each client's
 few tasks can show: the study holds out ``general`` and trains on the suite's other five
 domains. Every method is :mod:`fedfm.algorithms.fedhds` (FedIT is ``selection: all``), so each
@@ -28,7 +34,7 @@ from fedfm.reproduce.framework import (
     preset,
     register,
 )
-from fedfm.reproduce.stats import Estimate, mean_se, paired
+from fedfm.reproduce.stats import IN_DIRECTION, Estimate, mean_se, paired, units_for, verdict
 from fedfm.reproduce.tables import DASH, Text, marked, num, ratio, table
 
 TEXT = Text("fedhds")
@@ -53,6 +59,11 @@ class Grid:
         clients: Clients (Dirichlet 0.5 over domains); ``fraction``: sampled per round.
         turbo_model: FedHDS-Turbo's feature model, with ``turbo_args``.
         methods: Keys of :data:`METHODS` the grid runs (None: all).
+        trained: The trained domains (the held-out one is ``general``).
+        base_lm: Prompt without the chat template (the Alpaca prompt): the model as a base LM.
+        eval_ppl: Score every item's reference NLL too (held-out NLL beside Rouge-L).
+        gated: Whether the other methods wait for the pilot (FedIT's first seed) to resolve
+            FedIT above the base on the held-out task (False: they run whatever it shows).
         task: Fields replacing the preset's ``task`` fields (e.g. a tiny model in tests);
             ``partition``: its ``partition`` fields; ``algo``: every method's (its own win).
     """
@@ -69,12 +80,25 @@ class Grid:
     turbo_model: str = "all-minilm-l6-v2"
     turbo_args: Mapping[str, Any] = field(default_factory=dict)
     methods: tuple[str, ...] | None = None
+    trained: tuple[str, ...] = TRAINED
+    base_lm: bool = False
+    eval_ppl: bool = False
+    gated: bool = True
     task: Mapping[str, Any] = field(default_factory=dict)
     partition: Mapping[str, Any] = field(default_factory=dict)
     algo: Mapping[str, Any] = field(default_factory=dict)
 
 
-QUICK = Grid(60, 60, 20, 2, seeds=(0,))
+# The base-LM premise (the paper tunes a pretrained LM; SmolLM2-Instruct already follows
+# instructions, and in the earlier grid FedIT - base was -0.080 on the held-out task): no chat
+# template, open-ended data only (GSM8K worked solutions; general held out), Dirichlet over one
+# domain replaced by IID clients, and rounds enough that FedHDS's small per-round coresets add
+# up to training (6 rounds of 5 clients of 40 rows).
+OPEN = ("math",)
+BASE_LM: dict[str, Any] = dict(
+    trained=OPEN, base_lm=True, eval_ppl=True, partition={"scheme": "iid"}
+)
+QUICK = Grid(60, 60, 20, 2, seeds=(0,), **BASE_LM)
 # Client size: the paper's clients hold about 75 rows (Dolly's 15,000 over 200). With 15
 # (60 rows per domain over 20 clients) t-SNE spreads a client's points evenly and HDBSCAN
 # found 0.4 clusters per client and no global cluster: nothing was selected. A pilot of one
@@ -83,7 +107,7 @@ QUICK = Grid(60, 60, 20, 2, seeds=(0,))
 # clusters, 0.7%. FedIT's cost grows with the rows per round, so 3 rounds.
 # The held-out item count: in the earlier default grid the per-item SD of FedHDS - FedIT was
 # 0.140, and (0.140 / TARGET_SE)^2 = 87 items. Their references' 90th percentile is 351 tokens.
-FULL = Grid(120, 90, 30, 3, clients=10, fraction=0.5)
+FULL = Grid(400, 90, 30, 6, clients=10, fraction=0.5, **BASE_LM)
 
 
 @dataclass(frozen=True)
@@ -111,6 +135,8 @@ METHODS = (
     Method("count", "FedHDS, min_samples as before the fix", BEFORE, scored=False),
 )
 REFERENCE = "fedit"
+PAPER_MARGIN = 0.3182 - 0.3141
+"""The paper's FedHDS − Random margin (Table 2, Rouge-L as a fraction): what R2 must resolve."""
 
 # The paper's Table 2 (Rouge-L %, Dolly-15K α = 0.5, its 1.3B model) and Table 3 (speed-up of
 # the whole federated tuning over FedIT, same column): the closest of its settings to ours.
@@ -135,17 +161,21 @@ def runs_of(method: Method, grid: Grid) -> list[tuple[int, str]]:
 
 def job_config(method: Method, grid: Grid, seed: int) -> dict[str, Any]:
     """The run config of one method and seed (Random's budget: :func:`_at_fedhds_fraction`)."""
-    per_domain_test = max(grid.heldout_items, grid.seen_items // len(TRAINED) + 1)
-    source = {"per_domain_train": grid.per_domain_train, "per_domain_test": per_domain_test}
+    per_domain_test = max(grid.heldout_items, grid.seen_items // len(grid.trained) + 1)
+    source: dict[str, Any] = {"per_domain_train": grid.per_domain_train}
+    source.update(per_domain_test=per_domain_test, domains=[*grid.trained, HELDOUT])
     task: dict[str, Any] = {"heldout_domain": None, "heldout_domains": [HELDOUT]}
-    task.update(train_domains=list(TRAINED), source_options=source, primary="zeroshot/score")
+    task.update(train_domains=list(grid.trained), source_options=source, primary="zeroshot/score")
+    task.update(eval_ppl=grid.eval_ppl)
     task.update(zeroshot_items=grid.heldout_items, max_eval=grid.seen_items)
     task.update(max_new_tokens=grid.heldout_tokens, choice_mode="loglik", choice_norm="none")
     task["domain_max_new_tokens"] = {"math": grid.math_tokens}
     if not method.scored:
-        task.update(zeroshot_items=1, max_eval=len(TRAINED))
+        task.update(zeroshot_items=1, max_eval=len(grid.trained))
     cfg = merge(preset("fedhds"), {"task": task, "partition": {"num_clients": grid.clients}})
     cfg["task"].update(grid.task)
+    if grid.base_lm:  # after the grid's task fields, which may replace the prompt's
+        cfg["task"]["prompt"] = {**cfg["task"].get("prompt", {}), "use_chat_template": False}
     cfg["partition"].update(grid.partition)
     algo = {**grid.algo, **method.algo}
     if method.turbo:
@@ -168,16 +198,46 @@ def _at_fedhds_fraction(
     return cfg
 
 
+def premise(grid: Grid, fedit: RunView) -> Estimate:
+    """The pilot: FedIT (first seed, last round) − its round 0 (the base), held-out Rouge-L
+    paired over items."""
+    return paired(item_scores(fedit, True), item_scores(fedit, True, 0))
+
+
+def pilot_holds(grid: Grid, fedit: RunView) -> bool:
+    """Whether FedIT is resolved above the base on the held-out task (> 2 SE)."""
+    return verdict(premise(grid, fedit), +1) == IN_DIRECTION
+
+
+def _after_pilot(build: Any, grid: Grid, needs: Mapping[str, RunView]) -> Mapping[str, Any]:
+    """A main run's config (``build`` of the needs), once the pilot holds (else Unmet)."""
+    if grid.gated and not pilot_holds(grid, needs[REFERENCE]):
+        est = premise(grid, needs[REFERENCE]).fmt(signed=True)
+        raise Unmet(
+            f"the pilot does not resolve FedIT above the base on the held-out task ({est}):"
+            " the base does not need this instruction data, and selecting it tests nothing"
+        )
+    return dict(build(needs) if callable(build) else build)
+
+
 def jobs(ctx: Context[Grid]) -> list[Run]:
-    """Every method and seed; Random after FedHDS, at the data fraction FedHDS measured."""
+    """FedIT's first seed (the pilot, its round 0 the base); then, where it holds, every
+    other method and seed, Random after FedHDS at the data fraction FedHDS measured."""
     grid = ctx.grid
-    out = [
-        Run(name, partial(_at_fedhds_fraction, m, grid, seed), ("fedhds",), m.key)
-        if m.key == "random"
-        else Run(name, job_config(m, grid, seed), group=m.key)
-        for m in methods(grid)
-        for seed, name in runs_of(m, grid)
-    ]
+    pilot = Run(REFERENCE, job_config(METHODS[0], grid, grid.seeds[0]), group=REFERENCE)
+    if ctx.pilot:
+        return [pilot]
+    out = [pilot]
+    for m in methods(grid):
+        for seed, name in runs_of(m, grid):
+            if name == REFERENCE:
+                continue
+            if m.key == "random":
+                build: Any = partial(_at_fedhds_fraction, m, grid, seed)
+                needs: tuple[str, ...] = (REFERENCE, "fedhds")
+            else:
+                build, needs = job_config(m, grid, seed), (REFERENCE,)
+            out.append(Run(name, partial(_after_pilot, build, grid), needs, m.key))
     # Every scored method's first seed first: a study stopped early still has each readout.
     first = {n for m in methods(grid) if m.scored for _, n in runs_of(m, grid)[:1]}
     return sorted(out, key=lambda r: r.name not in first)
@@ -211,6 +271,15 @@ def read(ctx: Context[Grid]) -> Results:
     names = [n for m in methods(ctx.grid) for _, n in runs_of(m, ctx.grid)]
     rounds = {n: (ctx.run(n).summary or {}).get("rounds") for n in names}
     return Results({n: ctx.run(n) for n in names if rounds[n] == ctx.grid.rounds}, ctx.grid)
+
+
+def heldout_nll(view: RunView, rnd: int | None = None) -> dict[str, float]:
+    """Item id -> reference NLL per token of the held-out items (where the run scored it)."""
+    return {
+        str(i["id"]): float(i["nll"]) / int(i["nll_tokens"])
+        for i in view.items(rnd)
+        if i.get("zeroshot") and i.get("nll_tokens")
+    }
 
 
 def item_scores(view: RunView, zeroshot: bool, rnd: int | None = None) -> dict[str, float]:
@@ -281,7 +350,37 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
         value, scope = partial(cost_ratio, keys=keys), TEXT("scope-seconds")
         return Readout(name, per_seed, f"{paper} (Table 3)", +1, value, 1.0, 1, scope, selected)
 
+    def pilot(r: Results) -> Estimate:
+        fedit = r.base()
+        return premise(grid, fedit) if fedit is not None else paired({}, {})
+
+    def pilot_nll(r: Results) -> Estimate:
+        fedit = r.base()
+        if fedit is None:
+            return paired({}, {})
+        return paired(heldout_nll(fedit), heldout_nll(fedit, 0))
+
+    def premise_and(r: Results) -> bool:
+        fedit = r.base()
+        return fedit is not None and pilot_holds(grid, fedit) and selected(r)
+
     return [
+        Readout(
+            "pilot: FedIT − base (round 0), Rouge-L of the held-out task (general)",
+            "paired over items (first seed)",
+            "the base LM needs instruction data: FedIT above the base (the paper's premise)",
+            +1,
+            pilot,
+            scope=TEXT("scope-pilot"),
+        ),
+        Readout(
+            "pilot: FedIT − base (round 0), reference NLL per token of the held-out task",
+            "paired over items (first seed)",
+            "the base LM needs instruction data: FedIT's NLL below the base's",
+            -1,
+            pilot_nll,
+            scope=TEXT("scope-pilot"),
+        ),
         Readout(
             "FedHDS − FedIT, Rouge-L of the held-out task (general)",
             f"paired over items ({seeds}, averaged per item)",
@@ -289,7 +388,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             +1,
             lambda r: delta(r, "fedhds", REFERENCE),
             scope=TEXT("scope-items"),
-            testable=selected,
+            testable=premise_and,
         ),
         Readout(
             "FedHDS − Random at FedHDS's data fraction, Rouge-L of the held-out task",
@@ -297,8 +396,14 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             "FedHDS > Random at the same data budget (31.82 vs 31.41)",
             +1,
             lambda r: seed_delta(r, "fedhds", "random", 0),
-            scope=TEXT("scope-random"),
-            testable=selected,
+            scope=TEXT(
+                "scope-random",
+                margin=f"{PAPER_MARGIN:.4f}",
+                need_low=f"{units_for(0.10, PAPER_MARGIN):,}",
+                need_high=f"{units_for(0.16, PAPER_MARGIN):,}",
+            ),
+            testable=premise_and,
+            margin=PAPER_MARGIN,
         ),
         seconds("client training time, FedIT / FedHDS", TRAIN_S),
         seconds(
@@ -366,13 +471,14 @@ def _cost_rows(res: Results) -> list[list[str]]:
 
 def _seen_table(res: Results) -> list[str]:
     fedit, r0 = seed_mean(res.of(REFERENCE), False), res.round0
-    base = [num(r0.get("score")), DASH, *(num(r0.get(f"score/{d}"), 2) for d in TRAINED)]
+    trained = res.grid.trained
+    base = [num(r0.get("score")), DASH, *(num(r0.get(f"score/{d}"), 2) for d in trained)]
     rows = [["untrained base (round 0)", *base]] if r0 else []
     for label, key, views in _rows(res):
         vs = marked(paired(seed_mean(views, False), fedit)) if key not in ("", REFERENCE) else DASH
         cells = [label, num(_final(views, "score")), vs]
-        rows.append([*cells, *(num(_final(views, f"score/{d}"), 2) for d in TRAINED)])
-    return table(["method", "seen score", "Δ vs FedIT ± SE", *TRAINED], rows)
+        rows.append([*cells, *(num(_final(views, f"score/{d}"), 2) for d in trained)])
+    return table(["method", "seen score", "Δ vs FedIT ± SE", *trained], rows)
 
 
 def _seed_gap(res: Results) -> str | None:
@@ -417,6 +523,29 @@ def _hdbscan(res: Results) -> str | None:
     return TEXT("hdbscan", table=table(["FedHDS", "data fraction", *keys], rows)) if rows else None
 
 
+def _pilot(res: Results) -> str:
+    """The pilot: FedIT's first seed against its round 0, Rouge-L and held-out NLL."""
+    from fedfm.reproduce.stats import mde_of
+
+    fedit, grid = res.base(), res.grid
+    if fedit is None or not fedit.items(0):
+        return TEXT("no-pilot")
+    rows = []
+    pairs = (
+        ("Rouge-L", item_scores(fedit, True), item_scores(fedit, True, 0)),
+        ("reference NLL per token", heldout_nll(fedit), heldout_nll(fedit, 0)),
+    )
+    for label, after, before in pairs:
+        d = paired(after, before)
+        cells = [_avg(before), _avg(after), marked(d), num(mde_of(d)), d.n]
+        rows.append([label, *cells])
+    holds = pilot_holds(grid, fedit)
+    mode = "without its chat template (a base LM)" if grid.base_lm else "with its chat template"
+    values = {"mode": mode, "trained": ", ".join(grid.trained), "heldout": HELDOUT}
+    gate = TEXT("pilot-holds" if holds else "pilot-fails")
+    return TEXT("pilot", vars(grid), values, rows=rows, gate=gate)
+
+
 def _instrument(res: Results) -> str:
     """What the scorer did: budgets, truncation, the base's labels, the items needed."""
     b, r0, grid = res.base(), res.round0, res.grid
@@ -430,7 +559,7 @@ def _instrument(res: Results) -> str:
         for d in sorted(p90)
     ]
     hist = []
-    for d in TRAINED:
+    for d in grid.trained:
         preds = {k.rsplit("/", 1)[1]: v for k, v in r0.items() if k.startswith(f"pred/{d}/")}
         if preds:
             shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(preds.items()))
@@ -467,9 +596,11 @@ def body(ctx: Context[Grid], res: Results) -> str:
         "body",
         vars(grid),
         heldout=HELDOUT,
-        trained=", ".join(TRAINED),
-        train_rows=grid.per_domain_train * len(TRAINED),
-        client_rows=grid.per_domain_train * len(TRAINED) // grid.clients,
+        trained=", ".join(grid.trained),
+        train_rows=grid.per_domain_train * len(grid.trained),
+        client_rows=grid.per_domain_train * len(grid.trained) // grid.clients,
+        pilot=_pilot(res),
+        main_missing=TEXT("no-main", command=ctx.command) if set(res.runs) <= {REFERENCE} else None,
         fraction=f"{grid.fraction:.0%}",
         seeds=", ".join(map(str, grid.seeds)),
         n_seeds=len(grid.seeds),

@@ -1,6 +1,12 @@
 """FedSDR reproduction study (ICML 2026, arXiv 2605.18028; METHODS.md section 1): does FedSD
 keep more general ability, and is it more than moving less?
 
+Its premise first (DESIGN principle 18): FedIT (the pilot, ``fedfm reproduce fedsdr --pilot``)
+at a budget and a client mix far from chat prose must *cause* forgetting on what no client
+trains on (held-out instruction NLL, C4 NLL, class-balanced zero-shot labels); only then do
++FedSD, FedSDR and the matched-drift control run (their configs wait for the pilot to hold).
+Zero-shot label tasks are read by balanced accuracy (a majority answer scores 1 / C).
+
 FedIT, +FedSD (trained on the global model's rewrites of the clients' answers), FedSDR (adds
 a LoRA-R on the raw answers, aggregated alone) and a matched-drift FedIT (lr rescaled once to
 +FedSD's update norm), scored by likelihood only: zero-shot label accuracy on domains no
@@ -34,7 +40,17 @@ from fedfm.reproduce.framework import (
     task_of,
     untestable,
 )
-from fedfm.reproduce.stats import NONE, Estimate, mean_of, paired
+from fedfm.reproduce.stats import (
+    IN_DIRECTION,
+    NONE,
+    Estimate,
+    balanced_accuracy,
+    balanced_weights,
+    macro_f1,
+    mean_of,
+    paired,
+    verdict,
+)
 from fedfm.reproduce.tables import DASH, Text, joined, marked, num, table
 
 TEXT = Text("fedsdr")
@@ -57,38 +73,54 @@ class Grid:
     """A study grid.
 
     Attributes:
+        rounds: Rounds of every run (the pilot's budget is the grid's: FedIT is the pilot).
         steps, steps_s: Local steps per round (FedSDR: of LoRA-R), LoRA-S steps before them.
         lr: Local learning rate (AdamW) of every method but the matched-drift control.
         per_domain: Training items per client (one client per trained domain, ``domains``).
         seen_items, zeroshot_items: Items evaluated per trained and per ``zeroshot`` domain.
         docs: C4 documents scored, their first ``doc_tokens`` tokens each.
+        heldout: Held-out instruction domains scored by their references' NLL (no client
+            trains on them; e.g. general chat prose, far from the clients' tasks).
         optimizer: The server optimizer; ``rewrite_tokens``: new tokens of a FedSD rewrite.
+        balanced_test: Labelled test sets with every label equally often (the source allows).
+        gated: Whether +FedSD, FedSDR and the control wait for the pilot to show forgetting
+            (False: they run whatever it shows, e.g. to time the grid at a tiny size).
         task: Fields replacing the task's (e.g. a tiny model in tests).
         label: Which grid it is, for the report's title.
         cache_dir: Folder of the rewrite cache; ``None``: the default.
     """
 
     rounds: int = 3
-    steps: int = 16
-    steps_s: int = 16
-    lr: float = 1e-3
-    per_domain: int = 32
+    steps: int = 32
+    steps_s: int = 32
+    lr: float = 2e-3
+    per_domain: int = 96
     seen_items: int = 40
     zeroshot_items: int = 200
     docs: int = 200
     doc_tokens: int = 128
-    domains: tuple[str, ...] = ("general", "math", "medical")
+    domains: tuple[str, ...] = ("math", "medical", "qtype")
     zeroshot: tuple[str, ...] = ("movie", "spam")
+    heldout: tuple[str, ...] = ("general",)
     optimizer: str = "fedavg"
-    rewrite_tokens: int = 192
+    rewrite_tokens: int = 384
+    balanced_test: bool = True
+    gated: bool = True
     task: Mapping[str, Any] = field(default_factory=dict)
     label: str = "full grid"
     cache_dir: str | None = None
 
 
+# The earlier grid (3 rounds x 16 steps at lr 1e-3, clients general, math and medical)
+# lowered C4's NLL (FedIT - base -0.015 +- 0.004): nothing to forget. Its clients now hold
+# GSM8K solutions and two label tasks, none of them chat prose, with general instructions held
+# out, at 3 x 32 = 96 steps each and lr 2e-3 (2x the steps, 4x the lr x steps). Sized to the
+# 90-minute pilot: the earlier FedIT took 2,797 CPU s for 48 steps per client and two
+# evaluations, so 96 steps are about 80 CPU minutes (an estimate; the pilot measures it).
+# Rewrites get 384 new tokens (192 cut 31% of them).
 FULL = Grid()
 QUICK = Grid(
-    rounds=2, steps=8, steps_s=8, seen_items=24, zeroshot_items=100, docs=100, label="quick grid"
+    rounds=2, steps=16, steps_s=16, seen_items=24, zeroshot_items=100, docs=100, label="quick grid"
 )
 
 
@@ -100,8 +132,11 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
     task = cfg["task"]
     n_test = max(grid.seen_items, grid.zeroshot_items)
     source = {"per_domain_train": grid.per_domain, "per_domain_test": n_test}
-    task["source_options"].update(source, domains=[*grid.domains, *grid.zeroshot])
-    task.update(train_domains=list(grid.domains), heldout_domains=list(grid.zeroshot))
+    if grid.balanced_test:
+        source["balanced_test"] = True
+    heldout = [*grid.zeroshot, *grid.heldout]
+    task["source_options"].update(source, domains=[*grid.domains, *heldout])
+    task.update(train_domains=list(grid.domains), heldout_domains=heldout)
     task.update(zeroshot_items=grid.zeroshot_items, max_eval=grid.seen_items * len(grid.domains))
     task.update(choice_mode="loglik", choice_norm="none", eval_ppl=True, likelihood_only=True)
     task["text_nll"] = {"corpus": CORPUS, "docs": grid.docs, "max_tokens": grid.doc_tokens}
@@ -133,20 +168,56 @@ def matched_lr(grid: Grid, fedit: RunView, fedsd: RunView) -> tuple[float, float
     return grid.lr * b / a, b / a
 
 
-def jobs(ctx: Context[Grid]) -> list[Job]:
-    """FedIT, +FedSD, FedSDR after it, the matched-drift control, the references' lengths."""
-    grid = ctx.grid
+PILOT_MEASURES = ("text", "heldout", "bacc")  # forgetting on what no client trains on
 
-    def matched(needs: Mapping[str, RunView]) -> dict[str, Any]:
+
+def forgetting(grid: Grid, fedit: RunView) -> dict[str, Estimate]:
+    """The pilot's readouts from FedIT's own folder: FedIT (last round) − base (round 0) on
+    each of :data:`PILOT_MEASURES`."""
+    res = Results({"fedit": fedit}, None)
+    return {m: diff(res, "fedit", BASE, m, grid) for m in PILOT_MEASURES}
+
+
+def pilot_holds(grid: Grid, fedit: RunView) -> bool:
+    """Forgetting shown: an NLL on held-out text rises, or the balanced accuracy falls, by
+    more than 2 SE."""
+    got = forgetting(grid, fedit)
+    signs = {"text": +1, "heldout": +1, "bacc": -1}
+    return any(verdict(got[m], signs[m]) == IN_DIRECTION for m in PILOT_MEASURES)
+
+
+def _after_pilot(grid: Grid, method: str, needs: Mapping[str, RunView]) -> dict[str, Any]:
+    """A main run's config, once the pilot has shown forgetting (else :class:`Unmet`)."""
+    if grid.gated and not pilot_holds(grid, needs["fedit"]):
+        shown = ", ".join(
+            f"{m} {e.fmt(signed=True)}" for m, e in forgetting(grid, needs["fedit"]).items()
+        )
+        raise Unmet(f"the pilot shows no forgetting ({shown}): FedSD has nothing to prevent")
+    if method == "matched":
         lr, _ = matched_lr(grid, needs["fedit"], needs["fedsd"])
         return job_config(grid, "matched", lr=lr)
+    return job_config(grid, method)
+
+
+def jobs(ctx: Context[Grid]) -> list[Job]:
+    """The pilot (FedIT, its round 0 the base) and the references' lengths; then, where the
+    pilot shows forgetting, +FedSD, FedSDR after it and the matched-drift control."""
+    grid = ctx.grid
+    pilot: list[Job] = [
+        Run("fedit", job_config(grid, "fedit"), group="train"),
+        Compute("lengths", measure_lengths, {"config": job_config(grid, "fedit")}),
+    ]
+    if ctx.pilot:
+        return pilot
+
+    def after(method: str) -> Callable[[Mapping[str, RunView]], dict[str, Any]]:
+        return lambda needs: _after_pilot(grid, method, needs)
 
     return [
-        Run("fedit", job_config(grid, "fedit"), group="train"),
-        Run("fedsd", job_config(grid, "fedsd"), group="train"),
-        Run("fedsdr", job_config(grid, "fedsdr"), needs=("fedsd",), group="fedsdr"),
-        Run("matched", matched, needs=("fedit", "fedsd"), group="train"),
-        Compute("lengths", measure_lengths, {"config": job_config(grid, "fedit")}),
+        *pilot,
+        Run("fedsd", after("fedsd"), needs=("fedit",), group="train"),
+        Run("fedsdr", after("fedsdr"), needs=("fedit", "fedsd"), group="fedsdr"),
+        Run("matched", after("matched"), needs=("fedit", "fedsd"), group="train"),
     ]
 
 
@@ -241,6 +312,50 @@ def per_domain(
     return out
 
 
+def heldout_nll(
+    items: Sequence[Mapping[str, Any]], domains: Sequence[str]
+) -> dict[str, dict[Any, float]]:
+    """``{domain: {item id: reference NLL per token}}`` of the held-out instruction domains."""
+    out: dict[str, dict[Any, float]] = {d: {} for d in domains}
+    for it in items:
+        if it.get("zeroshot") and it["domain"] in out and "nll" in it:
+            out[it["domain"]][it["id"]] = _per_token(it)
+    return out
+
+
+def labelled(items: Sequence[Mapping[str, Any]], domain: str) -> list[Mapping[str, Any]]:
+    """The scored zero-shot label items of one domain."""
+    return [
+        it
+        for it in items
+        if it.get("zeroshot") and it["domain"] == domain and it.get("score") is not None
+    ]
+
+
+def balanced(
+    items: Sequence[Mapping[str, Any]], domains: Sequence[str]
+) -> dict[str, dict[Any, float]]:
+    """``{domain: {item id: correctness × N / (C · n_c)}}``: each domain's mean is its
+    balanced accuracy (:func:`~fedfm.reproduce.stats.balanced_weights`, over the gold labels)."""
+    out: dict[str, dict[Any, float]] = {}
+    for d in domains:
+        its = labelled(items, d)
+        w = balanced_weights([it["reference"] for it in its])
+        out[d] = {it["id"]: float(it["score"]) * float(x) for it, x in zip(its, w, strict=True)}
+    return out
+
+
+def class_scores(items: Sequence[Mapping[str, Any]], domain: str) -> dict[str, float]:
+    """Accuracy, balanced accuracy and macro-F1 of one zero-shot domain, from its items."""
+    its = labelled(items, domain)
+    y = [str(it["reference"]) for it in its]
+    pred = [str(it.get("label", it["answer"])) for it in its]
+    if not its:
+        return {}
+    acc = float(np.mean([float(it["score"]) for it in its]))
+    return {"acc": acc, "bacc": balanced_accuracy(y, pred), "f1": macro_f1(y, pred)}
+
+
 def text_nll(items: Sequence[Mapping[str, Any]]) -> dict[Any, float]:
     """``{document id: NLL per token}`` of the held-out general text."""
     return {it["id"]: _per_token(it) for it in items if it.get("metric") == "text_nll"}
@@ -250,11 +365,19 @@ def text_nll(items: Sequence[Mapping[str, Any]]) -> dict[Any, float]:
 Measure = Callable[[Results, str, Grid], "dict[str, dict[Any, float]]"]
 
 MEASURES: dict[str, tuple[str, Measure]] = {
+    "bacc": (
+        "zero-shot balanced accuracy (movie, spam)",
+        lambda res, m, grid: balanced(res.items(m), grid.zeroshot),
+    ),
     "acc": (
         "zero-shot label accuracy (movie, spam)",
         lambda res, m, grid: per_domain(res.items(m), grid.zeroshot, True),
     ),
     "text": ("NLL per token, held-out C4 text", lambda res, m, _: {CORPUS: text_nll(res.items(m))}),
+    "heldout": (
+        "reference NLL per token, held-out instructions",
+        lambda res, m, grid: heldout_nll(res.items(m), grid.heldout),
+    ),
     "fidelity": (
         "reference NLL per token, trained domains",
         lambda res, m, grid: per_domain(res.items(m), grid.domains, False),
@@ -283,42 +406,71 @@ def level(res: Results, m: str, measure: str, grid: Grid) -> dict[str, float]:
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
-    """The comparisons the study exists for (fixed before the runs)."""
+    """The pilot's three readouts (FedIT − base on what no client trains on), then the
+    comparisons the study exists for (fixed before the runs), testable where the pilot holds."""
 
     def est(a: str, b: str, measure: str) -> Callable[[Results], Estimate]:
         return lambda r: diff(r, a, b, measure, grid)
 
+    def premise(r: Results) -> bool:
+        return "fedit" in r.runs and pilot_holds(grid, r.runs["fedit"])
+
     items, docs = "paired over items, mean over domains", "paired over documents"
     values = {**vars(grid), "domains": ", ".join(grid.domains)}
     values["zeroshot"] = " and ".join(grid.zeroshot)
+    values["heldout"] = ", ".join(grid.heldout)
     kinds = ("kept", "fidelity", "matched", "premise", "benchmarks")
     sc = {k: TEXT(f"scope-{k}", values) for k in kinds}  # what each kind of readout measures
-    rows = (  # name, statistic, the paper, direction, a, b, measure, scope
-        ("FedIT − base (round 0), NLL per token of held-out C4 text", docs,
-         "the budget moves the base: FedIT's NLL above the base's", +1, "fedit", BASE, "text",
-         "premise"),
-        ("+FedSD − FedIT, zero-shot label accuracy (movie, spam)", items,
+    held = ", ".join(grid.heldout)
+    pilot = (  # name, statistic, the premise, direction, measure
+        ("pilot: FedIT − base (round 0), NLL per token of held-out C4 text", docs,
+         "the budget causes forgetting: FedIT's NLL above the base's", +1, "text"),
+        (f"pilot: FedIT − base, reference NLL of held-out instructions ({held})", items,
+         "the budget causes forgetting: FedIT's NLL above the base's", +1, "heldout"),
+        ("pilot: FedIT − base, zero-shot balanced accuracy (movie, spam)", items,
+         "the budget causes forgetting: FedIT below the base", -1, "bacc"),
+    )  # fmt: skip
+    rows = (  # name, statistic, the paper, direction, a, b, measure, scope, the paper's margin
+        ("+FedSD − FedIT, zero-shot balanced accuracy (movie, spam)", items,
          "+FedSD keeps more general ability (overall 71.21 → 74.54 with FedAvg)", +1, "fedsd",
-         "fedit", "acc", "kept"),
+         "fedit", "bacc", "kept", 0.0333),
         ("+FedSD − FedIT, NLL per token of held-out C4 text", docs,
-         "+FedSD keeps more general ability (lower NLL)", -1, "fedsd", "fedit", "text", "kept"),
+         "+FedSD keeps more general ability (lower NLL)", -1, "fedsd", "fedit", "text", "kept",
+         None),
+        (f"+FedSD − FedIT, reference NLL of held-out instructions ({held})", items,
+         "+FedSD keeps more general ability (lower NLL)", -1, "fedsd", "fedit", "heldout",
+         "kept", None),
         ("+FedSD − FedIT, reference NLL of the trained domains (fidelity)", items,
          "the rewrite paradox: rewrites (≈47% not entailing the reference) move the model away"
          " from the clients' references (higher NLL)", +1, "fedsd", "fedit", "fidelity",
-         "fidelity"),
+         "fidelity", None),
         ("FedSDR − +FedSD, reference NLL of the trained domains (fidelity)", items,
          "LoRA-R on the raw answers rectifies: FedSDR closer to the references (lower NLL)", -1,
-         "fedsdr", "fedsd", "fidelity", "fidelity"),
-        ("+FedSD − matched-drift FedIT, zero-shot label accuracy", items,
+         "fedsdr", "fedsd", "fidelity", "fidelity", None),
+        ("+FedSD − matched-drift FedIT, zero-shot balanced accuracy", items,
          "the gain is the refinery's, not a smaller drift's (+FedSD above)", +1, "fedsd",
-         "matched", "acc", "matched"),
+         "matched", "bacc", "matched", None),
         ("+FedSD − matched-drift FedIT, NLL per token of held-out C4 text", docs,
-         "the gain is the refinery's (+FedSD lower)", -1, "fedsd", "matched", "text", "matched"),
+         "the gain is the refinery's (+FedSD lower)", -1, "fedsd", "matched", "text", "matched",
+         None),
     )  # fmt: skip
     return [
         *(
-            Readout(name, stat, paper, sign, est(a, b, m), scope=sc[scope])
-            for name, stat, paper, sign, a, b, m, scope in rows
+            Readout(name, stat, paper, sign, est("fedit", BASE, m), scope=sc["premise"])
+            for name, stat, paper, sign, m in pilot
+        ),
+        *(
+            Readout(
+                name,
+                stat,
+                paper,
+                sign,
+                est(a, b, m),
+                scope=sc[scope],
+                testable=premise,
+                margin=margin,
+            )
+            for name, stat, paper, sign, a, b, m, scope, margin in rows
         ),
         untestable(
             "+FedSD − FedIT on MMLU, BBH, CRASS and DROP",
@@ -341,8 +493,11 @@ def _zeroshot_tables(grid: Grid, res: Results) -> str | None:
             keys = [f"{k}/{d}" for k in ("acc", "majority", "uniform")]
             keys += [f"pred/{d}/{x}" for x in labels]
             cells = [num(r.get(f"zeroshot/{k}")) for k in keys]
+            got = class_scores(res.items(m), d)
+            cells[1:1] = [num(got.get("bacc")), num(got.get("f1"))]
             rows.append([LABELS[m], *cells, f"{r.get(f'zeroshot/n/{d}', 0):.0f}"])
-        header = ["model", f"acc {d}", "majority", "uniform", *(f"answered {x}" for x in labels)]
+        header = ["model", f"acc {d}", "balanced acc", "macro-F1", "majority", "uniform"]
+        header += [f"answered {x}" for x in labels]
         parts += [f"**{d}**", table([*header, "items"], rows)]
     return joined(*parts) or None
 
@@ -386,10 +541,14 @@ def _doc_tokens(grid: Grid, res: Results) -> str | None:
 def _levels_table(grid: Grid, res: Results) -> list[str]:
     rows = []
     for m in res.shown():
-        acc, text, fid = (level(res, m, k, grid) for k in ("acc", "text", "fidelity"))
-        cells = [num(acc.get(d)) for d in [*grid.zeroshot, "mean"]] + [num(text.get(CORPUS))]
+        acc, bacc, text, held, fid = (
+            level(res, m, k, grid) for k in ("acc", "bacc", "text", "heldout", "fidelity")
+        )
+        cells = [num(acc.get(d)) for d in [*grid.zeroshot, "mean"]] + [num(bacc.get("mean"))]
+        cells += [num(text.get(CORPUS)), *(num(held.get(d)) for d in grid.heldout)]
         rows.append([LABELS[m], *cells, *(num(fid.get(d)) for d in [*grid.domains, "mean"])])
-    header = ["model", *(f"acc {d}" for d in grid.zeroshot), "acc mean", "C4 NLL/token"]
+    header = ["model", *(f"acc {d}" for d in grid.zeroshot), "acc mean", "balanced acc mean"]
+    header += ["C4 NLL/token", *(f"held-out NLL {d}" for d in grid.heldout)]
     return table([*header, *(f"ref. NLL {d}" for d in grid.domains), "ref. NLL mean"], rows)
 
 
@@ -500,6 +659,25 @@ def _cosines(grid: Grid, res: Results) -> list[str]:
     return table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows)
 
 
+def _pilot_verdict(grid: Grid, res: Results) -> str:
+    if "fedit" not in res.runs or not res.has(BASE):
+        return TEXT("pilot-missing")
+    return TEXT("pilot-holds" if pilot_holds(grid, res.runs["fedit"]) else "pilot-fails")
+
+
+def _pilot_table(grid: Grid, res: Results) -> list[str]:
+    """The pilot's measures: base and FedIT levels, the paired difference and its MDE."""
+    from fedfm.reproduce.stats import mde_of
+
+    rows = []
+    for m in PILOT_MEASURES:
+        d = diff(res, "fedit", BASE, m, grid)
+        lv = [level(res, x, m, grid).get("mean") for x in (BASE, "fedit")]
+        rows.append([MEASURES[m][0], *(num(x) for x in lv), marked(d), num(mde_of(d)), d.n])
+    header = ["measure", "base (round 0)", "FedIT", "FedIT − base", "MDE (2 SE)", "units"]
+    return table(header, rows)
+
+
 def body(ctx: Context[Grid], res: Results) -> str:
     """Setup, the instrument, kept ability and fidelity, update norms, rewrites, analyses."""
     grid = ctx.grid
@@ -512,10 +690,14 @@ def body(ctx: Context[Grid], res: Results) -> str:
     setup.update(computed=" and ".join(computed) or DASH)
     missing = [f"`{m}`" for m in METHODS if m not in res.runs]
     not_finished = TEXT("not-finished", missing=", ".join(missing), command=ctx.command)
+    only_pilot = set(res.runs) <= {"fedit"}
     return TEXT(
         "body",
         vars(grid),
         setup,
+        pilot_verdict=_pilot_verdict(grid, res),
+        pilot_table=_pilot_table(grid, res),
+        main_missing=TEXT("no-main", command=ctx.command) if only_pilot else None,
         n_domains=len(grid.domains),
         domains=", ".join(grid.domains),
         zeroshot=", ".join(grid.zeroshot),
@@ -539,5 +721,6 @@ def body(ctx: Context[Grid], res: Results) -> str:
 STUDY = register(
     __name__,
     "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
-    later="the matched-drift control, once FedIT and +FedSD have measured their update norms",
+    later="+FedSD, FedSDR and the matched-drift control run once the pilot (FedIT) shows"
+    " forgetting; the control's lr once FedIT and +FedSD have measured their update norms",
 )

@@ -30,7 +30,7 @@ import yaml
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
-from fedfm.reproduce.stats import NONE, Estimate, verdict
+from fedfm.reproduce.stats import NONE, Estimate, mde_of, verdict
 from fedfm.reproduce.tables import DASH, Text, head, num, row
 
 G = TypeVar("G")  # a study's grid
@@ -243,7 +243,9 @@ class Readout(Generic[R]):
     how the estimate is paired (``statistic``), the ``paper``'s claim, its
     ``direction`` (+1: above ``null``, −1: below), the estimate (``value`` of what the study
     read, shown with ``digits``), the grid's ``scope`` and whether it can test the claim
-    (``testable``: a bool, or a function of what was read for a premise the runs must show)."""
+    (``testable``: a bool, or a function of what was read for a premise the runs must show);
+    ``margin`` is the paper's own effect on the readout's scale, where it reports one (the
+    report says when the grid's minimum detectable effect is larger)."""
 
     name: str
     statistic: str
@@ -254,6 +256,7 @@ class Readout(Generic[R]):
     digits: int = 3
     scope: str = ""
     testable: bool | Callable[[R], bool] = True
+    margin: float | None = None
 
     def judge(self, data: R) -> tuple[Estimate, str]:
         """The estimate and its verdict."""
@@ -324,6 +327,7 @@ class Context(Generic[G]):
     out: Path
     command: str
     workers: int = 1
+    pilot: bool = False  # only the study's premise pilot (its jobs list nothing else)
     report: Path | None = None
     done: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
@@ -770,7 +774,11 @@ def write_report(study: Study[Any, R], ctx: Context[Any], path: Path) -> Path:
     for i, r in enumerate(study.readouts(ctx.grid), start=1):
         est, word = r.judge(data)
         shown = est.fmt(r.digits, signed=r.null == 0.0) if est.n else DASH
-        rows.append(row([f"R{i}", r.name, shown, r.statistic, r.paper, f"**{word}**"]))
+        mde = mde_of(est)
+        if r.margin is not None and math.isfinite(mde) and mde > abs(r.margin):
+            word += f"; the paper's margin {abs(r.margin):.{r.digits}f} is below this MDE"
+        cells = [f"R{i}", r.name, shown, r.statistic, r.paper, num(mde, r.digits)]
+        rows.append(row([*cells, f"**{word}**"]))
         if r.scope:
             notes.setdefault(r.scope, []).append(f"R{i}")
     notes_ = [f"- {', '.join(ids)}: {text}" for text, ids in notes.items()]
@@ -790,15 +798,19 @@ def open_study(
     grid: Any = None,
     workers: int | None = None,
     command: str | None = None,
+    pilot: bool = False,
 ) -> Context[Any]:
-    """The context of one invocation: ``out`` is the study folder itself."""
+    """The context of one invocation: ``out`` is the study folder itself; ``pilot``: only
+    the study's premise pilot runs (its main jobs are listed but not started)."""
+    flags = (" --quick" if quick else "") + (" --pilot" if pilot else "")
     return Context(
         study=study.name,
         grid=grid if grid is not None else (study.quick if quick else study.full),
         quick=quick,
         out=Path(out),
-        command=command or f"fedfm reproduce {study.name}" + (" --quick" if quick else ""),
+        command=command or f"fedfm reproduce {study.name}{flags}",
         workers=workers or min(study.workers[1 if quick else 0], os.cpu_count() or 1),
+        pilot=pilot,
     )
 
 
@@ -815,15 +827,18 @@ def reproduce(
     workers: int | None = None,
     dry_run_only: bool = False,
     report_dir: Path | None = None,
+    pilot: bool = False,
 ) -> Path | list[str]:
     """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``; the report written
-    or, with ``dry_run_only``, the job list. ConfigError: an unknown study, no worker."""
+    or, with ``dry_run_only``, the job list; ``pilot``: only the study's premise pilot.
+    ConfigError: an unknown study, no worker."""
     load_studies()
     study = STUDIES.get(name)
     if workers is not None and workers < 1:
         raise ConfigError("jobs", f"must be at least 1, got {workers}")
     _offline()
-    ctx = open_study(study, Path(out) / (f"{name}-quick" if quick else name), quick, None, workers)
+    folder = Path(out) / (f"{name}-quick" if quick else name)
+    ctx = open_study(study, folder, quick, None, workers, pilot=pilot)
     if dry_run_only:
         return dry_run(study, ctx)
     return run_study(study, ctx, report_path(study, ctx, report_dir))

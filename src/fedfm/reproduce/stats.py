@@ -9,7 +9,16 @@ a paired bootstrap; seeds each scored on the same rows are crossed factors (:fun
 :func:`crossed_bootstrap`; Owen 2007, "The pigeonhole bootstrap").
 
 A value is *resolved* beyond 2 SE from zero (about 95 % under normality; with 5 seeds the t
-quantile is 2.78, so 2 SE is a lenient screen, not a test).
+quantile is 2.78, so 2 SE is a lenient screen, not a test). A readout's *minimum detectable
+effect* is that threshold stated before its verdict: 2 · SD / √n from its unit count and the
+per-unit SD of its differences (:func:`mde`), so a reader sees whether the grid could resolve
+the paper's margin at all.
+
+Classifiers are read by balanced metrics (scikit-learn's ``balanced_accuracy_score`` and
+macro ``f1_score``) where classes are unbalanced: a scorer that answers the majority label
+scores the majority share in accuracy and 1 / C in balanced accuracy. Balanced accuracy is a
+weighted mean of the items' correctness (:func:`balanced_weights`), so its paired difference
+and SE come from the same item-level arithmetic as accuracy's.
 """
 
 from __future__ import annotations
@@ -67,6 +76,63 @@ def paired(a: Mapping[K, float], b: Mapping[K, float]) -> Estimate:
     """Mean and SE of the differences a_u − b_u over the units (seeds, ids) both have."""
     units = sorted(set(a) & set(b))  # type: ignore[type-var]
     return mean_se([a[u] - b[u] for u in units])
+
+
+def mde(sd: float, n: int, k: float = 2.0) -> float:
+    """The minimum detectable effect of a mean difference over ``n`` units with per-unit SD
+    ``sd``: ``k · sd / √n`` (NaN for fewer than two units)."""
+    return k * sd / math.sqrt(n) if n > 1 and math.isfinite(sd) else math.nan
+
+
+def units_for(sd: float, effect: float, k: float = 2.0) -> int:
+    """The units a mean difference of per-unit SD ``sd`` needs for ``effect`` to reach its
+    minimum detectable effect: ``⌈(k · sd / effect)²⌉``."""
+    return math.ceil((k * sd / abs(effect)) ** 2)
+
+
+def mde_of(est: Estimate, k: float = 2.0) -> float:
+    """The minimum detectable effect of an estimate's own grid: ``k`` SE (NaN without an SE)."""
+    return k * est.se if est.n > 1 and math.isfinite(est.se) else math.nan
+
+
+def balanced_accuracy(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
+    """Mean per-class recall of ``pred`` against ``y`` over ``y``'s classes (scikit-learn's;
+    an off-label answer is a miss of its item's class; NaN for no rows)."""
+    import warnings
+
+    from sklearn.metrics import balanced_accuracy_score
+
+    if not len(y):
+        return math.nan
+    with warnings.catch_warnings():  # "y_pred contains classes not in y_true": off-label
+        warnings.simplefilter("ignore", UserWarning)
+        return float(balanced_accuracy_score(list(map(str, y)), list(map(str, pred))))
+
+
+def macro_f1(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
+    """Macro-F1 over the classes of ``y`` and ``pred`` (scikit-learn's; a class never
+    predicted scores 0; NaN for no rows). A predicted label outside ``y``'s classes counts
+    as a class of its own (an off-label answer)."""
+    from sklearn.metrics import f1_score
+
+    if not len(y):
+        return math.nan
+    return float(
+        f1_score(list(map(str, y)), list(map(str, pred)), average="macro", zero_division=0)
+    )
+
+
+def balanced_weights(y: Sequence[Any]) -> np.ndarray:
+    """Per-item weights ``N / (C · n_c)`` (``C`` classes of ``y``, ``n_c`` items of the
+    item's class): the mean of ``correct · weight`` over the items is the balanced accuracy,
+    and a paired difference of such values is the difference of balanced accuracies (with the
+    class counts held fixed: the item-level SE of a stratified sample)."""
+    labels = [str(v) for v in y]
+    counts: dict[str, int] = {}
+    for v in labels:
+        counts[v] = counts.get(v, 0) + 1
+    n, c = len(labels), len(counts)
+    return np.asarray([n / (c * counts[v]) for v in labels], dtype=float)
 
 
 def pooled_paired(pairs: Sequence[tuple[Mapping[int, float], Mapping[int, float]]]) -> Estimate:

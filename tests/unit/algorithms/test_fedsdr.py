@@ -542,11 +542,19 @@ def test_the_study_runs_and_reports_what_it_measured(
         zeroshot_items=3,
         docs=3,
         doc_tokens=16,
-        domains=("general", "math", "medical"),
+        domains=("math", "medical", "qtype"),
+        heldout=("general",),
+        gated=False,  # the tiny model forgets nothing worth the name: run the whole grid
         task=tiny,
         cache_dir=str(tmp_path / "cache"),
     )
     runs = tmp_path / "fedsdr-quick"
+    # The pilot alone first: FedIT (its round 0 the base) and the lengths, its page says so.
+    ctx = open_study(study.STUDY, runs, quick=True, grid=grid, command="pilot", pilot=True)
+    pilot_page = run_study(study.STUDY, ctx, tmp_path / "pilot.md").read_text()
+    assert ctx.record.invocations[-1]["ran"] == 2 and set(ctx.record.jobs) == {"fedit", "lengths"}
+    assert "The main grid has not run" in pilot_page
+    assert pilot_page.index("## The premise pilot") < pilot_page.index("## Setup")
     ctx = open_study(study.STUDY, runs, quick=True, grid=grid, command="cmd")
     report = run_study(study.STUDY, ctx, tmp_path / "r.md")
     record = json.loads((runs / "study.json").read_text())
@@ -569,26 +577,43 @@ def test_the_study_runs_and_reports_what_it_measured(
     general = [it for it in items if it["domain"] == "general"]
     assert general and all(it["score"] is None and it["nll_tokens"] > 0 for it in general)
     assert not any(k.startswith("truncated") for k in views["fedsd"].final)
-    # The readouts' numbers, by hand from the items: +FedSD − FedIT on zero-shot accuracy.
+    # The readouts' numbers, by hand from the items: +FedSD − FedIT on zero-shot balanced
+    # accuracy, each domain's mean per-class recall (the test sets hold each label equally).
     res = study.read(ctx)
     per = []
     for d in grid.zeroshot:
-        a = {it["id"]: it["score"] for it in views["fedsd"].items() if it["domain"] == d}
-        b = {it["id"]: it["score"] for it in views["fedit"].items() if it["domain"] == d}
-        per.append(sum(a[k] - b[k] for k in a) / len(a))
-    got = study.diff(res, "fedsd", "fedit", "acc", grid)
+        rows = {m: [it for it in views[m].items() if it["domain"] == d] for m in ("fedsd", "fedit")}
+        refs = [it["reference"] for it in rows["fedit"]]
+        assert len(set(refs)) == 2 and refs.count(refs[0]) in (1, 2)  # 3 items: 2 and 1
+
+        def recall(its: list[dict[str, Any]]) -> float:
+            labels = sorted({it["reference"] for it in its})
+            hit = [[it["score"] for it in its if it["reference"] == c] for c in labels]
+            return sum(sum(h) / len(h) for h in hit) / len(hit)
+
+        per.append(recall(rows["fedsd"]) - recall(rows["fedit"]))
+        labels = [it["reference"] for it in rows["fedsd"]]
+        answers = [it["label"] for it in rows["fedsd"]]
+        assert study.class_scores(views["fedsd"].items(), d)["bacc"] == pytest.approx(
+            recall(rows["fedsd"])
+        ) and study.balanced_accuracy(labels, answers) == pytest.approx(recall(rows["fedsd"]))
+    got = study.diff(res, "fedsd", "fedit", "bacc", grid)
     assert got.mean == pytest.approx(sum(per) / len(per)) and got.n == 2 * grid.zeroshot_items
-    r2 = next(x for x in text.splitlines() if x.startswith("| R2 |"))
-    assert got.fmt(3, signed=True) in r2
+    r4 = next(x for x in text.splitlines() if x.startswith("| R4 |"))
+    assert got.fmt(3, signed=True) in r4 and "balanced accuracy" in r4
+    # The pilot's held-out instruction NLL: general items, never trained, scored by NLL only.
+    held = study.diff(res, "fedit", study.BASE, "heldout", grid)
+    assert held.n == grid.zeroshot_items and math.isfinite(held.mean)
     # C4 per document: the base is FedIT's round 0, paired over the same documents.
     c4 = study.diff(res, "fedit", study.BASE, "text", grid)
     assert c4.n == grid.docs and math.isfinite(c4.mean)
     r1 = next(x for x in text.splitlines() if x.startswith("| R1 |"))
     assert c4.fmt(3, signed=True) in r1
-    assert text.count("**cannot be tested by this grid**") == 1
+    holds = study.pilot_holds(grid, views["fedit"])
+    assert text.count("**cannot be tested by this grid") == (1 if holds else 8)
     # The instrument: label histograms with their baselines, reference lengths, fallbacks.
     assert "| base (round 0) |" in text and "answered ham" in text and "majority" in text
-    assert "| train | general |" in text and "fallback truncated" in text
+    assert "| train | math |" in text and "fallback truncated" in text
     zero = views["fedsd"].rounds[0]
     n = zero["fedsd/rows"]
     assert f"| all | {n:.0f} | {n * zero['fedsd/kept_share']:.0f} |" in text
@@ -596,3 +621,9 @@ def test_the_study_runs_and_reports_what_it_measured(
     again = open_study(study.STUDY, runs, quick=True, grid=grid, command="cmd")
     run_jobs(study.STUDY, again)
     assert again.record.invocations[-1]["ran"] == 0 and not again.failed
+    # Gated, a pilot without forgetting holds the main runs back.
+    monkeypatch.setattr(study, "pilot_holds", lambda *_: False)
+    with pytest.raises(study.Unmet, match="no forgetting"):
+        study._after_pilot(
+            dataclasses.replace(grid, gated=True), "fedsd", {"fedit": views["fedit"]}
+        )

@@ -203,3 +203,13 @@ def test_reproduce_fedekd_quick_through_the_entry_point(tmp_path, monkeypatch, c
     assert "".join(f"report written: {report}".split()) == "".join(out.split())
     text = report.read_text()
     assert "fedfm reproduce fedekd --quick" in text and "## Failed runs" not in text
+
+
+def test_reproduce_pilot_lists_only_the_studys_premise_pilot(tmp_path, monkeypatch, capsys):
+    code, out, err = run_cli(
+        ["reproduce", "fedhds", "--pilot", "--dry-run", "--out", str(tmp_path)], monkeypatch, capsys
+    )
+    assert code == 0, err
+    jobs = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert jobs[1:] == ["fedit"]  # the header, then FedIT's first seed alone
+    assert not (tmp_path / "fedhds").exists()  # a dry run writes nothing

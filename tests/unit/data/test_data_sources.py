@@ -335,6 +335,26 @@ def test_suite_is_deterministic_and_seed_dependent() -> None:
     assert sub["id"] == full[full["domain"].isin(["movie", "spam"])]["id"].tolist()
 
 
+def test_a_balanced_test_set_holds_each_label_equally_often() -> None:
+    train, test = build_suite(
+        20, 21, seed=3, domains=["spam", "medical", "general"], balanced_test=True
+    )
+    rows = test.to_pandas()
+    spam = rows[rows["domain"] == "spam"]["answer"].value_counts().to_dict()
+    assert spam == {"ham": 11, "spam": 10}  # SMS spam is 87% ham; the remainder to ham
+    medical = rows[rows["domain"] == "medical"]["answer"].value_counts()
+    assert sorted(medical.tolist()) == [7, 7, 7]
+    assert (rows["domain"] == "general").sum() == 21  # no labels: drawn as before
+    kept = set(train["id"])
+    assert not kept & set(test["id"])  # train and test stay disjoint
+    # Without the option the draw is the one before it existed.
+    a_train, a_test = build_suite(20, 21, seed=3, domains=["spam"])
+    b_train, b_test = build_suite(20, 21, seed=3, domains=["spam"], balanced_test=False)
+    assert a_test["id"] == b_test["id"] and a_train["id"] == b_train["id"]
+    with pytest.raises(ConfigError, match="label"):
+        build_suite(5, 100_000, domains=["spam"], balanced_test=True)
+
+
 def test_suite_bad_options() -> None:
     with pytest.raises(ConfigError, match="domains"):
         build_suite(domains=["cooking"])

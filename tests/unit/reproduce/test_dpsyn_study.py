@@ -50,12 +50,21 @@ TINY = Grid(
     },
     algo={"embedder": "hashed-ngrams", "generation": {"batch_size": 8}},
     label="test grid",
+    gated=False,
 )
+PILOT_NAMES = [
+    "pilot-strong2",
+    "pilot-strong1",
+    "embed",
+    "vote-pilot-strong2",
+    "vote-pilot-strong1",
+    "pilot",
+]
 NAMES = [
+    *PILOT_NAMES,
     "strong2",
     "strong1",
     "base",
-    "embed",
     "prompts",
     "vote-strong2",
     "vote-strong1",
@@ -68,7 +77,9 @@ def done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[int
     """The tiny grid run twice: (study folder, report, jobs run by each invocation)."""
     tmp = tmp_path_factory.mktemp("dpsyn-study")
     out, report = tmp / "runs", tmp / "report.md"
-    ran = []
+    ctx = open_study(study.STUDY, out, grid=TINY, command="test --pilot", workers=1, pilot=True)
+    run_study(study.STUDY, ctx, tmp / "pilot.md")
+    ran = [ctx.record.invocations[-1]["ran"]]
     for _ in range(2):
         ctx = open_study(study.STUDY, out, grid=TINY, command="test", workers=1)
         run_study(study.STUDY, ctx, report)
@@ -79,7 +90,7 @@ def done(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[int
 def test_the_grid_runs_through_the_framework_and_a_second_call_runs_nothing(done: Any) -> None:
     out, report, ran = done
     assert [j.name for j in study.jobs(open_study(study.STUDY, out, grid=TINY))] == NAMES
-    assert ran == [len(NAMES), 0]
+    assert ran == [len(PILOT_NAMES), len(NAMES) - len(PILOT_NAMES), 0]
     record = json.loads((out / "study.json").read_text())
     assert {n: record["jobs"][n]["status"] for n in NAMES} == dict.fromkeys(NAMES, "done")
     assert "did not finish" not in report.read_text()
@@ -176,8 +187,8 @@ def test_readouts_pair_the_saved_predictions_over_seeds_and_rows(done: Any) -> N
     first = text.index("## Readouts")
     assert text.index("## Setup") > first  # the report opens with its readouts
     readouts = study.readouts(TINY)
-    assert len(readouts) == 2 * len(TINY.epsilon_votes) + 1 + len(TINY.epsilon_votes)
-    line = next(x for x in text.splitlines() if x.startswith("| R2 |"))
+    assert len(readouts) == 1 + 2 * len(TINY.epsilon_votes) + 1 + len(TINY.epsilon_votes)
+    line = next(x for x in text.splitlines() if x.startswith("| R3 |"))
     assert est.fmt(signed=True) in line
     sel = res.votes[1]["selections"]
     assert len(sel["subset"]["distinct"]) == TINY.seeds
@@ -189,9 +200,9 @@ def test_the_claim_is_untestable_when_the_premise_fails(done: Any) -> None:
     out, _, _ = done
     res = study.read(open_study(study.STUDY, out, grid=TINY))
     rs = study.readouts(TINY)
-    premise, claim = rs[2 * len(TINY.epsilon_votes)], rs[-1]
-    for each in rs[2 * len(TINY.epsilon_votes) + 1 :]:  # every claim names the premise's row
-        assert f"(R{2 * len(TINY.epsilon_votes) + 1})" in str(each.scope)
+    premise, claim = rs[1 + 2 * len(TINY.epsilon_votes)], rs[-1]
+    for each in rs[2 * len(TINY.epsilon_votes) + 2 :]:  # every claim names the premise's row
+        assert f"(R{2 * len(TINY.epsilon_votes) + 2})" in str(each.scope)
     holds = study.verdict(premise.value(res), +1) == study.IN_DIRECTION
     _, word = claim.judge(res)
     assert (word == "cannot be tested by this grid") == (not holds)
@@ -206,6 +217,46 @@ def test_the_claim_is_untestable_when_the_premise_fails(done: Any) -> None:
         fake.preds[2]["subset"],
     )
     assert claim.judge(fake)[1] != "cannot be tested by this grid"
+
+
+def test_the_pilot_runs_first_without_dp_and_opens_the_report(done: Any) -> None:
+    out, _, _ = done
+    pilot_page = (out.parent / "pilot.md").read_text()
+    assert "The main grid has not run" in pilot_page
+    assert pilot_page.index("## The premise pilot (R1)") < pilot_page.index("## Setup")
+    for s in TINY.strong:
+        cfg = json.loads(json.dumps(study.pilot_config(TINY, s)))
+        assert cfg["algo"]["epsilon_train"] == "inf"
+        saved = study.RunView(out / study.pilot_name(s)).config
+        assert saved["algo"]["epsilon_train"] == "inf"  # the run that ran: no clipping, no noise
+    got = json.loads((out / "pilot" / "result.json").read_text())["result"]
+    y = np.load(out / "embed" / study.EMBEDDINGS)["test/y"]
+    few, many = (
+        np.load(out / f"vote-pilot-strong{s}" / study.PREDICTIONS)["subset"] for s in (1, 2)
+    )
+    w = len(y) / (2 * np.bincount(y)[y])  # N / (C · n_c)
+    d = ((many == y) - (few == y).astype(float)) * w
+    assert got["difference"]["mean"] == pytest.approx(d.mean())
+    assert got["mde"] == pytest.approx(2 * got["difference"]["se"])
+    res = study.read(open_study(study.STUDY, out, grid=TINY))
+    first = study.readouts(TINY)[0]
+    assert first.value(res).mean == pytest.approx(d.mean())
+
+
+def test_the_main_generators_wait_for_the_pilot_to_hold() -> None:
+    class View:
+        def __init__(self, result: Any) -> None:
+            self.result = result
+
+    gated = Grid(**{**vars(TINY), "gated": True})
+    fails = {"holds": False, "difference": {"mean": -0.01, "se": 0.02, "n": 10}}
+    with pytest.raises(study.Unmet, match="cannot be tested at this scale"):
+        study._pilot_holds(gated, 1, {study.PILOT: View(fails)})  # type: ignore[dict-item]
+    with pytest.raises(study.Unmet):
+        study._pilot_holds(gated, 1, {study.PILOT: View(None)})  # type: ignore[dict-item]
+    holds = {**fails, "holds": True}
+    cfg = study._pilot_holds(gated, 1, {study.PILOT: View(holds)})  # type: ignore[dict-item]
+    assert cfg == study.generator_config(gated, 1)
 
 
 def test_privacy_composes_the_runs_ledger_with_the_offline_vote(done: Any) -> None:

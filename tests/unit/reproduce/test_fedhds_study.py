@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import yaml
 
 from fedfm.reproduce import fedhds as study
@@ -18,11 +19,11 @@ TINY_TASK = {
     "model_args": {"vocab": "small", "hidden": 32, "layers": 2, "heads": 2, "seed": 8},
     "autocast_bf16": False,
     "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-    "prompt": {"max_length": 96, "max_prompt_length": 64},
+    "prompt": {"max_length": 192, "max_prompt_length": 160},  # the Alpaca prompt, small vocab
 }
 TURBO = {"vocab": "small", "hidden": 16, "layers": 1, "heads": 2, "seed": 3}
 GRID = study.Grid(
-    24,
+    120,  # one domain: as many rows as five of 24 held, so that FedHDS finds clusters
     4,
     5,
     1,
@@ -31,11 +32,15 @@ GRID = study.Grid(
     clients=4,
     fraction=1.0,
     task=TINY_TASK,
-    partition={"min_size": 2},
+    trained=study.OPEN,
+    base_lm=True,
+    eval_ppl=True,
+    partition={"scheme": "iid", "min_size": 2},
     # tiny-model points have no density structure at two neighbours: one lets FedHDS select
     algo={"min_samples": 1, "server_min_samples": 1},
     turbo_model="tiny-llama",
     turbo_args=TURBO,
+    gated=False,  # a tiny model learns nothing to resolve: run every method regardless
 )
 
 
@@ -57,12 +62,23 @@ def _summary(path: Path) -> dict[str, Any]:
 
 
 def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path) -> None:
+    # The pilot alone first: FedIT's first seed, its round 0 the base; its page says so.
+    ctx = open_study(study.STUDY, tmp_path, grid=GRID, command="pilot", pilot=True)
+    page = run_study(study.STUDY, ctx, tmp_path / "pilot.md").read_text()
+    assert not ctx.failed
+    assert "The main grid has not run" in page and "## The premise pilot (R1, R2)" in page
+    fedit = study.RunView(tmp_path / "fedit")
+    before, after = study.item_scores(fedit, True, 0), study.item_scores(fedit, True)
+    d_pilot = [after[i] - before[i] for i in sorted(before)]
+    r1 = next(x for x in page.splitlines() if x.startswith("| R1 |"))
+    assert f"| {_mean_se(d_pilot)} |" in r1
     ctx = open_study(study.STUDY, tmp_path, grid=GRID, command="cmd")
     text = run_study(study.STUDY, ctx, tmp_path / "r.md").read_text()
     names = ["fedit", "fedit-s1", "fedhds", "fedhds-s1", "turbo", "random", "count"]
     record = json.loads((tmp_path / "study.json").read_text())
     assert sorted(record["jobs"]) == sorted(names)
-    assert {j["status"] for j in record["jobs"].values()} == {"done"}
+    errors = {n: j.get("error") for n, j in record["jobs"].items() if j["status"] != "done"}
+    assert not errors
     cfgs = {n: yaml.safe_load((tmp_path / n / "config.yaml").read_text()) for n in names}
     assert all(c["task"]["heldout_domains"] == ["general"] for c in cfgs.values())
     assert cfgs["fedit-s1"]["seed"] == 1 and cfgs["fedit"]["seed"] == 0
@@ -72,7 +88,7 @@ def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path
     # Random ran after FedHDS, at the data fraction FedHDS measured.
     hds = _summary(tmp_path / "fedhds")
     assert cfgs["random"]["algo"]["random_budget"] == round(hds["finish"]["data_fraction"], 6)
-    assert record["jobs"]["random"]["needs"] == ["fedhds"]
+    assert record["jobs"]["random"]["needs"] == ["fedit", "fedhds"]
     # Only the held-out domain is scored zero-shot, and no client trained on it.
     items = [
         json.loads(x) for x in (tmp_path / "fedit" / "eval_items.jsonl").read_text().splitlines()
@@ -81,7 +97,10 @@ def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path
     held = {i["domain"] for r in items for i in r["items"] if i["zeroshot"]}
     assert held == {"general"} and len(_heldout(tmp_path / "fedit")) == GRID.heldout_items
     part = json.loads((tmp_path / "fedit" / "partition.json").read_text())
-    assert part["labels"] == list(study.TRAINED) and part["heldout_domains"] == ["general"]
+    assert part["labels"] == list(study.OPEN) and part["heldout_domains"] == ["general"]
+    assert all(c["task"]["prompt"]["use_chat_template"] is False for c in cfgs.values())
+    held_nll = study.heldout_nll(study.RunView(tmp_path / "fedit"))
+    assert len(held_nll) == GRID.heldout_items  # the held-out references' NLL beside Rouge-L
     # The readouts come first; R1 pairs items after averaging each over the two seeds.
     assert text.index("## Readouts") < text.index("## Setup") < text.index("## The instrument")
     mine = [_heldout(tmp_path / n) for n in ("fedhds", "fedhds-s1")]
@@ -89,20 +108,20 @@ def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path
     d = [
         float(np.mean([m[i] for m in mine]) - np.mean([r[i] for r in ref])) for i in sorted(ref[0])
     ]
-    r1 = next(x for x in text.splitlines() if x.startswith("| R1 |"))
-    assert f"| {_mean_se(d)} |" in r1
+    r3 = next(x for x in text.splitlines() if x.startswith("| R3 |"))
+    assert f"| {_mean_se(d)} |" in r3
     rnd = _heldout(tmp_path / "random")
-    r2 = next(x for x in text.splitlines() if x.startswith("| R2 |"))
-    assert f"| {_mean_se([mine[0][i] - rnd[i] for i in sorted(rnd)])} |" in r2
+    r4 = next(x for x in text.splitlines() if x.startswith("| R4 |"))
+    assert f"| {_mean_se([mine[0][i] - rnd[i] for i in sorted(rnd)])} |" in r4
     # R3: FedIT's client training seconds over FedHDS's, per seed, mean ± SE over seeds.
     ratios = [
         _summary(tmp_path / a)["finish"]["total_train_s"]
         / _summary(tmp_path / b)["finish"]["total_train_s"]
         for a, b in (("fedit", "fedhds"), ("fedit-s1", "fedhds-s1"))
     ]
-    r3 = next(x for x in text.splitlines() if x.startswith("| R3 |"))
+    r5 = next(x for x in text.splitlines() if x.startswith("| R5 |"))
     se = np.std(ratios, ddof=1) / math.sqrt(2)
-    assert f"| {np.mean(ratios):.1f} ± {se:.1f} |" in r3
+    assert f"| {np.mean(ratios):.1f} ± {se:.1f} |" in r5
     # The base row is FedIT's round 0; the data fraction before and after the fix is shown.
     base = np.mean(list(_heldout(tmp_path / "fedit", 0).values()))
     assert f"| untrained base (round 0) | {base:.3f} |" in text
@@ -113,7 +132,7 @@ def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path
     again = open_study(study.STUDY, tmp_path, grid=GRID, command="cmd")
     run_study(study.STUDY, again, tmp_path / "r.md")
     record = json.loads((tmp_path / "study.json").read_text())
-    assert [i["ran"] for i in record["invocations"]] == [7, 0]
+    assert [i["ran"] for i in record["invocations"]] == [1, 6, 0]
 
 
 def test_readouts_cannot_be_tested_when_fedhds_selected_no_row() -> None:
@@ -125,5 +144,33 @@ def test_readouts_cannot_be_tested_when_fedhds_selected_no_row() -> None:
     none = study.Results({"fedhds": View(0.0), "fedhds-s1": View(0.02)}, grid)  # type: ignore[dict-item]
     some = study.Results({"fedhds": View(0.02), "fedhds-s1": View(0.0)}, grid)  # type: ignore[dict-item]
     assert not study.selected(none) and study.selected(some)
-    for r in study.readouts(grid):
+    for r in study.readouts(grid)[4:]:
         assert r.testable is study.selected
+
+
+def test_the_full_grid_tunes_a_base_lm_on_open_ended_data_and_waits_for_its_pilot(
+    tmp_path: Path,
+) -> None:
+    from fedfm.config import load_config
+
+    cfg = load_config(study.job_config(study.METHODS[1], study.FULL, 0))
+    task = cfg.task if isinstance(cfg.task, dict) else cfg.task.model_dump()
+    assert task["prompt"]["use_chat_template"] is False and task["eval_ppl"] is True
+    assert task["train_domains"] == ["math"] and task["heldout_domains"] == ["general"]
+
+    class View:  # FedIT's items: round 0 (the base) and after training
+        def __init__(self, gain: float) -> None:
+            self.gain = gain
+
+        def items(self, rnd: int | None = None) -> list[dict[str, Any]]:
+            up = 0.0 if rnd == 0 else self.gain
+            return [
+                {"id": i, "zeroshot": True, "rougeL": 0.2 + up + 0.01 * (i % 3)} for i in range(9)
+            ]
+
+    needs = {"fedit": View(0.0)}
+    build = study.job_config(study.METHODS[1], study.FULL, 0)
+    with pytest.raises(study.Unmet, match="does not resolve FedIT above the base"):
+        study._after_pilot(build, study.FULL, needs)  # type: ignore[arg-type]
+    got = study._after_pilot(build, study.FULL, {"fedit": View(0.05)})  # type: ignore[arg-type]
+    assert got == build
