@@ -340,6 +340,7 @@ class Engine:
             # Every run folder has failures.jsonl, empty when no client failed (README).
             folder.failures.touch()
             fed = self.make_federation(setup, store, ledger)
+            fed.wire = cfg.comm.wire()  # the codecs of array fields (fedfm.core.codec)
             self.tb = TensorBoardLog(folder.root, cfg.log.tensorboard)
             display = RoundDisplay(
                 cfg, enabled=self.progress, start=max(last, 0), primary=setup.task.primary

@@ -68,30 +68,46 @@ class AuditLedger:
         """
         self._kinds = dict(kinds or {})
 
-    def record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
+    def record(
+        self,
+        rnd: int,
+        client: str,
+        direction: str,
+        msg: Message,
+        coded: Mapping[str, tuple[str, int]] | None = None,
+    ) -> int:
         """Adds one message's fields to the ledger.
 
         Args:
             rnd: Round number (0 for one-off phases before the rounds).
             client: Client id.
             direction: ``"down"`` (server to client) or ``"up"``.
-            msg: The message.
+            msg: The message (as decoded by its receiver).
+            coded: Array field -> (codec name, bytes that travelled) for the fields sent
+                through a codec (:mod:`fedfm.core.codec`): their rows count those bytes.
 
         Returns:
             Bytes recorded for this message.
         """
         first = len(self.pending)
-        total = self._record(rnd, client, direction, msg)
+        total = self._record(rnd, client, direction, msg, coded or {})
         kind = self._kinds.get(msg.kind)
         if kind is not None and kind.dp and direction == "up":
             for row in self.pending[first:]:
                 row["privacy"] = kind.privacy_of(row["field"]) or "none"
         return total
 
-    def _record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
+    def _record(
+        self,
+        rnd: int,
+        client: str,
+        direction: str,
+        msg: Message,
+        coded: Mapping[str, tuple[str, int]],
+    ) -> int:
         total = 0
         for name, arrays in msg.arrays.items():
-            nbytes = array_bytes(arrays)
+            codec, nbytes = coded.get(name, (None, array_bytes(arrays)))
             dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in arrays.values()})
             row = {
                 "round": rnd,
@@ -107,6 +123,8 @@ class AuditLedger:
             }
             if len(arrays) == 1:
                 row["shape"] = list(next(iter(arrays.values())).shape)
+            if codec is not None:
+                row["codec"] = codec
             self.pending.append(row)
             self._bytes[(rnd, direction, "arrays")] += nbytes
             total += nbytes
