@@ -207,6 +207,14 @@ class Wire:
             frozenset(fields) if fields is not None else None,
         )
 
+    def spec(self) -> dict[str, str | list[str] | None]:
+        """Inverse of :meth:`of`: the keyword arguments that rebuild this wire."""
+        return {
+            "uplink": self.up.name if self.up else None,
+            "downlink": self.down.name if self.down else None,
+            "fields": sorted(self.fields) if self.fields is not None else None,
+        }
+
     @property
     def active(self) -> bool:
         """Some field travels through a codec."""
