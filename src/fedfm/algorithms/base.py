@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from fedfm.algorithms.lora_clients import lora_spec
 from fedfm.core.artefacts import Artefacts
 from fedfm.core.federation import Federation, Handler
 from fedfm.core.messages import MessageKind
@@ -170,6 +171,22 @@ class Algorithm:
         self.privacy = PrivacyLedger(run.privacy.delta, run.privacy.accountant, run.privacy.noise)
         self.artefacts = Artefacts()
         self.user_dp = self._user_dp(task, run)
+        self._check_lora_options(task)
+
+    #: The algorithm runs mixed LoRA ranks and FFA-LoRA (:mod:`fedfm.algorithms.lora_clients`).
+    lora_options: ClassVar[bool] = False
+
+    def _check_lora_options(self, task: Task) -> None:
+        spec = lora_spec(task)
+        if spec is None or self.lora_options:
+            return
+        for name, on in (("client_ranks", spec.mixed), ("freeze_a", spec.freeze_a)):
+            if on:
+                raise ConfigError(
+                    f"task.lora.{name}",
+                    f"algorithm '{self.run.algorithm}' trains one LoRA rank with A and B;"
+                    " mixed ranks and FFA-LoRA run in fedavg and fedprox",
+                )
 
     def _user_dp(self, task: Task, run: RunConfig) -> UserDP | None:
         """DP-FedAvg when ``privacy.user_level`` asks for it and the algorithm aggregates."""

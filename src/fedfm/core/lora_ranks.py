@@ -215,11 +215,14 @@ class RankMode:
         aggregate: Client adapters and the global rank -> the global adapter.
         exact: The global adapter's product equals ``Σ p_k B_k A_k`` exactly.
         caps_rank: Client ranks may not exceed the global rank (they are projected or padded).
+        runnable: Runs can use it (:mod:`fedfm.algorithms.lora_clients`); FLoRA's global
+            adapter grows each round and is an aggregation function only (see the module).
     """
 
     aggregate: Aggregate
     exact: bool
     caps_rank: bool
+    runnable: bool = True
 
 
 RANK_MODES: Registry[RankMode] = Registry("LoRA rank aggregation", "task.lora.rank_mode")
@@ -227,7 +230,7 @@ RANK_MODES.register("svd", "re-projection of Σ p_k B_k A_k to the global rank (
     RankMode(svd_aggregate, exact=False, caps_rank=True)
 )
 RANK_MODES.register("flora", "FLoRA stacking: exact Σ p_k B_k A_k, rank Σ r_k (NeurIPS 2024)")(
-    RankMode(flora_aggregate, exact=True, caps_rank=False)
+    RankMode(flora_aggregate, exact=True, caps_rank=False, runnable=False)
 )
 RANK_MODES.register("hetlora", "HetLoRA: zero-padding, sparsity-weighted (EMNLP 2024)")(
     RankMode(hetlora_average, exact=False, caps_rank=True)
