@@ -124,8 +124,11 @@ class LoraClients:
 
     # ----- client half -----
     def load(self, ctx: ClientContext, model: nn.Module, glob: Mapping[str, Tensor]) -> dict:
-        """Puts a received adapter into ``model`` (padded to the global rank, ``A`` added);
-        returns the full adapter loaded."""
+        """Puts a received adapter into ``model``: padded to the global rank, ``A`` added.
+
+        Returns:
+            The whole adapter loaded.
+        """
         full = self.full(pad(glob, self.rank) if self.mode is not None else glob)
         ctx.task.set_params(model, full)
         return full
@@ -176,8 +179,9 @@ class LoraClients:
             try:
                 validate_arrays(cid, "params", got, msgs[cid].arrays["params"])
             except UpdateRejectedError as e:
-                fed.failures.append({"round": fed.rnd, "client": cid, "kind": "train",
-                                     "error": str(e)})
+                fed.failures.append(
+                    {"round": fed.rnd, "client": cid, "kind": "train", "error": str(e)}
+                )
                 log.warning("round %d: client %s failed on 'train': %s", fed.rnd, cid, e)
                 continue
             clients.append(ClientAdapter(got, meta_number(r, "num_examples")))

@@ -32,14 +32,14 @@ sensitivity the noise was calibrated to.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
-
 from pydantic import Field, field_validator
+from torch import Tensor
 
 from fedfm.core.messages import Message
 from fedfm.core.settings import Strict
@@ -69,7 +69,7 @@ NF4_CODE = (
     1.0,
 )
 #: Half the widest gap between neighbouring NF4 values (between -1 and -0.6962).
-NF4_HALF_GAP = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:], strict=False)) / 2
+NF4_HALF_GAP = max(b - a for a, b in itertools.pairwise(NF4_CODE)) / 2
 
 Parts = dict[str, Tensor]
 
@@ -256,12 +256,16 @@ class Wire:
             codec = self.codec(msg.kind, name, direction)
             assert codec is not None
             arrays[name] = {
-                key: codec.decode(p, tuple(msg.arrays[name][key].shape), msg.arrays[name][key].dtype)
+                key: codec.decode(
+                    p, tuple(msg.arrays[name][key].shape), msg.arrays[name][key].dtype
+                )
                 for key, p in by_key.items()
             }
         return Message(msg.kind, arrays, dict(msg.meta))
 
-    def round_trip(self, msg: Message, direction: str) -> tuple[Message, dict[str, tuple[str, int]]]:
+    def round_trip(
+        self, msg: Message, direction: str
+    ) -> tuple[Message, dict[str, tuple[str, int]]]:
         """What the receiver of ``msg`` gets, and per coded field (codec name, bytes sent).
 
         Raises:

@@ -69,8 +69,10 @@ def rank_of(params: Mapping[str, Tensor]) -> int:
 
 
 def truncate(params: Mapping[str, Tensor], r: int) -> Arrays:
-    """The first ``r`` components of every LoRA module (HetLoRA's and the re-projection's
-    downlink to a rank-``r`` client); other tensors unchanged."""
+    """The first ``r`` components of every LoRA module; other tensors unchanged.
+
+    What a rank-``r`` client receives under HetLoRA and the re-projection.
+    """
     out = dict(params)
     for a_key, b_key in lora_modules(params).values():
         out[a_key] = params[a_key][:r].clone()
@@ -133,9 +135,7 @@ def flora_stack(
     return b.to(bs[0].dtype), torch.cat(list(as_), dim=0)
 
 
-def _weighted_padded(
-    clients: Sequence[ClientAdapter], weights: Sequence[float], r: int
-) -> Arrays:
+def _weighted_padded(clients: Sequence[ClientAdapter], weights: Sequence[float], r: int) -> Arrays:
     out: Arrays = {}
     for c, w in zip(clients, weights, strict=True):
         for key, t in pad(c.params, r).items():
@@ -181,15 +181,15 @@ def _by_module(
     mods = lora_modules(ref)
     lora_keys = {k for pair in mods.values() for k in pair}
     out: Arrays = {
-        key: sum((p * c.params[key].double() for c, p in zip(clients, ps, strict=True)),
-                 torch.zeros_like(ref[key], dtype=torch.float64)).to(ref[key].dtype)
+        key: sum(
+            (p * c.params[key].double() for c, p in zip(clients, ps, strict=True)),
+            torch.zeros_like(ref[key], dtype=torch.float64),
+        ).to(ref[key].dtype)
         for key in ref
         if key not in lora_keys
     }
     for a_key, b_key in mods.values():
-        b, a = combine(
-            [c.params[b_key] for c in clients], [c.params[a_key] for c in clients], ps
-        )
+        b, a = combine([c.params[b_key] for c in clients], [c.params[a_key] for c in clients], ps)
         out[a_key], out[b_key] = a, b
     return out
 

@@ -109,7 +109,10 @@ class LoraConfigSpec(pydantic.BaseModel):
                 f" '{mode}' projects or pads every client to"
             )
         if not RANK_MODES.get(mode).runnable:
-            raise ValueError(f"rank_mode '{mode}' aggregates but runs none (use svd, hetlora or zeropad)")
+            raise ValueError(
+                f"rank_mode '{mode}' is an aggregation function only (runs: svd, hetlora,"
+                " zeropad)"
+            )
         return v
 
     @pydantic.field_validator("freeze_a")

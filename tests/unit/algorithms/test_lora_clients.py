@@ -49,8 +49,12 @@ def test_ffa_lora_sends_b_only_and_averages_the_bs_exactly(tmp_path, monkeypatch
     fold = fedavg_mod.fold_reply
 
     def spy(acc, reply, field):
-        sent.append(({k: v.clone() for k, v in reply.arrays[field].items()},
-                     int(reply.meta["num_examples"])))
+        sent.append(
+            (
+                {k: v.clone() for k, v in reply.arrays[field].items()},
+                int(reply.meta["num_examples"]),
+            )
+        )
         fold(acc, reply, field)
 
     monkeypatch.setattr(fedavg_mod, "fold_reply", spy)
@@ -134,7 +138,10 @@ def test_ffa_lora_keeps_a_frozen_in_training_and_composes_with_dp_fedavg(tmp_pat
 
     monkeypatch.setattr(fedavg_mod, "local_round", spy)
     cfg = _cfg(tmp_path, "ffadp", freeze_a=True)
-    cfg["privacy"] = {"noise": "seeded", "user_level": {"clip": 0.5, "noise_multiplier": 0.3, "min_clients": 3}}
+    cfg["privacy"] = {
+        "noise": "seeded",
+        "user_level": {"clip": 0.5, "noise_multiplier": 0.3, "min_clients": 3},
+    }
     a0 = fedfm_build(cfg).algo.lora.frozen
     summary = run(load_config(cfg), progress=False)
     assert len(trained_a) == 3

@@ -52,7 +52,7 @@ def test_nf4_hits_its_code_values_exactly() -> None:
     back, nbytes = CODECS.get("nf4").round_trip(t)
     torch.testing.assert_close(back, t)
     assert nbytes == 8 + 4  # 16 codes in 8 bytes, one scale
-    assert NF4_HALF_GAP == pytest.approx((1.0 - 0.6961928009986877) / 2)  # from -1 to -0.696
+    assert pytest.approx((1.0 - 0.6961928009986877) / 2) == NF4_HALF_GAP  # from -1 to -0.696
 
 
 def test_zero_block_stays_zero() -> None:
@@ -84,7 +84,7 @@ def test_a_codec_on_a_non_floating_field_names_the_field() -> None:
 
 
 def test_unknown_codec_is_refused_at_load() -> None:
-    with pytest.raises(ConfigError, match="comm.uplink"):
+    with pytest.raises(ConfigError, match=r"comm\.uplink"):
         load_config(toy_config("/tmp/never", comm={"uplink": "int3"}))
 
 

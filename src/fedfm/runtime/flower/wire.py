@@ -183,7 +183,7 @@ def message_to_records(
 
     as_json = [k for k, v in msg.meta.items() if not isinstance(v, _NATIVE)]
     coded = wire.encode(msg, direction) if wire is not None and wire.active else {}
-    fields = {name: _flat_parts(coded[name]) if name in coded else a for name, a in msg.arrays.items()}
+    fields = {n: _flat_parts(coded[n]) if n in coded else a for n, a in msg.arrays.items()}
     head = {
         **header,
         "wire": WIRE_VERSION,
@@ -194,7 +194,10 @@ def message_to_records(
     }
     if coded:
         head["coded"] = {
-            name: [_codec_name(wire, msg.kind, name, direction), like_spec({"f": msg.arrays[name]})["f"]]
+            name: [
+                _codec_name(wire, msg.kind, name, direction),
+                like_spec({"f": msg.arrays[name]})["f"],
+            ]
             for name in coded
         }
     entries: dict[str, ConfigRecordValues] = {"header": json.dumps(head)}
