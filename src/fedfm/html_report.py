@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm import plots
-from fedfm.core.audit import dp_clients, unprotected
+from fedfm.core.audit import communication_bill, dp_clients, unprotected
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
@@ -465,8 +465,18 @@ def section_audit(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
         )
         head = ["kind", "field", "type", "direction", "bytes", "messages"]
         out.append(f"<h3>{_esc(r.label)}</h3>" + _table(head, rows) + check)
+        out.append(_bill(r))
         out.append(_per_round_bytes(r))
     return "".join(out)
+
+
+def _bill(run: RunData) -> str:
+    """The communication bill: GB (10⁹ bytes) up and down per client and for the run."""
+    bill = communication_bill(run.audit)
+    rows = [[c, v["gb_up"], v["gb_down"]] for c, v in bill["per_client"].items()]
+    rows.append(["all clients", bill["gb_up"], bill["gb_down"]])
+    head = ["client", "GB up", "GB down"]
+    return "<p>communication bill (GB = 10⁹ bytes)</p>" + _table(head, rows)
 
 
 def _per_round_bytes(run: RunData) -> str:

@@ -100,19 +100,22 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     cols = [k for k in HEADLINE if any(k in s["final"] for _, s, _ in summaries)]
     private = any("privacy" in s for _, s, _ in summaries)
     head = ["run", "algorithm", "rounds", *cols, "failed clients", "MiB up", "MiB down"]
+    head += ["GB up", "GB down"]
     head += ["epsilon (delta)"] if private else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, s, _ in summaries:
         vals = [f"{s['final'][c]:.4f}" if c in s["final"] else "" for c in cols]
         mib = [str(s.get("failed_clients", ""))]
         mib += [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
+        bill = _bill(s)
+        mib += [f"{bill['gb_up']:.6f}", f"{bill['gb_down']:.6f}"]
         if private:  # the run's epsilon from its privacy ledger; blank for a non-DP run
             p = s.get("privacy")
             mib.append(f"{p['epsilon']:.3g} ({p['delta']:g})" if p else "")
         lines.append(
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )
-    table = "\n".join(lines)
+    table = "\n".join(lines) + "\n\n" + bill_table([(d.name, s) for d, s, _ in summaries])
     for d, s, _ in summaries:  # a guarantee that does not hold against the server says so
         warning = (s.get("privacy") or {}).get("warning")
         if warning:
@@ -141,6 +144,26 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         fig.savefig(out / "compare.png", dpi=90)
         plt.close(fig)
     return table
+
+
+def _bill(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary's communication bill; a summary written before it had one: run totals."""
+    if "comm" in summary:
+        return summary["comm"]
+    up, down = summary.get("bytes_up", 0), summary.get("bytes_down", 0)
+    return {"gb_up": up / 1e9, "gb_down": down / 1e9, "per_client": {}}
+
+
+def bill_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """The communication bill as markdown: GB up and down per client and for each run."""
+    lines = ["Communication (GB = 10^9 bytes, from the audit ledger):", ""]
+    lines += ["| run | client | GB up | GB down |", "|---|---|---|---|"]
+    for name, s in runs:
+        bill = _bill(s)
+        for cid, v in bill["per_client"].items():
+            lines.append(f"| {name} | {cid} | {v['gb_up']:.6f} | {v['gb_down']:.6f} |")
+        lines.append(f"| {name} | all | {bill['gb_up']:.6f} | {bill['gb_down']:.6f} |")
+    return "\n".join(lines)
 
 
 def default_out(run_dirs: list[Path]) -> Path:

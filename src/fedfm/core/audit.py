@@ -47,6 +47,38 @@ def unprotected(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+#: Bytes in a GB of the communication bill (decimal, as FlowerTune's leaderboard counts).
+GB = 10**9
+
+
+def communication_bill(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Total GB up and down, per client and for the run, from the ledger's rows.
+
+    FlowerTune's leaderboard ranks entries by their communication cost in GB; this is that
+    column, counted from what crossed the wire (encoded sizes under a codec), not estimated.
+
+    Args:
+        rows: The rows of ``audit.jsonl``.
+
+    Returns:
+        ``gb_up``, ``gb_down``, ``gb_total`` for the run and ``per_client``: client id ->
+        ``gb_up``, ``gb_down`` (GB = 10⁹ bytes).
+    """
+    per: dict[str, dict[str, int]] = defaultdict(lambda: {"up": 0, "down": 0})
+    for r in rows:
+        per[str(r["client"])][str(r["direction"])] += int(r["bytes"])
+    up = sum(v["up"] for v in per.values())
+    down = sum(v["down"] for v in per.values())
+    return {
+        "gb_up": up / GB,
+        "gb_down": down / GB,
+        "gb_total": (up + down) / GB,
+        "per_client": {
+            c: {"gb_up": v["up"] / GB, "gb_down": v["down"] / GB} for c, v in sorted(per.items())
+        },
+    }
+
+
 class AuditLedger:
     """Records every message field with its shape, dtype and size.
 
