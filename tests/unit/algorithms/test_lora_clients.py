@@ -150,3 +150,23 @@ def test_ffa_lora_keeps_a_frozen_in_training_and_composes_with_dp_fedavg(tmp_pat
     rows = [r for r in _up_rows(tmp_path / "ffadp") if r["direction"] == "up"]
     assert rows and all(r["privacy"] == "dp" for r in rows)
     assert "privacy" in summary
+
+
+def _server_opts() -> list[str]:
+    from fedfm.core.optim import SERVER_OPTIMIZERS
+
+    return list(SERVER_OPTIMIZERS)
+
+
+@pytest.mark.parametrize("opt", _server_opts())
+def test_mixed_ranks_run_under_every_server_optimizer(tmp_path, opt):
+    cfg = _cfg(tmp_path, opt, client_ranks=[2, 4], rank_mode="svd")
+    cfg["algo"] = {"server_opt": {"name": opt}}
+    summary = run(load_config(cfg), progress=False)
+    assert summary["final"]["clients"] == 3 and summary["final"]["update_norm"] > 0
+
+
+def test_mixed_ranks_run_under_fedprox(tmp_path):
+    cfg = _cfg(tmp_path, "prox", client_ranks=[2, 4], rank_mode="hetlora")
+    cfg.update(algorithm="fedprox", algo={"mu": 0.1})
+    assert run(load_config(cfg), progress=False)["final"]["update_norm"] > 0
