@@ -370,7 +370,7 @@ class FedAvg(Algorithm):
         # Mixed LoRA ranks or FFA-LoRA (only B travels): fedfm.algorithms.lora_clients.
         self.lora = LoraClients.of(task, self.params)
         if self.lora is not None:
-            self.lora.check(self.opt)
+            self.lora.check(self.opt, run.rounds)
             self.params = self.lora.sent(self.params)
         # θ_0, for update_norm: rebuilt from the seed, so a resumed run has it too.
         self.origin = {k: v.clone() for k, v in self.params.items()}
@@ -414,12 +414,15 @@ class FedAvg(Algorithm):
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        return join_groups({"params": self.params, "opt": self.opt.state_dict()}), {}
+        meta = {"lora_filled": self.lora.filled} if self.lora is not None else {}
+        return join_groups({"params": self.params, "opt": self.opt.state_dict()}), meta
 
     @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.params = get_group(arrays, "params")
         self.opt.load_state_dict(get_group(arrays, "opt"))
+        if self.lora is not None:  # FLoRA: the components holding stacks
+            self.lora.filled = int(meta.get("lora_filled", 0))
 
 
 class FedProxConfig(FedAvgFamilyConfig):

@@ -30,7 +30,7 @@ modules together); every computation runs in float64 and is cast back to the fac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,7 @@ B_SUFFIX = "lora_B.weight"
 Arrays = dict[str, Tensor]
 
 
-def lora_modules(keys: Sequence[str] | Mapping[str, Tensor]) -> dict[str, tuple[str, str]]:
+def lora_modules(keys: Iterable[str]) -> dict[str, tuple[str, str]]:
     """LoRA modules among adapter keys: module prefix -> (A key, B key).
 
     Keys are peft's saved keys (``...q_proj.lora_A.weight``); a module needs both factors.
@@ -215,14 +215,11 @@ class RankMode:
         aggregate: Client adapters and the global rank -> the global adapter.
         exact: The global adapter's product equals ``Σ p_k B_k A_k`` exactly.
         caps_rank: Client ranks may not exceed the global rank (they are projected or padded).
-        runnable: Runs can use it (:mod:`fedfm.algorithms.lora_clients`); FLoRA's global
-            adapter grows each round and is an aggregation function only (see the module).
     """
 
     aggregate: Aggregate
     exact: bool
     caps_rank: bool
-    runnable: bool = True
 
 
 RANK_MODES: Registry[RankMode] = Registry("LoRA rank aggregation", "task.lora.rank_mode")
@@ -230,7 +227,7 @@ RANK_MODES.register("svd", "re-projection of Σ p_k B_k A_k to the global rank (
     RankMode(svd_aggregate, exact=False, caps_rank=True)
 )
 RANK_MODES.register("flora", "FLoRA stacking: exact Σ p_k B_k A_k, rank Σ r_k (NeurIPS 2024)")(
-    RankMode(flora_aggregate, exact=True, caps_rank=False, runnable=False)
+    RankMode(flora_aggregate, exact=True, caps_rank=False)
 )
 RANK_MODES.register("hetlora", "HetLoRA: zero-padding, sparsity-weighted (EMNLP 2024)")(
     RankMode(hetlora_average, exact=False, caps_rank=True)

@@ -108,11 +108,6 @@ class LoraConfigSpec(pydantic.BaseModel):
                 f"client rank {max(v)} is above the global rank r={r}, which rank_mode"
                 f" '{mode}' projects or pads every client to"
             )
-        if not RANK_MODES.get(mode).runnable:
-            raise ValueError(
-                f"rank_mode '{mode}' is an aggregation function only (runs: svd, hetlora,"
-                " zeropad)"
-            )
         return v
 
     @pydantic.field_validator("freeze_a")

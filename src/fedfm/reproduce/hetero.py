@@ -1,17 +1,17 @@
 """Clients of different strength: mixed LoRA ranks and compressed updates against their bill.
 
 FedIT on the instruction suite with clients of LoRA ranks 4, 8 and 16 (one tier each, by
-client position) under each runnable mode of :data:`fedfm.core.lora_ranks.RANK_MODES` (SVD
-re-projection, HetLoRA, naive zero-padded averaging), against homogeneous FedIT at r = 4 and
-r = 8; and homogeneous r = 8 with each wire codec of :mod:`fedfm.core.codec` both ways,
-against float32. Every method reads out the seen score and the held-out references' NLL per
-token against the run's total GB (:func:`fedfm.core.audit.communication_bill`), each
-difference paired by seed. FLoRA's stacking is an aggregation function only (its global
-adapter grows every round), so it has no run here.
+client position) under each mode of :data:`fedfm.core.lora_ranks.RANK_MODES` (SVD
+re-projection, HetLoRA, FLoRA stacking, naive zero-padded averaging), against homogeneous
+FedIT at r = 4 and r = 8; and homogeneous r = 8 with each wire codec of
+:mod:`fedfm.core.codec` both ways, against float32. Every method reads out the seen score and
+the held-out references' NLL per token against the run's total GB
+(:func:`fedfm.core.audit.communication_bill`), each difference paired by seed.
 
 Choices of ours: the LoRA scale is ``alpha = 2 r`` for every global rank (one scale, so that
-rank and not scale is compared); the mixed runs' global rank is 16, the largest client's;
-the codec runs code every array field of the ``train`` messages, up and down.
+rank and not scale is compared); the mixed runs' global rank is 16, the largest client's
+(FLoRA's: room for every round's stack); the codec runs code every array field of the
+``train`` messages, up and down.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ METHODS = (
     _mixed("zeropad", "naive zero-padded averaging"),
     _mixed("svd", "SVD re-projection to r=16"),
     _mixed("hetlora", "HetLoRA (sparsity-weighted)"),
+    _mixed("flora", "FLoRA stacking (exact, growing downlink)"),
     *(
         Method(
             f"r8-{c}", f"every client r=8, {c} both ways", {"r": 8}, {"uplink": c, "downlink": c}
@@ -116,7 +117,10 @@ def job_name(method: Method, seed: int) -> str:
 
 def job_config(method: Method, grid: Grid, seed: int) -> dict[str, Any]:
     """The run config of one method and seed."""
-    lora = {**method.lora, "alpha": 2.0 * float(method.lora["r"])}
+    lora = dict(method.lora)
+    if lora.get("rank_mode") == "flora":  # room for every round's stack of every client
+        lora["r"] = grid.rounds * sum(RANKS[i % len(RANKS)] for i in range(grid.clients))
+    lora["alpha"] = 2.0 * float(lora["r"])
     source = {"per_domain_train": grid.per_domain_train, "per_domain_test": grid.per_domain_test}
     task: dict[str, Any] = {"lora": lora, "source_options": source, "choice_mode": "loglik"}
     task.update(choice_norm="none", eval_ppl=True, likelihood_only=True, max_eval=None)
@@ -228,6 +232,9 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
         (f"HetLoRA − naive zero-padding, {nll}",
          "sparsity-weighted aggregation beats plain zero-padded averaging (Cho et al. 2024)", -1,
          d("hetlora", "zeropad", "nll"), "modes"),
+        (f"FLoRA stacking − naive zero-padding, {nll}",
+         "exact stacking beats zero-padded averaging (Wang et al., NeurIPS 2024)", -1,
+         d("flora", "zeropad", "nll"), "modes"),
         (f"SVD re-projection (ranks 4/8/16) − every client r=4, {nll}",
          "stronger clients' higher ranks help over the lowest homogeneous rank (HetLoRA)", -1,
          d("svd", "r4", "nll"), "rank"),

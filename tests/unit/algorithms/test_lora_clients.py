@@ -101,7 +101,7 @@ def _last_params(folder: Path) -> dict[str, torch.Tensor]:
     [
         ({"client_ranks": [2, 8], "rank_mode": "svd"}, "task.lora.client_ranks"),
         ({"client_ranks": [2, 4], "freeze_a": True}, "task.lora.freeze_a"),
-        ({"client_ranks": [2, 4], "rank_mode": "flora"}, "task.lora.client_ranks"),
+        ({"client_ranks": [2, 4], "rank_mode": "flora", "r": 7}, "task.lora.r"),
         ({"rank_mode": "svdx"}, "task.lora.rank_mode"),
     ],
 )
@@ -170,3 +170,35 @@ def test_mixed_ranks_run_under_fedprox(tmp_path):
     cfg = _cfg(tmp_path, "prox", client_ranks=[2, 4], rank_mode="hetlora")
     cfg.update(algorithm="fedprox", algo={"mu": 0.1})
     assert run(load_config(cfg), progress=False)["final"]["update_norm"] > 0
+
+
+def test_flora_stacks_exactly_and_its_downlink_grows(tmp_path, monkeypatch):
+    # FedAvg at lr 1 applies the stack as it is: after two rounds the global adapter holds
+    # round 1's stack in components 0..6 and round 2's in 7..13, each exactly Σ p_k B_k A_k.
+    sent: list[list[tuple[dict, int]]] = [[], []]
+    stream = fedavg_mod.Federation.stream
+
+    def spy(self, messages, like=None):
+        for cid, r in stream(self, messages, like):
+            sent[self.rnd - 1].append(
+                ({k: v.clone() for k, v in r.arrays["params"].items()}, r.meta["num_examples"])
+            )
+            yield cid, r
+
+    monkeypatch.setattr(fedavg_mod.Federation, "stream", spy)
+    cfg = _cfg(tmp_path, "flora", client_ranks=[1, 2, 4], rank_mode="flora", r=16)
+    cfg["rounds"] = 2
+    run(load_config(cfg), progress=False)
+    rows = _up_rows(tmp_path / "flora")
+    down = {(r["round"], r["client"]): r["numel"] for r in rows if r["direction"] == "down"}
+    assert all(down[(1, c)] == 0 for c in ("0", "1", "2"))  # nothing stacked yet
+    assert len({down[(2, c)] for c in ("0", "1", "2")}) == 1 and down[(2, "0")] > 0
+    ckpt = _last_params(tmp_path / "flora")
+    for rnd, lo in ((0, 0), (1, 7)):
+        n = sum(w for _, w in sent[rnd])
+        for b_key in (k for k in ckpt if k.endswith(B_SUFFIX)):
+            a_key = b_key.replace(B_SUFFIX, A_SUFFIX)
+            got = ckpt[b_key][:, lo : lo + 7].double() @ ckpt[a_key][lo : lo + 7].double()
+            want = sum(w / n * (s[b_key].double() @ s[a_key].double()) for s, w in sent[rnd])
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert float(ckpt[next(k for k in ckpt if k.endswith(B_SUFFIX))][:, 14:].abs().sum()) == 0
