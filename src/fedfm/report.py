@@ -76,6 +76,9 @@ def plot_run(run_dir: Path) -> list[Path]:
 def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     """A markdown table of the runs' final metrics and bytes, plus a comparison plot.
 
+    The table gives each run's GB up and down; ``bill.md`` beside ``compare.md`` gives each
+    client's too (the communication bill, :func:`bill_table`).
+
     The table counts each run's failed clients (client failures over all rounds, from its
     summary), so a run that lost clients is not mistaken for one that did not. The plot
     shows the first run's primary metric against the round for the runs that log it; runs
@@ -99,23 +102,23 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         summaries.append((d, read_json(s), read_rows(d)))
     cols = [k for k in HEADLINE if any(k in s["final"] for _, s, _ in summaries)]
     private = any("privacy" in s for _, s, _ in summaries)
-    head = ["run", "algorithm", "rounds", *cols, "failed clients", "MiB up", "MiB down"]
-    head += ["GB up", "GB down"]
+    head = ["run", "algorithm", "rounds", *cols, "failed clients", "GB up", "GB down"]
+    head += ["MiB up", "MiB down"]
     head += ["epsilon (delta)"] if private else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, s, _ in summaries:
         vals = [f"{s['final'][c]:.4f}" if c in s["final"] else "" for c in cols]
         mib = [str(s.get("failed_clients", ""))]
-        mib += [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
         bill = _bill(s)
         mib += [f"{bill['gb_up']:.6f}", f"{bill['gb_down']:.6f}"]
+        mib += [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
         if private:  # the run's epsilon from its privacy ledger; blank for a non-DP run
             p = s.get("privacy")
             mib.append(f"{p['epsilon']:.3g} ({p['delta']:g})" if p else "")
         lines.append(
             "| " + " | ".join([d.name, s["algorithm"], str(s["rounds"]), *vals, *mib]) + " |"
         )
-    table = "\n".join(lines) + "\n\n" + bill_table([(d.name, s) for d, s, _ in summaries])
+    table = "\n".join(lines)
     for d, s, _ in summaries:  # a guarantee that does not hold against the server says so
         warning = (s.get("privacy") or {}).get("warning")
         if warning:
@@ -130,6 +133,7 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(table + "\n")
+        (out / "bill.md").write_text(bill_table([(d.name, s) for d, s, _ in summaries]) + "\n")
         primary = summaries[0][1]["primary"]
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for d, _, rows in summaries:

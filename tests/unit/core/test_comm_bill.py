@@ -40,7 +40,10 @@ def test_every_run_summary_report_and_page_give_the_bill(tmp_path) -> None:
     assert len(per) == 4
     assert sum(v["gb_down"] for v in per.values()) == pytest.approx(summary["comm"]["gb_down"])
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["comm"] == summary["comm"]
-    table = compare([tmp_path / "r"])
-    assert "GB up" in table and f"| r | all | {summary['comm']['gb_up']:.6f} |" in table
+    table = compare([tmp_path / "r"], tmp_path / "cmp")
+    assert "GB up" in table and f"| {summary['comm']['gb_up']:.6f} |" in table
+    written = (tmp_path / "cmp" / "bill.md").read_text()
+    assert f"| r | all | {summary['comm']['gb_up']:.6f} |" in written
+    assert written.count("| r | ") == 4 + 1  # each client, all clients
     page = write_run_report(tmp_path / "r", summary)
     assert "communication bill" in page.read_text()
