@@ -173,19 +173,20 @@ class Algorithm:
         self.user_dp = self._user_dp(task, run)
         self._check_lora_options(task)
 
-    #: The algorithm runs mixed LoRA ranks and FFA-LoRA (:mod:`fedfm.algorithms.lora_clients`).
-    lora_options: ClassVar[bool] = False
+    #: The ``task.lora`` options the algorithm runs: ``client_ranks`` (mixed ranks) and
+    #: ``freeze_a`` (FFA-LoRA), see :mod:`fedfm.algorithms.lora_clients`.
+    lora_options: ClassVar[tuple[str, ...]] = ()
 
     def _check_lora_options(self, task: Task) -> None:
         spec = lora_spec(task)
-        if spec is None or self.lora_options:
+        if spec is None:
             return
         for name, on in (("client_ranks", spec.mixed), ("freeze_a", spec.freeze_a)):
-            if on:
+            if on and name not in self.lora_options:
                 raise ConfigError(
                     f"task.lora.{name}",
-                    f"algorithm '{self.run.algorithm}' trains one LoRA rank with A and B;"
-                    " mixed ranks and FFA-LoRA run in fedavg and fedprox",
+                    f"algorithm '{self.run.algorithm}' does not run it (mixed ranks: fedavg,"
+                    " fedprox; FFA-LoRA: fedavg, fedprox, dpsyn)",
                 )
 
     def _user_dp(self, task: Task, run: RunConfig) -> UserDP | None:

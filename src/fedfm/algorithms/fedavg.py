@@ -357,7 +357,7 @@ class FedAvg(Algorithm):
     Client = FedAvgClient
     messages = (TRAIN, EVALUATE, *FedSDPhase.kinds)
     update_kinds = ("train",)
-    lora_options = True
+    lora_options = ("client_ranks", "freeze_a")
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
         if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: the defaults

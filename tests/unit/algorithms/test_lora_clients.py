@@ -202,3 +202,29 @@ def test_flora_stacks_exactly_and_its_downlink_grows(tmp_path, monkeypatch):
             want = sum(w / n * (s[b_key].double() @ s[a_key].double()) for s, w in sent[rnd])
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert float(ckpt[next(k for k in ckpt if k.endswith(B_SUFFIX))][:, 14:].abs().sum()) == 0
+
+
+def test_ffa_lora_composes_with_dp_sgd_in_dpsyn(tmp_path, monkeypatch):
+    from fedfm.fm import handle
+    from helpers.bases import DPSYN
+
+    seen: list[tuple[dict, dict]] = []
+    dp_train = handle.FoundationModel.dp_train
+
+    def spy(self, rows, state, what, **kw):
+        before = self.get_adapter(what.trainable[0])
+        res, out = dp_train(self, rows, state, what, **kw)
+        seen.append((before, out))
+        return res, out
+
+    monkeypatch.setattr(handle.FoundationModel, "dp_train", spy)
+    cfg = make_config(DPSYN, tmp_path, name="ffa-dpsgd", task__lora__freeze_a=True)
+    run(load_config(cfg), progress=False)
+    assert seen
+    for before, out in seen:
+        a_keys = [k for k in before if k.endswith(A_SUFFIX)]
+        assert a_keys and all(torch.equal(before[k], out[k]) for k in a_keys)  # A not trained
+        assert any(not torch.equal(before[k], out[k]) for k in out if k.endswith(B_SUFFIX))
+    rows = [r for r in _up_rows(tmp_path / "ffa-dpsgd") if r["direction"] == "up"]
+    b_numel = sum(v.numel() for k, v in seen[0][0].items() if k.endswith(B_SUFFIX))
+    assert rows and all(r["numel"] == b_numel for r in rows)  # only B left the clients
