@@ -371,6 +371,9 @@ class FedAvg(Algorithm):
         self.lora = LoraClients.of(task, self.params)
         if self.lora is not None:
             self.lora.check(self.opt, run.rounds)
+            if self.lora.mode is not None and (cfg.update_cosines or cfg.fedsd.enabled):
+                name = "update_cosines" if cfg.update_cosines else "fedsd"
+                raise ConfigError(f"algo.{name}", "not run with mixed LoRA ranks")
             self.params = self.lora.sent(self.params)
         # θ_0, for update_norm: rebuilt from the seed, so a resumed run has it too.
         self.origin = {k: v.clone() for k, v in self.params.items()}

@@ -228,3 +228,10 @@ def test_ffa_lora_composes_with_dp_sgd_in_dpsyn(tmp_path, monkeypatch):
     rows = [r for r in _up_rows(tmp_path / "ffa-dpsgd") if r["direction"] == "up"]
     b_numel = sum(v.numel() for k, v in seen[0][0].items() if k.endswith(B_SUFFIX))
     assert rows and all(r["numel"] == b_numel for r in rows)  # only B left the clients
+
+
+def test_mixed_ranks_refuse_update_cosines(tmp_path):
+    cfg = _cfg(tmp_path, "cos", client_ranks=[2, 4])
+    cfg["algo"] = {"update_cosines": True}
+    with pytest.raises(ConfigError, match=r"algo\.update_cosines"):
+        fedfm_build(cfg)
