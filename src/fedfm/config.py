@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from fedfm import devices
+from fedfm.core.codec import CommConfig
 
 # The sections the core owns, re-exported: configs are imported from here.
 from fedfm.core.settings import BNB_OPTIMIZERS, SecAggConfig, Strict, TrainConfig, UserLevelConfig
@@ -133,6 +134,7 @@ class RunConfig(Strict):
     clients: ClientsConfig = Field(default_factory=ClientsConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
     runtime: Literal["embedded", "flower-sim", "flower"] = "embedded"
     flower: dict[str, Any] = Field(default_factory=dict)  # Flower runtime options
     eval_every: int = Field(1, ge=1)

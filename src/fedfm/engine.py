@@ -27,7 +27,7 @@ from fedfm.algorithms.base import ALGORITHMS, Algorithm, ClientHalf, client_half
 from fedfm.algorithms.presets import algo_section
 from fedfm.config import RunConfig, validate_section
 from fedfm.core.artefacts import split_state
-from fedfm.core.audit import AuditLedger
+from fedfm.core.audit import AuditLedger, communication_bill
 from fedfm.core.checkpoint import (
     Checkpoint,
     checkpoints_newest_first,
@@ -344,6 +344,7 @@ class Engine:
             # Every run folder has failures.jsonl, empty when no client failed (README).
             folder.failures.touch()
             fed = self.make_federation(setup, store, ledger)
+            fed.wire = cfg.comm.wire()  # the codecs of array fields (fedfm.core.codec)
             self.tb = TensorBoardLog(folder.root, cfg.log.tensorboard)
             display = RoundDisplay(
                 cfg, enabled=self.progress, start=max(last, 0), primary=setup.task.primary
@@ -439,6 +440,7 @@ class Engine:
             "final": {k: v for k, v in last.items() if k not in ("time_s",)},
             "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
             **{key: sum(r.get(key, 0) for r in rows) for key in BYTE_KEYS},
+            "comm": communication_bill(read_jsonl(folder.audit)),  # GB, from the ledger
             "failed_clients": sum(r.get("failed", 0) for r in rows),
             **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
             "artefacts": _artefact_list(folder, setup.algo),

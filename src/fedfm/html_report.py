@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfm import plots
-from fedfm.core.audit import dp_clients, secagg_stages, unprotected
+from fedfm.core.audit import communication_bill, dp_clients, secagg_stages, unprotected
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import read_json, read_jsonl
 from fedfm.errors import ConfigError
@@ -505,6 +505,7 @@ def section_audit(runs: Sequence[RunData], palette: Mapping[str, str]) -> str:
         if stages := secagg_stages(r.audit):
             head = ["stage", "what left the clients", "bytes up", "bytes down"]
             out.append(_secagg_guarantee(r) + _table(head, stages))
+        out.append(_bill(r))
         out.append(_per_round_bytes(r))
     return "".join(out)
 
@@ -518,6 +519,13 @@ def _secagg_guarantee(run: RunData) -> str:
         " a round with fewer than t survivors, or fewer than t shares of a secret, failed"
         " before anything was unmasked. SecAgg+ bytes per stage:</p>"
     )
+def _bill(run: RunData) -> str:
+    """The communication bill: GB (10⁹ bytes) up and down per client and for the run."""
+    bill = communication_bill(run.audit)
+    rows = [[c, v["gb_up"], v["gb_down"]] for c, v in bill["per_client"].items()]
+    rows.append(["all clients", bill["gb_up"], bill["gb_down"]])
+    head = ["client", "GB up", "GB down"]
+    return "<p>communication bill (GB = 10⁹ bytes)</p>" + _table(head, rows)
 
 
 def _per_round_bytes(run: RunData) -> str:

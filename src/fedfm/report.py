@@ -76,6 +76,9 @@ def plot_run(run_dir: Path) -> list[Path]:
 def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     """A markdown table of the runs' final metrics and bytes, plus a comparison plot.
 
+    The table gives each run's GB up and down; ``bill.md`` beside ``compare.md`` gives each
+    client's too (the communication bill, :func:`bill_table`).
+
     The table counts each run's failed clients (client failures over all rounds, from its
     summary), so a run that lost clients is not mistaken for one that did not. The plot
     shows the first run's primary metric against the round for the runs that log it; runs
@@ -99,12 +102,15 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         summaries.append((d, read_json(s), read_rows(d)))
     cols = [k for k in HEADLINE if any(k in s["final"] for _, s, _ in summaries)]
     private = any("privacy" in s for _, s, _ in summaries)
-    head = ["run", "algorithm", "rounds", *cols, "failed clients", "MiB up", "MiB down"]
+    head = ["run", "algorithm", "rounds", *cols, "failed clients", "GB up", "GB down"]
+    head += ["MiB up", "MiB down"]
     head += ["epsilon (delta)"] if private else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, s, _ in summaries:
         vals = [f"{s['final'][c]:.4f}" if c in s["final"] else "" for c in cols]
         mib = [str(s.get("failed_clients", ""))]
+        bill = _bill(s)
+        mib += [f"{bill['gb_up']:.6f}", f"{bill['gb_down']:.6f}"]
         mib += [f"{s['bytes_up'] / 2**20:.2f}", f"{s['bytes_down'] / 2**20:.2f}"]
         if private:  # the run's epsilon from its privacy ledger; blank for a non-DP run
             p = s.get("privacy")
@@ -127,6 +133,7 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(table + "\n")
+        (out / "bill.md").write_text(bill_table([(d.name, s) for d, s, _ in summaries]) + "\n")
         primary = summaries[0][1]["primary"]
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for d, _, rows in summaries:
@@ -141,6 +148,26 @@ def compare(run_dirs: list[Path], out: Path | None = None) -> str:
         fig.savefig(out / "compare.png", dpi=90)
         plt.close(fig)
     return table
+
+
+def _bill(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary's communication bill; a summary written before it had one: run totals."""
+    if "comm" in summary:
+        return summary["comm"]
+    up, down = summary.get("bytes_up", 0), summary.get("bytes_down", 0)
+    return {"gb_up": up / 1e9, "gb_down": down / 1e9, "per_client": {}}
+
+
+def bill_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """The communication bill as markdown: GB up and down per client and for each run."""
+    lines = ["Communication (GB = 10^9 bytes, from the audit ledger):", ""]
+    lines += ["| run | client | GB up | GB down |", "|---|---|---|---|"]
+    for name, s in runs:
+        bill = _bill(s)
+        for cid, v in bill["per_client"].items():
+            lines.append(f"| {name} | {cid} | {v['gb_up']:.6f} | {v['gb_down']:.6f} |")
+        lines.append(f"| {name} | all | {bill['gb_up']:.6f} | {bill['gb_down']:.6f} |")
+    return "\n".join(lines)
 
 
 def default_out(run_dirs: list[Path]) -> Path:

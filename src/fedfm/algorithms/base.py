@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from fedfm.algorithms.lora_clients import lora_spec
 from fedfm.core.artefacts import Artefacts
 from fedfm.core.federation import Federation, Handler
 from fedfm.core.messages import MessageKind
@@ -151,6 +152,12 @@ def secagg_of(algo: type[Algorithm], run: RunConfig, num_clients: int) -> SecAgg
             "server-side DP noise needs every raw update on the server, which SecAgg+ hides;"
             " use privacy.user_level.mode=client (distributed DP)",
         )
+    if run.comm.uplink is not None:
+        raise ConfigError(
+            "comm.uplink",
+            "under privacy.secure_aggregation=secagg+ updates travel as masked integers mod the"
+            " modulus; a codec on them would break the masks' cancellation",
+        )
     c = run.clients
     if level is not None:  # Poisson sampling: the expected count, and at most every client
         sampled, most = max(1, round(c.fraction * num_clients)), num_clients
@@ -221,6 +228,23 @@ class Algorithm:
         self.secagg = secagg_of(type(self), run, len(task.client_ids()))
         if self.secagg is not None and self.user_dp is not None:
             self.user_dp.secure(self.secagg.threshold)  # distributed DP: ε against the server
+        self._check_lora_options(task)
+
+    #: The ``task.lora`` options the algorithm runs: ``client_ranks`` (mixed ranks) and
+    #: ``freeze_a`` (FFA-LoRA), see :mod:`fedfm.algorithms.lora_clients`.
+    lora_options: ClassVar[tuple[str, ...]] = ()
+
+    def _check_lora_options(self, task: Task) -> None:
+        spec = lora_spec(task)
+        if spec is None:
+            return
+        for name, on in (("client_ranks", spec.mixed), ("freeze_a", spec.freeze_a)):
+            if on and name not in self.lora_options:
+                raise ConfigError(
+                    f"task.lora.{name}",
+                    f"algorithm '{self.run.algorithm}' does not run it (mixed ranks: fedavg,"
+                    " fedprox; FFA-LoRA: fedavg, fedprox, dpsyn)",
+                )
 
     def _user_dp(self, task: Task, run: RunConfig) -> UserDP | None:
         """DP-FedAvg when ``privacy.user_level`` asks for it and the algorithm aggregates."""

@@ -93,7 +93,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -103,9 +103,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
+from fedfm.algorithms.lora_clients import lora_spec
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles
 from fedfm.core.groups import get_group, join_groups
+from fedfm.core.lora_ranks import A_SUFFIX
 from fedfm.core.messages import Message, MessageKind
 from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.privacy import analytic_gaussian_sigma
@@ -413,6 +415,17 @@ def dp_sgd_config(cfg: DPSynConfig, run: RunConfig, rate: float) -> DPSGDConfig:
     )
 
 
+def ffa_lora(task: Task) -> bool:
+    """FFA-LoRA is on (``task.lora.freeze_a``): DP-SGD trains and sends ``B`` only."""
+    spec = lora_spec(task)
+    return spec is not None and spec.freeze_a
+
+
+def a_of(adapter: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The ``A`` factors of an adapter state."""
+    return {k: v.clone() for k, v in adapter.items() if k.endswith(A_SUFFIX)}
+
+
 class DPSynClient(ClientHalf):
     """dpsyn's client half: DP profiling (every client), DP-SGD (strong), DP votes (weak).
 
@@ -426,8 +439,12 @@ class DPSynClient(ClientHalf):
         self.codes = task.codes()
         self.fm = task.foundation_model()
         self.full = cfg.finetune == "full"
+        self.frozen_a: dict[str, Tensor] = {}  # FFA-LoRA's A, drawn from the run seed
         if not self.full:  # its tensors come in every train message
             self.fm.ensure_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+            if ffa_lora(task):  # the A the server's adapter started from
+                self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+                self.frozen_a = a_of(self.fm.get_adapter(ADAPTER))
         self.delta = dp_delta(cfg, run)
         self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
         self.sigma_vote = analytic_gaussian_sigma(cfg.epsilon_vote, self.delta)
@@ -474,12 +491,13 @@ class DPSynClient(ClientHalf):
             "seed": self.noise_seed(ctx, "dp"),
             "field": "algo",
         }
-        what: Adapters | FullWeights = Adapters([ADAPTER], [ADAPTER])
+        what: Adapters | FullWeights = Adapters([ADAPTER], [ADAPTER], frozenset(self.frozen_a))
         if self.full:
             what = FullWeights(msg.arrays["weights"])
         else:
-            self.fm.set_adapter(ADAPTER, msg.arrays["adapter"])
+            self.fm.set_adapter(ADAPTER, {**self.frozen_a, **msg.arrays["adapter"]})
         _, out = self.fm.dp_train(rows, ctx.state, what, **kw)
+        out = {k: v for k, v in out.items() if k not in self.frozen_a}  # FFA-LoRA: B only
         # The client's own account stays in its state; the server accounts from its plan.
         return Message("train", {"weights" if self.full else "adapter": out})
 
@@ -505,6 +523,7 @@ class DPSyn(Algorithm):
     Config = DPSynConfig
     Client = DPSynClient
     messages = (PROFILE, TRAIN, VOTE)
+    lora_options = ("freeze_a",)
 
     @override
     @classmethod
@@ -525,6 +544,9 @@ class DPSyn(Algorithm):
             # A fresh init even when an earlier run of this process left the slot trained.
             self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
             self.params = self.fm.get_adapter(ADAPTER)
+        # FFA-LoRA (task.lora.freeze_a): A stays as drawn; only B travels and is averaged.
+        self.frozen_a = a_of(self.params) if not self.full and ffa_lora(task) else {}
+        self.params = {k: v for k, v in self.params.items() if k not in self.frozen_a}
         # θ_0, for the update norm ‖θ_r − θ_0‖ each training round logs (LoRA only: a copy of
         # every weight would double a full fine-tuning's memory).
         self.start = None if self.full else dict(self.params)
@@ -690,7 +712,7 @@ class DPSyn(Algorithm):
             if tuned and self.full:
                 stack.enter_context(self.fm.full_weights(self.params))
             elif tuned:
-                self.fm.set_adapter(ADAPTER, self.params)
+                self.fm.set_adapter(ADAPTER, {**self.frozen_a, **self.params})
                 adapters = [ADAPTER]
             return self._generate_codes(allotment, adapters)
 

@@ -53,6 +53,7 @@ from fedfm.algorithms.base import (
     shared_model,
 )
 from fedfm.algorithms.fedsd import FedSDOption, FedSDPhase
+from fedfm.algorithms.lora_clients import LoraClients
 from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.aggregate import update_norm
 from fedfm.core.federation import ClientContext, Federation, Handler
@@ -131,6 +132,7 @@ def fit(
     cfg: TrainConfig,
     data: Any = None,
     dp: UserDP | None = None,
+    lora: LoraClients | None = None,
 ) -> Message:
     """Client half of a FedAvg round: the received parameters, trained locally, sent back.
 
@@ -141,12 +143,18 @@ def fit(
         cfg: Local-training settings (FedProx's ``prox_mu`` pulls towards the received ones).
         data: What to train on instead of the client's data (FedSD's distilled set).
         dp: The run's DP-FedAvg; in client mode the reply is :func:`train_reply`'s.
+        lora: Mixed LoRA ranks or FFA-LoRA (:mod:`fedfm.algorithms.lora_clients`).
 
     Returns:
         The ``train`` reply: the trained tensors of the received keys, the client's number
         of examples and its mean training loss.
     """
     glob = msg.arrays["params"]
+    if lora is not None:
+        full = lora.load(ctx, model, glob)
+        with lora.training(ctx, model):
+            res = local_round(ctx, model, cfg, prox_ref=full, data=data)
+        return train_reply(ctx, msg, lora.reply(ctx, model, list(glob)), res.loss, dp)
     ctx.task.set_params(model, glob)
     res = local_round(ctx, model, cfg, prox_ref=glob, data=data)
     return train_reply(ctx, msg, ctx.task.get_params(model, list(glob)), res.loss, dp)
@@ -323,6 +331,7 @@ class FedAvgClient(ClientHalf):
         self.model = shared_model(task, run.seed)  # loaded from every message before use
         self.fedsd = FedSDPhase(cfg)
         self.user_dp = client_user_dp(task, run)
+        self.lora = LoraClients.of(task, task.get_params(self.model))
 
     def train_cfg(self) -> TrainConfig:
         """Local-training settings (FedProx's client sets the proximal weight)."""
@@ -339,7 +348,7 @@ class FedAvgClient(ClientHalf):
     def train(self, ctx: ClientContext, msg: Message) -> Message:
         """See :func:`fit`; with FedSD, on the client's distilled set."""
         data = self.fedsd.train_data(ctx)
-        return fit(ctx, self.model, msg, self.train_cfg(), data, self.user_dp)
+        return fit(ctx, self.model, msg, self.train_cfg(), data, self.user_dp, self.lora)
 
     def evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """See :func:`evaluate_locally`."""
@@ -354,6 +363,7 @@ class FedAvg(Algorithm):
     messages = (TRAIN, EVALUATE, *FedSDPhase.kinds)
     update_kinds = ("train",)
     secure_fields: ClassVar[dict[str, str]] = {"train": "params"}
+    lora_options = ("client_ranks", "freeze_a")
 
     def __init__(self, cfg: FedAvgConfig, task: Task, run: RunConfig) -> None:
         if not isinstance(cfg, FedAvgFamilyConfig):  # a plain FedAvgConfig: the defaults
@@ -362,12 +372,26 @@ class FedAvg(Algorithm):
         self.cfg: FedAvgFamilyConfig = cfg
         self._model = shared_model(task, run.seed)
         self.params: dict[str, Tensor] = task.get_params(self._model)
+        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+        # Mixed LoRA ranks or FFA-LoRA (only B travels): fedfm.algorithms.lora_clients.
+        self.lora = LoraClients.of(task, self.params)
+        if self.lora is not None:
+            self.lora.check(self.opt, run.rounds)
+            if self.lora.mode is not None and (cfg.update_cosines or cfg.fedsd.enabled):
+                name = "update_cosines" if cfg.update_cosines else "fedsd"
+                raise ConfigError(f"algo.{name}", "not run with mixed LoRA ranks")
+            self.params = self.lora.sent(self.params)
         # θ_0, for update_norm: rebuilt from the seed, so a resumed run has it too.
         self.origin = {k: v.clone() for k, v in self.params.items()}
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
         self.fedsd = FedSDPhase(cfg)
         if self.secagg is not None:
             refuse_non_sum(cfg.aggregator, cfg.update_cosines)
+            if self.lora is not None and self.lora.mode is not None:
+                raise ConfigError(
+                    "task.lora.client_ranks",
+                    "clients of different ranks send vectors of different shapes; secagg+"
+                    " sums vectors of one shape",
+                )
 
     @classmethod
     @override
@@ -384,27 +408,38 @@ class FedAvg(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
+        if self.lora is not None and self.lora.mode is not None:
+            self.params, metrics = self.lora.round(self, fed, self.params, self.opt, self.origin)
+            return metrics
         self.params, metrics = fedavg_round(
             self, fed, self.params, self.opt, self.cfg.update_cosines, self.origin
         )
         return metrics
 
+    def full_params(self) -> dict[str, Tensor]:
+        """The whole global adapter (FFA-LoRA's frozen ``A`` added to what travels)."""
+        return self.lora.full(self.params) if self.lora is not None else self.params
+
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
-        return evaluate_global(self.task, fed, self._model, self.params, self.cfg.personal_eval)
+        params = self.full_params()
+        return evaluate_global(self.task, fed, self._model, params, self.cfg.personal_eval)
 
     @override
     def export_adapter(self, folder: Path) -> bool:
-        return export_global(self.task, self._model, self.params, folder)
+        return export_global(self.task, self._model, self.full_params(), folder)
 
     @override
     def state_dict(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        return join_groups({"params": self.params, "opt": self.opt.state_dict()}), {}
+        meta = {"lora_filled": self.lora.filled} if self.lora is not None else {}
+        return join_groups({"params": self.params, "opt": self.opt.state_dict()}), meta
 
     @override
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         self.params = get_group(arrays, "params")
         self.opt.load_state_dict(get_group(arrays, "opt"))
+        if self.lora is not None:  # FLoRA: the components holding stacks
+            self.lora.filled = int(meta.get("lora_filled", 0))
 
 
 class FedProxConfig(FedAvgFamilyConfig):

@@ -63,6 +63,36 @@ def secagg_stages(rows: Iterable[Mapping[str, Any]]) -> list[list[Any]]:
         if r["kind"] in sums:
             sums[r["kind"]][0 if r["direction"] == "up" else 1] += int(r["bytes"])
     return [[k, ", ".join(sorted(labels[k])), *sums[k]] for k in labels]
+#: Bytes in a GB of the communication bill (decimal, as FlowerTune's leaderboard counts).
+GB = 10**9
+
+
+def communication_bill(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Total GB up and down, per client and for the run, from the ledger's rows.
+
+    FlowerTune's leaderboard ranks entries by their communication cost in GB; this is that
+    column, counted from what crossed the wire (encoded sizes under a codec), not estimated.
+
+    Args:
+        rows: The rows of ``audit.jsonl``.
+
+    Returns:
+        ``gb_up``, ``gb_down``, ``gb_total`` for the run and ``per_client``: client id ->
+        ``gb_up``, ``gb_down`` (GB = 10⁹ bytes).
+    """
+    per: dict[str, dict[str, int]] = defaultdict(lambda: {"up": 0, "down": 0})
+    for r in rows:
+        per[str(r["client"])][str(r["direction"])] += int(r["bytes"])
+    up = sum(v["up"] for v in per.values())
+    down = sum(v["down"] for v in per.values())
+    return {
+        "gb_up": up / GB,
+        "gb_down": down / GB,
+        "gb_total": (up + down) / GB,
+        "per_client": {
+            c: {"gb_up": v["up"] / GB, "gb_down": v["down"] / GB} for c, v in sorted(per.items())
+        },
+    }
 
 
 class AuditLedger:
@@ -86,20 +116,29 @@ class AuditLedger:
         """
         self._kinds = dict(kinds or {})
 
-    def record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
+    def record(
+        self,
+        rnd: int,
+        client: str,
+        direction: str,
+        msg: Message,
+        coded: Mapping[str, tuple[str, int]] | None = None,
+    ) -> int:
         """Adds one message's fields to the ledger.
 
         Args:
             rnd: Round number (0 for one-off phases before the rounds).
             client: Client id.
             direction: ``"down"`` (server to client) or ``"up"``.
-            msg: The message.
+            msg: The message (as decoded by its receiver).
+            coded: Array field -> (codec name, bytes that travelled) for the fields sent
+                through a codec (:mod:`fedfm.core.codec`): their rows count those bytes.
 
         Returns:
             Bytes recorded for this message.
         """
         first = len(self.pending)
-        total = self._record(rnd, client, direction, msg)
+        total = self._record(rnd, client, direction, msg, coded or {})
         kind = self._kinds.get(msg.kind)
         if kind is not None and kind.dp and direction == "up":
             for row in self.pending[first:]:
@@ -109,10 +148,17 @@ class AuditLedger:
                 row["secagg"] = kind.secagg_fields.get(row["field"], "none")
         return total
 
-    def _record(self, rnd: int, client: str, direction: str, msg: Message) -> int:
+    def _record(
+        self,
+        rnd: int,
+        client: str,
+        direction: str,
+        msg: Message,
+        coded: Mapping[str, tuple[str, int]],
+    ) -> int:
         total = 0
         for name, arrays in msg.arrays.items():
-            nbytes = array_bytes(arrays)
+            codec, nbytes = coded.get(name, (None, array_bytes(arrays)))
             dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in arrays.values()})
             row = {
                 "round": rnd,
@@ -128,6 +174,8 @@ class AuditLedger:
             }
             if len(arrays) == 1:
                 row["shape"] = list(next(iter(arrays.values())).shape)
+            if codec is not None:
+                row["codec"] = codec
             self.pending.append(row)
             self._bytes[(rnd, direction, "arrays")] += nbytes
             total += nbytes

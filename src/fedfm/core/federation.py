@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from fedfm.core.audit import AuditLedger
+from fedfm.core.codec import Wire
 from fedfm.core.messages import (
     Message,
     MessageKind,
@@ -349,7 +350,13 @@ class Federation(ABC):
         rnd: Current round, set by the engine.
         clients: Every client, in a stable order.
         failures: One row per failed client (round, client, kind, error).
+        wire: The codecs array fields travel in (``comm``): the receiver gets the decoded
+            tensors and the ledger counts the encoded bytes.
+        codes_on_wire: The runtime's transport encodes and decodes itself (Flower), so the
+            federation only counts the bytes.
     """
+
+    codes_on_wire = False
 
     def __init__(
         self,
@@ -366,6 +373,7 @@ class Federation(ABC):
         self.rnd = 0
         self.failures: list[dict[str, Any]] = []
         self._roles = {c.cid: c.role for c in self.clients}
+        self.wire = Wire()  # the run's codecs (``comm``); the engine sets them
 
     def client_ids(self, role: str | None = None) -> list[str]:
         """Ids of all clients, or of those with ``role``."""
@@ -423,6 +431,24 @@ class Federation(ABC):
             self._check_outgoing(cid, msg)
         return self._replies(messages, like)
 
+    def _code_down(
+        self, messages: dict[str, Message]
+    ) -> tuple[dict[str, Message], dict[str, dict[str, tuple[str, int]]]]:
+        """The messages as clients decode them from the wire's codecs, and the bytes sent.
+
+        One message sent to many clients is encoded once. A runtime whose transport encodes
+        (:attr:`codes_on_wire`) gets the messages unchanged and the sizes alone.
+        """
+        out, sizes = dict(messages), {}
+        done: dict[int, tuple[Message, dict[str, tuple[str, int]]]] = {}
+        for cid, msg in messages.items():
+            if id(msg) not in done:
+                done[id(msg)] = self.wire.round_trip(msg, "down")
+            coded, sizes[cid] = done[id(msg)]
+            if not self.codes_on_wire:
+                out[cid] = coded
+        return out, sizes
+
     def send(
         self, messages: Mapping[str, Message], like: Templates | None = None
     ) -> dict[str, Message]:
@@ -453,17 +479,22 @@ class Federation(ABC):
         self, messages: dict[str, Message], like: Templates | None
     ) -> Iterator[tuple[str, Message]]:
         # Per client: downlink, then uplink, in the order of the messages, on every runtime.
-        for cid, outcome in self._exchange(messages, like):
+        sent, down_sizes = self._code_down(messages) if self.wire.active else (messages, {})
+        for cid, outcome in self._exchange(sent, like):
             msg = messages[cid]
             if isinstance(outcome, Undelivered):
                 self._fail(cid, msg.kind, outcome)
                 self.failures[-1].update(delivery=outcome.delivery, bytes=message_bytes(msg))
                 continue
-            self.ledger.record(self.rnd, cid, "down", msg)
+            self.ledger.record(self.rnd, cid, "down", msg, down_sizes.get(cid))
             if isinstance(outcome, BaseException):
                 self._fail(cid, msg.kind, outcome)
                 continue
-            self.ledger.record(self.rnd, cid, "up", outcome)
+            up_sizes: dict[str, tuple[str, int]] = {}
+            if self.wire.active:
+                coded, up_sizes = self.wire.round_trip(outcome, "up")
+                outcome = outcome if self.codes_on_wire else coded
+            self.ledger.record(self.rnd, cid, "up", outcome, up_sizes)
             yield cid, outcome
 
     def _fail(self, cid: str, kind: str, err: BaseException) -> None:

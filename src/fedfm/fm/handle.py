@@ -116,10 +116,13 @@ class Adapters:
     Attributes:
         active: Adapters in the forward pass (their deltas add up).
         trainable: The adapters that are trained and privatised (a subset of ``active``).
+        frozen: Tensors of the first trainable adapter (its :meth:`FoundationModel.get_adapter`
+            keys) that stay frozen: FFA-LoRA's ``A``, so DP-SGD clips and noises ``B`` only.
     """
 
     active: Sequence[str]
     trainable: Sequence[str]
+    frozen: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -671,7 +674,19 @@ class FoundationModel:
         """The model to train ``what`` in (see :meth:`dp_train`)."""
         if isinstance(what, FullWeights):
             return self.full_weights(what.weights, trainable=True)
+        if what.frozen:
+            return self._use_frozen(what)
         return self.use(what.active, what.trainable)
+
+    @contextlib.contextmanager
+    def _use_frozen(self, what: Adapters) -> Iterator[torch.nn.Module]:
+        """:meth:`use`, with ``what.frozen`` out of training (restored on exit by :meth:`use`)."""
+        with self.use(what.active, what.trainable) as model:
+            names = self.param_names(what.trainable[0])
+            live = dict(model.named_parameters())
+            for key in what.frozen:
+                live[names[key]].requires_grad_(False)
+            yield model
 
     def _trained(self, what: Adapters | FullWeights) -> Arrays:
         """Copies of the tensors ``what`` trained, in the one key format."""

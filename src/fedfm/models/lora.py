@@ -39,6 +39,7 @@ from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_mo
 from torch import Tensor, nn
 
 from fedfm.core.groups import get_group, join_groups
+from fedfm.core.lora_ranks import RANK_MODES
 from fedfm.errors import AssetMissingError, ConfigError, FedfmError, UnknownNameError
 
 
@@ -64,6 +65,15 @@ class LoraConfigSpec(pydantic.BaseModel):
         use_dora: DoRA (Liu et al., "DoRA: Weight-Decomposed Low-Rank Adaptation", ICML 2024):
             each adapted weight is split into a magnitude vector and a direction that LoRA
             updates; the magnitude is one more trainable adapter tensor per layer.
+        rank_mode: How adapters of different client ranks are aggregated
+            (:data:`fedfm.core.lora_ranks.RANK_MODES`: ``svd``, ``hetlora``, ``zeropad``,
+            ``flora``); used with ``client_ranks``.
+        client_ranks: Each client's LoRA rank, by client tier: client ``i`` (in the task's
+            client order) has ``client_ranks[i mod len]``; None: every client has ``r``, the
+            global rank. See :mod:`fedfm.algorithms.lora_clients`.
+        freeze_a: FFA-LoRA (Sun et al., "Improving LoRA in Privacy-preserving Federated
+            Learning", ICLR 2024): ``A`` is drawn from the run seed and frozen; only ``B`` is
+            trained, sent and aggregated.
     """
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
@@ -75,6 +85,49 @@ class LoraConfigSpec(pydantic.BaseModel):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
     )
     use_dora: bool = False
+    rank_mode: str = "svd"
+    client_ranks: list[pydantic.PositiveInt] | None = pydantic.Field(None, min_length=1)
+    freeze_a: bool = False
+
+    @pydantic.field_validator("rank_mode")
+    @classmethod
+    def _known_mode(cls, v: str) -> str:
+        if v not in RANK_MODES:
+            raise ValueError(f"unknown rank mode '{v}' (choose from {', '.join(RANK_MODES)})")
+        return v
+
+    @pydantic.field_validator("client_ranks")
+    @classmethod
+    def _within_global(
+        cls, v: list[int] | None, info: pydantic.ValidationInfo
+    ) -> list[int] | None:
+        mode, r = info.data.get("rank_mode"), info.data.get("r")
+        if v is None or mode is None or r is None:
+            return v
+        if RANK_MODES.get(mode).caps_rank and max(v) > r:
+            raise ValueError(
+                f"client rank {max(v)} is above the global rank r={r}, which rank_mode"
+                f" '{mode}' projects or pads every client to"
+            )
+        return v
+
+    @pydantic.field_validator("freeze_a")
+    @classmethod
+    def _one_rank(cls, v: bool, info: pydantic.ValidationInfo) -> bool:
+        ranks = info.data.get("client_ranks")
+        if v and ranks is not None and len(set(ranks)) > 1:
+            raise ValueError(
+                f"needs one rank on every client (client_ranks {ranks} differ): a frozen A is"
+                " shared, so every client's B has its rank"
+            )
+        if v and info.data.get("use_dora"):
+            raise ValueError("FFA-LoRA freezes A of plain LoRA; use_dora adds a trained magnitude")
+        return v
+
+    @property
+    def mixed(self) -> bool:
+        """Clients hold different ranks (or a rank other than the global one)."""
+        return self.client_ranks is not None and set(self.client_ranks) != {self.r}
 
     @pydantic.field_validator("target_modules", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedfm.core.codec import Wire
 from fedfm.core.federation import error_reason
 from fedfm.core.state import ClientState, load_state, save_state
 from fedfm.engine import build_clients
@@ -273,7 +274,8 @@ def handle_message(
         # keeps a reply the server would reject from committing the state, as on embedded.
         like = like_templates(head.get("like", {}))
         reply, state = rt.runner.call(cid, rnd, saved, msg, like)
-        content = message_to_records(reply, {})
+        wire = Wire.of(**head["comm"]) if "comm" in head else None
+        content = message_to_records(reply, {}, wire, "up")
         if _changed(saved, state):
             snaps.save(state, int(head["session"]), rnd)
             snaps.prune(int(head["session"]), head.get("lineage", []), int(head["committed"]))

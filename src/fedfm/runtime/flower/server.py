@@ -105,6 +105,8 @@ class FlowerFederation(Federation):
         options: Flower options.
     """
 
+    codes_on_wire = True  # coded fields travel encoded (wire.py); the base counts bytes
+
     def __init__(
         self,
         clients: list[ClientInfo],
@@ -216,7 +218,7 @@ class FlowerFederation(Federation):
         self.discover()
         flower_msgs = {
             cid: FlowerMessage(
-                message_to_records(msg, self._header(cid, like)),
+                message_to_records(msg, self._header(cid, like), self.wire, "down"),
                 self.node_of[cid],
                 MESSAGE_TYPE,
                 group_id=str(self.rnd),
@@ -271,6 +273,8 @@ class FlowerFederation(Federation):
             # The engine checkpoints after every round: rounds before this one are final.
             "committed": self.rnd - 1,
             "like": like_spec(like),
+            # The run's codecs: the client decodes with them and encodes its reply.
+            **({"comm": self.wire.spec()} if self.wire.active else {}),
         }
 
     def _decode(self, cid: str, sent: Message, raw: Any, like: Templates | None) -> Message:

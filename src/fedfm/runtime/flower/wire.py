@@ -27,6 +27,12 @@ SuperLink, SuperNode, ClientApp) pushes or pulls with one HTTP request:
   config record) while its fields are small, and 6 with one large field, whatever its
   tensor count: a field of 120 LoRA tensors was 240 objects as one Flower array per tensor.
 
+A field that the run's codecs cover (``comm``, :class:`~fedfm.core.codec.Wire`) travels
+encoded: its packed tensors are the codec's parts (``"<key>|<part>"``: int8 or 4-bit codes
+and float32 scales), and the header's ``"coded"`` entry names the codec and each tensor's
+dtype and shape, from which the receiver decodes. The server names the codecs in the header
+(``"comm"``), so a client encodes its reply in the run's uplink codec.
+
 The header and the handshake are the runtime's own control data, not algorithm fields: the
 audit ledger records the fedfm messages exactly as the embedded runtime does, so byte
 counts are identical on both runtimes.
@@ -42,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from fedfm.core.codec import CODECS, Parts, Wire
 from fedfm.core.messages import Message, MetaValue, meta_json
 from fedfm.errors import MessageError
 from fedfm.runtime.flower.payload import (  # noqa: F401  (re-exported)
@@ -165,11 +172,18 @@ def record_to_arrays(record: ArrayRecord) -> dict[str, Tensor]:
 _NATIVE = (bool, int, float, str)
 
 
-def message_to_records(msg: Message, header: Mapping[str, Any]) -> RecordDict:
-    """A fedfm message (plus the runtime header) as a Flower ``RecordDict``."""
+def message_to_records(
+    msg: Message, header: Mapping[str, Any], wire: Wire | None = None, direction: str = "down"
+) -> RecordDict:
+    """A fedfm message (plus the runtime header) as a Flower ``RecordDict``.
+
+    With ``wire``, the fields its codec for ``direction`` covers travel encoded.
+    """
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
     as_json = [k for k, v in msg.meta.items() if not isinstance(v, _NATIVE)]
+    coded = wire.encode(msg, direction) if wire is not None and wire.active else {}
+    fields = {n: _flat_parts(coded[n]) if n in coded else a for n, a in msg.arrays.items()}
     head = {
         **header,
         "wire": WIRE_VERSION,
@@ -178,11 +192,19 @@ def message_to_records(msg: Message, header: Mapping[str, Any]) -> RecordDict:
         "meta": list(msg.meta),
         "meta_json": as_json,
     }
+    if coded:
+        head["coded"] = {
+            name: [
+                _codec_name(wire, msg.kind, name, direction),
+                like_spec({"f": msg.arrays[name]})["f"],
+            ]
+            for name in coded
+        }
     entries: dict[str, ConfigRecordValues] = {"header": json.dumps(head)}
     for k, v in msg.meta.items():
         entries[META_PREFIX + k] = v if isinstance(v, _NATIVE) else meta_json(v)
     large = {}
-    for name, arrays in msg.arrays.items():
+    for name, arrays in fields.items():
         data = pack_bytes(arrays) if arrays else b""
         if len(data) > INLINE_MAX_BYTES:
             large[name] = _as_array(data)
@@ -220,6 +242,8 @@ def records_to_message(rd: RecordDict) -> tuple[Message, dict[str, Any]]:
                 raise TypeError(f"meta field '{name}' is a {type(value).__name__}")
         large: Mapping[str, Any] = rd.array_records.get(ARRAYS, {})
         arrays = {name: _field(record, large, name) for name in head["arrays"]}
+        for name, (codec, spec) in head.get("coded", {}).items():
+            arrays[name] = _decoded(str(codec), arrays[name], spec)
         return Message(str(head["kind"]), arrays, meta), head
     except (KeyError, TypeError, ValueError) as e:
         raise MessageError(f"malformed fedfm message ({type(e).__name__}: {e})") from None
@@ -231,6 +255,28 @@ def _field(record: Mapping[str, Any], large: Mapping[str, Any], name: str) -> di
     if isinstance(inline, bytes):
         return unpack_bytes(inline)
     return unpack(large[name]) if name in large else {}
+
+
+def _codec_name(wire: Wire | None, kind: str, field: str, direction: str) -> str:
+    codec = wire.codec(kind, field, direction) if wire is not None else None
+    assert codec is not None
+    return codec.name
+
+
+def _flat_parts(by_key: Mapping[str, Parts]) -> dict[str, Tensor]:
+    """One field's encoded tensors as one flat dict, ``"<key>|<part>"`` (packed as usual)."""
+    return {f"{key}|{part}": t for key, parts in by_key.items() for part, t in parts.items()}
+
+
+def _decoded(codec: str, flat: Mapping[str, Tensor], spec: Mapping[str, Any]) -> dict[str, Tensor]:
+    """Inverse of :func:`_flat_parts` followed by the codec's decoding."""
+    parts: dict[str, Parts] = {}
+    for name, t in flat.items():
+        key, _, part = name.rpartition("|")
+        parts.setdefault(key, {})[part] = t
+    c = CODECS.get(codec)
+    shapes = like_templates({"f": spec})["f"]
+    return {key: c.decode(parts[key], tuple(ref.shape), ref.dtype) for key, ref in shapes.items()}
 
 
 def like_spec(like: Mapping[str, Mapping[str, Tensor]] | None) -> dict[str, Any]:
