@@ -400,7 +400,9 @@ class Engine:
             items = evals.pop("items", None)
             row.update(evals)
         row.update(ledger.round_bytes(rnd))
-        row["failed"] = len(fed.failures) - nfail
+        # A client that missed several messages of the round is one failed client.
+        row["failed"] = len({f["client"] for f in fed.failures[nfail:]})
+        row["failed_messages"] = len(fed.failures) - nfail
         row["time_s"] = round(time.perf_counter() - t, 4)
         # Logs first, checkpoint last: on resume, rows after the checkpoint are dropped.
         folder.append(folder.metrics, [row])
@@ -435,7 +437,9 @@ class Engine:
             "final": {k: v for k, v in last.items() if k not in ("time_s",)},
             "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
             **{key: sum(r.get(key, 0) for r in rows) for key in BYTE_KEYS},
-            "failed_clients": sum(r.get("failed", 0) for r in rows),
+            # Distinct clients that failed in any round, and the messages they missed.
+            "failed_clients": len({f["client"] for f in read_jsonl(folder.failures)}),
+            "failed_messages": sum(r.get("failed_messages", r.get("failed", 0)) for r in rows),
             **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
             "artefacts": _artefact_list(folder, setup.algo),
             "wall_s_this_session": round(wall, 2),
