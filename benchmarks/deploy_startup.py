@@ -16,7 +16,7 @@ first on ``PYTHONPATH`` (e.g. an unmodified checkout, then a changed one), alter
 shared machine. The figures are printed last, with the machine's load average.
 
 Usage: .venv/bin/python benchmarks/deploy_startup.py [--nodes 3] [--rounds 2]
-       [--src DIR ...] [--repeat 1]
+       [--src DIR ...] [--repeat 1] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -129,11 +129,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--src", action="append", help="fedfm sources to measure (repeatable)")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--keep", type=Path, help="work in this folder and keep it (logs)")
     args = ap.parse_args()
     srcs = args.src or [str(HERE.parent / "src")]
     figures: dict[str, list[tuple[float, float]]] = {s: [] for s in srcs}
     load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="fedfm-deploy-startup-") as out:
+    with tempfile.TemporaryDirectory(prefix="fedfm-deploy-startup-") as tmp:
+        out = args.keep or tmp
         for k in range(args.repeat):
             for j, src in enumerate(srcs):
                 work = Path(out) / f"{k}-{j}"
