@@ -133,6 +133,12 @@ def test_a_tabular_plan_counts_its_model_and_equals_the_audit_ledger(tmp_path) -
     summary = run(cfg, progress=False)
     assert summary["bytes_up_arrays"] == cfg.rounds * plan.sampled * plan.up
     assert summary["bytes_down_arrays"] == cfg.rounds * plan.sampled * plan.down
+    # The preset evaluates on every client: the plan says what that adds.
+    notes = make_plan(load_config("tabular-fedavg", [f"out_dir={tmp_path}"])).notes
+    assert (
+        "personal evaluation sends each client the model once more per evaluation"
+        f" ({plan.down:,} B down, not in the traffic per round)"
+    ) in notes
 
 
 def test_a_model_that_cannot_be_built_is_not_estimated_rather_than_zero(tmp_path, monkeypatch):
