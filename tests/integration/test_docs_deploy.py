@@ -181,7 +181,8 @@ def test_the_runnable_blocks_run_as_written(tmp_path):
         before = _files(work / "certs")
         done = _run_block(_substituted(text, ports, tmp_path / "states"), work, env)
         assert done.returncode == 0, f"{text}\n--- exit {done.returncode}:\n{done.stdout[-4000:]}"
-        assert not [x for x in FLOWER_LINES if x in done.stdout], done.stdout
+        if "fedfm serve" in text:  # (a block of Flower's own commands prints Flower's lines)
+            assert not [x for x in FLOWER_LINES if x in done.stdout], done.stdout
         if "--renew" in text:  # new CA and certificate, the node keys as they were
             after = _files(work / "certs")
             assert {k: v for k, v in after.items() if k.startswith("node")} == {
