@@ -202,4 +202,6 @@ def test_the_runnable_blocks_run_as_written(tmp_path):
     # The run submitted with Flower's own commands finished.
     summary = json.loads((work / "runs" / "existing" / "summary.json").read_text())
     assert summary["rounds"] == 1 and summary["failed_clients"] == 0
-    assert not list((tmp_path / "tmp").iterdir())  # the fedfm commands cleaned up
+    # The fedfm commands cleaned up their temporary folders (torch leaves an empty
+    # torchinductor_<user> cache folder of its own there when fedfm's engine is imported).
+    assert not list((tmp_path / "tmp").glob("fedfm-*"))
