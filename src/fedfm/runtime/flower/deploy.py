@@ -405,6 +405,7 @@ def submit(
 _FLOWER_LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*(.*)$", re.S)
 # What the ``flwr`` CLI says of itself around a run (flwr 1.42).
 _FLOWER_CLI = ("Using SuperLink", "Successfully installed", "Successfully started run")
+_QUIET = ("DEBUG", "INFO")
 
 
 def show_warnings(line: str) -> None:
@@ -421,9 +422,6 @@ def show_warnings(line: str) -> None:
     if not text.strip() or text.startswith(_FLOWER_CLI) or (m and m.group(1) in _QUIET):
         return
     print(f"{m.group(1)} {m.group(2)}" if m else text, file=sys.stderr, flush=True)
-
-
-_QUIET = ("DEBUG", "INFO")
 
 
 #: Where ``fedfm serve`` keeps the logs of the Flower processes it ran, in the run folder.
@@ -480,7 +478,8 @@ def serve(
         node_keys: Public keys of the SuperNodes allowed to connect; empty: no node
             authentication.
         timeout_s: Give up on the run after this long (None: no limit).
-        echo: Print the run's log as it streams.
+        echo: Print what fedfm's ServerApp says as the run streams (see
+            :func:`show_warnings`; Flower's own lines go to the log files only).
         work_dir: Folder for the SuperLink's home and logs (default: a temporary one).
         progress: Show each round as the run folder logs it, then the final table (as
             ``fedfm run`` does), and the clients that took no part.
