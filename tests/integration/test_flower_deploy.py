@@ -32,7 +32,7 @@ from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
 from fedfm.runtime.flower.watch import checkpoint_round
 from fedfm.runtime.flower.wire import Payload
-from helpers import TESTS, toy  # noqa: F401  (toy: registers the toy task in this process)
+from helpers import TESTS, flower, toy  # noqa: F401  (register the toy task, test algorithms)
 from helpers.config import toy_config
 from helpers.keys import assert_key_modes
 from helpers.runfiles import untimed_rows
@@ -378,7 +378,9 @@ def test_serve_stopped_by_ctrl_c_before_round_0_exits_130_and_leaves_nothing(tmp
         made = lambda: (tmp_path / "runs" / "dep" / "flower_sessions.json").exists()  # noqa: E731
         _wait_for("the ServerApp", made, 120, server)
         assert _stopped_cleanly(server, signal.SIGINT, tmp_path / "tmp", "fedfm-serve-") == 130
+    # The ServerApp's run folder goes with a run stopped before round 0: none is named.
     assert _output(tmp_path, "serve").splitlines()[-1] == (
-        "dep: stopped by SIGINT before round 0 was saved: start it again with the same command"
-        f" and --overwrite ({(tmp_path / 'runs' / 'dep').resolve()})"
+        "dep: stopped by SIGINT before round 0 (no run folder is left): start it again with the"
+        " same command"
     )
+    assert not (tmp_path / "runs" / "dep").exists()

@@ -117,8 +117,8 @@ class RunWatch:
         rnd = checkpoint_round(self.run_dir)
         if rnd < 0 and not self.run_dir.exists():
             return (
-                f"{self.cfg.name}: stopped by {name} before the run started (no run folder was"
-                " written): start it again with the same command"
+                f"{self.cfg.name}: stopped by {name} before round 0 (no run folder is left):"
+                " start it again with the same command"
             )
         if rnd < 0:
             return (
