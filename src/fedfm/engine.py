@@ -303,8 +303,9 @@ class Engine:
         progress: Show a progress bar and a per-round table on the terminal.
         started_at: When the session began (``time.time()``) if that was before the engine,
             e.g. ``fedfm serve`` starting the SuperLink and waiting for SuperNodes in another
-            process: the summary's ``wall_s_this_session`` counts from it. Default: from round
-            0, once the task, the algorithm and the federation are built.
+            process. Default: when :meth:`run` is called. The summary's
+            ``start_s_this_session`` counts from it to the session's first round, and
+            ``wall_s_this_session`` from that round to the end, on every runtime.
     """
 
     def __init__(
@@ -329,6 +330,7 @@ class Engine:
         """Runs all rounds and returns the summary (also written to ``summary.json``)."""
         import torch
 
+        session = self.started_at if self.started_at is not None else time.time()
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -350,6 +352,7 @@ class Engine:
                 cfg, enabled=self.progress, start=max(last, 0), primary=setup.task.primary
             )
             t0 = time.perf_counter()
+            start = time.time() - session
             with display:
                 if last < 0:
                     self._step(0, fed, setup, folder, store, ledger, display)
@@ -362,9 +365,7 @@ class Engine:
             _export_adapter(folder, setup.algo)
             self.tb.close()
         wall = time.perf_counter() - t0
-        if self.started_at is not None:
-            wall = time.time() - self.started_at
-        summary = self._summary(folder, setup, final, wall)
+        summary = self._summary(folder, setup, final, wall, start)
         display.final_table(folder.read_metrics(), summary.get("privacy"))
         if cfg.plots:  # figures at the end of the run: the PNGs and report.html
             from fedfm.html_report import write_run_report
@@ -405,7 +406,9 @@ class Engine:
             items = evals.pop("items", None)
             row.update(evals)
         row.update(ledger.round_bytes(rnd))
-        row["failed"] = len(fed.failures) - nfail
+        # A client that missed several messages of the round is one failed client.
+        row["failed"] = len({f["client"] for f in fed.failures[nfail:]})
+        row["failed_messages"] = len(fed.failures) - nfail
         row["time_s"] = round(time.perf_counter() - t, 4)
         # Logs first, checkpoint last: on resume, rows after the checkpoint are dropped.
         folder.append(folder.metrics, [row])
@@ -423,7 +426,12 @@ class Engine:
         display.update(row)
 
     def _summary(
-        self, folder: RunFolder, setup: Setup, final: dict[str, float], wall: float
+        self,
+        folder: RunFolder,
+        setup: Setup,
+        final: dict[str, float],
+        wall: float,
+        start: float = 0.0,
     ) -> dict[str, Any]:
         rows = folder.read_metrics()
         task = setup.task
@@ -441,9 +449,13 @@ class Engine:
             "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
             **{key: sum(r.get(key, 0) for r in rows) for key in BYTE_KEYS},
             "comm": communication_bill(read_jsonl(folder.audit)),  # GB, from the ledger
-            "failed_clients": sum(r.get("failed", 0) for r in rows),
+            # Distinct clients that failed in any round, and the messages they missed.
+            "failed_clients": len({f["client"] for f in read_jsonl(folder.failures)}),
+            "failed_messages": sum(r.get("failed_messages", r.get("failed", 0)) for r in rows),
             **({"privacy": setup.algo.privacy.summary()} if len(setup.algo.privacy) else {}),
             "artefacts": _artefact_list(folder, setup.algo),
+            # This session: from its start to its first round, and from there to the end.
+            "start_s_this_session": round(start, 2),
             "wall_s_this_session": round(wall, 2),
             "compute": _compute(self.cfg, task),
             **({"finish": final} if final else {}),

@@ -7,7 +7,9 @@ embedded runtime holds the server and every simulated client in one process; its
 is checked there, a client's alone for the Flower deployment engine.
 
 Nothing is loaded to make the plan: a causal LM is built on torch's ``meta`` device from its
-config (no weights), and peft wraps that to count the adapters exactly. Only the task's data is
+config (no weights), and peft wraps that to count the adapters exactly. The small model of
+another task is built on ``meta`` too, or on the CPU when its builder cannot run on ``meta``
+(it moves the model to the run's device). Only the task's data is
 read, to know how many clients there are.
 
 The estimate of an LLM run (the terms, per decoder layer, are what autograd keeps for the
@@ -68,12 +70,14 @@ class Side:
         frozen: Frozen parameters held.
         trainable: Trainable parameters held.
         parts: Estimated bytes by part (weights, adapters, optimizer, activations, ...).
+        counted: Whether the model was counted (False: its builder could not run here).
     """
 
     role: str
     frozen: int
     trainable: int
     parts: dict[str, int] = field(default_factory=dict)
+    counted: bool = True
 
     @property
     def peak(self) -> int:
@@ -95,7 +99,8 @@ class Plan:
         process_what: What that process holds (``server and 10 clients``, ``one client``).
         workers: Clients trained at once in worker processes (1: in the run's process).
         clients: Number of clients; ``sampled`` of them train each round.
-        up: Bytes one client sends per round; ``down``: receives.
+        up: Bytes one client sends per round; ``down``: receives; both None when the model
+            was not counted (not estimated, rather than 0).
         notes: What the estimate leaves out for this config.
     """
 
@@ -107,8 +112,8 @@ class Plan:
     process_what: str
     clients: int
     sampled: int
-    up: int
-    down: int
+    up: int | None
+    down: int | None
     notes: list[str] = field(default_factory=list)
     workers: int = 1
 
@@ -120,10 +125,14 @@ class Plan:
     def summary(self) -> str:
         """The one line ``fedfm run`` prints at start."""
         verdict = "fits" if self.fits else "DOES NOT FIT"
+        traffic = "traffic not estimated (the model was not counted)"
+        if self.up is not None and self.down is not None:
+            traffic = (
+                f"{self.sampled} clients x {self.up / 1e6:.2f} MB up, {self.down / 1e6:.2f} MB down"
+            )
         return (
             f"plan: {self.device}, {self.process_what}: peak ~{self.process / MB:,.0f} MiB of"
-            f" {self.available / MB:,.0f} MiB available ({verdict}); per round"
-            f" {self.sampled} clients x {self.up / 1e6:.2f} MB up, {self.down / 1e6:.2f} MB down"
+            f" {self.available / MB:,.0f} MiB available ({verdict}); per round {traffic}"
         )
 
     def table(self) -> str:
@@ -135,11 +144,16 @@ class Plan:
                 f" peak ~{side.peak / MB:,.1f} MiB"
             )
             lines += [f"  {k:<22} {v / MB:>10,.1f} MiB" for k, v in side.parts.items() if v]
-        lines.append(
-            f"traffic per round: {self.sampled} of {self.clients} clients, each"
-            f" {self.up:,} B up and {self.down:,} B down"
-            f" ({self.sampled * (self.up + self.down) / 1e6:.2f} MB in all)"
-        )
+        if self.up is not None and self.down is not None:
+            lines.append(
+                f"traffic per round: {self.sampled} of {self.clients} clients, each"
+                f" {self.up:,} B up and {self.down:,} B down"
+                f" ({self.sampled * (self.up + self.down) / 1e6:.2f} MB in all)"
+            )
+        else:
+            lines.append(
+                f"traffic per round: not estimated ({self.sampled} of {self.clients} clients)"
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -172,6 +186,11 @@ def make_plan(cfg: RunConfig) -> Plan:
     client.parts = {"task data (measured)": data, **client.parts}
     copies = _MESSAGE_COPIES.get(cfg.algorithm, 1)
     per_client = client.trainable * 4 * copies
+    if isinstance(cfg.algo, dict) and cfg.algo.get("personal_eval") and client.counted:
+        notes.append(
+            f"personal evaluation sends each client the model once more per evaluation"
+            f" ({client.trainable * 4:,} B down, not in the traffic per round)"
+        )
     device = cfg.torch_device()
     embedded = cfg.runtime != "flower"
     workers = 1
@@ -200,8 +219,8 @@ def make_plan(cfg: RunConfig) -> Plan:
         process_what=what,
         clients=n,
         sampled=sampled,
-        up=per_client,
-        down=per_client,
+        up=per_client if client.counted else None,
+        down=per_client if client.counted else None,
         notes=notes,
         workers=workers,
     )
@@ -440,14 +459,21 @@ def _model_sides(cfg: RunConfig, task: Any) -> tuple[Side, Side, list[str]]:
     from fedfm.engine import BUILD_FIELDS
     from fedfm.errors import ConfigError, config_fields
 
-    try:
-        with config_fields(BUILD_FIELDS), torch.device("meta"):
-            model = task.build_model(seed=cfg.seed)
-    except ConfigError:  # refused as the run would refuse it, named by its config path
-        raise
-    except Exception as err:  # a builder that reads weights from disk cannot run on meta
-        note = f"the model was not counted: its builder needs real weights ({type(err).__name__})"
-        return Side("server", 0, 0), Side("client", 0, 0), [note]
+    model = None
+    for where in (torch.device("meta"), torch.device("cpu")):
+        try:
+            with config_fields(BUILD_FIELDS), where:
+                model = task.build_model(seed=cfg.seed)
+            break
+        except ConfigError:  # refused as the run would refuse it, named by its config path
+            raise
+        except Exception as err:
+            # A builder that moves its model to the run's device (or reads weights) cannot
+            # run on meta: the models of these tasks are small, so it is built on the CPU.
+            why = type(err).__name__
+    if model is None:
+        note = f"the model was not counted: its builder failed on the CPU ({why})"
+        return Side("server", 0, 0, counted=False), Side("client", 0, 0, counted=False), [note]
     params = list(model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = sum(p.numel() for p in params) - trainable

@@ -30,7 +30,8 @@ def _numeric_keys(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         for k, v in r.items():
             # Counts and sizes are not metrics: they get no metric panel.
-            count = k in ("round", "time_s", "failed", "clients", "n") or k.endswith("/n")
+            count = k in ("round", "time_s", "failed", "failed_messages", "clients", "n")
+            count = count or k.endswith("/n")
             skip = k in keys or count
             if not skip and isinstance(v, (int, float)) and not k.startswith("bytes"):
                 keys.append(k)

@@ -46,4 +46,4 @@ class TensorBoardLog:
             self._writer = None
 
 
-RUN_KEYS = ("clients", "failed", "time_s")
+RUN_KEYS = ("clients", "failed", "failed_messages", "time_s")

@@ -32,7 +32,7 @@ from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
 from fedfm.runtime.flower.watch import checkpoint_round
 from fedfm.runtime.flower.wire import Payload
-from helpers import TESTS, toy  # noqa: F401  (toy: registers the toy task in this process)
+from helpers import TESTS, flower, toy  # noqa: F401  (register the toy task, test algorithms)
 from helpers.config import toy_config
 from helpers.keys import assert_key_modes
 from helpers.runfiles import untimed_rows
@@ -131,7 +131,7 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
     with stopping([]) as procs, commands(tmp_path) as started:
         procs.append(D.start_superlink(home, tmp_path / "logs", "127.0.0.1", port, tls, True, ENV))
         D.write_connection(home, f"127.0.0.1:{port}", tls.ca_cert)
-        D.register_nodes(home, [keys[0][1], keys[1][1]], tmp_path, ENV)
+        D.register_nodes(f"127.0.0.1:{port}", tls.ca_cert, [keys[0][1], keys[1][1]])
         # Node 2's key is not registered, and a client without TLS: both are refused, say
         # why in one line and stop with code 2 (the key after a bounded wait).
         client = ["client", "--superlink", f"127.0.0.1:{port}", "--num-partitions", "2"]
@@ -294,11 +294,19 @@ def test_serve_and_client_commands_progress_absent_client_exact_audit_and_signal
         out = _output(tmp_path, "serve2")
         assert re.search(r"dep: resuming from round [12] of 3 \(", out)
         assert "   3  rmse=" in out and "rounds" in out  # the last round, then the table
-        assert "\x1b[" not in out  # a log file: no colour codes, Flower's lines included
+        assert "\x1b[" not in out  # a log file: no colour codes
+        # Flower's own lines stay in the log files the run folder keeps; fedfm's warnings
+        # from the ServerApp (client 2 never came) are shown.
+        for flower in ("Using SuperLink", "Successfully", "INFO", "logstream"):
+            assert flower not in out, (flower, out)
+        assert "no SuperNode serves client(s) 2 after 30 s: they count as failed" in out
+        kept = list((tmp_path / "runs" / "dep" / "flower_logs").glob("*/flwr-run.log"))
+        assert len(kept) == 2 and all("Successfully started run" in p.read_text() for p in kept)
         summary = json.loads((tmp_path / "runs" / "dep" / "summary.json").read_text())
-        # The session's wall time is the serve's, not only its rounds' (it includes the
-        # SuperLink's start and the wait of node_wait_s for client 2).
-        assert 30 <= summary["wall_s_this_session"] <= took
+        # The session's start (the SuperLink, the ServerApp and the wait of node_wait_s for
+        # client 2) and its rounds are timed apart.
+        assert summary["start_s_this_session"] >= 30
+        assert summary["start_s_this_session"] + summary["wall_s_this_session"] <= took
         folder = (tmp_path / "runs" / "dep").resolve()
         line = f"dep: rmse={summary['final']['rmse']:.4f} after 3 rounds  ->  {folder}"
         assert out.rstrip().endswith(line)
@@ -333,8 +341,11 @@ def _check_client_lines(out: str, cid: int, sig: str) -> None:
     traceback, no Flower or uvicorn log lines, no colour codes."""
     assert "Traceback" not in out and "INFO" not in out and "\x1b[" not in out, out
     lines = [x.removeprefix(f"client {cid}: ") for x in out.splitlines()]
-    assert lines[0].startswith("SuperNode for 127.0.0.1:")
-    assert lines[1].startswith("waiting for the server (nothing answers at 127.0.0.1:")
+    assert lines[0].startswith("waiting for the server (nothing answers at 127.0.0.1:")
+    # The logs folder is named once a SuperNode writes there, and said to go at the end.
+    assert lines[1].startswith("SuperNode for 127.0.0.1:") and lines[1].endswith(
+        "while this client runs"
+    )
     first = lines.index("connected")
     second = lines.index("connected", first + 1)
     assert "served round 1" in lines[first:second]
@@ -367,7 +378,9 @@ def test_serve_stopped_by_ctrl_c_before_round_0_exits_130_and_leaves_nothing(tmp
         made = lambda: (tmp_path / "runs" / "dep" / "flower_sessions.json").exists()  # noqa: E731
         _wait_for("the ServerApp", made, 120, server)
         assert _stopped_cleanly(server, signal.SIGINT, tmp_path / "tmp", "fedfm-serve-") == 130
+    # The ServerApp's run folder goes with a run stopped before round 0: none is named.
     assert _output(tmp_path, "serve").splitlines()[-1] == (
-        "dep: stopped by SIGINT before round 0 was saved: start it again with the same command"
-        f" and --overwrite ({(tmp_path / 'runs' / 'dep').resolve()})"
+        "dep: stopped by SIGINT before round 0 (no run folder is left): start it again with the"
+        " same command"
     )
+    assert not (tmp_path / "runs" / "dep").exists()

@@ -46,6 +46,7 @@ RUN_FILES: tuple[str, ...] = (
     "eval_items.jsonl",
     "tensorboard",
     "flower_sessions.json",
+    "flower_logs",
     "adapter",
     ".adapter.tmp",
     ".adapter.old",

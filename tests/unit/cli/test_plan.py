@@ -117,3 +117,37 @@ def test_autocast_counts_only_where_the_cpu_has_bfloat16_instructions(
         parts[native] = make_plan(load_config(cfg)).client.parts
     assert parts[True]["autocast copies"] > 0 and not parts[False].get("autocast copies")
     assert parts[False]["activations"] > parts[True]["activations"]  # float32: 4 bytes, not 2
+
+
+def test_a_tabular_plan_counts_its_model_and_equals_the_audit_ledger(tmp_path) -> None:
+    """The MLP's builder moves it to the run's device, which fails on ``meta``: the plan
+    builds it on the CPU instead of printing 0.00 MB of traffic."""
+    over = [f"out_dir={tmp_path}", "rounds=2", "partition.num_clients=3", "eval_before=false"]
+    over += ["clients.min_clients=2", "algo.personal_eval=false", "plots=false"]
+    cfg = load_config("tabular-fedavg", over)
+    plan = make_plan(cfg)
+    assert plan.client.trainable == sum(
+        p.numel() for p in build(cfg).task.build_model().parameters()
+    )
+    assert plan.up == plan.down == plan.client.trainable * 4 and "0.00 MB" not in plan.summary()
+    summary = run(cfg, progress=False)
+    assert summary["bytes_up_arrays"] == cfg.rounds * plan.sampled * plan.up
+    assert summary["bytes_down_arrays"] == cfg.rounds * plan.sampled * plan.down
+    # The preset evaluates on every client: the plan says what that adds.
+    notes = make_plan(load_config("tabular-fedavg", [f"out_dir={tmp_path}"])).notes
+    assert (
+        "personal evaluation sends each client the model once more per evaluation"
+        f" ({plan.down:,} B down, not in the traffic per round)"
+    ) in notes
+
+
+def test_a_model_that_cannot_be_built_is_not_estimated_rather_than_zero(tmp_path, monkeypatch):
+    from fedfm.tasks.supervised import SupervisedTask
+
+    def broken(self: Any, seed: int = 0, **kw: Any) -> Any:
+        raise OSError("weights not found")
+
+    monkeypatch.setattr(SupervisedTask, "build_model", broken)
+    plan = make_plan(load_config("tabular-fedavg", [f"out_dir={tmp_path}"]))
+    assert plan.up is None and "traffic not estimated" in plan.summary()
+    assert "0.00 MB" not in plan.summary() and "not estimated" in plan.table()

@@ -369,6 +369,19 @@ def test_dead_and_missing_supernodes_are_failed_clients(tmp_path, caplog):
     )
 
 
+def test_failed_counts_clients_and_failed_messages_counts_what_they_missed(tmp_path):
+    """A dead SuperNode misses both exchanges of every round: one failed client a round
+    (not two), and the two messages it missed counted apart; the summary counts the client
+    once for the run."""
+    cfg = toy_config(tmp_path, "fedavg", name="flw", rounds=2, num_clients=3)
+    cfg["algo"] = {"personal_eval": True}  # train, then evaluate on every client
+    flower_run(cfg, tmp_path / "nodes", dead={1}, num_nodes=3, options={"timeout_s": 0.5})
+    rows = untimed_rows(tmp_path / "flw" / "metrics.jsonl")
+    assert [(r["failed"], r["failed_messages"]) for r in rows] == [(1, 1), (1, 2), (1, 2)]
+    summary = json.loads((tmp_path / "flw" / "summary.json").read_text())
+    assert summary["failed_clients"] == 1 and summary["failed_messages"] == 5  # round 0: 1
+
+
 def test_a_restarted_supernode_serves_its_client_again_with_its_state(tmp_path):
     cfg = toy_config(tmp_path, "test-two-phase", name="flw", rounds=3, num_clients=3)
     # Events fire as a round's first message is pushed and act from the next exchange on:

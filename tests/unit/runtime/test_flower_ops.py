@@ -170,7 +170,9 @@ def test_renew_replaces_the_certificates_and_keeps_hosts_and_node_keys(tmp_path)
         assert after[name] == before[name], name  # node keys: nothing to register again
     for name in ("ca.crt", "server.pem", "server.key"):
         assert after[name] != before[name], name
-    assert T.certificate_hosts(out / "server.pem") == ["server.example.org", "10.0.0.5"]
+    assert T.certificate_hosts(out / "server.pem") == [
+        "server.example.org", "10.0.0.5", "127.0.0.1", "localhost"
+    ]  # fmt: skip
     assert "(365 days)" in res.output and "node keys are unchanged" in res.output
     assert_key_modes(out)
     assert isinstance(_certs(str(tmp_path / "none"), "--renew").exception, ConfigError)
@@ -632,9 +634,10 @@ def test_round_lines_in_a_log_file_are_neither_wrapped_nor_coloured(tmp_path):
     assert got[0].startswith("\x1b[92m")  # the kept log is Flower's own
 
 
-def test_wall_time_of_a_session_counts_from_its_start(tmp_path):
-    """``fedfm serve`` passes the time it started: the session's wall time includes what
-    came before the first round (SuperLink, ServerApp start, the wait for SuperNodes)."""
+def test_a_sessions_start_and_its_rounds_are_timed_apart(tmp_path):
+    """``fedfm serve`` passes the time it started: ``start_s_this_session`` counts what came
+    before the first round (SuperLink, ServerApp start, the wait for SuperNodes), and
+    ``wall_s_this_session`` the rounds, as on the embedded runtime."""
     import fedfm.runtime.embedded as E
     from fedfm.config import load_config
     from fedfm.engine import Engine
@@ -644,7 +647,9 @@ def test_wall_time_of_a_session_counts_from_its_start(tmp_path):
     assert quick["wall_s_this_session"] < 60
     cfg = cfg.model_copy(update={"name": "w2"})
     late = Engine(cfg, E.embedded_federation, progress=False, started_at=time.time() - 100)
-    assert 100 <= late.run()["wall_s_this_session"] < 100 + 60
+    summary = late.run()
+    assert 100 <= summary["start_s_this_session"] < 100 + 60
+    assert summary["wall_s_this_session"] < 60  # from the first round, as on every runtime
 
 
 def test_serve_refuses_a_bad_algorithm_value_before_a_superlink_starts(monkeypatch, tmp_path):
@@ -655,3 +660,66 @@ def test_serve_refuses_a_bad_algorithm_value_before_a_superlink_starts(monkeypat
     assert isinstance(res.exception, ConfigError) and not started
     assert str(res.exception) == "config error: algo.nope: unknown key"
     assert not any(tmp_path.iterdir())
+
+
+def test_the_documented_certificate_covers_the_name_serve_reaches_its_superlink_by(tmp_path):
+    """docs/running-across-machines.md makes the certificate for server.example.org and
+    10.0.0.5 only; serve registers keys and submits the run on this machine, so every
+    certificate fedfm makes also covers 127.0.0.1 and localhost."""
+    out = tmp_path / "certs"
+    res = _certs(str(out), "--host", "server.example.org", "--host", "10.0.0.5", "--nodes", "1")
+    assert res.exit_code == 0, res.output
+    hosts = T.certificate_hosts(out / "server.pem")
+    assert hosts == ["server.example.org", "10.0.0.5", "127.0.0.1", "localhost"]
+    tls = T.tls_files(out)
+    assert D.own_host("0.0.0.0", tls) == D.own_host("127.0.0.1", tls) == "127.0.0.1"
+    assert D.own_host("10.0.0.5", tls) == "10.0.0.5"  # serve listens there: reached there
+    assert D.own_host("0.0.0.0", None) == "127.0.0.1"
+    assert T.covers(["*.example.org"], "server.example.org")
+    assert not T.covers(["*.example.org"], "a.server.example.org")
+    assert not T.covers(["10.0.0.5"], "server.example.org")
+
+
+def test_serve_refuses_a_certificate_without_its_own_name_in_one_line(monkeypatch, tmp_path):
+    """A certificate (e.g. from another CA) that covers only the public names: one line
+    naming the host serve would reach its SuperLink by, exit code 2, nothing started (it
+    used to fail in `flwr supernode register` with Flower's multi-line box, exit 1)."""
+    certs = tmp_path / "certs"
+    T.make_certificates(certs, ["server.example.org", "10.0.0.5"], loopback=False)
+    assert T.certificate_hosts(certs / "server.pem") == ["server.example.org", "10.0.0.5"]
+    started = []
+    monkeypatch.setattr(D, "start_superlink", lambda *a, **kw: started.append(a))
+    res = runner.invoke(app, ["serve", "tabular-fedavg", "--certificates", str(certs),
+                              "--host", "0.0.0.0", f"out_dir={tmp_path / 'runs'}"])  # fmt: skip
+    assert isinstance(res.exception, ConfigError) and not started
+    assert str(res.exception).startswith(
+        f"config error: certificates: the SuperLink's certificate {certs / 'server.pem'} is not"
+        " valid for 127.0.0.1, where `fedfm serve` reaches its own SuperLink (it is valid for"
+        " server.example.org, 10.0.0.5)"
+    )
+    assert "\n" not in str(res.exception) and not (tmp_path / "runs").exists()
+    with pytest.raises(ConfigError, match="not valid for localhost"):
+        D.own_host("localhost", T.tls_files(certs))
+
+
+def test_serve_shows_fedfm_lines_of_the_stream_and_leaves_flowers_to_the_log(capsys):
+    """What `flwr run --stream` printed in a healthy run (flwr 1.42) shows nothing; fedfm's
+    warnings (bare lines) and Flower's warnings show."""
+    healthy = [
+        "Using SuperLink: fedfm (127.0.0.1:9092)\n",
+        "Successfully started run 7366188045296898020\n",
+        "\x1b[92mINFO \x1b[0m:      Starting logstream for run_id `7366188045296898020`\n",
+        "INFO :      Start `flwr-serverapp` process\n",
+        "Successfully installed fedfm-flower-app to /tmp/x/flwr-home/apps/fedfm.app.\n",
+        "INFO :      \n",
+        "\n",
+    ]
+    for line in healthy:
+        D.show_warnings(line)
+    assert capsys.readouterr() == ("", "")
+    D.show_warnings("no SuperNode serves client(s) 2 after 30 s: they count as failed\n")
+    D.show_warnings("\x1b[93mWARNING \x1b[0m:   Node Unavailable\n")
+    assert capsys.readouterr().err.splitlines() == [
+        "no SuperNode serves client(s) 2 after 30 s: they count as failed",
+        "WARNING Node Unavailable",
+    ]

@@ -149,7 +149,8 @@ def test_malformed_replies_are_logged_and_left_out(tmp_path):
     ]
     assert rows[-1]["rmse"] < rows[0]["rmse"]  # the honest clients still train the model
     fails = _failures(tmp_path / "bad")
-    assert len(fails) == 18 and summary["failed_clients"] == 18
+    assert len(fails) == 18 and summary["failed_clients"] == 6  # clients, not messages
+    assert summary["failed_messages"] == 18
     for f in fails:
         assert EXPECTED[f["client"]] in f["error"] and f["kind"] == "train", f
 

@@ -103,6 +103,8 @@ def serve(
         check_expiry(tls.ca_cert, "certificates" if folder else "ssl-ca-certfile")
         check_expiry(tls.server_cert, "certificates" if folder else "ssl-certfile")
         check_private(tls.server_key, "the SuperLink's TLS key")
+        # The certificate must cover the name serve reaches its own SuperLink by.
+        deploy.own_host(host, tls, "certificates" if folder else "ssl-certfile")
     keys = [Path(k) for k in node_key or []]
     for key in keys:
         _existing("node-key", key)

@@ -15,12 +15,15 @@ available as ``isolation="subprocess"``).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import shutil
+import socket
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,13 +33,13 @@ from fedfm.runtime.flower.options import FlowerOptions, import_plugins, run_opti
 from fedfm.runtime.flower.payload import MESSAGE_TYPE, PAYLOAD_KEY, SESSIONS_FILE, Payload
 from fedfm.runtime.flower.processes import (
     DeployError,
+    FlwrCall,
     Proc,
     Stopped,
     bin_path,
     free_port,
     plugin_pythonpath,
     process_env,
-    run_flwr,
     start,
     stop,
     stop_on_signals,
@@ -45,7 +48,7 @@ from fedfm.runtime.flower.processes import (
     with_pythonpath,
 )
 from fedfm.runtime.flower.refusals import RETRYING, Refusal, from_supernode_log, probe
-from fedfm.runtime.flower.tls import TlsFiles
+from fedfm.runtime.flower.tls import LOOPBACK_HOSTS, TlsFiles, certificate_hosts, covers
 
 APP_NAME = "fedfm-flower-app"
 
@@ -206,10 +209,14 @@ def start_superlink(
     tls: TlsFiles | None = None,
     node_auth: bool = False,
     env_extra: Mapping[str, str] | None = None,
-    wait_s: float = 60.0,
+    wait_s: float | None = 60.0,
     die_with_parent: bool = False,
 ) -> Proc:
     """Starts a SuperLink and waits until it listens.
+
+    Args:
+        wait_s: How long to wait for it to listen; None: return at once (then call
+            :func:`wait_superlink`).
 
     Raises:
         DeployError: It exited or did not listen in time.
@@ -217,25 +224,165 @@ def start_superlink(
     env = process_env(home, env_extra)
     cmd = superlink_command(host, port, tls, node_auth)
     proc = start("superlink", cmd, env, log_dir, die_with_parent)
+    if wait_s is not None:
+        wait_superlink(proc, host, port, wait_s)
+    return proc
+
+
+def wait_superlink(proc: Proc, host: str, port: int, wait_s: float = 60.0) -> None:
+    """Waits until a started SuperLink listens (stops it if it does not).
+
+    Raises:
+        DeployError: It exited or did not listen in time.
+    """
     try:
         wait_port(_connect_host(host), port, wait_s, proc)
     except DeployError:
         stop([proc])
         raise
-    return proc
+
+
+_ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
 def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return "127.0.0.1" if host in _ANY_ADDRESS else host
+
+
+def own_host(host: str, tls: TlsFiles | None, field: str = "certificates") -> str:
+    """The name by which ``fedfm serve`` reaches the SuperLink it started (to register the
+    node keys and submit the run): ``host`` itself, or for a SuperLink on every address
+    (``0.0.0.0``) 127.0.0.1, localhost, or an address of this machine. With TLS it must be
+    a name the SuperLink's certificate covers, since the connection checks it.
+
+    Raises:
+        ConfigError: The certificate covers none of them (one line naming the host; checked
+            before anything starts).
+    """
+    names = [host] if host not in _ANY_ADDRESS else [*LOOPBACK_HOSTS]
+    if tls is None:
+        return _connect_host(names[0])
+    covered = certificate_hosts(tls.server_cert)
+    if host in _ANY_ADDRESS:
+        names += [h for h in covered if _is_local_address(h)]
+    for name in names:
+        if covers(covered, name):
+            return name
+    raise ConfigError(
+        field,
+        f"the SuperLink's certificate {tls.server_cert} is not valid for {names[0]}, where"
+        f" `fedfm serve` reaches its own SuperLink (it is valid for"
+        f" {', '.join(covered) or 'no host name'}): make it with `fedfm flower-certs`, which"
+        f" adds 127.0.0.1 and localhost, or add {names[0]} to its host names",
+    )
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` is an IP address of this machine (a socket can bind to it)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family) as s:
+            s.bind((str(ip), 0))
+    except OSError:
+        return False
+    return True
+
+
+def node_public_keys(paths: Sequence[Path]) -> list[bytes]:
+    """The SuperNode public keys (OpenSSH EC keys, as ``fedfm flower-certs`` writes them) in
+    the form the SuperLink registers, read before anything starts.
+
+    Raises:
+        ConfigError: A file is not such a key (field ``node-key``).
+    """
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+
+    out = []
+    for path in paths:
+        try:
+            key = serialization.load_ssh_public_key(path.read_bytes())
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError("node-key", f"{path} is not an OpenSSH public key ({e})") from None
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise ConfigError("node-key", f"{path} is not an EC public key")
+        out.append(public_key_to_bytes(key))
+    return out
+
+
+def import_control_client() -> tuple[Any, Any, Any, Any]:
+    """Flower's Control API client and what a registration request needs (about a second
+    of imports: done while the SuperLink starts)."""
+    from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
+    from flwr.proto.control_pb2 import RegisterNodeRequest
+    from flwr.supercore.control import ControlHttpClient
+    from flwr.supercore.interceptors.http.runtime_version import RuntimeVersionHttpInterceptor
+
+    return (
+        CliClientHttpInterceptor,
+        RegisterNodeRequest,
+        ControlHttpClient,
+        RuntimeVersionHttpInterceptor,
+    )
 
 
 def register_nodes(
-    home: Path, public_keys: Sequence[Path], cwd: Path, env_extra: Mapping[str, str] | None = None
+    address: str, root_certificates: Path | None, public_keys: Sequence[Path]
 ) -> None:
-    """Registers SuperNode public keys with the SuperLink (node authentication)."""
+    """Registers SuperNode public keys with the SuperLink at ``address`` (node
+    authentication), all over one connection from this process: what ``flwr supernode
+    register KEY`` does, without starting the ``flwr`` CLI (about 2 s) for every key.
+
+    Raises:
+        DeployError: The SuperLink did not register a key.
+    """
+    CliClientHttpInterceptor, RegisterNodeRequest, ControlHttpClient, VersionInterceptor = (
+        import_control_client()
+    )
+    keys = node_public_keys(public_keys)
+    control = ControlHttpClient.from_server_address(
+        server_address=address,
+        insecure=root_certificates is None,
+        root_certificates=None if root_certificates is None else root_certificates.read_bytes(),
+        interceptors=[
+            CliClientHttpInterceptor(),
+            VersionInterceptor(component_name="flwr CLI"),
+        ],
+    )
+    try:
+        for path, key in zip(public_keys, keys, strict=True):
+            try:
+                reply = control.RegisterNode(request=RegisterNodeRequest(public_key=key))
+            except Exception as e:  # Flower's HTTP and protocol errors alike
+                raise DeployError(f"the SuperLink did not register {path}: {e}") from None
+            if not reply.node_id:
+                raise DeployError(f"the SuperLink did not register {path}")
+    finally:
+        control.close()
+
+
+def start_submit(
+    home: Path,
+    work: Path,
+    payload: Payload,
+    env_extra: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+    echo: bool | Callable[[str], None] = False,
+    when_up: tuple[str, int, float] | None = None,
+) -> FlwrCall:
+    """Submits a fedfm run to the SuperLink of ``$FLWR_HOME/config.toml`` with ``flwr run
+    --stream``; returns at once (wait for it with :meth:`FlwrCall.wait`). With ``when_up``
+    the CLI starts now and submits once the SuperLink listens (see :class:`FlwrCall`)."""
+    app = write_app(work / "app")
+    run_config = write_run_config(work / "run_config.toml", payload)
     env = process_env(home, env_extra)
-    for key in public_keys:
-        run_flwr(["supernode", "register", str(key.resolve()), CONNECTION], env, 60, cwd)
+    args = ["run", str(app), CONNECTION, "--run-config", str(run_config), "--stream"]
+    return FlwrCall(args, env, work, log_path, echo, when_up)
 
 
 def submit(
@@ -251,11 +398,52 @@ def submit(
     Returns:
         The streamed log of the run.
     """
-    app = write_app(work / "app")
-    run_config = write_run_config(work / "run_config.toml", payload)
-    env = process_env(home, env_extra)
-    args = ["run", str(app), CONNECTION, "--run-config", str(run_config), "--stream"]
-    return run_flwr(args, env, timeout_s, work, echo)
+    return start_submit(home, work, payload, env_extra, echo=echo).wait(timeout_s)
+
+
+# Flower's log lines ("INFO :      text"), as ``flwr run --stream`` shows them.
+_FLOWER_LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*:\s*(.*)$", re.S)
+# What the ``flwr`` CLI says of itself around a run (flwr 1.42).
+_FLOWER_CLI = ("Using SuperLink", "Successfully installed", "Successfully started run")
+_QUIET = ("DEBUG", "INFO")
+
+
+def show_warnings(line: str) -> None:
+    """Prints a line of the run's stream unless it is Flower's own chatter.
+
+    Kept: what the ServerApp's fedfm code says (its warnings reach the stream as bare lines:
+    a client that failed, one that never connected), tracebacks, and Flower's warnings and
+    errors (as ``WARNING text``). Left to the log file: Flower's ``INFO`` and ``DEBUG``
+    lines and the CLI's ``Using SuperLink``, ``Successfully installed`` and ``Successfully
+    started run``.
+    """
+    text = strip_ansi(line).rstrip()
+    m = _FLOWER_LEVEL.match(text)
+    if not text.strip() or text.startswith(_FLOWER_CLI) or (m and m.group(1) in _QUIET):
+        return
+    print(f"{m.group(1)} {m.group(2)}" if m else text, file=sys.stderr, flush=True)
+
+
+#: Where ``fedfm serve`` keeps the logs of the Flower processes it ran, in the run folder.
+LOGS_DIR = "flower_logs"
+
+
+def keep_logs(logs: Path, run_dir: Path, started: float) -> Path | None:
+    """Copies this session's Flower logs (SuperLink, ``flwr run``) into
+    ``run_dir/flower_logs/<start time>/``, when this session wrote the run folder.
+
+    Returns:
+        The folder they went to, or None.
+    """
+    sessions = run_dir / SESSIONS_FILE
+    if not logs.is_dir() or not sessions.exists() or sessions.stat().st_mtime < started:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started))
+    dest = run_dir / LOGS_DIR / stamp
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in logs.glob("*.log"):
+        shutil.copyfile(log, dest / log.name)
+    return dest
 
 
 def serve(
@@ -290,7 +478,8 @@ def serve(
         node_keys: Public keys of the SuperNodes allowed to connect; empty: no node
             authentication.
         timeout_s: Give up on the run after this long (None: no limit).
-        echo: Print the run's log as it streams.
+        echo: Print what fedfm's ServerApp says as the run streams (see
+            :func:`show_warnings`; Flower's own lines go to the log files only).
         work_dir: Folder for the SuperLink's home and logs (default: a temporary one).
         progress: Show each round as the run folder logs it, then the final table (as
             ``fedfm run`` does), and the clients that took no part.
@@ -303,10 +492,12 @@ def serve(
         Stopped: SIGTERM or SIGINT: every process this started is stopped, the temporary
             folder removed, and one line says the round the run can resume from.
     """
-    started = time.time()  # the session's wall time counts from here (wall_s_this_session)
+    started = time.time()  # the session starts here (start_s_this_session)
     opts = run_options(cfg, options)
     if node_keys and tls is None:
         raise ConfigError("node-key", "node authentication needs TLS (Flower refuses it without)")
+    own = own_host(host, tls)
+    node_public_keys(node_keys)  # a bad key file is one line before anything starts
     import_plugins(opts.imports)
     from fedfm.engine import resolve  # the algorithms and tasks: torch
 
@@ -333,25 +524,39 @@ def serve(
         with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
             work = work_dir or Path(tmp)
             home = work / "flwr-home"
+            logs = work / "logs"
             link = start_superlink(
-                home,
-                work / "logs",
-                host,
-                port,
-                tls,
-                bool(node_keys),
-                env_extra,
-                die_with_parent=True,
+                home, logs, host, port, tls, bool(node_keys), env_extra, None, True
             )
+            finished = False
             try:
-                address = f"{_connect_host(host)}:{port}"
-                write_connection(home, address, tls.ca_cert if tls else None)
-                if node_keys:
-                    register_nodes(home, node_keys, work, env_extra)
+                address = f"{own}:{port}"
+                ca = tls.ca_cert if tls else None
+                write_connection(home, address, ca)
                 with watch:
-                    out = submit(home, work, payload, timeout_s, echo, env_extra)
+                    # Started together: the SuperLink; the `flwr run` CLI, which submits once
+                    # the SuperLink listens; and the key registration, ready to go then. The
+                    # ServerApp waits for the SuperNodes anyway.
+                    flwr_run = start_submit(
+                        home, work, payload, env_extra, logs / "flwr-run.log",
+                        show_warnings if echo else False, (own, port, 60.0),
+                    )  # fmt: skip
+                    try:
+                        if node_keys:
+                            import_control_client()
+                        wait_superlink(link, host, port)
+                        if node_keys:
+                            register_nodes(address, ca, node_keys)
+                        out = flwr_run.wait(timeout_s)
+                        finished = True
+                    except BaseException:
+                        flwr_run.kill()
+                        raise
             finally:
-                stop([link])
+                # A finished run leaves the SuperLink nothing to keep: a short grace. A
+                # stopped one gives the ServerApp time to end its round's writes.
+                stop([link], grace_s=1.0 if finished else 5.0)
+                keep_logs(logs, run_dir, started)
     except Stopped as e:
         # Everything this command started is stopped and its temporary folder is gone.
         print(watch.stop_line(e.signum), file=sys.stderr, flush=True)
@@ -492,10 +697,15 @@ def client(
         node = _ClientNode(superlink, partition_id, root_certificates, wait_s)
         state = state_dir or Path("fedfm-client-states") / str(partition_id)
         logs = work / "logs"
-        print(f"client {partition_id}: SuperNode for {superlink}; logs in {logs}", flush=True)
         while True:
             if (code := node.wait_for_server()) is not None:
                 return code
+            if not logs.exists():  # named once a SuperNode writes there: the folder goes at the end
+                print(
+                    f"client {partition_id}: SuperNode for {superlink}; logs in {logs} while this"
+                    " client runs",
+                    flush=True,
+                )
             procs = start_client(
                 superlink,
                 partition_id,

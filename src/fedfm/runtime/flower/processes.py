@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,45 +274,108 @@ def run_flwr(
     Raises:
         DeployError: It failed or timed out (its process group is killed).
     """
-    popen = subprocess.Popen(
-        [bin_path("flwr"), *args],
-        env=dict(env),
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        text=True,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=_pump, args=(popen, lines, echo), daemon=True)
-    reader.start()
-    try:
-        popen.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _signal_group(popen, signal.SIGKILL)
-        popen.wait()
-        reader.join(5)
-        out = "".join(lines)[-3000:]
-        raise DeployError(f"`flwr {args[0]}` timed out after {timeout_s:.0f} s:\n{out}") from None
-    finally:
-        _signal_group(popen, signal.SIGKILL)
-    reader.join(5)
-    out = "".join(lines)
-    if popen.returncode != 0:
-        cmd = " ".join(args[:2])
-        raise DeployError(f"`flwr {cmd}` failed ({popen.returncode}):\n{out[-3000:]}")
-    return out
+    return FlwrCall(args, env, cwd, echo=echo).wait(timeout_s)
 
 
-def _pump(popen: subprocess.Popen, lines: list[str], echo: bool) -> None:
+class FlwrCall:
+    """A ``flwr`` CLI command running in its own process group; its output is collected
+    (for :meth:`wait` and its errors) and written to ``log_path`` as it comes.
+
+    Args:
+        args: The arguments after ``flwr``.
+        env: Its environment.
+        cwd: Its working folder.
+        log_path: A file that gets every line of its output (None: none).
+        echo: Also print each line (colour codes removed when the output is not a
+            terminal), or, given a callable, hand it each line to print what it chooses.
+        when_up: ``(host, port, wait_s)``: start the CLI now but run the command once
+            ``host:port`` listens (:mod:`fedfm.runtime.flower.flwr_when_up`).
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        log_path: Path | None = None,
+        echo: bool | Callable[[str], None] = False,
+        when_up: tuple[str, int, float] | None = None,
+    ) -> None:
+        self.args = list(args)
+        exe = [bin_path("flwr")]
+        if when_up is not None:
+            host, port, wait_s = when_up
+            exe = [sys.executable, "-m", "fedfm.runtime.flower.flwr_when_up"]
+            exe += [host, str(port), str(wait_s)]
+        self.popen = subprocess.Popen(
+            [*exe, *args],
+            env=dict(env),
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(
+            target=_pump, args=(self.popen, self.lines, echo, log_path), daemon=True
+        )
+        self._reader.start()
+
+    def kill(self) -> None:
+        """Ends the command and everything in its process group."""
+        _signal_group(self.popen, signal.SIGKILL)
+        self.popen.wait()
+        self._reader.join(5)
+
+    def wait(self, timeout_s: float | None) -> str:
+        """Waits for the command; its output.
+
+        Raises:
+            DeployError: It failed or timed out (its process group is killed).
+        """
+        try:
+            self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out = "".join(self.lines)[-3000:]
+            raise DeployError(
+                f"`flwr {self.args[0]}` timed out after {timeout_s:.0f} s:\n{out}"
+            ) from None
+        finally:
+            _signal_group(self.popen, signal.SIGKILL)
+        self._reader.join(5)
+        out = "".join(self.lines)
+        if self.popen.returncode != 0:
+            cmd = " ".join(self.args[:2])
+            raise DeployError(f"`flwr {cmd}` failed ({self.popen.returncode}):\n{out[-3000:]}")
+        return out
+
+
+def _pump(
+    popen: subprocess.Popen,
+    lines: list[str],
+    echo: bool | Callable[[str], None],
+    log_path: Path | None = None,
+) -> None:
     assert popen.stdout is not None
     plain = not sys.stdout.isatty()  # a log file or a pipe gets no colour codes
-    for line in popen.stdout:
-        lines.append(line)
-        if echo:
-            sys.stdout.write(strip_ansi(line) if plain else line)
-            sys.stdout.flush()
+    log_file = log_path.open("a") if log_path is not None else None
+    try:
+        for line in popen.stdout:
+            lines.append(line)
+            if log_file is not None:
+                log_file.write(strip_ansi(line))
+                log_file.flush()
+            if callable(echo):
+                echo(line)
+            elif echo:
+                sys.stdout.write(strip_ansi(line) if plain else line)
+                sys.stdout.flush()
+    finally:
+        if log_file is not None:
+            log_file.close()
 
 
 def plugin_pythonpath(imports: Sequence[str]) -> list[str]:

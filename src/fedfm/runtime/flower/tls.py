@@ -13,6 +13,7 @@ to client machine *i* only; ``node<i>.pub`` stays on the server (``fedfm serve -
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import logging
@@ -36,6 +37,9 @@ FOLDER_MODE = 0o700
 DEFAULT_DAYS = 365
 #: ``fedfm serve`` and ``fedfm client`` warn this many days before a certificate expires.
 WARN_DAYS = 14
+#: Names every certificate fedfm makes also covers: ``fedfm serve`` reaches its own
+#: SuperLink on this machine (key registration, ``flwr run``) by one of them.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 RENEW_HINT = (
     "renew with `fedfm flower-certs DIR --renew` and give every client the new ca.crt"
     " (docs/running-across-machines.md)"
@@ -60,9 +64,10 @@ class TlsFiles:
 
 def make_certificates(
     folder: Path,
-    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+    hosts: Sequence[str] = LOOPBACK_HOSTS,
     days: float = DEFAULT_DAYS,
     start: dt.datetime | None = None,
+    loopback: bool = True,
 ) -> TlsFiles:
     """Creates a CA and a SuperLink certificate for ``hosts`` (IP addresses or DNS names).
 
@@ -74,7 +79,10 @@ def make_certificates(
         hosts: Host names and IP addresses the SuperLink's certificate is valid for.
         days: Validity of both certificates from ``start``.
         start: Start of the validity (default: five minutes ago, for clocks a little behind).
+        loopback: Also cover :data:`LOOPBACK_HOSTS`, by which ``fedfm serve`` reaches its
+            own SuperLink (after ``hosts``; the CA is named after the first of ``hosts``).
     """
+    hosts = list(dict.fromkeys([*hosts, *(LOOPBACK_HOSTS if loopback else ())]))
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -371,4 +379,26 @@ def check_private(path: Path, what: str) -> bool:
     if mode & 0o044 == 0:
         return True
     log.warning("%s %s is readable by other users (mode %o): chmod 600 %s", what, path, mode, path)
+    return False
+
+
+def covers(hosts: Sequence[str], name: str) -> bool:
+    """Whether a certificate valid for ``hosts`` (its subject alternative names) is valid
+    for ``name``: an IP address equal to one of them, or a DNS name equal to one (case
+    ignored) or matched by a wildcard ``*.domain`` in its leftmost label (RFC 6125)."""
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        ip = None
+    for h in hosts:
+        if ip is not None:
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(h) == ip:
+                    return True
+            continue
+        pattern, want = h.lower(), name.lower().rstrip(".")
+        if pattern == want:
+            return True
+        if pattern.startswith("*.") and "." in want and want.split(".", 1)[1] == pattern[2:]:
+            return True
     return False

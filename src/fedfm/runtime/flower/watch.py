@@ -115,6 +115,11 @@ class RunWatch:
         """One line: the signal, the round the run stopped at, and how to go on."""
         name = signal.Signals(signum).name
         rnd = checkpoint_round(self.run_dir)
+        if rnd < 0 and not self.run_dir.exists():
+            return (
+                f"{self.cfg.name}: stopped by {name} before round 0 (no run folder is left):"
+                " start it again with the same command"
+            )
         if rnd < 0:
             return (
                 f"{self.cfg.name}: stopped by {name} before round 0 was saved: start it again"

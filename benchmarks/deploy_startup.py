@@ -1,0 +1,160 @@
+"""Seconds from ``fedfm serve`` to round 0, and from the last round to its exit, on loopback.
+
+The deployment an operator runs: ``fedfm flower-certs`` makes a CA, a SuperLink certificate
+and node keys; N ``fedfm client`` commands (TLS and node authentication) start first and
+wait for the server; then ``fedfm serve tabular-fedavg`` starts with their public keys.
+Measured from outside, as an operator sees it:
+
+- start-up: from the start of ``fedfm serve`` until round 0's line is in the run folder's
+  ``metrics.jsonl`` (SuperLink start, key registration, ``flwr run``, the ServerApp
+  process, the wait for the SuperNodes, handshakes, task builds, round 0 itself);
+- teardown: from the last round's line until ``fedfm serve`` has exited.
+
+``--src DIR`` (repeatable) runs the whole measurement with the fedfm sources of ``DIR``
+first on ``PYTHONPATH`` (e.g. an unmodified checkout, then a changed one), alternating
+``--repeat`` times, so that the figures of two versions come from the same sitting on a
+shared machine. The figures are printed last, with the machine's load average.
+
+Usage: .venv/bin/python benchmarks/deploy_startup.py [--nodes 3] [--rounds 2]
+       [--src DIR ...] [--repeat 1] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fedfm.runtime.flower import processes as P
+
+PRESET = "tabular-fedavg"
+HERE = Path(__file__).resolve().parent
+
+
+def fedfm(src: str, *args: str) -> list[str]:
+    """The ``fedfm`` command with ``src``'s sources (``python -m fedfm``)."""
+    del src  # on PYTHONPATH (see env)
+    return [sys.executable, "-m", "fedfm", *args]
+
+
+def env_for(src: str, tmp: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1", TMPDIR=str(tmp))
+    env.pop("FEDFM_REQUEST_COUNT_DIR", None)
+    return env
+
+
+def lines_of(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], word: str, limit_s: float) -> None:
+    """Waits until every client's output holds ``word`` (it is up and waiting)."""
+    deadline = time.monotonic() + limit_s
+    while not all(word in p.read_text(errors="replace") for p in logs):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise SystemExit("clients not waiting:\n" + "\n".join(p.read_text() for p in logs))
+        time.sleep(0.1)
+
+
+def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float]:
+    """One deployment on loopback; ``(start-up s, teardown s)``."""
+    work.mkdir(parents=True)
+    (work / "tmp").mkdir()
+    env = env_for(src, work / "tmp")
+    certs = work / "certs"
+    hosts = ["--host", "127.0.0.1", "--host", "localhost"]
+    subprocess.run(
+        fedfm(src, "flower-certs", str(certs), *hosts, "--nodes", str(nodes)),
+        env=env, cwd=work, check=True, capture_output=True,
+    )  # fmt: skip
+    port = P.free_port()
+    clients: list[subprocess.Popen] = []
+    logs = [work / f"client{i}.log" for i in range(nodes)]
+    try:
+        for i, log in enumerate(logs):
+            with log.open("w") as out:
+                cmd = fedfm(
+                    src, "client", "--superlink", f"127.0.0.1:{port}",
+                    "--root-certificates", str(certs / "ca.crt"),
+                    "--auth-key", str(certs / f"node{i}.key"),
+                    "--partition-id", str(i), "--num-partitions", str(nodes),
+                    "--state-dir", str(work / f"states{i}"), "--wait", "600",
+                )  # fmt: skip
+                clients.append(subprocess.Popen(cmd, env=env, cwd=work, stdout=out, stderr=out))
+        wait_all(clients, logs, "waiting for the server", 300)
+        keys = [a for i in range(nodes) for a in ("--node-key", str(certs / f"node{i}.pub"))]
+        serve = fedfm(
+            src, "serve", PRESET, "--host", "127.0.0.1", "--port", str(port),
+            "--certificates", str(certs), *keys, "--quiet",
+            f"partition.num_clients={nodes}", "clients.min_clients=1", f"rounds={rounds}",
+            f"out_dir={work / 'runs'}", "name=startup", "plots=false",
+        )  # fmt: skip
+        metrics = work / "runs" / "startup" / "metrics.jsonl"
+        with (work / "serve.log").open("w") as out:
+            t0 = time.monotonic()
+            proc = subprocess.Popen(serve, env=env, cwd=work, stdout=out, stderr=out)
+            first = last = None
+            while proc.poll() is None:
+                n = lines_of(metrics)
+                now = time.monotonic()
+                if n >= 1 and first is None:
+                    first = now
+                if n >= rounds + 1 and last is None:
+                    last = now
+                time.sleep(0.02)
+            end = time.monotonic()
+        if proc.returncode != 0 or first is None or last is None:
+            raise SystemExit(
+                f"serve failed ({proc.returncode}):\n{(work / 'serve.log').read_text()}"
+            )
+        return first - t0, end - last
+    finally:
+        for c in clients:
+            c.terminate()
+        for c in clients:
+            c.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--src", action="append", help="fedfm sources to measure (repeatable)")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--keep", type=Path, help="work in this folder and keep it (logs)")
+    args = ap.parse_args()
+    srcs = args.src or [str(HERE.parent / "src")]
+    figures: dict[str, list[tuple[float, float]]] = {s: [] for s in srcs}
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory(prefix="fedfm-deploy-startup-") as tmp:
+        out = args.keep or tmp
+        for k in range(args.repeat):
+            for j, src in enumerate(srcs):
+                work = Path(out) / f"{k}-{j}"
+                figures[src].append(measure(src, work, args.nodes, args.rounds))
+                load.append(os.getloadavg()[0])
+                up, down = figures[src][-1]
+                print(f"{src}: start-up {up:.1f} s, teardown {down:.1f} s", flush=True)
+    print(
+        f"\n{PRESET}, {args.nodes} waiting clients (TLS, node authentication), {args.rounds}"
+        f" rounds, {os.cpu_count()} CPUs, load average (1 min) {min(load):.1f}-{max(load):.1f}"
+    )
+    for src, runs in figures.items():
+        ups, downs = [u for u, _ in runs], [d for _, d in runs]
+        print(
+            f"{src}: serve to round 0 {statistics.median(ups):.1f} s"
+            f" (runs: {', '.join(f'{u:.1f}' for u in ups)}), last round to exit"
+            f" {statistics.median(downs):.1f} s (runs: {', '.join(f'{d:.1f}' for d in downs)})"
+        )
+
+
+if __name__ == "__main__":
+    main()
