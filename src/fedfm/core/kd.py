@@ -176,20 +176,26 @@ class GateContext:
     def update_level(self, energy: Tensor) -> float:
         """Folds the batch's mean energy into the running mean and returns the new level."""
         batch = float(energy.mean())
-        self.level = batch if self.level is None else (
-            LEVEL_MOMENTUM * self.level + (1 - LEVEL_MOMENTUM) * batch
+        self.level = (
+            batch
+            if self.level is None
+            else (LEVEL_MOMENTUM * self.level + (1 - LEVEL_MOMENTUM) * batch)
         )
         return self.level
 
 
 @dataclass(frozen=True)
 class ContextGate:
-    """A gate that reads a :class:`GateContext`; its loss is normalised by the batch size
-    (Σ w·D / B), so its weights can lower a batch's whole distillation, not only reorder it."""
+    """A gate that reads a :class:`GateContext`.
+
+    Its loss is normalised by the batch size (Σ w·D / B), so its weights can lower a batch's
+    whole distillation, not only shift it between the batch's samples.
+    """
 
     fn: Callable[[Tensor, float, GateContext], Tensor]
 
     def __call__(self, energy: Tensor, beta: float, context: GateContext | None = None) -> Tensor:
+        """Weights ``[B]`` of the batch's energies (ValueError without a context)."""
         if context is None:
             raise ValueError("this gate needs a GateContext")
         return self.fn(energy, beta, context)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from fedfm.reproduce.framework import Context, Readout, Run, RunView, merge, preset, register
-from fedfm.reproduce.stats import NONE, Estimate, mean_se, pooled_paired
+from fedfm.reproduce.stats import Estimate, mean_se, pooled_paired
 from fedfm.reproduce.tables import DASH, Text, marked, num
 
 TEXT = Text("fedekd_shift")
@@ -57,7 +57,10 @@ class Arm:
         """The run's algorithm and gate fields."""
         if self.gate == "local":
             return {"algorithm": "local-private", "algo": {"gate": "ungated"}}
-        return {"algorithm": "fedekd", "algo": {"gate": self.gate, "beta": self.beta, "lam": self.lam}}
+        return {
+            "algorithm": "fedekd",
+            "algo": {"gate": self.gate, "beta": self.beta, "lam": self.lam},
+        }
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class Grid:
 
 
 FULL = Grid("fedekd-fmnist-shift", seeds=(0, 1, 2, 3, 4), lams=(1.0, 2.0), betas=(1.0, 4.0))
-QUICK = Grid("fedekd-fmnist-shift", seeds=(0, 1), lams=(2.0,), betas=(4.0,), overrides={"rounds": 6})
+# The pilot (``--quick``): the premise and a first look at each gate, one β and λ, two seeds.
+QUICK = Grid("fedekd-fmnist-shift", seeds=(0, 1), lams=(2.0,), betas=(1.0,))
 
 
 def run_name(arm: Arm, seed: int) -> str:
@@ -153,7 +157,9 @@ def read(ctx: Context[Grid]) -> Read:
                 c: float(m["local/acc"]) for c, m in clients.items()
             }
             out.swapped.setdefault(arm.tag, {})[s] = {
-                c: float(m["local/shifted_acc"]) for c, m in clients.items() if "local/shifted_acc" in m
+                c: float(m["local/shifted_acc"])
+                for c, m in clients.items()
+                if "local/shifted_acc" in m
             }
             out.test.setdefault(arm.tag, {})[s] = float(view.final.get("test/acc", math.nan))
             if (w := _weights(view)) is not None:
@@ -166,7 +172,9 @@ def read(ctx: Context[Grid]) -> Read:
 # ----------------------------------------------------------------------------- statistics
 
 
-def nt(r: Read, arm: Arm, shifted: bool, worst: bool = False, key: str = "local") -> dict[int, float]:
+def nt(
+    r: Read, arm: Arm, shifted: bool, worst: bool = False, key: str = "local"
+) -> dict[int, float]:
     """Seed -> negative transfer of ``arm`` (its accuracy minus the private models' alone,
     per client of the same seed) over the shifted or the other clients: the mean client, or
     the worst. ``key`` "swapped": accuracy on the relabelled classes (shifted clients)."""
@@ -181,13 +189,14 @@ def nt(r: Read, arm: Arm, shifted: bool, worst: bool = False, key: str = "local"
     return out
 
 
-def versus(
-    r: Read, gate: str, shifted: bool, worst: bool = False, key: str = "local"
-) -> Estimate:
+def versus(r: Read, gate: str, shifted: bool, worst: bool = False, key: str = "local") -> Estimate:
     """``gate`` − ungated KD at the same λ, pooled over the grid's β × λ cells per seed."""
     betas = r.grid.betas if gate in GATED else (0.0,)
     pairs = [
-        (nt(r, Arm(gate, lam, b), shifted, worst, key), nt(r, Arm("ungated", lam), shifted, worst, key))
+        (
+            nt(r, Arm(gate, lam, b), shifted, worst, key),
+            nt(r, Arm("ungated", lam), shifted, worst, key),
+        )
         for b in betas
         for lam in r.grid.lams
     ]
@@ -226,7 +235,8 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
     scope = TEXT(GATE_SCOPE)
     out: list[Readout[Read]] = [
         Readout(
-            f"premise: ungated KD (λ={lam:g}) − private models alone, shifted clients' local accuracy",
+            f"premise: ungated KD (λ={lam:g}) − private models alone,"
+            " shifted clients' local accuracy",
             "mean client, paired by seed",
             "ungated distillation transfers the federation's labels to shifted clients (harm)",
             -1,
@@ -321,7 +331,9 @@ def _resolution_rows(grid: Grid, r: Read) -> list[list[str]]:
     for i, ro in enumerate(readouts(grid), start=1):
         est = ro.value(r)
         ok = est.n > 1 and math.isfinite(est.se)
-        rows.append([f"R{i}", str(est.n), num(est.se if ok else None), num(2 * est.se if ok else None)])
+        rows.append(
+            [f"R{i}", str(est.n), num(est.se if ok else None), num(2 * est.se if ok else None)]
+        )
     return rows
 
 
@@ -361,6 +373,6 @@ def body(ctx: Context[Grid], r: Read) -> str:
 STUDY = register(
     __name__,
     "FedeKD's gates under partial concept shift (label swaps on a minority of clients)",
-    reports=("fedekd_shift.md", None),
+    reports=("fedekd_shift.md", "fedekd_shift-pilot.md"),
     title=lambda ctx: TEXT("title-quick" if ctx.quick else "title"),
 )

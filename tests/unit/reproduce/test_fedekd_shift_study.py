@@ -36,8 +36,13 @@ RUN: dict[str, Any] = {
     "rounds": 1,
     "algorithm": "local-private",
     "plots": False,
-    "task": {"kind": "image", "dataset": "digits", "model": "small-cnn", "shift": SHIFT,
-             "local_test_fraction": 0.25},
+    "task": {
+        "kind": "image",
+        "dataset": "digits",
+        "model": "small-cnn",
+        "shift": SHIFT,
+        "local_test_fraction": 0.25,
+    },
     "partition": {"scheme": "iid", "num_clients": 4},
     "train": {"steps": 1, "batch_size": 16},
 }
@@ -96,8 +101,14 @@ def test_oracle_gate_drops_exactly_the_unreliable_rows():
 
 
 def test_oracle_gate_without_a_shift_is_refused(tmp_path):
-    cfg = make_config(RUN, tmp_path, name="o", algorithm="fedekd", algo={"gate": "oracle"},
-                      task={"shift": {"name": "none"}})
+    cfg = make_config(
+        RUN,
+        tmp_path,
+        name="o",
+        algorithm="fedekd",
+        algo={"gate": "oracle"},
+        task={"shift": {"name": "none"}},
+    )
     with pytest.raises(ConfigError) as err:
         build(load_config(cfg))
     assert err.value.field == "algo.gate"
@@ -110,11 +121,15 @@ def _local_acc(folder: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_tiny_grid_through_the_framework_and_the_premise_by_hand(tmp_path):
-    grid = study.Grid("fedekd-fmnist-shift", seeds=(0, 1), lams=(1.0,), betas=(2.0,), overrides=TINY)
+    grid = study.Grid(
+        "fedekd-fmnist-shift", seeds=(0, 1), lams=(1.0,), betas=(2.0,), overrides=TINY
+    )
     ctx = open_study(study.STUDY, tmp_path / "s", grid=grid, workers=1)
     report = run_study(study.STUDY, ctx, tmp_path / "report.md")
     record = json.loads((tmp_path / "s" / "study.json").read_text())
-    assert len(record["jobs"]) == 2 * 5 and {j["status"] for j in record["jobs"].values()} == {"done"}
+    assert len(record["jobs"]) == 2 * 5 and {j["status"] for j in record["jobs"].values()} == {
+        "done"
+    }
     # R1 by hand: ungated − local on client 0 (the only shifted one), per seed, mean ± SE.
     d = [
         _local_acc(tmp_path / "s" / f"ungated-l1-s{s}")["0"]
