@@ -459,10 +459,12 @@ class FedRD(Algorithm):
         return {**out, **{f"server_{k}": float(np.mean(v)) for k, v in parts.items() if v}}
 
     def transfer(self, srv: ServerHalf, rnd: int) -> dict[str, float]:
-        """(Beyond the paper) the unlabelled transfer pool: after the labelled co-training, the
-        same epochs over the pool with the distillation terms alone, β·(KL(z_t ‖ z_s) +
-        L_CKA), or (``transfer_loss: pseudo``, the control) CE of the student against z_t's
-        hard labels. The pool's own labels are never read."""
+        """(Beyond the paper) one pass of co-training over the unlabelled transfer pool.
+
+        After the labelled co-training, the same epochs over the pool with the distillation
+        terms alone, β·(KL(z_t ‖ z_s) + L_CKA), or (``transfer_loss: pseudo``, the control) CE
+        of the student against z_t's hard labels. The pool's own labels are never read.
+        """
         c, model = self.cfg, srv.cotrainer
         assert srv.pool_feats is not None
         pseudo = c.transfer_loss == "pseudo"
