@@ -86,7 +86,7 @@ TEXT_TASKS = (
 )
 VISION = Task("fashion_mnist", "fedrd-vision", "fedrd-vision-ft")
 FULL = Grid((*TEXT_TASKS, VISION), seeds=(0, 1, 2))
-QUICK = Grid((*TEXT_TASKS, VISION), seeds=(0, 1), rounds=10)
+QUICK = Grid((*TEXT_TASKS, VISION), seeds=(0, 1))
 
 
 def run_name(task: Task, arm: str, seed: int) -> str:
