@@ -257,7 +257,7 @@ def body(ctx: Context[Grid], r: Read) -> str:
     return TEXT(
         "body",
         seeds=", ".join(map(str, grid.seeds)),
-        pool=grid.pool,
+        pool=", ".join(f"{t.name} {grid.pool if t.pool is None else t.pool}" for t in grid.tasks),
         rounds=cfg["rounds"],
         probe=_probe_rows(r),
         arms=_arm_rows(r),
