@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -252,7 +253,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
                 "mean client, paired by seed, pooled over β × λ",
                 "the gate lowers negative transfer" + (" (bound)" if gate == "oracle" else ""),
                 +1,
-                lambda r, g=gate: versus(r, g, shifted=True),
+                partial(versus, gate=gate, shifted=True),
                 scope=scope,
                 testable=premise_holds,
             )
@@ -264,7 +265,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
                 "mean client, paired by seed, pooled over β × λ",
                 "gating does not cost the clients without shift",
                 +1,
-                lambda r, g=gate: versus(r, g, shifted=False),
+                partial(versus, gate=gate, shifted=False),
                 scope=scope,
                 testable=premise_holds,
             )
@@ -276,7 +277,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
                 "mean over seeds (each pooled over β × λ)",
                 "high-energy (wrong) proxy knowledge gets less trust",
                 -1,
-                lambda r, g=gate: weight_ratio(r, g),
+                partial(weight_ratio, gate=gate),
                 null=1.0,
                 scope=scope,
                 testable=premise_holds,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fedfm.reproduce.framework import Context, Readout, Run, merge, preset, register
@@ -185,7 +186,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
                 "test accuracy, paired by seed",
                 "the foundation model's path is stronger than the student",
                 +1,
-                lambda r, t=name: margin(r, t),
+                partial(margin, task=name),
                 scope=premise_scope,
             )
         )
@@ -205,7 +206,7 @@ def readouts(grid: Grid) -> list[Readout[Read]]:
                     "student test accuracy, paired by seed",
                     claim,
                     +1,
-                    lambda r, t=name, x=a, y=b: diff(r, t, x, y),
+                    partial(diff, task=name, a=a, b=b),
                     scope=scope,
                     testable=holds,
                 )
