@@ -33,7 +33,10 @@ shared-architecture local-only baseline live in :mod:`fedfm.algorithms.fedavg`.
 Choices of ours (the paper does not make them; each is a config option):
     * The gate: ``sigmoid``, w = sigmoid(−β·z) with z the batch-standardised energy
       (:func:`fedfm.core.kd.sigmoid_gate`); weights are detached. The paper's text available
-      here stops before eq. (3), so the gate's form is ours.
+      here stops before eq. (3), so the gate's form is ours. ``level`` (also ours) normalises
+      by a running mean of the client's energy kept in its state across rounds, so a whole
+      unreliable batch can be down-weighted; ``oracle`` (a bound for studies of a simulated
+      concept shift, ``task.shift``) gives weight 0 to exactly the client's relabelled rows.
     * β = 1, λ = 0.5: chosen over β ∈ {1, 2, 4, 8} × λ ∈ {0.5, 1, 2} by the rule of the
       reproduction study (best mean rank of mean-client negative transfer on the clients'
       validation splits, never the test numbers; ``docs/fedekd.md``); λ was 1 before.
@@ -81,6 +84,7 @@ from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.kd import (
     GATES,
+    GateContext,
     gated_kd,
     half_squared_error_energy,
     kd_kl,
@@ -110,12 +114,24 @@ FORWARD = MessageKind(
 BACKWARD = MessageKind(
     "backward",
     down_arrays=("proxy",),
-    up_meta=("num_examples", "loss", "energy", "gate_min", "gate_max"),
-    # Sent only when the backward stage distils (λ > 0); gate weights are non-negative.
+    up_meta=(
+        "num_examples",
+        "loss",
+        "energy",
+        "gate_min",
+        "gate_max",
+        "gate_shifted",
+        "gate_kept",
+    ),
+    # Sent only when the backward stage distils (λ > 0); gate weights are non-negative. The
+    # mean weight on a shifted client's relabelled rows and on its other rows come only from a
+    # client of a simulated concept shift (a measurement of the gate, not part of the method).
     meta_specs={
         "energy": MetaSpec("float"),
         "gate_min": MetaSpec("float", ge=0),
         "gate_max": MetaSpec("float", ge=0),
+        "gate_shifted": MetaSpec("float", ge=0),
+        "gate_kept": MetaSpec("float", ge=0),
     },
 )
 LOCAL = MessageKind("local", up_meta=("num_examples", "loss"))
@@ -230,13 +246,19 @@ def evaluate_privates(
     """One client's private model, evaluated three ways.
 
     On the global test set (``test/``), the local test split (``local/``) and, where the task
-    holds one, the client's validation split (``val/``).
+    holds one, the client's validation split (``val/``); a client of a simulated concept
+    shift also reports its accuracy on the local test rows of the classes it relabels
+    (``local/shifted_acc``).
     """
     model = privates.load(ctx)
     glob = task.evaluate(model, task.test_data())
-    loc = task.evaluate(model, task.client_test_data(ctx.cid))
+    local_test = task.client_test_data(ctx.cid)
+    loc = task.evaluate(model, local_test)
     metrics = {**{f"test/{k}": v for k, v in glob.items()}}
     metrics.update({f"local/{k}": v for k, v in loc.items()})
+    swapped = task.relabelled(ctx.cid, local_test)  # under a simulated concept shift only
+    if swapped is not None and task.num_examples(swapped):
+        metrics["local/shifted_acc"] = task.evaluate(model, swapped)["acc"]
     val = task.client_val_data(ctx.cid)
     if val is not None:  # an empty split evaluates to no metrics
         metrics.update({f"val/{k}": v for k, v in task.evaluate(model, val).items()})
@@ -348,15 +370,30 @@ class FedeKDClient(ClientHalf):
         proxy = self.proxy.eval()
         set_params(proxy, msg.arrays["proxy"])
         stats: dict[str, list[float]] = {"energy": [], "w_min": [], "w_max": []}
+        shifted = torch.tensor(sorted(self.task.shifted(ctx.cid)), dtype=torch.long)
+        weights = {"shifted": [0.0, 0], "kept": [0.0, 0]}  # sum of weights, rows
+        level = ctx.state.meta.get("energy_level")  # the level gate's running mean energy
+        gate_ctx = GateContext(level=None if level is None else float(level))
 
         def kd(model: nn.Module, batch: Any, out: Tensor) -> Tensor:
             with torch.no_grad():
                 g_out = proxy(batch[0])
             energy = self._energy(out, g_out)
-            loss, w = gated_kd(self._divergence(out, g_out), energy, self.cfg.gate, self.cfg.beta)
+            relabelled = (
+                torch.isin(batch[1].cpu(), shifted) if self.task.kind == "classification" else None
+            )
+            gate_ctx.unreliable = relabelled
+            loss, w = gated_kd(
+                self._divergence(out, g_out), energy, self.cfg.gate, self.cfg.beta, gate_ctx
+            )
             stats["energy"].append(float(energy.detach().mean()))
             stats["w_min"].append(float(w.min()))
             stats["w_max"].append(float(w.max()))
+            if relabelled is not None and len(shifted):
+                w_cpu = w.detach().cpu()
+                for key, mask in (("shifted", relabelled), ("kept", ~relabelled)):
+                    weights[key][0] += float(w_cpu[mask].sum())
+                    weights[key][1] += int(mask.sum())
             return self.cfg.lam * loss
 
         res = local_round(
@@ -368,6 +405,8 @@ class FedeKDClient(ClientHalf):
             extra_loss=kd if self.cfg.lam > 0 else None,
         )
         self.privates.save(ctx, private)
+        if gate_ctx.level is not None:
+            ctx.state.meta["energy_level"] = gate_ctx.level
         if self.user_dp is not None and self.user_dp.client_side:
             return Message("backward")  # a DP client reports nothing of its private model
         meta: dict[str, Any] = {"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
@@ -375,6 +414,9 @@ class FedeKDClient(ClientHalf):
             meta["energy"] = sum(stats["energy"]) / len(stats["energy"])
             meta["gate_min"] = min(stats["w_min"])
             meta["gate_max"] = max(stats["w_max"])
+        for key, (total, rows) in weights.items():
+            if rows:
+                meta[f"gate_{key}"] = total / rows
         return Message("backward", meta=meta)
 
 
@@ -394,6 +436,10 @@ class FedeKD(Algorithm):
         if task.kind not in ("classification", "regression"):
             raise ConfigError(
                 "algorithm", f"FedeKD needs a classification or regression task, not {task.kind}"
+            )
+        if cfg.gate == "oracle" and not any(task.shifted(c) for c in task.client_ids()):
+            raise ConfigError(
+                "algo.gate", "the oracle gate needs a simulated concept shift (task.shift)"
             )
         self._proxy = shared_proxy(task, run, cfg)
         self.proxy: dict[str, Tensor] = get_params(self._proxy)
@@ -440,6 +486,10 @@ class FedeKD(Algorithm):
             out["energy"] = weighted_mean_metric(gated, "energy")
             out["gate_min"] = min(meta_number(r, "gate_min") for r in gated.values())
             out["gate_max"] = max(meta_number(r, "gate_max") for r in gated.values())
+        for key in ("gate_shifted", "gate_kept"):  # over the shifted clients' rows
+            vals = [meta_number(r, key) for r in gated.values() if key in r.meta]
+            if vals:
+                out[key] = sum(vals) / len(vals)
         return out
 
     @override

@@ -65,6 +65,12 @@ Choices of ours, not made by the paper:
 * The warm-up uses the server optimizer's settings with ``warmup_epochs`` epochs, once,
   before round 1 (a resumed run has the warmed-up φ in its checkpoint); it is refused at
   config load for an objective without ``z_t``.
+* (Beyond the paper) ``transfer_size`` > 0 adds an unlabelled transfer pool: rows of the
+  source's training set that no client holds, not test rows and not the labelled public set
+  (checked). After the labelled co-training of each round the server runs the same epochs
+  over the pool with the distillation terms alone (KL at ``temperature`` and CKA, into the
+  teacher side too unless ``detach_teacher``); ``transfer_loss: pseudo`` is its control,
+  CE of the student against the teacher path's hard labels of the same rows.
 * ``F_t`` lives only in the server half, built lazily in :meth:`FedRD.setup`/``round``;
   client handlers are FedAvg's and never touch it, so clients never load it.
 """
@@ -75,7 +81,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -96,9 +102,10 @@ from fedfm.algorithms.fedavg import (
 )
 from fedfm.algorithms.presets import register_preset
 from fedfm.config import RunConfig, TrainConfig
-from fedfm.core.cka import linear_cka
+from fedfm.core.cka import cka_loss, linear_cka
 from fedfm.core.federation import Federation
 from fedfm.core.groups import get_group, join_groups
+from fedfm.core.kd import kd_kl
 from fedfm.core.optim import ServerOptimizer
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_train, num_steps, set_params
@@ -115,7 +122,7 @@ from fedfm.models.encoders import (
 from fedfm.models.objectives import OBJECTIVES
 from fedfm.models.reprogram import CoTrainer, as_student, head_width
 from fedfm.tasks.base import IMAGE_VIEW, SPLIT_INPUTS, TEXT_VIEW, Task, TaskConfig, require
-from fedfm.tasks.public import public_split, require_public_set
+from fedfm.tasks.public import public_split, require_public_set, transfer_split
 
 log = logging.getLogger("fedfm")
 
@@ -213,6 +220,12 @@ class FedRDConfig(FedAvgConfig):
     public_size: int = Field(500, ge=0)
     public_ids: list[int] | None = None
     teacher_eval_size: int = Field(0, ge=0, description="test rows to evaluate z_t on (0: off)")
+    transfer_size: int = Field(
+        0, ge=0, description="(beyond the paper) unlabelled transfer pool rows (0: none)"
+    )
+    transfer_loss: Literal["kd", "pseudo"] = Field(
+        "kd", description="on the pool: KL + CKA (kd), or CE on z_t's hard labels (pseudo)"
+    )
 
 
 @dataclass
@@ -227,6 +240,8 @@ class ServerHalf:
     cotrainer: CoTrainer
     eval_data: Any = None
     eval_feats: Tensor | None = None
+    pool: Any = None
+    pool_feats: Tensor | None = None
 
 
 class FedRD(Algorithm):
@@ -251,6 +266,10 @@ class FedRD(Algorithm):
         if cfg.warmup_epochs > 0 and not objective.teacher_path:
             raise ConfigError(
                 "algo.warmup_epochs", f"objective '{cfg.objective}' has no z_t to warm up: set 0"
+            )
+        if cfg.transfer_size > 0 and not objective.teacher_path:
+            raise ConfigError(
+                "algo.transfer_size", f"objective '{cfg.objective}' has no z_t to transfer: set 0"
             )
         require(task_cls, task_cfg, SPLIT_INPUTS, "task.kind", "FedRD's server co-training")
         require_public_set(task_cls, task_cfg, cfg.public_ids, cfg.public_size, "FedRD")
@@ -335,6 +354,10 @@ class FedRD(Algorithm):
             idx = torch.randperm(len(test), generator=torch.Generator().manual_seed(self.run.seed))
             self._srv.eval_data = test.subset(torch.as_tensor(sorted(idx[:n].tolist())))
             self._srv.eval_feats = self._features(key, self._srv.eval_data)
+        if c.transfer_size:
+            exclude = np.asarray(public.ids)
+            pool = transfer_split(self.task, c.transfer_size, exclude, self.run.seed, "transfer")
+            self._srv.pool, self._srv.pool_feats = pool, self._features(key, pool)
         if self._pending:
             self._load_server_arrays(self._pending)
             self._pending = {}
@@ -429,12 +452,40 @@ class FedRD(Algorithm):
         batches = public_batches(self.task, srv.public, srv.public_feats, cfg.batch_size, seed)
         steps = num_steps(cfg, len(srv.public))
         res = local_train(model, batches, student_loss, cfg, steps, extra_loss=teacher_terms)
+        out: dict[str, float] = {"server_loss": res.loss, "server_steps": res.steps}
+        if srv.pool is not None and srv.pool_feats is not None:
+            out.update(self.transfer(srv, rnd))
         self.params = get_params(model.student, list(self.params))
-        return {
-            "server_loss": res.loss,
-            "server_steps": res.steps,
-            **{f"server_{k}": float(np.mean(v)) for k, v in parts.items() if v},
-        }
+        return {**out, **{f"server_{k}": float(np.mean(v)) for k, v in parts.items() if v}}
+
+    def transfer(self, srv: ServerHalf, rnd: int) -> dict[str, float]:
+        """(Beyond the paper) one pass of co-training over the unlabelled transfer pool.
+
+        After the labelled co-training, the same epochs over the pool with the distillation
+        terms alone, β·(KL(z_t ‖ z_s) + L_CKA), or (``transfer_loss: pseudo``, the control) CE
+        of the student against z_t's hard labels. The pool's own labels are never read.
+        """
+        c, model = self.cfg, srv.cotrainer
+        assert srv.pool_feats is not None
+        pseudo = c.transfer_loss == "pseudo"
+
+        def pool_loss(m: nn.Module, batch: Any) -> tuple[Tensor, Any]:
+            x, _, feats = batch  # the pool's labels are not read
+            student = as_student(model.student)
+            f_s = student.features(x)
+            z_s = student.head(f_s)
+            f_t, z_t = model.teacher(feats)
+            if pseudo:
+                return F.cross_entropy(z_s, z_t.detach().argmax(-1)), None
+            kd_z, kd_f = (z_t.detach(), f_t.detach()) if c.detach_teacher else (z_t, f_t)
+            loss = kd_kl(z_s, kd_z, c.temperature) + cka_loss(kd_f, f_s)
+            return c.beta * loss, None
+
+        cfg = c.server_train
+        seed = derive_seed(self.run.seed, rnd, "fedrd-transfer")
+        batches = public_batches(self.task, srv.pool, srv.pool_feats, cfg.batch_size, seed)
+        res = local_train(model, batches, pool_loss, cfg, num_steps(cfg, len(srv.pool)))
+        return {"transfer_loss": res.loss, "transfer_steps": float(res.steps)}
 
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:

@@ -20,11 +20,20 @@ Choices of ours (the paper's text does not fix them):
       loss without being a loss itself; a gated loss is the weight-normalised mean
       Σ w·D / Σ w.
     * For multi-output regression the energy sums the squared error over outputs.
+    * The gate ``level``: w = exp(−β·E / Ē), Ē a running mean of the client's batch-mean energy
+      (carried across batches and rounds), and the gated loss Σ w·D / B. Unlike the sigmoid
+      gate, which standardises within the batch and renormalises by Σ w (so it can only shift
+      trust between the batch's samples), it can down-weight a whole batch whose energy is
+      above the client's usual level.
+    * The gate ``oracle`` is a measuring bound, not a method: weight 0 on exactly the samples a
+      simulation knows to be mislabelled for the proxy (``GateContext.unreliable``), 1
+      elsewhere, loss Σ w·D / B; no real client knows that mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -34,7 +43,8 @@ from torch import Tensor
 from fedfm.registry import Registry
 
 Reduction = Literal["none", "mean", "sum"]
-# A gate maps per-sample energies [B] and a scale beta to non-negative trust weights [B].
+# A gate maps per-sample energies [B] and a scale beta to non-negative trust weights [B]
+# (a ContextGate also reads a GateContext).
 Gate = Callable[[Tensor, float], Tensor]
 
 ENTROPY_EPS = 1e-8  # ε_H of FedeKD eq. (1)
@@ -146,25 +156,101 @@ def ungated(energy: Tensor, beta: float) -> Tensor:
     return torch.ones_like(energy)
 
 
+LEVEL_MOMENTUM = 0.9  # (ours) running mean Ē ← 0.9·Ē + 0.1·mean_B E
+
+
+@dataclass
+class GateContext:
+    """What a context gate reads besides a batch's energies.
+
+    Attributes:
+        level: The client's running mean energy Ē before this batch (None: none seen yet);
+            :func:`gated_kd` updates it with the batch's mean energy.
+        unreliable: ``[B]`` bool, True on samples known to be mislabelled for the proxy
+            (known only in a simulation: the oracle gate's input).
+    """
+
+    level: float | None = None
+    unreliable: Tensor | None = None
+
+    def update_level(self, energy: Tensor) -> float:
+        """Folds the batch's mean energy into the running mean and returns the new level."""
+        batch = float(energy.mean())
+        self.level = (
+            batch
+            if self.level is None
+            else (LEVEL_MOMENTUM * self.level + (1 - LEVEL_MOMENTUM) * batch)
+        )
+        return self.level
+
+
+@dataclass(frozen=True)
+class ContextGate:
+    """A gate that reads a :class:`GateContext`.
+
+    Its loss is normalised by the batch size (Σ w·D / B), so its weights can lower a batch's
+    whole distillation, not only shift it between the batch's samples.
+    """
+
+    fn: Callable[[Tensor, float, GateContext], Tensor]
+
+    def __call__(self, energy: Tensor, beta: float, context: GateContext | None = None) -> Tensor:
+        """Weights ``[B]`` of the batch's energies (ValueError without a context)."""
+        if context is None:
+            raise ValueError("this gate needs a GateContext")
+        return self.fn(energy, beta, context)
+
+
+def _level_gate(energy: Tensor, beta: float, context: GateContext) -> Tensor:
+    level = context.update_level(energy)
+    return torch.exp(-beta * energy / (level + STD_EPS))
+
+
+def _oracle_gate(energy: Tensor, beta: float, context: GateContext) -> Tensor:
+    if context.unreliable is None:
+        raise ValueError("the oracle gate needs the mask of unreliable samples")
+    return (~context.unreliable.to(energy.device)).to(energy.dtype)
+
+
+GATES.register(
+    "level",
+    "(ours) w = exp(-beta * E / running mean of E), loss normalised by batch size",
+)(ContextGate(_level_gate))
+GATES.register(
+    "oracle", "bound, not a method: w = 0 on exactly the samples known to be unreliable"
+)(ContextGate(_oracle_gate))
+
+
 def gated_mean(values: Tensor, weights: Tensor) -> Tensor:
     """Σ w·v / Σ w over the batch (0 when every weight is 0)."""
     return (weights * values).sum() / weights.sum().clamp_min(1e-12)
 
 
 def gated_kd(
-    divergence: Tensor, energy: Tensor, gate: str | Gate = "sigmoid", beta: float = 1.0
+    divergence: Tensor,
+    energy: Tensor,
+    gate: str | Gate = "sigmoid",
+    beta: float = 1.0,
+    context: GateContext | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Energy-gated distillation loss Σ w·D / Σ w with w = gate(E) (detached).
+    """Energy-gated distillation loss with w = gate(E) (detached).
+
+    Σ w·D / Σ w for a plain gate; Σ w·D / B for a :class:`ContextGate` (``level``,
+    ``oracle``), which reads (and, for ``level``, updates) ``context``.
 
     Args:
         divergence: Per-sample distillation loss D ``[B]`` (carries the gradient).
         energy: Per-sample private-proxy energy E ``[B]``; detached here.
         gate: A name in :data:`GATES` or a gate function.
         beta: Gate scale.
+        context: What a context gate reads; a fresh one when None.
 
     Returns:
         ``(loss, weights)``; weights ``[B]`` for logging.
     """
     fn = GATES.get(gate) if isinstance(gate, str) else gate
+    if isinstance(fn, ContextGate):
+        weights = fn(energy.detach(), beta, context or GateContext()).detach()
+        return (weights * divergence).mean(), weights
     weights = fn(energy.detach(), beta).detach()
     return gated_mean(divergence, weights), weights

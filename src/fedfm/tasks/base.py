@@ -141,6 +141,16 @@ class Task(ABC):
         """
         return None
 
+    def shifted(self, cid: str) -> frozenset[int]:
+        """The classes whose rows this client relabels under a simulated concept shift
+        (``task.shift``); empty when the task simulates none."""
+        return frozenset()
+
+    def relabelled(self, cid: str, data: Any) -> Any | None:
+        """The rows of ``data`` (one of the client's splits) in the classes it relabels under
+        ``task.shift``; None when the client relabels none."""
+        return None
+
     @abstractmethod
     def test_data(self) -> Any:
         """Global held-out data (server-side evaluation)."""

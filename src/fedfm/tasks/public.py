@@ -130,3 +130,28 @@ def public_split(
         data = task.rows(pool_ids[rows].tolist())
     check_public(data.ids.numpy(), task, field_name)
     return data, origin
+
+
+def transfer_split(task: Task, size: int, exclude: np.ndarray, seed: int, label: str) -> Any:
+    """An unlabelled transfer pool: ``size`` source training rows that no client holds, not
+    test rows and not in ``exclude`` (the labelled public set), drawn with a seed derived from
+    ``seed`` and ``label``. The rows keep their labels in memory; a method that treats the pool
+    as unlabelled must not read them (FedRD reads only its inputs).
+
+    Raises:
+        ConfigError: Fewer free rows than ``size`` (field ``algo.transfer_size``), or an
+            overlap with client data or the test set.
+    """
+    pool_ids = task.pool_ids()
+    taken = np.concatenate([used_ids(task), np.asarray(task.test_data().ids), exclude])
+    free = np.flatnonzero(~np.isin(pool_ids, taken))
+    if len(free) < size:
+        raise ConfigError(
+            "algo.transfer_size",
+            f"only {len(free)} training rows are held by no client and not public, {size} asked "
+            "(lower task.max_train or transfer_size)",
+        )
+    rng = np.random.default_rng(derive_seed(seed, label))
+    data = task.rows(pool_ids[np.sort(rng.choice(free, size=size, replace=False))].tolist())
+    check_public(data.ids.numpy(), task, "algo.transfer_size")
+    return data

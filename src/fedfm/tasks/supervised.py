@@ -6,13 +6,13 @@ tensor and costs nothing next to the model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import Tensor, nn
 
 from fedfm.config import validate_section
@@ -22,6 +22,7 @@ from fedfm.data.sources import LoadedSource, column_array, load_source
 from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError
 from fedfm.models.registry import build_model
+from fedfm.registry import Registry
 from fedfm.tasks.base import (
     IMAGE_VIEW,
     SOURCE_ROWS,
@@ -55,6 +56,58 @@ class TensorData:
         return TensorData(self.x[idx], self.y[idx], self.ids[idx])
 
 
+class ShiftConfig(BaseModel):
+    """A concept shift on some clients: their labels mean something else (``docs/fedekd-shift.md``).
+
+    The shift acts on a client's training, validation and local test rows alike, never on the
+    global test set, so a shifted client's own task differs from the others'.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("none", description="shift in fedfm.tasks.supervised.SHIFTS")
+    clients: list[int] = Field(
+        default_factory=list, description="indices of the shifted clients (a minority)"
+    )
+    pairs: list[tuple[int, int]] = Field(
+        default_factory=list, description="class pairs whose labels the shifted clients swap"
+    )
+
+    @field_validator("pairs")
+    @classmethod
+    def _disjoint(cls, v: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        flat = [c for pair in v for c in pair]
+        if len(set(flat)) != len(flat) or any(c < 0 for c in flat):
+            raise ValueError("every class may appear in one pair only, as a class index >= 0")
+        return v
+
+
+# A shift maps (labels of one shifted client, the config) to its new labels.
+Shift = Callable[[Tensor, ShiftConfig], Tensor]
+SHIFTS: Registry[Shift] = Registry("client shift", "task.shift.name")
+
+
+@SHIFTS.register("none", "every client keeps the source's labels")
+def no_shift(y: Tensor, cfg: ShiftConfig) -> Tensor:
+    """The labels as they are."""
+    return y
+
+
+@SHIFTS.register("label-swap", "the shifted clients swap the labels of each class pair")
+def label_swap(y: Tensor, cfg: ShiftConfig) -> Tensor:
+    """Concept shift by label swap: on a shifted client class a is called b and b is called a
+    (for each pair), so a model that fits the other clients is confidently wrong on exactly
+    those rows."""
+    out = y.clone()
+    for a, b in cfg.pairs:
+        out[y == a], out[y == b] = b, a
+    return out
+
+
+def shifted_classes(cfg: ShiftConfig) -> frozenset[int]:
+    """The classes whose rows a shifted client relabels."""
+    return frozenset() if cfg.name == "none" else frozenset(c for p in cfg.pairs for c in p)
+
+
 class SupervisedConfig(TaskConfig):
     """Config of a tabular or image task."""
 
@@ -75,6 +128,7 @@ class SupervisedConfig(TaskConfig):
         description="evaluate on this many test rows (a fixed draw, the same for every seed)",
     )
     standardize: bool = True
+    shift: ShiftConfig = Field(default_factory=ShiftConfig)
 
     @field_validator("local_val_fraction")
     @classmethod
@@ -152,7 +206,40 @@ class SupervisedTask(Task):
             self._local_test[str(i)] = data.subset(perm[:n_test])
             self._local_val[str(i)] = data.subset(perm[n_test : n_test + n_val])
             self._clients[str(i)] = data.subset(perm[n_test + n_val :])
+        self._apply_shift()
         self._standardize()
+
+    def _apply_shift(self) -> None:
+        """Relabels the shifted clients' rows (training, validation and local test alike)."""
+        shift = self.cfg.shift
+        fn = SHIFTS.get(shift.name)
+        if shift.name == "none":
+            return
+        if self.kind != "classification":
+            raise ConfigError("task.shift.name", f"'{shift.name}' needs a classification task")
+        n = len(self._clients)
+        if not shift.clients or any(not 0 <= c < n for c in shift.clients):
+            raise ConfigError("task.shift.clients", f"give client indices in [0, {n})")
+        if max((c for p in shift.pairs for c in p), default=-1) >= self.num_classes:
+            raise ConfigError("task.shift.pairs", f"classes must be < {self.num_classes}")
+        for c in map(str, shift.clients):
+            for split in (self._clients, self._local_val, self._local_test):
+                split[c].y = fn(split[c].y, shift)
+
+    def shifted(self, cid: str) -> frozenset[int]:
+        """The classes this client relabels under ``task.shift`` (empty when it is unshifted)."""
+        if self.cfg.shift.name == "none" or int(cid) not in self.cfg.shift.clients:
+            return frozenset()
+        return shifted_classes(self.cfg.shift)
+
+    def relabelled(self, cid: str, data: TensorData) -> TensorData | None:
+        """The rows of one of the client's splits in the classes it relabels (its labels after
+        the swap, which stay in the swapped classes)."""
+        classes = self.shifted(cid)
+        if not classes:
+            return None
+        keep = torch.isin(data.y, torch.tensor(sorted(classes), dtype=data.y.dtype))
+        return data.subset(torch.nonzero(keep).squeeze(1))
 
     def _split(self, src: LoadedSource) -> tuple[Any, Any]:
         train, test = src.train, src.test
