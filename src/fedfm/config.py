@@ -27,10 +27,16 @@ from pydantic import (
 )
 
 from fedfm import devices
-from fedfm.core.codec import CommConfig
 
 # The sections the core owns, re-exported: configs are imported from here.
-from fedfm.core.settings import BNB_OPTIMIZERS, SecAggConfig, Strict, TrainConfig, UserLevelConfig
+from fedfm.core.settings import (
+    BNB_OPTIMIZERS,
+    CommConfig,
+    SecAggConfig,
+    Strict,
+    TrainConfig,
+    UserLevelConfig,
+)
 from fedfm.core.settings import AdaptiveClipConfig as AdaptiveClipConfig
 from fedfm.core.settings import LrSchedule as LrSchedule
 from fedfm.errors import ConfigError

@@ -37,6 +37,7 @@ from fedfm.core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from fedfm.core.codec import Wire
 from fedfm.core.federation import ClientInfo, ClientRunner, Federation, Handler, assign_roles
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import RunFolder, RunFolderError, RunFolderLease, read_jsonl
@@ -346,7 +347,9 @@ class Engine:
             # Every run folder has failures.jsonl, empty when no client failed (README).
             folder.failures.touch()
             fed = self.make_federation(setup, store, ledger)
-            fed.wire = cfg.comm.wire()  # the codecs of array fields (fedfm.core.codec)
+            fed.wire = Wire.of(
+                cfg.comm.uplink, cfg.comm.downlink, cfg.comm.fields
+            )  # the codecs of array fields (fedfm.core.codec)
             self.tb = TensorBoardLog(folder.root, cfg.log.tensorboard)
             display = RoundDisplay(
                 cfg, enabled=self.progress, start=max(last, 0), primary=setup.task.primary

@@ -38,11 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from pydantic import Field, field_validator
 from torch import Tensor
 
 from fedfm.core.messages import Message
-from fedfm.core.settings import Strict
+from fedfm.core.settings import CODEC_NAMES
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 
@@ -182,6 +181,8 @@ CODECS.register("int8", "blockwise absmax int8 (Dettmers et al. 2022)")(
 CODECS.register("nf4", "blockwise 4-bit NormalFloat (QLoRA, Dettmers et al. 2023)")(
     Codec("nf4", _nf4_encode, _nf4_decode, lambda t: _block_bound(t, NF4_HALF_GAP))
 )
+# The config validates codec names without importing torch (settings.CODEC_NAMES).
+assert set(CODECS) == set(CODEC_NAMES), "core.settings.CODEC_NAMES is out of date"
 
 
 @dataclass(frozen=True)
@@ -280,37 +281,3 @@ class Wire:
             assert codec is not None
             sizes[name] = (codec.name, sum(parts_bytes(p) for p in by_key.values()))
         return self.decode(msg, parts, direction), sizes
-
-
-class CommConfig(Strict):
-    """``comm``: the codecs array fields travel in (:mod:`fedfm.core.codec`).
-
-    Attributes:
-        uplink: Codec of client-to-server array fields; None: tensors as they are.
-        downlink: Codec of server-to-client array fields; None: tensors as they are.
-        fields: ``"<kind>.<field>"`` array fields the codecs apply to (e.g.
-            ``train.params``); None: every array field.
-    """
-
-    uplink: str | None = Field(None, description="float32 | bfloat16 | float16 | int8 | nf4")
-    downlink: str | None = Field(None, description="float32 | bfloat16 | float16 | int8 | nf4")
-    fields: list[str] | None = Field(None, description="'<kind>.<field>' fields to code; all")
-
-    @field_validator("uplink", "downlink")
-    @classmethod
-    def _known(cls, v: str | None) -> str | None:
-        if v is not None and v not in CODECS:
-            raise ValueError(f"unknown codec '{v}' (choose from {', '.join(CODECS)})")
-        return v
-
-    @field_validator("fields")
-    @classmethod
-    def _dotted(cls, v: list[str] | None) -> list[str] | None:
-        for name in v or []:
-            if name.count(".") < 1:
-                raise ValueError(f"'{name}' is not '<kind>.<field>'")
-        return v
-
-    def wire(self) -> Wire:
-        """The :class:`Wire` of this section."""
-        return Wire.of(self.uplink, self.downlink, self.fields)

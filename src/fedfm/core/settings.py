@@ -222,3 +222,38 @@ class RunView(Protocol):
     def privacy(self) -> _PrivacyView:
         """The run's ``delta``, accountant and noise source."""
         ...
+
+
+#: The wire codecs of :mod:`fedfm.core.codec` (its registry checks this list), named here
+#: so that a config loads without importing torch.
+CODEC_NAMES = ("float32", "bfloat16", "float16", "int8", "nf4")
+
+
+class CommConfig(Strict):
+    """``comm``: the codecs array fields travel in (:mod:`fedfm.core.codec`).
+
+    Attributes:
+        uplink: Codec of client-to-server array fields; None: tensors as they are.
+        downlink: Codec of server-to-client array fields; None: tensors as they are.
+        fields: ``"<kind>.<field>"`` array fields the codecs apply to (e.g.
+            ``train.params``); None: every array field.
+    """
+
+    uplink: str | None = Field(None, description="float32 | bfloat16 | float16 | int8 | nf4")
+    downlink: str | None = Field(None, description="float32 | bfloat16 | float16 | int8 | nf4")
+    fields: list[str] | None = Field(None, description="'<kind>.<field>' fields to code; all")
+
+    @field_validator("uplink", "downlink")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        if v is not None and v not in CODEC_NAMES:
+            raise ValueError(f"unknown codec '{v}' (choose from {', '.join(CODEC_NAMES)})")
+        return v
+
+    @field_validator("fields")
+    @classmethod
+    def _dotted(cls, v: list[str] | None) -> list[str] | None:
+        for name in v or []:
+            if name.count(".") < 1:
+                raise ValueError(f"'{name}' is not '<kind>.<field>'")
+        return v

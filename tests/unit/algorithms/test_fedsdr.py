@@ -256,10 +256,12 @@ def test_only_lora_r_leaves_and_uplink_equals_fedit(
     sent: list[dict[str, torch.Tensor]] = []
     record = AuditLedger.record
 
-    def spy(self: AuditLedger, rnd: int, client: str, direction: str, msg: Any) -> int:
+    def spy(
+        self: AuditLedger, rnd: int, client: str, direction: str, msg: Any, coded: Any = None
+    ) -> int:
         if direction == "up":
             sent.extend(msg.arrays.values())
-        return record(self, rnd, client, direction, msg)
+        return record(self, rnd, client, direction, msg, coded)
 
     monkeypatch.setattr(AuditLedger, "record", spy)
     run_experiment(
