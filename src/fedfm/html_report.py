@@ -519,6 +519,8 @@ def _secagg_guarantee(run: RunData) -> str:
         " a round with fewer than t survivors, or fewer than t shares of a secret, failed"
         " before anything was unmasked. SecAgg+ bytes per stage:</p>"
     )
+
+
 def _bill(run: RunData) -> str:
     """The communication bill: GB (10⁹ bytes) up and down per client and for the run."""
     bill = communication_bill(run.audit)

@@ -63,6 +63,8 @@ def secagg_stages(rows: Iterable[Mapping[str, Any]]) -> list[list[Any]]:
         if r["kind"] in sums:
             sums[r["kind"]][0 if r["direction"] == "up" else 1] += int(r["bytes"])
     return [[k, ", ".join(sorted(labels[k])), *sums[k]] for k in labels]
+
+
 #: Bytes in a GB of the communication bill (decimal, as FlowerTune's leaderboard counts).
 GB = 10**9
 

@@ -98,9 +98,7 @@ class LoraConfigSpec(pydantic.BaseModel):
 
     @pydantic.field_validator("client_ranks")
     @classmethod
-    def _within_global(
-        cls, v: list[int] | None, info: pydantic.ValidationInfo
-    ) -> list[int] | None:
+    def _within_global(cls, v: list[int] | None, info: pydantic.ValidationInfo) -> list[int] | None:
         mode, r = info.data.get("rank_mode"), info.data.get("r")
         if v is None or mode is None or r is None:
             return v
