@@ -16,15 +16,15 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
+from fedfm.algorithms.base import ALGORITHMS, ClientHalf
 from fedfm.config import load_config, preset_dir
-from fedfm.core.federation import ClientContext, Federation
-from fedfm.core.messages import Message, MessageKind
+from fedfm.core.federation import ClientContext
+from fedfm.core.messages import Message
 from fedfm.core.secret import SECRET
 from fedfm.errors import ConfigError
 from fedfm.runtime import run
 from fedfm.runtime.workers import WorkerFailed, side_by_side
-from helpers import flower  # noqa: F401  (registers the toy task, test-two-phase, test-crashy)
+from helpers import flower  # registers the toy task, test-two-phase, test-crashy
 from helpers.config import TINY_LLAMA, toy_config
 from helpers.runfiles import jsonl_rows, untimed_rows
 
@@ -121,22 +121,10 @@ class KilledClient(ClientHalf):
         return {"train": train}
 
 
-class Killed(Algorithm):
-    """Averages the replies of whoever answered."""
+class Killed(flower.Crashy):
+    """Averages the replies of whoever answered (the crashing test algorithm's server half)."""
 
     Client = KilledClient
-    messages = (MessageKind("train", down_arrays=("p",), up_arrays=("p",)),)
-    Config = AlgoConfig
-
-    def __init__(self, cfg: Any, task: Any, run: Any) -> None:
-        super().__init__(cfg, task, run)
-        self.p = {"w": torch.zeros(2)}
-
-    def round(self, fed: Federation) -> dict[str, float]:
-        cids = fed.client_ids()
-        replies = fed.broadcast(Message("train", {"p": self.p}), cids, like={"p": self.p})
-        self.require(fed, replies, len(cids))
-        return {"ok": len(replies)}
 
 
 if "test-killed" not in ALGORITHMS:
