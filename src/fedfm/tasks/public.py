@@ -115,19 +115,8 @@ def public_split(
         field_name, origin = "task.public_size", "the task's public split"
         data = task.public_data()
     else:
-        pool_ids = task.pool_ids()
-        taken = np.concatenate([used_ids(task), np.asarray(task.test_data().ids)])
-        free = np.flatnonzero(~np.isin(pool_ids, taken))
-        if len(free) < size:
-            raise ConfigError(
-                "algo.public_size",
-                f"only {len(free)} training rows are held by no client, {size} asked "
-                "(lower task.max_train or public_size)",
-            )
-        rng = np.random.default_rng(derive_seed(seed, label))
-        rows = np.sort(rng.choice(free, size=size, replace=False))
         field_name, origin = "algo.public_size", "unused training rows"
-        data = task.rows(pool_ids[rows].tolist())
+        data = _free_rows(task, size, None, seed, label, "public_size", "")
     check_public(data.ids.numpy(), task, field_name)
     return data, origin
 
@@ -142,16 +131,30 @@ def transfer_split(task: Task, size: int, exclude: np.ndarray, seed: int, label:
         ConfigError: Fewer free rows than ``size`` (field ``algo.transfer_size``), or an
             overlap with client data or the test set.
     """
-    pool_ids = task.pool_ids()
-    taken = np.concatenate([used_ids(task), np.asarray(task.test_data().ids), exclude])
-    free = np.flatnonzero(~np.isin(pool_ids, taken))
-    if len(free) < size:
-        raise ConfigError(
-            "algo.transfer_size",
-            f"only {len(free)} training rows are held by no client and not public, {size} asked "
-            "(lower task.max_train or transfer_size)",
-        )
-    rng = np.random.default_rng(derive_seed(seed, label))
-    data = task.rows(pool_ids[np.sort(rng.choice(free, size=size, replace=False))].tolist())
+    data = _free_rows(task, size, exclude, seed, label, "transfer_size", " and not public")
     check_public(data.ids.numpy(), task, "algo.transfer_size")
     return data
+
+
+def _free_rows(
+    task: Task, size: int, exclude: np.ndarray | None, seed: int, label: str, option: str, also: str
+) -> Any:
+    """``size`` source training rows that no client holds, not test rows and not in
+    ``exclude``, drawn with a seed derived from ``seed`` and ``label``.
+
+    Raises:
+        ConfigError: Fewer free rows than ``size`` (field ``algo.<option>``).
+    """
+    pool_ids = task.pool_ids()
+    taken = [used_ids(task), np.asarray(task.test_data().ids)]
+    if exclude is not None:
+        taken.append(exclude)
+    free = np.flatnonzero(~np.isin(pool_ids, np.concatenate(taken)))
+    if len(free) < size:
+        raise ConfigError(
+            f"algo.{option}",
+            f"only {len(free)} training rows are held by no client{also}, {size} asked "
+            f"(lower task.max_train or {option})",
+        )
+    rng = np.random.default_rng(derive_seed(seed, label))
+    return task.rows(pool_ids[np.sort(rng.choice(free, size=size, replace=False))].tolist())
