@@ -68,7 +68,7 @@ CASES: dict[str, str] = {
     " algo={'server_opt': {'name': 'fedadam', 'lr': 0.01}}),"
     " client_ranks=[1, 2, 4], rank_mode='svd')",
     "fedit-flora": "lora(make_config(FEDSDR, out, name='fedit-flora', algorithm='fedavg',"
-    " rounds=1), client_ranks=[1, 2, 4], rank_mode='flora')",
+    " rounds=1), r=8, client_ranks=[1, 2, 4], rank_mode='flora')",
     "fedit-ffa": "lora(make_config(FEDSDR, out, name='fedit-ffa', algorithm='fedavg',"
     " rounds=2), freeze_a=True)",
     "fedsd": "make_config(FEDSDR, out, name='fedsd', algorithm='fedavg', rounds=1,"
