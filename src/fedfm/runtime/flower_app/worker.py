@@ -10,7 +10,7 @@ context), so fedfm's per-process caches (task, algorithm, models) stay warm.
 
 It runs only fedfm's ClientApp: a SuperNode paired with it serves fedfm runs. It leans on
 Flower's runtime-API helpers of the pinned flwr version (1.42); ``isolation="subprocess"``
-in :func:`fedfm.runtime.flower.deploy.supernode_command` is the stock fallback.
+in :func:`fedfm.runtime.flower.deploy_client.supernode_command` is the stock fallback.
 
 Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT
 [--wake-port WAKE]``. With ``--wake-port`` (the same port as its SuperNode's, see
