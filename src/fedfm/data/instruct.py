@@ -36,10 +36,10 @@ import datasets
 import numpy as np
 import pandas as pd
 
+from fedfm.data.arrow import build_dataset
 from fedfm.data.sources import (
     LoadedSource,
     SourceInfo,
-    build_dataset,
     load_source,
     register_source,
     source_info,
