@@ -117,14 +117,6 @@ def classifier_predict(
     return task.predict(model, task.test_data()).argmax(-1).numpy()
 
 
-def classifier_scores(
-    task: Any, texts: Sequence[str], labels: Sequence[int], cfg: SyntheticEvalConfig, seed: int
-) -> dict[str, float]:
-    """Accuracy and macro-F1 of :func:`classifier_predict` on the task's real test set."""
-    pred = classifier_predict(task, texts, labels, cfg, seed)
-    return scores(pred, task.test_data().y.numpy())
-
-
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     """Fréchet distance between Gaussians fitted to the rows of ``a`` ``(n, d)`` and ``b``
     ``(m, d)`` (sample covariances).

@@ -317,12 +317,39 @@ def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, 
     return out
 
 
+def negative_transfer(
+    federated: Mapping[str, float], local: Mapping[str, float], higher_is_better: bool = True
+) -> dict[str, Any]:
+    """Per-client negative transfer, signed so that a negative value means federation hurt.
+
+    NT_k = m_k(federated) − m_k(local-only) for metrics where higher is better (accuracy,
+    macro-F1), and m_k(local-only) − m_k(federated) for errors (RMSE).
+
+    Args:
+        federated: Client id -> metric of the federated method.
+        local: Client id -> metric of the local-only run (same seed and partition).
+        higher_is_better: Direction of the metric.
+
+    Returns:
+        ``{"per_client": {cid: nt}, "mean": float, "worst": float}`` over the clients present
+        in both.
+
+    Raises:
+        ValueError: The two runs share no client.
+    """
+    common = sorted(set(federated) & set(local), key=lambda c: (len(c), c))
+    if not common:
+        raise ValueError("negative transfer: the federated and local-only runs share no client")
+    sign = 1.0 if higher_is_better else -1.0
+    per = {c: sign * (float(federated[c]) - float(local[c])) for c in common}
+    vals = list(per.values())
+    return {"per_client": per, "mean": sum(vals) / len(vals), "worst": min(vals)}
+
+
 def nt_stats(
     mine: Mapping[str, float], ref: Mapping[str, float], higher_is_better: bool
 ) -> dict[str, float]:
     """Mean and worst negative transfer over clients, and the clients harmed (NT < 0)."""
-    from fedfm.algorithms.fedekd import negative_transfer
-
     nt = negative_transfer(mine, ref, higher_is_better)
     per = list(nt["per_client"].values())
     return {
