@@ -45,8 +45,10 @@ def build_dataset(columns: Mapping[str, Any], features: datasets.Features) -> da
 
 
 def column_array(ds: datasets.Dataset, col: str) -> np.ndarray:
-    """One column as a numpy array: ``[n]`` scalars (strings as objects), ``[n, d]`` for a
-    fixed-length list such as ``x``, ``[n, h, w]`` in the stored dtype for an ``Array2D`` image.
+    """One column as a numpy array.
+
+    ``[n]`` scalars (strings as objects), ``[n, d]`` for a fixed-length list such as ``x``, ``[n, h,
+    w]`` in the stored dtype for an ``Array2D`` image.
 
     Goes through Arrow: in datasets 4 ``np.asarray(ds[col])`` converts row by row (seconds for
     60k rows), and the numpy formatter returns int64 images.

@@ -1,5 +1,7 @@
-"""Image sources (Fashion-MNIST, scikit-learn's digits): columns ``id``, ``image``
-(``Array2D`` uint8, H×W) and ``label``."""
+"""Image sources (Fashion-MNIST, scikit-learn's digits).
+
+Columns ``id``, ``image`` (``Array2D`` uint8, H×W) and ``label``.
+"""
 
 from __future__ import annotations
 

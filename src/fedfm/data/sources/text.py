@@ -1,5 +1,8 @@
-"""Text-classification sources: columns ``id``, ``text`` and ``label``, plus string columns that
-can serve as natural client ids (``movie``, ``condition``, ``product``)."""
+"""Text-classification sources.
+
+Columns ``id``, ``text`` and ``label``, plus string columns that can serve as natural client ids
+(``movie``, ``condition``, ``product``).
+"""
 
 from __future__ import annotations
 

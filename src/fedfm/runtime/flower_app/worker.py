@@ -174,8 +174,10 @@ def _no_wake(wake_port: int | None) -> None:
 
 
 def _idle_wait(wake_port: int | None, poll_s: float) -> tuple[Callable[[], object], bool]:
-    """What the worker does between two asks for a task, and whether that is waiting for
-    a wake (else sleeping ``poll_s``)."""
+    """What the worker does between two asks for a task.
+
+    And whether that is waiting for a wake (else sleeping ``poll_s``).
+    """
     from fedfm.runtime.flower.pacing import WAKE_FALLBACK_S, WakeListener
 
     if wake_port is None:
