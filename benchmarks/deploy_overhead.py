@@ -56,6 +56,7 @@ import psutil
 from fedfm.config import load_config
 from fedfm.runtime import run
 from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import deploy_client as DC
 from fedfm.runtime.flower import processes as P
 from vs_flower import PeakRss  # this folder: the script's own
 
@@ -236,7 +237,7 @@ def measure(out: str, nodes: int, rounds: int, paced: bool) -> dict[str, Any]:
     try:
         node0: list[P.Proc] = []
         for i in range(nodes):
-            started = D.start_client(
+            started = DC.start_client(
                 f"127.0.0.1:{port}", i, nodes, work / f"node{i}", work / "logs", paced=paced
             )
             procs += started

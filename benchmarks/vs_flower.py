@@ -64,6 +64,7 @@ from fedfm.config import load_config
 from fedfm.core.agreement import compare_tensors
 from fedfm.runtime import run
 from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import deploy_client as DC
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower.simulation import run_flower_sim
 
@@ -203,7 +204,7 @@ def deployment(out: str, steps: int, clients: int, isolation: str) -> tuple[floa
     groups: dict[str, list[int]] = {}
     try:
         for i in range(clients):
-            started = D.start_client(
+            started = DC.start_client(
                 f"127.0.0.1:{port}",
                 i,
                 clients,

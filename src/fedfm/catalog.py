@@ -119,8 +119,11 @@ def _aggregating(algorithms: Registry[Any], field: str) -> list[str]:
 
 
 def render(data: Catalog, out: Console) -> None:
-    """Prints the catalogue as ``fedfm list`` does: one table per registry with the key that
-    selects from it, who uses the server optimizers and aggregators, and the presets."""
+    """Prints the catalogue as ``fedfm list`` does.
+
+    One table per registry with the key that selects from it, who uses the server optimizers and
+    aggregators, and the presets.
+    """
     for section in data["registries"]:
         table = Table(
             title=f"{section['title']}: {section['key']}=NAME",

@@ -81,8 +81,11 @@ def plan(
         bool, typer.Option("--strict", help="exit 2 when the run does not fit the device")
     ] = False,
 ) -> None:
-    """Print a run's memory plan (server and client: parameters, peak memory by part, bytes
-    per round) and whether it fits its device; loads no weights, writes nothing."""
+    """Print a run's memory plan and whether it fits its device.
+
+    Server and client: parameters, peak memory by part, bytes per round. Loads no weights, writes
+    nothing.
+    """
     from fedfm.algorithms import algo_keys
     from fedfm.config import load_config
     from fedfm.plan import make_plan, plan_fits_or_warn
@@ -122,8 +125,11 @@ def report(
 def analyze(
     runs: Annotated[list[Path], typer.Argument(help="run folders (the first is the reference)")],
 ) -> None:
-    """FedSDR's analyses of finished runs: answer distributions raw vs distilled, update
-    cosines per round, rewrite statistics; with several runs, win rates over the first."""
+    """FedSDR's analyses of finished runs.
+
+    Answer distributions raw vs distilled, update cosines per round, rewrite statistics; with
+    several runs, win rates over the first.
+    """
     from fedfm.analyze import analyze as analyze_runs
 
     print(analyze_runs(runs))
@@ -145,8 +151,10 @@ def eval_(
         bool, typer.Option("--float32", help="without the run's bfloat16 autocast")
     ] = False,
 ) -> None:
-    """Evaluate a run's global adapter with lm-evaluation-harness (the fedfm[lmeval] extra):
-    writes RUN/lm_eval.json and adds the scores to RUN/report.html."""
+    """Evaluate a run's global adapter with lm-evaluation-harness (the fedfm[lmeval] extra).
+
+    Writes RUN/lm_eval.json and adds the scores to RUN/report.html.
+    """
     import importlib.util
 
     if importlib.util.find_spec("lm_eval") is None:
@@ -192,8 +200,11 @@ def reproduce(
 
 @app.command("list")
 def list_() -> None:
-    """Show algorithms, tasks, datasets, partitioners, models, server optimizers, robust
-    aggregators and presets, each with the key=value that selects it."""
+    """Show everything a run config can name, with the key=value that selects it.
+
+    Show algorithms, tasks, datasets, partitioners, models, server optimizers, robust
+    aggregators and presets, each with the key=value that selects it.
+    """
     from fedfm.catalog import load, render
 
     render(load(), Console())

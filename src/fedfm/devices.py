@@ -111,8 +111,11 @@ def supports_bf16(device: torch.device) -> bool:
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """bfloat16 where :func:`supports_bf16`; else float16 on an accelerator and None (no
-    autocast, float32) on a CPU, where half-precision products are emulated and slower."""
+    """bfloat16 where :func:`supports_bf16`.
+
+    Else float16 on an accelerator and None (no autocast, float32) on a CPU, where half-precision
+    products are emulated and slower.
+    """
     import torch
 
     if supports_bf16(device):

@@ -193,8 +193,10 @@ def _checkpoint(folder: RunFolder, rnd: int, algo: Algorithm, store: ClientState
 
 
 def _publish(folder: RunFolder, algo: Algorithm) -> None:
-    """Writes what the algorithm leaves in the run folder: its artefacts, and ``privacy.json``
-    when it used DP (see :mod:`fedfm.core.artefacts`)."""
+    """Writes what the algorithm leaves in the run folder.
+
+    Its artefacts, and ``privacy.json`` when it used DP (see :mod:`fedfm.core.artefacts`).
+    """
     algo.artefacts.publish(folder.root)
     if len(algo.privacy):
         algo.privacy.write(folder.privacy)
@@ -205,8 +207,11 @@ ADAPTER = "adapter"
 
 
 def _export_adapter(folder: RunFolder, algo: Algorithm) -> None:
-    """Writes the finished run's global adapter into ``adapter/`` (replaced whole, atomically:
-    written beside it, then renamed), when the algorithm has one."""
+    """Writes the finished run's global adapter into ``adapter/``, atomically.
+
+    The folder is replaced whole (written beside it, then renamed), when the algorithm has an
+    adapter.
+    """
     tmp, final = folder.root / f".{ADAPTER}.tmp", folder.root / ADAPTER
     shutil.rmtree(tmp, ignore_errors=True)
     if not algo.export_adapter(tmp):

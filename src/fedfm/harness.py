@@ -258,7 +258,7 @@ def format_results(out: dict[str, Any]) -> str:
 def fedfm_choice_scores(
     run: Path, docs: Sequence[dict[str, Any]], autocast: bool = True
 ) -> tuple[float, list[list[float]]]:
-    """fedfm's own scorer on a local multiple-choice task, with the run's adapter.
+    """Fedfm's own scorer on a local multiple-choice task, with the run's adapter.
 
     What ``fedfm eval``'s numbers are checked against: the documents of a task in the
     instruction suite's schema (``id``, ``instruction``, ``input``, ``choices``, ``gold``, as in

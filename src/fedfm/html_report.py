@@ -131,8 +131,11 @@ def _esc(x: Any) -> str:
 
 
 def _num(v: Any, digits: int = 4) -> str:
-    """A number written plainly: integers with thousands separators, other numbers with at
-    most ``digits`` significant digits (``0.6667``, ``0.5``, ``161.9``, ``2.5e-05``)."""
+    """A number written plainly.
+
+    Integers with thousands separators, other numbers with at most ``digits`` significant digits
+    (``0.6667``, ``0.5``, ``161.9``, ``2.5e-05``).
+    """
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return _esc("" if v is None else v)
     if isinstance(v, int) or (v.is_integer() and abs(v) < 1e15):
@@ -310,8 +313,11 @@ BASELINE_NAMES = {"majority": "majority class", "uniform": "uniform guess"}
 def _baselines(
     runs: Sequence[RunData], metric: str, domains: Sequence[str]
 ) -> dict[str, list[float | None]]:
-    """The baselines of ``metric`` per domain, from the first run's last row that has them
-    (gold labels do not change between rounds)."""
+    """The baselines of ``metric`` per domain.
+
+    The baselines of ``metric`` per domain, from the first run's last row that has them
+    (gold labels do not change between rounds).
+    """
     prefix = ZEROSHOT if metric.startswith(ZEROSHOT) else ""
     keys = BASELINES.get(metric.removeprefix(prefix), ())
     out: dict[str, list[float | None]] = {}
@@ -349,8 +355,11 @@ HIST_COLUMNS = ("acc", "bal_acc", "majority", "uniform")
 
 
 def section_histograms(runs: Sequence[RunData]) -> str:
-    """The predicted-label shares of each classification domain, round 0 and the last round,
-    beside the accuracy, the majority-class baseline and a uniform guess's expected accuracy."""
+    """The predicted-label shares of each classification domain.
+
+    The predicted-label shares of each classification domain, round 0 and the last round,
+    beside the accuracy, the majority-class baseline and a uniform guess's expected accuracy.
+    """
     tables: dict[str, list[list[Any]]] = defaultdict(list)
     labels: dict[str, list[str]] = defaultdict(list)
     for r in runs:
@@ -564,8 +573,11 @@ def _dp_fields(r: RunData) -> str:
 
 
 def section_privacy(runs: Sequence[RunData]) -> str:
-    """ε per mechanism and per client from each run's ``privacy.json``, its relation, where
-    its noise came from, and any unnoised field its DP clients sent (audit ledger)."""
+    """The privacy section: ε per mechanism and per client from each run's ``privacy.json``.
+
+    ε per mechanism and per client from each run's ``privacy.json``, its relation, where
+    its noise came from, and any unnoised field its DP clients sent (audit ledger).
+    """
     out: list[str] = []
     for r in runs:
         p = r.privacy

@@ -24,7 +24,9 @@ _ANNOUNCE: list[Callable[[], None]] = []
 
 @contextmanager
 def announce_at_start(announce: Callable[[], None]) -> Iterator[None]:
-    """Defers ``announce`` (e.g. the command's memory-plan and device lines) until the next
+    """Defers ``announce`` until the next run display opens.
+
+    Defers ``announce`` (e.g. the command's memory-plan and device lines) until the next
     run display opens: the engine opens it only once the config, the built task and algorithm
     and the run folder have passed every check, so a refused run prints its one error line
     and nothing else.
@@ -54,9 +56,11 @@ def _mb(v: Any) -> str:
 
 
 def _columns(rows: list[dict[str, Any]], primary: str) -> list[tuple[str, str]]:
-    """``(header, metric key)`` pairs that fit 80 columns: the headline metric, test and train
-    loss, clients answering and failing, and MiB up and down. Everything else stays in
-    metrics.jsonl."""
+    """``(header, metric key)`` pairs that fit 80 columns.
+
+    The headline metric, test and train loss, clients answering and failing, and MiB up and down.
+    Everything else stays in metrics.jsonl.
+    """
     keys = {k for r in rows for k in r}
     cols = [(primary, primary)] if primary in keys else []
     cols += [(k, k) for k in ("loss", "train_loss", "clients") if k in keys and k != primary]
@@ -142,8 +146,11 @@ class RoundDisplay:
     def final_table(
         self, rows: list[dict[str, Any]], privacy: dict[str, Any] | None = None
     ) -> None:
-        """Prints all rounds as one table that fits 80 columns, then the run's privacy
-        guarantee when DP was used."""
+        """Prints all rounds as one table, then the run's privacy guarantee.
+
+        Prints all rounds as one table that fits 80 columns, then the run's privacy
+        guarantee when DP was used.
+        """
         if not self.enabled or not rows:
             return
         self.console.print(round_table(rows, self.primary))
@@ -156,9 +163,12 @@ class RoundDisplay:
 
 
 def summary_line(summary: dict[str, Any], folder: Any) -> str:
-    """The line a run ends with: its headline metric (4 decimals) with its standard error
+    """The line a run ends with.
+
+    The line a run ends with: its headline metric (4 decimals) with its standard error
     where the evaluator logs one (``<primary>_se``), rounds, privacy guarantee when DP was
-    used, and where to look: the run's ``report.html`` when it was written, else its folder."""
+    used, and where to look: the run's ``report.html`` when it was written, else its folder.
+    """
     final = summary["final"]
     primary = summary["primary"]
     value = final.get(primary, float("nan"))

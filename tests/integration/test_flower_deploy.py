@@ -28,6 +28,7 @@ import yaml
 from fedfm.config import load_config
 from fedfm.runtime import run
 from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import deploy_client as DC
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import tls as T
 from fedfm.runtime.flower.watch import checkpoint_round
@@ -77,7 +78,7 @@ def test_fedavg_on_supernodes_equals_embedded_and_a_dying_supernode_fails(tmp_pa
     port = P.free_port()
     with stopping([]) as procs:
         for i in range(2):
-            procs += D.start_client(
+            procs += DC.start_client(
                 f"127.0.0.1:{port}", i, 2, tmp_path / f"node{i}", tmp_path / "logs", env_extra=ENV
             )
         stop = threading.Event()
@@ -140,7 +141,7 @@ def test_tls_node_auth_multi_exchange_and_resume_equal_embedded(tmp_path):
                               str(keys[2][0]), "--wait", "60")  # fmt: skip
         plain = _fedfm(started, tmp_path, "plain", *client, "--partition-id", "1", "--insecure")
         for i in range(2):
-            procs += D.start_client(
+            procs += DC.start_client(
                 f"127.0.0.1:{port}",
                 i,
                 2,

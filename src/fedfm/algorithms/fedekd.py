@@ -60,9 +60,6 @@ Choices of ours (the paper does not make them; each is a config option):
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -558,58 +555,6 @@ class LocalPrivate(Algorithm):
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         return summarise_privates(self.task, fed)
-
-
-# ----------------------------------------------------------------------------- negative transfer
-
-
-def negative_transfer(
-    federated: Mapping[str, float], local: Mapping[str, float], higher_is_better: bool = True
-) -> dict[str, Any]:
-    """Per-client negative transfer, signed so that a negative value means federation hurt.
-
-    NT_k = m_k(federated) − m_k(local-only) for metrics where higher is better (accuracy,
-    macro-F1), and m_k(local-only) − m_k(federated) for errors (RMSE).
-
-    Args:
-        federated: Client id -> metric of the federated method.
-        local: Client id -> metric of the local-only run (same seed and partition).
-        higher_is_better: Direction of the metric.
-
-    Returns:
-        ``{"per_client": {cid: nt}, "mean": float, "worst": float}`` over the clients present
-        in both.
-
-    Raises:
-        ValueError: The two runs share no client.
-    """
-    common = sorted(set(federated) & set(local), key=lambda c: (len(c), c))
-    if not common:
-        raise ValueError("negative transfer: the federated and local-only runs share no client")
-    sign = 1.0 if higher_is_better else -1.0
-    per = {c: sign * (float(federated[c]) - float(local[c])) for c in common}
-    vals = list(per.values())
-    return {"per_client": per, "mean": sum(vals) / len(vals), "worst": min(vals)}
-
-
-def client_metric(run_dir: Path, metric: str, rnd: int | None = None) -> dict[str, float]:
-    """Client id -> ``metric`` from a run's ``client_metrics.jsonl`` (last logged round by default).
-
-    Personalised runs log ``local/<metric>`` (the client's own test split); FedAvg with
-    ``personal_eval`` logs the global model's value on that split as plain ``<metric>``. Both
-    are read as the client's metric on its local test split.
-
-    Raises:
-        FileNotFoundError: The run has no client metrics.
-        KeyError: No row for ``rnd`` or the metric is missing.
-    """
-    rows = [json.loads(x) for x in (run_dir / "client_metrics.jsonl").read_text().splitlines()]
-    row = rows[-1] if rnd is None else next(r for r in rows if r["round"] == rnd)
-    out = {}
-    for cid, m in row["clients"].items():
-        key = f"local/{metric}" if f"local/{metric}" in m else metric
-        out[cid] = float(m[key])
-    return out
 
 
 ALGORITHMS.register("fedekd", "FedeKD: private + proxy models, energy-gated backward distillation")(

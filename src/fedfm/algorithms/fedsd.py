@@ -198,12 +198,6 @@ def words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
-def filler_rate(texts: Sequence[str]) -> float:
-    """Share of the words of ``texts`` that are filler words (0 for no words)."""
-    toks = [w for t in texts for w in words(t)]
-    return sum(w in FILLER_WORDS for w in toks) / len(toks) if toks else 0.0
-
-
 COUNTS = (
     "n",
     "kept",

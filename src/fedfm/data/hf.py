@@ -24,10 +24,10 @@ import numpy as np
 from fedfm.data.sources import (
     LoadedSource,
     SourceInfo,
-    instruction_dataset,
     register_source,
     source_info,
 )
+from fedfm.data.sources.instructions import instruction_dataset
 from fedfm.errors import AssetMissingError, ConfigError
 
 Format = Literal["auto", "alpaca", "dolly"]

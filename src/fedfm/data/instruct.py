@@ -36,10 +36,10 @@ import datasets
 import numpy as np
 import pandas as pd
 
+from fedfm.data.arrow import build_dataset
 from fedfm.data.sources import (
     LoadedSource,
     SourceInfo,
-    build_dataset,
     load_source,
     register_source,
     source_info,
@@ -195,8 +195,10 @@ def _sample(
     name: str,
     balanced: bool = False,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Draws disjoint train and test rows (test from the source's own test split if any);
-    ``balanced``: a labelled domain's test rows hold each label equally often."""
+    """Draws disjoint train and test rows (test from the source's own test split if any).
+
+    ``balanced``: a labelled domain's test rows hold each label equally often.
+    """
     train_pool = _frame(src.train)
     even = balanced and bool(DOMAINS[name].choices)
     if src.test is not None:
@@ -219,8 +221,11 @@ def _sample(
 
 
 def _even(pool: pd.DataFrame, order: np.ndarray, n: int, name: str) -> np.ndarray:
-    """``n`` row positions of ``pool`` in the drawn ``order``, an equal number per label (the
-    remainder to the lowest labels): a majority answer then scores chance in accuracy too."""
+    """Draws ``n`` rows with each label equally often.
+
+    ``n`` row positions of ``pool`` in the drawn ``order``, an equal number per label (the
+    remainder to the lowest labels): a majority answer then scores chance in accuracy too.
+    """
     labels = pool["label"].to_numpy()[order]
     classes = sorted(set(labels.tolist()))
     per, extra = divmod(n, len(classes))
@@ -294,7 +299,9 @@ def build_suite(
     domains: Sequence[str] | None = None,
     balanced_test: bool = False,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """Builds the suite's train and held-out test sets (test is ``None`` when ``per_domain_test``
+    """Builds the suite's train and held-out test sets.
+
+    Builds the suite's train and held-out test sets (test is ``None`` when ``per_domain_test``
     is 0); ``balanced_test``: each labelled domain's test rows hold its labels equally often.
 
     Raises:

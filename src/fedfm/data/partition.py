@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 import pydantic
 
-from fedfm.data.sources import column_array
+from fedfm.data.arrow import column_array
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 

@@ -232,7 +232,7 @@ def fit_template(
     system: str | None = None,
     cut: Sequence[str] = (),
 ) -> tuple[str, list[int]]:
-    """A prompt from a user-turn template, cut to ``cfg.max_prompt_length`` tokens in the middle.
+    r"""A prompt from a user-turn template, cut to ``cfg.max_prompt_length`` tokens in the middle.
 
     ``template.format(**fields)`` is the user turn, rendered by :func:`chat_prompt`. When it is
     too long, tokens are removed from the **middle** of the fields named in ``cut``, one field

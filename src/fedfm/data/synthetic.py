@@ -21,11 +21,11 @@ import numpy as np
 from fedfm.data.sources import (
     LoadedSource,
     SourceInfo,
-    _text_dataset,
     load_source,
     register_source,
     source_info,
 )
+from fedfm.data.sources.text import _text_dataset
 from fedfm.errors import ConfigError
 
 HELDOUT = "heldout.json"

@@ -1,4 +1,4 @@
-"""Comparisons across runs and clients: head-to-head win rates and answer-distribution shifts.
+r"""Comparisons across runs and clients: head-to-head win rates and answer-distribution shifts.
 
 * :func:`read_items` — the items a run evaluated (the engine keeps every evaluation's items in
   ``eval_items.jsonl``), one row per item of one evaluation round.
@@ -12,7 +12,7 @@
 Choices of ours (the FedSDR paper gives the figures, not the recipe):
 
 * JS divergence: each client's answers become one unigram distribution over a shared
-  vocabulary (lower-cased ``\\w+`` tokens); the figure is the mean over client pairs of the
+  vocabulary (lower-cased ``\w+`` tokens); the figure is the mean over client pairs of the
   Jensen-Shannon divergence in bits (0 = identical, 1 = disjoint).
 * TF-IDF cosine: scikit-learn's ``TfidfVectorizer`` fitted on every answer of every client;
   a client is the mean of its answers' (L2-normalised) vectors; the figure is the mean over
@@ -88,8 +88,10 @@ def win_rate_runs(run_a: Path, run_b: Path, rnd: int | None = None) -> dict[str,
 
 
 def win_rate_table(run_dirs: Sequence[Path]) -> str | None:
-    """A markdown table of each run's win rate over the first, or ``None`` when a run kept no
-    items (``fedfm report`` prints it below the metrics table)."""
+    """A markdown table of each run's win rate over the first run.
+
+    ``None`` when a run kept no items (``fedfm report`` prints the table below the metrics table).
+    """
     try:
         items = [read_items(d) for d in run_dirs]
     except ConfigError:
@@ -216,8 +218,10 @@ class UpdateCosines:
         self.updates[cid] = {k: delta[k].detach().float().flatten() for k in self.params}
 
     def result(self, prefix: str = "update_cos/") -> dict[str, float]:
-        """``<prefix>mean`` and ``<prefix>min`` over client pairs; empty with under two
-        clients (no pair to compare)."""
+        """``<prefix>mean`` and ``<prefix>min`` over client pairs.
+
+        Empty with under two clients (no pair to compare).
+        """
         if len(self.updates) < 2:
             return {}
         cos = update_cosines(self.updates)

@@ -87,8 +87,11 @@ def _token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
 
 
 def _encoded_rows(tokenizer: Any, dataset: Any, prompt_cfg: PromptConfig) -> list[dict | None]:
-    """Encoded rows, in order; raw rows are encoded here (a loop, not ``Dataset.map``: no cache
-    files or progress bars for an evaluation pass). A row with an empty reference is None."""
+    """The rows encoded for scoring.
+
+    Encoded rows, in order; raw rows are encoded here (a loop, not ``Dataset.map``: no cache
+    files or progress bars for an evaluation pass). A row with an empty reference is None.
+    """
     if "labels" in dataset.column_names:
         return [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
     if "output" not in dataset.column_names or "instruction" not in dataset.column_names:
@@ -102,8 +105,11 @@ def _encoded_rows(tokenizer: Any, dataset: Any, prompt_cfg: PromptConfig) -> lis
 def _scored_nlls(
     model: nn.Module, tokenizer: Any, rows: Sequence[dict | None], batch_size: int
 ) -> list[tuple[float, int] | None]:
-    """Per encoded row (None: not scored), in order: the summed NLL of its ``labels`` tokens
-    (those not ``-100``, each given its prefix) and their count."""
+    """Per encoded row (None: not scored), in order.
+
+    The summed NLL of its ``labels`` tokens (those not ``-100``, each given its prefix) and their
+    count.
+    """
     kept = [(i, r) for i, r in enumerate(rows) if r is not None]
     kept.sort(key=lambda ir: len(ir[1]["input_ids"]))  # similar lengths together: less padding
     pad = pad_id_of(tokenizer)
@@ -126,9 +132,11 @@ def reference_nlls(
     prompt_cfg: PromptConfig | None = None,
     batch_size: int = 8,
 ) -> list[tuple[float, int] | None]:
-    """Per row of an instruction dataset, in order: the summed NLL (natural log) of its
-    response tokens and the end-of-turn token (as in training) and their count; None for a
-    row with an empty reference. Arguments as :func:`lm_nll`."""
+    """Per row of an instruction dataset, in order.
+
+    The summed NLL (natural log) of its response tokens and the end-of-turn token (as in training)
+    and their count; None for a row with an empty reference. Arguments as :func:`lm_nll`.
+    """
     rows = _encoded_rows(tokenizer, dataset, prompt_cfg or PromptConfig())
     return _scored_nlls(model, tokenizer, rows, batch_size)
 
@@ -160,8 +168,10 @@ def lm_nll(
 def text_nlls(
     model: nn.Module, tokenizer: Any, texts: Sequence[str], max_tokens: int, batch_size: int = 8
 ) -> list[tuple[float, int, str]]:
-    """Per plain document, in order: the summed NLL (natural log) of its first ``max_tokens``
-    tokens after the first, their count, and the scored text.
+    """Per plain document, in order.
+
+    The summed NLL (natural log) of its first ``max_tokens`` tokens after the first, their count,
+    and the scored text.
 
     A document is read as a language model reads text in pretraining: no chat template and
     no special tokens; its first token has no prefix to be predicted from and is not counted
@@ -570,7 +580,9 @@ def instrument_readouts(
 def head_to_head(
     a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]], tie: float = 0.0
 ) -> dict[str, float]:
-    """Win rate of evaluation ``a`` over ``b`` on the items both scored (matched by ``id``;
+    """Win rate of evaluation ``a`` over ``b`` on the items both scored.
+
+    Win rate of evaluation ``a`` over ``b`` on the items both scored (matched by ``id``;
     items without a score, e.g. those scored by likelihood only, are left out).
 
     An item is a win when ``a``'s score exceeds ``b``'s by more than ``tie``, a loss in the

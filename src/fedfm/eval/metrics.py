@@ -201,8 +201,10 @@ def macro_f1(y_true: Sequence, y_pred: Sequence) -> float:
 
 @METRICS.register("balanced_acc", help="mean per-class recall over the true classes")
 def balanced_accuracy(y_true: Sequence, y_pred: Sequence) -> float:
-    """Mean recall over the classes of ``y_true``: always answering one class scores
-    1 / (number of true classes), however frequent that class is."""
+    """Mean recall over the classes of ``y_true``.
+
+    Always answering one class scores 1 / (number of true classes), however frequent that class is.
+    """
     return class_balanced_scores(y_true, y_pred)["bal_acc"]
 
 
@@ -237,7 +239,9 @@ def rmse(y_true: Sequence[float], y_pred: Sequence[float]) -> float:
 
 
 def tensor_macro_f1(pred: Tensor, y: Tensor) -> float:
-    """Unweighted mean of per-class F1 = 2·TP / (2·TP + FP + FN) over the classes present in
+    """Macro-F1: the unweighted mean of per-class F1.
+
+    Unweighted mean of per-class F1 = 2·TP / (2·TP + FP + FN) over the classes present in
     ``y`` or ``pred`` (both ``[N]`` class indices).
 
     Equal to ``sklearn.metrics.f1_score(y, pred, average="macro", zero_division=0)`` (tested);

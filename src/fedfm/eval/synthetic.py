@@ -90,8 +90,11 @@ def logreg_predict(
 def logreg_scores(
     train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, test_y: np.ndarray, c: float = 1.0
 ) -> dict[str, float]:
-    """Accuracy and macro-F1 on ``test`` of a logistic regression fitted on ``train``
-    (arguments as :func:`logreg_predict`, ``test_y`` the ``(m,)`` true classes)."""
+    """Accuracy and macro-F1 of a logistic regression fitted on ``train``.
+
+    Scored on ``test``; the arguments are those of :func:`logreg_predict`, ``test_y`` the ``(m,)``
+    true classes.
+    """
     return scores(logreg_predict(train_x, train_y, test_x, c), test_y)
 
 
@@ -104,8 +107,11 @@ def scores(pred: np.ndarray, y: np.ndarray) -> dict[str, float]:
 def classifier_predict(
     task: Any, texts: Sequence[str], labels: Sequence[int], cfg: SyntheticEvalConfig, seed: int
 ) -> np.ndarray:
-    """``(m,)`` predicted classes on the task's real test set of its text classifier trained
-    on ``texts`` (the task must provide ``labelled`` and its classification API)."""
+    """Predictions of the task's text classifier trained on ``texts``.
+
+    ``(m,)`` predicted classes on the task's real test set of its text classifier trained
+    on ``texts`` (the task must provide ``labelled`` and its classification API).
+    """
     from fedfm.core.train import local_train
 
     data = task.labelled(list(texts), list(labels))
@@ -117,16 +123,10 @@ def classifier_predict(
     return task.predict(model, task.test_data()).argmax(-1).numpy()
 
 
-def classifier_scores(
-    task: Any, texts: Sequence[str], labels: Sequence[int], cfg: SyntheticEvalConfig, seed: int
-) -> dict[str, float]:
-    """Accuracy and macro-F1 of :func:`classifier_predict` on the task's real test set."""
-    pred = classifier_predict(task, texts, labels, cfg, seed)
-    return scores(pred, task.test_data().y.numpy())
-
-
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """Fréchet distance between Gaussians fitted to the rows of ``a`` ``(n, d)`` and ``b``
+    """Fréchet distance between Gaussians fitted to the rows of ``a`` and ``b``.
+
+    Fréchet distance between Gaussians fitted to the rows of ``a`` ``(n, d)`` and ``b``
     ``(m, d)`` (sample covariances).
 
     ``Tr((Σ_a Σ_b)^{1/2})`` is the sum of the square roots of the eigenvalues of ``Σ_a Σ_b``,

@@ -139,8 +139,10 @@ def load_setup(cfg: HFTrainerConfig) -> TrainerSetup:
 
 
 class HFTrainerTask(Task):
-    """A user's ``Trainer`` script as a task whose clients train with that ``Trainer``
-    (:class:`fedfm.core.train.OwnLocalStep`)."""
+    """A user's ``Trainer`` script as a task.
+
+    Its clients train with that ``Trainer`` (:class:`fedfm.core.train.OwnLocalStep`).
+    """
 
     Config = HFTrainerConfig
     kind = "lm"
@@ -196,8 +198,11 @@ class HFTrainerTask(Task):
         return dict(default_data_collator(rows))
 
     def batches(self, data: Any, batch_size: int, seed: int) -> Iterator[dict[str, Tensor]]:
-        """Consecutive full batches of a seeded permutation of the rows, reshuffled each pass
-        (one short batch when the set is smaller than a batch)."""
+        """Consecutive full batches of a seeded permutation of the rows.
+
+        Consecutive full batches of a seeded permutation of the rows, reshuffled each pass
+        (one short batch when the set is smaller than a batch).
+        """
         rng = np.random.default_rng(seed)
         n = len(data)
         while True:
@@ -276,8 +281,11 @@ def run_trainer(
     steps: int,
     seed: int,
 ) -> TrainResult:
-    """Runs the user's ``Trainer`` on ``model`` for ``steps`` optimizer steps, reading the
-    batches ``batches(data, per_device_train_batch_size, seed)`` draws."""
+    """Runs the user's ``Trainer`` on ``model`` for ``steps`` optimizer steps.
+
+    Runs the user's ``Trainer`` on ``model`` for ``steps`` optimizer steps, reading the
+    batches ``batches(data, per_device_train_batch_size, seed)`` draws.
+    """
     from transformers import Trainer
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 

@@ -38,7 +38,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, load_peft_weights, set_peft_model_state_dict
 from torch import Tensor, nn
 
-from fedfm.core.groups import get_group, join_groups
+from fedfm.core.groups import join_groups
 from fedfm.core.lora_ranks import RANK_MODES
 from fedfm.errors import AssetMissingError, ConfigError, FedfmError, UnknownNameError
 
@@ -366,21 +366,6 @@ def trainable_state(peft_model: peft.PeftModel) -> dict[str, Tensor]:
     return join_groups(
         {name: get_adapter_state(peft_model, name) for name in trainable_adapters(peft_model)}
     )
-
-
-def set_trainable_state(peft_model: peft.PeftModel, state: Mapping[str, Tensor]) -> None:
-    """Writes a :func:`trainable_state` back into the trainable adapters, in place.
-
-    Raises:
-        AdapterStateError: The groups are not the trainable adapters, or a group's keys or
-            shapes differ from its adapter's.
-    """
-    names = trainable_adapters(peft_model)
-    groups = sorted({key.partition("/")[0] for key in state})
-    if groups != sorted(names):
-        raise AdapterStateError(f"trainable state: adapters {groups}, trainable now {names}")
-    for name in names:
-        set_adapter_state(peft_model, name, get_group(state, name))
 
 
 # The key of a LoRA tensor that still names its adapter: the model's parameter name

@@ -1,5 +1,6 @@
-"""DP federated text generation study (:mod:`fedfm.algorithms.dpsyn`, docs/dpsyn.md): do the
-weak clients' votes select better samples than chance?
+"""DP federated text generation study (:mod:`fedfm.algorithms.dpsyn`, docs/dpsyn.md).
+
+Do the weak clients' votes select better samples than chance?
 
 Three generators (the base model, 1 and 4 strong clients of 20 with DP-SGD) stop once their
 pool is saved; **offline voting** replays the weak clients' votes with the algorithm's own
@@ -173,8 +174,10 @@ def vote_name(strong: int) -> str:
 
 
 def strong_fraction(grid: Grid, strong: int) -> float:
-    """``clients.roles.strong`` of ``strong`` clients (the base model: the fewest's roles);
-    half a client above the count, so that ``floor(fraction · clients)`` is the count."""
+    """``clients.roles.strong`` of ``strong`` clients (the base model: the fewest's roles).
+
+    Half a client above the count, so that ``floor(fraction · clients)`` is the count.
+    """
     return (max(strong, grid.few) + 0.5) / grid.clients
 
 
@@ -221,16 +224,22 @@ def pilot_name(strong: int) -> str:
 
 
 def pilot_config(grid: Grid, strong: int) -> dict[str, Any]:
-    """A pilot generator: the grid's generator of ``strong`` strong clients at ε_train = ∞
-    (no clipping, no noise), everything else the same."""
+    """A pilot generator: the grid's generator without DP.
+
+    The grid's generator of ``strong`` strong clients at ε_train = ∞ (no clipping, no noise),
+    everything else the same.
+    """
     cfg = generator_config(grid, strong)
     cfg["algo"]["epsilon_train"] = "inf"
     return cfg
 
 
 def pilot_jobs(grid: Grid) -> list[Job]:
-    """The premise pilot: the fewest and the most strong clients fine-tuned without DP, their
-    pools scored without voting (uniform subsets), and the check that gates the main grid."""
+    """The premise pilot and the check that gates the main grid.
+
+    The premise pilot: the fewest and the most strong clients fine-tuned without DP, their
+    pools scored without voting (uniform subsets), and the check that gates the main grid.
+    """
     order = sorted({grid.few, grid.many}, reverse=True)
     out: list[Job] = [Run(pilot_name(s), pilot_config(grid, s), group="pilot") for s in order]
     out.append(Compute(EMBED, embed_real, {"config": generator_config(grid, 0)}, group="embed"))
@@ -251,9 +260,12 @@ def pilot_jobs(grid: Grid) -> list[Job]:
 def judge_pilot(
     inputs: Mapping[str, Path], folder: Path, few: int, many: int, rounds: int
 ) -> dict[str, Any]:
-    """The premise at ε_train = ∞: ``many`` strong clients' pool against ``few``'s without
-    voting (uniform subsets, the same seeds), by balanced accuracy paired over seeds × test
-    rows; each pool's accuracy, balanced accuracy and macro-F1; the runs' update norms."""
+    """The premise at ε_train = ∞.
+
+    ``many`` strong clients' pool against ``few``'s without voting (uniform subsets, the same
+    seeds), by balanced accuracy paired over seeds × test rows; each pool's accuracy, balanced
+    accuracy and macro-F1; the runs' update norms.
+    """
     with np.load(inputs[EMBED] / EMBEDDINGS) as z:
         y = np.asarray(z["test/y"])
     w = balanced_weights(y.tolist())
@@ -299,8 +311,11 @@ def _pilot_holds(grid: Grid, strong: int, needs: Mapping[str, RunView]) -> dict[
 
 
 def jobs(ctx: Context[Grid]) -> list[Job]:
-    """The pilot first (:func:`pilot_jobs`); then, where it holds, the generators (the
-    longest first, so that two workers start it at once), one offline voting per pool."""
+    """The pilot first (:func:`pilot_jobs`).
+
+    Then, where it holds, the generators (the longest first, so that two workers start it at once),
+    one offline voting per pool.
+    """
     grid = ctx.grid
     out = pilot_jobs(grid)
     if ctx.pilot:
@@ -330,9 +345,12 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
 def embed_real(
     inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """Embeds every client's training rows and the real test rows once (``embeddings.npz``)
+    """Embeds the clients' and the test rows once and measures the instrument on real data.
+
+    Embeds every client's training rows and the real test rows once (``embeddings.npz``)
     and measures the instrument on real data: the test labels, the majority baseline and
-    the ceiling (the classifier trained on every client's real rows)."""
+    the ceiling (the classifier trained on every client's real rows).
+    """
     from fedfm.eval.synthetic import frechet_distance, logreg_predict, scores
     from fedfm.models.encoders import text_embedder
 
@@ -373,8 +391,11 @@ def embed_real(
 
 
 def ceiling_agrees(emb: Mapping[str, np.ndarray], x: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """``(P,)`` whether the ceiling (logistic regression on every client's real rows, from
-    ``embeddings.npz``) predicts each sample's own label: does the text read as its code?"""
+    """Whether the ceiling classifier predicts each sample's own label.
+
+    ``(P,)`` whether the ceiling (logistic regression on every client's real rows, from
+    ``embeddings.npz``) predicts each sample's own label: does the text read as its code?
+    """
     from fedfm.eval.synthetic import logreg_predict
 
     ids = sorted((k.split("/", 1)[1] for k in emb if k.startswith("emb/")), key=int)
@@ -470,9 +491,12 @@ def clean_votes(
 def noisy_total(
     clean: Mapping[str, np.ndarray], sigma: float, seeds: Mapping[str, int], threshold: float
 ) -> np.ndarray:
-    """The server's clipped sum of the voters' noisy histograms, as the algorithm's vote
+    """The server's clipped sum of the voters' noisy histograms.
+
+    The server's clipped sum of the voters' noisy histograms, as the algorithm's vote
     round computes it (each client's :func:`~fedfm.algorithms.dpsyn.noisy`, summed in
-    client order, then :func:`~fedfm.algorithms.dpsyn.clip_votes`)."""
+    client order, then :func:`~fedfm.algorithms.dpsyn.clip_votes`).
+    """
     import torch
 
     from fedfm.algorithms.dpsyn import clip_votes, noisy
@@ -491,8 +515,11 @@ def selections(
     rng: np.random.Generator,
     kind: str,
 ) -> list[int]:
-    """``size`` samples per code as the algorithm allots them: ``kind`` ``votes`` (in
-    proportion, with replacement), ``top``, ``uniform`` (with replacement) or ``subset``."""
+    """``size`` samples per code as the algorithm allots them.
+
+    ``kind`` ``votes`` (in proportion, with replacement), ``top``, ``uniform`` (with replacement) or
+    ``subset``.
+    """
     from fedfm.algorithms.dpsyn import draw_by_votes, quotas, top_by_votes
 
     ones = np.ones(len(codes))
@@ -520,9 +547,12 @@ def vote_offline(
     seeds: int,
     size: int,
 ) -> dict[str, Any]:
-    """Votes on a saved pool (``inputs``: the generator run and ``embed``) offline by the weak
+    """Votes on a saved pool offline, selects samples four ways and scores each selection.
+
+    Votes on a saved pool (``inputs``: the generator run and ``embed``) offline by the weak
     clients ``voters`` over ``seeds`` draws at each ε_vote, selects ``size`` samples four ways
-    and scores every selection on the real test rows (predictions in ``predictions.npz``)."""
+    and scores every selection on the real test rows (predictions in ``predictions.npz``).
+    """
     from fedfm.core.privacy import analytic_gaussian_sigma
     from fedfm.core.seeding import derive_seed
     from fedfm.eval.synthetic import frechet_distance, logreg_predict
@@ -645,9 +675,12 @@ Side = tuple[int, str]  # (strong clients of the pool, selection key)
 
 @dataclass
 class Results:
-    """What the report reads: the ``embed`` and ``probe`` results (None before they ran), the
+    """What the report reads.
+
+    What the report reads: the ``embed`` and ``probe`` results (None before they ran), the
     test labels ``y``, by a pool's strong clients its offline ``votes``, its ``preds``
-    (selection key -> ``(seeds, N)`` test predictions) and its finished generator run."""
+    (selection key -> ``(seeds, N)`` test predictions) and its finished generator run.
+    """
 
     grid: Grid
     pilot: dict[str, Any] | None = None

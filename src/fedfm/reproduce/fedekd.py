@@ -1,5 +1,7 @@
-"""FedeKD reproduction study: negative transfer with standard errors, the gate's β × λ grid,
-stronger skew, and negative transfer over a longer run.
+"""FedeKD reproduction study.
+
+Negative transfer with standard errors, the gate's β × λ grid, stronger skew, and negative transfer
+over a longer run.
 
 ``fedfm reproduce fedekd`` runs, on the six ``fedekd-*`` presets, the **main grid** (two
 skewed settings, five seeds, the baselines and FedeKD at every (β, λ)), chooses β and λ by the
@@ -50,8 +52,11 @@ REFERENCE_GATE = (1.0, 1.0)
 
 
 class Method(NamedTuple):
-    """A family of rows (its key is the registered algorithm): its name in the report and the
-    method whose run is its local-only reference (None for local-only itself)."""
+    """A family of rows (its key is the registered algorithm).
+
+    Its name in the report and the method whose run is its local-only reference (None for local-only
+    itself).
+    """
 
     label: str
     reference: str | None
@@ -299,9 +304,12 @@ def job_config(job: Cell, grid: Grid) -> dict[str, Any]:
 
 
 def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, float]]:
-    """Round -> client id -> ``<split>/<metric>`` (``local``, ``test`` or ``val``) of a run's
+    """Per round and client, one metric of a run's ``client_metrics.jsonl``.
+
+    Round -> client id -> ``<split>/<metric>`` (``local``, ``test`` or ``val``) of a run's
     ``client_metrics.jsonl``. FedAvg-family runs log only ``local/``; on ``test`` their clients
-    hold the global model, whose value is read from ``metrics.jsonl``."""
+    hold the global model, whose value is read from ``metrics.jsonl``.
+    """
     glob = run.rounds
     out: dict[int, dict[str, float]] = {}
     for rec in run.client_metrics:
@@ -317,12 +325,39 @@ def client_curves(run: RunView, split: str, metric: str) -> dict[int, dict[str, 
     return out
 
 
+def negative_transfer(
+    federated: Mapping[str, float], local: Mapping[str, float], higher_is_better: bool = True
+) -> dict[str, Any]:
+    """Per-client negative transfer, signed so that a negative value means federation hurt.
+
+    NT_k = m_k(federated) − m_k(local-only) for metrics where higher is better (accuracy,
+    macro-F1), and m_k(local-only) − m_k(federated) for errors (RMSE).
+
+    Args:
+        federated: Client id -> metric of the federated method.
+        local: Client id -> metric of the local-only run (same seed and partition).
+        higher_is_better: Direction of the metric.
+
+    Returns:
+        ``{"per_client": {cid: nt}, "mean": float, "worst": float}`` over the clients present
+        in both.
+
+    Raises:
+        ValueError: The two runs share no client.
+    """
+    common = sorted(set(federated) & set(local), key=lambda c: (len(c), c))
+    if not common:
+        raise ValueError("negative transfer: the federated and local-only runs share no client")
+    sign = 1.0 if higher_is_better else -1.0
+    per = {c: sign * (float(federated[c]) - float(local[c])) for c in common}
+    vals = list(per.values())
+    return {"per_client": per, "mean": sum(vals) / len(vals), "worst": min(vals)}
+
+
 def nt_stats(
     mine: Mapping[str, float], ref: Mapping[str, float], higher_is_better: bool
 ) -> dict[str, float]:
     """Mean and worst negative transfer over clients, and the clients harmed (NT < 0)."""
-    from fedfm.algorithms.fedekd import negative_transfer
-
     nt = negative_transfer(mine, ref, higher_is_better)
     per = list(nt["per_client"].values())
     return {
@@ -352,10 +387,13 @@ class CellKey(NamedTuple):
 
 @dataclass
 class Results:
-    """Everything the report reads: ``kinds`` (preset -> ``classification`` or
-    ``regression``), ``final`` ((cell, split, metric, stat) -> seed -> value at the last
-    round; stat ``value``, ``nt_mean``, ``nt_worst``, ``harmed`` or ``clients``), ``curves``
-    ((cell, split, metric) -> seed -> round -> mean-client NT), ``sizes`` (partitions)."""
+    """Everything the report reads.
+
+    ``kinds`` (preset -> ``classification`` or ``regression``), ``final`` ((cell, split, metric,
+    stat) -> seed -> value at the last round; stat ``value``, ``nt_mean``, ``nt_worst``, ``harmed``
+    or ``clients``), ``curves`` ((cell, split, metric) -> seed -> round -> mean-client NT),
+    ``sizes`` (partitions).
+    """
 
     kinds: dict[str, str] = field(default_factory=dict)
     final: dict[tuple[CellKey, str, str, str], dict[int, float]] = field(default_factory=dict)
@@ -375,15 +413,19 @@ class Results:
         return self.get(CellKey(preset, tag, v.key), split, metric or self.primary(preset), stat)
 
     def kind(self, preset: str) -> str:
+        """``classification`` or ``regression``: the kind of the preset's task."""
         return self.kinds.get(preset, "classification")
 
     def primary(self, preset: str) -> str:
+        """The preset's headline metric (the first of its kind's metrics)."""
         return metrics_of(self.kind(preset))[0][0]
 
     def classification(self, presets: Iterable[str]) -> list[str]:
+        """The classification presets among ``presets``, in order."""
         return [p for p in presets if self.kind(p) == "classification"]
 
     def regression(self, presets: Iterable[str]) -> list[str]:
+        """The regression presets among ``presets``, in order."""
         return [p for p in presets if self.kind(p) == "regression"]
 
 
@@ -442,9 +484,12 @@ def choose_gate(
     configs: Sequence[tuple[float, float]],
     cells: Mapping[tuple[str, str], Mapping[tuple[float, float], float]],
 ) -> Choice | None:
-    """The selection rule: the (β, λ) of ``configs`` with the lowest mean rank over the
+    """The selection rule: the (β, λ) with the lowest mean rank over the cells.
+
+    The selection rule: the (β, λ) of ``configs`` with the lowest mean rank over the
     ``cells`` ((preset, setting) -> (β, λ) -> mean-client validation NT over seeds, higher is
-    better; a cell lacking a configuration is left out); None when no cell is complete."""
+    better; a cell lacking a configuration is left out); None when no cell is complete.
+    """
     from scipy.stats import rankdata
 
     complete = {c: s for c, s in cells.items() if all(k in s for k in configs)}
@@ -570,6 +615,7 @@ class Comparison:
 
     @property
     def label(self) -> str:
+        """The pair as the report names it: ``a − b``."""
         return f"{self.a.label} − {self.b.label}"
 
 

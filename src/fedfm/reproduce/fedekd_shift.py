@@ -1,5 +1,7 @@
-"""FedeKD under partial concept shift: does the energy gate protect the clients whose labels
-differ from the federation's, where ungated distillation hurts them? (``docs/fedekd_shift.md``)
+"""FedeKD under partial concept shift.
+
+Does the energy gate protect the clients whose labels differ from the federation's, where ungated
+distillation hurts them? (``docs/fedekd_shift.md``)
 
 Paper: Nguyen, Wang, Ku 2026, "FedeKD: Energy-Based Gating for Robust Federated Knowledge
 Distillation under Heterogeneity" (arXiv:2605.05553). The gate exists for proxy knowledge that is
@@ -66,8 +68,11 @@ class Arm:
 
 @dataclass(frozen=True)
 class Grid:
-    """The study's grid: a preset (its ``task.shift`` names the shifted clients), the seeds,
-    λ and β of the gated arms, and overrides of the preset (a smaller grid for tests)."""
+    """The study's grid.
+
+    The study's grid: a preset (its ``task.shift`` names the shifted clients), the seeds,
+    λ and β of the gated arms, and overrides of the preset (a smaller grid for tests).
+    """
 
     preset: str
     seeds: tuple[int, ...]
@@ -119,8 +124,11 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
 
 @dataclass
 class Read:
-    """Per arm and seed: every client's last local accuracy and accuracy on the relabelled
-    classes, the mean client's global test accuracy, the gate's mean weights; and the sizes."""
+    """Per arm and seed, what the report reads from the runs.
+
+    Per arm and seed: every client's last local accuracy and accuracy on the relabelled
+    classes, the mean client's global test accuracy, the gate's mean weights; and the sizes.
+    """
 
     grid: Grid
     local: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
@@ -136,8 +144,11 @@ def _last_clients(view: RunView) -> dict[str, dict[str, float]]:
 
 
 def _weights(view: RunView) -> tuple[float, float] | None:
-    """The gate's mean weight on the shifted clients' relabelled rows and on their other rows,
-    averaged over the rounds."""
+    """The gate's mean weights on the shifted clients' rows.
+
+    The gate's mean weight on the shifted clients' relabelled rows and on their other rows,
+    averaged over the rounds.
+    """
     rows = [r for r in view.metrics if "gate_shifted" in r and "gate_kept" in r]
     if not rows:
         return None
@@ -177,9 +188,12 @@ def read(ctx: Context[Grid]) -> Read:
 def nt(
     r: Read, arm: Arm, shifted: bool, worst: bool = False, key: str = "local"
 ) -> dict[int, float]:
-    """Seed -> negative transfer of ``arm`` (its accuracy minus the private models' alone,
+    """Seed -> negative transfer of ``arm`` over the shifted or the other clients.
+
+    Seed -> negative transfer of ``arm`` (its accuracy minus the private models' alone,
     per client of the same seed) over the shifted or the other clients: the mean client, or
-    the worst. ``key`` "swapped": accuracy on the relabelled classes (shifted clients)."""
+    the worst. ``key`` "swapped": accuracy on the relabelled classes (shifted clients).
+    """
     table = r.local if key == "local" else r.swapped
     out = {}
     for s, acc in table.get(arm.tag, {}).items():
@@ -216,8 +230,11 @@ def premise_holds(r: Read) -> bool:
 
 
 def weight_ratio(r: Read, gate: str) -> Estimate:
-    """The gate's mean weight on the relabelled rows over that on the shifted clients' other
-    rows (1: the gate does not tell them apart; 0: the oracle), per seed pooled over cells."""
+    """How well the gate tells the relabelled rows apart, per seed pooled over cells.
+
+    The gate's mean weight on the relabelled rows over that on the shifted clients' other
+    rows (1: the gate does not tell them apart; 0: the oracle), per seed pooled over cells.
+    """
     per: dict[int, list[float]] = {}
     for arm in (a for a in r.grid.arms() if a.gate == gate):
         for s, (w_shift, w_kept) in r.weights.get(arm.tag, {}).items():
@@ -231,8 +248,11 @@ GATE_SCOPE = "gate-scope"
 
 
 def readouts(grid: Grid) -> list[Readout[Read]]:
-    """The premise first, then each gate against ungated KD: on the shifted clients (the
-    claim), on the others (no harm), and whether the gate sees the relabelled rows."""
+    """The premise first, then each gate against ungated KD.
+
+    On the shifted clients (the claim), on the others (no harm), and whether the gate sees the
+    relabelled rows.
+    """
     lam = max(grid.lams)
     scope = TEXT(GATE_SCOPE)
     out: list[Readout[Read]] = [

@@ -1,5 +1,7 @@
-"""FedHDS reproduction study (Qin et al., ACL 2025 Findings): Rouge-L on a held-out task
-against FedIT, Random at FedHDS's data fraction, FedHDS-Turbo and the untrained base.
+"""FedHDS reproduction study (Qin et al., ACL 2025 Findings).
+
+Rouge-L on a held-out task against FedIT, Random at FedHDS's data fraction, FedHDS-Turbo and the
+untrained base.
 
 Its premise first (DESIGN principle 18): the paper tunes a pretrained *base* LM, which needs
 instruction data. The full grid runs SmolLM2 as a base LM (its chat template off: the Alpaca
@@ -112,9 +114,12 @@ FULL = Grid(400, 90, 30, 6, clients=10, fraction=0.5, **BASE_LM)
 
 @dataclass(frozen=True)
 class Method:
-    """One method: its job name ``key`` (``<key>-s<seed>`` after the first seed), its ``algo``
+    """One method of the study.
+
+    One method: its job name ``key`` (``<key>-s<seed>`` after the first seed), its ``algo``
     overrides; whether it runs every seed (else the first), uses the Turbo feature model, and
-    is ``scored`` (else one item per domain: a run kept for its data fraction only)."""
+    is ``scored`` (else one item per domain: a run kept for its data fraction only).
+    """
 
     key: str
     label: str
@@ -199,8 +204,11 @@ def _at_fedhds_fraction(
 
 
 def premise(grid: Grid, fedit: RunView) -> Estimate:
-    """The pilot: FedIT (first seed, last round) − its round 0 (the base), held-out Rouge-L
-    paired over items."""
+    """The pilot: FedIT against its base on held-out Rouge-L.
+
+    The pilot: FedIT (first seed, last round) − its round 0 (the base), held-out Rouge-L
+    paired over items.
+    """
     return paired(item_scores(fedit, True), item_scores(fedit, True, 0))
 
 
@@ -221,8 +229,11 @@ def _after_pilot(build: Any, grid: Grid, needs: Mapping[str, RunView]) -> Mappin
 
 
 def jobs(ctx: Context[Grid]) -> list[Run]:
-    """FedIT's first seed (the pilot, its round 0 the base); then, where it holds, every
-    other method and seed, Random after FedHDS at the data fraction FedHDS measured."""
+    """FedIT's first seed (the pilot, its round 0 the base).
+
+    Then, where it holds, every other method and seed, Random after FedHDS at the data fraction
+    FedHDS measured.
+    """
     grid = ctx.grid
     pilot = Run(REFERENCE, job_config(METHODS[0], grid, grid.seeds[0]), group=REFERENCE)
     if ctx.pilot:

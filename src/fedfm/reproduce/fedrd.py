@@ -1,5 +1,7 @@
-"""FedRD reproduction study: FedRD against controls for its public rows, the paper's KD
-baselines and a client-side adapter on the foundation model, over seeds and rounds.
+"""FedRD reproduction study.
+
+FedRD against controls for its public rows, the paper's KD baselines and a client-side adapter on
+the foundation model, over seeds and rounds.
 
 On Fashion-MNIST (SmallCNN students, a frozen EfficientNet-Lite0 on the server) and TREC (a
 fastText-style student, a frozen all-MiniLM-L6-v2), at Dirichlet label skew, seed by seed,
@@ -188,9 +190,12 @@ PROBE = "lite0-probe"
 def probe(
     inputs: Mapping[str, Path], folder: Path, sizes: Sequence[int], n_train: int, n_test: int
 ) -> dict[str, Any]:
-    """Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size
+    """Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size.
+
+    Linear-probe accuracy of EfficientNet-Lite0 features on Fashion-MNIST per input size
     (logistic regression on ``n_train`` training images, as many as the public set, scored on
-    ``n_test``), and the features' seconds per 100 images."""
+    ``n_test``), and the features' seconds per 100 images.
+    """
     import torch
     from sklearn.linear_model import LogisticRegression
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
@@ -249,9 +254,12 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
 
 @dataclass
 class RunResult:
-    """What the report reads from one run: the ``final`` evaluated round's metrics, the test
-    accuracy ``curve`` by round, the ``server`` metrics (``server_*`` means over rounds,
-    ``server_*@last``, the warm-up's ``warmup_*``) and the last evaluated round."""
+    """What the report reads from one run.
+
+    The ``final`` evaluated round's metrics, the test accuracy ``curve`` by round, the ``server``
+    metrics (``server_*`` means over rounds, ``server_*@last``, the warm-up's ``warmup_*``) and the
+    last evaluated round.
+    """
 
     final: dict[str, float]
     curve: dict[int, float]
@@ -535,8 +543,10 @@ def curves_figure(grid: Grid, res: Results, path: Path) -> Path | None:
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
-    """Per modality and α: FedRD against public fine-tuning and against FedRD without φ;
-    the paper's other claims, untested."""
+    """Per modality and α: FedRD against public fine-tuning and against FedRD without φ.
+
+    The paper's other claims, untested.
+    """
     fm = TEXT("scope-fm")
     claims = (
         ("ft", "the FM's distillation helps the student (beyond the public rows)"),

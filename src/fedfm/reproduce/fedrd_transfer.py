@@ -1,6 +1,7 @@
-"""FedRD where the teacher's knowledge can transfer: the teacher probe first, then FedRD as the
-paper, with the teacher detached, with an unlabelled transfer pool, and the pool's
-pseudo-label control (``docs/fedrd_transfer.md``).
+"""FedRD where the teacher's knowledge can transfer.
+
+The teacher probe first, then FedRD as the paper, with the teacher detached, with an unlabelled
+transfer pool, and the pool's pseudo-label control (``docs/fedrd_transfer.md``).
 
 Method: FedRD (federated reprogramming knowledge distillation, :mod:`fedfm.algorithms.fedrd`).
 Its claim is that a frozen foundation model's knowledge, reprogrammed on the server, reaches
@@ -28,8 +29,11 @@ PROBE_ARMS = ("ft", "paper")  # the control and FedRD as the paper (its teacher 
 
 @dataclass(frozen=True)
 class Task:
-    """One cell: its name, the presets of FedRD and of the fine-tuning control, and overrides
-    (data, partition, rows left for the transfer pool)."""
+    """One cell of the study.
+
+    One cell: its name, the presets of FedRD and of the fine-tuning control, and overrides
+    (data, partition, rows left for the transfer pool).
+    """
 
     name: str
     fedrd: str
@@ -99,8 +103,11 @@ def run_name(task: Task, arm: str, seed: int) -> str:
 
 
 def jobs(ctx: Context[Grid]) -> list[Run]:
-    """The probe of every task first; the other arms only for a task whose teacher margin over
-    the control is resolved once its probe has run."""
+    """The probe of every task first.
+
+    The other arms only for a task whose teacher margin over the control is resolved once its probe
+    has run.
+    """
     grid, out = ctx.grid, []
     for task in grid.tasks:
         probe = [run_name(task, a, s) for a in PROBE_ARMS for s in grid.seeds]
@@ -166,8 +173,10 @@ def diff(r: Read, task: str, a: str, b: str) -> Estimate:
 
 
 def gap_closed(r: Read, task: str, arm: str) -> Estimate:
-    """Share of the teacher–control gap an arm closes: (arm − control) / (teacher − control),
-    the ratio of the seed means (a single value: no SE)."""
+    """Share of the teacher–control gap an arm closes.
+
+    (arm − control) / (teacher − control), the ratio of the seed means (a single value: no SE).
+    """
     d, m = diff(r, task, arm, "ft"), margin(r, task)
     if d.n == 0 or m.n == 0 or m.mean <= 0:
         return NONE

@@ -1,5 +1,6 @@
-"""FedSDR reproduction study (ICML 2026, arXiv 2605.18028; METHODS.md section 1): does FedSD
-keep more general ability, and is it more than moving less?
+"""FedSDR reproduction study (ICML 2026, arXiv 2605.18028; METHODS.md section 1).
+
+Does FedSD keep more general ability, and is it more than moving less?
 
 Its premise first (DESIGN principle 18): FedIT (the pilot, ``fedfm reproduce fedsdr --pilot``)
 at a budget and a client mix far from chat prose must *cause* forgetting on what no client
@@ -160,8 +161,11 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
 
 
 def matched_lr(grid: Grid, fedit: RunView, fedsd: RunView) -> tuple[float, float]:
-    """The matched-drift control's lr and the norm ratio ‖Δ_FedSD‖ / ‖Δ_FedIT‖ it comes from
-    (:class:`Unmet` where a run logged no, or a zero, update norm)."""
+    """The matched-drift control's lr and the norm ratio it comes from.
+
+    The ratio is ‖Δ_FedSD‖ / ‖Δ_FedIT‖; :class:`Unmet` where a run logged no, or a zero, update
+    norm.
+    """
     a, b = fedit.final.get("update_norm"), fedsd.final.get("update_norm")
     if not isinstance(a, int | float) or not isinstance(b, int | float) or a <= 0 or b <= 0:
         raise Unmet(f"FedIT's or +FedSD's update norm is missing ({a}, {b})")
@@ -172,15 +176,20 @@ PILOT_MEASURES = ("text", "heldout", "bacc")  # forgetting on what no client tra
 
 
 def forgetting(grid: Grid, fedit: RunView) -> dict[str, Estimate]:
-    """The pilot's readouts from FedIT's own folder: FedIT (last round) − base (round 0) on
-    each of :data:`PILOT_MEASURES`."""
+    """The pilot's readouts from FedIT's own folder.
+
+    FedIT (last round) − base (round 0) on each of :data:`PILOT_MEASURES`.
+    """
     res = Results({"fedit": fedit}, None)
     return {m: diff(res, "fedit", BASE, m, grid) for m in PILOT_MEASURES}
 
 
 def pilot_holds(grid: Grid, fedit: RunView) -> bool:
-    """Forgetting shown: an NLL on held-out text rises, or the balanced accuracy falls, by
-    more than 2 SE."""
+    """Whether a readout shows forgetting.
+
+    Forgetting shown: an NLL on held-out text rises, or the balanced accuracy falls, by
+    more than 2 SE.
+    """
     got = forgetting(grid, fedit)
     signs = {"text": +1, "heldout": +1, "bacc": -1}
     return any(verdict(got[m], signs[m]) == IN_DIRECTION for m in PILOT_MEASURES)
@@ -200,8 +209,10 @@ def _after_pilot(grid: Grid, method: str, needs: Mapping[str, RunView]) -> dict[
 
 
 def jobs(ctx: Context[Grid]) -> list[Job]:
-    """The pilot (FedIT, its round 0 the base) and the references' lengths; then, where the
-    pilot shows forgetting, +FedSD, FedSDR after it and the matched-drift control."""
+    """The pilot (FedIT, its round 0 the base) and the references' lengths.
+
+    Then, where the pilot shows forgetting, +FedSD, FedSDR after it and the matched-drift control.
+    """
     grid = ctx.grid
     pilot: list[Job] = [
         Run("fedit", job_config(grid, "fedit"), group="train"),
@@ -335,8 +346,11 @@ def labelled(items: Sequence[Mapping[str, Any]], domain: str) -> list[Mapping[st
 def balanced(
     items: Sequence[Mapping[str, Any]], domains: Sequence[str]
 ) -> dict[str, dict[Any, float]]:
-    """``{domain: {item id: correctness × N / (C · n_c)}}``: each domain's mean is its
-    balanced accuracy (:func:`~fedfm.reproduce.stats.balanced_weights`, over the gold labels)."""
+    """``{domain: {item id: correctness × N / (C · n_c)}}``.
+
+    Each domain's mean is its balanced accuracy (:func:`~fedfm.reproduce.stats.balanced_weights`,
+    over the gold labels).
+    """
     out: dict[str, dict[Any, float]] = {}
     for d in domains:
         its = labelled(items, d)
@@ -406,8 +420,11 @@ def level(res: Results, m: str, measure: str, grid: Grid) -> dict[str, float]:
 
 
 def readouts(grid: Grid) -> list[Readout[Results]]:
-    """The pilot's three readouts (FedIT − base on what no client trains on), then the
-    comparisons the study exists for (fixed before the runs), testable where the pilot holds."""
+    """The pilot's three readouts, then the comparisons the study exists for.
+
+    The pilot's three readouts (FedIT − base on what no client trains on), then the
+    comparisons the study exists for (fixed before the runs), testable where the pilot holds.
+    """
 
     def est(a: str, b: str, measure: str) -> Callable[[Results], Estimate]:
         return lambda r: diff(r, a, b, measure, grid)

@@ -1,5 +1,8 @@
-"""The study framework (``docs/studies.md``): it runs a :class:`Study`'s jobs, records
-``study.json``, lists and times the jobs for ``--dry-run`` and writes the report."""
+"""The study framework (``docs/studies.md``).
+
+It runs a :class:`Study`'s jobs, records ``study.json``, lists and times the jobs for ``--dry-run``
+and writes the report.
+"""
 
 from __future__ import annotations
 
@@ -51,10 +54,12 @@ ConfigFn = Callable[[Mapping[str, "RunView"]], Mapping[str, Any]]
 
 @dataclass(frozen=True)
 class Run:
-    """A run of the engine in the folder ``name``: ``config`` is its config, or a function of
-    the views of ``needs`` (by name) that builds it (raising :class:`Unmet`); the framework
-    sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of one ``group`` cost about the same
-    (``--dry-run`` estimates from them)."""
+    """A run of the engine in the folder ``name``.
+
+    ``config`` is its config, or a function of the views of ``needs`` (by name) that builds it
+    (raising :class:`Unmet`); the framework sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of
+    one ``group`` cost about the same (``--dry-run`` estimates from them).
+    """
 
     name: str
     config: Mapping[str, Any] | ConfigFn
@@ -65,9 +70,12 @@ class Run:
 
 @dataclass(frozen=True)
 class Compute:
-    """A job that is not a run: ``fn(inputs, folder, **params)`` (module-level: it may run in
+    """A job that is not a run.
+
+    A job that is not a run: ``fn(inputs, folder, **params)`` (module-level: it may run in
     a worker) gets the folders of ``needs`` by name and its own and returns a JSON mapping,
-    kept in ``result.json`` and computed again when ``params`` or the inputs change."""
+    kept in ``result.json`` and computed again when ``params`` or the inputs change.
+    """
 
     name: str
     fn: Callable[..., Mapping[str, Any]]
@@ -126,9 +134,12 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_status(cfg: Mapping[str, Any]) -> str:
-    """``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
+    """The state of a run job.
+
+    ``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
     of this config) or ``done``; the output folder is not compared (a moved study keeps its
-    runs)."""
+    runs).
+    """
     from fedfm.config import load_config
 
     root = Path(cfg["out_dir"]) / cfg["name"]
@@ -189,8 +200,10 @@ class RunView:
 
     @property
     def computed(self) -> str | None:
-        """The dtype the run computed in (``float32`` without autocast), from its summary;
-        None before it finished or where the summary predates that record."""
+        """The dtype the run computed in (``float32`` without autocast), from its summary.
+
+        None before it finished or where the summary predates that record.
+        """
         compute = (self.summary or {}).get("compute")
         return None if compute is None else str(compute["autocast"] or "float32")
 
@@ -239,13 +252,15 @@ class RunView:
 
 @dataclass(frozen=True)
 class Readout(Generic[R]):
-    """A comparison a study exists for, fixed before its runs: what is compared (``name``),
-    how the estimate is paired (``statistic``), the ``paper``'s claim, its
-    ``direction`` (+1: above ``null``, −1: below), the estimate (``value`` of what the study
+    """A comparison a study exists for, fixed before its runs.
+
+    What is compared (``name``), how the estimate is paired (``statistic``), the ``paper``'s claim,
+    its ``direction`` (+1: above ``null``, −1: below), the estimate (``value`` of what the study
     read, shown with ``digits``), the grid's ``scope`` and whether it can test the claim
     (``testable``: a bool, or a function of what was read for a premise the runs must show);
-    ``margin`` is the paper's own effect on the readout's scale, where it reports one (the
-    report says when the grid's minimum detectable effect is larger)."""
+    ``margin`` is the paper's own effect on the readout's scale, where it reports one (the report
+    says when the grid's minimum detectable effect is larger).
+    """
 
     name: str
     statistic: str
@@ -273,12 +288,14 @@ def untestable(name: str, paper: str, scope: str) -> Readout[Any]:
 
 @dataclass(frozen=True)
 class Study(Generic[G, R]):
-    """A reproduction study (``docs/studies.md``, "Adding a study"): ``fedfm reproduce
-    name`` runs the ``jobs`` of its ``full`` or ``quick`` grid (asked again after each job),
-    ``read`` s their folders, judges its ``readouts`` and writes its ``body``; ``reports`` are its
-    report files, full and quick (None: ``<name>-quick.md`` in the study folder); ``title``
-    None is the section ``title`` of ``reports/<name>.md`` filled from the grid; ``workers``
-    the default (full, quick); ``later`` what ``--dry-run`` cannot list yet."""
+    """A reproduction study (``docs/studies.md``, "Adding a study").
+
+    ``fedfm reproduce name`` runs the ``jobs`` of its ``full`` or ``quick`` grid (asked again after
+    each job), ``read`` s their folders, judges its ``readouts`` and writes its ``body``;
+    ``reports`` are its report files, full and quick (None: ``<name>-quick.md`` in the study
+    folder); ``title`` None is the section ``title`` of ``reports/<name>.md`` filled from the grid;
+    ``workers`` the default (full, quick); ``later`` what ``--dry-run`` cannot list yet.
+    """
 
     name: str
     summary: str
@@ -300,9 +317,11 @@ STUDIES: Registry[Study[Any, Any]] = Registry("reproduction", "study")
 def register(
     module: str, summary: str, reports: tuple[str | None, str | None] | None = None, **kw: Any
 ) -> Study[Any, Any]:
-    """Registers the study a module declares, named as the module: its grids ``FULL`` and
-    ``QUICK``, its functions ``jobs``, ``read``, ``readouts`` and ``body``, its ``reports``
-    (None: ``<name>.md``, the quick one in the study folder) and the fields ``kw``."""
+    """Registers the study a module declares, named as the module.
+
+    Its grids ``FULL`` and ``QUICK``, its functions ``jobs``, ``read``, ``readouts`` and ``body``,
+    its ``reports`` (None: ``<name>.md``, the quick one in the study folder) and the fields ``kw``.
+    """
     mod = sys.modules[module]
     parts = {k: getattr(mod, k) for k in ("jobs", "read", "readouts", "body")}
     name = module.rsplit(".", 1)[-1]
@@ -354,9 +373,11 @@ class Context(Generic[G]):
 
 
 class Record:
-    """``study.json`` at ``path`` (another shape starts a new record): each job's status, time
-    and load, and each invocation; written atomically after every change, so a killed
-    invocation leaves it whole, with the time it had used by its last write."""
+    """``study.json`` at ``path`` (another shape starts a new record).
+
+    Each job's status, time and load, and each invocation; written atomically after every change, so
+    a killed invocation leaves it whole, with the time it had used by its last write.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -560,9 +581,12 @@ Submit = Callable[[Job, dict[str, Any]], "Future[dict[str, Any]]"]
 
 @contextlib.contextmanager
 def _executor(ctx: Context[Any]) -> Iterator[tuple[Submit, Any]]:
-    """How jobs start, and the queue of the workers' start notices: with one worker, at once
-    in this process; with more, each in a fresh spawned process (no forked torch thread
-    pools) used once, so that no job inherits another's caches (loaded models, features)."""
+    """How jobs start, and the queue of the workers' start notices.
+
+    With one worker, at once in this process; with more, each in a fresh spawned process (no forked
+    torch thread pools) used once, so that no job inherits another's caches (loaded models,
+    features).
+    """
     if ctx.workers <= 1:
 
         def here(job: Job, spec: dict[str, Any]) -> Future[dict[str, Any]]:
@@ -666,8 +690,11 @@ MEASURED = " (configured from its measured values)"
 
 
 def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
-    """The jobs with status and estimated seconds (own, group's or all finished jobs' mean),
-    and the total estimate."""
+    """The jobs with status and estimated seconds, and the total estimate.
+
+    The jobs with status and estimated seconds (own, group's or all finished jobs' mean),
+    and the total estimate.
+    """
     steps: dict[str, _Step] = {}
     jobs: list[Job] = []
     while len(jobs) != len(jobs := _plan(study, ctx)):  # a study may list more once some are done
@@ -800,8 +827,10 @@ def open_study(
     command: str | None = None,
     pilot: bool = False,
 ) -> Context[Any]:
-    """The context of one invocation: ``out`` is the study folder itself; ``pilot``: only
-    the study's premise pilot runs (its main jobs are listed but not started)."""
+    """The context of one invocation: ``out`` is the study folder itself; ``pilot``.
+
+    Only the study's premise pilot runs (its main jobs are listed but not started).
+    """
     flags = (" --quick" if quick else "") + (" --pilot" if pilot else "")
     return Context(
         study=study.name,
@@ -829,9 +858,11 @@ def reproduce(
     report_dir: Path | None = None,
     pilot: bool = False,
 ) -> Path | list[str]:
-    """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``; the report written
-    or, with ``dry_run_only``, the job list; ``pilot``: only the study's premise pilot.
-    ConfigError: an unknown study, no worker."""
+    """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``.
+
+    The report written or, with ``dry_run_only``, the job list; ``pilot``: only the study's premise
+    pilot. ConfigError: an unknown study, no worker.
+    """
     load_studies()
     study = STUDIES.get(name)
     if workers is not None and workers < 1:

@@ -1,5 +1,6 @@
-"""Statistics of the reproduction studies: means with standard errors, paired differences,
-bootstraps and the verdict rule of a readout.
+"""Statistics of the reproduction studies.
+
+Means with standard errors, paired differences, bootstraps and the verdict rule of a readout.
 
 Two runs that share their units (seeds: a seed fixes the partition, splits and
 initialisations; evaluated items; test rows) are compared *paired*: the mean over the shared
@@ -79,14 +80,19 @@ def paired(a: Mapping[K, float], b: Mapping[K, float]) -> Estimate:
 
 
 def mde(sd: float, n: int, k: float = 2.0) -> float:
-    """The minimum detectable effect of a mean difference over ``n`` units with per-unit SD
-    ``sd``: ``k · sd / √n`` (NaN for fewer than two units)."""
+    """The minimum detectable effect of a mean difference over ``n`` units with per-unit SD ``sd``.
+
+    ``k · sd / √n`` (NaN for fewer than two units).
+    """
     return k * sd / math.sqrt(n) if n > 1 and math.isfinite(sd) else math.nan
 
 
 def units_for(sd: float, effect: float, k: float = 2.0) -> int:
-    """The units a mean difference of per-unit SD ``sd`` needs for ``effect`` to reach its
-    minimum detectable effect: ``⌈(k · sd / effect)²⌉``."""
+    """The units a mean difference needs for ``effect`` to be detectable.
+
+    With per-unit SD ``sd``, ``effect`` reaches the minimum detectable effect at ``⌈(k · sd /
+    effect)²⌉`` units.
+    """
     return math.ceil((k * sd / abs(effect)) ** 2)
 
 
@@ -96,8 +102,11 @@ def mde_of(est: Estimate, k: float = 2.0) -> float:
 
 
 def balanced_accuracy(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
-    """Mean per-class recall of ``pred`` against ``y`` over ``y``'s classes (scikit-learn's;
-    an off-label answer is a miss of its item's class; NaN for no rows)."""
+    """Balanced accuracy: mean per-class recall of ``pred`` against ``y``.
+
+    Mean per-class recall of ``pred`` against ``y`` over ``y``'s classes (scikit-learn's;
+    an off-label answer is a miss of its item's class; NaN for no rows).
+    """
     import warnings
 
     from sklearn.metrics import balanced_accuracy_score
@@ -110,9 +119,12 @@ def balanced_accuracy(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.nd
 
 
 def macro_f1(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
-    """Macro-F1 over the classes of ``y`` and ``pred`` (scikit-learn's; a class never
+    """Macro-F1 over the classes of ``y`` and ``pred``.
+
+    Macro-F1 over the classes of ``y`` and ``pred`` (scikit-learn's; a class never
     predicted scores 0; NaN for no rows). A predicted label outside ``y``'s classes counts
-    as a class of its own (an off-label answer)."""
+    as a class of its own (an off-label answer).
+    """
     from sklearn.metrics import f1_score
 
     if not len(y):
@@ -123,10 +135,13 @@ def macro_f1(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) ->
 
 
 def balanced_weights(y: Sequence[Any]) -> np.ndarray:
-    """Per-item weights ``N / (C · n_c)`` (``C`` classes of ``y``, ``n_c`` items of the
+    """Per-item weights whose mean with correctness is the balanced accuracy.
+
+    Per-item weights ``N / (C · n_c)`` (``C`` classes of ``y``, ``n_c`` items of the
     item's class): the mean of ``correct · weight`` over the items is the balanced accuracy,
     and a paired difference of such values is the difference of balanced accuracies (with the
-    class counts held fixed: the item-level SE of a stratified sample)."""
+    class counts held fixed: the item-level SE of a stratified sample).
+    """
     labels = [str(v) for v in y]
     counts: dict[str, int] = {}
     for v in labels:
@@ -136,8 +151,11 @@ def balanced_weights(y: Sequence[Any]) -> np.ndarray:
 
 
 def pooled_paired(pairs: Sequence[tuple[Mapping[int, float], Mapping[int, float]]]) -> Estimate:
-    """A paired difference pooled over cells (datasets, settings): the mean and SE over the
-    seeds every cell has of each seed's average of a_s − b_s over the cells."""
+    """A paired difference pooled over cells (datasets, settings).
+
+    The mean and SE over the seeds every cell has of each seed's average of a_s − b_s over the
+    cells.
+    """
     if not pairs:
         return NONE
     seeds = set.intersection(*(set(a) & set(b) for a, b in pairs))
@@ -145,8 +163,11 @@ def pooled_paired(pairs: Sequence[tuple[Mapping[int, float], Mapping[int, float]
 
 
 def mean_of(parts: Sequence[Estimate]) -> Estimate:
-    """The mean of independent estimates (e.g. one per domain, a part without values left
-    out) with SE √(Σ SE²) / G over the units of all parts."""
+    """The mean of independent estimates with its SE.
+
+    The mean of independent estimates (e.g. one per domain, a part without values left
+    out) with SE √(Σ SE²) / G over the units of all parts.
+    """
     parts = [p for p in parts if p.n > 0]
     if not parts:
         return NONE
@@ -155,9 +176,12 @@ def mean_of(parts: Sequence[Estimate]) -> Estimate:
 
 
 def crossed(d: np.ndarray) -> Estimate:
-    """The mean of paired differences ``d[seed, row]`` with the two-way SE of crossed factors,
+    """The mean of paired differences over seeds and rows with the two-way SE.
+
+    The mean of paired differences ``d[seed, row]`` with the two-way SE of crossed factors,
     ``SE² = s²_seeds / S + s²_rows / N`` (each variance holds the interaction once: slightly
-    conservative); a factor with one level adds nothing; ``n`` is ``S·N``."""
+    conservative); a factor with one level adds nothing; ``n`` is ``S·N``.
+    """
     d = np.asarray(d, dtype=float)
     if d.ndim != 2 or d.size == 0:
         return NONE
@@ -177,9 +201,12 @@ def crossed_bootstrap(
     resamples: int = BOOTSTRAP,
     seed: int = 0,
 ) -> Estimate:
-    """A statistic's difference over ``(S, N)`` seeds and rows, with the SE of a two-way
+    """A statistic's difference over seeds and rows with a two-way bootstrap SE.
+
+    A statistic's difference over ``(S, N)`` seeds and rows, with the SE of a two-way
     bootstrap (seeds and rows drawn independently, the same for both sides): ``diff(seeds,
-    rows)`` gets index arrays and returns a's statistic minus b's."""
+    rows)`` gets index arrays and returns a's statistic minus b's.
+    """
     s_count, n_count = shape
     if s_count == 0 or n_count == 0:
         return NONE
@@ -207,9 +234,11 @@ def macro_f1_rows(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
 def paired_bootstrap(
     n: int, diff: Callable[[np.ndarray], float], resamples: int = BOOTSTRAP, seed: int = 0
 ) -> Estimate:
-    """A statistic's difference on ``n`` shared rows, with the SE of its paired bootstrap:
-    ``diff(rows)`` gets an index array and returns a's statistic minus b's; the
-    ``resamples`` are drawn from ``seed``."""
+    """A statistic's difference on ``n`` shared rows, with the SE of its paired bootstrap.
+
+    ``diff(rows)`` gets an index array and returns a's statistic minus b's; the ``resamples`` are
+    drawn from ``seed``.
+    """
     if n == 0:
         return NONE
     rng = np.random.default_rng(seed)
@@ -220,8 +249,11 @@ def paired_bootstrap(
 def macro_f1_diff(
     y: Sequence[int], pred_a: Sequence[int], pred_b: Sequence[int], seed: int = 0
 ) -> Estimate:
-    """Macro-F1 of ``pred_a`` minus that of ``pred_b`` on the same rows, with the SE of
-    :data:`BOOTSTRAP` paired bootstrap resamples of the rows (``n`` is the row count)."""
+    """Macro-F1 of ``pred_a`` minus that of ``pred_b`` with a paired bootstrap SE.
+
+    Macro-F1 of ``pred_a`` minus that of ``pred_b`` on the same rows, with the SE of
+    :data:`BOOTSTRAP` paired bootstrap resamples of the rows (``n`` is the row count).
+    """
     import torch
 
     from fedfm.tasks.base import macro_f1
@@ -241,9 +273,11 @@ UNRESOLVED = "not resolved (≤ 2 SE)"
 
 
 def verdict(est: Estimate, direction: int, null: float = 0.0) -> str:
-    """The verdict rule of a readout, the same for every study: in the paper's ``direction``
-    (+1: above ``null``, −1: below) beyond 2 SE, against it beyond 2 SE, or not resolved;
-    "not measured" without a value, "no SE" for a single value (not resolved)."""
+    """The verdict rule of a readout, the same for every study.
+
+    In the paper's ``direction`` (+1: above ``null``, −1: below) beyond 2 SE, against it beyond 2
+    SE, or not resolved; "not measured" without a value, "no SE" for a single value (not resolved).
+    """
     if est.n == 0 or not math.isfinite(est.mean):
         return "not measured"
     if est.n < 2 or not math.isfinite(est.se):

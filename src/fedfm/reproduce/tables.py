@@ -1,5 +1,8 @@
-"""Markdown of the study reports: numbers, rows, headers, difference markers, the reports'
-fixed text (:class:`Text`), and the figures' mean ± SE bands."""
+"""Markdown of the study reports.
+
+Numbers, rows, headers, difference markers, the reports' fixed text (:class:`Text`), and the
+figures' mean ± SE bands.
+"""
 
 from __future__ import annotations
 
@@ -70,8 +73,11 @@ def joined(*parts: str | Sequence[str]) -> str:
 
 
 def blocks(*parts: str | Sequence[str]) -> list[str]:
-    """Markdown blocks, each followed by a blank line: a string is one line (a heading, a
-    paragraph), a sequence of lines one block (a table, a list; empty: the blank line only)."""
+    """Markdown blocks, each followed by a blank line.
+
+    A string is one line (a heading, a paragraph), a sequence of lines one block (a table, a list;
+    empty: the blank line only).
+    """
     return [x for p in parts for x in [*([p] if isinstance(p, str) else p), ""]]
 
 
@@ -101,9 +107,11 @@ _ALONE = re.compile(r"\$(?:([_a-zA-Z][_a-zA-Z0-9]*)|\{([_a-zA-Z][_a-zA-Z0-9]*)\}
 
 
 class Text:
-    """A study's fixed report text, ``<folder>/<name>.md`` (the package's ``reports/``): its
-    sections open with ``<!-- section: NAME -->`` and are :class:`string.Template` s filled as
-    ``docs/studies.md`` ("Report text") describes."""
+    """A study's fixed report text, ``<folder>/<name>.md`` (the package's ``reports/``).
+
+    Its sections open with ``<!-- section: NAME -->`` and are :class:`string.Template` s filled as
+    ``docs/studies.md`` ("Report text") describes.
+    """
 
     def __init__(self, name: str, folder: Path | None = None) -> None:
         folder = folder or Path(str(resources.files("fedfm.reproduce") / "reports"))
@@ -118,9 +126,11 @@ class Text:
         return {k: v.strip("\n") for k, v in zip(parts[1::2], parts[2::2], strict=True)}
 
     def __call__(self, section: str, *sources: Mapping[str, Any], **values: Any) -> str:
-        """The section filled from ``sources`` (e.g. ``vars(grid)``), then ``values``; a
-        KeyError for no such section or a placeholder without a value, a ValueError for a
-        ``$`` that starts no placeholder."""
+        """The section filled from ``sources`` (e.g. ``vars(grid)``), then ``values``.
+
+        A KeyError for no such section or a placeholder without a value, a ValueError for a ``$``
+        that starts no placeholder.
+        """
         if section not in self.sections:
             raise KeyError(f"{self.path}: no section {section!r}")
         values = {k: v for src in sources for k, v in src.items()} | values

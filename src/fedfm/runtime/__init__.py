@@ -37,7 +37,9 @@ class Runtime(Protocol):
         overwrite: bool = False,
         progress: bool = True,
         options: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]: ...
+    ) -> dict[str, Any]:
+        """Runs the experiment ``cfg`` and returns its summary."""
+        ...
 
 
 RUNTIMES: Registry[Runtime] = Registry("runtime", "runtime")

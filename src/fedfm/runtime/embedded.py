@@ -115,8 +115,11 @@ class EmbeddedFederation(Federation):
 
 
 def embedded_federation(setup: Setup, store: ClientStateStore, ledger: AuditLedger) -> Federation:
-    """The engine's federation factory for the embedded runtime: every client in this process
-    (``clients.parallel`` of them at once in forked workers; ``auto`` from the memory plan)."""
+    """The engine's federation factory for the embedded runtime.
+
+    Every client in this process (``clients.parallel`` of them at once in forked workers; ``auto``
+    from the memory plan).
+    """
     import torch
 
     from fedfm.plan import parallel_workers

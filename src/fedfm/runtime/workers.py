@@ -1,5 +1,6 @@
-"""Jobs run side by side in worker processes forked from the server (the embedded runtime's
-``clients.parallel``).
+"""Jobs run side by side in worker processes forked from the server.
+
+They serve the embedded runtime's ``clients.parallel``.
 
 Up to ``workers`` processes are forked for each call (each exchange of messages), and each
 takes the next job when it is done with one, so a worker's warm-up (first allocations, kernel
@@ -42,8 +43,10 @@ from fedfm.errors import FedfmError
 
 
 class WorkerFailed(FedfmError):
-    """A job that failed in its worker: its exception as the one line the failure log keeps,
-    or the death of the worker."""
+    """A job that failed in its worker.
+
+    Its exception as the one line the failure log keeps, or the death of the worker.
+    """
 
 
 def _threads_alive() -> int:

@@ -779,11 +779,6 @@ def _domain_counts(ds: datasets.Dataset) -> dict[str, int]:
     return {str(d): int(c) for d, c in zip(domains, counts, strict=True)}
 
 
-def adapter_bytes(model: nn.Module) -> int:
-    """Bytes of the trainable tensors of ``model`` (what one FedAvg message carries)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
 def tokens_in(batch: dict[str, Tensor]) -> int:
     """Non-padding tokens of a batch (for throughput figures)."""
     return int(batch["attention_mask"].sum())

@@ -17,8 +17,9 @@ from torch import Tensor, nn
 
 from fedfm.config import validate_section
 from fedfm.core.seeding import derive_seed
+from fedfm.data.arrow import column_array
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
-from fedfm.data.sources import LoadedSource, column_array, load_source
+from fedfm.data.sources import LoadedSource, load_source
 from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError
 from fedfm.models.registry import build_model

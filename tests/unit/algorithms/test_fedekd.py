@@ -23,8 +23,8 @@ from fedfm.data.sources import (
     SourceInfo,
     register_source,
     source_info,
-    tabular_from_frame,
 )
+from fedfm.data.sources.tabular import tabular_from_frame
 from fedfm.engine import Engine, build
 from fedfm.errors import ConfigError
 from fedfm.runtime import run as run_experiment
@@ -246,29 +246,6 @@ def test_beta_zero_equals_ungated_and_local_private_matches_lambda_zero(tmp_path
     b = jsonl_rows(tmp_path / "lp" / "client_metrics.jsonl")[-1]["clients"]
     assert a == b
     assert not [r for r in jsonl_rows(tmp_path / "lp" / "audit.jsonl") if r["type"] == "arrays"]
-
-
-def test_negative_transfer_sign_convention():
-    nt = fedekd.negative_transfer({"0": 0.9, "1": 0.7}, {"0": 0.8, "1": 0.75})
-    assert nt["per_client"] == pytest.approx({"0": 0.1, "1": -0.05})
-    assert nt["mean"] == pytest.approx(0.025) and nt["worst"] == pytest.approx(-0.05)
-    # RMSE: lower is better, so a larger federated error is negative (harm).
-    nt = fedekd.negative_transfer(
-        {"0": 2.0, "1": 3.0}, {"0": 2.5, "1": 2.5}, higher_is_better=False
-    )
-    assert nt["per_client"] == {"0": 0.5, "1": -0.5} and nt["worst"] == -0.5
-    with pytest.raises(ValueError, match="share no client"):
-        fedekd.negative_transfer({"0": 1.0}, {"1": 1.0})
-
-
-def test_negative_transfer_from_run_folders(fedekd_run, tmp_path):
-    run, _ = fedekd_run
-    _run(tmp_path, name="lp", algorithm="local-private")
-    mine = fedekd.client_metric(run, "acc")
-    ref = fedekd.client_metric(tmp_path / "lp", "acc")
-    nt = fedekd.negative_transfer(mine, ref)
-    assert set(nt["per_client"]) == {"0", "1", "2", "3"}
-    assert nt["worst"] == pytest.approx(min(mine[c] - ref[c] for c in mine))
 
 
 # ----------------------------------------------------------------------------- regression + NaN

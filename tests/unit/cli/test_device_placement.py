@@ -29,7 +29,7 @@ from fedfm.fm import handle as fm_handle
 from fedfm.models import encoders
 from fedfm.runtime import run
 from fedfm.runtime.flower import client as flower_client
-from fedfm.runtime.flower import deploy
+from fedfm.runtime.flower import deploy_client
 from fedfm.runtime.flower.options import load_options
 from fedfm.runtime.flower.payload import Payload
 from fedfm.runtime.flower.simulation import backend_config, client_payload
@@ -320,10 +320,10 @@ def test_simulated_clients_ask_for_a_gpu_share_only_on_cuda_runs() -> None:
 
 
 def test_a_client_node_computes_on_its_own_device(monkeypatch, capsys) -> None:
-    cmd = deploy.supernode_command("h:1", 0, 2, 9, device="cuda:1")
+    cmd = deploy_client.supernode_command("h:1", 0, 2, 9, device="cuda:1")
     node_config = cmd[cmd.index("--node-config") + 1]
     assert node_config.endswith(' device="cuda:1"')
-    assert "device" not in deploy.supernode_command("h:1", 0, 2, 9)[4]
+    assert "device" not in deploy_client.supernode_command("h:1", 0, 2, 9)[4]
     payload = Payload(config=load_config({"device": "auto"}).model_dump(mode="json"))
     assert payload.run_config("cpu").device == "cpu"
     assert payload.run_config().device == "auto"

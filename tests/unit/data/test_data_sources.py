@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from fedfm.data.arrow import column_array
 from fedfm.data.assets import (
     _extract_data_folder,
     cache_dir,
@@ -22,17 +23,10 @@ from fedfm.data.assets import (
 )
 from fedfm.data.hf import detect_format, load_instruction_dataset
 from fedfm.data.instruct import DOMAINS, build_suite
-from fedfm.data.sources import (
-    KINDS,
-    SOURCES,
-    column_array,
-    fashion_mnist,
-    gsm8k_final_answer,
-    load_source,
-    read_idx,
-    source_info,
-    tabular_from_frame,
-)
+from fedfm.data.sources import KINDS, SOURCES, load_source, source_info
+from fedfm.data.sources.images import fashion_mnist, read_idx
+from fedfm.data.sources.instructions import gsm8k_final_answer
+from fedfm.data.sources.tabular import tabular_from_frame
 from fedfm.errors import AssetMissingError, ConfigError, UnknownNameError
 
 

@@ -160,6 +160,17 @@ def test_paired_and_pooled_differences_with_standard_errors_by_hand():
     assert pooled.se == pytest.approx(mean_se([0.0, 0.5, 2.0]).se)
 
 
+def test_negative_transfer_sign_convention():
+    nt = study.negative_transfer({"0": 0.9, "1": 0.7}, {"0": 0.8, "1": 0.75})
+    assert nt["per_client"] == pytest.approx({"0": 0.1, "1": -0.05})
+    assert nt["mean"] == pytest.approx(0.025) and nt["worst"] == pytest.approx(-0.05)
+    # RMSE: lower is better, so a larger federated error is negative (harm).
+    nt = study.negative_transfer({"0": 2.0, "1": 3.0}, {"0": 2.5, "1": 2.5}, higher_is_better=False)
+    assert nt["per_client"] == {"0": 0.5, "1": -0.5} and nt["worst"] == -0.5
+    with pytest.raises(ValueError, match="share no client"):
+        study.negative_transfer({"0": 1.0}, {"1": 1.0})
+
+
 def test_negative_transfer_stats_count_harmed_clients():
     mine, ref = {"0": 0.5, "1": 0.7, "2": 0.9}, {"0": 0.6, "1": 0.7, "2": 0.8}
     nt = study.nt_stats(mine, ref, higher_is_better=True)  # NT = -0.1, 0, +0.1

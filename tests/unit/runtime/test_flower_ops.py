@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 from fedfm.cli import app
 from fedfm.errors import ConfigError
 from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import deploy_client as DC
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import refusals as R
 from fedfm.runtime.flower import tls as T
@@ -102,7 +103,7 @@ def test_serve_and_client_warn_about_private_keys_readable_by_others(tmp_path, m
     assert _certs(str(out), "--nodes", "1").exit_code == 0
     monkeypatch.setattr(D, "serve", lambda cfg, **kw: {
         "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}, "rounds": 2})  # fmt: skip
-    monkeypatch.setattr(D, "client", lambda *a, **kw: 0)
+    monkeypatch.setattr(DC, "client", lambda *a, **kw: 0)
     serve = ["serve", "tabular-fedavg", "--certificates", str(out)]
     client = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
     client += ["--root-certificates", str(out / "ca.crt"), "--auth-key", str(out / "node0.key")]
@@ -121,7 +122,7 @@ def test_serve_and_client_warn_about_private_keys_readable_by_others(tmp_path, m
 
 def test_client_refuses_insecure_with_an_auth_key_at_once(tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr(D, "client", lambda *a, **kw: started.append(a) or 0)
+    monkeypatch.setattr(DC, "client", lambda *a, **kw: started.append(a) or 0)
     key, _ = T.make_node_key(tmp_path, "node0")
     args = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
     res = runner.invoke(app, [*args, "--insecure", "--auth-key", str(key)])
@@ -189,7 +190,7 @@ def test_serve_and_client_refuse_an_expired_certificate_and_warn_before_it_expir
     started = []
     monkeypatch.setattr(D, "serve", lambda cfg, **kw: started.append("serve") or {
         "name": cfg.name, "primary": "acc", "final": {"acc": 1.0}, "rounds": 2})  # fmt: skip
-    monkeypatch.setattr(D, "client", lambda *a, **kw: started.append("client") or 0)
+    monkeypatch.setattr(DC, "client", lambda *a, **kw: started.append("client") or 0)
     now = dt.datetime.now(dt.UTC)
     T.make_certificates(tmp_path / "old", start=now - dt.timedelta(days=40), days=30)
     T.make_certificates(tmp_path / "soon", days=7)
@@ -328,17 +329,17 @@ def _fake_supernodes(monkeypatch, *logs: str) -> list[int]:
         code = f"import sys, time; print({text.removesuffix('EXIT')!r}, flush=True); {end}"
         return [P.start("supernode", [sys.executable, "-c", code], dict(os.environ), log_dir)]
 
-    monkeypatch.setattr(D, "start_client", fake_start)
+    monkeypatch.setattr(DC, "start_client", fake_start)
     return starts
 
 
 def _client_in_thread(tmp_path: Path, wait_s: float, limit_s: float) -> tuple[int | None, float]:
-    """Runs ``deploy.client`` in a thread; (its exit code or None if still running after
+    """Runs ``deploy_client.client`` in a thread; (its exit code or None if still running after
     ``limit_s``, seconds it took)."""
     out: list[int] = []
     t0 = time.monotonic()
     thread = threading.Thread(
-        target=lambda: out.append(D.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, wait_s=wait_s)),
+        target=lambda: out.append(DC.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, wait_s=wait_s)),
         daemon=True,
     )
     thread.start()
@@ -354,7 +355,7 @@ NOT_YET = f"waiting for the server: node key not registered on the SuperLink yet
 def test_an_unregistered_key_gives_up_after_the_wait_with_exit_2(tmp_path, monkeypatch, capsys):
     """The wait is the one documented bound (--wait), not a back-off that overshoots it."""
     _fake_supernodes(monkeypatch, UNREGISTERED_LOG + "EXIT")
-    monkeypatch.setattr(D, "probe", lambda *a: None)  # the SuperLink answers
+    monkeypatch.setattr(DC, "probe", lambda *a: None)  # the SuperLink answers
     code, took = _client_in_thread(tmp_path, 2.0, 30)
     assert code == 2 and took < 2.0 + 3, took
     err = capsys.readouterr().err.splitlines()
@@ -370,7 +371,7 @@ def test_a_server_that_stops_inside_the_wait_still_ends_it(tmp_path, monkeypatch
     _fake_supernodes(monkeypatch, UNREGISTERED_LOG + "EXIT")
     answers = iter([None])
     monkeypatch.setattr(
-        D, "probe", lambda *a: next(answers, "nothing answers at 127.0.0.1:1 (Connection refused)")
+        DC, "probe", lambda *a: next(answers, "nothing answers at 127.0.0.1:1 (Connection refused)")
     )
     code, took = _client_in_thread(tmp_path, 2.5, 30)
     assert code == 2 and took < 2.5 + 3, took
@@ -383,7 +384,7 @@ def test_a_server_that_stops_inside_the_wait_still_ends_it(tmp_path, monkeypatch
 def test_no_server_at_all_gives_up_after_the_wait(tmp_path, capsys):
     port = P.free_port()  # nothing listens there
     t0 = time.monotonic()
-    code = D.client(f"127.0.0.1:{port}", 0, 1, work_dir=tmp_path, wait_s=1.5)
+    code = DC.client(f"127.0.0.1:{port}", 0, 1, work_dir=tmp_path, wait_s=1.5)
     assert code == 2 and time.monotonic() - t0 < 1.5 + 3
     err = capsys.readouterr().err.splitlines()
     why = f"nothing answers at 127.0.0.1:{port} (Connection refused)"
@@ -440,9 +441,9 @@ def test_a_healthy_client_says_what_it_does_in_one_line_each(tmp_path, monkeypat
             raise found
         return found
 
-    monkeypatch.setattr(D, "probe", probe)
+    monkeypatch.setattr(DC, "probe", probe)
     with pytest.raises(P.Stopped):
-        D.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, wait_s=60)
+        DC.client("127.0.0.1:1", 0, 1, work_dir=tmp_path, wait_s=60)
     assert len(starts) == 4
     err = capsys.readouterr().err
     assert err.splitlines() == [
@@ -465,7 +466,7 @@ def test_a_healthy_client_says_what_it_does_in_one_line_each(tmp_path, monkeypat
 def test_a_supernode_that_fails_shows_its_log(tmp_path, monkeypatch, capsys):
     """A real failure (no refusal, never connected) is shown with the end of its log."""
     _fake_supernodes(monkeypatch, "Traceback (most recent call last):\nValueError: boomEXIT")
-    monkeypatch.setattr(D, "probe", lambda *a: None)
+    monkeypatch.setattr(DC, "probe", lambda *a: None)
     code, _ = _client_in_thread(tmp_path, 1.0, 30)
     assert code == 2
     err = capsys.readouterr().err
@@ -477,7 +478,7 @@ def test_client_stop_line_names_the_state_folder_only_when_it_exists(tmp_path, m
     def stopped(*a, **kw):
         raise P.Stopped(signal.SIGTERM)
 
-    monkeypatch.setattr(D, "client", stopped)
+    monkeypatch.setattr(DC, "client", stopped)
     states = tmp_path / "states"
     args = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
     args += ["--insecure", "--state-dir", str(states)]
@@ -494,7 +495,7 @@ def test_client_stop_line_names_the_state_folder_only_when_it_exists(tmp_path, m
 
 
 def test_client_refuses_a_wait_that_is_not_positive(monkeypatch):
-    monkeypatch.setattr(D, "client", lambda *a, **kw: 0)
+    monkeypatch.setattr(DC, "client", lambda *a, **kw: 0)
     args = ["client", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "1"]
     res = runner.invoke(app, [*args, "--insecure", "--wait", "0"])
     assert isinstance(res.exception, ConfigError) and str(res.exception).startswith(

@@ -15,7 +15,10 @@ module per concern:
 - :mod:`~fedfm.runtime.flower.simulation`: runs on Flower's simulation engine;
 - :mod:`~fedfm.runtime.flower.tls`: certificates and node keys;
 - :mod:`~fedfm.runtime.flower.processes`: starting, watching and stopping Flower processes;
-- :mod:`~fedfm.runtime.flower.deploy`: the deployment engine (SuperLink, SuperNodes, runs);
+- :mod:`~fedfm.runtime.flower.deploy`: the deployment engine's server side (``fedfm serve``:
+  SuperLink, node keys, runs);
+- :mod:`~fedfm.runtime.flower.deploy_client`: its client side (``fedfm client``: SuperNodes
+  and their warm workers);
 - :mod:`~fedfm.runtime.flower.commands`: the ``fedfm serve|client|flower-app|flower-certs``
   commands.
 

@@ -181,8 +181,11 @@ def _mark(head: dict[str, Any], cid: str) -> str:
 def context_state(
     context: Context, head: dict[str, Any], cid: str, snaps: Snapshots
 ) -> ClientState:
-    """This client's state: Flower's context state if it belongs to this session, else the
-    newest valid snapshot on disk (a resumed run, or a SuperNode that restarted)."""
+    """This client's state: Flower's context state or the newest valid snapshot.
+
+    Flower's context state if it belongs to this session, else the newest valid snapshot on disk (a
+    resumed run, or a SuperNode that restarted).
+    """
     st = context.state
     configs = st.config_records
     if STATE_MARK in configs and str(configs[STATE_MARK]["mark"]) == _mark(head, cid):

@@ -2,7 +2,8 @@
 
 Each is a typer command function that :mod:`fedfm.cli` registers as it is. A command turns
 its arguments into validated values (a run config, TLS files, Flower options, existing key
-files) and calls the deployment engine (:mod:`fedfm.runtime.flower.deploy`) with them.
+files) and calls the deployment engine (:mod:`fedfm.runtime.flower.deploy`,
+:mod:`fedfm.runtime.flower.deploy_client`) with them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import typer
 
 from fedfm.config import apply_override, load_run_config
 from fedfm.errors import ConfigError
-from fedfm.runtime.flower import deploy
+from fedfm.runtime.flower import deploy, deploy_client
 from fedfm.runtime.flower.options import run_options
 from fedfm.runtime.flower.payload import Payload
 from fedfm.runtime.flower.processes import Stopped
@@ -146,7 +147,7 @@ def client(
             help="seconds to wait for the first session, or for a SuperLink that refuses this"
             " node's key, before giving up (exit 2); inf: no limit"
         ),
-    ] = deploy.WAIT_S,
+    ] = deploy_client.WAIT_S,
 ) -> None:
     """Run one client's SuperNode for `fedfm serve` (until Ctrl-C or SIGTERM).
 
@@ -179,7 +180,7 @@ def client(
         check_private(auth_key, "the node's private key")
     state = state_dir or Path("fedfm-client-states") / str(partition_id)
     try:
-        code = deploy.client(
+        code = deploy_client.client(
             superlink,
             partition_id,
             num_partitions,

@@ -70,8 +70,10 @@ def load_options(options: FlowerOptions | Mapping[str, Any] | None) -> FlowerOpt
 
 
 def run_options(cfg: RunConfig, options: FlowerOptions | Mapping[str, Any] | None) -> FlowerOptions:
-    """Flower options of a run: a ``flower`` section of the run config (if the config has
-    one) overridden by ``options``."""
+    """Flower options of a run.
+
+    A ``flower`` section of the run config (if the config has one) overridden by ``options``.
+    """
     if isinstance(options, FlowerOptions):
         return options
     section = getattr(cfg, "flower", None) or {}
@@ -140,5 +142,6 @@ def flower_env_vars(home: Path) -> dict[str, str]:
 
 
 def quiet_flower(verbose: bool) -> None:
+    """Leaves only Flower's warnings and errors in the log unless ``verbose``."""
     if not verbose:
         logging.getLogger("flwr").setLevel(logging.WARNING)

@@ -193,6 +193,7 @@ class Wake:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 
     def __call__(self) -> None:
+        """Sends the wake datagram (a worker that is not listening misses nothing)."""
         with contextlib.suppress(OSError):
             self.sock.sendto(b"\x01", self.address)
 
@@ -231,8 +232,10 @@ class WakeListener:
 
 
 def pinned() -> bool:
-    """Whether the installed Flower is the version whose waits this module knows; warns
-    when it is not."""
+    """Whether the installed Flower is the version whose waits this module knows.
+
+    Warns when it is not.
+    """
     import flwr
 
     if flwr.__version__ == FLOWER_VERSION:
@@ -270,7 +273,7 @@ def quick_object_pulls(
 
 
 def split_args(argv: list[str]) -> tuple[int | None, list[str]]:
-    """fedfm's ``--wake-port`` and the arguments left for Flower's ``flower-supernode``."""
+    """Fedfm's ``--wake-port`` and the arguments left for Flower's ``flower-supernode``."""
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--wake-port", type=int, default=None)
     args, rest = ours.parse_known_args(argv)

@@ -91,7 +91,6 @@ class Payload:
             device: This machine's ``device`` in place of the run's (a deployment client's
                 ``fedfm client --device``); checked against this machine.
         """
-
         import_plugins(self.flower().imports)
         return load_config({**self.config, "device": device} if device else self.config)
 
@@ -101,6 +100,5 @@ class Payload:
 
     def key(self) -> str:
         """A stable id of the config and options (client-side caches are keyed by it)."""
-
         raw = json.dumps([self.config, self.options], sort_keys=True)
         return hashlib.sha256(raw.encode()).hexdigest()[:16]

@@ -44,7 +44,10 @@ class DeployError(FedfmError):
 
 
 def bin_path(name: str) -> str:
-    # The Flower commands of this interpreter's environment, found even when it is not on PATH.
+    """The path of a Flower command of this interpreter's environment.
+
+    Found even when the environment is not on PATH; the bare name when it is not there.
+    """
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else name
 
@@ -135,8 +138,11 @@ def start(
 
 
 def stop(procs: Iterable[Proc], grace_s: float = 5.0) -> None:
-    """Stops processes and everything they started: SIGTERM to each process group and to
-    every descendant (also those in sessions of their own), then SIGKILL to what is left."""
+    """Stops processes and everything they started.
+
+    SIGTERM to each process group and to every descendant (also those in sessions of their own),
+    then SIGKILL to what is left.
+    """
     procs = list(procs)
     # Found before any signal: a descendant whose parent dies is re-parented out of reach.
     tree = sorted({d for p in procs for d in descendants(p.popen.pid)})
@@ -217,8 +223,11 @@ class Stopped(BaseException):
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """Raises :class:`Stopped` in the main thread on SIGTERM or SIGINT (once; a second
-    signal while stopping is ignored, so the clean-up is not cut short)."""
+    """Raises :class:`Stopped` in the main thread on SIGTERM or SIGINT.
+
+    Raises :class:`Stopped` in the main thread on SIGTERM or SIGINT (once; a second
+    signal while stopping is ignored, so the clean-up is not cut short).
+    """
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set in the main thread
         return
@@ -278,8 +287,10 @@ def run_flwr(
 
 
 class FlwrCall:
-    """A ``flwr`` CLI command running in its own process group; its output is collected
-    (for :meth:`wait` and its errors) and written to ``log_path`` as it comes.
+    """A ``flwr`` CLI command running in its own process group.
+
+    Its output is collected (for :meth:`wait` and its errors) and written to ``log_path`` as it
+    comes.
 
     Args:
         args: The arguments after ``flwr``.
@@ -380,7 +391,6 @@ def _pump(
 
 def plugin_pythonpath(imports: Sequence[str]) -> list[str]:
     """Folders that make the plugin modules importable in child processes."""
-
     dirs: list[str] = []
     for name in imports:
         spec = importlib.util.find_spec(name.split(".")[0])

@@ -122,8 +122,10 @@ def probe(
 
 
 def _handshake(sock: socket.socket, host: str, ca: Path | None) -> str | None:
-    """A TLS handshake on ``sock``, verifying against ``ca`` when given; None if it worked,
-    else the reason it failed."""
+    """A TLS handshake on ``sock``, verifying against ``ca`` when given.
+
+    None if it worked, else the reason it failed.
+    """
     if ca is None:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname = False

@@ -257,8 +257,10 @@ class FlowerFederation(Federation):
                 yield cid, e
 
     def absent(self) -> dict[str, str]:
-        """Clients that took no part in this session (no message of theirs answered), with
-        why: client id -> ``"never connected"`` or ``"connected, never answered"``."""
+        """Clients that took no part in this session (no message of theirs answered), with why.
+
+        Client id -> ``"never connected"`` or ``"connected, never answered"``.
+        """
         return {
             c: "connected, never answered" if c in self.connected else "never connected"
             for c in self._roles
@@ -381,7 +383,6 @@ def server_main(grid: Grid, payload: Payload) -> dict[str, Any]:
     Returns:
         The run summary.
     """
-
     cfg = payload.run_config()
     if _deployed(grid) and pinned():
         quick_object_pulls()  # replies are pulled as soon as they show: see pacing
@@ -417,8 +418,11 @@ def _deployed(grid: Grid) -> bool:
 
 
 def report_absent(run_dir: Path, absent: Mapping[str, str]) -> None:
-    """Logs the clients that took no part in this session and records them in the session
-    history (``flower_sessions.json``, key ``absent`` of the session)."""
+    """Logs and records the clients that took no part in this session.
+
+    Logs the clients that took no part in this session and records them in the session
+    history (``flower_sessions.json``, key ``absent`` of the session).
+    """
     if absent:
         log.warning(
             "clients that took no part in this session: %s",

@@ -46,7 +46,6 @@ def run_flower_sim(
     Returns:
         The run summary.
     """
-
     opts = run_options(cfg, options)
     import_plugins(opts.imports)
     _, task_cfg = resolve(cfg)

@@ -142,8 +142,10 @@ def make_certificates(
 
 
 def certificate_hosts(path: Path) -> list[str]:
-    """The host names and IP addresses a certificate is valid for (its subject alternative
-    names), in the order they were written."""
+    """The host names and IP addresses a certificate is valid for.
+
+    Its subject alternative names, in the order they were written.
+    """
     from cryptography import x509
 
     cert = x509.load_pem_x509_certificate(path.read_bytes())
@@ -383,9 +385,12 @@ def check_private(path: Path, what: str) -> bool:
 
 
 def covers(hosts: Sequence[str], name: str) -> bool:
-    """Whether a certificate valid for ``hosts`` (its subject alternative names) is valid
+    """Whether a certificate valid for ``hosts`` is valid for ``name``.
+
+    Whether a certificate valid for ``hosts`` (its subject alternative names) is valid
     for ``name``: an IP address equal to one of them, or a DNS name equal to one (case
-    ignored) or matched by a wildcard ``*.domain`` in its leftmost label (RFC 6125)."""
+    ignored) or matched by a wildcard ``*.domain`` in its leftmost label (RFC 6125).
+    """
     try:
         ip = ipaddress.ip_address(name)
     except ValueError:

@@ -132,9 +132,11 @@ def unpack_bytes(raw: bytes) -> dict[str, Tensor]:
 
 
 def pack(arrays: Mapping[str, Tensor]) -> Any:
-    """A flat tensor dict as one Flower ``Array`` of :func:`pack_bytes`' bytes: ``uint8`` of
-    that length with stype :data:`PACKED_STYPE`, carried by any Flower component as it
-    carries other arrays."""
+    """A flat tensor dict as one Flower ``Array`` of :func:`pack_bytes`' bytes.
+
+    ``uint8`` of that length with stype :data:`PACKED_STYPE`, carried by any Flower component as it
+    carries other arrays.
+    """
     return _as_array(pack_bytes(arrays))
 
 
@@ -156,8 +158,10 @@ def unpack(a: Any) -> dict[str, Tensor]:
 
 
 def arrays_to_record(arrays: Mapping[str, Tensor]) -> ArrayRecord:
-    """A flat tensor dict as an ``ArrayRecord`` of one packed array (:func:`pack`); no
-    tensors: an empty record."""
+    """A flat tensor dict as an ``ArrayRecord`` of one packed array (:func:`pack`); no tensors.
+
+    An empty record.
+    """
     from flwr.app import ArrayRecord
 
     return ArrayRecord({"packed": pack(arrays)} if arrays else {})

@@ -10,7 +10,7 @@ context), so fedfm's per-process caches (task, algorithm, models) stay warm.
 
 It runs only fedfm's ClientApp: a SuperNode paired with it serves fedfm runs. It leans on
 Flower's runtime-API helpers of the pinned flwr version (1.42); ``isolation="subprocess"``
-in :func:`fedfm.runtime.flower.deploy.supernode_command` is the stock fallback.
+in :func:`fedfm.runtime.flower.deploy_client.supernode_command` is the stock fallback.
 
 Run it as ``python -m fedfm.runtime.flower_app.worker --runtime-api-address 127.0.0.1:PORT
 [--wake-port WAKE]``. With ``--wake-port`` (the same port as its SuperNode's, see
@@ -174,8 +174,10 @@ def _no_wake(wake_port: int | None) -> None:
 
 
 def _idle_wait(wake_port: int | None, poll_s: float) -> tuple[Callable[[], object], bool]:
-    """What the worker does between two asks for a task, and whether that is waiting for
-    a wake (else sleeping ``poll_s``)."""
+    """What the worker does between two asks for a task.
+
+    And whether that is waiting for a wake (else sleeping ``poll_s``).
+    """
     from fedfm.runtime.flower.pacing import WAKE_FALLBACK_S, WakeListener
 
     if wake_port is None:
