@@ -44,6 +44,7 @@ from fedfm.core.runfolder import RunFolder, RunFolderError, RunFolderLease, read
 from fedfm.core.state import ClientStateStore
 from fedfm.data.partition import PartitionConfig
 from fedfm.errors import ConfigError, config_fields
+from fedfm.eval.compare import paired_change
 from fedfm.models.lora import named_adapter_keys
 from fedfm.tasks.base import TASKS, Task
 from fedfm.tblog import TensorBoardLog
@@ -455,6 +456,7 @@ class Engine:
             "primary": task.primary,
             "final": {k: v for k, v in last.items() if k not in ("time_s",)},
             "best": {"round": best.get("round"), task.primary: best.get(task.primary)},
+            **_change(folder, task.primary),
             **{key: sum(r.get(key, 0) for r in rows) for key in BYTE_KEYS},
             "comm": communication_bill(read_jsonl(folder.audit)),  # GB, from the ledger
             # Distinct clients that failed in any round, and the messages they missed.
@@ -488,6 +490,16 @@ def _compute(cfg: RunConfig, task: Task) -> dict[str, Any]:
     wanted = bool(getattr(getattr(task, "cfg", None), "autocast_bf16", False))
     dtype = autocast_in_effect(device, wanted)
     return {"device": str(device), "autocast": str(dtype).removeprefix("torch.") if dtype else None}
+
+
+def _change(folder: RunFolder, primary: str) -> dict[str, Any]:
+    """``{"change": ...}``: the headline's change from the first evaluation to the last,
+    paired by item (:func:`fedfm.eval.compare.paired_change`), where the run kept its items
+    and the headline is a mean over them; else nothing."""
+    if not folder.items.exists():
+        return {}
+    change = paired_change(read_jsonl(folder.items), primary)
+    return {"change": change} if change else {}
 
 
 def _artefact_list(folder: RunFolder, algo: Algorithm) -> dict[str, dict[str, Any]]:

@@ -165,9 +165,10 @@ class RoundDisplay:
 def summary_line(summary: dict[str, Any], folder: Any) -> str:
     """The line a run ends with.
 
-    The line a run ends with: its headline metric (4 decimals) with its standard error
-    where the evaluator logs one (``<primary>_se``), rounds, privacy guarantee when DP was
-    used, and where to look: the run's ``report.html`` when it was written, else its folder.
+    Its headline metric (4 decimals) with its standard error where the evaluator logs one
+    (``<primary>_se``), rounds, the headline's change since the first evaluation paired by
+    item (where the summary has one), privacy guarantee when DP was used, and where to look:
+    the run's ``report.html`` when it was written, else its folder.
     """
     final = summary["final"]
     primary = summary["primary"]
@@ -175,6 +176,13 @@ def summary_line(summary: dict[str, Any], folder: Any) -> str:
     se = final.get(f"{primary}_se")
     spread = f" ± {se:.4f} SE" if isinstance(se, int | float) else ""
     msg = f"{summary['name']}: {primary}={value:.4f}{spread} after {summary['rounds']} rounds"
+    change = summary.get("change")
+    if change:
+        ratio = abs(change["mean"]) / change["se"] if change["se"] > 0 else float("inf")
+        msg += (
+            f"; change since round {change['from_round']}: {change['mean']:+.4f}"
+            f" ± {change['se']:.4f} SE ({ratio:.1f} SE, paired over {change['n']} items)"
+        )
     if "privacy" in summary:
         msg += (
             f", epsilon={summary['privacy']['epsilon']:.3g} (delta={summary['privacy']['delta']:g})"

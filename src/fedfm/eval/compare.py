@@ -227,3 +227,41 @@ class UpdateCosines:
         cos = update_cosines(self.updates)
         pairs = [v for k, v in cos.items() if k != "mean"]
         return {f"{prefix}mean": cos["mean"], f"{prefix}min": float(min(pairs))}
+
+
+# Headline metrics that are a plain mean over items (each item carries its own value), so that
+# the change between two evaluations of the same items is a paired mean.
+ITEM_MEANS = ("ref_nll",)
+
+
+def paired_change(rows: Sequence[Mapping[str, Any]], primary: str) -> dict[str, Any] | None:
+    """The change of ``primary`` from the first evaluation in ``rows`` (``eval_items.jsonl``'s
+    lines) to the last, paired by item: ``mean`` and ``se`` (of the per-item differences),
+    ``n`` items, ``from_round`` and ``to_round``; None where ``primary`` is not a mean over
+    items (:data:`ITEM_MEANS`) or fewer than two items were evaluated in both."""
+    zero = primary.startswith("zeroshot/")
+    metric, _, domain = primary.removeprefix("zeroshot/").partition("/")
+    if metric not in ITEM_MEANS or len(rows) < 2:
+        return None
+
+    def values(row: Mapping[str, Any]) -> dict[tuple[Any, ...], float]:
+        return {
+            (it["id"], it.get("domain")): float(it[metric])
+            for it in row["items"]
+            if it.get(metric) is not None
+            and bool(it.get("zeroshot")) == zero
+            and (not domain or it.get("domain") == domain)
+        }
+
+    first, last = values(rows[0]), values(rows[-1])
+    diffs = np.array([last[k] - first[k] for k in first if k in last])
+    if len(diffs) < 2:
+        return None
+    return {
+        "metric": primary,
+        "mean": float(diffs.mean()),
+        "se": float(diffs.std(ddof=1) / np.sqrt(len(diffs))),
+        "n": len(diffs),
+        "from_round": int(rows[0]["round"]),
+        "to_round": int(rows[-1]["round"]),
+    }

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -501,8 +502,27 @@ def evaluate_instruction_items(
         results.update(ppl)
         for item, got in zip(items, nlls, strict=True):
             if got is not None:
-                item.update(nll=got[0], nll_tokens=got[1])
+                item.update(nll=got[0], nll_tokens=got[1], ref_nll=got[0] / got[1])
+        results.update(reference_nll_means(items))
     return results, items
+
+
+def reference_nll_means(items: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """``ref_nll``: the mean over items of each reference's NLL per token, with its standard
+    error ``ref_nll_se`` and ``ref_nll/<domain>``. Each item weighs the same (``ppl`` weighs
+    each token), so that two evaluations of the same items compare item by item."""
+    per: dict[str, list[float]] = {}
+    for it in items:
+        if it.get("ref_nll") is not None:
+            per.setdefault(str(it["domain"]), []).append(float(it["ref_nll"]))
+    values = [v for vs in per.values() for v in vs]
+    if not values:
+        return {}
+    out = {f"ref_nll/{d}": float(np.mean(vs)) for d, vs in sorted(per.items())}
+    out["ref_nll"] = float(np.mean(values))
+    se = float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else math.nan
+    out["ref_nll_se"] = se
+    return out
 
 
 def _generate_by_budget(

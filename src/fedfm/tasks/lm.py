@@ -78,6 +78,7 @@ log = logging.getLogger("fedfm")
 
 ZEROSHOT = "zeroshot/"
 TEXT_NLL = "text_nll"
+REF_NLL = "ref_nll"  # mean over items of the reference NLL per token (lower is better)
 BUDGET_PERCENTILE = 90
 """A generation budget below this percentile of a domain's reference lengths is warned about."""
 
@@ -434,8 +435,11 @@ class InstructionTask(Task):
         kinds = {ROW_METRICS.get(m).key for m, _ in scored} | ({"score"} if scored else set())
         if any(m == "choice" for m, _ in scored):
             kinds.add("bal_acc")  # mean balanced accuracy over the classification domains
-        metric, _, domain = name.removeprefix(ZEROSHOT).partition("/")
         domains = {d for _, d in scored}
+        if self.cfg.eval_ppl:  # every item's reference is scored by its NLL
+            kinds.add(REF_NLL)
+            domains |= set(rows["domain"])
+        metric, _, domain = name.removeprefix(ZEROSHOT).partition("/")
         if metric not in kinds or (domain and domain not in domains):
             choices = sorted(kinds)
             raise ConfigError(
@@ -444,6 +448,7 @@ class InstructionTask(Task):
                 f" optionally /<domain> of {sorted(domains)}",
             )
         self.primary = name
+        self.higher_is_better = metric != REF_NLL
 
     def _warn_short_budgets(self) -> dict[str, int]:
         """Warns about every generating domain whose budget is below the 90th percentile of its
