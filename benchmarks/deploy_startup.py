@@ -10,6 +10,12 @@ Measured from outside, as an operator sees it:
   process, the wait for the SuperNodes, handshakes, task builds, round 0 itself);
 - teardown: from the last round's line until ``fedfm serve`` has exited.
 
+Each run also prints its phases, in seconds from the start of ``fedfm serve``, read from
+the SuperLink's log that serve keeps in ``runs/<name>/flower_logs/`` (its requests are
+time-stamped): the SuperLink listens; the run is submitted (``start-run``); the ServerApp
+takes it (``pull-task-input``); the last SuperNode is in (``activate-node``); the first
+message reaches a SuperNode (``get-run``); round 0 is logged.
+
 ``--src DIR`` (repeatable) runs the whole measurement with the fedfm sources of ``DIR``
 first on ``PYTHONPATH`` (e.g. an unmodified checkout, then a changed one), alternating
 ``--repeat`` times, so that the figures of two versions come from the same sitting on a
@@ -22,7 +28,9 @@ Usage: .venv/bin/python benchmarks/deploy_startup.py [--nodes 3] [--rounds 2]
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -64,8 +72,39 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], word: str, limit_s
         time.sleep(0.1)
 
 
-def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float]:
-    """One deployment on loopback; ``(start-up s, teardown s)``."""
+#: Phases of the start-up: a SuperLink log line (flwr 1.42) that marks the end of each.
+PHASES = {
+    "superlink up": "Uvicorn running on",
+    "run submitted": "/v1/control/start-run ",
+    "ServerApp took it": "/v1/runtime/pull-task-input ",
+    "nodes in": "/v1/fleet/activate-node ",
+    "first message at a node": "/v1/fleet/get-run ",
+}
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z ")
+
+
+def phases(run_dir: Path, t0: float, round0: float) -> dict[str, float]:
+    """Seconds from ``t0`` (wall clock) to the end of each phase (see the module's
+    docstring); a phase whose line is not in the log is left out."""
+    out: dict[str, float] = {}
+    for log in sorted(run_dir.glob("flower_logs/*/superlink.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            m = _STAMP.match(line)
+            if m is None:
+                continue
+            when = datetime.datetime.fromisoformat(m.group(1) + "+00:00").timestamp() - t0
+            if when > round0 - t0:  # only the start-up
+                break
+            for name, mark in PHASES.items():
+                # Nodes: the last one in; the others: the first line.
+                if mark in line and (name == "nodes in" or name not in out):
+                    out[name] = when
+    out["round 0 logged"] = round0 - t0
+    return out
+
+
+def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float, dict]:
+    """One deployment on loopback; ``(start-up s, teardown s, phases)``."""
     work.mkdir(parents=True)
     (work / "tmp").mkdir()
     env = env_for(src, work / "tmp")
@@ -99,14 +138,15 @@ def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float
         )  # fmt: skip
         metrics = work / "runs" / "startup" / "metrics.jsonl"
         with (work / "serve.log").open("w") as out:
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             proc = subprocess.Popen(serve, env=env, cwd=work, stdout=out, stderr=out)
             first = last = None
+            round0 = 0.0
             while proc.poll() is None:
                 n = lines_of(metrics)
                 now = time.monotonic()
                 if n >= 1 and first is None:
-                    first = now
+                    first, round0 = now, time.time()
                 if n >= rounds + 1 and last is None:
                     last = now
                 time.sleep(0.02)
@@ -115,7 +155,7 @@ def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float
             raise SystemExit(
                 f"serve failed ({proc.returncode}):\n{(work / 'serve.log').read_text()}"
             )
-        return first - t0, end - last
+        return first - t0, end - last, phases(work / "runs" / "startup", wall0, round0)
     finally:
         for c in clients:
             c.terminate()
@@ -133,16 +173,19 @@ def main() -> None:
     args = ap.parse_args()
     srcs = args.src or [str(HERE.parent / "src")]
     figures: dict[str, list[tuple[float, float]]] = {s: [] for s in srcs}
+    steps: dict[str, list[dict]] = {s: [] for s in srcs}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="fedfm-deploy-startup-") as tmp:
         out = args.keep or tmp
         for k in range(args.repeat):
             for j, src in enumerate(srcs):
                 work = Path(out) / f"{k}-{j}"
-                figures[src].append(measure(src, work, args.nodes, args.rounds))
+                up, down, when = measure(src, work, args.nodes, args.rounds)
+                figures[src].append((up, down))
+                steps[src].append(when)
                 load.append(os.getloadavg()[0])
-                up, down = figures[src][-1]
                 print(f"{src}: start-up {up:.1f} s, teardown {down:.1f} s", flush=True)
+                print("  s from serve: " + ", ".join(f"{k} {v:.1f}" for k, v in when.items()))
     print(
         f"\n{PRESET}, {args.nodes} waiting clients (TLS, node authentication), {args.rounds}"
         f" rounds, {os.cpu_count()} CPUs, load average (1 min) {min(load):.1f}-{max(load):.1f}"
@@ -153,6 +196,11 @@ def main() -> None:
             f"{src}: serve to round 0 {statistics.median(ups):.1f} s"
             f" (runs: {', '.join(f'{u:.1f}' for u in ups)}), last round to exit"
             f" {statistics.median(downs):.1f} s (runs: {', '.join(f'{d:.1f}' for d in downs)})"
+        )
+        names = [k for k in steps[src][0] if all(k in w for w in steps[src])]
+        print(
+            "  phases, median s from serve: "
+            + ", ".join(f"{k} {statistics.median(w[k] for w in steps[src]):.1f}" for k in names)
         )
 
 
