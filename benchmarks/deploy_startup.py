@@ -5,7 +5,8 @@ and node keys; N ``fedfm client`` commands (TLS and node authentication) start f
 wait for the server; then ``fedfm serve tabular-fedavg`` starts with their public keys.
 Measured from outside, as an operator sees it:
 
-- start-up: from the start of ``fedfm serve`` until round 0's line is in the run folder's
+- start-up: from the start of ``fedfm serve`` (once the clients wait: they said so, and
+  use under 5 % of a CPU) until round 0's line is in the run folder's
   ``metrics.jsonl`` (SuperLink start, key registration, ``flwr run``, the ServerApp
   process, the wait for the SuperNodes, handshakes, task builds, round 0 itself);
 - teardown: from the last round's line until ``fedfm serve`` has exited.
@@ -103,6 +104,33 @@ def phases(run_dir: Path, t0: float, round0: float) -> dict[str, float]:
     return out
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live descendants (from ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in [pid, *P.descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def wait_idle(procs: list[subprocess.Popen], limit_s: float, window_s: float = 2.0) -> None:
+    """Waits until the clients (and what they started ahead, e.g. warm workers importing
+    torch) use less than 5 % of a CPU over ``window_s``: they wait, nothing else."""
+    deadline = time.monotonic() + limit_s
+    before = sum(cpu_s(p.pid) for p in procs)
+    while time.monotonic() < deadline:
+        time.sleep(window_s)
+        now = sum(cpu_s(p.pid) for p in procs)
+        if now - before < 0.05 * window_s:
+            return
+        before = now
+    raise SystemExit(f"the clients were still busy after {limit_s:.0f} s")
+
+
 def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float, dict]:
     """One deployment on loopback; ``(start-up s, teardown s, phases)``."""
     work.mkdir(parents=True)
@@ -129,6 +157,7 @@ def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float
                 )  # fmt: skip
                 clients.append(subprocess.Popen(cmd, env=env, cwd=work, stdout=out, stderr=out))
         wait_all(clients, logs, "waiting for the server", 300)
+        wait_idle(clients, 300)
         keys = [a for i in range(nodes) for a in ("--node-key", str(certs / f"node{i}.pub"))]
         serve = fedfm(
             src, "serve", PRESET, "--host", "127.0.0.1", "--port", str(port),

@@ -1,4 +1,5 @@
-"""What ``fedfm serve`` starts ahead of the run: the warm ServerApp process.
+"""What fedfm starts ahead of a run: ``fedfm serve``'s ServerApp process, ``fedfm client``'s
+warm worker.
 
 Flower starts the ServerApp only once the run is submitted: the SuperLink's SuperExec polls
 for it and starts a ``flwr-serverapp`` process, which then imports Flower, torch and fedfm
@@ -7,23 +8,39 @@ for it and starts a ``flwr-serverapp`` process, which then imports Flower, torch
 imports run beside its own; once the SuperLink is started (``--isolation process``: no
 SuperExec), :meth:`ServerWorker.go` tells the process where the SuperLink is, and it runs
 the run's ServerApp task with Flower's own ServerApp runtime.
+
+A ``fedfm client`` that waits for its server likewise starts its warm ClientApp worker
+(:mod:`fedfm.runtime.flower_app.worker`, torch and fedfm imports) while it waits
+(:func:`start_warm_worker`), and its SuperNode once the server answers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from fedfm.runtime.flower.processes import DeployError, FlwrCall, Proc, strip_ansi
+from fedfm.runtime.flower.processes import (
+    DeployError,
+    FlwrCall,
+    Proc,
+    free_port,
+    process_env,
+    start,
+    stop,
+    strip_ansi,
+)
 
 SERVER_WORKER_MODULE = "fedfm.runtime.flower_app.server_worker"
+WORKER_MODULE = "fedfm.runtime.flower_app.worker"
 
 #: How long ``flwr run`` may go on after the ServerApp process ended (it then only waits for
 #: the rest of the run's log stream) before serve calls the run failed.
@@ -140,3 +157,80 @@ def wait_run(call: FlwrCall, server: Proc, timeout_s: float | None) -> str:
         time.sleep(0.1)
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
     return call.wait(left)
+
+
+def worker_command(runtime_port: int, wake_port: int | None = None) -> list[str]:
+    """The command of the fedfm warm worker serving a SuperNode's runtime API (woken on
+    ``wake_port`` by a paced SuperNode)."""
+    cmd = [sys.executable, "-m", WORKER_MODULE]
+    cmd += ["--runtime-api-address", f"127.0.0.1:{runtime_port}"]
+    return cmd + ([] if wake_port is None else ["--wake-port", str(wake_port)])
+
+
+@dataclass
+class WarmWorker:
+    """A ClientApp worker started before its SuperNode, and the ports the SuperNode must use.
+
+    Attributes:
+        proc: The worker process.
+        runtime_port: The SuperNode's runtime API port on 127.0.0.1 that the worker asks.
+        wake_port: The UDP port on which the SuperNode wakes it (None: it polls).
+    """
+
+    proc: Proc
+    runtime_port: int
+    wake_port: int | None
+
+
+def start_warm_worker(
+    home: Path,
+    log_dir: Path,
+    name: str,
+    env_extra: Mapping[str, str] | None = None,
+    paced: bool = True,
+    die_with_parent: bool = False,
+) -> WarmWorker:
+    """Starts a client's warm worker ahead of its SuperNode: it imports torch and fedfm now
+    and asks the runtime API (``runtime_port``) until the SuperNode started on it is up.
+    It ends with this process; whoever starts the SuperNode stops it with the SuperNode.
+
+    Args:
+        home: ``FLWR_HOME`` of the node.
+        log_dir: Folder of its log (``<name>-worker.log``).
+        name: The node's name (``supernode-<partition>``).
+        env_extra: Extra environment variables (see :func:`process_env`).
+        paced: The SuperNode will be paced and wake the worker (a wake port).
+        die_with_parent: End it with the calling thread (see :func:`start`).
+    """
+    runtime_port = free_port()
+    wake_port = free_port(udp=True) if paced else None
+    cmd = [*worker_command(runtime_port, wake_port), "--parent-pid", str(os.getpid())]
+    env = process_env(home, env_extra)
+    proc = start(f"{name}-worker", cmd, env, log_dir, die_with_parent)
+    return WarmWorker(proc, runtime_port, wake_port)
+
+
+class WorkerAhead:
+    """At most one warm worker started ahead of its SuperNode; a context manager that stops
+    it on the way out unless it was taken (:meth:`take`) by a SuperNode start."""
+
+    def __init__(self) -> None:
+        self.worker: WarmWorker | None = None
+
+    def start(self, home: Path, log_dir: Path, name: str, **kw: Any) -> None:
+        """Starts one (:func:`start_warm_worker`) unless one is waiting already."""
+        if self.worker is None:
+            self.worker = start_warm_worker(home, log_dir, name, **kw)
+
+    def take(self) -> WarmWorker | None:
+        """The waiting worker (now the caller's to stop), or None."""
+        worker, self.worker = self.worker, None
+        return worker
+
+    def __enter__(self) -> WorkerAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.worker is not None:
+            stop([self.worker.proc])
+            self.worker = None
