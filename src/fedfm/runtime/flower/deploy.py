@@ -759,7 +759,7 @@ def client(
             try:
                 code = node.follow(procs)
             finally:
-                stop(procs)
+                stop(ahead.after(procs, node.served_once))
             if code is not None:
                 return code
             if (code := node.pause()) is not None:

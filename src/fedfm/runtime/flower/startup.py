@@ -216,6 +216,7 @@ class WorkerAhead:
 
     def __init__(self) -> None:
         self.worker: WarmWorker | None = None
+        self.taken: WarmWorker | None = None
 
     def start(self, home: Path, log_dir: Path, name: str, **kw: Any) -> None:
         """Starts one (:func:`start_warm_worker`) unless one is waiting already."""
@@ -223,9 +224,21 @@ class WorkerAhead:
             self.worker = start_warm_worker(home, log_dir, name, **kw)
 
     def take(self) -> WarmWorker | None:
-        """The waiting worker (now the caller's to stop), or None."""
+        """The waiting worker, for a SuperNode start (see :meth:`after`), or None."""
         worker, self.worker = self.worker, None
+        self.taken = worker
         return worker
+
+    def after(self, procs: list[Proc], connected: bool) -> list[Proc]:
+        """What to stop once the SuperNode of ``procs`` ended: all of them, except the worker
+        taken for it when the client never connected (e.g. the SuperLink refused the key
+        before serve registered it): that one waits again, its imports done, for the next
+        SuperNode start (same ports)."""
+        worker, self.taken = self.taken, None
+        if worker is None or connected or worker.proc not in procs or not worker.proc.alive():
+            return procs
+        self.worker = worker
+        return [p for p in procs if p is not worker.proc]
 
     def __enter__(self) -> WorkerAhead:
         return self
