@@ -111,8 +111,8 @@ class ServerWorker:
         try:
             self.popen.stdin.write((json.dumps(go) + "\n").encode())
             self.popen.stdin.close()
-        except OSError:
-            pass  # it ended: said below
+        except (OSError, ValueError):
+            pass  # it ended (its stdin is gone): said below
         if self.popen.poll() is not None:
             code = self.popen.returncode
             raise DeployError(f"the ServerApp process exited ({code}):\n{self.output()}")
