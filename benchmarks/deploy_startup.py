@@ -15,7 +15,9 @@ Each run also prints its phases, in seconds from the start of ``fedfm serve``, r
 the SuperLink's log that serve keeps in ``runs/<name>/flower_logs/`` (its requests are
 time-stamped): the SuperLink listens; the run is submitted (``start-run``); the ServerApp
 takes it (``pull-task-input``); the last SuperNode is in (``activate-node``); the first
-message reaches a SuperNode (``get-run``); round 0 is logged.
+message reaches a SuperNode (``get-run``); round 0 is logged. And the CPU seconds that the
+processes of serve and of the clients used from serve's start to round 0 (what a loaded
+machine does not change much, unlike the wall time; at most 2 s of them per second here).
 
 ``--src DIR`` (repeatable) runs the whole measurement with the fedfm sources of ``DIR``
 first on ``PYTHONPATH`` (e.g. an unmodified checkout, then a changed one), alternating
@@ -167,15 +169,17 @@ def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float
         )  # fmt: skip
         metrics = work / "runs" / "startup" / "metrics.jsonl"
         with (work / "serve.log").open("w") as out:
+            cpu0 = sum(cpu_s(c.pid) for c in clients)
             t0, wall0 = time.monotonic(), time.time()
             proc = subprocess.Popen(serve, env=env, cwd=work, stdout=out, stderr=out)
             first = last = None
-            round0 = 0.0
+            round0 = cpu = 0.0
             while proc.poll() is None:
                 n = lines_of(metrics)
                 now = time.monotonic()
                 if n >= 1 and first is None:
                     first, round0 = now, time.time()
+                    cpu = cpu_s(proc.pid) + sum(cpu_s(c.pid) for c in clients) - cpu0
                 if n >= rounds + 1 and last is None:
                     last = now
                 time.sleep(0.02)
@@ -184,7 +188,9 @@ def measure(src: str, work: Path, nodes: int, rounds: int) -> tuple[float, float
             raise SystemExit(
                 f"serve failed ({proc.returncode}):\n{(work / 'serve.log').read_text()}"
             )
-        return first - t0, end - last, phases(work / "runs" / "startup", wall0, round0)
+        when = phases(work / "runs" / "startup", wall0, round0)
+        when["CPU s to round 0"] = cpu
+        return first - t0, end - last, when
     finally:
         for c in clients:
             c.terminate()
