@@ -493,9 +493,11 @@ def _compute(cfg: RunConfig, task: Task) -> dict[str, Any]:
 
 
 def _change(folder: RunFolder, primary: str) -> dict[str, Any]:
-    """``{"change": ...}``: the headline's change from the first evaluation to the last,
-    paired by item (:func:`fedfm.eval.compare.paired_change`), where the run kept its items
-    and the headline is a mean over them; else nothing."""
+    """``{"change": ...}``: the headline's change from the first evaluation to the last.
+
+    Paired by item (:func:`fedfm.eval.compare.paired_change`), where the run kept its items
+    and the headline is a mean over them; else nothing.
+    """
     if not folder.items.exists():
         return {}
     change = paired_change(read_jsonl(folder.items), primary)

@@ -235,10 +235,17 @@ ITEM_MEANS = ("ref_nll",)
 
 
 def paired_change(rows: Sequence[Mapping[str, Any]], primary: str) -> dict[str, Any] | None:
-    """The change of ``primary`` from the first evaluation in ``rows`` (``eval_items.jsonl``'s
-    lines) to the last, paired by item: ``mean`` and ``se`` (of the per-item differences),
-    ``n`` items, ``from_round`` and ``to_round``; None where ``primary`` is not a mean over
-    items (:data:`ITEM_MEANS`) or fewer than two items were evaluated in both."""
+    """The change of ``primary`` from the first evaluation in ``rows`` to the last, by item.
+
+    Args:
+        rows: ``eval_items.jsonl``'s lines (``round`` and ``items``).
+        primary: The headline metric (``zeroshot/`` and ``/<domain>`` allowed).
+
+    Returns:
+        ``mean`` and ``se`` of the per-item differences, ``n`` items, ``from_round`` and
+        ``to_round``; None where ``primary`` is not a mean over items (:data:`ITEM_MEANS`)
+        or fewer than two items were evaluated in both.
+    """
     zero = primary.startswith("zeroshot/")
     metric, _, domain = primary.removeprefix("zeroshot/").partition("/")
     if metric not in ITEM_MEANS or len(rows) < 2:

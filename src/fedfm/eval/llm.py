@@ -508,9 +508,12 @@ def evaluate_instruction_items(
 
 
 def reference_nll_means(items: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """``ref_nll``: the mean over items of each reference's NLL per token, with its standard
-    error ``ref_nll_se`` and ``ref_nll/<domain>``. Each item weighs the same (``ppl`` weighs
-    each token), so that two evaluations of the same items compare item by item."""
+    """``ref_nll``: the mean over items of each reference's NLL per token.
+
+    With its standard error ``ref_nll_se`` and ``ref_nll/<domain>``. Each item weighs the
+    same (``ppl`` weighs each token), so that two evaluations of the same items compare item
+    by item.
+    """
     per: dict[str, list[float]] = {}
     for it in items:
         if it.get("ref_nll") is not None:

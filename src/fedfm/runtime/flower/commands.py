@@ -22,6 +22,7 @@ from fedfm.runtime.flower import deploy, deploy_client
 from fedfm.runtime.flower.options import run_options
 from fedfm.runtime.flower.payload import Payload
 from fedfm.runtime.flower.processes import Stopped
+from fedfm.runtime.flower.startup import ServerWorker
 from fedfm.runtime.flower.tls import (
     DEFAULT_DAYS,
     add_node_keys,
@@ -97,35 +98,38 @@ def serve(
     Shows each round and the final table as `fedfm run` does. SIGTERM or Ctrl-C stops every
     process it started and says the round to resume from (exit 143 or 130).
     """
-    cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
-    tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
-    if tls is not None:
-        folder = certificates is not None  # the option that named the files, for the message
-        check_expiry(tls.ca_cert, "certificates" if folder else "ssl-ca-certfile")
-        check_expiry(tls.server_cert, "certificates" if folder else "ssl-certfile")
-        check_private(tls.server_key, "the SuperLink's TLS key")
-        # The certificate must cover the name serve reaches its own SuperLink by.
-        deploy.own_host(host, tls, "certificates" if folder else "ssl-certfile")
-    keys = [Path(k) for k in node_key or []]
-    for key in keys:
-        _existing("node-key", key)
-    try:
-        summary = deploy.serve(
-            cfg,
-            resume=resume,
-            overwrite=overwrite,
-            options=parse_options(flower or []),
-            host=host,
-            port=port,
-            tls=tls,
-            node_keys=keys,
-            progress=not quiet,
-        )
-    except Stopped as e:  # deploy.serve has stopped everything and said where it stopped
-        raise typer.Exit(e.exit_code) from None
-    from fedfm.progress import summary_line
+    # The ServerApp process imports Flower, torch and fedfm while the config is checked.
+    with ServerWorker.start() as server:
+        cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+        tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
+        if tls is not None:
+            folder = certificates is not None  # the option that named the files (for messages)
+            check_expiry(tls.ca_cert, "certificates" if folder else "ssl-ca-certfile")
+            check_expiry(tls.server_cert, "certificates" if folder else "ssl-certfile")
+            check_private(tls.server_key, "the SuperLink's TLS key")
+            # The certificate must cover the name serve reaches its own SuperLink by.
+            deploy.own_host(host, tls, "certificates" if folder else "ssl-certfile")
+        keys = [Path(k) for k in node_key or []]
+        for key in keys:
+            _existing("node-key", key)
+        try:
+            summary = deploy.serve(
+                cfg,
+                resume=resume,
+                overwrite=overwrite,
+                options=parse_options(flower or []),
+                host=host,
+                port=port,
+                tls=tls,
+                node_keys=keys,
+                progress=not quiet,
+                server=server,
+            )
+        except Stopped as e:  # deploy.serve has stopped everything and said where it stopped
+            raise typer.Exit(e.exit_code) from None
+        from fedfm.progress import summary_line
 
-    print(summary_line(summary, (Path(cfg.out_dir) / cfg.name).resolve()), flush=True)
+        print(summary_line(summary, (Path(cfg.out_dir) / cfg.name).resolve()), flush=True)
 
 
 def client(

@@ -47,6 +47,7 @@ from fedfm.runtime.flower.processes import (
     wait_port,
     with_pythonpath,
 )
+from fedfm.runtime.flower.startup import ServerWorker, wait_run
 from fedfm.runtime.flower.tls import LOOPBACK_HOSTS, TlsFiles, certificate_hosts, covers
 
 APP_NAME = "fedfm-flower-app"
@@ -112,6 +113,7 @@ def superlink_command(
     tls: TlsFiles | None = None,
     node_auth: bool = False,
     runtime_port: int | None = None,
+    isolation: str = "subprocess",
 ) -> list[str]:
     """The ``flower-superlink`` command line.
 
@@ -121,6 +123,9 @@ def superlink_command(
         tls: Certificates; None runs without TLS (``--insecure``).
         node_auth: Accept only SuperNodes whose public key was registered.
         runtime_port: Port of the ServerApp's runtime API on 127.0.0.1 (default: Flower's).
+        isolation: ``"subprocess"``: the SuperLink starts Flower's SuperExec, which starts a
+            ServerApp process per run; ``"process"``: a ServerApp process started apart
+            takes the run (``fedfm serve``'s, :mod:`fedfm.runtime.flower.startup`).
     """
     cmd = [bin_path("flower-superlink"), "--host", host, "--port", str(port)]
     cmd += ["--disable-runtime-dependency-installation"]
@@ -131,6 +136,8 @@ def superlink_command(
         cmd += ["--ssl-keyfile", str(tls.server_key)]
     if node_auth:
         cmd += ["--enable-supernode-auth"]
+    if isolation != "subprocess":
+        cmd += ["--isolation", isolation]
     del runtime_port  # flwr 1.42 serves every API on one port
     return cmd
 
@@ -145,18 +152,20 @@ def start_superlink(
     env_extra: Mapping[str, str] | None = None,
     wait_s: float | None = 60.0,
     die_with_parent: bool = False,
+    isolation: str = "subprocess",
 ) -> Proc:
     """Starts a SuperLink and waits until it listens.
 
     Args:
         wait_s: How long to wait for it to listen; None: return at once (then call
             :func:`wait_superlink`).
+        isolation: How the SuperLink's ServerApp runs (see :func:`superlink_command`).
 
     Raises:
         DeployError: It exited or did not listen in time.
     """
     env = process_env(home, env_extra)
-    cmd = superlink_command(host, port, tls, node_auth)
+    cmd = superlink_command(host, port, tls, node_auth, isolation=isolation)
     proc = start("superlink", cmd, env, log_dir, die_with_parent)
     if wait_s is not None:
         wait_superlink(proc, host, port, wait_s)
@@ -393,6 +402,7 @@ def serve(
     echo: bool = True,
     work_dir: Path | None = None,
     progress: bool = True,
+    server: ServerWorker | None = None,
 ) -> dict[str, Any]:
     """Runs an experiment on the deployment engine: SuperLink here, SuperNodes elsewhere.
 
@@ -417,6 +427,8 @@ def serve(
         work_dir: Folder for the SuperLink's home and logs (default: a temporary one).
         progress: Show each round as the run folder logs it, then the final table (as
             ``fedfm run`` does), and the clients that took no part.
+        server: The ServerApp process, started ahead (see
+            :mod:`fedfm.runtime.flower.startup`); None: started here.
 
     Returns:
         The run summary.
@@ -454,19 +466,24 @@ def serve(
     watch = RunWatch(cfg, run_dir, resume, _task_primary(cfg), enabled=progress)
     if resume:
         print(watch.resume_line(), file=sys.stderr, flush=True)
+    worker = server or ServerWorker.start()
     try:
         with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
             work = work_dir or Path(tmp)
             home = work / "flwr-home"
             logs = work / "logs"
             link = start_superlink(
-                home, logs, host, port, tls, bool(node_keys), env_extra, None, True
+                home, logs, host, port, tls, bool(node_keys), env_extra, None, True, "process"
             )
             finished = False
+            running = [link]
             try:
                 address = f"{own}:{port}"
                 ca = tls.ca_cert if tls else None
                 write_connection(home, address, ca)
+                # The ServerApp process takes the run as soon as `flwr run` submits it.
+                env = process_env(home, env_extra)
+                running.append(worker.go(address, ca, env, plugin_pythonpath(opts.imports), logs))
                 with watch:
                     # Started together: the SuperLink; the `flwr run` CLI, which submits once
                     # the SuperLink listens; and the key registration, ready to go then. The
@@ -481,7 +498,7 @@ def serve(
                         wait_superlink(link, host, port)
                         if node_keys:
                             register_nodes(address, ca, node_keys)
-                        out = flwr_run.wait(timeout_s)
+                        out = wait_run(flwr_run, running[-1], timeout_s)
                         finished = True
                     except BaseException:
                         flwr_run.kill()
@@ -489,12 +506,14 @@ def serve(
             finally:
                 # A finished run leaves the SuperLink nothing to keep: a short grace. A
                 # stopped one gives the ServerApp time to end its round's writes.
-                stop([link], grace_s=1.0 if finished else 5.0)
+                stop(running, grace_s=1.0 if finished else 5.0)
                 keep_logs(logs, run_dir, started)
     except Stopped as e:
         # Everything this command started is stopped and its temporary folder is gone.
         print(watch.stop_line(e.signum), file=sys.stderr, flush=True)
         raise
+    finally:
+        worker.cancel()  # when it never got the run
     summary = run_dir / "summary.json"
     if not summary.exists():
         raise DeployError(f"the run ended without a summary ({summary}):\n{out[-3000:]}")

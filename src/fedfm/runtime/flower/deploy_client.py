@@ -14,10 +14,11 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fedfm.errors import ConfigError
+from fedfm.runtime.flower import startup
 from fedfm.runtime.flower.payload import MESSAGE_TYPE
 from fedfm.runtime.flower.processes import (
     Proc,
@@ -30,6 +31,7 @@ from fedfm.runtime.flower.processes import (
     strip_ansi,
 )
 from fedfm.runtime.flower.refusals import RETRYING, Refusal, from_supernode_log, probe
+from fedfm.runtime.flower.startup import WarmWorker
 
 #: The SuperNode command fedfm runs: Flower's ``flower-supernode`` with paced polls.
 SUPERNODE_MODULE = "fedfm.runtime.flower.supernode"
@@ -91,9 +93,7 @@ def supernode_command(
 def worker_command(runtime_port: int, wake_port: int | None = None) -> list[str]:
     """The command of the fedfm warm worker serving a SuperNode's runtime API (woken on
     ``wake_port`` by a paced SuperNode)."""
-    cmd = [sys.executable, "-m", "fedfm.runtime.flower_app.worker"]
-    cmd += ["--runtime-api-address", f"127.0.0.1:{runtime_port}"]
-    return cmd + ([] if wake_port is None else ["--wake-port", str(wake_port)])
+    return startup.worker_command(runtime_port, wake_port)
 
 
 def start_client(
@@ -111,6 +111,7 @@ def start_client(
     die_with_parent: bool = False,
     paced: bool = True,
     device: str | None = None,
+    worker: WarmWorker | None = None,
 ) -> list[Proc]:
     """Starts the SuperNode of one client (and its warm worker); returns without waiting.
 
@@ -129,6 +130,8 @@ def start_client(
         die_with_parent: End the processes with the calling thread (see :func:`start`).
         paced: Shorten the SuperNode's polls (see :func:`supernode_command`).
         device: The node's own ``device`` (see :func:`supernode_command`).
+        worker: Its warm worker, started ahead (:func:`startup.start_warm_worker`); None:
+            started here (``process`` isolation).
 
     Returns:
         The started processes (stop them with :func:`stop`).
@@ -136,9 +139,10 @@ def start_client(
     if isolation not in ("process", "subprocess"):
         raise ConfigError("isolation", f"'{isolation}' is not 'process' or 'subprocess'")
     env = process_env(home, env_extra)
-    runtime_port = free_port()
+    runtime_port = worker.runtime_port if worker else free_port()
     # A paced SuperNode wakes its warm worker when a message is in (no 50 ms task polls).
     wake_port = free_port(udp=True) if paced and isolation == "process" else None
+    wake_port = worker.wake_port if worker else wake_port
     state = state_dir or home / "client-states"
     cmd = supernode_command(
         superlink,
@@ -156,7 +160,9 @@ def start_client(
     name = name or f"supernode-{partition_id}"
     node = start(name, cmd, env, log_dir, die_with_parent)
     procs = [node]
-    if isolation == "process":
+    if worker is not None:
+        procs.append(worker.proc)
+    elif isolation == "process":
         wcmd = [*worker_command(runtime_port, wake_port), "--parent-pid", str(node.popen.pid)]
         procs.append(start(f"{name}-worker", wcmd, env, log_dir, die_with_parent))
     return procs
@@ -199,15 +205,27 @@ def client(
     Returns:
         2: a refusal retrying cannot fix, or the wait ran out.
     """
-    with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-client-") as tmp:
+    with (
+        stop_on_signals(),
+        tempfile.TemporaryDirectory(prefix="fedfm-client-") as tmp,
+        startup.WorkerAhead() as ahead,
+    ):
         work = work_dir or Path(tmp)
         node = _ClientNode(superlink, partition_id, root_certificates, wait_s)
         state = state_dir or Path("fedfm-client-states") / str(partition_id)
         logs = work / "logs"
+
+        def prestart() -> None:  # before the first session: the worker imports meanwhile
+            if isolation == "process" and not node.served_once:
+                name = f"supernode-{partition_id}"
+                ahead.start(work / "flwr-home", logs, name, die_with_parent=True)
+
+        named = False
         while True:
-            if (code := node.wait_for_server()) is not None:
+            if (code := node.wait_for_server(prestart)) is not None:
                 return code
-            if not logs.exists():  # named once a SuperNode writes there: the folder goes at the end
+            if not named:  # once, as the first SuperNode starts: the folder goes at the end
+                named = True
                 print(
                     f"client {partition_id}: SuperNode for {superlink}; logs in {logs} while this"
                     " client runs",
@@ -225,11 +243,12 @@ def client(
                 isolation,
                 die_with_parent=True,
                 device=device,
+                worker=ahead.take(),
             )
             try:
                 code = node.follow(procs)
             finally:
-                stop(procs)
+                stop(ahead.after(procs, node.served_once))
             if code is not None:
                 return code
             if (code := node.pause()) is not None:
@@ -298,8 +317,12 @@ class _ClientNode:
         return 2
 
     # ----- the steps of the client loop -----
-    def wait_for_server(self) -> int | None:
+    def wait_for_server(self, waiting: Callable[[], None] | None = None) -> int | None:
         """Probes the SuperLink until it answers as this client expects.
+
+        Args:
+            waiting: Called each time nothing answers yet (e.g. to start what can start
+                before the SuperLink is up).
 
         Returns:
             2 for a mismatch retrying cannot fix or a wait that ran out; None once it answers.
@@ -318,7 +341,9 @@ class _ClientNode:
                 self.say(f"waiting for the server ({found})")
             if self.left() <= 0:
                 return self.give_up()
-            time.sleep(min(1.0, max(self.left(), 0.0)))
+            if waiting is not None:
+                waiting()
+            time.sleep(min(_PROBE_S, max(self.left(), 0.0)))
 
     def follow(self, procs: list[Proc]) -> int | None:
         """Follows a started SuperNode (and its worker) through its log until it needs a
@@ -403,6 +428,8 @@ class _ClientNode:
 
 _PAUSE_S = 1.0
 _MAX_PAUSE_S = 8.0
+# Between two probes of a SuperLink that does not answer yet (a connection attempt each).
+_PROBE_S = 0.2
 
 
 class _LogFollower:
