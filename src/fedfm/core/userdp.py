@@ -71,12 +71,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedfm.core.aggregate import Aggregator, compute_dtype
-from fedfm.core.federation import ClientContext, Federation
-from fedfm.core.messages import Arrays, Message, MetaSpec
+from fedfm.core.aggregate import compute_dtype
+from fedfm.core.federation import ClientContext, Federation, Handler
+from fedfm.core.messages import Arrays, Message, MessageKind, MetaSpec
 from fedfm.core.privacy import Mechanism as _Mechanism
 from fedfm.core.privacy import PrivacyLedger, epsilon_of, quiet_accounting
 from fedfm.core.replies import meta_number
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secret import SecretStream, noise_seed
 from fedfm.core.seeding import derive_seed
 from fedfm.core.settings import RunView, UserLevelConfig
@@ -355,6 +356,33 @@ class UserDP:
         """This round's clipped, noised sum of updates ``θ_k − base``."""
         return DPSum(self, base)
 
+    def configure(self, messages: Mapping[str, Message]) -> dict[str, Message]:
+        """The update messages with :meth:`down_meta` added (as Flower's ``configure_fit``).
+
+        A message sent to several clients stays one message (it is encoded once).
+        """
+        extra = self.down_meta()
+        if not extra:
+            return dict(messages)
+        made: dict[int, Message] = {}
+        for m in messages.values():
+            if id(m) not in made:
+                made[id(m)] = Message(m.kind, m.arrays, {**m.meta, **extra})
+        return {c: made[id(m)] for c, m in messages.items()}
+
+    def refuse_robust(self, aggregator: AggregatorConfig) -> None:
+        """Refuses a robust rule: DP-FedAvg aggregates by its own clipped, noised sum.
+
+        Raises:
+            ConfigError: ``algo.aggregator`` is not the mean.
+        """
+        if not aggregator.plain:
+            raise ConfigError(
+                "algo.aggregator",
+                "privacy.user_level aggregates by its own clipped, noised sum: leave the"
+                " aggregator at the mean",
+            )
+
     def end_round(self, total: Arrays, bits: float, count: int) -> Arrays:
         """Noise (server mode), the fixed denominator, the next bound; the round's metrics."""
         m = self.expected
@@ -540,7 +568,7 @@ class DPSum:
         self.bits += bits
         self.count += count
 
-    def add_reply(self, reply: Message, field: str) -> None:
+    def fold(self, reply: Message, field: str) -> None:
         """Adds a reply's tensors of ``field`` and, in client mode, its count share."""
         self.add(reply.arrays[field])
         if self.dp.client_side and BIT in reply.meta:
@@ -553,10 +581,65 @@ class DPSum:
             return delta
         return {k: delta[k].to(compute_dtype(k, b)) for k, b in self.base.items()}
 
+    def close(self) -> Arrays | None:
+        """:meth:`result`, or None for a round skipped (a :class:`RoundSum`)."""
+        delta = self.result()
+        return None if isinstance(delta, Skipped) else delta
 
-def fold_reply(acc: Aggregator, reply: Message, field: str) -> None:
-    """Adds a reply's ``field`` to an accumulator: uniform under DP-FedAvg, else by size."""
-    if isinstance(acc, DPSum):
-        acc.add_reply(reply, field)
-    else:
-        acc.add(reply.arrays[field], meta_number(reply, "num_examples"))
+
+# ----------------------------------------------------------------------------- the wrappers
+
+
+class ClientDP:
+    """Client-side DP-FedAvg around an algorithm's handlers (as Flower's clipping mod).
+
+    The algorithm's handler trains and replies as without DP; the reply of each update kind
+    then leaves with only its update clipped and noised and the noisy count share.
+
+    The update kinds are those this run declares private (:meth:`MessageKind.as_private`).
+    A kind whose update field the server also sent (parameters) is privatised as ``trained
+    − sent`` and sent back as parameters (:meth:`UserDP.privatise_params`); another (a
+    difference the client computed, SCAFFOLD's ``Δy``) as it is (:meth:`UserDP.privatise`).
+
+    Args:
+        dp: The run's DP-FedAvg as the client builds it (its noise share).
+    """
+
+    def __init__(self, dp: UserDP) -> None:
+        self.dp = dp
+
+    def handlers(
+        self, inner: Mapping[str, Handler], kinds: Mapping[str, MessageKind]
+    ) -> dict[str, Handler]:
+        """``inner`` with each private kind's handler wrapped."""
+        out = dict(inner)
+        for name, kind in kinds.items():
+            if kind.private and name in inner:
+                out[name] = self._wrap(inner[name], kind)
+        return out
+
+    def _wrap(self, inner: Handler, kind: MessageKind) -> Handler:
+        def handle(ctx: ClientContext, msg: Message) -> Message:
+            return self.reply(ctx, msg, inner(ctx, msg), kind)
+
+        return handle
+
+    def reply(
+        self, ctx: ClientContext, msg: Message, reply: Message, kind: MessageKind
+    ) -> Message:
+        """What leaves the client of ``reply``: its update privatised, its public fields."""
+        # Under SecAgg+ the kind's one up field is the masked vector; the update is its field.
+        fields = (kind.secure_field,) if kind.secure_field else kind.up_arrays
+        arrays: dict[str, Arrays] = {}
+        meta: dict[str, Any] = {k: v for k, v in reply.meta.items() if k in kind.public_fields}
+        for name in fields:
+            sent = msg.arrays.get(name)
+            if sent is not None:
+                arrays[name], noise_meta = self.dp.privatise_params(
+                    ctx, sent, reply.arrays[name], msg
+                )
+            else:
+                arrays[name], noise_meta = self.dp.privatise(ctx, reply.arrays[name], msg)
+            meta.update(noise_meta)
+        return Message(reply.kind, arrays, meta)
+
