@@ -189,10 +189,11 @@ def fedavg_round(
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Server half of a FedAvg round: send ``params`` to the sampled clients, aggregate.
 
-    Replies are folded into the aggregate as they arrive (:meth:`Federation.stream`): with
-    the example-weighted mean the server holds one client's parameters at a time, not every
-    client's; a robust rule (``algo.aggregator``) keeps them all, as it must
-    (:meth:`ServerOptimizer.accumulator`).
+    The aggregation is the one step every summing algorithm runs
+    (:meth:`~fedfm.algorithms.base.Algorithm.aggregate`): replies are folded into the
+    aggregate as they arrive, so with the example-weighted mean the server holds one client's
+    parameters at a time; a robust rule (``algo.aggregator``) keeps them all, as it must
+    (:meth:`ServerOptimizer.accumulator`). DP-FedAvg and SecAgg+ wrap it there.
 
     Args:
         algo: The algorithm (its client sampling and ``min_clients``).

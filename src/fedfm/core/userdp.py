@@ -30,6 +30,12 @@ the noise multiplier, ``C_t`` this round's bound, ``M = min_clients``):
    ``z_Δ = z`` and ``C_t = clip``.
 5. The server optimizer (:mod:`fedfm.core.optim`) applies ``Δ`` like any pseudo-gradient.
 
+DP-FedAvg is a wrapper, as Flower's DP strategies and client mods wrap a strategy and a
+client app: on the server it adds the bound to the update messages and takes over the
+round's sum (:meth:`UserDP.configure`, :class:`DPSum`) inside the one aggregation step
+(:func:`fedfm.core.aggregate.aggregate_updates`); on a client :class:`ClientDP` privatises
+what the algorithm's handler replies. No algorithm holds or reads it.
+
 Accounting (dp-accounting, ``privacy.accountant``), relation: one client added or removed
 with all its records. Each round is ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``; rounds
 compose. Against whom:
@@ -209,8 +215,10 @@ def standard_normal(gen: torch.Generator) -> float:
 class UserDP:
     """A run's client-level DP-FedAvg: calibration, sampling, clipping, noise, accounting.
 
-    Built by every process of the run from the same config: the server uses
-    :meth:`sample` and :meth:`accumulator`, a client :meth:`privatise` (client mode).
+    Built by every process of the run from the same config. It wraps the server step
+    (:meth:`sample`, :meth:`configure` of the update messages, :meth:`accumulator`, called
+    by :meth:`fedfm.algorithms.base.Algorithm.aggregate`) and, in client mode, the client's
+    handlers (:class:`ClientDP`, calling :meth:`privatise`): the algorithms never mention it.
 
     Args:
         cfg: ``privacy.user_level``.
