@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from fedfm.algorithms.lora_clients import lora_spec
-from fedfm.core.aggregate import Gathered, RoundSum, aggregate_updates, require_replies
+from fedfm.core.aggregate import Gathered, RoundSum, aggregate_round, require_replies
 from fedfm.core.artefacts import Artefacts
 from fedfm.core.federation import Federation, Handler, Templates
 from fedfm.core.messages import Message, MessageKind
@@ -386,7 +386,7 @@ class Algorithm:
         like: Templates | None = None,
         each: Callable[[str, Message], None] | None = None,
     ) -> Gathered[Any]:
-        """One round's aggregation step (:func:`~fedfm.core.aggregate.aggregate_updates`).
+        """One round's aggregation step (:func:`~fedfm.core.aggregate.aggregate_round`).
 
         ``start(base)`` is the algorithm's own sum. The run's privacy wraps it here, and only
         here: under DP-FedAvg the messages carry the round's bound and the sum is the clipped,
@@ -412,7 +412,7 @@ class Algorithm:
         else:
             messages, acc = dp.configure(messages), dp.accumulator(base)
             like = {field: like[field]} if like is not None and field in like else None
-        return aggregate_updates(
+        return aggregate_round(
             fed, messages, field, base, acc, self.run.clients.min_clients, like, self.secagg, each
         )
 

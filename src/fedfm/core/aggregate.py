@@ -11,7 +11,7 @@ Aggregators that need every update at once (coordinate-wise median, Krum) cannot
 same ``add``/``result`` interface (:class:`Aggregator`).
 
 One round's aggregation step, the same for every algorithm whose server step is a sum of
-client updates, is :func:`aggregate_updates`: stream the update replies into a
+client updates, is :func:`aggregate_round`: stream the update replies into a
 :class:`RoundSum`, require enough of them, close the sum. The plain (or robust) mean is a
 :class:`ReplySum`; client-level DP-FedAvg's clipped, noised sum
 (:class:`fedfm.core.userdp.DPSum`) and a SecAgg+ sum of masked vectors
@@ -473,7 +473,7 @@ def require_replies(fed: Federation, got: int, asked: int, min_clients: int) -> 
         )
 
 
-def aggregate_updates(
+def aggregate_round(
     fed: Federation,
     messages: Mapping[str, Message],
     field: str,

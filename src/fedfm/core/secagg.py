@@ -145,7 +145,7 @@ class SecAgg:
     ) -> SecureSum:
         """One round around the update messages (:func:`secure_sum`), logged.
 
-        This is how the one aggregation step (:func:`fedfm.core.aggregate.aggregate_updates`)
+        This is how the one aggregation step (:func:`fedfm.core.aggregate.aggregate_round`)
         runs SecAgg+ (a :class:`~fedfm.core.aggregate.SecureSummer`).
         """
         got = secure_sum(fed, self, messages, base)

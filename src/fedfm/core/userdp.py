@@ -33,7 +33,7 @@ the noise multiplier, ``C_t`` this round's bound, ``M = min_clients``):
 DP-FedAvg is a wrapper, as Flower's DP strategies and client mods wrap a strategy and a
 client app: on the server it adds the bound to the update messages and takes over the
 round's sum (:meth:`UserDP.configure`, :class:`DPSum`) inside the one aggregation step
-(:func:`fedfm.core.aggregate.aggregate_updates`); on a client :class:`ClientDP` privatises
+(:func:`fedfm.core.aggregate.aggregate_round`); on a client :class:`ClientDP` privatises
 what the algorithm's handler replies. No algorithm holds or reads it.
 
 Accounting (dp-accounting, ``privacy.accountant``), relation: one client added or removed
@@ -632,9 +632,7 @@ class ClientDP:
 
         return handle
 
-    def reply(
-        self, ctx: ClientContext, msg: Message, reply: Message, kind: MessageKind
-    ) -> Message:
+    def reply(self, ctx: ClientContext, msg: Message, reply: Message, kind: MessageKind) -> Message:
         """What leaves the client of ``reply``: its update privatised, its public fields."""
         # Under SecAgg+ the kind's one up field is the masked vector; the update is its field.
         fields = (kind.secure_field,) if kind.secure_field else kind.up_arrays
@@ -650,4 +648,3 @@ class ClientDP:
                 arrays[name], noise_meta = self.dp.privatise(ctx, reply.arrays[name], msg)
             meta.update(noise_meta)
         return Message(reply.kind, arrays, meta)
-

@@ -14,7 +14,7 @@ from fedfm.core.aggregate import (
     Buffered,
     ReplySum,
     RunningMean,
-    aggregate_updates,
+    aggregate_round,
     mean_delta,
     pseudo_gradient,
     weighted_mean,
@@ -146,7 +146,7 @@ def test_the_one_aggregation_step_by_hand() -> None:
     fed = FakeFederation(["0", "1", "2"], answers)
     msg = Message("train", {"params": base})
     seen: list[str] = []
-    got = aggregate_updates(
+    got = aggregate_round(
         fed, dict.fromkeys(answers, msg), "params", base, ReplySum(mean_delta(base)), 2,
         like={"params": base}, each=lambda cid, r: seen.append(cid),
     )  # fmt: skip
@@ -160,6 +160,6 @@ def test_the_one_aggregation_step_requires_min_clients_and_leaves_an_empty_round
     fed = FakeFederation(["0", "1"], {"0": _reply(3.0, 1)})  # "1" does not answer
     msgs = dict.fromkeys(["0", "1"], Message("train", {"params": base}))
     with pytest.raises(TooFewClientsError, match="round 1: only 1 of 2 clients answered"):
-        aggregate_updates(fed, msgs, "params", base, ReplySum(mean_delta(base)), 2)
-    empty = aggregate_updates(fed, {}, "params", base, ReplySum(mean_delta(base)), 2)
+        aggregate_round(fed, msgs, "params", base, ReplySum(mean_delta(base)), 2)
+    empty = aggregate_round(fed, {}, "params", base, ReplySum(mean_delta(base)), 2)
     assert empty.result is None and empty.clients == []  # nobody asked: the model stays
