@@ -15,7 +15,7 @@ A variant that only sets part of another algorithm's config is a preset of it
 from __future__ import annotations
 
 import json
-from collections.abc import Sized
+from collections.abc import Callable, Mapping, Sized
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,13 +23,16 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from fedfm.algorithms.lora_clients import lora_spec
+from fedfm.core.aggregate import Gathered, RoundSum, aggregate_round, require_replies
 from fedfm.core.artefacts import Artefacts
-from fedfm.core.federation import Federation, Handler
-from fedfm.core.messages import MessageKind
+from fedfm.core.federation import Federation, Handler, Templates
+from fedfm.core.messages import Message, MessageKind
+from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.privacy import PrivacyLedger
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secagg import ClientSecAgg, SecAgg, resolve, secure_kinds
-from fedfm.core.userdp import UserDP
-from fedfm.errors import ConfigError, FedfmError, TooFewClientsError
+from fedfm.core.userdp import ClientDP, UserDP
+from fedfm.errors import ConfigError, FedfmError
 from fedfm.registry import Registry
 
 if TYPE_CHECKING:
@@ -168,9 +171,17 @@ def secagg_of(algo: type[Algorithm], run: RunConfig, num_clients: int) -> SecAgg
 
 
 def client_handlers(half: ClientHalf, kinds: dict[str, MessageKind]) -> dict[str, Handler]:
-    """The client half's handlers, wrapped in SecAgg+'s client half when the run uses it."""
+    """The client half's handlers, wrapped by the run's privacy.
+
+    Inside, client-side DP-FedAvg (:class:`~fedfm.core.userdp.ClientDP`) privatises each
+    update reply; around it, SecAgg+'s client half masks what leaves. The client half itself
+    never mentions either.
+    """
     inner = half.handlers()
     run = half.run
+    dp = client_user_dp(half.task, run)
+    if dp is not None:
+        inner = ClientDP(dp).handlers(inner, kinds)
     if run.privacy.secure_aggregation == "none":
         return inner
     # The client checks the server's threshold against its own config, share by share.
@@ -351,12 +362,59 @@ class Algorithm:
             TooFewClientsError: Too few survivors.
         """
         got = replies if isinstance(replies, int) else len(replies)
-        need = min(self.run.clients.min_clients, asked)
-        if got < need:
-            raise TooFewClientsError(
-                f"round {fed.rnd}: only {got} of {asked} clients answered,"
-                f" min_clients={self.run.clients.min_clients}"
-            )
+        require_replies(fed, got, asked, self.run.clients.min_clients)
+
+    def server_optimizer(
+        self, cfg: ServerOptConfig, aggregator: AggregatorConfig
+    ) -> ServerOptimizer:
+        """The server optimizer of a summing algorithm (DP-FedAvg refuses a robust rule).
+
+        Raises:
+            ConfigError: A robust ``algo.aggregator`` under ``privacy.user_level``.
+        """
+        if self.user_dp is not None:
+            self.user_dp.refuse_robust(aggregator)
+        return ServerOptimizer(cfg, aggregator)
+
+    def aggregate(
+        self,
+        fed: Federation,
+        messages: Mapping[str, Message],
+        field: str,
+        base: Mapping[str, Tensor],
+        start: Callable[[Mapping[str, Tensor]], RoundSum[Any]],
+        like: Templates | None = None,
+        each: Callable[[str, Message], None] | None = None,
+    ) -> Gathered[Any]:
+        """One round's aggregation step (:func:`~fedfm.core.aggregate.aggregate_round`).
+
+        ``start(base)`` is the algorithm's own sum. The run's privacy wraps it here, and only
+        here: under DP-FedAvg the messages carry the round's bound and the sum is the clipped,
+        noised one (:meth:`fedfm.core.userdp.UserDP.accumulator`, its result Δ), checked
+        against the template of ``field`` alone; under SecAgg+ the server learns only the sum.
+
+        Args:
+            fed: The federation.
+            messages: Client id -> update message.
+            field: The reply field carrying the update.
+            base: What ``field`` is compared with (Δ = field − base).
+            start: The algorithm's sum of a round without DP-FedAvg.
+            like: Templates of the replies' array fields.
+            each: Called with every reply the server sees (not under SecAgg+).
+
+        Raises:
+            TooFewClientsError: Fewer than ``min_clients`` valid replies.
+        """
+        dp = self.user_dp
+        acc: RoundSum[Any]
+        if dp is None:
+            acc = start(base)
+        else:
+            messages, acc = dp.configure(messages), dp.accumulator(base)
+            like = {field: like[field]} if like is not None and field in like else None
+        return aggregate_round(
+            fed, messages, field, base, acc, self.run.clients.min_clients, like, self.secagg, each
+        )
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "algorithm")

@@ -105,6 +105,7 @@ from typing_extensions import override
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.algorithms.lora_clients import lora_spec
 from fedfm.config import RunConfig
+from fedfm.core.aggregate import equal_weight
 from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.lora_ranks import A_SUFFIX
@@ -665,13 +666,13 @@ class DPSyn(Algorithm):
         for cid in cids:  # every asked client ran DP-SGD as planned, answer or not
             sigma, rate = self.plan[cid]
             self.privacy.add_dp_sgd(cid, sigma, rate, self.run.train.steps, self.cfg.max_grad_norm)
-        delta, got = self.opt.accumulator(self.params), 0
-        for _, r in fed.stream({c: msg for c in cids}, like={self.field: self.params}):
-            delta.add(r.arrays[self.field], 1.0)  # public weights: every client counts once
-            got += 1
-        self.require(fed, got, len(cids))
-        self.params = self.opt.apply_delta(self.params, delta.result())
-        out: dict[str, float] = {"clients": got}
+        # Public weights: every client counts once.
+        start = functools.partial(self.opt.round_sum, weight=equal_weight)
+        like = {self.field: self.params}
+        got = self.aggregate(fed, {c: msg for c in cids}, self.field, self.params, start, like)
+        if got.result is not None:
+            self.params = self.opt.apply_delta(self.params, got.result)
+        out: dict[str, float] = {"clients": len(got.clients)}
         if self.start is not None:
             moved = {k: v - self.start[k] for k, v in self.params.items()}
             out["update_norm"] = update_norms([moved])[0]

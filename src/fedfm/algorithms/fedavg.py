@@ -36,6 +36,8 @@ matches a control's drift to it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -49,7 +51,6 @@ from fedfm.algorithms.base import (
     AlgoConfig,
     Algorithm,
     ClientHalf,
-    client_user_dp,
     shared_model,
 )
 from fedfm.algorithms.fedsd import FedSDOption, FedSDPhase
@@ -72,9 +73,9 @@ from fedfm.core.replies import (
     weighted_mean_metric,
 )
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.secagg import refuse_non_sum, secure_round
+from fedfm.core.secagg import refuse_non_sum
 from fedfm.core.train import client_config, local_round
-from fedfm.core.userdp import UPDATE_META, Skipped, UserDP, fold_reply
+from fedfm.core.userdp import UPDATE_META
 from fedfm.errors import ConfigError
 from fedfm.eval.compare import UpdateCosines
 from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
@@ -131,7 +132,6 @@ def fit(
     msg: Message,
     cfg: TrainConfig,
     data: Any = None,
-    dp: UserDP | None = None,
     lora: LoraClients | None = None,
 ) -> Message:
     """Client half of a FedAvg round: the received parameters, trained locally, sent back.
@@ -142,7 +142,6 @@ def fit(
         msg: A ``train`` message with the global ``params``.
         cfg: Local-training settings (FedProx's ``prox_mu`` pulls towards the received ones).
         data: What to train on instead of the client's data (FedSD's distilled set).
-        dp: The run's DP-FedAvg; in client mode the reply is :func:`train_reply`'s.
         lora: Mixed LoRA ranks or FFA-LoRA (:mod:`fedfm.algorithms.lora_clients`).
 
     Returns:
@@ -154,35 +153,20 @@ def fit(
         full = lora.load(ctx, model, glob)
         with lora.training(ctx, model):
             res = local_round(ctx, model, cfg, prox_ref=full, data=data)
-        return train_reply(ctx, msg, lora.reply(ctx, model, list(glob)), res.loss, dp)
+        return train_reply(ctx, lora.reply(ctx, model, list(glob)), res.loss)
     ctx.task.set_params(model, glob)
     res = local_round(ctx, model, cfg, prox_ref=glob, data=data)
-    return train_reply(ctx, msg, ctx.task.get_params(model, list(glob)), res.loss, dp)
+    return train_reply(ctx, ctx.task.get_params(model, list(glob)), res.loss)
 
 
-def train_reply(
-    ctx: ClientContext,
-    msg: Message,
-    trained: dict[str, Tensor],
-    loss: float,
-    dp: UserDP | None = None,
-) -> Message:
+def train_reply(ctx: ClientContext, trained: dict[str, Tensor], loss: float) -> Message:
     """A ``train`` reply: the trained ``params``, the number of examples and the loss.
 
-    Under client-side DP-FedAvg a DP client sends only its clipped, noised parameters (and
-    the noisy count share of adaptive clipping): no loss, no size.
+    Under client-side DP-FedAvg the client's privacy wrapper sends only the clipped, noised
+    parameters (:class:`fedfm.core.userdp.ClientDP`).
     """
-    if dp is not None and dp.client_side:
-        noisy, meta = dp.privatise_params(ctx, msg.arrays["params"], trained, msg)
-        return Message("train", {"params": noisy}, dict(meta))
     n = ctx.task.num_examples(ctx.data)
     return Message("train", {"params": trained}, {"num_examples": n, "loss": loss})
-
-
-def train_message(params: dict[str, Tensor], opt: ServerOptimizer) -> Message:
-    """A ``train`` message: the global ``params`` and, under client-side DP-FedAvg, the bound."""
-    dp = opt.user_dp
-    return Message("train", {"params": params}, dict(dp.down_meta()) if dp is not None else {})
 
 
 def evaluate_locally(ctx: ClientContext, model: nn.Module, msg: Message) -> Message:
@@ -205,10 +189,11 @@ def fedavg_round(
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Server half of a FedAvg round: send ``params`` to the sampled clients, aggregate.
 
-    Replies are folded into the aggregate as they arrive (:meth:`Federation.stream`): with
-    the example-weighted mean the server holds one client's parameters at a time, not every
-    client's; a robust rule (``algo.aggregator``) keeps them all, as it must
-    (:meth:`ServerOptimizer.accumulator`).
+    The aggregation is the one step every summing algorithm runs
+    (:meth:`~fedfm.algorithms.base.Algorithm.aggregate`): replies are folded into the
+    aggregate as they arrive, so with the example-weighted mean the server holds one client's
+    parameters at a time; a robust rule (``algo.aggregator``) keeps them all, as it must
+    (:meth:`ServerOptimizer.accumulator`). DP-FedAvg and SecAgg+ wrap it there.
 
     Args:
         algo: The algorithm (its client sampling and ``min_clients``).
@@ -230,25 +215,23 @@ def fedavg_round(
         TooFewClientsError: Fewer than ``min_clients`` valid replies.
     """
     cids = algo.sample(fed)
-    msg = train_message(params, opt)
-    delta, loss = opt.accumulator(params), MetricMean("loss")
+    msg = Message("train", {"params": params})
+    loss = MetricMean("loss")
     ups = UpdateCosines(params) if cosines else None
-    got, secure = 0, dict[str, float]()
-    if algo.secagg is not None:  # the server learns only the sum: no loss, no cosines
-        summed = secure_round(fed, algo.secagg, {c: msg for c in cids}, "params", params, delta)
-        got, secure = summed.count, summed.metrics()
-    for cid, r in fed.stream({} if algo.secagg else {c: msg for c in cids}, {"params": params}):
-        fold_reply(delta, r, "params")
-        got += 1
+
+    def each(cid: str, r: Message) -> None:
         if "loss" in r.meta:  # a DP client sends none
             loss.add(r)
         if ups is not None:
             ups.add(cid, r.arrays["params"])
-    algo.require(fed, got, len(cids))
-    new = opt.apply_delta(params, delta.result()) if got or opt.user_dp else dict(params)
+
+    got = algo.aggregate(
+        fed, {c: msg for c in cids}, "params", params, opt.round_sum, {"params": params}, each
+    )
+    new = opt.apply_delta(params, got.result) if got.result is not None else dict(params)
     metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
-    metrics["clients"] = got
-    metrics.update(secure)
+    metrics["clients"] = len(got.clients)
+    metrics.update(got.metrics)
     if origin is not None:
         metrics["update_norm"] = update_norm(new, origin)
     return new, {**metrics, **(ups.result() if ups is not None else {})}
@@ -330,7 +313,6 @@ class FedAvgClient(ClientHalf):
         super().__init__(cfg, task, run)
         self.model = shared_model(task, run.seed)  # loaded from every message before use
         self.fedsd = FedSDPhase(cfg)
-        self.user_dp = client_user_dp(task, run)
         self.lora = LoraClients.of(task, task.get_params(self.model))
 
     def train_cfg(self) -> TrainConfig:
@@ -348,7 +330,7 @@ class FedAvgClient(ClientHalf):
     def train(self, ctx: ClientContext, msg: Message) -> Message:
         """See :func:`fit`; with FedSD, on the client's distilled set."""
         data = self.fedsd.train_data(ctx)
-        return fit(ctx, self.model, msg, self.train_cfg(), data, self.user_dp, self.lora)
+        return fit(ctx, self.model, msg, self.train_cfg(), data, self.lora)
 
     def evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """See :func:`evaluate_locally`."""
@@ -372,11 +354,11 @@ class FedAvg(Algorithm):
         self.cfg: FedAvgFamilyConfig = cfg
         self._model = shared_model(task, run.seed)
         self.params: dict[str, Tensor] = task.get_params(self._model)
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+        self.opt = self.server_optimizer(cfg.server_opt, cfg.aggregator)
         # Mixed LoRA ranks or FFA-LoRA (only B travels): fedfm.algorithms.lora_clients.
         self.lora = LoraClients.of(task, self.params)
         if self.lora is not None:
-            self.lora.check(self.opt, run.rounds)
+            self.lora.check(self.opt, run.rounds, run.privacy.user_level is not None)
             if self.lora.mode is not None and (cfg.update_cosines or cfg.fedsd.enabled):
                 name = "update_cosines" if cfg.update_cosines else "fedsd"
                 raise ConfigError(f"algo.{name}", "not run with mixed LoRA ranks")
@@ -499,7 +481,6 @@ class ScaffoldClient(ClientHalf):
         super().__init__(cfg, task, run)
         self.model = shared_model(task, run.seed)  # loaded from every message before use
         self.fedsd = FedSDPhase(cfg)
-        self.user_dp = client_user_dp(task, run)
 
     @override
     def handlers(self) -> dict[str, Handler]:
@@ -510,7 +491,12 @@ class ScaffoldClient(ClientHalf):
         }
 
     def train(self, ctx: ClientContext, msg: Message) -> Message:
-        """Local SGD corrected by ``c − c_i``; replies ``y_i − x`` and ``c_i⁺ − c_i``."""
+        """Local SGD corrected by ``c − c_i``; replies ``y_i − x`` and ``c_i⁺ − c_i``.
+
+        Under client-side DP-FedAvg only the clipped, noised ``Δy`` leaves (the client's
+        privacy wrapper, :class:`fedfm.core.userdp.ClientDP`); the server derives ``Δc``
+        from its noisy mean.
+        """
         model = self.model
         glob, c = msg.arrays["params"], msg.arrays["control"]
         c_i = ctx.state.get_group("control") or {k: v.new_zeros(v.shape) for k, v in c.items()}
@@ -523,16 +509,53 @@ class ScaffoldClient(ClientHalf):
         c_new = scaffold_client_control(c_i, c, glob, local, res.steps, lr)
         ctx.state.set_group("control", c_new)
         delta_y = {k: local[k] - glob[k] for k in glob}
-        if self.user_dp is not None and self.user_dp.client_side:
-            # Only the clipped, noised Δy leaves; the server derives Δc from its noisy mean.
-            noisy, meta = self.user_dp.privatise(ctx, delta_y, msg)
-            return Message("train", {"delta_y": noisy}, dict(meta))
         n = self.task.num_examples(ctx.data)
         return Message(
             "train",
             {"delta_y": delta_y, "delta_c": {k: c_new[k] - c_i[k] for k in c}},
             {"num_examples": n, "loss": res.loss},
         )
+
+
+@dataclass
+class ScaffoldStep:
+    """SCAFFOLD's new server state after a round: the model ``x`` and the control ``c``."""
+
+    params: dict[str, Tensor]
+    control: dict[str, Tensor]
+
+
+class ScaffoldRound:
+    """SCAFFOLD's round sum (a :class:`~fedfm.core.aggregate.RoundSum`).
+
+    Each reply's ``Δy`` at its size and its ``Δc`` uniformly
+    (:class:`~fedfm.core.optim.ScaffoldSums`); closed, the server update.
+    """
+
+    def __init__(self, sums: ScaffoldSums, num_clients: int, lr_global: float) -> None:
+        self.sums = sums
+        self.num_clients = num_clients  # N
+        self.lr_global = lr_global
+
+    def fold(self, reply: Message, field: str) -> None:
+        """Adds one client's ``Δy`` (its ``field``) and ``Δc``."""
+        n = meta_number(reply, "num_examples")
+        self.sums.add(reply.arrays[field], reply.arrays["delta_c"], n)
+
+    def add_sum(self, total: Mapping[str, Tensor], extra: float, count: int) -> None:
+        """SCAFFOLD takes no secure sum (its ``Δc`` is not in the masked vector).
+
+        Raises:
+            TypeError: Always.
+        """
+        raise TypeError("SecAgg+ cannot fold into SCAFFOLD's sums")
+
+    def close(self) -> ScaffoldStep | None:
+        """The server update (Karimireddy et al., eq. (5)), or None when nobody replied."""
+        if self.sums.count == 0:
+            return None
+        params, control = self.sums.apply(self.num_clients, self.lr_global)
+        return ScaffoldStep(params, control)
 
 
 class Scaffold(Algorithm):
@@ -550,7 +573,7 @@ class Scaffold(Algorithm):
     def __init__(self, cfg: ScaffoldConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: ScaffoldConfig = cfg
-        if self.user_dp is not None:
+        if run.privacy.user_level is not None:
             if not cfg.aggregator.plain:
                 raise ConfigError(
                     "algo.aggregator", "privacy.user_level aggregates by its own noised sum"
@@ -583,54 +606,45 @@ class Scaffold(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
-        if self.user_dp is not None:
-            return self._dp_round(fed, self.user_dp)
         cids = self.sample(fed)
         msg = Message("train", {"params": self.params, "control": self.control})
         like = {"delta_y": self.params, "delta_c": self.control}
-        sums = ScaffoldSums(self.params, self.control, self.cfg.aggregator)
         loss = MetricMean("loss")
         ups = UpdateCosines(self.params) if self.cfg.update_cosines else None
-        for cid, r in fed.stream({c: msg for c in cids}, like=like):
-            sums.add(r.arrays["delta_y"], r.arrays["delta_c"], meta_number(r, "num_examples"))
-            loss.add(r)
+
+        def each(cid: str, r: Message) -> None:
+            if "loss" in r.meta:  # a DP client sends none
+                loss.add(r)
             if ups is not None:
                 ups.add_delta(cid, r.arrays["delta_y"])
-        self.require(fed, loss.count, len(cids))
-        self.params, self.control = sums.apply(len(fed.client_ids()), self.cfg.lr_global)
-        metrics = {"train_loss": loss.mean("loss"), "clients": loss.count}
+
+        def start(base: Mapping[str, Tensor]) -> ScaffoldRound:
+            sums = ScaffoldSums(self.params, self.control, self.cfg.aggregator)
+            return ScaffoldRound(sums, len(fed.client_ids()), self.cfg.lr_global)
+
+        zeros = {k: torch.zeros_like(v) for k, v in self.params.items()}  # Δy is a difference
+        got = self.aggregate(fed, {c: msg for c in cids}, "delta_y", zeros, start, like, each)
+        if isinstance(got.result, ScaffoldStep):
+            self.params, self.control = got.result.params, got.result.control
+        elif got.result is not None:
+            self._noised_step(got.result)
+        metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
+        metrics["clients"] = len(got.clients)
         metrics["update_norm"] = update_norm(self.params, self.origin)
         return {**metrics, **(ups.result() if ups is not None else {})}
 
-    def _dp_round(self, fed: Federation, dp: UserDP) -> dict[str, float]:
-        """A round under DP-FedAvg: Δ̃, the noised mean of the clients' Δy.
+    def _noised_step(self, step: dict[str, Tensor]) -> None:
+        """The step from Δ̃, DP-FedAvg's noised mean of the clients' Δy.
 
         x ← x + η_g·Δ̃ and c ← c + q·(−c − Δ̃/(K·η_l)): the paper's control update for the
         mean of Δc (Δc_i = −c − Δy_i/(K·η_l)) computed from Δ̃, with ``q`` for |S|/N (ours).
         """
-        cids = self.sample(fed)
-        msg = Message(
-            "train", {"params": self.params, "control": self.control}, dict(dp.down_meta())
-        )
-        like = {"delta_y": self.params} if dp.client_side else None
-        acc = dp.accumulator({k: torch.zeros_like(v) for k, v in self.params.items()})
-        got, loss = 0, MetricMean("loss")
-        for _, r in fed.stream({c: msg for c in cids}, like=like):
-            acc.add_reply(r, "delta_y")
-            got += 1
-            if "loss" in r.meta:
-                loss.add(r)
-        self.require(fed, got, len(cids))
-        step = acc.result()
-        if not isinstance(step, Skipped):
-            k_lr = self.run.train.steps * self.run.train.lr
-            eta = self.cfg.lr_global
-            self.params = {k: (p + eta * step[k]).to(p.dtype) for k, p in self.params.items()}
-            self.control = {
-                k: (c + dp.q * (-c - step[k] / k_lr)).to(c.dtype) for k, c in self.control.items()
-            }
-        metrics = {"train_loss": loss.mean("loss")} if loss.count else {}
-        return {**metrics, "clients": got, "update_norm": update_norm(self.params, self.origin)}
+        k_lr = self.run.train.steps * self.run.train.lr
+        eta, q = self.cfg.lr_global, self.run.clients.fraction
+        self.params = {k: (p + eta * step[k]).to(p.dtype) for k, p in self.params.items()}
+        self.control = {
+            k: (c + q * (-c - step[k] / k_lr)).to(c.dtype) for k, c in self.control.items()
+        }
 
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:

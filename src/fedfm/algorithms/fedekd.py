@@ -72,7 +72,6 @@ from fedfm.algorithms.base import (
     AlgoConfig,
     Algorithm,
     ClientHalf,
-    client_user_dp,
     shared_model,
 )
 from fedfm.algorithms.presets import register_preset
@@ -89,13 +88,13 @@ from fedfm.core.kd import (
     symmetric_kl_energy,
 )
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind, MetaSpec
-from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.optim import ServerOptConfig
 from fedfm.core.replies import MetricMean, meta_number, summarise_by_prefix, weighted_mean_metric
 from fedfm.core.robust import AggregatorConfig
-from fedfm.core.secagg import refuse_non_sum, secure_round
+from fedfm.core.secagg import refuse_non_sum
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import get_params, local_round, set_params
-from fedfm.core.userdp import UPDATE_META, fold_reply
+from fedfm.core.userdp import UPDATE_META
 from fedfm.errors import ConfigError, config_fields
 from fedfm.tasks.base import Task
 
@@ -307,7 +306,6 @@ class FedeKDClient(ClientHalf):
         self.cfg: FedeKDConfig = _fedekd_config(cfg)
         self.proxy = shared_proxy(task, run, self.cfg)
         self.privates = PrivateModels(task, run.seed, self.cfg.private_archs)
-        self.user_dp = client_user_dp(task, run)
 
     @override
     def handlers(self) -> dict[str, Handler]:
@@ -355,9 +353,6 @@ class FedeKDClient(ClientHalf):
             extra_loss=kd,
         )
         trained = get_params(proxy, list(glob))
-        if self.user_dp is not None and self.user_dp.client_side:
-            noisy, dp_meta = self.user_dp.privatise_params(ctx, glob, trained, msg)
-            return Message("forward", {"proxy": noisy}, dict(dp_meta))
         n = self.task.num_examples(ctx.data)
         return Message("forward", {"proxy": trained}, {"num_examples": n, "loss": res.loss})
 
@@ -404,8 +399,6 @@ class FedeKDClient(ClientHalf):
         self.privates.save(ctx, private)
         if gate_ctx.level is not None:
             ctx.state.meta["energy_level"] = gate_ctx.level
-        if self.user_dp is not None and self.user_dp.client_side:
-            return Message("backward")  # a DP client reports nothing of its private model
         meta: dict[str, Any] = {"num_examples": self.task.num_examples(ctx.data), "loss": res.loss}
         if stats["energy"]:
             meta["energy"] = sum(stats["energy"]) / len(stats["energy"])
@@ -440,7 +433,7 @@ class FedeKD(Algorithm):
             )
         self._proxy = shared_proxy(task, run, cfg)
         self.proxy: dict[str, Tensor] = get_params(self._proxy)
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+        self.opt = self.server_optimizer(cfg.server_opt, cfg.aggregator)
         if self.secagg is not None:
             refuse_non_sum(cfg.aggregator)
 
@@ -452,22 +445,20 @@ class FedeKD(Algorithm):
     @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
-        dp_meta = self.user_dp.down_meta() if self.user_dp is not None else {}
-        msg = Message("forward", {"proxy": self.proxy}, dict(dp_meta))
-        delta, fwd_loss, answered = self.opt.accumulator(self.proxy), MetricMean("loss"), []
-        plain = {c: msg for c in cids}
-        secure: dict[str, float] = {}
-        if self.secagg is not None:  # the server learns only the proxies' sum
-            summed = secure_round(fed, self.secagg, plain, "proxy", self.proxy, delta)
-            answered, secure, plain = summed.clients, summed.metrics(), {}
-        for cid, r in fed.stream(plain, like={"proxy": self.proxy}):
-            fold_reply(delta, r, "proxy")
+        msg = Message("forward", {"proxy": self.proxy})
+        fwd_loss = MetricMean("loss")
+
+        def each(cid: str, r: Message) -> None:
             if "loss" in r.meta:  # a DP client sends none
                 fwd_loss.add(r)
-            answered.append(cid)
-        self.require(fed, answered, len(cids))
-        if answered or self.user_dp is not None:
-            self.proxy = self.opt.apply_delta(self.proxy, delta.result())
+
+        got = self.aggregate(
+            fed, {c: msg for c in cids}, "proxy", self.proxy, self.opt.round_sum,
+            {"proxy": self.proxy}, each,
+        )  # fmt: skip
+        answered, secure = got.clients, got.metrics
+        if got.result is not None:
+            self.proxy = self.opt.apply_delta(self.proxy, got.result)
         bwd = fed.broadcast(Message("backward", {"proxy": self.proxy}), answered)
         self.require(fed, bwd, len(answered))
         out: dict[str, float] = {}

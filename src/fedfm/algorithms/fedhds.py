@@ -826,19 +826,21 @@ class FedHDS(Algorithm):
             cid: Message("train", {ADAPTER: self.params}, {"plan": p, "pick": list(pick)})
             for cid, (p, pick) in plan.train.items()
         }
-        delta, loss = self.opt.accumulator(self.params), MetricMean("loss")
+        loss = MetricMean("loss")
         coreset, train_s = 0, 0.0
-        trained: list[str] = []
-        for cid, r in fed.stream(msgs, like={ADAPTER: self.params}):
-            delta.add(r.arrays[ADAPTER], meta_number(r, "num_examples"))
+
+        def each(cid: str, r: Message) -> None:
+            nonlocal coreset, train_s
             loss.add(r)
             coreset += int(meta_number(r, "num_examples"))
             train_s += meta_number(r, "train_s")
             plan.pool.setdefault(cid, int(meta_number(r, "pool_examples")))
-            trained.append(cid)
-        if msgs:
-            self.require(fed, loss.count, len(msgs))
-            self.params = self.opt.apply_delta(self.params, delta.result())
+
+        like = {ADAPTER: self.params}
+        got = self.aggregate(fed, msgs, ADAPTER, self.params, self.opt.round_sum, like, each)
+        trained = got.clients
+        if got.result is not None:
+            self.params = self.opt.apply_delta(self.params, got.result)
         pool = sum(plan.pool.values())
         self._log(fed.rnd, plan, trained)
         metrics = {

@@ -43,7 +43,7 @@ from pydantic import Field
 from torch import Tensor
 from typing_extensions import override
 
-from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf, client_user_dp
+from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
 from fedfm.algorithms.fedavg import (
     TRAIN,
     UPDATE_COSINES_HELP,
@@ -57,7 +57,7 @@ from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
 from fedfm.core.messages import EVAL_EXAMPLES, Message, MessageKind
-from fedfm.core.optim import ServerOptConfig, ServerOptimizer
+from fedfm.core.optim import ServerOptConfig
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secagg import refuse_non_sum
 from fedfm.core.seeding import derive_seed
@@ -134,7 +134,6 @@ class FedSDRClient(ClientHalf):
         self.fm = task.foundation_model()
         self.fm.ensure_adapter(R, seed=run.seed)  # its tensors come in every message
         self.refinery = Refinery(cfg.refinery)
-        self.user_dp = client_user_dp(task, run)
         self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
 
     @override
@@ -163,7 +162,7 @@ class FedSDRClient(ClientHalf):
         steps_r = self.cfg.steps_r or num_steps(cfg, n)
         res = train_stage(fm, R, raw, task, self._stage_r, steps_r, prox=self.cfg.prox_mu > 0)
         ctx.state.set_group(S_GROUP, fm.get_adapter(S))  # never in a message
-        return train_reply(ctx, msg, fm.get_adapter(R), res.loss, self.user_dp)
+        return train_reply(ctx, fm.get_adapter(R), res.loss)
 
     def evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """The client's personal model (global LoRA-R + its own LoRA-S) on its local split."""
@@ -193,7 +192,7 @@ class FedSDR(Algorithm):
         self.fm.reset_adapter(R, seed=run.seed)
         self.params: dict[str, Tensor] = self.fm.get_adapter(R)
         self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm
-        self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator, self.user_dp)
+        self.opt = self.server_optimizer(cfg.server_opt, cfg.aggregator)
         self.refinery = Refinery(cfg.refinery)
         if self.secagg is not None:
             refuse_non_sum(cfg.aggregator, cfg.update_cosines)

@@ -115,16 +115,16 @@ class LoraClients:
         """FFA-LoRA: ``A`` is frozen and never sent."""
         return self.spec.freeze_a
 
-    def check(self, opt: ServerOptimizer, rounds: int) -> None:
+    def check(self, opt: ServerOptimizer, rounds: int, client_level_dp: bool) -> None:
         """Refuses what mixed ranks cannot run with.
 
-        A robust rule or client-level DP (each wants one shape), and FLoRA without room for
-        ``rounds`` stacks.
+        A robust rule or client-level DP (``client_level_dp``: each wants one shape), and
+        FLoRA without room for ``rounds`` stacks.
 
         Raises:
             ConfigError: Naming ``task.lora.client_ranks`` or ``task.lora.r``.
         """
-        if self.mode is not None and (opt.user_dp is not None or not opt.aggregator.plain):
+        if self.mode is not None and (client_level_dp or not opt.aggregator.plain):
             raise ConfigError(
                 "task.lora.client_ranks",
                 "mixed ranks aggregate by their rank_mode: leave algo.aggregator at the mean"

@@ -10,6 +10,13 @@ Aggregators that need every update at once (coordinate-wise median, Krum) cannot
 :class:`Buffered` keeps the updates and hands them to such a function at the end, behind the
 same ``add``/``result`` interface (:class:`Aggregator`).
 
+One round's aggregation step, the same for every algorithm whose server step is a sum of
+client updates, is :func:`aggregate_round`: stream the update replies into a
+:class:`RoundSum`, require enough of them, close the sum. The plain (or robust) mean is a
+:class:`ReplySum`; client-level DP-FedAvg's clipped, noised sum
+(:class:`fedfm.core.userdp.DPSum`) and a SecAgg+ sum of masked vectors
+(:class:`fedfm.core.secagg.SecAgg`, a :class:`SecureSummer`) meet it there, and nowhere else.
+
 Arithmetic: sums run in float32 for float32, float16 and bfloat16 tensors and in float64 for
 float64 ones (and for integer tensors of :func:`weighted_mean`); the sum is divided by the
 total weight at the end. Inputs are never modified.
@@ -19,12 +26,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
+from fedfm.core.federation import Federation, Templates
+from fedfm.core.messages import Message
+from fedfm.core.replies import meta_number
+from fedfm.errors import TooFewClientsError
+
 Arrays = dict[str, Tensor]
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 # ----------------------------------------------------------------------------- checks
 
@@ -342,3 +357,169 @@ def update_norm(params: Mapping[str, Tensor], origin: Mapping[str, Tensor]) -> f
         d = params[k].detach().to("cpu", torch.float64) - ref.detach().to("cpu", torch.float64)
         total += float((d * d).sum())
     return math.sqrt(total)
+
+
+# ----------------------------------------------------------------------------- one round
+
+
+class RoundSum(Protocol[T_co]):
+    """One round's aggregate of the updates that replies carry, as the server step needs it."""
+
+    def fold(self, reply: Message, field: str) -> None:
+        """Adds one client's reply (its ``field``)."""
+        ...
+
+    def add_sum(self, total: Mapping[str, Tensor], extra: float, count: int) -> None:
+        """Adds the sum of ``count`` clients' vectors and of their last coordinate (SecAgg+)."""
+        ...
+
+    def close(self) -> T_co | None:
+        """Ends the round: what the server step applies, or None to leave the model as it is."""
+        ...
+
+
+def by_size(reply: Message) -> float:
+    """A reply's weight in the example-weighted mean: its ``num_examples``."""
+    return meta_number(reply, "num_examples")
+
+
+def equal_weight(reply: Message) -> float:
+    """The same weight for every reply (public weights: every client counts once)."""
+    return 1.0
+
+
+class ReplySum:
+    """An :class:`Aggregator` (the mean, or a robust rule) fed from replies: a :class:`RoundSum`.
+
+    Args:
+        acc: The aggregator, e.g. :func:`mean_delta` of the global parameters.
+        weight: A reply's weight (default: its example count).
+    """
+
+    def __init__(self, acc: Aggregator, weight: Callable[[Message], float] = by_size) -> None:
+        self.acc = acc
+        self.weight = weight
+        self.count = 0
+
+    def fold(self, reply: Message, field: str) -> None:
+        """Adds ``reply.arrays[field]`` at the reply's weight."""
+        self.acc.add(reply.arrays[field], self.weight(reply))
+        self.count += 1
+
+    def add_sum(self, total: Mapping[str, Tensor], extra: float, count: int) -> None:
+        """Adds a SecAgg+ sum ``Σ r_k·u_k`` of total weight ``extra = Σ r_k``.
+
+        Raises:
+            TypeError: The aggregator is not a running sum (a robust rule needs every update).
+        """
+        if not isinstance(self.acc, RunningMean):
+            raise TypeError(f"SecAgg+ cannot fold into {type(self.acc).__name__}: not a sum")
+        self.acc.add_sum(total, extra, count)
+        self.count += count
+
+    def close(self) -> Arrays | None:
+        """The aggregate, or None when no update came."""
+        return self.acc.result() if self.count else None
+
+
+class SecureTotal(Protocol):
+    """What a secure sum reveals to the server (see :class:`fedfm.core.secagg.SecureSum`)."""
+
+    total: Arrays
+    extra: float
+    count: int
+    clients: list[str]
+
+    def metrics(self) -> dict[str, float]:
+        """The round's figures of the protocol."""
+        ...
+
+
+class SecureSummer(Protocol):
+    """A protocol by which the server learns only the sum of the update messages' vectors."""
+
+    def sum(
+        self, fed: Federation, messages: Mapping[str, Message], base: Mapping[str, Tensor]
+    ) -> SecureTotal:
+        """Runs one round of the protocol around the update messages."""
+        ...
+
+
+@dataclass
+class Gathered(Generic[T]):
+    """What one aggregation step gathered.
+
+    Attributes:
+        result: What the server step applies (Δ for a server optimizer), or None: leave the
+            model as it is (no update came, or DP-FedAvg skipped the round).
+        clients: The clients whose updates the sum holds, in the order they came.
+        metrics: The secure sum's figures (empty without SecAgg+).
+    """
+
+    result: T | None
+    clients: list[str]
+    metrics: dict[str, float]
+
+
+def require_replies(fed: Federation, got: int, asked: int, min_clients: int) -> None:
+    """Fails the round when fewer than ``min(min_clients, asked)`` clients answered.
+
+    Raises:
+        TooFewClientsError: Too few survivors.
+    """
+    if got < min(min_clients, asked):
+        raise TooFewClientsError(
+            f"round {fed.rnd}: only {got} of {asked} clients answered, min_clients={min_clients}"
+        )
+
+
+def aggregate_round(
+    fed: Federation,
+    messages: Mapping[str, Message],
+    field: str,
+    base: Mapping[str, Tensor],
+    acc: RoundSum[T],
+    min_clients: int,
+    like: Templates | None = None,
+    secure: SecureSummer | None = None,
+    each: Callable[[str, Message], None] | None = None,
+) -> Gathered[T]:
+    """One round's aggregation step: replies into ``acc``, at least ``min_clients``, the result.
+
+    Every algorithm whose server step sums client updates calls this one function (through
+    :meth:`fedfm.algorithms.base.Algorithm.aggregate`, which picks ``acc`` and ``secure``
+    for the run's privacy): the plain or robust mean, DP-FedAvg's clipped and noised sum and
+    SecAgg+'s masked sum all go through it.
+
+    Args:
+        fed: The federation.
+        messages: Client id -> the update message.
+        field: The reply field that carries the update.
+        base: The tensors ``field`` is compared with (its shapes; under SecAgg+ clients send
+            ``reply − sent``).
+        acc: This round's sum.
+        min_clients: Fewer valid replies fail the round (``clients.min_clients``).
+        like: Templates the replies' array fields must match.
+        secure: SecAgg+: the server learns only the sum (``each`` then sees no reply).
+        each: Called with every reply after it is folded (losses, cosines, counts).
+
+    Returns:
+        The closed sum, the clients it holds and the secure sum's figures.
+
+    Raises:
+        TooFewClientsError: Fewer than ``min_clients`` valid replies (or a failed secure sum).
+    """
+    clients: list[str] = []
+    metrics: dict[str, float] = {}
+    if secure is not None:
+        got = secure.sum(fed, messages, base)
+        acc.add_sum(got.total, got.extra, got.count)
+        clients, metrics = list(got.clients), got.metrics()
+    else:
+        for cid, reply in fed.stream(messages, like):
+            acc.fold(reply, field)
+            clients.append(cid)
+            if each is not None:
+                each(cid, reply)
+    require_replies(fed, len(clients), len(messages), min_clients)
+    return Gathered(acc.close(), clients, metrics)

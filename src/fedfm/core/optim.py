@@ -58,7 +58,9 @@ from torch import Tensor
 from fedfm.core.aggregate import (
     Aggregator,
     Buffered,
+    ReplySum,
     RunningMean,
+    by_size,
     check_keys,
     check_shape,
     check_weights,
@@ -66,10 +68,8 @@ from fedfm.core.aggregate import (
     mean_delta,
     pseudo_gradient,
 )
-from fedfm.core.messages import Arrays
+from fedfm.core.messages import Arrays, Message
 from fedfm.core.robust import AggregatorConfig, robust_pseudo_gradient
-from fedfm.core.userdp import Skipped, UserDP
-from fedfm.errors import ConfigError
 from fedfm.registry import Registry
 
 OptimizerName = Literal["fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi"]
@@ -352,29 +352,17 @@ class ServerOptimizer:
     Args:
         cfg: Settings; defaults to plain FedAvg.
         aggregator: How client updates become Δ (:mod:`fedfm.core.robust`); defaults to the
-            example-weighted mean of :func:`pseudo_gradient`.
-        user_dp: Client-level DP-FedAvg (:mod:`fedfm.core.userdp`): Δ is its clipped, noised
-            sum instead; it takes no robust rule.
-
-    Raises:
-        ConfigError: ``user_dp`` with a robust ``aggregator`` (``algo.aggregator``).
+            example-weighted mean of :func:`pseudo_gradient`. Client-level DP-FedAvg replaces
+            it by its own noised sum around the step (:mod:`fedfm.core.userdp`).
     """
 
     def __init__(
         self,
         cfg: ServerOptConfig | None = None,
         aggregator: AggregatorConfig | None = None,
-        user_dp: UserDP | None = None,
     ) -> None:
         self.cfg = cfg if cfg is not None else ServerOptConfig()
         self.aggregator = aggregator if aggregator is not None else AggregatorConfig()
-        self.user_dp = user_dp
-        if user_dp is not None and not self.aggregator.plain:
-            raise ConfigError(
-                "algo.aggregator",
-                "privacy.user_level aggregates by its own clipped, noised sum: leave the"
-                " aggregator at the mean",
-            )
         self._step_fn = SERVER_OPTIMIZERS.get(self.cfg.name)
         self._state: Arrays = {}
 
@@ -405,14 +393,17 @@ class ServerOptimizer:
 
         The example-weighted mean streams (one running sum, :func:`mean_delta`); a robust rule
         needs every update at once and keeps them (:class:`Buffered`). Both give the numbers
-        :meth:`step` gives for the same updates. Under DP-FedAvg it is the round's
-        :class:`~fedfm.core.userdp.DPSum`.
+        :meth:`step` gives for the same updates.
         """
-        if self.user_dp is not None:
-            return self.user_dp.accumulator(params)
         if self.aggregator.plain:
             return mean_delta(params)
         return Buffered(params, self._robust)
+
+    def round_sum(
+        self, params: Mapping[str, Tensor], weight: Callable[[Message], float] = by_size
+    ) -> ReplySum:
+        """:meth:`accumulator` fed from replies, each at ``weight`` (its size by default)."""
+        return ReplySum(self.accumulator(params), weight)
 
     def _robust(
         self, params: Mapping[str, Tensor], updates: Sequence[Mapping[str, Tensor]], weights: Any
@@ -435,11 +426,8 @@ class ServerOptimizer:
             delta: Pseudo-gradient Δ.
 
         Returns:
-            The new global parameters (``params`` unchanged, optimizer state too, for a
-            round DP-FedAvg skipped).
+            The new global parameters.
         """
-        if isinstance(delta, Skipped):
-            return dict(params)
         new_params, new_state = self._step_fn(params, delta, self._state, self.cfg)
         bad = [k for k, t in new_params.items() if not bool(torch.isfinite(t).all())]
         if bad:

@@ -64,7 +64,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
-from fedfm.core.aggregate import RunningMean
+from fedfm.core.aggregate import ReplySum, RunningMean
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.messages import Arrays, Message, MessageKind, MetaSpec
 from fedfm.core.robust import AggregatorConfig
@@ -139,6 +139,23 @@ class SecAgg:
     def bound(self, n: int) -> float:
         """The per-coordinate bound on |unmasked − plain| for ``n`` vectors within range."""
         return n * self.step
+
+    def sum(
+        self, fed: Federation, messages: Mapping[str, Message], base: Mapping[str, Tensor]
+    ) -> SecureSum:
+        """One round around the update messages (:func:`secure_sum`), logged.
+
+        This is how the one aggregation step (:func:`fedfm.core.aggregate.aggregate_round`)
+        runs SecAgg+ (a :class:`~fedfm.core.aggregate.SecureSummer`).
+        """
+        got = secure_sum(fed, self, messages, base)
+        log.info(
+            "round %d: SecAgg+ summed %d clients (%d unmasked from shares)",
+            fed.rnd,
+            got.count,
+            len(got.dropped),
+        )
+        return got
 
 
 def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAgg:
@@ -668,7 +685,7 @@ def _unmask(
 
 def fold_sum(acc: Any, got: SecureSum) -> None:
     """Folds a secure sum into a round's accumulator (a mean of deltas, or DP-FedAvg's sum)."""
-    if isinstance(acc, DPSum | RunningMean):
+    if isinstance(acc, DPSum | RunningMean | ReplySum):
         acc.add_sum(got.total, got.extra, got.count)
     else:
         raise TypeError(f"SecAgg+ cannot fold into {type(acc).__name__}: not a sum")
@@ -683,14 +700,8 @@ def secure_round(
     acc: Any,
 ) -> SecureSum:
     """One update exchange under SecAgg+, its sum folded into ``acc`` (and returned)."""
-    got = secure_sum(fed, sa, messages, base)
+    got = sa.sum(fed, messages, base)
     fold_sum(acc, got)
-    log.info(
-        "round %d: SecAgg+ summed %d clients (%d unmasked from shares)",
-        fed.rnd,
-        got.count,
-        len(got.dropped),
-    )
     return got
 
 

@@ -30,6 +30,12 @@ the noise multiplier, ``C_t`` this round's bound, ``M = min_clients``):
    ``z_Δ = z`` and ``C_t = clip``.
 5. The server optimizer (:mod:`fedfm.core.optim`) applies ``Δ`` like any pseudo-gradient.
 
+DP-FedAvg is a wrapper, as Flower's DP strategies and client mods wrap a strategy and a
+client app: on the server it adds the bound to the update messages and takes over the
+round's sum (:meth:`UserDP.configure`, :class:`DPSum`) inside the one aggregation step
+(:func:`fedfm.core.aggregate.aggregate_round`); on a client :class:`ClientDP` privatises
+what the algorithm's handler replies. No algorithm holds or reads it.
+
 Accounting (dp-accounting, ``privacy.accountant``), relation: one client added or removed
 with all its records. Each round is ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``; rounds
 compose. Against whom:
@@ -71,12 +77,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedfm.core.aggregate import Aggregator, compute_dtype
-from fedfm.core.federation import ClientContext, Federation
-from fedfm.core.messages import Arrays, Message, MetaSpec
+from fedfm.core.aggregate import compute_dtype
+from fedfm.core.federation import ClientContext, Federation, Handler
+from fedfm.core.messages import Arrays, Message, MessageKind, MetaSpec
 from fedfm.core.privacy import Mechanism as _Mechanism
 from fedfm.core.privacy import PrivacyLedger, epsilon_of, quiet_accounting
 from fedfm.core.replies import meta_number
+from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secret import SecretStream, noise_seed
 from fedfm.core.seeding import derive_seed
 from fedfm.core.settings import RunView, UserLevelConfig
@@ -208,8 +215,10 @@ def standard_normal(gen: torch.Generator) -> float:
 class UserDP:
     """A run's client-level DP-FedAvg: calibration, sampling, clipping, noise, accounting.
 
-    Built by every process of the run from the same config: the server uses
-    :meth:`sample` and :meth:`accumulator`, a client :meth:`privatise` (client mode).
+    Built by every process of the run from the same config. It wraps the server step
+    (:meth:`sample`, :meth:`configure` of the update messages, :meth:`accumulator`, called
+    by :meth:`fedfm.algorithms.base.Algorithm.aggregate`) and, in client mode, the client's
+    handlers (:class:`ClientDP`, calling :meth:`privatise`): the algorithms never mention it.
 
     Args:
         cfg: ``privacy.user_level``.
@@ -354,6 +363,33 @@ class UserDP:
     def accumulator(self, base: Mapping[str, Tensor]) -> DPSum:
         """This round's clipped, noised sum of updates ``θ_k − base``."""
         return DPSum(self, base)
+
+    def configure(self, messages: Mapping[str, Message]) -> dict[str, Message]:
+        """The update messages with :meth:`down_meta` added (as Flower's ``configure_fit``).
+
+        A message sent to several clients stays one message (it is encoded once).
+        """
+        extra = self.down_meta()
+        if not extra:
+            return dict(messages)
+        made: dict[int, Message] = {}
+        for m in messages.values():
+            if id(m) not in made:
+                made[id(m)] = Message(m.kind, m.arrays, {**m.meta, **extra})
+        return {c: made[id(m)] for c, m in messages.items()}
+
+    def refuse_robust(self, aggregator: AggregatorConfig) -> None:
+        """Refuses a robust rule: DP-FedAvg aggregates by its own clipped, noised sum.
+
+        Raises:
+            ConfigError: ``algo.aggregator`` is not the mean.
+        """
+        if not aggregator.plain:
+            raise ConfigError(
+                "algo.aggregator",
+                "privacy.user_level aggregates by its own clipped, noised sum: leave the"
+                " aggregator at the mean",
+            )
 
     def end_round(self, total: Arrays, bits: float, count: int) -> Arrays:
         """Noise (server mode), the fixed denominator, the next bound; the round's metrics."""
@@ -540,7 +576,7 @@ class DPSum:
         self.bits += bits
         self.count += count
 
-    def add_reply(self, reply: Message, field: str) -> None:
+    def fold(self, reply: Message, field: str) -> None:
         """Adds a reply's tensors of ``field`` and, in client mode, its count share."""
         self.add(reply.arrays[field])
         if self.dp.client_side and BIT in reply.meta:
@@ -553,10 +589,62 @@ class DPSum:
             return delta
         return {k: delta[k].to(compute_dtype(k, b)) for k, b in self.base.items()}
 
+    def close(self) -> Arrays | None:
+        """:meth:`result`, or None for a round skipped (a :class:`RoundSum`)."""
+        delta = self.result()
+        return None if isinstance(delta, Skipped) else delta
 
-def fold_reply(acc: Aggregator, reply: Message, field: str) -> None:
-    """Adds a reply's ``field`` to an accumulator: uniform under DP-FedAvg, else by size."""
-    if isinstance(acc, DPSum):
-        acc.add_reply(reply, field)
-    else:
-        acc.add(reply.arrays[field], meta_number(reply, "num_examples"))
+
+# ----------------------------------------------------------------------------- the wrappers
+
+
+class ClientDP:
+    """Client-side DP-FedAvg around an algorithm's handlers (as Flower's clipping mod).
+
+    The algorithm's handler trains and replies as without DP; the reply of each update kind
+    then leaves with only its update clipped and noised and the noisy count share.
+
+    The update kinds are those this run declares private (:meth:`MessageKind.as_private`).
+    A kind whose update field the server also sent (parameters) is privatised as ``trained
+    − sent`` and sent back as parameters (:meth:`UserDP.privatise_params`); another (a
+    difference the client computed, SCAFFOLD's ``Δy``) as it is (:meth:`UserDP.privatise`).
+
+    Args:
+        dp: The run's DP-FedAvg as the client builds it (its noise share).
+    """
+
+    def __init__(self, dp: UserDP) -> None:
+        self.dp = dp
+
+    def handlers(
+        self, inner: Mapping[str, Handler], kinds: Mapping[str, MessageKind]
+    ) -> dict[str, Handler]:
+        """``inner`` with each private kind's handler wrapped."""
+        out = dict(inner)
+        for name, kind in kinds.items():
+            if kind.private and name in inner:
+                out[name] = self._wrap(inner[name], kind)
+        return out
+
+    def _wrap(self, inner: Handler, kind: MessageKind) -> Handler:
+        def handle(ctx: ClientContext, msg: Message) -> Message:
+            return self.reply(ctx, msg, inner(ctx, msg), kind)
+
+        return handle
+
+    def reply(self, ctx: ClientContext, msg: Message, reply: Message, kind: MessageKind) -> Message:
+        """What leaves the client of ``reply``: its update privatised, its public fields."""
+        # Under SecAgg+ the kind's one up field is the masked vector; the update is its field.
+        fields = (kind.secure_field,) if kind.secure_field else kind.up_arrays
+        arrays: dict[str, Arrays] = {}
+        meta: dict[str, Any] = {k: v for k, v in reply.meta.items() if k in kind.public_fields}
+        for name in fields:
+            sent = msg.arrays.get(name)
+            if sent is not None:
+                arrays[name], noise_meta = self.dp.privatise_params(
+                    ctx, sent, reply.arrays[name], msg
+                )
+            else:
+                arrays[name], noise_meta = self.dp.privatise(ctx, reply.arrays[name], msg)
+            meta.update(noise_meta)
+        return Message(reply.kind, arrays, meta)

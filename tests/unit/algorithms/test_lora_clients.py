@@ -10,6 +10,7 @@ import torch
 
 import fedfm.algorithms.fedavg as fedavg_mod
 from fedfm.config import load_config
+from fedfm.core.aggregate import ReplySum
 from fedfm.core.lora_ranks import A_SUFFIX, B_SUFFIX
 from fedfm.errors import ConfigError
 from fedfm.runtime import run
@@ -46,7 +47,7 @@ def test_mixed_ranks_send_each_clients_own_bytes(tmp_path, mode):
 
 def test_ffa_lora_sends_b_only_and_averages_the_bs_exactly(tmp_path, monkeypatch):
     sent: list[tuple[dict, int]] = []
-    fold = fedavg_mod.fold_reply
+    fold = ReplySum.fold
 
     def spy(acc, reply, field):
         sent.append(
@@ -57,7 +58,7 @@ def test_ffa_lora_sends_b_only_and_averages_the_bs_exactly(tmp_path, monkeypatch
         )
         fold(acc, reply, field)
 
-    monkeypatch.setattr(fedavg_mod, "fold_reply", spy)
+    monkeypatch.setattr(ReplySum, "fold", spy)
     cfg = _cfg(tmp_path, "ffa", freeze_a=True)
     cfg["train"] = {**cfg["train"], "lr": 0.05}
     setup = fedfm_build(cfg)

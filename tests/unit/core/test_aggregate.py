@@ -12,7 +12,9 @@ from fedfm.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedfm.config import load_config
 from fedfm.core.aggregate import (
     Buffered,
+    ReplySum,
     RunningMean,
+    aggregate_round,
     mean_delta,
     pseudo_gradient,
     weighted_mean,
@@ -20,6 +22,7 @@ from fedfm.core.aggregate import (
 from fedfm.core.fake import FakeFederation
 from fedfm.core.messages import Message
 from fedfm.core.optim import ScaffoldSums, scaffold_server_update
+from fedfm.errors import TooFewClientsError
 from helpers import toy
 
 
@@ -130,3 +133,33 @@ def test_fedavg_holds_one_reply_at_a_time() -> None:
     assert all(torch.allclose(algo.params[k], v + 1.0) for k, v in before.items())
     # While a reply is made, at most the previous one (the tensors of one client) is alive.
     assert most[0] <= len(before)
+
+
+def _reply(w: float, n: int) -> Message:
+    return Message("train", {"params": {"w": torch.tensor([w])}}, {"num_examples": n})
+
+
+def test_the_one_aggregation_step_by_hand() -> None:
+    # Δ = (1·(3 − 1) + 3·(−1 − 1))/4 = −1; a reply of another shape is a failure, not a term.
+    base = {"w": torch.tensor([1.0])}
+    answers = {"0": _reply(3.0, 1), "1": _reply(-1.0, 3), "2": Message("train", {"params": {}})}
+    fed = FakeFederation(["0", "1", "2"], answers)
+    msg = Message("train", {"params": base})
+    seen: list[str] = []
+    got = aggregate_round(
+        fed, dict.fromkeys(answers, msg), "params", base, ReplySum(mean_delta(base)), 2,
+        like={"params": base}, each=lambda cid, r: seen.append(cid),
+    )  # fmt: skip
+    assert got.result is not None and got.result["w"].tolist() == [-1.0]
+    assert got.clients == seen == ["0", "1"] and got.metrics == {}
+    assert [f["client"] for f in fed.failures] == ["2"]
+
+
+def test_the_one_aggregation_step_requires_min_clients_and_leaves_an_empty_round() -> None:
+    base = {"w": torch.tensor([1.0])}
+    fed = FakeFederation(["0", "1"], {"0": _reply(3.0, 1)})  # "1" does not answer
+    msgs = dict.fromkeys(["0", "1"], Message("train", {"params": base}))
+    with pytest.raises(TooFewClientsError, match="round 1: only 1 of 2 clients answered"):
+        aggregate_round(fed, msgs, "params", base, ReplySum(mean_delta(base)), 2)
+    empty = aggregate_round(fed, {}, "params", base, ReplySum(mean_delta(base)), 2)
+    assert empty.result is None and empty.clients == []  # nobody asked: the model stays

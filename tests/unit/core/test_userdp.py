@@ -428,3 +428,38 @@ def test_the_servers_noise_on_the_aggregate_is_z_c(tmp_path: Path, adaptive: Any
         acc.add(zeros)
     delta = acc.result()["w"].double()
     assert float(delta.std()) == pytest.approx(dp.z_update * 0.4 / dp.expected, rel=NOISE_REL)
+
+
+def test_the_client_wrapper_sends_only_the_noised_update_and_configure_adds_the_bound(
+    tmp_path: Path,
+) -> None:
+    """ClientDP around a handler: the reply keeps no loss or size, its update is noised."""
+    from fedfm.algorithms.fedavg import TRAIN
+    from fedfm.core.federation import ClientContext
+    from fedfm.core.messages import MessageKind
+    from fedfm.core.state import ClientState
+    from fedfm.core.userdp import ClientDP
+
+    dp = _user_dp(tmp_path, 8, mode="client", min_clients=2, noise_multiplier=1.0, epsilon=None)
+    sent = {"w": torch.zeros(3)}
+    trained = {"w": torch.tensor([3.0, 0.0, 4.0])}  # ‖u‖ = 5, clipped to C = 1
+
+    def train(ctx: Any, msg: Message) -> Message:
+        return Message("train", {"params": trained}, {"num_examples": 9, "loss": 0.5})
+
+    def evaluate(ctx: Any, msg: Message) -> Message:
+        return Message("evaluate")
+
+    kinds = {"train": TRAIN.as_private(), "evaluate": MessageKind("evaluate")}
+    wrapped = ClientDP(dp).handlers({"train": train, "evaluate": evaluate}, kinds)
+    assert wrapped["evaluate"] is evaluate  # not an update kind: untouched
+    msg = Message("train", {"params": sent})
+    fed = FakeFederation(["0", "1"], {})
+    dp.sample(fed)
+    out = dp.configure({"0": msg, "1": msg})
+    assert out["0"] is out["1"] and out["0"].meta == {"clip": 1.0}  # one message, the bound
+    ctx = ClientContext("0", "default", 1, 5, None, ClientState())  # type: ignore[arg-type]
+    reply = wrapped["train"](ctx, out["0"])
+    assert set(reply.arrays) == {"params"} and reply.meta == {}
+    noise = reply.arrays["params"]["w"].double() - torch.tensor([0.6, 0.0, 0.8]).double()
+    assert 0 < float(noise.abs().max()) < 8 * dp.z * 1.0 / math.sqrt(2)  # ξ_k ~ N(0, (zC)²/M)
