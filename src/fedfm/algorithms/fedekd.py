@@ -39,7 +39,7 @@ Choices of ours (the paper does not make them; each is a config option):
       concept shift, ``task.shift``) gives weight 0 to exactly the client's relabelled rows.
     * β = 1, λ = 0.5: chosen over β ∈ {1, 2, 4, 8} × λ ∈ {0.5, 1, 2} by the rule of the
       reproduction study (best mean rank of mean-client negative transfer on the clients'
-      validation splits, never the test numbers; ``docs/fedekd.md``); λ was 1 before.
+      validation splits, never the test numbers; ``docs/fedekd_skew.md``); λ was 1 before.
     * Distillation temperature T = 1 in both directions (energies always use T = 1, as eq. (1)).
     * The forward stage is pure distillation (``forward_ce = 0``, as the paper describes it);
       ``forward_ce > 0`` adds that weight of the supervised loss on labels to the proxy's loss.

@@ -354,7 +354,7 @@ def _efficientnet_lite0(
     64 px by default rather than the native 224: 224 px has 12x the pixels (about 7x the
     time measured on 2 CPU cores), and a linear probe on Fashion-MNIST features holds its
     accuracy at 64 px (the FedRD reproduction study measures the probe per size:
-    docs/fedrd.md).
+    docs/fedrd_paper.md).
     """
     from fedfm.models.vision import FEATURE_DIM, imagenet_preprocess, load_efficientnet_lite0
 

@@ -193,16 +193,16 @@ def test_report_through_the_entry_point(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_reproduce_fedekd_quick_through_the_entry_point(tmp_path, monkeypatch, capsys):
+def test_reproduce_fedekd_skew_quick_through_the_entry_point(tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(
-        ["reproduce", "fedekd", "--quick", "--out", str(tmp_path)], monkeypatch, capsys
+        ["reproduce", "fedekd_skew", "--quick", "--out", str(tmp_path)], monkeypatch, capsys
     )
     assert code == 0, err
-    report = tmp_path / "fedekd-quick" / "fedekd-quick.md"
+    report = tmp_path / "fedekd_skew-quick" / "fedekd_skew-quick.md"
     # Rich wraps the line at the terminal width: compare without whitespace.
     assert "".join(f"report written: {report}".split()) == "".join(out.split())
     text = report.read_text()
-    assert "fedfm reproduce fedekd --quick" in text and "## Failed runs" not in text
+    assert "fedfm reproduce fedekd_skew --quick" in text and "## Failed runs" not in text
 
 
 def test_reproduce_pilot_lists_only_the_studys_premise_pilot(tmp_path, monkeypatch, capsys):

@@ -89,7 +89,7 @@ def test_every_section_a_study_asks_for_is_in_its_template_and_ships_with_the_pa
     used = {name: src for name, src in modules.items() if "TEXT = Text(" in src}
     assert set(used) == {
         *("framework", "fedekd", "fedrd", "fedhds", "fedsdr", "dpsyn", "hetero"),
-        *("fedekd_shift", "fedrd_transfer"),
+        *("fedekd_skew", "fedrd_paper"),
     }
     for name, src in used.items():
         (template,) = re.findall(r'TEXT = Text\("([\w-]+)"\)', src)
