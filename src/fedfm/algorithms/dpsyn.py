@@ -89,7 +89,6 @@ Choices of ours (the paper is silent; where a choice is a value, it is a config 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -103,6 +102,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
+from fedfm.algorithms.dpsyn_mechanisms import (
+    allot,
+    clip_votes,
+    code_counts,
+    knn_votes,
+    noisy,
+    select,
+)
 from fedfm.algorithms.lora_clients import lora_spec
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler, assign_roles
@@ -240,153 +247,6 @@ class DPSynConfig(AlgoConfig):
         return math.inf if self.epsilon_train == "inf" else float(self.epsilon_train)
 
 
-# ----------------------------------------------------------------------------- mechanisms
-
-
-def noisy(values: Tensor, sigma: float, seed: int) -> Tensor:
-    """``values`` plus ``N(0, sigma²)`` noise drawn from a generator seeded with ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    return values + sigma * torch.randn(values.shape, generator=gen, dtype=values.dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def dp_sgd_sigma(epsilon: float, delta: float, rate: float, steps: int) -> float:
-    """DP-SGD's noise multiplier for ``(epsilon, delta)`` after ``steps`` at ``rate``.
-
-    :func:`fedfm.core.dp.calibrate_noise`, computed once per process: Opacus's search takes
-    seconds at fractional sampling rates, and every client of a rate needs the same one.
-    """
-    from fedfm.core.dp import calibrate_noise  # Opacus only for runs that use DP-SGD
-
-    return calibrate_noise(epsilon, delta, rate, steps)
-
-
-def code_counts(codes: Tensor, num_codes: int) -> Tensor:
-    """``(num_codes,)`` float64 count of each code among ``codes``."""
-    return torch.bincount(codes, minlength=num_codes).to(torch.float64)
-
-
-def allot(profile: Tensor, total: int) -> list[int]:
-    """``s_j = round(total · P[j] / Σ P)`` of the clipped profile (uniform when it sums to 0)."""
-    p = profile.clamp_min(0).double()
-    if float(p.sum()) <= 0:
-        p = torch.ones_like(p)
-    return [round(total * float(x)) for x in p / p.sum()]
-
-
-def knn_votes(
-    private: np.ndarray,
-    private_codes: np.ndarray,
-    synthetic: np.ndarray,
-    synthetic_codes: np.ndarray,
-    k: int,
-) -> np.ndarray:
-    """Each private sample's votes for its ``k`` nearest synthetic samples of its own code.
-
-    Args:
-        private: ``(n, d)`` L2-normalised embeddings of the private samples.
-        private_codes: ``(n,)`` their codes.
-        synthetic: ``(S, d)`` L2-normalised embeddings of the synthetic samples.
-        synthetic_codes: ``(S,)`` their codes.
-        k: Votes per private sample, each worth ``1/√k`` (one sample's votes have L2 norm 1,
-            less when its code has fewer than ``k`` synthetic samples).
-
-    Returns:
-        ``(S,)`` float64 vote histogram.
-    """
-    votes = np.zeros(len(synthetic), dtype=np.float64)
-    for code in np.unique(private_codes):
-        cand = np.flatnonzero(synthetic_codes == code)  # synthetic samples of this code
-        if not len(cand):
-            continue
-        sims = private[private_codes == code] @ synthetic[cand].T  # (n_c, S_c) cosine
-        top = np.argsort(-sims, axis=1, kind="stable")[:, : min(k, len(cand))]
-        np.add.at(votes, cand[top].ravel(), 1.0 / math.sqrt(k))
-    return votes
-
-
-def clip_votes(total: np.ndarray, threshold: float) -> np.ndarray:
-    """The server's summed noisy votes after PrE-Text's threshold: ``max(h − H, 0)``."""
-    return np.maximum(total - threshold, 0.0)
-
-
-def quotas(
-    codes: np.ndarray, allotment: list[int], size: int, scope: Literal["code", "all"] = "code"
-) -> list[tuple[np.ndarray, int]]:
-    """The groups a selection draws from and how many samples each keeps.
-
-    Args:
-        codes: ``(S,)`` code of each synthetic sample.
-        allotment: ``s_j`` of each code.
-        size: Samples to keep in all.
-        scope: ``code``: one group per code, keeping ``round(s_j · size / Σ s)``; ``all``: the
-            whole set, keeping ``size``.
-
-    Returns:
-        ``(indices of the group's samples, samples to keep)`` per group (per code, in order).
-    """
-    if scope == "all":
-        return [(np.arange(len(codes)), size)]
-    scale = size / max(sum(allotment), 1)
-    return [(np.flatnonzero(codes == j), round(s * scale)) for j, s in enumerate(allotment)]
-
-
-def draw_by_votes(
-    votes: np.ndarray, idx: np.ndarray, want: int, rng: np.random.Generator, replace: bool = True
-) -> list[int]:
-    """``want`` of the samples ``idx``, drawn in proportion to their votes.
-
-    Uniformly when their votes sum to 0; with or without replacement. A uniform draw is this
-    function given equal votes (``np.ones``): the same code path, so a uniform control draws
-    exactly as the resampling does when nobody voted.
-    """
-    v = votes[idx]
-    if float(v.sum()) <= 0:
-        v = np.ones_like(v)
-    return idx[rng.choice(len(idx), size=want, replace=replace, p=v / v.sum())].tolist()
-
-
-def top_by_votes(votes: np.ndarray, idx: np.ndarray, keep: int) -> list[int]:
-    """The ``keep`` samples of ``idx`` with the most votes (ties to the lower index), sorted."""
-    top = np.argsort(-votes[idx], kind="stable")[:keep]
-    return sorted(idx[top].tolist())
-
-
-def select(
-    votes: np.ndarray,
-    codes: np.ndarray,
-    allotment: list[int],
-    cfg: DPSynConfig,
-    seed: int,
-) -> tuple[list[int], list[int]]:
-    """Indices of the synthetic samples kept after voting, and the codes left unvoted.
-
-    Args:
-        votes: ``(S,)`` clipped noisy votes.
-        codes: ``(S,)`` code of each synthetic sample.
-        allotment: ``s_j`` of each code.
-        cfg: ``selection``, ``keep_fraction``, ``resample_scope``, ``resample_size``.
-        seed: Seeds the draws.
-
-    Returns:
-        Kept indices (with repeats when resampling) and the codes whose votes were all 0.
-    """
-    rng = np.random.default_rng(seed)
-    size = cfg.resample_size or cfg.num_samples
-    unvoted: list[int] = []
-    kept: list[int] = []
-    for j, (idx, want) in enumerate(quotas(codes, allotment, size, cfg.resample_scope)):
-        if not len(idx):
-            continue
-        if float(votes[idx].sum()) <= 0:
-            unvoted.append(j)
-        if cfg.selection == "rank":
-            kept += top_by_votes(votes, idx, max(1, math.ceil(cfg.keep_fraction * len(idx))))
-        else:
-            kept += draw_by_votes(votes, idx, want, rng)
-    return kept, unvoted
-
-
 # ----------------------------------------------------------------------------- the algorithm
 
 
@@ -400,19 +260,28 @@ def planned_steps(cfg: DPSynConfig, run: RunConfig) -> int:
     return cfg.train_rounds * run.train.steps
 
 
-def dp_sgd_config(cfg: DPSynConfig, run: RunConfig, rate: float) -> DPSGDConfig:
-    """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
-    from fedfm.core.dp import DPSGDConfig
+def dp_sgd_settings(cfg: DPSynConfig, run: RunConfig) -> DPSGDConfig:
+    """DP-SGD settings of every strong client, its noise multiplier not yet calibrated."""
+    from fedfm.core.dp import DPSGDConfig  # Opacus only for runs that use DP-SGD
 
-    eps, delta, planned = cfg.train_epsilon, dp_delta(cfg, run), planned_steps(cfg, run)
-    sigma = dp_sgd_sigma(eps, delta, rate, planned) if math.isfinite(eps) else None
     return DPSGDConfig(
-        epsilon=eps,
-        delta=delta,
+        epsilon=cfg.train_epsilon,
+        delta=dp_delta(cfg, run),
         max_grad_norm=cfg.max_grad_norm,
-        noise_multiplier=sigma,
+        noise_multiplier=None,
         physical_batch_size=cfg.physical_batch_size,
     )
+
+
+def dp_sgd_config(cfg: DPSynConfig, run: RunConfig, rate: float) -> DPSGDConfig:
+    """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
+    from fedfm.core.dp import calibrate_noise  # Opacus only for runs that use DP-SGD
+
+    dp = dp_sgd_settings(cfg, run)
+    if not math.isfinite(dp.epsilon):
+        return dp
+    sigma = calibrate_noise(dp.epsilon, dp_delta(cfg, run), rate, planned_steps(cfg, run))
+    return dp.model_copy(update={"noise_multiplier": sigma})
 
 
 def ffa_lora(task: Task) -> bool:
@@ -565,7 +434,7 @@ class DPSyn(Algorithm):
 
     def _check_plan(self, task: Task, run: RunConfig) -> None:
         """Refuses, at config load, a plan no client can carry out (naming the field)."""
-        from fedfm.core.dp import check_delta, sample_rate  # Opacus only for runs that use it
+        from fedfm.core.dp import check_delta, plan_dp_sgd, sample_rate  # Opacus: runs using it
 
         last = self.cfg.train_rounds + 2
         if run.rounds > last:
@@ -597,16 +466,20 @@ class DPSyn(Algorithm):
                 raise ConfigError(err.field, f"client {cid}: {err.reason}") from None
         if self.planned < 1:
             return
-        rates = {
-            c: sample_rate(run.train.batch_size, len(task.client_data(c))) for c in self.strong
-        }
-        for cid, rate in sorted(rates.items(), key=lambda x: x[1]):
-            try:
-                dp = self.dp_config(rate)
-            except ConfigError as err:
-                raise ConfigError("algo.epsilon_train", err.reason) from None
-            sigma = dp.noise_multiplier if dp.noise_multiplier is not None else 0.0
-            self.plan[cid] = sigma, rate
+        sizes = {c: len(task.client_data(c)) for c in self.strong}
+        by_rate = sorted(sizes, key=lambda c: sample_rate(run.train.batch_size, sizes[c]))
+        sigmas = plan_dp_sgd(
+            dp_sgd_settings(self.cfg, run),
+            self.delta,
+            {c: sizes[c] for c in by_rate},
+            run.train.batch_size,
+            self.planned,
+            "algo",
+            delta_field=field,
+            epsilon_field="algo.epsilon_train",
+        )
+        for cid in by_rate:
+            self.plan[cid] = sigmas[cid], sample_rate(run.train.batch_size, sizes[cid])
 
     def _check_prompts(self) -> None:
         """Refuses a prompt budget that cuts a code's instruction.
@@ -623,10 +496,6 @@ class DPSyn(Algorithm):
                     f"{limit} tokens cut the prompt of code {code!r} ({instruction!r}) short of"
                     " the code; raise it",
                 )
-
-    def dp_config(self, rate: float) -> DPSGDConfig:
-        """DP-SGD settings of a client sampled at ``rate`` (see :func:`dp_sgd_config`)."""
-        return dp_sgd_config(self.cfg, self.run, rate)
 
     # ----- prompts and data -----
     def prompt(self, code: int) -> str:

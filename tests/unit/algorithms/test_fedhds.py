@@ -12,15 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedfm.algorithms.fedhds import (
-    FedHDS,
-    FedHDSClient,
+from fedfm.algorithms.fedhds import FedHDS, FedHDSClient, flatten_features, rouge_all
+from fedfm.algorithms.fedhds_selection import (
     cluster,
-    flatten_features,
     inter_client_select,
     privatise,
     release_sensitivity,
-    rouge_all,
 )
 from fedfm.config import load_config
 from fedfm.core.fake import FakeFederation
