@@ -102,6 +102,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
+from fedfm.algorithms.dpsyn_eval import SyntheticScorer
 from fedfm.algorithms.dpsyn_mechanisms import (
     allot,
     clip_votes,
@@ -121,9 +122,10 @@ from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.core.robust import AggregatorConfig, update_norms
 from fedfm.core.secret import noise_seed
 from fedfm.core.seeding import derive_seed
+from fedfm.core.stages import Stage
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
-from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
+from fedfm.eval.synthetic import SyntheticEvalConfig
 from fedfm.fm import Adapters, FullWeights
 from fedfm.models.encoders import known_encoder, text_embedder
 from fedfm.models.generation import GenerationConfig
@@ -169,7 +171,8 @@ class DPSynConfig(AlgoConfig):
 
     Attributes:
         train_rounds: Fine-tuning rounds ``R`` (0: generate with the base model). The run's
-            ``rounds`` is at most ``R + 2``; fewer stop after that stage (resume to go on).
+            ``rounds`` is at most ``R + 2`` (its stages, :meth:`DPSyn.stages`), ``R + 2`` when
+            the config does not give it; fewer stop after that stage (resume to go on).
         finetune: ``lora``: DP-SGD on a LoRA adapter (``task.lora``); ``full``: on every
             weight of the causal LM (the paper's main setting), which the messages then
             carry in full (``weights``) and the server aggregates.
@@ -394,6 +397,18 @@ class DPSyn(Algorithm):
     messages = (PROFILE, TRAIN, VOTE)
     lora_options = ("freeze_a",)
 
+    @classmethod
+    @override
+    def stages(cls, cfg: AlgoConfig) -> tuple[Stage, ...]:
+        """DP fine-tuning for ``algo.train_rounds`` rounds, then generation, then voting."""
+        assert isinstance(cfg, DPSynConfig), type(cfg)
+        return (Stage("train", cfg.train_rounds), Stage("generate", 1), Stage("vote", 1))
+
+    @classmethod
+    @override
+    def stages_origin(cls) -> str:
+        return "train: algo.train_rounds"
+
     @override
     @classmethod
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
@@ -430,19 +445,12 @@ class DPSyn(Algorithm):
         self.profile: Tensor | None = None
         self.synthetic: list[dict[str, Any]] = []
         self.final: list[dict[str, Any]] = []
-        self._test_emb: np.ndarray | None = None
+        self.scorer = SyntheticScorer(task, cfg.eval, cfg.embedder, run.seed)
 
     def _check_plan(self, task: Task, run: RunConfig) -> None:
         """Refuses, at config load, a plan no client can carry out (naming the field)."""
         from fedfm.core.dp import check_delta, plan_dp_sgd, sample_rate  # Opacus: runs using it
 
-        last = self.cfg.train_rounds + 2
-        if run.rounds > last:
-            raise ConfigError(
-                "rounds",
-                f"dpsyn has {last} rounds after round 0 (algo.train_rounds="
-                f"{self.cfg.train_rounds} + generation + voting), got {run.rounds}",
-            )
         if run.train.epochs is not None:
             raise ConfigError("train.epochs", "dpsyn accounts DP-SGD steps: set train.steps")
         roles = {
@@ -521,10 +529,10 @@ class DPSyn(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
-        r, last = fed.rnd, self.cfg.train_rounds
-        if r <= last:
+        stage = self.stage(fed.rnd)
+        if stage == "train":
             return self._train(fed)
-        if r == last + 1:
+        if stage == "generate":
             return self._generate()
         return self._vote(fed)
 
@@ -684,100 +692,29 @@ class DPSyn(Algorithm):
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         if not self.cfg.eval.enabled:
             return {}
-        r, last = fed.rnd, self.cfg.train_rounds
+        stage = self.stage(fed.rnd)
         preds: dict[str, dict[str, np.ndarray]] = {}
         out: dict[str, Any] = {}
-        if r == last + 1 and self.synthetic:
+        if stage == "generate" and self.synthetic:
             with _timed(out, "time/eval_s"):
-                out.update(self._scores(self.synthetic, "gen", preds))
+                out.update(self.scorer.scores(self.synthetic, "gen", preds))
             if self.cfg.eval.references:
                 with _timed(out, "time/eval_real_s"):
-                    out.update(self._references(preds))
+                    out.update(self.scorer.references(preds))
             if self.cfg.eval.floor:
                 assert self.profile is not None
                 with _timed(out, "time/floor_s"):
                     floor = self._sample(allot(self.profile, self.cfg.num_samples), tuned=False)
-                    scores = self._scores(floor, "floor", preds)
+                    scores = self.scorer.scores(floor, "floor", preds)
                 out.update({f"floor/{k}": v for k, v in scores.items()})
-        elif r == last + 2 and self.final:
+        elif stage == "vote" and self.final:
             with _timed(out, "time/eval_s"):
-                out.update(self._scores(self.final, "vote", preds))
+                out.update(self.scorer.scores(self.final, "vote", preds))
         else:
             return {}
         if preds:
-            out["items"] = self._items(preds)
+            out["items"] = self.scorer.items(preds)
         return out
-
-    def _items(self, preds: dict[str, dict[str, np.ndarray]]) -> list[dict[str, Any]]:
-        """One item per (set, real held-out row): its label and each classifier's prediction.
-
-        ``set`` is ``gen``, ``vote``, ``real`` or ``floor``; ``id`` the row's source id. They
-        let a study pair two sets' scores over the same test rows.
-        """
-        test = self.task.test_data()
-        ids, ys = test.ids.tolist(), test.y.tolist()
-        out = []
-        for name, by_clf in preds.items():
-            for i, (sid, y) in enumerate(zip(ids, ys, strict=True)):
-                item: dict[str, Any] = {"id": int(sid), "set": name, "y": int(y)}
-                item.update({clf: int(p[i]) for clf, p in by_clf.items()})
-                out.append(item)
-        return out
-
-    def _embed_eval(self) -> Any:
-        return text_embedder(self.cfg.eval.embedder or self.cfg.embedder, self.task.device)
-
-    def _test_embeddings(self) -> np.ndarray:
-        if self._test_emb is None:
-            self._test_emb = self._embed_eval()(self.task.texts(self.task.test_data()))
-        return self._test_emb
-
-    def _scores(
-        self,
-        rows: list[dict[str, Any]],
-        purpose: str,
-        preds: dict[str, dict[str, np.ndarray]] | None = None,
-    ) -> dict[str, float]:
-        """The scores of a set of rows; its predictions go to ``preds[purpose]``."""
-        got: dict[str, np.ndarray] = {}
-        out = synthetic_scores(
-            self.task,
-            [row["text"] for row in rows],
-            [row["label"] for row in rows],
-            self._embed_eval(),
-            self._test_embeddings(),
-            self.cfg.eval,
-            derive_seed(self.run.seed, "eval", purpose),
-            got,
-        )
-        if preds is not None and got:
-            preds[purpose] = got
-        return out
-
-    def _references(
-        self, preds: dict[str, dict[str, np.ndarray]] | None = None
-    ) -> dict[str, float]:
-        """The ceiling: the same classifiers trained on every client's real training rows."""
-        texts: list[str] = []
-        labels: list[int] = []
-        for cid in self.task.client_ids():
-            data = self.task.client_data(cid)
-            texts += self.task.texts(data)
-            labels += [int(y) for y in data.y]
-        got: dict[str, np.ndarray] = {}
-        scores = synthetic_scores(
-            self.task,
-            texts,
-            labels,
-            self._embed_eval(),
-            self._test_embeddings(),
-            self.cfg.eval,
-            derive_seed(self.run.seed, "eval", "real"),
-            got,
-        )
-        if preds is not None and got:
-            preds["real"] = got
-        return {f"real/{k}": v for k, v in scores.items()}
 
     # ----- checkpointing -----
     @override

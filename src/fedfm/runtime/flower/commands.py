@@ -97,6 +97,9 @@ def serve(
     process it started and says the round to resume from (exit 143 or 130).
     """
     cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+    from fedfm.engine import with_stages  # the algorithms: torch, once the config is read
+
+    cfg = with_stages(cfg)  # rounds from the algorithm's stages, before the config travels
     tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
     if tls is not None:
         folder = certificates is not None  # the option that named the files, for the message
@@ -214,6 +217,9 @@ def flower_app(
 ) -> None:
     """Write a Flower app + run config for `flwr run` on an existing SuperLink."""
     cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+    from fedfm.engine import with_stages  # the algorithms: torch, once the config is read
+
+    cfg = with_stages(cfg)  # rounds from the algorithm's stages, before the config travels
     # The ServerApp runs wherever the SuperLink starts it: give it an absolute run folder.
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
