@@ -54,9 +54,9 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor, nn
 
 from fedfm.algorithms.base import AlgoConfig
@@ -114,7 +114,16 @@ class FedSDConfig(BaseModel):
 class FedSDAlways(FedSDConfig):
     """``algo.fedsd`` of an algorithm that always runs FedSD (FedSDR): on, and cannot be off."""
 
-    enabled: Literal[True] = True
+    enabled: bool = True
+
+    @field_validator("enabled")
+    @classmethod
+    def _on(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError(
+                "this algorithm always rewrites (FedSD off is FedIT: algorithm=fedavg)"
+            )
+        return v
 
 
 class FedSDOption(AlgoConfig):
