@@ -23,7 +23,8 @@ statistics and the cache are :mod:`fedfm.algorithms.rewrite`.
 
 The rewrites of the round-0 teacher are the same for every run that shares the model, the
 client's data, the prompt settings and the decoding settings, so they are cached on disk
-(:class:`RewriteCache`, one file per client data set) and a study pays for them once.
+(:class:`~fedfm.algorithms.rewrite.RewriteCache`, one file per client data set) and a study
+pays for them once.
 
 Choices of ours (the paper is silent):
 
@@ -43,7 +44,8 @@ Choices of ours (the paper is silent):
   trained adapters is keyed by a hash of its tensors.
 * Length ratio: total words of the kept rewrites over total words of their references (a
   ratio of sums: a mean of per-row ratios is dominated by one-word labels restated as
-  sentences); filler-word rate: share of words in :data:`FILLER_WORDS` (hedges, intensifiers
+  sentences); filler-word rate: share of words in
+  :data:`~fedfm.algorithms.rewrite.FILLER_WORDS` (hedges, intensifiers
   and discourse markers), over the kept rewrites and over their references. Every statistic
   is also given per domain (``fedsd/<statistic>/<domain>``).
 """
