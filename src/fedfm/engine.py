@@ -41,6 +41,7 @@ from fedfm.core.codec import Wire
 from fedfm.core.federation import ClientInfo, ClientRunner, Federation, Handler, assign_roles
 from fedfm.core.messages import MessageKind
 from fedfm.core.runfolder import RunFolder, RunFolderError, RunFolderLease, read_jsonl
+from fedfm.core.stages import staged_rounds
 from fedfm.core.state import ClientStateStore
 from fedfm.data.partition import PartitionConfig
 from fedfm.errors import ConfigError, config_fields
@@ -121,6 +122,26 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     return algo_cfg, task_cfg
 
 
+def with_stages(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the run's rounds under its algorithm's stages (:mod:`fedfm.core.stages`).
+
+    A config that gives ``rounds`` keeps it (more than the stages hold is refused); one that
+    does not runs every stage. An algorithm without stages leaves ``cfg`` as it is.
+
+    Raises:
+        ConfigError: ``rounds`` beyond the stages' total, or a bad ``algo`` section.
+    """
+    algo_cls = ALGORITHMS.get(cfg.algorithm)
+    algo_cfg = validate_section(algo_cls.Config, algo_section(cfg.algorithm, cfg.algo), "algo")
+    stages = algo_cls.stages(algo_cfg)
+    if not stages:
+        return cfg
+    given = "rounds" in cfg.model_fields_set
+    origin = algo_cls.stages_origin()
+    rounds = staged_rounds(stages, cfg.rounds, given, cfg.algorithm, origin)
+    return cfg if rounds == cfg.rounds else cfg.model_copy(update={"rounds": rounds})
+
+
 # Model builders name their own arguments; in a run, those come from the task's section.
 BUILD_FIELDS = {"model": "task.model_args", "model.name": "task.model"}
 
@@ -137,6 +158,7 @@ def build(cfg: RunConfig) -> Setup:
             its config path (``task.model_args.hidden``), or more ``clients.min_clients``
             than there are clients.
     """
+    cfg = with_stages(cfg)
     algo_cfg, task_cfg = resolve(cfg)
     algo_cls = ALGORITHMS.get(cfg.algorithm)
     with config_fields(BUILD_FIELDS):
@@ -163,6 +185,7 @@ def build_clients(cfg: RunConfig) -> ClientSide:
     Raises:
         ConfigError: What the task or the client half refuses while being built.
     """
+    cfg = with_stages(cfg)
     algo_cfg, task_cfg = resolve(cfg)
     algo_cls = ALGORITHMS.get(cfg.algorithm)
     with config_fields(BUILD_FIELDS):
@@ -325,7 +348,7 @@ class Engine:
         started_at: float | None = None,
     ) -> None:
         resolve(cfg)  # config errors surface at once; build() finds the rest
-        self.cfg = cfg
+        self.cfg = with_stages(cfg)  # rounds derived from the algorithm's stages
         self.resume = resume
         self.overwrite = overwrite
         self.make_federation = federation

@@ -76,7 +76,7 @@ FEDSDR: dict[str, Any] = {
 def fedsdr_algo(cache: Path, **extra: Any) -> dict[str, Any]:
     """FedSDR's ``algo`` section for the tiny runs: short rewrites cached in ``cache``."""
     return {
-        "refinery": {"decoding": {"max_new_tokens": 8}, "cache_dir": str(cache)},
+        "fedsd": {"decoding": {"max_new_tokens": 8}, "cache_dir": str(cache)},
         "steps_s": 2,
         "steps_r": 2,
         **extra,

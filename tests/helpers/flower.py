@@ -276,7 +276,7 @@ def _dpsyn_config(out: Path) -> dict[str, Any]:
 def _fedsdr_config(out: Path) -> dict[str, Any]:
     """The FedSDR tests' own tiny setup: round-0 rewrites, then two dual-stream rounds."""
     algo = fedsdr_algo(out / "rewrites")
-    algo["refinery"]["cache"] = False  # both runs rewrite (a cache hit is counted in metrics)
+    algo["fedsd"]["cache"] = False  # both runs rewrite (a cache hit is counted in metrics)
     cfg = make_config(FEDSDR, out, name="fedsdr", algorithm="fedsdr", algo=algo)
     cfg = load_config(cfg).model_dump(mode="json")
     # One client per domain (a natural partition of three domains).

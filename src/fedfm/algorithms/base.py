@@ -31,6 +31,7 @@ from fedfm.core.optim import ServerOptConfig, ServerOptimizer
 from fedfm.core.privacy import PrivacyLedger
 from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secagg import ClientSecAgg, SecAgg, resolve, secure_kinds
+from fedfm.core.stages import Stage, stage_at
 from fedfm.core.userdp import ClientDP, UserDP
 from fedfm.errors import ConfigError, FedfmError
 from fedfm.registry import Registry
@@ -299,6 +300,25 @@ class Algorithm:
         Raises:
             ConfigError: A capability is missing, naming the config field that needs it.
         """
+
+    @classmethod
+    def stages(cls, cfg: AlgoConfig) -> tuple[Stage, ...]:
+        """The named phases of this algorithm's rounds, in order (:mod:`fedfm.core.stages`).
+
+        Empty (the default): every round is the same and ``rounds`` comes from the config.
+        With stages the engine derives ``rounds`` from them when the config does not give it
+        and refuses more.
+        """
+        return ()
+
+    @classmethod
+    def stages_origin(cls) -> str:
+        """The config fields that set the stages' round counts (named in errors)."""
+        return ""
+
+    def stage(self, rnd: int) -> str | None:
+        """The name of the stage round ``rnd`` belongs to (``None``: round 0 or no stage)."""
+        return stage_at(self.stages(self.cfg), rnd)
 
     # ----- server half -----
     def setup(self, fed: Federation) -> dict[str, float]:

@@ -103,6 +103,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
+from fedfm.algorithms.dpsyn_eval import SyntheticScorer
+from fedfm.algorithms.dpsyn_mechanisms import (
+    allot,
+    clip_votes,
+    code_counts,
+    knn_votes,
+    noisy,
+    select,
+)
 from fedfm.algorithms.lora_clients import lora_spec
 from fedfm.config import RunConfig
 from fedfm.core.aggregate import equal_weight
@@ -115,9 +124,10 @@ from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.core.robust import AggregatorConfig, update_norms
 from fedfm.core.secret import noise_seed
 from fedfm.core.seeding import derive_seed
+from fedfm.core.stages import Stage
 from fedfm.data.synthetic import HELDOUT
 from fedfm.errors import ConfigError
-from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
+from fedfm.eval.synthetic import SyntheticEvalConfig
 from fedfm.fm import Adapters, FullWeights
 from fedfm.models.encoders import known_encoder, text_embedder
 from fedfm.models.generation import GenerationConfig
@@ -163,7 +173,8 @@ class DPSynConfig(AlgoConfig):
 
     Attributes:
         train_rounds: Fine-tuning rounds ``R`` (0: generate with the base model). The run's
-            ``rounds`` is at most ``R + 2``; fewer stop after that stage (resume to go on).
+            ``rounds`` is at most ``R + 2`` (its stages, :meth:`DPSyn.stages`), ``R + 2`` when
+            the config does not give it; fewer stop after that stage (resume to go on).
         finetune: ``lora``: DP-SGD on a LoRA adapter (``task.lora``); ``full``: on every
             weight of the causal LM (the paper's main setting), which the messages then
             carry in full (``weights``) and the server aggregates.
@@ -241,153 +252,6 @@ class DPSynConfig(AlgoConfig):
         return math.inf if self.epsilon_train == "inf" else float(self.epsilon_train)
 
 
-# ----------------------------------------------------------------------------- mechanisms
-
-
-def noisy(values: Tensor, sigma: float, seed: int) -> Tensor:
-    """``values`` plus ``N(0, sigma²)`` noise drawn from a generator seeded with ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    return values + sigma * torch.randn(values.shape, generator=gen, dtype=values.dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def dp_sgd_sigma(epsilon: float, delta: float, rate: float, steps: int) -> float:
-    """DP-SGD's noise multiplier for ``(epsilon, delta)`` after ``steps`` at ``rate``.
-
-    :func:`fedfm.core.dp.calibrate_noise`, computed once per process: Opacus's search takes
-    seconds at fractional sampling rates, and every client of a rate needs the same one.
-    """
-    from fedfm.core.dp import calibrate_noise  # Opacus only for runs that use DP-SGD
-
-    return calibrate_noise(epsilon, delta, rate, steps)
-
-
-def code_counts(codes: Tensor, num_codes: int) -> Tensor:
-    """``(num_codes,)`` float64 count of each code among ``codes``."""
-    return torch.bincount(codes, minlength=num_codes).to(torch.float64)
-
-
-def allot(profile: Tensor, total: int) -> list[int]:
-    """``s_j = round(total · P[j] / Σ P)`` of the clipped profile (uniform when it sums to 0)."""
-    p = profile.clamp_min(0).double()
-    if float(p.sum()) <= 0:
-        p = torch.ones_like(p)
-    return [round(total * float(x)) for x in p / p.sum()]
-
-
-def knn_votes(
-    private: np.ndarray,
-    private_codes: np.ndarray,
-    synthetic: np.ndarray,
-    synthetic_codes: np.ndarray,
-    k: int,
-) -> np.ndarray:
-    """Each private sample's votes for its ``k`` nearest synthetic samples of its own code.
-
-    Args:
-        private: ``(n, d)`` L2-normalised embeddings of the private samples.
-        private_codes: ``(n,)`` their codes.
-        synthetic: ``(S, d)`` L2-normalised embeddings of the synthetic samples.
-        synthetic_codes: ``(S,)`` their codes.
-        k: Votes per private sample, each worth ``1/√k`` (one sample's votes have L2 norm 1,
-            less when its code has fewer than ``k`` synthetic samples).
-
-    Returns:
-        ``(S,)`` float64 vote histogram.
-    """
-    votes = np.zeros(len(synthetic), dtype=np.float64)
-    for code in np.unique(private_codes):
-        cand = np.flatnonzero(synthetic_codes == code)  # synthetic samples of this code
-        if not len(cand):
-            continue
-        sims = private[private_codes == code] @ synthetic[cand].T  # (n_c, S_c) cosine
-        top = np.argsort(-sims, axis=1, kind="stable")[:, : min(k, len(cand))]
-        np.add.at(votes, cand[top].ravel(), 1.0 / math.sqrt(k))
-    return votes
-
-
-def clip_votes(total: np.ndarray, threshold: float) -> np.ndarray:
-    """The server's summed noisy votes after PrE-Text's threshold: ``max(h − H, 0)``."""
-    return np.maximum(total - threshold, 0.0)
-
-
-def quotas(
-    codes: np.ndarray, allotment: list[int], size: int, scope: Literal["code", "all"] = "code"
-) -> list[tuple[np.ndarray, int]]:
-    """The groups a selection draws from and how many samples each keeps.
-
-    Args:
-        codes: ``(S,)`` code of each synthetic sample.
-        allotment: ``s_j`` of each code.
-        size: Samples to keep in all.
-        scope: ``code``: one group per code, keeping ``round(s_j · size / Σ s)``; ``all``: the
-            whole set, keeping ``size``.
-
-    Returns:
-        ``(indices of the group's samples, samples to keep)`` per group (per code, in order).
-    """
-    if scope == "all":
-        return [(np.arange(len(codes)), size)]
-    scale = size / max(sum(allotment), 1)
-    return [(np.flatnonzero(codes == j), round(s * scale)) for j, s in enumerate(allotment)]
-
-
-def draw_by_votes(
-    votes: np.ndarray, idx: np.ndarray, want: int, rng: np.random.Generator, replace: bool = True
-) -> list[int]:
-    """``want`` of the samples ``idx``, drawn in proportion to their votes.
-
-    Uniformly when their votes sum to 0; with or without replacement. A uniform draw is this
-    function given equal votes (``np.ones``): the same code path, so a uniform control draws
-    exactly as the resampling does when nobody voted.
-    """
-    v = votes[idx]
-    if float(v.sum()) <= 0:
-        v = np.ones_like(v)
-    return idx[rng.choice(len(idx), size=want, replace=replace, p=v / v.sum())].tolist()
-
-
-def top_by_votes(votes: np.ndarray, idx: np.ndarray, keep: int) -> list[int]:
-    """The ``keep`` samples of ``idx`` with the most votes (ties to the lower index), sorted."""
-    top = np.argsort(-votes[idx], kind="stable")[:keep]
-    return sorted(idx[top].tolist())
-
-
-def select(
-    votes: np.ndarray,
-    codes: np.ndarray,
-    allotment: list[int],
-    cfg: DPSynConfig,
-    seed: int,
-) -> tuple[list[int], list[int]]:
-    """Indices of the synthetic samples kept after voting, and the codes left unvoted.
-
-    Args:
-        votes: ``(S,)`` clipped noisy votes.
-        codes: ``(S,)`` code of each synthetic sample.
-        allotment: ``s_j`` of each code.
-        cfg: ``selection``, ``keep_fraction``, ``resample_scope``, ``resample_size``.
-        seed: Seeds the draws.
-
-    Returns:
-        Kept indices (with repeats when resampling) and the codes whose votes were all 0.
-    """
-    rng = np.random.default_rng(seed)
-    size = cfg.resample_size or cfg.num_samples
-    unvoted: list[int] = []
-    kept: list[int] = []
-    for j, (idx, want) in enumerate(quotas(codes, allotment, size, cfg.resample_scope)):
-        if not len(idx):
-            continue
-        if float(votes[idx].sum()) <= 0:
-            unvoted.append(j)
-        if cfg.selection == "rank":
-            kept += top_by_votes(votes, idx, max(1, math.ceil(cfg.keep_fraction * len(idx))))
-        else:
-            kept += draw_by_votes(votes, idx, want, rng)
-    return kept, unvoted
-
-
 # ----------------------------------------------------------------------------- the algorithm
 
 
@@ -401,19 +265,28 @@ def planned_steps(cfg: DPSynConfig, run: RunConfig) -> int:
     return cfg.train_rounds * run.train.steps
 
 
-def dp_sgd_config(cfg: DPSynConfig, run: RunConfig, rate: float) -> DPSGDConfig:
-    """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
-    from fedfm.core.dp import DPSGDConfig
+def dp_sgd_settings(cfg: DPSynConfig, run: RunConfig) -> DPSGDConfig:
+    """DP-SGD settings of every strong client, its noise multiplier not yet calibrated."""
+    from fedfm.core.dp import DPSGDConfig  # Opacus only for runs that use DP-SGD
 
-    eps, delta, planned = cfg.train_epsilon, dp_delta(cfg, run), planned_steps(cfg, run)
-    sigma = dp_sgd_sigma(eps, delta, rate, planned) if math.isfinite(eps) else None
     return DPSGDConfig(
-        epsilon=eps,
-        delta=delta,
+        epsilon=cfg.train_epsilon,
+        delta=dp_delta(cfg, run),
         max_grad_norm=cfg.max_grad_norm,
-        noise_multiplier=sigma,
+        noise_multiplier=None,
         physical_batch_size=cfg.physical_batch_size,
     )
+
+
+def dp_sgd_config(cfg: DPSynConfig, run: RunConfig, rate: float) -> DPSGDConfig:
+    """DP-SGD settings of a client sampled at ``rate``, its noise multiplier calibrated."""
+    from fedfm.core.dp import calibrate_noise  # Opacus only for runs that use DP-SGD
+
+    dp = dp_sgd_settings(cfg, run)
+    if not math.isfinite(dp.epsilon):
+        return dp
+    sigma = calibrate_noise(dp.epsilon, dp_delta(cfg, run), rate, planned_steps(cfg, run))
+    return dp.model_copy(update={"noise_multiplier": sigma})
 
 
 def ffa_lora(task: Task) -> bool:
@@ -526,6 +399,18 @@ class DPSyn(Algorithm):
     messages = (PROFILE, TRAIN, VOTE)
     lora_options = ("freeze_a",)
 
+    @classmethod
+    @override
+    def stages(cls, cfg: AlgoConfig) -> tuple[Stage, ...]:
+        """DP fine-tuning for ``algo.train_rounds`` rounds, then generation, then voting."""
+        assert isinstance(cfg, DPSynConfig), type(cfg)
+        return (Stage("train", cfg.train_rounds), Stage("generate", 1), Stage("vote", 1))
+
+    @classmethod
+    @override
+    def stages_origin(cls) -> str:
+        return "train: algo.train_rounds"
+
     @override
     @classmethod
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
@@ -562,19 +447,12 @@ class DPSyn(Algorithm):
         self.profile: Tensor | None = None
         self.synthetic: list[dict[str, Any]] = []
         self.final: list[dict[str, Any]] = []
-        self._test_emb: np.ndarray | None = None
+        self.scorer = SyntheticScorer(task, cfg.eval, cfg.embedder, run.seed)
 
     def _check_plan(self, task: Task, run: RunConfig) -> None:
         """Refuses, at config load, a plan no client can carry out (naming the field)."""
-        from fedfm.core.dp import check_delta, sample_rate  # Opacus only for runs that use it
+        from fedfm.core.dp import check_delta, plan_dp_sgd, sample_rate  # Opacus: runs using it
 
-        last = self.cfg.train_rounds + 2
-        if run.rounds > last:
-            raise ConfigError(
-                "rounds",
-                f"dpsyn has {last} rounds after round 0 (algo.train_rounds="
-                f"{self.cfg.train_rounds} + generation + voting), got {run.rounds}",
-            )
         if run.train.epochs is not None:
             raise ConfigError("train.epochs", "dpsyn accounts DP-SGD steps: set train.steps")
         roles = {
@@ -598,16 +476,20 @@ class DPSyn(Algorithm):
                 raise ConfigError(err.field, f"client {cid}: {err.reason}") from None
         if self.planned < 1:
             return
-        rates = {
-            c: sample_rate(run.train.batch_size, len(task.client_data(c))) for c in self.strong
-        }
-        for cid, rate in sorted(rates.items(), key=lambda x: x[1]):
-            try:
-                dp = self.dp_config(rate)
-            except ConfigError as err:
-                raise ConfigError("algo.epsilon_train", err.reason) from None
-            sigma = dp.noise_multiplier if dp.noise_multiplier is not None else 0.0
-            self.plan[cid] = sigma, rate
+        sizes = {c: len(task.client_data(c)) for c in self.strong}
+        by_rate = sorted(sizes, key=lambda c: sample_rate(run.train.batch_size, sizes[c]))
+        sigmas = plan_dp_sgd(
+            dp_sgd_settings(self.cfg, run),
+            self.delta,
+            {c: sizes[c] for c in by_rate},
+            run.train.batch_size,
+            self.planned,
+            "algo",
+            delta_field=field,
+            epsilon_field="algo.epsilon_train",
+        )
+        for cid in by_rate:
+            self.plan[cid] = sigmas[cid], sample_rate(run.train.batch_size, sizes[cid])
 
     def _check_prompts(self) -> None:
         """Refuses a prompt budget that cuts a code's instruction.
@@ -624,10 +506,6 @@ class DPSyn(Algorithm):
                     f"{limit} tokens cut the prompt of code {code!r} ({instruction!r}) short of"
                     " the code; raise it",
                 )
-
-    def dp_config(self, rate: float) -> DPSGDConfig:
-        """DP-SGD settings of a client sampled at ``rate`` (see :func:`dp_sgd_config`)."""
-        return dp_sgd_config(self.cfg, self.run, rate)
 
     # ----- prompts and data -----
     def prompt(self, code: int) -> str:
@@ -653,10 +531,10 @@ class DPSyn(Algorithm):
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:
-        r, last = fed.rnd, self.cfg.train_rounds
-        if r <= last:
+        stage = self.stage(fed.rnd)
+        if stage == "train":
             return self._train(fed)
-        if r == last + 1:
+        if stage == "generate":
             return self._generate()
         return self._vote(fed)
 
@@ -816,100 +694,29 @@ class DPSyn(Algorithm):
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         if not self.cfg.eval.enabled:
             return {}
-        r, last = fed.rnd, self.cfg.train_rounds
+        stage = self.stage(fed.rnd)
         preds: dict[str, dict[str, np.ndarray]] = {}
         out: dict[str, Any] = {}
-        if r == last + 1 and self.synthetic:
+        if stage == "generate" and self.synthetic:
             with _timed(out, "time/eval_s"):
-                out.update(self._scores(self.synthetic, "gen", preds))
+                out.update(self.scorer.scores(self.synthetic, "gen", preds))
             if self.cfg.eval.references:
                 with _timed(out, "time/eval_real_s"):
-                    out.update(self._references(preds))
+                    out.update(self.scorer.references(preds))
             if self.cfg.eval.floor:
                 assert self.profile is not None
                 with _timed(out, "time/floor_s"):
                     floor = self._sample(allot(self.profile, self.cfg.num_samples), tuned=False)
-                    scores = self._scores(floor, "floor", preds)
+                    scores = self.scorer.scores(floor, "floor", preds)
                 out.update({f"floor/{k}": v for k, v in scores.items()})
-        elif r == last + 2 and self.final:
+        elif stage == "vote" and self.final:
             with _timed(out, "time/eval_s"):
-                out.update(self._scores(self.final, "vote", preds))
+                out.update(self.scorer.scores(self.final, "vote", preds))
         else:
             return {}
         if preds:
-            out["items"] = self._items(preds)
+            out["items"] = self.scorer.items(preds)
         return out
-
-    def _items(self, preds: dict[str, dict[str, np.ndarray]]) -> list[dict[str, Any]]:
-        """One item per (set, real held-out row): its label and each classifier's prediction.
-
-        ``set`` is ``gen``, ``vote``, ``real`` or ``floor``; ``id`` the row's source id. They
-        let a study pair two sets' scores over the same test rows.
-        """
-        test = self.task.test_data()
-        ids, ys = test.ids.tolist(), test.y.tolist()
-        out = []
-        for name, by_clf in preds.items():
-            for i, (sid, y) in enumerate(zip(ids, ys, strict=True)):
-                item: dict[str, Any] = {"id": int(sid), "set": name, "y": int(y)}
-                item.update({clf: int(p[i]) for clf, p in by_clf.items()})
-                out.append(item)
-        return out
-
-    def _embed_eval(self) -> Any:
-        return text_embedder(self.cfg.eval.embedder or self.cfg.embedder, self.task.device)
-
-    def _test_embeddings(self) -> np.ndarray:
-        if self._test_emb is None:
-            self._test_emb = self._embed_eval()(self.task.texts(self.task.test_data()))
-        return self._test_emb
-
-    def _scores(
-        self,
-        rows: list[dict[str, Any]],
-        purpose: str,
-        preds: dict[str, dict[str, np.ndarray]] | None = None,
-    ) -> dict[str, float]:
-        """The scores of a set of rows; its predictions go to ``preds[purpose]``."""
-        got: dict[str, np.ndarray] = {}
-        out = synthetic_scores(
-            self.task,
-            [row["text"] for row in rows],
-            [row["label"] for row in rows],
-            self._embed_eval(),
-            self._test_embeddings(),
-            self.cfg.eval,
-            derive_seed(self.run.seed, "eval", purpose),
-            got,
-        )
-        if preds is not None and got:
-            preds[purpose] = got
-        return out
-
-    def _references(
-        self, preds: dict[str, dict[str, np.ndarray]] | None = None
-    ) -> dict[str, float]:
-        """The ceiling: the same classifiers trained on every client's real training rows."""
-        texts: list[str] = []
-        labels: list[int] = []
-        for cid in self.task.client_ids():
-            data = self.task.client_data(cid)
-            texts += self.task.texts(data)
-            labels += [int(y) for y in data.y]
-        got: dict[str, np.ndarray] = {}
-        scores = synthetic_scores(
-            self.task,
-            texts,
-            labels,
-            self._embed_eval(),
-            self._test_embeddings(),
-            self.cfg.eval,
-            derive_seed(self.run.seed, "eval", "real"),
-            got,
-        )
-        if preds is not None and got:
-            preds["real"] = got
-        return {f"real/{k}": v for k, v in scores.items()}
 
     # ----- checkpointing -----
     @override

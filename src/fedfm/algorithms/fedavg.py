@@ -22,7 +22,7 @@ FedAvg's two halves are functions (:func:`fit`, :func:`evaluate_locally`, :func:
 FedRD's client half is :class:`FedAvgClient`.
 ``algo.aggregator`` replaces the weighted mean by a robust rule (clipping, median, trimmed
 mean, Krum; :mod:`fedfm.core.robust`) before the server optimizer; default: the mean.
-``algo.fedsd.enabled`` adds the FedSD phase (:class:`fedfm.algorithms.fedsd.FedSDPhase`) to
+``algo.fedsd.enabled`` adds FedSD (:class:`fedfm.algorithms.fedsd.FedSD`) to
 FedAvg, every server optimizer, FedProx and SCAFFOLD: a round-0 exchange in which each client
 rewrites its answers with the global model, then local training on the rewrites instead of the
 raw answers. Each algorithm's client half is its own class (``FedAvgClient``, ...), built from
@@ -53,7 +53,7 @@ from fedfm.algorithms.base import (
     ClientHalf,
     shared_model,
 )
-from fedfm.algorithms.fedsd import FedSDOption, FedSDPhase
+from fedfm.algorithms.fedsd import FedSD, FedSDOption
 from fedfm.algorithms.lora_clients import LoraClients
 from fedfm.config import RunConfig, TrainConfig
 from fedfm.core.aggregate import update_norm
@@ -305,14 +305,14 @@ class FedAvgClient(ClientHalf):
     """FedAvg's client half: local training and personal evaluation of the received model.
 
     With ``algo.fedsd`` on, the FedSD phase adds its ``refine`` handler and local training
-    reads the client's distilled set (:class:`~fedfm.algorithms.fedsd.FedSDPhase`). FedRD's
+    reads the client's distilled set (:class:`~fedfm.algorithms.fedsd.FedSD`). FedRD's
     clients are FedAvg's clients of the student.
     """
 
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.model = shared_model(task, run.seed)  # loaded from every message before use
-        self.fedsd = FedSDPhase(cfg)
+        self.fedsd = FedSD(cfg)
         self.lora = LoraClients.of(task, task.get_params(self.model))
 
     def train_cfg(self) -> TrainConfig:
@@ -342,7 +342,7 @@ class FedAvg(Algorithm):
 
     Config = FedAvgFamilyConfig
     Client = FedAvgClient
-    messages = (TRAIN, EVALUATE, *FedSDPhase.kinds)
+    messages = (TRAIN, EVALUATE, *FedSD.kinds)
     update_kinds = ("train",)
     secure_fields: ClassVar[dict[str, str]] = {"train": "params"}
     lora_options = ("client_ranks", "freeze_a")
@@ -365,7 +365,7 @@ class FedAvg(Algorithm):
             self.params = self.lora.sent(self.params)
         # θ_0, for update_norm: rebuilt from the seed, so a resumed run has it too.
         self.origin = {k: v.clone() for k, v in self.params.items()}
-        self.fedsd = FedSDPhase(cfg)
+        self.fedsd = FedSD(cfg)
         if self.secagg is not None:
             refuse_non_sum(cfg.aggregator, cfg.update_cosines)
             if self.lora is not None and self.lora.mode is not None:
@@ -378,7 +378,7 @@ class FedAvg(Algorithm):
     @classmethod
     @override
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        FedSDPhase.check_task(cfg, task_cls, task_cfg)
+        FedSD.check_task(cfg, task_cls, task_cfg)
 
     def model(self) -> nn.Module:
         """The model instance this process's server and client halves share (scratch)."""
@@ -480,7 +480,7 @@ class ScaffoldClient(ClientHalf):
     def __init__(self, cfg: AlgoConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.model = shared_model(task, run.seed)  # loaded from every message before use
-        self.fedsd = FedSDPhase(cfg)
+        self.fedsd = FedSD(cfg)
 
     @override
     def handlers(self) -> dict[str, Handler]:
@@ -567,7 +567,7 @@ class Scaffold(Algorithm):
 
     Config = ScaffoldConfig
     Client = ScaffoldClient
-    messages = (SCAFFOLD_TRAIN, EVALUATE, *FedSDPhase.kinds)
+    messages = (SCAFFOLD_TRAIN, EVALUATE, *FedSD.kinds)
     update_kinds = ("train",)
 
     def __init__(self, cfg: ScaffoldConfig, task: Task, run: RunConfig) -> None:
@@ -589,12 +589,12 @@ class Scaffold(Algorithm):
         self.params: dict[str, Tensor] = task.get_params(self._model)
         self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0, for update_norm
         self.control = {k: v.new_zeros(v.shape) for k, v in self.params.items()}
-        self.fedsd = FedSDPhase(cfg)
+        self.fedsd = FedSD(cfg)
 
     @classmethod
     @override
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        FedSDPhase.check_task(cfg, task_cls, task_cfg)
+        FedSD.check_task(cfg, task_cls, task_cfg)
 
     def model(self) -> nn.Module:
         """The model instance this process's server and client halves share (scratch)."""

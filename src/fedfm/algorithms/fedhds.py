@@ -31,7 +31,8 @@ privacy ledger. Only the coordinates are protected: the row count, the number of
 the timings and the trained adapter leave the client as they are, so this option is no
 guarantee against the server (the audit ledger and ``report.html`` show each such field).
 
-Baselines in this file (``algo.selection``, the :data:`SELECTIONS` registry):
+Baselines (``algo.selection``, the :data:`~fedfm.algorithms.fedhds_selection.SELECTIONS` registry;
+their maths and the coreset rules are :mod:`fedfm.algorithms.fedhds_selection`):
 
 * ``hierarchical``: FedHDS itself (the default).
 * ``single-level``: the intra-client step only; every client cluster is selected, so clients
@@ -110,9 +111,8 @@ Choices of ours (the paper does not make them; each is a config option or stated
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -124,6 +124,17 @@ from torch import Tensor
 from typing_extensions import override
 
 from fedfm.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientHalf
+from fedfm.algorithms.fedhds_selection import (
+    CORESETS,
+    SELECTIONS,
+    ClusterSettings,
+    CoresetRequest,
+    Received,
+    cluster,
+    embed_2d,
+    privatise,
+    release_sensitivity,
+)
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
@@ -138,7 +149,6 @@ from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
 from fedfm.models.encoders import Encoder, load_encoder
-from fedfm.registry import Registry
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, Task, TaskConfig, require
 from fedfm.tasks.lm import InstructionData
 
@@ -218,27 +228,7 @@ class FedHDSConfig(AlgoConfig):
         return v
 
 
-# ----------------------------------------------------------------------------- the maths
-
-
-@dataclass
-class Clusters:
-    """HDBSCAN's clusters of 2-D points and the member nearest each centre.
-
-    Attributes:
-        labels: ``(n,)`` cluster of each point, ``-1`` for noise.
-        centres: ``(k, 2)`` the weighted centroid of each cluster ``0..k-1``.
-        nearest: ``(k,)`` index of the member point nearest each centre.
-    """
-
-    labels: np.ndarray
-    centres: np.ndarray
-    nearest: np.ndarray
-
-    @property
-    def k(self) -> int:
-        """Number of clusters."""
-        return len(self.centres)
+# ----------------------------------------------------------------------------- features
 
 
 def flatten_features(feats: Tensor) -> np.ndarray:
@@ -246,96 +236,17 @@ def flatten_features(feats: Tensor) -> np.ndarray:
     return feats.reshape(feats.shape[0], -1).double().numpy()
 
 
-def embed_2d(x: np.ndarray, seed: int, perplexity: float = 30.0) -> np.ndarray:
-    """t-SNE of ``(n, d)`` rows to ``(n, 2)``, perplexity ``min(perplexity, n − 1)``, seeded.
-
-    Raises:
-        ValueError: Fewer than two rows (t-SNE needs a neighbour).
-    """
-    from sklearn.manifold import TSNE
-
-    if len(x) < 2:
-        raise ValueError(f"t-SNE needs at least 2 samples, got {len(x)}")
-    tsne = TSNE(n_components=2, perplexity=min(perplexity, len(x) - 1), random_state=seed % 2**32)
-    return np.asarray(tsne.fit_transform(x), dtype=np.float64)
-
-
-def cluster(points: np.ndarray, min_cluster_size: int, min_samples: int | None = None) -> Clusters:
-    """HDBSCAN over ``(n, 2)`` points as the ``hdbscan`` package clusters them.
-
-    Args:
-        points: ``(n, 2)`` points; fewer than two form no cluster.
-        min_cluster_size: HDBSCAN's minimum cluster size.
-        min_samples: Neighbours that make a point's core distance, the point itself not
-            counted (the ``hdbscan`` package's count); None: ``min_cluster_size``, the
-            package's default. Capped at ``n − 1`` as the package caps it.
-    """
-    from sklearn.cluster import HDBSCAN
-
-    n = len(points)
-    if n < 2:
-        return Clusters(np.full(n, -1), np.zeros((0, 2)), np.zeros(0, dtype=int))
-    neighbours = max(1, min(n - 1, min_cluster_size if min_samples is None else min_samples))
-    hdb = HDBSCAN(
-        min_cluster_size=min_cluster_size,
-        min_samples=neighbours + 1,  # sklearn counts the point itself among its neighbours
-        store_centers="centroid",
-        copy=True,
-    )
-    labels = hdb.fit_predict(points)
-    centres = np.asarray(getattr(hdb, "centroids_", np.zeros((0, 2))), dtype=np.float64)
-    nearest = np.zeros(len(centres), dtype=int)
-    for g, centre in enumerate(centres):
-        members = np.flatnonzero(labels == g)
-        nearest[g] = members[np.argmin(np.linalg.norm(points[members] - centre, axis=1))]
-    return Clusters(labels, centres.reshape(-1, 2), nearest)
-
-
-def inter_client_select(
-    centroids: np.ndarray, min_cluster_size: int = 2, min_samples: int | None = None
-) -> tuple[list[int], np.ndarray]:
-    """The server's step: the received centroid nearest each global cluster's centre.
-
-    Args:
-        centroids: ``(m, 2)`` every client centroid of the round.
-        min_cluster_size: HDBSCAN's minimum global cluster size (paper: 2).
-        min_samples: HDBSCAN's neighbours as :func:`cluster` counts them.
-
-    Returns:
-        Indices into ``centroids`` of the selected ones (one per global cluster, noise never)
-        and the global cluster of every centroid (``-1``: noise).
-    """
-    found = cluster(centroids, min_cluster_size, min_samples)
-    return [int(i) for i in found.nearest], found.labels
-
-
-def privatise(
-    points: np.ndarray, sigma: float, rng: np.random.Generator, scale: float = 1.0
-) -> np.ndarray:
-    """``tanh(points / scale) + N(0, sigma²)`` per coordinate (``sigma = 0``: tanh only)."""
-    squashed = np.tanh(points / scale)
-    return squashed + sigma * rng.standard_normal(points.shape) if sigma > 0 else squashed
-
-
-def release_sensitivity(k: int) -> float:
-    """L2 sensitivity of releasing ``k`` 2-D points after ``tanh``.
-
-    Each coordinate lies in ``[-1, 1]``, so the release lies in ``[-1, 1]^{2k}``, whose
-    diameter is ``2·sqrt(2k)``.
-    """
-    return 2.0 * math.sqrt(2.0 * k)
-
-
-# ----------------------------------------------------------------------------- what a round plans
+# ----------------------------------------------------------------------------- the exchange
 
 
 @dataclass
 class Plan:
-    """What the selection step of a round decided.
+    """What the server decided for a round's training, and what it cost.
 
     Attributes:
-        train: Client id -> ``(plan, pick)`` of its ``train`` message (see :data:`CORESETS`);
-            clients not named are not asked to train.
+        train: Client id -> ``(coreset rule, picks)`` of its ``train`` message (see
+            :data:`~fedfm.algorithms.fedhds_selection.CORESETS`); clients not named are not
+            asked to train.
         pool: Client id -> its usable rows, for clients that said.
         feature_s: Client feature-extraction seconds, summed.
         cluster_s: Client t-SNE + HDBSCAN seconds, summed.
@@ -351,10 +262,6 @@ class Plan:
     select_s: float = 0.0
     log: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-Selection = Callable[["FedHDS", Federation, list[str]], Plan]
-SELECTIONS: Registry[Selection] = Registry("selection", "algo.selection")
 
 
 def _ids(reply: Message) -> list[int]:
@@ -376,202 +283,6 @@ def _coords(reply: Message, name: str, k: int | None) -> np.ndarray:
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"'{name}' is not finite")
     return t.double().numpy()
-
-
-def _ask(
-    algo: FedHDS, fed: Federation, cids: list[str], send: str, plan: Plan
-) -> dict[str, Message]:
-    """Sends ``select`` to the clients and returns the replies worth clustering.
-
-    Small clients are planned to train on everything; bad replies are dropped with one
-    warning each.
-    """
-    msg = algo.select_message(send)
-    good: dict[str, Message] = {}
-    for cid, r in fed.send({c: msg for c in cids}).items():
-        plan.pool[cid] = int(meta_number(r, "num_examples"))
-        plan.feature_s += meta_number(r, "feature_s")
-        plan.cluster_s += meta_number(r, "cluster_s")
-        if r.meta.get("use_all"):
-            plan.train[cid] = ("all", [])
-            plan.log.append({"client": cid, "n": plan.pool[cid], "use_all": True})
-            continue
-        try:
-            _coords(r, "centroids", len(_ids(r)))
-            _coords(r, "points", plan.pool[cid] if "points" in r.arrays else None)
-        except ValueError as e:
-            log.warning("round %d: client %s: select reply dropped: %s", fed.rnd, cid, e)
-            continue
-        good[cid] = r
-    return good
-
-
-@SELECTIONS.register("hierarchical", "FedHDS: intra-client clusters, then inter-client")
-def hierarchical(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
-    """Centroids up, HDBSCAN over them on the server, selected cluster ids down."""
-    plan = Plan()
-    replies = _ask(algo, fed, cids, "centroids", plan)
-    owners: list[tuple[str, int]] = []
-    rows: list[np.ndarray] = []
-    for cid, r in replies.items():
-        ids = _ids(r)
-        owners += [(cid, i) for i in ids]
-        rows.append(_coords(r, "centroids", len(ids)))
-        algo.register_release(cid, len(ids))
-    t0 = time.perf_counter()
-    points = np.concatenate(rows) if rows else np.zeros((0, 2))
-    chosen, labels = inter_client_select(
-        points, algo.cfg.server_min_cluster_size, algo.cfg.server_min_samples
-    )
-    plan.select_s = time.perf_counter() - t0
-    picked: dict[str, list[int]] = {cid: [] for cid in replies}
-    for i in chosen:
-        cid, cluster_id = owners[i]
-        picked[cid].append(cluster_id)
-    for cid, r in replies.items():
-        if picked[cid]:
-            plan.train[cid] = ("clusters", sorted(picked[cid]))
-        plan.log.append(
-            {
-                "client": cid,
-                "n": plan.pool[cid],
-                "clusters": _ids(r),
-                "selected": sorted(picked[cid]),
-            }
-        )
-    plan.log.append(
-        {
-            "client": None,
-            "centroids": len(points),
-            "global_clusters": len(chosen),
-            "noise_centroids": int((labels == -1).sum()),
-        }
-    )
-    plan.metrics = {"centroids": float(len(points)), "global_clusters": float(len(chosen))}
-    return plan
-
-
-@SELECTIONS.register("single-level", "FedHDS without the inter-client step")
-def single_level(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
-    """Cluster ids up (no centroids), every client cluster selected."""
-    plan = Plan()
-    for cid, r in _ask(algo, fed, cids, "ids", plan).items():
-        ids = _ids(r)
-        if ids:
-            plan.train[cid] = ("clusters", ids)
-        plan.log.append({"client": cid, "n": plan.pool[cid], "clusters": ids, "selected": ids})
-    plan.metrics = {"centroids": float(sum(len(v[1]) for v in plan.train.values()))}
-    return plan
-
-
-def _select_points(
-    points: np.ndarray, owners: list[tuple[str, int]], cfg: FedHDSConfig
-) -> tuple[dict[str, list[int]], int]:
-    """One HDBSCAN over pooled points: each client's positions nearest a global centre."""
-    found = cluster(points, cfg.min_cluster_size, cfg.min_samples)
-    picked: dict[str, list[int]] = {}
-    for i in found.nearest:
-        cid, pos = owners[int(i)]
-        picked.setdefault(cid, []).append(pos)
-    return {c: sorted(p) for c, p in picked.items()}, found.k
-
-
-@SELECTIONS.register("global", "GlobalSelect: every 2-D point clustered on the server")
-def global_select(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
-    """All 2-D points up, one HDBSCAN over them on the server, positions down."""
-    plan = Plan()
-    owners: list[tuple[str, int]] = []
-    rows: list[np.ndarray] = []
-    for cid, r in _ask(algo, fed, cids, "points", plan).items():
-        xy = _coords(r, "points", plan.pool[cid])
-        owners += [(cid, i) for i in range(len(xy))]
-        rows.append(xy)
-        algo.register_release(cid, len(xy))
-    t0 = time.perf_counter()
-    points = np.concatenate(rows) if rows else np.zeros((0, 2))
-    picked, k = _select_points(points, owners, algo.cfg)
-    plan.select_s = time.perf_counter() - t0
-    for cid, positions in picked.items():
-        plan.train[cid] = ("positions", positions)
-    for cid in plan.pool:
-        if plan.train.get(cid, ("", []))[0] != "all":
-            plan.log.append({"client": cid, "n": plan.pool[cid], "selected": picked.get(cid, [])})
-    plan.log.append({"client": None, "points": len(points), "global_clusters": k})
-    plan.metrics = {"points": float(len(points)), "global_clusters": float(k)}
-    return plan
-
-
-@SELECTIONS.register("random", "random rows, random_budget of each client's data")
-def random_rows(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
-    """No selection exchange: every sampled client draws its own random rows."""
-    return Plan(train={cid: ("random", []) for cid in cids})
-
-
-@SELECTIONS.register("all", "FedIT: every sampled client trains on all its rows")
-def all_rows(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
-    """No selection exchange: every sampled client trains on everything (FedIT)."""
-    return Plan(train={cid: ("all", []) for cid in cids})
-
-
-@SELECTIONS.register("centralised", "Coreset-Cent: NOT PRIVATE, the server reads client data")
-def centralised(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
-    """The server pools the sampled clients' data, one t-SNE + HDBSCAN, positions down."""
-    plan = Plan()
-    algo.fm.set_adapter(ADAPTER, algo.params)
-    t0 = time.perf_counter()
-    feats, owners = [], []
-    for cid in cids:
-        x = algo.features.raw_features(algo.task.client_data(cid), cid)
-        plan.pool[cid] = len(x)
-        feats.append(x)
-        owners += [(cid, i) for i in range(len(x))]
-    pooled = np.concatenate(feats)
-    if len(pooled) < max(2, algo.cfg.min_cluster_size):  # too few rows to cluster: use all
-        return Plan(train={cid: ("all", []) for cid in cids}, pool=plan.pool)
-    points = embed_2d(
-        pooled, derive_seed(algo.run.seed, fed.rnd, "centralised"), algo.cfg.perplexity
-    )
-    picked, k = _select_points(points, owners, algo.cfg)
-    plan.select_s = time.perf_counter() - t0  # features included: the server computes them
-    plan.train = {cid: ("positions", p) for cid, p in picked.items()}
-    plan.log = [{"client": c, "n": plan.pool[c], "selected": picked.get(c, [])} for c in cids]
-    plan.log.append({"client": None, "points": len(points), "global_clusters": k})
-    plan.metrics = {"non_private": 1.0, "global_clusters": float(k)}
-    return plan
-
-
-# ----------------------------------------------------------------------------- client coresets
-
-Coreset = Callable[["FedHDSClient", ClientContext, list[int], int], list[int]]
-CORESETS: Registry[Coreset] = Registry("coreset plan", "train.plan")
-
-
-@CORESETS.register("clusters", "the representative of each selected cluster of this round")
-def _of_clusters(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
-    reps = client.representatives(ctx)
-    missing = [c for c in pick if str(c) not in reps]
-    if missing:
-        raise ValueError(f"clusters {missing} are not clusters of this client's round")
-    return [int(reps[str(c)]) for c in pick]
-
-
-@CORESETS.register("positions", "the rows the server named")
-def _of_positions(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
-    if any(not 0 <= p < n for p in pick):
-        raise ValueError(f"positions {pick} are outside this client's {n} rows")
-    return list(pick)
-
-
-@CORESETS.register("random", "random_budget of the rows, at least one")
-def _of_random(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
-    k = max(1, round(client.cfg.random_budget * n))
-    rng = np.random.default_rng(ctx.rng_seed("random-rows"))
-    return sorted(int(i) for i in rng.choice(n, size=min(k, n), replace=False))
-
-
-@CORESETS.register("all", "every row (a client too small to cluster)")
-def _of_all(client: FedHDSClient, ctx: ClientContext, pick: list[int], n: int) -> list[int]:
-    return list(range(n))
 
 
 # ----------------------------------------------------------------------------- the algorithm
@@ -743,9 +454,14 @@ class FedHDSClient(ClientHalf):
         keep = self.features.usable(ctx.cid, rows)[0]
         pick = msg.meta["pick"]
         assert isinstance(pick, list)
-        positions = CORESETS.get(str(msg.meta["plan"]))(
-            self, ctx, [int(p) for p in pick], len(keep)
+        req = CoresetRequest(
+            pick=[int(p) for p in pick],
+            n=len(keep),
+            representatives=lambda: self.representatives(ctx),
+            budget=self.cfg.random_budget,
+            seed=ctx.rng_seed("random-rows"),
         )
+        positions = CORESETS.get(str(msg.meta["plan"]))(req)
         ids = rows.ids()
         coreset = rows.subset([ids[keep[p]] for p in positions])
         self.fm.set_adapter(ADAPTER, msg.arrays[ADAPTER])
@@ -777,7 +493,13 @@ class FedHDS(Algorithm):
         self.fm.reset_adapter(ADAPTER, seed=run.seed)  # the seeded init, whatever ran before
         self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
-        self.select = SELECTIONS.get(cfg.selection)
+        self.selection = SELECTIONS.get(cfg.selection)
+        self.clusters = ClusterSettings(
+            cfg.min_cluster_size,
+            cfg.min_samples,
+            cfg.server_min_cluster_size,
+            cfg.server_min_samples,
+        )
         self.features = Features(cfg, task)  # the centralised baseline reads client rows
         self.totals = dict.fromkeys(TOTALS, 0.0)
 
@@ -818,10 +540,82 @@ class FedHDS(Algorithm):
                 cid, self.cfg.dp_sigma, release_sensitivity(k), name="centroids"
             )
 
+    def plan_round(self, fed: Federation, cids: list[str]) -> Plan:
+        """The selection exchange (if any), then the selection rule on what it returned."""
+        send = self.selection.send
+        if send == "server":
+            received, plan = self._read_clients(fed, cids)
+        elif send is not None:
+            received, plan = self._ask(fed, cids, send)
+        else:
+            received, plan = Received(list(cids)), Plan()
+        t0 = time.perf_counter()
+        choice = self.selection.rule(received, self.clusters)
+        plan.select_s += time.perf_counter() - t0
+        plan.train.update(choice.train)
+        plan.log += choice.log
+        plan.metrics = choice.metrics
+        return plan
+
+    def _ask(self, fed: Federation, cids: list[str], send: str) -> tuple[Received, Plan]:
+        """Sends ``select`` to the clients; the replies worth clustering, checked.
+
+        Small clients are planned to train on everything; bad replies are dropped with one
+        warning each; every release of coordinates is registered (under DP).
+        """
+        msg = self.select_message(send)
+        plan = Plan()
+        received = Received(list(cids), plan.pool)
+        for cid, r in fed.send({c: msg for c in cids}).items():
+            plan.pool[cid] = int(meta_number(r, "num_examples"))
+            plan.feature_s += meta_number(r, "feature_s")
+            plan.cluster_s += meta_number(r, "cluster_s")
+            if r.meta.get("use_all"):
+                received.use_all.append(cid)
+                plan.train[cid] = ("all", [])
+                plan.log.append({"client": cid, "n": plan.pool[cid], "use_all": True})
+                continue
+            try:
+                ids = _ids(r)
+                centroids = _coords(r, "centroids", len(ids))
+                points = _coords(r, "points", plan.pool[cid] if "points" in r.arrays else None)
+            except ValueError as e:
+                log.warning("round %d: client %s: select reply dropped: %s", fed.rnd, cid, e)
+                continue
+            if send in ("centroids", "ids"):
+                received.clusters[cid] = ids
+            if send == "centroids":
+                received.coords[cid] = centroids
+                self.register_release(cid, len(ids))
+            elif send == "points":
+                received.coords[cid] = points
+                self.register_release(cid, len(points))
+        return received, plan
+
+    def _read_clients(self, fed: Federation, cids: list[str]) -> tuple[Received, Plan]:
+        """The centralised baseline (NOT PRIVATE): the server reads the sampled clients' rows.
+
+        One t-SNE over the pooled features gives every row's 2-D point; a pool too small to
+        cluster gives none (every client then trains on all its rows).
+        """
+        self.fm.set_adapter(ADAPTER, self.params)
+        t0 = time.perf_counter()
+        feats = {cid: self.features.raw_features(self.task.client_data(cid), cid) for cid in cids}
+        plan = Plan(pool={cid: len(x) for cid, x in feats.items()})
+        received = Received(list(cids), plan.pool)
+        pooled = np.concatenate(list(feats.values()))
+        if len(pooled) >= max(2, self.cfg.min_cluster_size):
+            seed = derive_seed(self.run.seed, fed.rnd, "centralised")
+            points = embed_2d(pooled, seed, self.cfg.perplexity)
+            ends = np.cumsum([len(x) for x in feats.values()])[:-1]
+            received.coords = dict(zip(feats, np.split(points, ends), strict=True))
+        plan.select_s = time.perf_counter() - t0  # features included: the server computes them
+        return received, plan
+
     @override
     def round(self, fed: Federation) -> dict[str, float]:
         cids = self.sample(fed)
-        plan = self.select(self, fed, cids)
+        plan = self.plan_round(fed, cids)
         msgs = {
             cid: Message("train", {ADAPTER: self.params}, {"plan": p, "pick": list(pick)})
             for cid, (p, pick) in plan.train.items()

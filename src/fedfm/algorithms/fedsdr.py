@@ -4,8 +4,9 @@ Paper: "FedSDR: Federated Self-Distillation with Rectification" (ICML 2026, arXi
 the rewrite prompt is SDFT's (Yang et al. 2024, sail-sg/sdft). Summary in METHODS.md section 1.
 
 1. **Data refinery (FedSD), round 0**: every client rewrites its answers with the global model
-   as teacher (:mod:`fedfm.algorithms.fedsd`); the distilled set ``D_dist`` stays in the
-   client's state and only statistics leave the client.
+   as teacher (:mod:`fedfm.algorithms.fedsd`, settings ``algo.fedsd``, old name
+   ``algo.refinery``); the distilled set ``D_dist`` stays in the client's state and only
+   statistics leave the client.
 2. **Dual-stream LoRA**: two adapters on the frozen base, both active in every forward pass,
    ``h = W0·h + (α/r)·B_r·A_r·h + (α/r)·B_s·A_s·h``. Local training is block-coordinate:
    stage 1 trains ``LoRA-S`` on ``D_dist`` with ``LoRA-R`` frozen, stage 2 trains ``LoRA-R`` on
@@ -52,7 +53,7 @@ from fedfm.algorithms.fedavg import (
     fedavg_round,
     train_reply,
 )
-from fedfm.algorithms.fedsd import REFINE, Refinery, RefineryConfig, check_refinery_task
+from fedfm.algorithms.fedsd import REFINE, FedSD, FedSDRequired
 from fedfm.config import RunConfig
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.groups import get_group, join_groups
@@ -77,12 +78,11 @@ EVALUATE = MessageKind(
 )
 
 
-class FedSDRConfig(AlgoConfig):
-    """FedSDR's settings (``algo`` section)."""
+class FedSDRConfig(FedSDRequired):
+    """FedSDR's settings (``algo`` section; FedSD's under ``algo.fedsd``)."""
 
     server_opt: ServerOptConfig = Field(default_factory=ServerOptConfig)
     aggregator: AggregatorConfig = Field(default_factory=AggregatorConfig)
-    refinery: RefineryConfig = Field(default_factory=RefineryConfig)
     steps_s: int | None = Field(
         None, ge=1, description="stage-1 steps (LoRA-S on D_dist); None: the train budget"
     )
@@ -133,7 +133,7 @@ class FedSDRClient(ClientHalf):
         self.cfg: FedSDRConfig = cfg
         self.fm = task.foundation_model()
         self.fm.ensure_adapter(R, seed=run.seed)  # its tensors come in every message
-        self.refinery = Refinery(cfg.refinery)
+        self.fedsd = FedSD(cfg)
         self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
 
     @override
@@ -141,9 +141,9 @@ class FedSDRClient(ClientHalf):
         return {"refine": self.refine, "train": self.train, "evaluate": self.evaluate}
 
     def refine(self, ctx: ClientContext, msg: Message) -> Message:
-        """Round 0: the global LoRA-R rewrites the client's answers (see :class:`Refinery`)."""
+        """Round 0: the global LoRA-R rewrites the client's answers (see :class:`FedSD`)."""
         self.fm.set_adapter(R, msg.arrays["params"])
-        return self.refinery.rewrite(ctx, self.fm, [R], msg.arrays["params"])
+        return self.fedsd.rewrite(ctx, self.fm, [R], msg.arrays["params"])
 
     def _load_s(self, ctx: ClientContext, fresh: bool) -> None:
         seed = derive_seed(ctx.seed, ctx.cid, "lora_s", ctx.rnd if self.cfg.reset_s else 0)
@@ -155,7 +155,7 @@ class FedSDRClient(ClientHalf):
         fm.set_adapter(R, msg.arrays["params"])
         self._load_s(ctx, fresh=self.cfg.reset_s)
         n = task.num_examples(ctx.data)
-        distilled = self.refinery.data(ctx)
+        distilled = self.fedsd.data(ctx)
         smooth = task.batches(distilled, cfg.batch_size, ctx.rng_seed("stage-s"))
         train_stage(fm, S, smooth, task, cfg, self.cfg.steps_s or num_steps(cfg, n))
         raw = task.batches(ctx.data, cfg.batch_size, ctx.rng_seed("stage-r"))
@@ -193,19 +193,19 @@ class FedSDR(Algorithm):
         self.params: dict[str, Tensor] = self.fm.get_adapter(R)
         self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm
         self.opt = self.server_optimizer(cfg.server_opt, cfg.aggregator)
-        self.refinery = Refinery(cfg.refinery)
+        self.fedsd = FedSD(cfg)
         if self.secagg is not None:
             refuse_non_sum(cfg.aggregator, cfg.update_cosines)
 
     @classmethod
     @override
     def check_task(cls, cfg: AlgoConfig, task_cls: type[Task], task_cfg: TaskConfig) -> None:
-        check_refinery_task(task_cls, task_cfg, "task.kind")
+        FedSD.check_task(cfg, task_cls, task_cfg, "task.kind")
 
     # ----- server half -----
     @override
     def setup(self, fed: Federation) -> dict[str, float]:
-        return self.refinery.run(self, fed, self.params)
+        return self.fedsd.setup(self, fed, self.params)
 
     @override
     def round(self, fed: Federation) -> dict[str, float]:

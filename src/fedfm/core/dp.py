@@ -49,6 +49,7 @@ device; per-sample gradients, clipping and the step run where the model is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -148,21 +149,30 @@ def calibrate_noise(
     if steps < 1:
         raise ConfigError(f"{field}.steps", f"planned steps must be >= 1, got {steps}")
     try:
-        return float(
-            get_noise_multiplier(
-                target_epsilon=epsilon,
-                target_delta=delta,
-                sample_rate=rate,
-                steps=steps,
-                accountant="rdp",
-            )
-        )
+        return _noise_multiplier(epsilon, delta, rate, steps)
     except ValueError:
         raise ConfigError(
             f"{field}.epsilon",
             f"epsilon={epsilon:g} at delta={delta:g} cannot be reached in {steps} steps at "
             f"sampling rate {rate:.3g} (the RDP accountant needs a noise multiplier above 1e6)",
         ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _noise_multiplier(epsilon: float, delta: float, rate: float, steps: int) -> float:
+    """Opacus's noise search, once per process and target.
+
+    It takes seconds at fractional rates, and every client of a rate needs the same answer.
+    """
+    return float(
+        get_noise_multiplier(
+            target_epsilon=epsilon,
+            target_delta=delta,
+            sample_rate=rate,
+            steps=steps,
+            accountant="rdp",
+        )
+    )
 
 
 def plan_dp_sgd(
@@ -172,6 +182,9 @@ def plan_dp_sgd(
     batch_size: int,
     planned_steps: int,
     field: str = "algo.dp",
+    *,
+    delta_field: str | None = None,
+    epsilon_field: str | None = None,
 ) -> dict[str, float]:
     """Checks a DP-SGD plan for every client before the run starts (call it at config load).
 
@@ -182,6 +195,8 @@ def plan_dp_sgd(
         batch_size: Expected Poisson batch size.
         planned_steps: Steps a client may take in the whole run.
         field: Config field named in errors.
+        delta_field: The field of δ, if not ``<field>.delta`` (e.g. ``privacy.delta``).
+        epsilon_field: The field of ε, if not ``<field>.epsilon``.
 
     Returns:
         Client id -> the noise multiplier its first :func:`dp_train` call will choose.
@@ -194,7 +209,7 @@ def plan_dp_sgd(
     by_rate: dict[float, float] = {}
     for cid, n in sizes.items():
         try:
-            check_delta(delta, n, f"{field}.delta")
+            check_delta(delta, n, delta_field or f"{field}.delta")
             rate = sample_rate(batch_size, n)
             if dp.noise_multiplier is not None:
                 sigmas[cid] = dp.noise_multiplier
@@ -203,7 +218,10 @@ def plan_dp_sgd(
                 by_rate[rate] = calibrate_noise(dp.epsilon, delta, rate, planned_steps, field)
             sigmas[cid] = by_rate[rate]
         except ConfigError as err:
-            raise ConfigError(err.field, f"client {cid}: {err.reason}") from None
+            name = err.field
+            if epsilon_field is not None and name == f"{field}.epsilon":
+                name = epsilon_field
+            raise ConfigError(name, f"client {cid}: {err.reason}") from None
     return sigmas
 
 

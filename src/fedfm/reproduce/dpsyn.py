@@ -481,7 +481,7 @@ def clean_votes(
     voter_ids: Sequence[str],
 ) -> dict[str, np.ndarray]:
     """Each voter's vote histogram before noise (``knn_votes`` of its rows), by client id."""
-    from fedfm.algorithms.dpsyn import knn_votes
+    from fedfm.algorithms.dpsyn_mechanisms import knn_votes
 
     return {
         c: knn_votes(emb[f"emb/{c}"], emb[f"code/{c}"], pool_emb, pool_codes, k) for c in voter_ids
@@ -494,12 +494,12 @@ def noisy_total(
     """The server's clipped sum of the voters' noisy histograms.
 
     The server's clipped sum of the voters' noisy histograms, as the algorithm's vote
-    round computes it (each client's :func:`~fedfm.algorithms.dpsyn.noisy`, summed in
-    client order, then :func:`~fedfm.algorithms.dpsyn.clip_votes`).
+    round computes it (each client's :func:`~fedfm.algorithms.dpsyn_mechanisms.noisy`, summed in
+    client order, then :func:`~fedfm.algorithms.dpsyn_mechanisms.clip_votes`).
     """
     import torch
 
-    from fedfm.algorithms.dpsyn import clip_votes, noisy
+    from fedfm.algorithms.dpsyn_mechanisms import clip_votes, noisy
 
     total = np.zeros(len(next(iter(clean.values()))), dtype=np.float64)
     for cid, votes in clean.items():
@@ -520,7 +520,7 @@ def selections(
     ``kind`` ``votes`` (in proportion, with replacement), ``top``, ``uniform`` (with replacement) or
     ``subset``.
     """
-    from fedfm.algorithms.dpsyn import draw_by_votes, quotas, top_by_votes
+    from fedfm.algorithms.dpsyn_mechanisms import draw_by_votes, quotas, top_by_votes
 
     ones = np.ones(len(codes))
     kept: list[int] = []

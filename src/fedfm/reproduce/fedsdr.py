@@ -145,7 +145,7 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
     task.update(copy.deepcopy(dict(grid.task)))
     cfg["clients"] = {"fraction": 1.0, "min_clients": len(grid.domains)}
     cfg["train"].update(steps=grid.steps, lr=grid.lr if lr is None else lr)
-    refine = cfg["algo"]["refinery"]
+    refine = cfg["algo"]["fedsd"]
     refine["decoding"]["max_new_tokens"] = grid.rewrite_tokens
     if grid.cache_dir is not None:
         refine["cache_dir"] = grid.cache_dir

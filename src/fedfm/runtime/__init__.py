@@ -93,4 +93,9 @@ def run(
         from fedfm.algorithms import algo_keys  # an algorithm= override drops foreign keys
 
         source = load_config(source, overrides, algo_keys)
+    from fedfm.engine import with_stages
+
+    # Rounds from the algorithm's stages before any runtime dumps the config for another
+    # process (a dumped config gives every field, rounds included).
+    source = with_stages(source)
     return RUNTIMES.get(source.runtime)(source, resume, overwrite, progress, options)

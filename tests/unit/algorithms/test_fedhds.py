@@ -12,15 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedfm.algorithms.fedhds import (
-    FedHDS,
-    FedHDSClient,
+from fedfm.algorithms.fedhds import FedHDS, FedHDSClient, flatten_features, rouge_all
+from fedfm.algorithms.fedhds_selection import (
     cluster,
-    flatten_features,
     inter_client_select,
     privatise,
     release_sensitivity,
-    rouge_all,
 )
 from fedfm.config import load_config
 from fedfm.core.fake import FakeFederation
@@ -576,3 +573,49 @@ def test_a_malformed_select_reply_is_dropped_and_the_round_goes_on(tmp_path: Pat
     assert metrics["centroids"] == 0 and metrics["clients_trained"] == 0
     log = [json.loads(x) for x in algo.artefacts.read_bytes("selection.jsonl").splitlines()]
     assert {r["client"] for r in log} == {"2", "3", "4", "5", None}
+
+
+def test_selection_rules_take_what_was_received_and_give_a_plan() -> None:
+    """Every rule sees numbers only (no server, client or federation): centroids in, a plan
+    out; each coreset rule sees its picks and the client's row count."""
+    from fedfm.algorithms.fedhds_selection import (
+        CORESETS,
+        SELECTIONS,
+        ClusterSettings,
+        CoresetRequest,
+        Received,
+    )
+
+    hdb = ClusterSettings(2, 1, 2, 1)
+    # Two global clusters, each of one centroid of a and one of b.
+    near, far = np.array([[0.0, 0.0], [10.0, 10.0]]), np.array([[0.1, 0.0], [10.1, 10.0]])
+    got = Received(["a", "b", "c"], {"a": 9, "b": 7, "c": 1}, ["c"], {"a": [0, 1], "b": [0, 1]})
+    got.coords = {"a": near, "b": far}
+    choice = SELECTIONS.get("hierarchical").rule(got, hdb)
+    assert SELECTIONS.get("hierarchical").send == "centroids"
+    picked = [c for pick in choice.train.values() for c in pick[1]]
+    assert len(picked) == choice.metrics["global_clusters"] == 2
+    assert all(rule == "clusters" for rule, _ in choice.train.values())
+    assert "c" not in choice.train and choice.metrics["centroids"] == 4.0  # c: too small
+    assert [row["client"] for row in choice.log] == ["a", "b", None]
+    single = SELECTIONS.get("single-level").rule(got, hdb)
+    assert single.train == {"a": ("clusters", [0, 1]), "b": ("clusters", [0, 1])}
+    for name in ("all", "random"):
+        assert SELECTIONS.get(name).send is None
+        plan = SELECTIONS.get(name).rule(Received(["a", "b"]), hdb).train
+        assert plan == {"a": (name, []), "b": (name, [])}
+    assert SELECTIONS.get("centralised").rule(Received(["a"], {"a": 1}), hdb).train == {
+        "a": ("all", [])  # a pool too small to cluster: every row
+    }
+
+    def req(pick: list[int], n: int) -> CoresetRequest:
+        return CoresetRequest(pick, n, lambda: {"0": 3, "1": 5}, budget=0.5, seed=1)
+
+    assert CORESETS.get("clusters")(req([1, 0], 8)) == [5, 3]
+    assert CORESETS.get("positions")(req([2, 0], 3)) == [2, 0]
+    assert CORESETS.get("all")(req([], 3)) == [0, 1, 2]
+    drawn = CORESETS.get("random")(req([], 8))
+    assert len(drawn) == 4 and drawn == sorted(set(drawn)) and max(drawn) < 8
+    for name, pick in (("positions", [3]), ("clusters", [2])):
+        with pytest.raises(ValueError):
+            CORESETS.get(name)(req(pick, 3))

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedfm.algorithms.fedsd import (
+from fedfm.algorithms.fedsdr import FedSDR, R, S, train_stage
+from fedfm.algorithms.rewrite import (
     REWRITE_SYSTEM,
     REWRITE_TEMPLATE,
     RewriteCache,
@@ -25,7 +26,6 @@ from fedfm.algorithms.fedsd import (
     summarise_rewrites,
     teacher_digest,
 )
-from fedfm.algorithms.fedsdr import FedSDR, R, S, train_stage
 from fedfm.config import load_config
 from fedfm.engine import build, resolve
 from fedfm.errors import ConfigError
@@ -185,7 +185,7 @@ def test_rewrite_prompts_are_whole_or_fall_back() -> None:
 def test_the_refinery_counts_cut_rewrites_and_long_prompts(tmp_path: Path) -> None:
     # The tiny model never emits its end-of-turn token in 2 tokens: every rewrite is cut.
     algo = fedsdr_algo(tmp_path / "cache")
-    algo["refinery"] |= {"decoding": {"max_new_tokens": 2}, "max_prompt_length": 300}
+    algo["fedsd"] |= {"decoding": {"max_new_tokens": 2}, "max_prompt_length": 300}
     run_experiment(
         load_config(
             make_config(FEDSDR, tmp_path, name="cut", algorithm="fedsdr", algo=algo, rounds=1)
@@ -331,7 +331,7 @@ def test_resume_restores_lora_s_and_the_distilled_set(
 ) -> None:
     _echo_teacher(monkeypatch)
     algo = fedsdr_algo(tmp_path / "cache")
-    algo["refinery"]["cache"] = False
+    algo["fedsd"]["cache"] = False
     run_experiment(
         load_config(
             make_config(FEDSDR, tmp_path, name="straight", algorithm="fedsdr", algo=algo, rounds=3)
@@ -627,3 +627,25 @@ def test_the_study_runs_and_reports_what_it_measured(
         study._after_pilot(
             dataclasses.replace(grid, gated=True), "fedsd", {"fedit": views["fedit"]}
         )
+
+
+def test_fedsd_has_one_key_and_fedsdr_reads_its_old_name(tmp_path: Path) -> None:
+    """FedSDR and the FedAvg family take FedSD's settings under ``algo.fedsd``; FedSDR's old
+    key ``algo.refinery`` is read as the same settings; both at once, or FedSD off, is refused."""
+    fedsd = {"decoding": {"max_new_tokens": 8}, "cache_dir": str(tmp_path / "cache")}
+
+    def algo_of(algorithm: str, algo: dict[str, Any]) -> Any:
+        cfg = make_config(FEDSDR, tmp_path, name="k", algorithm=algorithm, algo=algo, rounds=1)
+        return resolve(load_config(cfg))[0]
+
+    new = algo_of("fedsdr", {"fedsd": fedsd})
+    old = algo_of("fedsdr", {"refinery": fedsd})
+    assert new == old and new.fedsd.enabled and new.fedsd.decoding.max_new_tokens == 8
+    same = algo_of("fedavg", {"fedsd": {**fedsd, "enabled": True}}).fedsd
+    assert same.model_dump() == new.fedsd.model_dump()
+    assert not algo_of("fedavg", {}).fedsd.enabled
+    for bad in ({"fedsd": fedsd, "refinery": fedsd}, {"fedsd": {**fedsd, "enabled": False}}):
+        with pytest.raises(ConfigError, match="algo"):
+            algo_of("fedsdr", bad)
+    with pytest.raises(ConfigError, match="algo"):
+        algo_of("fedavg", {"refinery": fedsd})  # the old name is FedSDR's only

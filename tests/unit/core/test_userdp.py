@@ -180,7 +180,7 @@ def test_client_mode_accounts_each_noisy_update_the_server_sees(tmp_path: Path) 
 
 def test_example_level_sensitivities_by_hand() -> None:
     """One record added or removed at one client: counts move by 1, votes by at most 1."""
-    from fedfm.algorithms.dpsyn import code_counts, knn_votes
+    from fedfm.algorithms.dpsyn_mechanisms import code_counts, knn_votes
 
     codes = torch.tensor([0, 1, 1, 2, 1])
     full, less = code_counts(codes, 3), code_counts(codes[:-1], 3)

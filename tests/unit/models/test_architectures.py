@@ -108,7 +108,7 @@ def test_all_linear_dora_adapters_train_on_qwen2(tmp_path) -> None:
 @pytest.mark.parametrize("model", ARCHS)
 def test_a_fedsdr_round(tmp_path, model) -> None:
     algo = {
-        "refinery": {"decoding": {"max_new_tokens": 4}, "cache_dir": str(tmp_path / "cache")},
+        "fedsd": {"decoding": {"max_new_tokens": 4}, "cache_dir": str(tmp_path / "cache")},
         "steps_s": 1,
         "steps_r": 1,
     }

@@ -101,6 +101,9 @@ def serve(
     # The ServerApp process imports Flower, torch and fedfm while the config is checked.
     with ServerWorker.start() as server:
         cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+        from fedfm.engine import with_stages  # the algorithms: torch, once the config is read
+
+        cfg = with_stages(cfg)  # rounds from the algorithm's stages, before the config travels
         tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
         if tls is not None:
             folder = certificates is not None  # the option that named the files (for messages)
@@ -219,6 +222,9 @@ def flower_app(
 ) -> None:
     """Write a Flower app + run config for `flwr run` on an existing SuperLink."""
     cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+    from fedfm.engine import with_stages  # the algorithms: torch, once the config is read
+
+    cfg = with_stages(cfg)  # rounds from the algorithm's stages, before the config travels
     # The ServerApp runs wherever the SuperLink starts it: give it an absolute run folder.
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
     cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
