@@ -34,7 +34,7 @@ change one default, the server objective (:data:`fedfm.models.objectives.OBJECTI
 
 The other baselines are presets of plain ``fedavg``: the student alone, federated LoRA on
 the text foundation model (the text task's ``encoder-lora-classifier``) and a federated
-adapter on the frozen vision foundation model (``fm-adapter``, :mod:`fedfm.models.fm_adapter`);
+adapter on the frozen vision foundation model (``fm-adapter``, :mod:`fedfm.models.efficientnet_adapter`);
 FedAvg exchanges only trainable tensors, so only adapters and heads travel. Fed-CRD, Fed-VID
 and SemCKD, the paper's other KD baselines, are not implemented.
 

@@ -32,7 +32,8 @@ handler with :meth:`FoundationModel.load_adapter`, which re-initialises the slot
 client that has no state yet instead of leaving the previous client's tensors there.
 """
 
-from fedfm.fm.handle import Adapters, FoundationModel, FullWeights, base_key, shared_base
+from fedfm.fm.bases import base_key, shared_base
+from fedfm.fm.handle import Adapters, FoundationModel, FullWeights
 from fedfm.models.generation import GenerationConfig, Reply
 
 __all__ = [

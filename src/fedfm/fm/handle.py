@@ -1,9 +1,8 @@
-"""The :class:`FoundationModel` handle and the process-wide shared bases it wraps."""
+"""The :class:`FoundationModel` handle on a shared base of :mod:`fedfm.fm.bases`."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from fedfm.data.prompt import (
 )
 from fedfm.devices import autocast, model_device
 from fedfm.errors import ConfigError, UnknownNameError
-from fedfm.models.causal_lm import TINY_MODELS, LMBundle
+from fedfm.fm.bases import SharedLM, base_key, cached, shared_lm
+from fedfm.models.causal_lm import LMBundle
 from fedfm.models.encoders import Encoder, lm_encoder
 from fedfm.models.features import Pool
 from fedfm.models.generation import GenerationConfig, Reply, generate_replies, pad_id_of
@@ -42,71 +42,12 @@ from fedfm.models.lora import (
     set_adapter_state,
     trainable_adapters,
 )
-from fedfm.models.registry import build_model
 
 if TYPE_CHECKING:
     from fedfm.core.dp import DPResult, DPSGDConfig
     from fedfm.core.state import ClientState
 
 Arrays = dict[str, Tensor]
-
-# The shared frozen bases and the PeftModel around each, one of each per process and key.
-_BASES: dict[str, LMBundle] = {}
-_ADAPTED: dict[str, peft.PeftModel] = {}
-
-
-def base_key(
-    name: str,
-    dtype: str = "float32",
-    args: Mapping[str, Any] | None = None,
-    quantization: str | None = None,
-    device: torch.device | None = None,
-) -> str:
-    """The key under which a base model is shared in this process (one base per device)."""
-    parts: list[Any] = [name, dtype, dict(args or {})]
-    if quantization is not None:  # unquantised keys stay as they always were
-        parts.append(quantization)
-    if device is not None and device.type != "cpu":  # so do the CPU's
-        parts.append(str(device))
-    return json.dumps(parts, sort_keys=True, default=str)
-
-
-def shared_base(
-    name: str,
-    dtype: str = "float32",
-    args: dict[str, Any] | None = None,
-    quantization: str | None = None,
-    device: torch.device | None = None,
-) -> LMBundle:
-    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)`` on
-    ``device`` (the CPU when ``None``).
-
-    Loaded on first use and then shared by every simulated client and every task of the
-    process. Once an adapter exists, its linear layers carry LoRA wrappers (inactive adapters
-    leave its outputs unchanged). With ``quantization`` (``4bit``/``8bit``) the base is loaded
-    quantised by bitsandbytes and ``dtype`` is its compute dtype.
-
-    Raises:
-        ConfigError: ``name`` is not a causal language model (field ``task.model``).
-    """
-    args = dict(args or {})
-    key = base_key(name, dtype, args, quantization, device)
-    if key not in _BASES:
-        kwargs = dict(args)
-        if name not in TINY_MODELS:  # the tiny test models are built in float32, then cast
-            kwargs["dtype"] = dtype
-        if quantization is not None:  # bitsandbytes places the weights as it quantises them
-            kwargs["quantization"] = quantization
-            if device is not None:
-                kwargs["device"] = device
-        bundle = build_model(name, **kwargs)
-        if not isinstance(bundle, LMBundle):
-            raise ConfigError("task.model", f"'{name}' is not a causal language model")
-        if quantization is None:  # a quantised model keeps the dtypes bitsandbytes chose
-            # Built on the CPU; in place (transformers types .to narrowly).
-            torch.nn.Module.to(bundle.model, device=device, dtype=getattr(torch, dtype))
-        _BASES[key] = bundle
-    return _BASES[key]
 
 
 @dataclass(frozen=True)
@@ -153,7 +94,7 @@ class FoundationModel:
             autocast; where a GPU lacks bfloat16, float16 (DP-SGD: none); where a CPU
             lacks it, none.
         quantization: ``4bit`` or ``8bit``: the base is loaded quantised (see
-            :func:`shared_base`).
+            :func:`fedfm.fm.bases.shared_base`).
         device: Where the base lives and computes (the CPU when ``None``); every handle on
             the same base and device shares it.
     """
@@ -184,7 +125,16 @@ class FoundationModel:
     @property
     def bundle(self) -> LMBundle:
         """The frozen base model and its tokenizer (loaded on first use)."""
-        return shared_base(self.name, self.dtype, self.args, self.quantization, self.device)
+        return self._entry().bundle
+
+    def _entry(self) -> SharedLM:
+        """This handle's entry of the process cache (loaded on first use)."""
+        return shared_lm(self.name, self.dtype, self.args, self.quantization, self.device)
+
+    def _adapted(self) -> peft.PeftModel | None:
+        """The shared ``PeftModel`` once an adapter exists (nothing is loaded here)."""
+        entry = cached(self.key)
+        return entry.adapted if entry is not None else None
 
     @property
     def tokenizer(self) -> Any:
@@ -197,7 +147,7 @@ class FoundationModel:
 
         Adapters are as last chosen; prefer :meth:`use` to choose them for a block of code.
         """
-        model = _ADAPTED.get(self.key)
+        model = self._adapted()
         return model if model is not None else self.bundle.model
 
     @property
@@ -224,7 +174,7 @@ class FoundationModel:
     # ----- adapters -----
     def adapters(self) -> list[str]:
         """Every adapter on the shared model, in creation order (a reset one moves last)."""
-        model = _ADAPTED.get(self.key)
+        model = self._adapted()
         return adapter_names(model) if model is not None else []
 
     def has_adapter(self, name: str) -> bool:
@@ -234,13 +184,13 @@ class FoundationModel:
     @property
     def active(self) -> list[str]:
         """Adapters used in the forward pass now."""
-        model = _ADAPTED.get(self.key)
+        model = self._adapted()
         return active_adapters(model) if model is not None else []
 
     @property
     def trainable(self) -> list[str]:
         """Adapters whose tensors receive gradients now."""
-        model = _ADAPTED.get(self.key)
+        model = self._adapted()
         return trainable_adapters(model) if model is not None else []
 
     def add_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> None:
@@ -256,13 +206,14 @@ class FoundationModel:
                 ``lora.adapters``).
         """
         spec = lora or self.lora
-        model = _ADAPTED.get(self.key)
+        model = self._adapted()
         # Ordinary tensors even inside a no-grad handler (inference mode), or training the
         # adapter later would fail.
         with torch.inference_mode(False):
             if model is None:
-                _ADAPTED[self.key] = add_adapters(self.bundle.model, [name], spec, seed=seed)
-                set_active(_ADAPTED[self.key], [], [])
+                entry = self._entry()
+                entry.adapted = add_adapters(entry.bundle.model, [name], spec, seed=seed)
+                set_active(entry.adapted, [], [])
                 return
             keep = (self.active, self.trainable)
             add_adapters(model, [name], spec, seed=seed)
@@ -321,7 +272,7 @@ class FoundationModel:
             ConfigError: ``trainable`` is not a subset of ``active`` (field ``lora.trainable``).
         """
         active, trainable = list(active), list(trainable)
-        if not active and not trainable and _ADAPTED.get(self.key) is None:
+        if not active and not trainable and self._adapted() is None:
             return  # the bare base is already what was asked for
         set_active(self._peft([*active, *trainable]), active, trainable)
 
@@ -340,7 +291,7 @@ class FoundationModel:
         try:
             yield self.model
         finally:
-            if _ADAPTED.get(self.key) is not None:
+            if self._adapted() is not None:
                 self.set_active(*before)
 
     def get_adapter(self, name: str) -> Arrays:
@@ -386,7 +337,7 @@ class FoundationModel:
         Raises:
             AssetMissingError: ``folder`` holds no peft adapter.
         """
-        if _ADAPTED.get(self.key) is None:  # peft needs one adapter to wrap the base
+        if self._adapted() is None:  # peft needs one adapter to wrap the base
             self.ensure_adapter(name, seed=0)
         load_adapter(self._peft([]), name, folder)
 
@@ -698,7 +649,7 @@ class FoundationModel:
 
     def _peft(self, names: Sequence[str]) -> peft.PeftModel:
         """The shared PeftModel; an unknown adapter name is one line naming the field."""
-        model = _ADAPTED.get(self.key)
+        model = self._adapted()
         have = adapter_names(model) if model is not None else []
         for name in names:
             if name not in have:

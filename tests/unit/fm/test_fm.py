@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import fedfm.fm.handle as fmod
+import fedfm.fm.bases as fmod
 from fedfm.config import load_config
 from fedfm.core.train import local_train
 from fedfm.data.prompt import PromptConfig
@@ -144,9 +144,9 @@ def test_base_loaded_once_and_shared_by_every_handle_and_the_fedit_model(tmp_pat
     task = build(cfg).task
     fm = task.foundation_model()
     assert fm is task.foundation_model()
-    n_bases = len(fmod._BASES)
+    n_bases = len(fmod._SHARED)
     other = build(cfg).task.foundation_model()
-    assert other.bundle is fm.bundle and len(fmod._BASES) == n_bases
+    assert other.bundle is fm.bundle and len(fmod._SHARED) == n_bases
     fm.add_adapter("private", seed=1)
     randomize(fm, "private", 2)
     kept = fm.get_adapter("private")
