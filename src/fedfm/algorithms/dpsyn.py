@@ -440,10 +440,8 @@ class DPSynClient(ClientHalf):
         self.fm = task.foundation_model()
         self.full = cfg.finetune == "full"
         self.frozen_a: dict[str, Tensor] = {}  # FFA-LoRA's A, drawn from the run seed
-        if not self.full:  # its tensors come in every train message
-            self.fm.ensure_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
-            if ffa_lora(task):  # the A the server's adapter started from
-                self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+        if not self.full and ffa_lora(task):  # the A the server's adapter started from
+            with self.fm.slot(ADAPTER, None, seed=derive_seed(run.seed, "adapter")):
                 self.frozen_a = a_of(self.fm.get_adapter(ADAPTER))
         self.delta = dp_delta(cfg, run)
         self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
@@ -492,11 +490,13 @@ class DPSynClient(ClientHalf):
             "field": "algo",
         }
         what: Adapters | FullWeights = Adapters([ADAPTER], [ADAPTER], frozenset(self.frozen_a))
+        slot: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.full:
             what = FullWeights(msg.arrays["weights"])
         else:
-            self.fm.set_adapter(ADAPTER, {**self.frozen_a, **msg.arrays["adapter"]})
-        _, out = self.fm.dp_train(rows, ctx.state, what, **kw)
+            slot = self.fm.slot(ADAPTER, {**self.frozen_a, **msg.arrays["adapter"]})
+        with slot:
+            _, out = self.fm.dp_train(rows, ctx.state, what, **kw)
         out = {k: v for k, v in out.items() if k not in self.frozen_a}  # FFA-LoRA: B only
         # The client's own account stays in its state; the server accounts from its plan.
         return Message("train", {"weights" if self.full else "adapter": out})
@@ -541,9 +541,8 @@ class DPSyn(Algorithm):
         if self.full:  # the pretrained weights (full_weights leaves the shared base as it was)
             self.params = self.fm.get_weights()
         else:
-            # A fresh init even when an earlier run of this process left the slot trained.
-            self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
-            self.params = self.fm.get_adapter(ADAPTER)
+            with self.fm.slot(ADAPTER, None, seed=derive_seed(run.seed, "adapter")):
+                self.params = self.fm.get_adapter(ADAPTER)
         # FFA-LoRA (task.lora.freeze_a): A stays as drawn; only B travels and is averaged.
         self.frozen_a = a_of(self.params) if not self.full and ffa_lora(task) else {}
         self.params = {k: v for k, v in self.params.items() if k not in self.frozen_a}
@@ -712,7 +711,7 @@ class DPSyn(Algorithm):
             if tuned and self.full:
                 stack.enter_context(self.fm.full_weights(self.params))
             elif tuned:
-                self.fm.set_adapter(ADAPTER, {**self.frozen_a, **self.params})
+                stack.enter_context(self.fm.slot(ADAPTER, {**self.frozen_a, **self.params}))
                 adapters = [ADAPTER]
             return self._generate_codes(allotment, adapters)
 

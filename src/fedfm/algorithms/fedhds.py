@@ -109,6 +109,7 @@ Choices of ours (the paper does not make them; each is a config option or stated
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -517,14 +518,14 @@ def all_rows(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
 def centralised(algo: FedHDS, fed: Federation, cids: list[str]) -> Plan:
     """The server pools the sampled clients' data, one t-SNE + HDBSCAN, positions down."""
     plan = Plan()
-    algo.fm.set_adapter(ADAPTER, algo.params)
     t0 = time.perf_counter()
     feats, owners = [], []
-    for cid in cids:
-        x = algo.features.raw_features(algo.task.client_data(cid), cid)
-        plan.pool[cid] = len(x)
-        feats.append(x)
-        owners += [(cid, i) for i in range(len(x))]
+    with algo.fm.slot(ADAPTER, algo.params):
+        for cid in cids:
+            x = algo.features.raw_features(algo.task.client_data(cid), cid)
+            plan.pool[cid] = len(x)
+            feats.append(x)
+            owners += [(cid, i) for i in range(len(x))]
     pooled = np.concatenate(feats)
     if len(pooled) < max(2, algo.cfg.min_cluster_size):  # too few rows to cluster: use all
         return Plan(train={cid: ("all", []) for cid in cids}, pool=plan.pool)
@@ -668,12 +669,18 @@ class FedHDSClient(ClientHalf):
         assert isinstance(cfg, FedHDSConfig), type(cfg)
         self.cfg: FedHDSConfig = cfg
         self.fm: FoundationModel = task.foundation_model()
-        self.fm.ensure_adapter(ADAPTER, seed=run.seed)  # its tensors come in every message
         self.features = Features(cfg, task)
 
     @override
     def handlers(self) -> dict[str, Handler]:
         return {"select": self.select, "train": self.train}
+
+    def _slot(self, msg: Message) -> contextlib.AbstractContextManager[Any]:
+        """The message's adapter in the ``global`` slot (FedHDS-Turbo's ``select`` carries
+        none: its features need no adapter)."""
+        if ADAPTER not in msg.arrays:
+            return contextlib.nullcontext()
+        return self.fm.slot(ADAPTER, msg.arrays[ADAPTER])
 
     def _features(self, ctx: ClientContext) -> np.ndarray:
         """Features of this client; FedHDS-Turbo's are computed once and kept in its state."""
@@ -688,8 +695,10 @@ class FedHDSClient(ClientHalf):
 
     def select(self, ctx: ClientContext, msg: Message) -> Message:
         """Features, t-SNE and HDBSCAN; replies centroids and ids, ids only, or every point."""
-        if ADAPTER in msg.arrays:
-            self.fm.set_adapter(ADAPTER, msg.arrays[ADAPTER])
+        with self._slot(msg):
+            return self._select(ctx, msg)
+
+    def _select(self, ctx: ClientContext, msg: Message) -> Message:
         t0 = time.perf_counter()
         x = self._features(ctx)
         n = len(x)
@@ -739,6 +748,10 @@ class FedHDSClient(ClientHalf):
 
     def train(self, ctx: ClientContext, msg: Message) -> Message:
         """LoRA training on the coreset the plan names (see :data:`CORESETS`)."""
+        with self._slot(msg):
+            return self._train(ctx, msg)
+
+    def _train(self, ctx: ClientContext, msg: Message) -> Message:
         rows = _instruction_data(ctx.data)
         keep = self.features.usable(ctx.cid, rows)[0]
         pick = msg.meta["pick"]
@@ -748,7 +761,6 @@ class FedHDSClient(ClientHalf):
         )
         ids = rows.ids()
         coreset = rows.subset([ids[keep[p]] for p in positions])
-        self.fm.set_adapter(ADAPTER, msg.arrays[ADAPTER])
         cfg = client_config(ctx, self.run.train)
         t0 = time.perf_counter()
         batches = self.task.batches(coreset, cfg.batch_size, ctx.rng_seed("batches"))
@@ -774,8 +786,8 @@ class FedHDS(Algorithm):
         super().__init__(cfg, task, run)
         self.cfg: FedHDSConfig = cfg
         self.fm: FoundationModel = task.foundation_model()
-        self.fm.reset_adapter(ADAPTER, seed=run.seed)  # the seeded init, whatever ran before
-        self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
+        with self.fm.slot(ADAPTER, None, seed=run.seed):  # the seeded init
+            self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.select = SELECTIONS.get(cfg.selection)
         self.features = Features(cfg, task)  # the centralised baseline reads client rows
@@ -871,8 +883,7 @@ class FedHDS(Algorithm):
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         """The task's metrics plus Rouge-L of every item against its reference."""
-        self.fm.set_adapter(ADAPTER, self.params)
-        with self.fm.use([ADAPTER]) as model:
+        with self.fm.slot(ADAPTER, self.params), self.fm.use([ADAPTER]) as model:
             metrics, items = self.task.evaluate_items(model, self.task.test_data())
         # Every item with its Rouge-L goes to the run's eval_items.jsonl (paired statistics).
         rows = [{**i, "rougeL": _rouge_of(i)} for i in items]
@@ -880,8 +891,8 @@ class FedHDS(Algorithm):
 
     @override
     def export_adapter(self, folder: Path) -> bool:
-        self.fm.set_adapter(ADAPTER, self.params)
-        self.fm.save_adapter(ADAPTER, folder)
+        with self.fm.slot(ADAPTER, self.params):
+            self.fm.save_adapter(ADAPTER, folder)
         return True
 
     @override

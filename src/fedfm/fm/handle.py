@@ -360,6 +360,33 @@ class FoundationModel:
         else:
             self.reset_adapter(name, seed, lora)
 
+    @contextlib.contextmanager
+    def slot(
+        self,
+        name: str,
+        state: Mapping[str, Tensor] | None,
+        seed: int = 0,
+        lora: LoraConfigSpec | None = None,
+    ) -> Iterator[None]:
+        """Within the block adapter ``name`` holds ``state``, or a fresh seeded init when
+        ``state`` is empty (see :meth:`load_adapter`); on exit it holds what it held before.
+
+        The way a handler or a server step reads or trains an adapter: the slot is shared by
+        every simulated client and run of the process, so what it holds outside a block is
+        nobody's. A slot the block created stays (peft keeps its layers), with the block's
+        tensors. Blocks nest (a client's inside the server's, one slot per adapter).
+        """
+        before = self.get_adapter(name) if self.has_adapter(name) else None
+        self.load_adapter(name, state, seed, lora)
+        try:
+            yield
+        finally:
+            now = self.get_adapter(name) if before is not None else {}
+            if before is not None and all(
+                k in now and now[k].shape == v.shape for k, v in before.items()
+            ):
+                self.set_adapter(name, before)
+
     # ----- prompts and generation -----
     def prompt(
         self,

@@ -319,8 +319,9 @@ def test_a_separate_small_feature_model_is_an_encoder_like_the_llm() -> None:
         # The encoder's vector is the last token's final hidden state.
         torch.testing.assert_close(model.encode(TEXTS), feats[:, -1], rtol=0, atol=1e-6)
     assert small.layer_features(TEXTS).shape == (4, 4, 16)
-    assert small.module is not None and not small.module.training  # frozen, in eval mode
-    assert not any(p.requires_grad for p in small.module.parameters())
+    base = small.stack().backbone  # the process's shared base of that model
+    assert not base.training  # frozen, in eval mode
+    assert not any(p.requires_grad for p in base.parameters())
 
 
 @pytest.mark.slow
