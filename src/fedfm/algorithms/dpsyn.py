@@ -120,7 +120,18 @@ from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
 from fedfm.fm import Adapters, FullWeights
 from fedfm.models.encoders import known_encoder, text_embedder
 from fedfm.models.generation import GenerationConfig
-from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
+from fedfm.tasks.base import (
+    CONTROL_CODES,
+    FOUNDATION_MODEL,
+    TEXT_VIEW,
+    ControlCodes,
+    HasFoundationModel,
+    Task,
+    TaskConfig,
+    TextView,
+    capable,
+    require,
+)
 
 if TYPE_CHECKING:
     from fedfm.core.dp import DPSGDConfig
@@ -436,8 +447,8 @@ class DPSynClient(ClientHalf):
         super().__init__(cfg, task, run)
         assert isinstance(cfg, DPSynConfig), type(cfg)
         self.cfg: DPSynConfig = cfg
-        self.codes = task.codes()
-        self.fm = task.foundation_model()
+        self.codes = capable(task, ControlCodes).codes()
+        self.fm = capable(task, HasFoundationModel).foundation_model()
         self.full = cfg.finetune == "full"
         self.frozen_a: dict[str, Tensor] = {}  # FFA-LoRA's A, drawn from the run seed
         if not self.full and ffa_lora(task):  # the A the server's adapter started from
@@ -455,8 +466,8 @@ class DPSynClient(ClientHalf):
     def rows(self, cid: str, data: Any) -> list[dict[str, list[int]]]:
         """Client ``cid``'s "code → text" rows, tokenised once per process."""
         if cid not in self._rows:
-            codes = self.task.code_ids(data).tolist()
-            texts = self.task.texts(data)
+            codes = capable(self.task, ControlCodes).code_ids(data).tolist()
+            texts = capable(self.task, TextView).texts(data)
             self._rows[cid] = self.fm.encode(
                 {"instruction": self.cfg.prompt_template.format(code=self.codes[j]), "output": t}
                 for j, t in zip(codes, texts, strict=True)
@@ -469,7 +480,7 @@ class DPSynClient(ClientHalf):
 
     def profile(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 2: this client's per-code counts plus analytic-Gaussian noise."""
-        counts = code_counts(self.task.code_ids(ctx.data), len(self.codes))
+        counts = code_counts(capable(self.task, ControlCodes).code_ids(ctx.data), len(self.codes))
         out = noisy(counts, self.sigma_profile, self.noise_seed(ctx, "profile-noise"))
         return Message("profile", {"counts": {"counts": out}})
 
@@ -507,8 +518,8 @@ class DPSynClient(ClientHalf):
         assert isinstance(texts, list) and isinstance(codes, list)
         embed = text_embedder(self.cfg.embedder, self.task.device)
         votes = knn_votes(
-            embed(self.task.texts(ctx.data)),
-            self.task.code_ids(ctx.data).numpy(),
+            embed(capable(self.task, TextView).texts(ctx.data)),
+            capable(self.task, ControlCodes).code_ids(ctx.data).numpy(),
             embed([str(t) for t in texts]),
             np.asarray(codes, dtype=np.int64),
             self.cfg.k,
@@ -534,8 +545,8 @@ class DPSyn(Algorithm):
     def __init__(self, cfg: DPSynConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: DPSynConfig = cfg
-        self.codes = task.codes()
-        self.fm = task.foundation_model()
+        self.codes = capable(task, ControlCodes).codes()
+        self.fm = capable(task, HasFoundationModel).foundation_model()
         self.full = cfg.finetune == "full"
         self.field = "weights" if self.full else "adapter"  # the message and state group
         if self.full:  # the pretrained weights (full_weights leaves the shared base as it was)
@@ -690,7 +701,7 @@ class DPSyn(Algorithm):
             "profile.json",
             {"codes": self.codes, "noisy_profile": self.profile.tolist(), "allotment": allotment},
         )
-        self.artefacts.write_json(HELDOUT, self.task.heldout())
+        self.artefacts.write_json(HELDOUT, capable(self.task, ControlCodes).heldout())
         return {
             "synthetic": len(self.synthetic),
             "codes_without_samples": len(empty),
@@ -716,7 +727,7 @@ class DPSyn(Algorithm):
             return self._generate_codes(allotment, adapters)
 
     def _generate_codes(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
-        labels = self.task.code_labels()
+        labels = capable(self.task, ControlCodes).code_labels()
         out: list[dict[str, Any]] = []
         for j, s in enumerate(allotment):
             if s == 0:
@@ -859,7 +870,9 @@ class DPSyn(Algorithm):
 
     def _test_embeddings(self) -> np.ndarray:
         if self._test_emb is None:
-            self._test_emb = self._embed_eval()(self.task.texts(self.task.test_data()))
+            self._test_emb = self._embed_eval()(
+                capable(self.task, TextView).texts(self.task.test_data())
+            )
         return self._test_emb
 
     def _scores(
@@ -892,7 +905,7 @@ class DPSyn(Algorithm):
         labels: list[int] = []
         for cid in self.task.client_ids():
             data = self.task.client_data(cid)
-            texts += self.task.texts(data)
+            texts += capable(self.task, TextView).texts(data)
             labels += [int(y) for y in data.y]
         got: dict[str, np.ndarray] = {}
         scores = synthetic_scores(

@@ -140,7 +140,16 @@ from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
 from fedfm.models.encoders import Encoder, load_encoder
 from fedfm.registry import Registry
-from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, Task, TaskConfig, require
+from fedfm.tasks.base import (
+    FOUNDATION_MODEL,
+    ITEM_RESULTS,
+    HasFoundationModel,
+    ItemResults,
+    Task,
+    TaskConfig,
+    capable,
+    require,
+)
 from fedfm.tasks.lm import InstructionData
 
 log = logging.getLogger("fedfm")
@@ -599,7 +608,7 @@ class Features:
     def __init__(self, cfg: FedHDSConfig, task: Task) -> None:
         self.cfg = cfg
         self.task = task
-        self.fm: FoundationModel = task.foundation_model()
+        self.fm: FoundationModel = capable(task, HasFoundationModel).foundation_model()
         self._feature_model: Encoder | None = None
         self._usable: dict[str, tuple[list[int], list[list[int]]]] = {}
         if self.turbo:
@@ -668,7 +677,7 @@ class FedHDSClient(ClientHalf):
         super().__init__(cfg, task, run)
         assert isinstance(cfg, FedHDSConfig), type(cfg)
         self.cfg: FedHDSConfig = cfg
-        self.fm: FoundationModel = task.foundation_model()
+        self.fm: FoundationModel = capable(task, HasFoundationModel).foundation_model()
         self.features = Features(cfg, task)
 
     @override
@@ -785,7 +794,7 @@ class FedHDS(Algorithm):
     def __init__(self, cfg: FedHDSConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedHDSConfig = cfg
-        self.fm: FoundationModel = task.foundation_model()
+        self.fm: FoundationModel = capable(task, HasFoundationModel).foundation_model()
         with self.fm.slot(ADAPTER, None, seed=run.seed):  # the seeded init
             self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
@@ -884,7 +893,9 @@ class FedHDS(Algorithm):
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         """The task's metrics plus Rouge-L of every item against its reference."""
         with self.fm.slot(ADAPTER, self.params), self.fm.use([ADAPTER]) as model:
-            metrics, items = self.task.evaluate_items(model, self.task.test_data())
+            metrics, items = capable(self.task, ItemResults).evaluate_items(
+                model, self.task.test_data()
+            )
         # Every item with its Rouge-L goes to the run's eval_items.jsonl (paired statistics).
         rows = [{**i, "rougeL": _rouge_of(i)} for i in items]
         return {**metrics, **rouge_all(items), "items": rows}

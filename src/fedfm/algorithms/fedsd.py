@@ -67,7 +67,7 @@ from fedfm.errors import FedfmError
 from fedfm.eval.metrics import gsm8k_number, pick_choice, resolve_answer
 from fedfm.models.generation import GenerationConfig, Reply
 from fedfm.registry import Registry
-from fedfm.tasks.base import FOUNDATION_MODEL, require
+from fedfm.tasks.base import FOUNDATION_MODEL, HasFoundationModel, capable, require
 
 if TYPE_CHECKING:
     from fedfm.algorithms.base import Algorithm
@@ -647,7 +647,7 @@ class FedSDPhase:
 
         def refine(ctx: ClientContext, msg: Message) -> Message:
             task.set_params(model, msg.arrays["params"])
-            fm = task.foundation_model()
+            fm = capable(task, HasFoundationModel).foundation_model()
             return refinery.rewrite(ctx, fm, fm.active, msg.arrays["params"])
 
         return {"refine": refine}

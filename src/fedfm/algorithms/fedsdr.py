@@ -65,7 +65,7 @@ from fedfm.core.secagg import refuse_non_sum
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import TrainResult, client_config, local_train, num_steps, trainable
 from fedfm.fm import FoundationModel
-from fedfm.tasks.base import Task, TaskConfig
+from fedfm.tasks.base import HasFoundationModel, Task, TaskConfig, capable
 
 R = "lora_r"  # the rectification stream: trained on raw data, the only one aggregated
 S = "lora_s"  # the smoothing stream: trained on the distilled data, never leaves the client
@@ -133,7 +133,7 @@ class FedSDRClient(ClientHalf):
         super().__init__(cfg, task, run)
         assert isinstance(cfg, FedSDRConfig), type(cfg)
         self.cfg: FedSDRConfig = cfg
-        self.fm = task.foundation_model()
+        self.fm = capable(task, HasFoundationModel).foundation_model()
         self.refinery = Refinery(cfg.refinery)
         self.user_dp = client_user_dp(task, run)
         self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
@@ -194,7 +194,7 @@ class FedSDR(Algorithm):
     def __init__(self, cfg: FedSDRConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedSDRConfig = cfg
-        self.fm = task.foundation_model()
+        self.fm = capable(task, HasFoundationModel).foundation_model()
         with self.fm.slot(R, None, seed=run.seed):  # LoRA-R's seeded init
             self.params: dict[str, Tensor] = self.fm.get_adapter(R)
         self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from fedfm.config import validate_section
 from fedfm.core.seeding import derive_seed
 from fedfm.data.partition import PartitionConfig, partition, partition_stats
-from fedfm.data.prompt import InstructionBatches, PromptConfig, encode_example
+from fedfm.data.prompt import InstructionBatches, PromptConfig
 from fedfm.data.sources import SOURCES, load_source, source_info
 from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError, FedfmError
@@ -605,16 +605,16 @@ class InstructionTask(Task):
         return fm
 
     def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:
-        """Token ids, attention masks and response-only labels of ``data`` (cached on it)."""
+        """Token ids, attention masks and response-only labels of ``data`` (cached on it), by
+        the foundation model's one row encoder (:meth:`FoundationModel.encode`)."""
         if data.encoded is None:
-            # A plain loop rather than Dataset.map: no cache files or progress bars per client.
+            # Columns rather than Dataset.map: no cache files or progress bars per client.
             rows = data.rows
             inputs = rows["input"] if "input" in rows.column_names else [""] * len(rows)
-            encoded = (
-                encode_example(self.tokenizer, inst, inp or "", out, self.cfg.prompt)
+            data.encoded = self.foundation_model().encode(
+                {"instruction": inst, "input": inp, "output": out}
                 for inst, inp, out in zip(rows["instruction"], inputs, rows["output"], strict=True)
             )
-            data.encoded = [row for row in encoded if row is not None]  # empty replies dropped
         return data.encoded
 
     def batches(self, data: InstructionData, batch_size: int, seed: int) -> Iterator[Any]:

@@ -16,6 +16,7 @@ from fedfm.engine import build
 from fedfm.errors import ConfigError, FedfmError, UnknownNameError
 from fedfm.models.causal_lm import small_tokenizer
 from fedfm.models.lora import LoraConfigSpec
+from fedfm.tasks.base import HasFoundationModel, capable
 from helpers.bases import tiny_task
 from helpers.models import TINY_FM_LORA, randomize, tiny_fm
 
@@ -175,7 +176,7 @@ def test_bad_adapter_names_and_tasks_without_an_llm_name_the_field(tmp_path) -> 
 
     task = build(load_config({"task": {"kind": "toy"}, "out_dir": str(tmp_path)})).task
     with pytest.raises(ConfigError, match=r"task\.kind: task 'toy' has no foundation model"):
-        task.foundation_model()
+        capable(task, HasFoundationModel).foundation_model()
 
 
 # ---------------------------------------------------------------------------------------------
