@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -21,9 +21,45 @@ from fedfm.models.generation import pad_id_of
 if TYPE_CHECKING:
     from fedfm.core.dp import DPResult, DPSGDConfig
     from fedfm.core.state import ClientState
-    from fedfm.fm.handle import FoundationModel
+    from fedfm.models.causal_lm import LMBundle
 
 Arrays = dict[str, Tensor]
+
+
+class Handle(Protocol):
+    """What training reads of a handle (:class:`fedfm.fm.FoundationModel` is one)."""
+
+    @property
+    def bundle(self) -> LMBundle:
+        """The shared base and its tokenizer."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The base's tokenizer."""
+        ...
+
+    def use(
+        self, active: Sequence[str], trainable: Sequence[str] = ()
+    ) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """Adapters chosen for a block."""
+        ...
+
+    def dp_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast for DP-SGD."""
+        ...
+
+    def param_names(self, name: str) -> dict[str, str]:
+        """An adapter's keys -> parameter names."""
+        ...
+
+    def get_adapter(self, name: str) -> Arrays:
+        """Copies of an adapter's tensors."""
+        ...
+
+    def get_adapters(self, names: Sequence[str]) -> dict[str, Arrays]:
+        """Copies of several adapters' tensors."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -69,14 +105,14 @@ def base_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def get_weights(fm: FoundationModel) -> Arrays:
+def get_weights(fm: Handle) -> Arrays:
     """Detached CPU copies of every base weight (what full fine-tuning trains)."""
     return {n: p.detach().cpu().clone() for n, p in base_params(fm.bundle.model).items()}
 
 
 @contextlib.contextmanager
 def full_weights(
-    fm: FoundationModel, state: Mapping[str, Tensor], trainable: bool = False
+    fm: Handle, state: Mapping[str, Tensor], trainable: bool = False
 ) -> Iterator[torch.nn.Module]:
     """Within the block the base carries ``state`` (from :func:`get_weights`), no adapter
     is active, and every base weight gets gradients when ``trainable``.
@@ -109,7 +145,7 @@ def full_weights(
 
 
 def dp_train(
-    fm: FoundationModel,
+    fm: Handle,
     rows: Sequence[Mapping[str, Sequence[int]]],
     state: ClientState,
     what: Adapters | FullWeights,
@@ -165,7 +201,7 @@ def dp_train(
 
 
 def _training(
-    fm: FoundationModel, what: Adapters | FullWeights
+    fm: Handle, what: Adapters | FullWeights
 ) -> contextlib.AbstractContextManager[Any]:
     """The model to train ``what`` in (see :func:`dp_train`)."""
     if isinstance(what, FullWeights):
@@ -176,7 +212,7 @@ def _training(
 
 
 @contextlib.contextmanager
-def _use_frozen(fm: FoundationModel, what: Adapters) -> Iterator[torch.nn.Module]:
+def _use_frozen(fm: Handle, what: Adapters) -> Iterator[torch.nn.Module]:
     """``fm.use``, with ``what.frozen`` out of training (restored on exit by ``use``)."""
     with fm.use(what.active, what.trainable) as model:
         names = fm.param_names(what.trainable[0])
@@ -186,7 +222,7 @@ def _use_frozen(fm: FoundationModel, what: Adapters) -> Iterator[torch.nn.Module
         yield model
 
 
-def _trained(fm: FoundationModel, what: Adapters | FullWeights) -> Arrays:
+def _trained(fm: Handle, what: Adapters | FullWeights) -> Arrays:
     """Copies of the tensors ``what`` trained, in the one key format."""
     if isinstance(what, FullWeights):
         return get_weights(fm)
