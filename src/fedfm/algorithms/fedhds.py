@@ -685,8 +685,7 @@ class FedHDSClient(ClientHalf):
         return {"select": self.select, "train": self.train}
 
     def _slot(self, msg: Message) -> contextlib.AbstractContextManager[Any]:
-        """The message's adapter in the ``global`` slot (FedHDS-Turbo's ``select`` carries
-        none: its features need no adapter)."""
+        """The message's adapter in the ``global`` slot (none in FedHDS-Turbo's ``select``)."""
         if ADAPTER not in msg.arrays:
             return contextlib.nullcontext()
         return self.fm.slot(ADAPTER, msg.arrays[ADAPTER])

@@ -34,9 +34,10 @@ change one default, the server objective (:data:`fedfm.models.objectives.OBJECTI
 
 The other baselines are presets of plain ``fedavg``: the student alone, federated LoRA on
 the text foundation model (the text task's ``encoder-lora-classifier``) and a federated
-adapter on the frozen vision foundation model (``fm-adapter``, :mod:`fedfm.models.efficientnet_adapter`);
-FedAvg exchanges only trainable tensors, so only adapters and heads travel. Fed-CRD, Fed-VID
-and SemCKD, the paper's other KD baselines, are not implemented.
+adapter on the frozen vision foundation model (``fm-adapter``,
+:mod:`fedfm.models.efficientnet_adapter`); FedAvg exchanges only trainable tensors, so only
+adapters and heads travel. Fed-CRD, Fed-VID and SemCKD, the paper's other KD baselines, are
+not implemented.
 
 Choices of ours, not made by the paper:
 
@@ -130,7 +131,7 @@ from fedfm.tasks.base import (
     TaskConfig,
     capable,
     require,
-    view,
+    split_view,
 )
 from fedfm.tasks.public import public_split, require_public_set, transfer_split
 
@@ -328,7 +329,7 @@ class FedRD(Algorithm):
 
         The foundation model is loaded on the first row not cached.
         """
-        inputs = view(self.task, teacher_view(self._teacher_name()), data)
+        inputs = split_view(self.task, teacher_view(self._teacher_name()), data)
         return feature_cache(key)(inputs, lambda rows: self.teacher().encode(rows))
 
     def server(self) -> ServerHalf:

@@ -200,9 +200,7 @@ def dp_train(
         return res, _trained(fm, what)
 
 
-def _training(
-    fm: Handle, what: Adapters | FullWeights
-) -> contextlib.AbstractContextManager[Any]:
+def _training(fm: Handle, what: Adapters | FullWeights) -> contextlib.AbstractContextManager[Any]:
     """The model to train ``what`` in (see :func:`dp_train`)."""
     if isinstance(what, FullWeights):
         return full_weights(fm, what.weights, trainable=True)

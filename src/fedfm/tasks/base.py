@@ -401,7 +401,7 @@ def capable(task: Task, protocol: Callable[..., P]) -> P:
     return cast(P, task)
 
 
-def view(task: Task, capability: str, data: Any) -> Any:
+def split_view(task: Task, capability: str, data: Any) -> Any:
     """``data`` through the view named by ``capability`` (:data:`IMAGE_VIEW` or
     :data:`TEXT_VIEW`).
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedfm.data.prompt import PromptConfig, chat_prompt
 from fedfm.errors import AssetMissingError, ConfigError, FedfmError
 from fedfm.models.causal_lm import (
     LMBundle,
@@ -18,7 +19,6 @@ from fedfm.models.causal_lm import (
     smollm2_tokenizer,
     tiny_llama,
 )
-from fedfm.data.prompt import PromptConfig, chat_prompt
 from fedfm.models.generation import generate
 from fedfm.models.registry import MODELS, build_model
 

@@ -8,8 +8,8 @@ import torch
 from peft import PeftModel
 
 from fedfm.core.groups import get_group
-from fedfm.errors import AssetMissingError, ConfigError, UnknownNameError
 from fedfm.data.prompt import PromptConfig, chat_prompt
+from fedfm.errors import AssetMissingError, ConfigError, UnknownNameError
 from fedfm.models.causal_lm import small_tokenizer, tiny_llama
 from fedfm.models.generation import generate
 from fedfm.models.lora import (
