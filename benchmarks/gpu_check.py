@@ -157,16 +157,17 @@ def dp_step(model: Any, task: Any, tokenizer: Any) -> dict:
 
 def generation(model: Any, tokenizer: Any, device: torch.device) -> tuple[list, Any, int, float]:
     """Greedy replies to PROMPTS and the next-token logits of each prompt."""
-    from fedfm.models.causal_lm import format_chat, generate_text
+    from fedfm.data.prompt import PromptConfig, chat_prompt
+    from fedfm.models.generation import generate
 
-    texts = [format_chat(tokenizer, p) for p in PROMPTS]
+    texts = [chat_prompt(tokenizer, p, None, PromptConfig()) for p in PROMPTS]
     tokenizer.padding_side = "left"  # the last position is each prompt's end
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     tokenizer.padding_side = "right"
     with torch.no_grad():
         logits = model(**{k: v.to(device) for k, v in enc.items()}).logits[:, -1].float().cpu()
     replies, seconds = timed(
-        device, lambda: generate_text(model, tokenizer, PROMPTS, max_new_tokens=32, batch_size=8)
+        device, lambda: generate(model, tokenizer, texts, max_new_tokens=32, batch_size=8)
     )
     new_tokens = sum(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in replies)
     return replies, logits, new_tokens, seconds

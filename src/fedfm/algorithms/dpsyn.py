@@ -131,7 +131,18 @@ from fedfm.eval.synthetic import SyntheticEvalConfig
 from fedfm.fm import Adapters, FullWeights
 from fedfm.models.encoders import known_encoder, text_embedder
 from fedfm.models.generation import GenerationConfig
-from fedfm.tasks.base import CONTROL_CODES, FOUNDATION_MODEL, TEXT_VIEW, Task, TaskConfig, require
+from fedfm.tasks.base import (
+    CONTROL_CODES,
+    FOUNDATION_MODEL,
+    TEXT_VIEW,
+    ControlCodes,
+    HasFoundationModel,
+    Task,
+    TaskConfig,
+    TextView,
+    capable,
+    require,
+)
 
 if TYPE_CHECKING:
     from fedfm.core.dp import DPSGDConfig
@@ -310,14 +321,12 @@ class DPSynClient(ClientHalf):
         super().__init__(cfg, task, run)
         assert isinstance(cfg, DPSynConfig), type(cfg)
         self.cfg: DPSynConfig = cfg
-        self.codes = task.codes()
-        self.fm = task.foundation_model()
+        self.codes = capable(task, ControlCodes).codes()
+        self.fm = capable(task, HasFoundationModel).foundation_model()
         self.full = cfg.finetune == "full"
         self.frozen_a: dict[str, Tensor] = {}  # FFA-LoRA's A, drawn from the run seed
-        if not self.full:  # its tensors come in every train message
-            self.fm.ensure_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
-            if ffa_lora(task):  # the A the server's adapter started from
-                self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
+        if not self.full and ffa_lora(task):  # the A the server's adapter started from
+            with self.fm.slot(ADAPTER, None, seed=derive_seed(run.seed, "adapter")):
                 self.frozen_a = a_of(self.fm.get_adapter(ADAPTER))
         self.delta = dp_delta(cfg, run)
         self.sigma_profile = analytic_gaussian_sigma(cfg.epsilon_profile, self.delta)
@@ -331,8 +340,8 @@ class DPSynClient(ClientHalf):
     def rows(self, cid: str, data: Any) -> list[dict[str, list[int]]]:
         """Client ``cid``'s "code → text" rows, tokenised once per process."""
         if cid not in self._rows:
-            codes = self.task.code_ids(data).tolist()
-            texts = self.task.texts(data)
+            codes = capable(self.task, ControlCodes).code_ids(data).tolist()
+            texts = capable(self.task, TextView).texts(data)
             self._rows[cid] = self.fm.encode(
                 {"instruction": self.cfg.prompt_template.format(code=self.codes[j]), "output": t}
                 for j, t in zip(codes, texts, strict=True)
@@ -345,7 +354,7 @@ class DPSynClient(ClientHalf):
 
     def profile(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 2: this client's per-code counts plus analytic-Gaussian noise."""
-        counts = code_counts(self.task.code_ids(ctx.data), len(self.codes))
+        counts = code_counts(capable(self.task, ControlCodes).code_ids(ctx.data), len(self.codes))
         out = noisy(counts, self.sigma_profile, self.noise_seed(ctx, "profile-noise"))
         return Message("profile", {"counts": {"counts": out}})
 
@@ -366,11 +375,13 @@ class DPSynClient(ClientHalf):
             "field": "algo",
         }
         what: Adapters | FullWeights = Adapters([ADAPTER], [ADAPTER], frozenset(self.frozen_a))
+        slot: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.full:
             what = FullWeights(msg.arrays["weights"])
         else:
-            self.fm.set_adapter(ADAPTER, {**self.frozen_a, **msg.arrays["adapter"]})
-        _, out = self.fm.dp_train(rows, ctx.state, what, **kw)
+            slot = self.fm.slot(ADAPTER, {**self.frozen_a, **msg.arrays["adapter"]})
+        with slot:
+            _, out = self.fm.dp_train(rows, ctx.state, what, **kw)
         out = {k: v for k, v in out.items() if k not in self.frozen_a}  # FFA-LoRA: B only
         # The client's own account stays in its state; the server accounts from its plan.
         return Message("train", {"weights" if self.full else "adapter": out})
@@ -381,8 +392,8 @@ class DPSynClient(ClientHalf):
         assert isinstance(texts, list) and isinstance(codes, list)
         embed = text_embedder(self.cfg.embedder, self.task.device)
         votes = knn_votes(
-            embed(self.task.texts(ctx.data)),
-            self.task.code_ids(ctx.data).numpy(),
+            embed(capable(self.task, TextView).texts(ctx.data)),
+            capable(self.task, ControlCodes).code_ids(ctx.data).numpy(),
             embed([str(t) for t in texts]),
             np.asarray(codes, dtype=np.int64),
             self.cfg.k,
@@ -420,16 +431,15 @@ class DPSyn(Algorithm):
     def __init__(self, cfg: DPSynConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: DPSynConfig = cfg
-        self.codes = task.codes()
-        self.fm = task.foundation_model()
+        self.codes = capable(task, ControlCodes).codes()
+        self.fm = capable(task, HasFoundationModel).foundation_model()
         self.full = cfg.finetune == "full"
         self.field = "weights" if self.full else "adapter"  # the message and state group
         if self.full:  # the pretrained weights (full_weights leaves the shared base as it was)
             self.params = self.fm.get_weights()
         else:
-            # A fresh init even when an earlier run of this process left the slot trained.
-            self.fm.reset_adapter(ADAPTER, seed=derive_seed(run.seed, "adapter"))
-            self.params = self.fm.get_adapter(ADAPTER)
+            with self.fm.slot(ADAPTER, None, seed=derive_seed(run.seed, "adapter")):
+                self.params = self.fm.get_adapter(ADAPTER)
         # FFA-LoRA (task.lora.freeze_a): A stays as drawn; only B travels and is averaged.
         self.frozen_a = a_of(self.params) if not self.full and ffa_lora(task) else {}
         self.params = {k: v for k, v in self.params.items() if k not in self.frozen_a}
@@ -570,7 +580,7 @@ class DPSyn(Algorithm):
             "profile.json",
             {"codes": self.codes, "noisy_profile": self.profile.tolist(), "allotment": allotment},
         )
-        self.artefacts.write_json(HELDOUT, self.task.heldout())
+        self.artefacts.write_json(HELDOUT, capable(self.task, ControlCodes).heldout())
         return {
             "synthetic": len(self.synthetic),
             "codes_without_samples": len(empty),
@@ -591,12 +601,12 @@ class DPSyn(Algorithm):
             if tuned and self.full:
                 stack.enter_context(self.fm.full_weights(self.params))
             elif tuned:
-                self.fm.set_adapter(ADAPTER, {**self.frozen_a, **self.params})
+                stack.enter_context(self.fm.slot(ADAPTER, {**self.frozen_a, **self.params}))
                 adapters = [ADAPTER]
             return self._generate_codes(allotment, adapters)
 
     def _generate_codes(self, allotment: list[int], adapters: list[str]) -> list[dict[str, Any]]:
-        labels = self.task.code_labels()
+        labels = capable(self.task, ControlCodes).code_labels()
         out: list[dict[str, Any]] = []
         for j, s in enumerate(allotment):
             if s == 0:

@@ -16,7 +16,7 @@ import numpy as np
 from fedfm.core.seeding import derive_seed
 from fedfm.eval.synthetic import SyntheticEvalConfig, synthetic_scores
 from fedfm.models.encoders import text_embedder
-from fedfm.tasks.base import Task
+from fedfm.tasks.base import Task, TextView, capable
 
 Predictions = dict[str, dict[str, np.ndarray]]
 """Scored set (``gen``, ``vote``, ``real``, ``floor``) -> classifier -> prediction per test row."""
@@ -46,7 +46,7 @@ class SyntheticScorer:
     def test_embeddings(self) -> np.ndarray:
         """The held-out rows' embeddings, computed once."""
         if self._test_emb is None:
-            self._test_emb = self.embed()(self.task.texts(self.task.test_data()))
+            self._test_emb = self.embed()(capable(self.task, TextView).texts(self.task.test_data()))
         return self._test_emb
 
     def scores(
@@ -62,7 +62,7 @@ class SyntheticScorer:
         labels: list[int] = []
         for cid in self.task.client_ids():
             data = self.task.client_data(cid)
-            texts += self.task.texts(data)
+            texts += capable(self.task, TextView).texts(data)
             labels += [int(y) for y in data.y]
         return {f"real/{k}": v for k, v in self._score(texts, labels, "real", preds).items()}
 

@@ -78,7 +78,7 @@ from fedfm.core.train import client_config, local_round
 from fedfm.core.userdp import UPDATE_META
 from fedfm.errors import ConfigError
 from fedfm.eval.compare import UpdateCosines
-from fedfm.tasks.base import ITEM_RESULTS, Task, TaskConfig
+from fedfm.tasks.base import ITEM_RESULTS, ItemResults, Task, TaskConfig, capable
 
 TRAIN = MessageKind(
     "train",
@@ -276,7 +276,7 @@ def evaluate_on_test(task: Task, model: nn.Module) -> dict[str, Any]:
     them to the run's ``eval_items.jsonl``).
     """
     if ITEM_RESULTS in type(task).provides(task.cfg):
-        metrics, items = task.evaluate_items(model, task.test_data())
+        metrics, items = capable(task, ItemResults).evaluate_items(model, task.test_data())
         return {**metrics, "items": items}
     return dict(task.evaluate(model, task.test_data()))
 

@@ -110,6 +110,7 @@ Choices of ours (the paper does not make them; each is a config option or stated
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -149,7 +150,16 @@ from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
 from fedfm.models.encoders import Encoder, load_encoder
-from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, Task, TaskConfig, require
+from fedfm.tasks.base import (
+    FOUNDATION_MODEL,
+    ITEM_RESULTS,
+    HasFoundationModel,
+    ItemResults,
+    Task,
+    TaskConfig,
+    capable,
+    require,
+)
 from fedfm.tasks.lm import InstructionData
 
 log = logging.getLogger("fedfm")
@@ -309,7 +319,7 @@ class Features:
     def __init__(self, cfg: FedHDSConfig, task: Task) -> None:
         self.cfg = cfg
         self.task = task
-        self.fm: FoundationModel = task.foundation_model()
+        self.fm: FoundationModel = capable(task, HasFoundationModel).foundation_model()
         self._feature_model: Encoder | None = None
         self._usable: dict[str, tuple[list[int], list[list[int]]]] = {}
         if self.turbo:
@@ -378,13 +388,18 @@ class FedHDSClient(ClientHalf):
         super().__init__(cfg, task, run)
         assert isinstance(cfg, FedHDSConfig), type(cfg)
         self.cfg: FedHDSConfig = cfg
-        self.fm: FoundationModel = task.foundation_model()
-        self.fm.ensure_adapter(ADAPTER, seed=run.seed)  # its tensors come in every message
+        self.fm: FoundationModel = capable(task, HasFoundationModel).foundation_model()
         self.features = Features(cfg, task)
 
     @override
     def handlers(self) -> dict[str, Handler]:
         return {"select": self.select, "train": self.train}
+
+    def _slot(self, msg: Message) -> contextlib.AbstractContextManager[Any]:
+        """The message's adapter in the ``global`` slot (none in FedHDS-Turbo's ``select``)."""
+        if ADAPTER not in msg.arrays:
+            return contextlib.nullcontext()
+        return self.fm.slot(ADAPTER, msg.arrays[ADAPTER])
 
     def _features(self, ctx: ClientContext) -> np.ndarray:
         """Features of this client; FedHDS-Turbo's are computed once and kept in its state."""
@@ -399,8 +414,10 @@ class FedHDSClient(ClientHalf):
 
     def select(self, ctx: ClientContext, msg: Message) -> Message:
         """Features, t-SNE and HDBSCAN; replies centroids and ids, ids only, or every point."""
-        if ADAPTER in msg.arrays:
-            self.fm.set_adapter(ADAPTER, msg.arrays[ADAPTER])
+        with self._slot(msg):
+            return self._select(ctx, msg)
+
+    def _select(self, ctx: ClientContext, msg: Message) -> Message:
         t0 = time.perf_counter()
         x = self._features(ctx)
         n = len(x)
@@ -450,6 +467,10 @@ class FedHDSClient(ClientHalf):
 
     def train(self, ctx: ClientContext, msg: Message) -> Message:
         """LoRA training on the coreset the plan names (see :data:`CORESETS`)."""
+        with self._slot(msg):
+            return self._train(ctx, msg)
+
+    def _train(self, ctx: ClientContext, msg: Message) -> Message:
         rows = _instruction_data(ctx.data)
         keep = self.features.usable(ctx.cid, rows)[0]
         pick = msg.meta["pick"]
@@ -464,7 +485,6 @@ class FedHDSClient(ClientHalf):
         positions = CORESETS.get(str(msg.meta["plan"]))(req)
         ids = rows.ids()
         coreset = rows.subset([ids[keep[p]] for p in positions])
-        self.fm.set_adapter(ADAPTER, msg.arrays[ADAPTER])
         cfg = client_config(ctx, self.run.train)
         t0 = time.perf_counter()
         batches = self.task.batches(coreset, cfg.batch_size, ctx.rng_seed("batches"))
@@ -489,9 +509,9 @@ class FedHDS(Algorithm):
     def __init__(self, cfg: FedHDSConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedHDSConfig = cfg
-        self.fm: FoundationModel = task.foundation_model()
-        self.fm.reset_adapter(ADAPTER, seed=run.seed)  # the seeded init, whatever ran before
-        self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
+        self.fm: FoundationModel = capable(task, HasFoundationModel).foundation_model()
+        with self.fm.slot(ADAPTER, None, seed=run.seed):  # the seeded init
+            self.params: dict[str, Tensor] = self.fm.get_adapter(ADAPTER)
         self.opt = ServerOptimizer(cfg.server_opt, cfg.aggregator)
         self.selection = SELECTIONS.get(cfg.selection)
         self.clusters = ClusterSettings(
@@ -598,9 +618,11 @@ class FedHDS(Algorithm):
         One t-SNE over the pooled features gives every row's 2-D point; a pool too small to
         cluster gives none (every client then trains on all its rows).
         """
-        self.fm.set_adapter(ADAPTER, self.params)
         t0 = time.perf_counter()
-        feats = {cid: self.features.raw_features(self.task.client_data(cid), cid) for cid in cids}
+        with self.fm.slot(ADAPTER, self.params):
+            feats = {
+                cid: self.features.raw_features(self.task.client_data(cid), cid) for cid in cids
+            }
         plan = Plan(pool={cid: len(x) for cid, x in feats.items()})
         received = Received(list(cids), plan.pool)
         pooled = np.concatenate(list(feats.values()))
@@ -667,17 +689,18 @@ class FedHDS(Algorithm):
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         """The task's metrics plus Rouge-L of every item against its reference."""
-        self.fm.set_adapter(ADAPTER, self.params)
-        with self.fm.use([ADAPTER]) as model:
-            metrics, items = self.task.evaluate_items(model, self.task.test_data())
+        with self.fm.slot(ADAPTER, self.params), self.fm.use([ADAPTER]) as model:
+            metrics, items = capable(self.task, ItemResults).evaluate_items(
+                model, self.task.test_data()
+            )
         # Every item with its Rouge-L goes to the run's eval_items.jsonl (paired statistics).
         rows = [{**i, "rougeL": _rouge_of(i)} for i in items]
         return {**metrics, **rouge_all(items), "items": rows}
 
     @override
     def export_adapter(self, folder: Path) -> bool:
-        self.fm.set_adapter(ADAPTER, self.params)
-        self.fm.save_adapter(ADAPTER, folder)
+        with self.fm.slot(ADAPTER, self.params):
+            self.fm.save_adapter(ADAPTER, folder)
         return True
 
     @override

@@ -34,9 +34,10 @@ change one default, the server objective (:data:`fedfm.models.objectives.OBJECTI
 
 The other baselines are presets of plain ``fedavg``: the student alone, federated LoRA on
 the text foundation model (the text task's ``encoder-lora-classifier``) and a federated
-adapter on the frozen vision foundation model (``fm-adapter``, :mod:`fedfm.models.fm_adapter`);
-FedAvg exchanges only trainable tensors, so only adapters and heads travel. Fed-CRD, Fed-VID
-and SemCKD, the paper's other KD baselines, are not implemented.
+adapter on the frozen vision foundation model (``fm-adapter``,
+:mod:`fedfm.models.efficientnet_adapter`); FedAvg exchanges only trainable tensors, so only
+adapters and heads travel. Fed-CRD, Fed-VID and SemCKD, the paper's other KD baselines, are
+not implemented.
 
 Choices of ours, not made by the paper:
 
@@ -121,7 +122,17 @@ from fedfm.models.encoders import (
 )
 from fedfm.models.objectives import OBJECTIVES
 from fedfm.models.reprogram import CoTrainer, as_student, head_width
-from fedfm.tasks.base import IMAGE_VIEW, SPLIT_INPUTS, TEXT_VIEW, Task, TaskConfig, require
+from fedfm.tasks.base import (
+    IMAGE_VIEW,
+    SPLIT_INPUTS,
+    TEXT_VIEW,
+    SplitInputs,
+    Task,
+    TaskConfig,
+    capable,
+    require,
+    split_view,
+)
 from fedfm.tasks.public import public_split, require_public_set, transfer_split
 
 log = logging.getLogger("fedfm")
@@ -188,7 +199,7 @@ def public_batches(
             idx = perm[s : s + bs]
             if len(idx) < 2:
                 continue
-            yield task.inputs(data, idx), data.y[idx], feats[idx]
+            yield capable(task, SplitInputs).inputs(data, idx), data.y[idx], feats[idx]
 
 
 # --------------------------------------------------------------------------- the algorithm
@@ -318,7 +329,7 @@ class FedRD(Algorithm):
 
         The foundation model is loaded on the first row not cached.
         """
-        inputs = self.task.view(teacher_view(self._teacher_name()), data)
+        inputs = split_view(self.task, teacher_view(self._teacher_name()), data)
         return feature_cache(key)(inputs, lambda rows: self.teacher().encode(rows))
 
     def server(self) -> ServerHalf:
@@ -366,7 +377,9 @@ class FedRD(Algorithm):
 
     def _check_student_width(self, student: nn.Module, public: Any, head_in: int) -> None:
         with torch.no_grad():
-            x = to_device(self.task.inputs(public, [0, 1]), model_device(student))
+            x = to_device(
+                capable(self.task, SplitInputs).inputs(public, [0, 1]), model_device(student)
+            )
             width = as_student(student).features(x).shape[-1]
         if width != head_in:
             raise ConfigError(
@@ -507,10 +520,11 @@ class FedRD(Algorithm):
         device = model_device(model)
         f_t, z_t = (t.cpu() for t in model.teacher(feats.to(device)))
         student = as_student(model.student)
+        rows = capable(self.task, SplitInputs)
         f_s = torch.cat(
             [
                 student.features(
-                    to_device(self.task.inputs(data, range(s, min(s + 256, len(data)))), device)
+                    to_device(rows.inputs(data, range(s, min(s + 256, len(data)))), device)
                 ).cpu()
                 for s in range(0, len(data), 256)
             ]

@@ -77,7 +77,7 @@ from fedfm.core.messages import MAX_EXAMPLES, Message, MessageKind, MetaSpec
 from fedfm.core.seeding import derive_seed
 from fedfm.errors import FedfmError
 from fedfm.models.generation import GenerationConfig, Reply
-from fedfm.tasks.base import FOUNDATION_MODEL, require
+from fedfm.tasks.base import FOUNDATION_MODEL, HasFoundationModel, capable, require
 
 if TYPE_CHECKING:
     from fedfm.algorithms.base import Algorithm
@@ -266,7 +266,7 @@ class FedSD:
 
         def refine(ctx: ClientContext, msg: Message) -> Message:
             task.set_params(model, msg.arrays["params"])
-            fm = task.foundation_model()
+            fm = capable(task, HasFoundationModel).foundation_model()
             return self.rewrite(ctx, fm, fm.active, msg.arrays["params"])
 
         return {"refine": refine}

@@ -37,6 +37,8 @@ Choices of ours (the paper is silent):
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -64,7 +66,7 @@ from fedfm.core.secagg import refuse_non_sum
 from fedfm.core.seeding import derive_seed
 from fedfm.core.train import TrainResult, client_config, local_train, num_steps, trainable
 from fedfm.fm import FoundationModel
-from fedfm.tasks.base import Task, TaskConfig
+from fedfm.tasks.base import HasFoundationModel, Task, TaskConfig, capable
 
 R = "lora_r"  # the rectification stream: trained on raw data, the only one aggregated
 S = "lora_s"  # the smoothing stream: trained on the distilled data, never leaves the client
@@ -131,8 +133,7 @@ class FedSDRClient(ClientHalf):
         super().__init__(cfg, task, run)
         assert isinstance(cfg, FedSDRConfig), type(cfg)
         self.cfg: FedSDRConfig = cfg
-        self.fm = task.foundation_model()
-        self.fm.ensure_adapter(R, seed=run.seed)  # its tensors come in every message
+        self.fm = capable(task, HasFoundationModel).foundation_model()
         self.fedsd = FedSD(cfg)
         self._stage_r = run.train.model_copy(update={"prox_mu": cfg.prox_mu})
 
@@ -142,18 +143,24 @@ class FedSDRClient(ClientHalf):
 
     def refine(self, ctx: ClientContext, msg: Message) -> Message:
         """Round 0: the global LoRA-R rewrites the client's answers (see :class:`FedSD`)."""
-        self.fm.set_adapter(R, msg.arrays["params"])
-        return self.fedsd.rewrite(ctx, self.fm, [R], msg.arrays["params"])
+        with self.fm.slot(R, msg.arrays["params"]):
+            return self.fedsd.rewrite(ctx, self.fm, [R], msg.arrays["params"])
 
-    def _load_s(self, ctx: ClientContext, fresh: bool) -> None:
+    @contextlib.contextmanager
+    def _slots(self, ctx: ClientContext, msg: Message, fresh: bool) -> Iterator[None]:
+        """LoRA-R from the message and this client's LoRA-S (a seeded init when ``fresh``)."""
         seed = derive_seed(ctx.seed, ctx.cid, "lora_s", ctx.rnd if self.cfg.reset_s else 0)
-        self.fm.load_adapter(S, None if fresh else ctx.state.get_group(S_GROUP), seed=seed)
+        s_state = None if fresh else ctx.state.get_group(S_GROUP)
+        with self.fm.slot(R, msg.arrays["params"]), self.fm.slot(S, s_state, seed=seed):
+            yield
 
     def train(self, ctx: ClientContext, msg: Message) -> Message:
         """Stage 1 (LoRA-S on ``D_dist``), stage 2 (LoRA-R on ``D_raw``); uploads LoRA-R."""
+        with self._slots(ctx, msg, fresh=self.cfg.reset_s):
+            return self._train(ctx, msg)
+
+    def _train(self, ctx: ClientContext, msg: Message) -> Message:
         fm, task, cfg = self.fm, self.task, client_config(ctx, self.run.train)
-        fm.set_adapter(R, msg.arrays["params"])
-        self._load_s(ctx, fresh=self.cfg.reset_s)
         n = task.num_examples(ctx.data)
         distilled = self.fedsd.data(ctx)
         smooth = task.batches(distilled, cfg.batch_size, ctx.rng_seed("stage-s"))
@@ -166,10 +173,9 @@ class FedSDRClient(ClientHalf):
 
     def evaluate(self, ctx: ClientContext, msg: Message) -> Message:
         """The client's personal model (global LoRA-R + its own LoRA-S) on its local split."""
-        self.fm.set_adapter(R, msg.arrays["params"])
-        self._load_s(ctx, fresh=not ctx.state.get_group(S_GROUP))
         data = self.task.client_test_data(ctx.cid)
-        with self.fm.use([R, S]) as model:
+        fresh = not ctx.state.get_group(S_GROUP)
+        with self._slots(ctx, msg, fresh), self.fm.use([R, S]) as model:
             metrics = self.task.evaluate(model, data)
         n = self.task.num_examples(data)
         return Message("evaluate", meta={"num_examples": n, "metrics": metrics})
@@ -187,10 +193,9 @@ class FedSDR(Algorithm):
     def __init__(self, cfg: FedSDRConfig, task: Task, run: RunConfig) -> None:
         super().__init__(cfg, task, run)
         self.cfg: FedSDRConfig = cfg
-        self.fm = task.foundation_model()
-        # Reset, not ensure: the process-wide model may hold an R of an earlier run.
-        self.fm.reset_adapter(R, seed=run.seed)
-        self.params: dict[str, Tensor] = self.fm.get_adapter(R)
+        self.fm = capable(task, HasFoundationModel).foundation_model()
+        with self.fm.slot(R, None, seed=run.seed):  # LoRA-R's seeded init
+            self.params: dict[str, Tensor] = self.fm.get_adapter(R)
         self.origin = {k: v.clone() for k, v in self.params.items()}  # θ_0 of update_norm
         self.opt = self.server_optimizer(cfg.server_opt, cfg.aggregator)
         self.fedsd = FedSD(cfg)
@@ -217,8 +222,7 @@ class FedSDR(Algorithm):
     @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         """The global model (base + LoRA-R) on the test set; personal models when asked."""
-        self.fm.set_adapter(R, self.params)
-        with self.fm.use([R]) as model:
+        with self.fm.slot(R, self.params), self.fm.use([R]) as model:
             out = evaluate_on_test(self.task, model)
         if self.cfg.personal_eval:
             out.update(evaluate_personal(fed, self.params))
@@ -227,8 +231,8 @@ class FedSDR(Algorithm):
     @override
     def export_adapter(self, folder: Path) -> bool:
         """The global model is the base with LoRA-R (LoRA-S never leaves its client)."""
-        self.fm.set_adapter(R, self.params)
-        self.fm.save_adapter(R, folder)
+        with self.fm.slot(R, self.params):
+            self.fm.save_adapter(R, folder)
         return True
 
     @override

@@ -25,14 +25,20 @@ internals. What it offers:
   function for both (:meth:`FoundationModel.dp_train` with :class:`Adapters` or
   :class:`FullWeights`).
 
-Per-client adapters. In the embedded runtime one process holds one slot per adapter name,
-shared by every simulated client. A client's own adapter (FedSDR's ``LoRA-S``) lives in its
-:class:`~fedfm.core.state.ClientState` and is put into the slot at the start of each
-handler with :meth:`FoundationModel.load_adapter`, which re-initialises the slot (seeded) for a
-client that has no state yet instead of leaving the previous client's tensors there.
+Adapter slots. In the embedded runtime one process holds one slot per adapter name, shared by
+every simulated client and every run of the process. Code reads or trains an adapter only
+inside :meth:`FoundationModel.slot`, which loads the tensors it is given (a message's global
+adapter, or a client's own one from its :class:`~fedfm.core.state.ClientState`, such as
+FedSDR's ``LoRA-S``), or a fresh seeded init for a client that has none yet, and puts back
+what the slot held when the block ends. So no code depends on what another client, half or
+run left in a slot.
+
+The base models and their adapters sit in one process cache (:mod:`fedfm.fm.bases`); the
+causal LMs of the encoder registry read the same shared bases.
 """
 
-from fedfm.fm.handle import Adapters, FoundationModel, FullWeights, base_key, shared_base
+from fedfm.fm.bases import base_key, shared_base
+from fedfm.fm.handle import Adapters, FoundationModel, FullWeights
 from fedfm.models.generation import GenerationConfig, Reply
 
 __all__ = [

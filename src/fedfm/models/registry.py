@@ -25,7 +25,7 @@ _BUILDER_MODULES = (
     "fedfm.models.encoders",
     "fedfm.models.vision",
     "fedfm.models.students",
-    "fedfm.models.fm_adapter",
+    "fedfm.models.efficientnet_adapter",
 )
 
 

@@ -4,19 +4,24 @@ A task is built deterministically from the run config, so every process (server,
 clients) rebuilds the same partitions; a client only reads its own. Algorithms reach data and
 models only through the task.
 
-Beyond the required API, a task may provide optional *capabilities*, each a small set of
-documented methods (:data:`CAPABILITIES`). A task class says which it provides for a config
-(:meth:`Task.provides`); an algorithm that needs one checks for it when the config is loaded
-(:meth:`fedfm.algorithms.base.Algorithm.check_task`), so a missing capability is one line
-naming the field, never an error halfway through a run.
+:class:`Task` is the core every task has (clients' data, the model, batches, loss,
+evaluation, what of a model travels). Beyond it a task may provide optional *capabilities*,
+each a small protocol of documented methods (:class:`PublicSplit`, :class:`SourceRows`, ...;
+:data:`CAPABILITIES` by name). A task class implements a capability's methods and declares
+for which configs it provides it (:meth:`Task.provides`); an algorithm that needs one
+checks for it when the config is loaded (:func:`require`, from
+:meth:`fedfm.algorithms.base.Algorithm.check_task`), so a missing capability is one line
+naming the field, never an error halfway through a run. Code reaches a capability's methods
+through :func:`capable`, which gives the task typed as that protocol.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -50,20 +55,151 @@ FOUNDATION_MODEL = "foundation_model"
 ITEM_RESULTS = "item_results"
 CONTROL_CODES = "control_codes"
 
-CAPABILITIES: dict[str, str] = {
-    PUBLIC_SPLIT: "public_data(): a public proxy split that no client holds",
-    SOURCE_ROWS: "pool_ids() and rows(ids): the source's training rows by sample id, as task data",
-    SPLIT_INPUTS: "inputs(data, idx): model inputs of some rows of a labelled split",
-    IMAGE_VIEW: "images(data): a split's images as one tensor [N, C, H, W] in [0, 1]",
-    TEXT_VIEW: "texts(data): a split's raw texts",
-    FOUNDATION_MODEL: "foundation_model(): the handle on the task's LLM (fedfm.fm)",
-    ITEM_RESULTS: "evaluate_items(model, data): one evaluation record per item",
-    CONTROL_CODES: (
-        "codes(), code_ids(data), code_labels() and heldout(): public control codes, each row's"
-        " code, each code's class label, and the real held-out rows by source and sample id"
+
+class PublicSplit(Protocol):
+    """:data:`PUBLIC_SPLIT`: a public proxy split that no client holds."""
+
+    def public_data(self) -> Any:
+        """Public proxy data, disjoint from every client's by sample id."""
+        ...
+
+
+class SourceRows(Protocol):
+    """:data:`SOURCE_ROWS`: the source's training rows by sample id, as task data."""
+
+    def pool_ids(self) -> np.ndarray:
+        """Sample ids of the source's training rows (the clients' pool)."""
+        ...
+
+    def rows(self, ids: Sequence[int]) -> Any:
+        """The training rows with these sample ids, in the source's order, prepared exactly
+        as client data."""
+        ...
+
+
+class SplitInputs(Protocol):
+    """:data:`SPLIT_INPUTS`: model inputs of some rows of a labelled split."""
+
+    def inputs(self, data: Any, idx: Sequence[int]) -> Any:
+        """Model inputs of rows ``idx`` of ``data`` (one batch)."""
+        ...
+
+
+class ImageView(Protocol):
+    """:data:`IMAGE_VIEW`: a split's images."""
+
+    def images(self, data: Any) -> Tensor:
+        """The images of ``data`` as one tensor ``[N, C, H, W]`` in [0, 1]."""
+        ...
+
+
+class TextView(Protocol):
+    """:data:`TEXT_VIEW`: a split's raw texts."""
+
+    def texts(self, data: Any) -> list[str]:
+        """The raw texts of ``data``."""
+        ...
+
+
+class HasFoundationModel(Protocol):
+    """:data:`FOUNDATION_MODEL`: the handle on the task's LLM."""
+
+    def foundation_model(self) -> FoundationModel:
+        """The handle on the task's LLM (shared frozen base, named adapters, generation,
+        features, DP-SGD); see :mod:`fedfm.fm`."""
+        ...
+
+
+class ItemResults(Protocol):
+    """:data:`ITEM_RESULTS`: one evaluation record per item."""
+
+    def evaluate_items(
+        self, model: nn.Module, data: Any
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:meth:`Task.evaluate` plus one record per evaluated item (``id``, ``domain``,
+        ``prompt``, ``reference``, ``answer``, ``score``), for win rates and distribution
+        analyses."""
+        ...
+
+
+class ControlCodes(Protocol):
+    """:data:`CONTROL_CODES`: public control codes and each row's code."""
+
+    def codes(self) -> list[str]:
+        """The public control codes (labels, topics) in a fixed order."""
+        ...
+
+    def code_ids(self, data: Any) -> Tensor:
+        """Each row's code as an index into :meth:`codes` (``[N]``)."""
+        ...
+
+    def code_labels(self) -> list[int | None]:
+        """Each code's class label (``None`` where a code has none)."""
+        ...
+
+    def heldout(self) -> dict[str, Any]:
+        """The server's real held-out rows (``dataset``, ``source_options``,
+        ``class_names``, sample ``ids``), so a synthetic set can be tested on them later
+        (:mod:`fedfm.data.synthetic`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Capability:
+    """An optional task capability.
+
+    Attributes:
+        protocol: The methods a task that provides it implements.
+        help: What it is, in one line (named when an algorithm needs it).
+        missing: The one-line refusal when a task lacks it (``{kind}``: the task's kind).
+    """
+
+    protocol: type
+    help: str
+    missing: str = "'{kind}' does not provide {name}"
+
+
+CAPABILITIES: dict[str, Capability] = {
+    PUBLIC_SPLIT: Capability(
+        PublicSplit, "public_data(): a public proxy split that no client holds"
+    ),
+    SOURCE_ROWS: Capability(
+        SourceRows,
+        "pool_ids() and rows(ids): the source's training rows by sample id, as task data",
+    ),
+    SPLIT_INPUTS: Capability(
+        SplitInputs, "inputs(data, idx): model inputs of some rows of a labelled split"
+    ),
+    IMAGE_VIEW: Capability(
+        ImageView, "images(data): a split's images as one tensor [N, C, H, W] in [0, 1]"
+    ),
+    TEXT_VIEW: Capability(TextView, "texts(data): a split's raw texts"),
+    FOUNDATION_MODEL: Capability(
+        HasFoundationModel,
+        "foundation_model(): the handle on the task's LLM (fedfm.fm)",
+        "task '{kind}' has no foundation model (LLM algorithms need e.g. kind: instruction)",
+    ),
+    ITEM_RESULTS: Capability(
+        ItemResults,
+        "evaluate_items(model, data): one evaluation record per item",
+        "task '{kind}' keeps no per-item results",
+    ),
+    CONTROL_CODES: Capability(
+        ControlCodes,
+        "codes(), code_ids(data), code_labels() and heldout(): public control codes, each"
+        " row's code, each code's class label, and the real held-out rows by source and"
+        " sample id",
     ),
 }
-"""Optional task capabilities: name -> the methods that provide it."""
+"""Optional task capabilities by name."""
+
+_BY_PROTOCOL: dict[type, str] = {cap.protocol: name for name, cap in CAPABILITIES.items()}
+P = TypeVar("P")
+
+
+def _methods(protocol: type) -> list[str]:
+    """The methods a capability's protocol names."""
+    return [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
 
 
 class LabelledSplit(Protocol):
@@ -215,88 +351,9 @@ class Task(ABC):
     # ----- optional capabilities (CAPABILITIES) -----
     @classmethod
     def provides(cls, cfg: TaskConfig) -> frozenset[str]:
-        """The optional capabilities this task provides with config ``cfg``."""
+        """The optional capabilities this task provides with config ``cfg`` (it implements
+        each one's protocol)."""
         return frozenset()
-
-    def public_data(self) -> Any:
-        """:data:`PUBLIC_SPLIT`: public proxy data, disjoint from every client's by sample id."""
-        raise self._missing(PUBLIC_SPLIT)
-
-    def pool_ids(self) -> np.ndarray:
-        """:data:`SOURCE_ROWS`: sample ids of the source's training rows (the clients' pool)."""
-        raise self._missing(SOURCE_ROWS)
-
-    def rows(self, ids: Sequence[int]) -> Any:
-        """:data:`SOURCE_ROWS`: the training rows with these sample ids, as task data.
-
-        Rows come in the source's order and are prepared exactly as client data.
-        """
-        raise self._missing(SOURCE_ROWS)
-
-    def inputs(self, data: Any, idx: Sequence[int]) -> Any:
-        """:data:`SPLIT_INPUTS`: model inputs of rows ``idx`` of ``data`` (one batch)."""
-        raise self._missing(SPLIT_INPUTS)
-
-    def images(self, data: Any) -> Tensor:
-        """:data:`IMAGE_VIEW`: the images of ``data`` as one tensor ``[N, C, H, W]`` in [0, 1]."""
-        raise self._missing(IMAGE_VIEW)
-
-    def texts(self, data: Any) -> list[str]:
-        """:data:`TEXT_VIEW`: the raw texts of ``data``."""
-        raise self._missing(TEXT_VIEW)
-
-    def view(self, capability: str, data: Any) -> Any:
-        """``data`` through the view named by ``capability`` (:data:`IMAGE_VIEW`, ...)."""
-        views = {IMAGE_VIEW: self.images, TEXT_VIEW: self.texts}
-        if capability not in views:
-            raise ValueError(f"'{capability}' is not a view of a split")
-        return views[capability](data)
-
-    def _missing(self, capability: str) -> ConfigError:
-        return ConfigError("task.kind", f"'{self.cfg.kind}' does not provide {capability}")
-
-    def codes(self) -> list[str]:
-        """:data:`CONTROL_CODES`: the public control codes (labels, topics) in a fixed order."""
-        raise self._missing(CONTROL_CODES)
-
-    def code_ids(self, data: Any) -> Tensor:
-        """:data:`CONTROL_CODES`: each row's code as an index into :meth:`codes` (``[N]``)."""
-        raise self._missing(CONTROL_CODES)
-
-    def code_labels(self) -> list[int | None]:
-        """:data:`CONTROL_CODES`: each code's class label (``None`` where a code has none)."""
-        raise self._missing(CONTROL_CODES)
-
-    def heldout(self) -> dict[str, Any]:
-        """:data:`CONTROL_CODES`: the server's real held-out rows (``dataset``,
-        ``source_options``, ``class_names``, sample ``ids``), so a synthetic set can be
-        tested on them later (:mod:`fedfm.data.synthetic`)."""
-        raise self._missing(CONTROL_CODES)
-
-    def evaluate_items(
-        self, model: nn.Module, data: Any
-    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """:meth:`evaluate` plus one record per evaluated item (``id``, ``domain``, ``prompt``,
-        ``reference``, ``answer``, ``score``), for win rates and distribution analyses.
-
-        Raises:
-            ConfigError: The task keeps no per-item results (field ``task.kind``).
-        """
-        raise ConfigError("task.kind", f"task '{self.cfg.kind}' keeps no per-item results")
-
-    def foundation_model(self) -> FoundationModel:
-        """The handle on the task's LLM (shared frozen base, named adapters, generation,
-        features, DP-SGD); see :mod:`fedfm.fm`.
-
-        Raises:
-            ConfigError: The task has no foundation model (field ``task.kind``); an LLM
-                algorithm asks for it when it is built, so this surfaces at config load.
-        """
-        raise ConfigError(
-            "task.kind",
-            f"task '{self.cfg.kind}' has no foundation model (LLM algorithms need e.g. "
-            "kind: instruction)",
-        )
 
 
 def require(
@@ -314,12 +371,49 @@ def require(
     Raises:
         ConfigError: The task does not provide the capability with this config.
     """
+    cap = CAPABILITIES[capability]
     if capability not in task_cls.provides(task_cfg):
         raise ConfigError(
             field,
-            f"{needed_for} needs {CAPABILITIES[capability]}; task '{task_cfg.kind}' does not"
+            f"{needed_for} needs {cap.help}; task '{task_cfg.kind}' does not"
             " provide it with this config",
         )
+    lacking = [m for m in _methods(cap.protocol) if not callable(getattr(task_cls, m, None))]
+    if lacking:  # declared but not implemented: a fault of the task class
+        raise ConfigError(
+            "task.kind", f"task '{task_cfg.kind}' declares {capability} but lacks {lacking}"
+        )
+
+
+def capable(task: Task, protocol: Callable[..., P]) -> P:
+    """``task`` typed as a capability's protocol, once it provides that capability.
+
+    Algorithms check what they need with :func:`require` at config load; this is where they
+    reach the methods.
+
+    Raises:
+        ConfigError: The task does not provide it with its config (field ``task.kind``).
+    """
+    name = _BY_PROTOCOL[cast(type, protocol)]
+    if name not in task.provides(task.cfg):
+        kind = task.cfg.kind
+        raise ConfigError("task.kind", CAPABILITIES[name].missing.format(kind=kind, name=name))
+    return cast(P, task)
+
+
+def split_view(task: Task, capability: str, data: Any) -> Any:
+    """``data`` through the view named by ``capability`` (:data:`IMAGE_VIEW` or
+    :data:`TEXT_VIEW`).
+
+    Raises:
+        ValueError: ``capability`` is not a view of a split.
+        ConfigError: The task does not provide that view (field ``task.kind``).
+    """
+    if capability == IMAGE_VIEW:
+        return capable(task, ImageView).images(data)
+    if capability == TEXT_VIEW:
+        return capable(task, TextView).texts(data)
+    raise ValueError(f"'{capability}' is not a view of a split")
 
 
 def classification_metrics(logits: Tensor, y: Tensor) -> dict[str, float]:

@@ -20,7 +20,16 @@ import numpy as np
 
 from fedfm.core.seeding import derive_seed
 from fedfm.errors import ConfigError
-from fedfm.tasks.base import PUBLIC_SPLIT, SOURCE_ROWS, Task, TaskConfig, require
+from fedfm.tasks.base import (
+    PUBLIC_SPLIT,
+    SOURCE_ROWS,
+    PublicSplit,
+    SourceRows,
+    Task,
+    TaskConfig,
+    capable,
+    require,
+)
 
 
 def require_public_set(
@@ -102,7 +111,7 @@ def public_split(
         ConfigError: No public set can be formed, or it overlaps client data or the test set.
     """
     if ids is not None:
-        missing = np.setdiff1d(np.asarray(ids), task.pool_ids())
+        missing = np.setdiff1d(np.asarray(ids), capable(task, SourceRows).pool_ids())
         if len(missing):
             raise ConfigError(
                 "algo.public_ids",
@@ -110,10 +119,10 @@ def public_split(
                 f" (e.g. {missing[:5].tolist()})",
             )
         field_name, origin = "algo.public_ids", "explicit ids"
-        data = task.rows(ids)
+        data = capable(task, SourceRows).rows(ids)
     elif PUBLIC_SPLIT in task.provides(task.cfg):
         field_name, origin = "task.public_size", "the task's public split"
-        data = task.public_data()
+        data = capable(task, PublicSplit).public_data()
     else:
         field_name, origin = "algo.public_size", "unused training rows"
         data = _free_rows(task, size, None, seed, label, "public_size", "")
@@ -145,7 +154,7 @@ def _free_rows(
     Raises:
         ConfigError: Fewer free rows than ``size`` (field ``algo.<option>``).
     """
-    pool_ids = task.pool_ids()
+    pool_ids = capable(task, SourceRows).pool_ids()
     taken = [used_ids(task), np.asarray(task.test_data().ids)]
     if exclude is not None:
         taken.append(exclude)
@@ -157,4 +166,6 @@ def _free_rows(
             f"(lower task.max_train or {option})",
         )
     rng = np.random.default_rng(derive_seed(seed, label))
-    return task.rows(pool_ids[np.sort(rng.choice(free, size=size, replace=False))].tolist())
+    return capable(task, SourceRows).rows(
+        pool_ids[np.sort(rng.choice(free, size=size, replace=False))].tolist()
+    )

@@ -398,8 +398,9 @@ class SupervisedTask(Task):
         return data.x[list(idx)]
 
     def images(self, data: TensorData) -> Tensor:
+        """The images of ``data`` (an image task's only: see :meth:`provides`)."""
         if self.cfg.kind != "image":
-            return super().images(data)
+            raise ConfigError("task.kind", f"'{self.cfg.kind}' does not provide {IMAGE_VIEW}")
         return data.x
 
 

@@ -25,7 +25,7 @@ from fedfm.config import TrainConfig, load_config
 from fedfm.core import train as train_mod
 from fedfm.core.dp import CPUNoiseDPOptimizer
 from fedfm.engine import resolve
-from fedfm.fm import handle as fm_handle
+from fedfm.fm import bases as fm_bases
 from fedfm.models import encoders
 from fedfm.runtime import run
 from fedfm.runtime.flower import client as flower_client
@@ -279,7 +279,7 @@ def test_the_llm_base_is_shared_per_device(monkeypatch) -> None:
         assert {p.device for p in handle.bundle.model.parameters()} == {META}
         assert isinstance(handle.autocast(), contextlib.nullcontext)  # no bf16 on meta
     finally:
-        fm_handle._BASES.pop(handle.key, None)
+        fm_bases.forget(handle.key)
 
 
 def test_encoders_are_built_per_device() -> None:

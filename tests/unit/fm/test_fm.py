@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import fedfm.fm.handle as fmod
+import fedfm.fm.bases as fmod
 from fedfm.config import load_config
 from fedfm.core.train import local_train
 from fedfm.data.prompt import PromptConfig
@@ -16,6 +16,7 @@ from fedfm.engine import build
 from fedfm.errors import ConfigError, FedfmError, UnknownNameError
 from fedfm.models.causal_lm import small_tokenizer
 from fedfm.models.lora import LoraConfigSpec
+from fedfm.tasks.base import HasFoundationModel, capable
 from helpers.bases import tiny_task
 from helpers.models import TINY_FM_LORA, randomize, tiny_fm
 
@@ -144,9 +145,9 @@ def test_base_loaded_once_and_shared_by_every_handle_and_the_fedit_model(tmp_pat
     task = build(cfg).task
     fm = task.foundation_model()
     assert fm is task.foundation_model()
-    n_bases = len(fmod._BASES)
+    n_bases = len(fmod._SHARED)
     other = build(cfg).task.foundation_model()
-    assert other.bundle is fm.bundle and len(fmod._BASES) == n_bases
+    assert other.bundle is fm.bundle and len(fmod._SHARED) == n_bases
     fm.add_adapter("private", seed=1)
     randomize(fm, "private", 2)
     kept = fm.get_adapter("private")
@@ -175,7 +176,7 @@ def test_bad_adapter_names_and_tasks_without_an_llm_name_the_field(tmp_path) -> 
 
     task = build(load_config({"task": {"kind": "toy"}, "out_dir": str(tmp_path)})).task
     with pytest.raises(ConfigError, match=r"task\.kind: task 'toy' has no foundation model"):
-        task.foundation_model()
+        capable(task, HasFoundationModel).foundation_model()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,8 +320,9 @@ def test_a_separate_small_feature_model_is_an_encoder_like_the_llm() -> None:
         # The encoder's vector is the last token's final hidden state.
         torch.testing.assert_close(model.encode(TEXTS), feats[:, -1], rtol=0, atol=1e-6)
     assert small.layer_features(TEXTS).shape == (4, 4, 16)
-    assert small.module is not None and not small.module.training  # frozen, in eval mode
-    assert not any(p.requires_grad for p in small.module.parameters())
+    base = small.stack().backbone  # the process's shared base of that model
+    assert not base.training  # frozen, in eval mode
+    assert not any(p.requires_grad for p in base.parameters())
 
 
 @pytest.mark.slow

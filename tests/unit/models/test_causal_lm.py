@@ -1,4 +1,4 @@
-"""Causal LM loaders: tiny test Llamas, the generation helper, the conversion cache, SmolLM2."""
+"""Causal LM loaders: tiny test Llamas, generation on them, the conversion cache, SmolLM2."""
 
 from __future__ import annotations
 
@@ -9,20 +9,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfm.errors import AssetMissingError, ConfigError
+from fedfm.data.prompt import PromptConfig, chat_prompt
+from fedfm.errors import AssetMissingError, ConfigError, FedfmError
 from fedfm.models.causal_lm import (
     LMBundle,
     _build_once,
-    format_chat,
-    generate_text,
     load_causal_lm,
     small_tokenizer,
     smollm2_tokenizer,
     tiny_llama,
 )
+from fedfm.models.generation import generate
 from fedfm.models.registry import MODELS, build_model
 
 CHAT = "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def format_chat(tok, prompt: str, system: str | None = None) -> str:
+    """A user turn rendered with the chat template, as generation reads it."""
+    return chat_prompt(tok, prompt, system, PromptConfig())
+
+
+def generate_text(model, tok, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 8):
+    """fedfm's one generation path on chat-formatted ``prompts``."""
+    texts = [format_chat(tok, p) for p in prompts]
+    return generate(model, tok, texts, max_new_tokens, batch_size)
 
 
 def _check_frozen(bundle: LMBundle) -> None:
@@ -86,7 +97,7 @@ def test_generate_text_batches_left_padded_and_restores_padding_side() -> None:
     # Left padding with an attention mask: a prompt's greedy reply does not depend on its batch.
     assert together == alone
     assert tok.padding_side == "right"
-    with pytest.raises(ConfigError):
+    with pytest.raises(FedfmError, match="batch_size"):
         generate_text(bundle.model, tok, prompts, batch_size=0)
 
 

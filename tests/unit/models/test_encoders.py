@@ -11,8 +11,9 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from fedfm.errors import AssetMissingError, ConfigError, UnknownNameError
+from fedfm.fm import FoundationModel
+from fedfm.fm.bases import CAUSAL_LMS
 from fedfm.models.encoders import (
-    CAUSAL_LMS,
     Encoder,
     FeatureCache,
     clear_encoders,
@@ -132,4 +133,22 @@ def test_causal_lm_encoders_are_the_model_registry_s_causal_lms() -> None:
     assert all(name in models and encoder_reads(name) == "texts" for name in CAUSAL_LMS)
     tiny = load_encoder("tiny-llama", hidden=16, layers=1, heads=2, seed=3)
     assert tiny.dim == 16 and tiny.num_layers == 1
+    clear_encoders()
+
+
+def test_a_causal_lm_encoder_reads_the_shared_base_without_its_adapters() -> None:
+    args = {"hidden": 16, "layers": 1, "heads": 2, "seed": 4}
+    fm = FoundationModel("tiny-llama", args=args)
+    texts = ["What is 3 + 4?", "hi"]
+    enc = load_encoder("tiny-llama", **args)
+    assert enc.stack().backbone is fm.bundle.model.model  # the shared base, no second copy
+    plain = enc.encode(texts)
+    fm.ensure_adapter("enc-test", seed=1)
+    state = fm.get_adapter("enc-test")
+    fm.set_adapter("enc-test", {k: torch.full_like(v, 0.1) for k, v in state.items()})
+    with fm.use(["enc-test"]):
+        assert torch.equal(enc.encode(texts), plain)  # adapters are off while it encodes
+        assert fm.active == ["enc-test"]  # and back on afterwards
+        assert not torch.equal(fm.features(texts, ["enc-test"], layers=[-1])[:, 0], plain)
+    fm.delete_adapter("enc-test")
     clear_encoders()

@@ -8,8 +8,10 @@ import torch
 from peft import PeftModel
 
 from fedfm.core.groups import get_group
+from fedfm.data.prompt import PromptConfig, chat_prompt
 from fedfm.errors import AssetMissingError, ConfigError, UnknownNameError
-from fedfm.models.causal_lm import generate_text, small_tokenizer, tiny_llama
+from fedfm.models.causal_lm import small_tokenizer, tiny_llama
+from fedfm.models.generation import generate
 from fedfm.models.lora import (
     AdapterStateError,
     LoraConfigSpec,
@@ -90,7 +92,9 @@ def test_two_active_adapters_add_their_deltas_on_a_layer() -> None:
     assert not torch.allclose(both, second, atol=1e-4)
     # peft generates with a list of active adapters.
     set_active(model, ["first", "second"], [])
-    replies = generate_text(model, small_tokenizer(), ["hi", "hello there"], max_new_tokens=3)
+    tok = small_tokenizer()
+    prompts = [chat_prompt(tok, p, None, PromptConfig()) for p in ["hi", "hello there"]]
+    replies = generate(model, tok, prompts, max_new_tokens=3)
     assert len(replies) == 2
 
 
