@@ -205,8 +205,9 @@ class AdapterSlots:
         return {name: self.get(name) for name in names}
 
     def param_names(self, name: str) -> dict[str, str]:
-        """Key of each of adapter ``name``'s tensors (as :meth:`get` gives them) ->
-        its parameter name in :attr:`model`, for training loops that find tensors by name.
+        """Parameter name in :attr:`model` of each of adapter ``name``'s tensors.
+
+        Keyed as :meth:`get` gives them, for training loops that find tensors by name.
 
         Raises:
             UnknownNameError: No such adapter (field ``lora.adapter``).
@@ -214,14 +215,17 @@ class AdapterSlots:
         return adapter_param_names(self.peft([name]), name)
 
     def save(self, name: str, folder: str | Path) -> Path:
-        """Writes adapter ``name`` in peft's format into ``folder``
-        (``adapter_config.json``, ``adapter_model.safetensors``): plain peft loads it with
-        ``PeftModel.from_pretrained(base, folder)``, :meth:`read` into any handle."""
+        """Writes adapter ``name`` in peft's format into ``folder``.
+
+        The folder holds ``adapter_config.json`` and ``adapter_model.safetensors``: plain peft loads
+        it with ``PeftModel.from_pretrained(base, folder)``, :meth:`read` into any handle.
+        """
         return save_adapter(self.peft([name]), name, folder)
 
     def read(self, name: str, folder: str | Path) -> None:
-        """Loads a peft adapter folder (from :meth:`save`) as adapter ``name``,
-        replacing its tensors when it exists (see :func:`fedfm.models.lora.load_adapter`).
+        """Loads a peft adapter folder (from :meth:`save`) as adapter ``name``.
+
+        Replaces the adapter's tensors when it exists (see :func:`fedfm.models.lora.load_adapter`).
 
         Raises:
             AssetMissingError: ``folder`` holds no peft adapter.
@@ -257,8 +261,9 @@ class AdapterSlots:
         seed: int = 0,
         lora: LoraConfigSpec | None = None,
     ) -> Iterator[None]:
-        """Within the block adapter ``name`` holds ``state``, or a fresh seeded init when
-        ``state`` is empty (see :meth:`load`); on exit it holds what it held before.
+        """Within the block adapter ``name`` holds ``state``; on exit what it held before.
+
+        An empty ``state`` gives a fresh seeded init (see :meth:`load`).
 
         The way a handler or a server step reads or trains an adapter: the slot is shared by
         every simulated client and run of the process, so what it holds outside a block is

@@ -114,8 +114,9 @@ def shared_base(
     quantization: str | None = None,
     device: torch.device | None = None,
 ) -> LMBundle:
-    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)`` on
-    ``device`` (the CPU when ``None``).
+    """The process-wide frozen base model and tokenizer for ``(name, dtype, args)``.
+
+    Both live on ``device`` (the CPU when ``None``).
 
     Loaded on first use and then shared by every simulated client and every task of the
     process. Once an adapter exists, its linear layers carry LoRA wrappers (inactive adapters
@@ -130,8 +131,11 @@ def shared_base(
 
 @contextlib.contextmanager
 def bare(entry: SharedLM) -> Iterator[None]:
-    """Within the block the shared base computes as the plain model: no adapter active and
-    eval mode; the adapters' choice and the training flag come back on exit."""
+    """Within the block the shared base computes as the plain model.
+
+    No adapter is active and the model is in eval mode; the adapters' choice and the training
+    flag come back on exit.
+    """
     model, adapted = entry.bundle.model, entry.adapted
     training = model.training
     before = None
@@ -154,8 +158,10 @@ def _causal_lm_encoder(
     quantization: str | None = None,
     **args: Any,
 ) -> Encoder:
-    """The causal LM ``name`` of the model registry (built with ``args``) as an encoder: the
-    process's shared base, read with no adapter active."""
+    """The causal LM ``name`` of the model registry (built with ``args``) as an encoder.
+
+    It is the process's shared base, read with no adapter active.
+    """
     where = torch.device(device) if device is not None else None
     entry = shared_lm(name, dtype, args, quantization, where)
     bundle = entry.bundle

@@ -1,5 +1,8 @@
-"""The :class:`FoundationModel` handle: a façade over a shared base of :mod:`fedfm.fm.bases`,
-its adapter slots (:mod:`fedfm.fm.adapters`) and training (:mod:`fedfm.fm.training`)."""
+"""The :class:`FoundationModel` handle.
+
+A façade over a shared base of :mod:`fedfm.fm.bases`, its adapter slots
+(:mod:`fedfm.fm.adapters`) and training (:mod:`fedfm.fm.training`).
+"""
 
 from __future__ import annotations
 
@@ -119,14 +122,18 @@ class FoundationModel:
         return int(self.bundle.model.config.hidden_size)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Autocast on the model's device when ``autocast_bf16``: bfloat16 where the device
-        computes it natively, else float16 on a GPU and none on a CPU
-        (:func:`fedfm.devices.autocast`); else a no-op."""
+        """Autocast on the model's device when ``autocast_bf16``, else a no-op.
+
+        bfloat16 where the device computes it natively, else float16 on a GPU and none on a CPU
+        (:func:`fedfm.devices.autocast`).
+        """
         return autocast(model_device(self.bundle.model), self.autocast_bf16)
 
     def dp_autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """:meth:`autocast` without the float16 fallback: DP-SGD clips per-sample gradients,
-        which float16's loss scaling would scale."""
+        """:meth:`autocast` without the float16 fallback.
+
+        DP-SGD clips per-sample gradients, which float16's loss scaling would scale.
+        """
         return autocast(model_device(self.bundle.model), self.autocast_bf16, half=False)
 
     # ----- adapters (fedfm.fm.adapters.AdapterSlots) -----
@@ -153,8 +160,10 @@ class FoundationModel:
         self.slots.add(name, seed, lora)
 
     def ensure_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> bool:
-        """Creates adapter ``name`` unless it exists; whether it did
-        (:meth:`AdapterSlots.ensure`)."""
+        """Creates adapter ``name`` unless it exists, and returns whether it did.
+
+        See :meth:`AdapterSlots.ensure`.
+        """
         return self.slots.ensure(name, seed, lora)
 
     def reset_adapter(self, name: str, seed: int, lora: LoraConfigSpec | None = None) -> None:
@@ -166,15 +175,19 @@ class FoundationModel:
         self.slots.delete(name)
 
     def set_active(self, active: Sequence[str], trainable: Sequence[str] = ()) -> None:
-        """Chooses the adapters of the forward pass and those that receive gradients
-        (:meth:`AdapterSlots.choose`)."""
+        """Chooses the adapters of the forward pass and those that receive gradients.
+
+        See :meth:`AdapterSlots.choose`.
+        """
         self.slots.choose(active, trainable)
 
     def use(
         self, active: Sequence[str], trainable: Sequence[str] = ()
     ) -> contextlib.AbstractContextManager[torch.nn.Module]:
-        """Within the block ``active`` adapters are used and ``trainable`` ones get gradients;
-        yields the model to call (:meth:`AdapterSlots.use`)."""
+        """Within the block ``active`` adapters are used and ``trainable`` ones get gradients.
+
+        Yields the model to call (:meth:`AdapterSlots.use`).
+        """
         return self.slots.use(active, trainable)
 
     def slot(
@@ -184,9 +197,11 @@ class FoundationModel:
         seed: int = 0,
         lora: LoraConfigSpec | None = None,
     ) -> contextlib.AbstractContextManager[None]:
-        """Within the block adapter ``name`` holds ``state`` (a seeded init when empty); on
-        exit what it held before. How code reads or trains an adapter
-        (:meth:`AdapterSlots.slot`)."""
+        """Within the block adapter ``name`` holds ``state``; on exit what it held before.
+
+        An empty ``state`` gives a seeded init. How code reads or trains an adapter
+        (:meth:`AdapterSlots.slot`).
+        """
         return self.slots.slot(name, state, seed, lora)
 
     def get_adapter(self, name: str) -> Arrays:
@@ -202,8 +217,10 @@ class FoundationModel:
         return self.slots.get_many(names)
 
     def param_names(self, name: str) -> dict[str, str]:
-        """Key of each of adapter ``name``'s tensors -> its parameter name in :attr:`model`
-        (:meth:`AdapterSlots.param_names`)."""
+        """Key of each of adapter ``name``'s tensors -> its parameter name in :attr:`model`.
+
+        See :meth:`AdapterSlots.param_names`.
+        """
         return self.slots.param_names(name)
 
     def save_adapter(self, name: str, folder: str | Path) -> Path:
@@ -221,8 +238,11 @@ class FoundationModel:
         seed: int,
         lora: LoraConfigSpec | None = None,
     ) -> None:
-        """Puts ``state`` into adapter ``name``, or a fresh seeded init when ``state`` is empty,
-        without restoring it later (:meth:`AdapterSlots.load`; prefer :meth:`slot`)."""
+        """Puts ``state`` into adapter ``name`` without restoring it later.
+
+        An empty ``state`` gives a fresh seeded init (:meth:`AdapterSlots.load`; prefer
+        :meth:`slot`).
+        """
         self.slots.load(name, state, seed, lora)
 
     # ----- prompts and generation -----
@@ -246,9 +266,11 @@ class FoundationModel:
     def full_prompt(
         self, template: str, fields: Mapping[str, str] | None = None, *, system: str | None = None
     ) -> tuple[str, int]:
-        """The prompt :meth:`prompt` makes, never cut, and its length in tokens: for callers
-        that give a long prompt the room it needs or leave the row out, rather than reading
-        text with its middle missing."""
+        """The prompt :meth:`prompt` makes, never cut, and its length in tokens.
+
+        For callers that give a long prompt the room it needs or leave the row out, rather than
+        reading text with its middle missing.
+        """
         user = template.format(**(fields or {}))
         text = chat_prompt(self.tokenizer, user, system, self.prompt_cfg)
         return text, len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -299,8 +321,10 @@ class FoundationModel:
         cfg: GenerationConfig | None = None,
         **overrides: Any,
     ) -> list[Reply]:
-        """:meth:`generate` with, for each reply, whether it ran into ``max_new_tokens``
-        (:class:`fedfm.models.generation.Reply`)."""
+        """:meth:`generate` with, for each reply, whether it ran into ``max_new_tokens``.
+
+        See :class:`fedfm.models.generation.Reply`.
+        """
         base = (cfg or GenerationConfig()).model_dump()
         cfg = validate_section(GenerationConfig, {**base, **overrides}, "generate")
         with self.use(adapters) as model, self.autocast():
@@ -348,9 +372,11 @@ class FoundationModel:
         return view.layer_features(texts, layers, batch_size, pool)
 
     def feature_view(self, adapters: Sequence[str], max_length: int | None = None) -> Encoder:
-        """This model with ``adapters`` active as an encoder with per-layer features
-        (:class:`fedfm.models.encoders.Encoder`), so that code written for a separate small
-        feature model (FedHDS-Turbo) runs on the LLM unchanged."""
+        """This model with ``adapters`` active as an encoder with per-layer features.
+
+        The encoder is a :class:`fedfm.models.encoders.Encoder`, so that code written for a separate
+        small feature model (FedHDS-Turbo) runs on the LLM unchanged.
+        """
         active = list(adapters)
         # The backbone object stays the same when peft wraps the base: LoRA layers go inside.
         return lm_encoder(
@@ -360,8 +386,10 @@ class FoundationModel:
 
     # ----- training data -----
     def encode(self, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, list[int]]]:
-        """Token ids, masks and response-only labels of ``instruction, input, output`` rows,
-        exactly as in training (rows with an empty ``output`` are dropped)."""
+        """Token ids, masks and response-only labels of ``instruction, input, output`` rows.
+
+        Encoded exactly as in training (rows with an empty ``output`` are dropped).
+        """
         return [
             enc
             for row in rows
@@ -385,8 +413,10 @@ class FoundationModel:
     def full_weights(
         self, state: Mapping[str, Tensor], trainable: bool = False
     ) -> contextlib.AbstractContextManager[torch.nn.Module]:
-        """Within the block the base carries ``state``, no adapter active; its own weights
-        come back on exit (:func:`fedfm.fm.training.full_weights`)."""
+        """Within the block the base carries ``state``, no adapter active.
+
+        Its own weights come back on exit (:func:`fedfm.fm.training.full_weights`).
+        """
         return training.full_weights(self, state, trainable)
 
     def dp_train(
@@ -404,8 +434,10 @@ class FoundationModel:
         key: str = "dp",
         field: str = "algo.dp",
     ) -> tuple[DPResult, Arrays]:
-        """DP-SGD (Opacus) on adapters or on every base weight; the DP result and the trained
-        tensors (:func:`fedfm.fm.training.dp_train`)."""
+        """DP-SGD (Opacus) on adapters or on every base weight.
+
+        Returns the DP result and the trained tensors (:func:`fedfm.fm.training.dp_train`).
+        """
         return training.dp_train(
             self, rows, state, what, train=train, dp=dp, delta=delta, steps=steps,
             planned_steps=planned_steps, seed=seed, key=key, field=field,

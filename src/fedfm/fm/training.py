@@ -1,7 +1,10 @@
-"""Training what a handle holds: full weights of the shared base, DP-SGD on adapters or
-weights (one function for both). :class:`~fedfm.fm.FoundationModel` exposes these as
+"""Training what a handle holds: full weights of the shared base, and DP-SGD.
+
+DP-SGD trains adapters or weights (one function for both).
+:class:`~fedfm.fm.FoundationModel` exposes these as
 :meth:`~fedfm.fm.FoundationModel.full_weights`, :meth:`~fedfm.fm.FoundationModel.get_weights`
-and :meth:`~fedfm.fm.FoundationModel.dp_train`."""
+and :meth:`~fedfm.fm.FoundationModel.dp_train`.
+"""
 
 from __future__ import annotations
 
@@ -114,8 +117,9 @@ def get_weights(fm: Handle) -> Arrays:
 def full_weights(
     fm: Handle, state: Mapping[str, Tensor], trainable: bool = False
 ) -> Iterator[torch.nn.Module]:
-    """Within the block the base carries ``state`` (from :func:`get_weights`), no adapter
-    is active, and every base weight gets gradients when ``trainable``.
+    """Within the block the base carries ``state`` (from :func:`get_weights`).
+
+    No adapter is active, and every base weight gets gradients when ``trainable``.
 
     The base is shared by every handle and run of the process, so its own weights and
     frozen flags come back on exit, whatever happens.
@@ -166,13 +170,21 @@ def dp_train(
     happens.
 
     Args:
+        fm: The handle whose shared model is trained.
         rows: Encoded rows of this client (:meth:`FoundationModel.encode`).
         state: The client's persistent state; its account lives under ``state.meta[key]``.
         what: :class:`Adapters` (the trainable adapters, with the active ones in the
             forward pass) or :class:`FullWeights` (every base weight, starting from the
             given ones; no adapter active).
-        train, dp, delta, steps, planned_steps, seed, key, field: See
-            :func:`fedfm.core.dp.dp_train` (the accounting included).
+        train: Optimizer, learning rate and expected batch size (see
+            :func:`fedfm.core.dp.dp_train`, the accounting included).
+        dp: DP-SGD settings.
+        delta: The δ to calibrate and report at.
+        steps: Steps of this call.
+        planned_steps: Steps the client may take in the whole run (calibration).
+        seed: Seeds Poisson sampling and noise.
+        key: Where the account lives in ``state.meta``.
+        field: Config field named in errors.
 
     Returns:
         The DP result and the trained tensors: the trainable adapter's (one adapter: its

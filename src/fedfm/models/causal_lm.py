@@ -451,8 +451,10 @@ def tiny_causal_lm(
     heads: int = 4,
     seed: int = 0,
 ) -> LMBundle:
-    """A randomly initialised small causal LM for tests, frozen and in eval mode like the real
-    loaders, of the architecture of Llama/SmolLM2, Qwen2/Qwen2.5 or Gemma.
+    """A randomly initialised small causal LM for tests.
+
+    Frozen and in eval mode like the real loaders, of the architecture of Llama/SmolLM2,
+    Qwen2/Qwen2.5 or Gemma.
 
     Each keeps what sets its architecture apart at full size: Qwen2 has biases on the q/k/v
     projections and untied embeddings; Gemma scales its embeddings by ``sqrt(hidden)``, uses

@@ -111,8 +111,9 @@ class Encoder:
         batch_size: int = 16,
         pool: Pool = "last",
     ) -> Tensor:
-        """``(n, len(layers), hidden)`` hidden states of every text (all layers when ``None``;
-        :meth:`fedfm.models.features.LayerStack.features`).
+        """``(n, len(layers), hidden)`` hidden states of every text.
+
+        All layers when ``None`` (:meth:`fedfm.models.features.LayerStack.features`).
 
         Raises:
             ConfigError: The encoder has no layers (field ``encoder``), or a bad layer index.

@@ -197,8 +197,10 @@ class LayerStack:
         batch_size: int = 16,
         pool: Pool = "last",
     ) -> Tensor:
-        """``(n, len(layers), hidden)`` float32 CPU features; every layer when ``None``
-        (see :func:`layer_features`)."""
+        """``(n, len(layers), hidden)`` float32 CPU features.
+
+        Every layer when ``None`` (see :func:`layer_features`).
+        """
         with self.scope():
             rows = self.tokenize(texts)
             return layer_features(

@@ -100,9 +100,10 @@ class MLP(nn.Module):
 
 @MODELS.register("small-cnn", help="Two conv blocks + FC, for 28x28/32x32 images")
 class SmallCNN(nn.Module):
-    """Two ``conv3x3 -> ReLU -> maxpool2`` blocks (``width`` and ``2*width`` channels), an FC
-    feature layer and ``head``; a scaled-down version of the FedAvg CNN of McMahan et al. (2017),
-    which uses 5x5 kernels, 32/64 channels and a 512-wide FC layer.
+    """Two ``conv3x3 -> ReLU -> maxpool2`` blocks, an FC feature layer and ``head``.
+
+    The blocks have ``width`` and ``2*width`` channels; a scaled-down version of the FedAvg CNN of
+    McMahan et al. (2017), which uses 5x5 kernels, 32/64 channels and a 512-wide FC layer.
 
     Args:
         in_channels: Image channels (1 for Fashion-MNIST).
@@ -230,8 +231,10 @@ class HashingTokenizer:
 
 @MODELS.register("text-classifier", help="fastText-style bag of hashed n-grams + MLP")
 class TextClassifier(nn.Module):
-    """Mean of hashed word/bigram embeddings, one ReLU layer, then ``head`` (Joulin et al. 2017,
-    with a hidden layer added so ``features`` has a width independent of the embedding table).
+    """Mean of hashed word/bigram embeddings, one ReLU layer, then ``head``.
+
+    After Joulin et al. 2017, with a hidden layer added so ``features`` has a width independent of
+    the embedding table.
 
     Inputs are token ids from ``HashingTokenizer(vocab_size)`` (see ``encode``), either a padded
     [B, L] matrix or flat ids [N] with offsets [B]; a ``(ids, offsets)`` tuple is accepted too.

@@ -68,6 +68,7 @@ class SameConv2d(nn.Conv2d):
         super().__init__(in_ch, out_ch, kernel_size, stride, padding=0, groups=groups, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Convolves ``x`` after padding it TF-style (see the class)."""
         ih, iw = x.shape[-2:]
         kh, kw = self.kernel_size
         sh, sw = self.stride
@@ -107,6 +108,7 @@ class MBConvBlock(nn.Module):
         self.residual = stride == 1 and in_ch == out_ch
 
     def forward(self, x: Tensor) -> Tensor:
+        """Applies the block, adding the input back when stride is 1 and channels match."""
         h = x
         if self.has_expand:
             h = F.relu6(self._bn0(self._expand_conv(h)))

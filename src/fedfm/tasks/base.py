@@ -72,8 +72,10 @@ class SourceRows(Protocol):
         ...
 
     def rows(self, ids: Sequence[int]) -> Any:
-        """The training rows with these sample ids, in the source's order, prepared exactly
-        as client data."""
+        """The training rows with these sample ids, in the source's order.
+
+        They are prepared exactly as client data.
+        """
         ...
 
 
@@ -105,8 +107,10 @@ class HasFoundationModel(Protocol):
     """:data:`FOUNDATION_MODEL`: the handle on the task's LLM."""
 
     def foundation_model(self) -> FoundationModel:
-        """The handle on the task's LLM (shared frozen base, named adapters, generation,
-        features, DP-SGD); see :mod:`fedfm.fm`."""
+        """The handle on the task's LLM; see :mod:`fedfm.fm`.
+
+        It gives the shared frozen base, named adapters, generation, features and DP-SGD.
+        """
         ...
 
 
@@ -116,9 +120,11 @@ class ItemResults(Protocol):
     def evaluate_items(
         self, model: nn.Module, data: Any
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """:meth:`Task.evaluate` plus one record per evaluated item (``id``, ``domain``,
-        ``prompt``, ``reference``, ``answer``, ``score``), for win rates and distribution
-        analyses."""
+        """:meth:`Task.evaluate` plus one record per evaluated item.
+
+        Each record has ``id``, ``domain``, ``prompt``, ``reference``, ``answer`` and ``score``, for
+        win rates and distribution analyses.
+        """
         ...
 
 
@@ -138,9 +144,11 @@ class ControlCodes(Protocol):
         ...
 
     def heldout(self) -> dict[str, Any]:
-        """The server's real held-out rows (``dataset``, ``source_options``,
-        ``class_names``, sample ``ids``), so a synthetic set can be tested on them later
-        (:mod:`fedfm.data.synthetic`)."""
+        """The server's real held-out rows, so a synthetic set can be tested on them later.
+
+        They come as ``dataset``, ``source_options``, ``class_names`` and sample ``ids``
+        (:mod:`fedfm.data.synthetic`).
+        """
         ...
 
 
@@ -272,19 +280,24 @@ class Task(ABC):
         """Held-out local data of one client (personalised evaluation)."""
 
     def client_val_data(self, cid: str) -> Any | None:
-        """Held-out validation data of one client, disjoint from its training and test data
-        (for choosing hyperparameters without the test numbers); None when the task keeps none.
+        """Held-out validation data of one client, disjoint from its training and test data.
+
+        For choosing hyperparameters without the test numbers; None when the task keeps none.
         """
         return None
 
     def shifted(self, cid: str) -> frozenset[int]:
-        """The classes whose rows this client relabels under a simulated concept shift
-        (``task.shift``); empty when the task simulates none."""
+        """The classes whose rows this client relabels under a simulated concept shift.
+
+        The shift is ``task.shift``; empty when the task simulates none.
+        """
         return frozenset()
 
     def relabelled(self, cid: str, data: Any) -> Any | None:
-        """The rows of ``data`` (one of the client's splits) in the classes it relabels under
-        ``task.shift``; None when the client relabels none."""
+        """The rows of ``data`` (one of the client's splits) in the classes it relabels.
+
+        The relabelling is that of ``task.shift``; None when the client relabels none.
+        """
         return None
 
     @abstractmethod
@@ -317,8 +330,10 @@ class Task(ABC):
 
     # ----- what of a model travels -----
     def get_params(self, model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
-        """Detached CPU copies of the tensors of ``model`` (from :meth:`build_model`) that
-        travel: messages, client states and checkpoints carry exactly these.
+        """Detached CPU copies of the tensors of ``model`` that travel.
+
+        ``model`` is from :meth:`build_model`; messages, client states and checkpoints carry exactly
+        these.
 
         By default the model's trainable parameters and floating-point buffers by state-dict
         key, or the tensors it names itself (:func:`fedfm.core.train.get_params`; the text
@@ -337,22 +352,28 @@ class Task(ABC):
         set_params(model, params)
 
     def param_names(self, model: nn.Module) -> dict[str, str]:
-        """Key of each trainable tensor that travels -> its parameter name in ``model`` (how
-        FedProx's reference and SCAFFOLD's correction, keyed as the messages are, reach the
-        training loop; :func:`fedfm.core.train.param_names`)."""
+        """Key of each trainable tensor that travels -> its parameter name in ``model``.
+
+        How FedProx's reference and SCAFFOLD's correction, keyed as the messages are, reach the
+        training loop (:func:`fedfm.core.train.param_names`).
+        """
         return param_names(model)
 
     def save_adapter(self, model: nn.Module, folder: Path) -> bool:
-        """Writes ``model``'s adapter in peft's format into ``folder`` when the model is an
-        adapter of the task's foundation model (what ``fedfm eval`` reads); ``False``,
-        writing nothing, otherwise."""
+        """Writes ``model``'s adapter in peft's format into ``folder``; ``False`` when it has none.
+
+        Writes only when the model is an adapter of the task's foundation model (what ``fedfm eval``
+        reads); otherwise writes nothing.
+        """
         return False
 
     # ----- optional capabilities (CAPABILITIES) -----
     @classmethod
     def provides(cls, cfg: TaskConfig) -> frozenset[str]:
-        """The optional capabilities this task provides with config ``cfg`` (it implements
-        each one's protocol)."""
+        """The optional capabilities this task provides with config ``cfg``.
+
+        The task implements each one's protocol.
+        """
         return frozenset()
 
 
@@ -402,8 +423,9 @@ def capable(task: Task, protocol: Callable[..., P]) -> P:
 
 
 def split_view(task: Task, capability: str, data: Any) -> Any:
-    """``data`` through the view named by ``capability`` (:data:`IMAGE_VIEW` or
-    :data:`TEXT_VIEW`).
+    """``data`` through the view named by ``capability``.
+
+    The view is :data:`IMAGE_VIEW` or :data:`TEXT_VIEW`.
 
     Raises:
         ValueError: ``capability`` is not a view of a split.

@@ -94,12 +94,15 @@ class ControlTextTask(TextTask):
     # ----- capabilities -----
     @classmethod
     def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        """The parent's capabilities plus control codes and the foundation model."""
         return super().provides(cfg) | {CONTROL_CODES, FOUNDATION_MODEL}
 
     def codes(self) -> list[str]:
+        """The public control codes (from ``code_columns``) in a fixed order."""
         return list(self._code_names)
 
     def code_ids(self, data: TextData) -> Tensor:
+        """Each row's code as an index into :meth:`codes` (``[N]``)."""
         return torch.as_tensor([self._code_of[int(i)] for i in data.ids], dtype=torch.long)
 
     def code_labels(self) -> list[int | None]:
@@ -111,6 +114,7 @@ class ControlTextTask(TextTask):
         return [names.index(code.split(CODE_SEP)[pos]) for code in self._code_names]
 
     def heldout(self) -> dict[str, Any]:
+        """The source, its options, class names and the test rows' sample ids."""
         return {
             "dataset": self.cfg.dataset,
             "source_options": dict(self.cfg.source_options),
@@ -142,6 +146,7 @@ class ControlTextTask(TextTask):
         return self._fm
 
     def stats(self) -> dict[str, Any]:
+        """The parent's statistics plus the codes and each client's code counts."""
         counts = {
             c: np.bincount(self.code_ids(self.client_data(c)), minlength=len(self._code_names))
             for c in self.client_ids()

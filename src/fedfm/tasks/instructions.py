@@ -1,6 +1,8 @@
-"""The instruction task's config and its rows: the source's split, held-out domains, the
-partition section, evaluation budgets and the checks made when the task is built
-(:class:`fedfm.tasks.lm.InstructionTask` reads them)."""
+"""The instruction task's config and its rows.
+
+Covers the source's split, held-out domains, the partition section, evaluation budgets and the
+checks made when the task is built (:class:`fedfm.tasks.lm.InstructionTask` reads them).
+"""
 
 from __future__ import annotations
 
@@ -167,8 +169,10 @@ class InstructionConfig(TaskConfig):
 def split_rows(
     cfg: InstructionConfig, seed: int, train: datasets.Dataset, test: datasets.Dataset | None
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """The source's train and test rows (a seeded split when it has no test split), at most
-    ``max_train`` training rows."""
+    """The source's train and test rows, at most ``max_train`` training rows.
+
+    The split is seeded when the source has no test split.
+    """
     if test is None:
         split = train.train_test_split(test_size=cfg.test_fraction, seed=seed)
         train, test = split["train"], split["test"]
@@ -269,8 +273,10 @@ def warn_short_budgets(
     parts: list[datasets.Dataset],
     tokenizer: Any,
 ) -> dict[str, int]:
-    """Warns about every generating domain whose budget is below the 90th percentile of its
-    reference lengths (tokens of the reference and the end-of-turn token).
+    """Warns about every generating domain whose budget is short of its reference lengths.
+
+    A budget is short when below the 90th percentile of the domain's reference lengths (tokens of
+    the reference and the end-of-turn token).
 
     Returns:
         That percentile per generating domain (the task keeps it in its stats).
@@ -377,5 +383,6 @@ def first_per_domain(ds: datasets.Dataset, k: int | None) -> datasets.Dataset:
 
 
 def domain_counts(ds: datasets.Dataset) -> dict[str, int]:
+    """Number of rows of each domain of ``ds``."""
     domains, counts = np.unique(np.asarray(list(ds["domain"]), dtype=object), return_counts=True)
     return {str(d): int(c) for d, c in zip(domains, counts, strict=True)}

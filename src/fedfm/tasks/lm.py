@@ -173,8 +173,10 @@ adapter sits at the top of its folder."""
 def foundation_model_for(
     cfg: InstructionConfig, device: torch.device | None = None
 ) -> FoundationModel:
-    """The handle on the task's model: its base, dtype, LoRA and prompt settings, autocast,
-    on ``device`` (the CPU when ``None``)."""
+    """The handle on the task's model, on ``device`` (the CPU when ``None``).
+
+    It carries the task's base, dtype, LoRA and prompt settings, and autocast.
+    """
     return FoundationModel(
         cfg.model,
         cfg.dtype,
@@ -237,11 +239,13 @@ class InstructionTask(Task):
     # ----- the shared model -----
     @classmethod
     def check_run(cls, cfg: TaskConfig, run: Any) -> None:
+        """Refuses, before any weight is loaded, an LM setup ``run.device`` cannot run."""
         assert isinstance(cfg, InstructionConfig)
         check_lm_setup(cfg.model, cfg.model_args, cfg.lora, cfg.quantization, run.device)
 
     @classmethod
     def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        """The foundation model and per-item results."""
         return frozenset({FOUNDATION_MODEL, ITEM_RESULTS})
 
     def foundation_model(self) -> FoundationModel:
@@ -261,29 +265,37 @@ class InstructionTask(Task):
         return self.bundle.tokenizer
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Autocast when ``autocast_bf16`` is set (see :meth:`FoundationModel.autocast`), else a
-        no-op context."""
+        """Autocast when ``autocast_bf16`` is set, else a no-op context.
+
+        See :meth:`FoundationModel.autocast`.
+        """
         return self.foundation_model().autocast()
 
     # ----- Task API -----
     def client_ids(self) -> list[str]:
+        """All client ids, in a stable order."""
         return list(self._clients)
 
     def client_data(self, cid: str) -> InstructionData:
+        """Training rows of one client."""
         return self._clients[cid]
 
     def client_test_data(self, cid: str) -> InstructionData:
+        """Held-out local rows of one client."""
         return self._local_test[cid]
 
     def test_data(self) -> InstructionData:
+        """The global test rows."""
         return self._test
 
     def num_examples(self, data: InstructionData) -> int:
+        """Number of rows in ``data``."""
         return len(data)
 
     def build_model(self, seed: int = 0, **overrides: Any) -> nn.Module:
-        """The handle's shared ``PeftModel`` with adapter :data:`ADAPTER` freshly initialised
-        (the only active and trainable one; other adapters keep their tensors).
+        """The handle's shared ``PeftModel`` with adapter :data:`ADAPTER` freshly initialised.
+
+        That adapter is the only active and trainable one; other adapters keep their tensors.
 
         Args:
             seed: Seeds the adapter's ``A`` matrices (``B`` starts at zero: the model equals
@@ -307,8 +319,10 @@ class InstructionTask(Task):
         return fm.model
 
     def get_params(self, model: nn.Module, names: list[str] | None = None) -> dict[str, Tensor]:
-        """Adapter :data:`ADAPTER` of the model (:meth:`build_model`'s), through the handle:
-        peft's saved keys, the adapter not named."""
+        """Adapter :data:`ADAPTER` of the model (:meth:`build_model`'s), through the handle.
+
+        Keys are peft's saved keys, the adapter not named.
+        """
         state = self._handle_of(model).get_adapter(ADAPTER)
         return state if names is None else {k: state[k] for k in names}
 
@@ -317,6 +331,7 @@ class InstructionTask(Task):
         self._handle_of(model).set_adapter(ADAPTER, params)
 
     def param_names(self, model: nn.Module) -> dict[str, str]:
+        """Key of each tensor of adapter :data:`ADAPTER` -> its parameter name in ``model``."""
         return self._handle_of(model).param_names(ADAPTER)
 
     def save_adapter(self, model: nn.Module, folder: Path) -> bool:
@@ -325,16 +340,20 @@ class InstructionTask(Task):
         return True
 
     def _handle_of(self, model: nn.Module) -> FoundationModel:
-        """The handle whose shared model ``model`` is; any other model is refused, since its
-        adapter would not be the one read or written."""
+        """The handle whose shared model ``model`` is.
+
+        Any other model is refused, since its adapter would not be the one read or written.
+        """
         fm = self.foundation_model()
         if model is not fm.model:
             raise FedfmError(f"{type(model).__name__} is not this task's model (build_model's)")
         return fm
 
     def encode(self, data: InstructionData) -> list[dict[str, list[int]]]:
-        """Token ids, attention masks and response-only labels of ``data`` (cached on it), by
-        the foundation model's one row encoder (:meth:`FoundationModel.encode`)."""
+        """Token ids, attention masks and response-only labels of ``data`` (cached on it).
+
+        Encoded by the foundation model's one row encoder (:meth:`FoundationModel.encode`).
+        """
         if data.encoded is None:
             # Columns rather than Dataset.map: no cache files or progress bars per client.
             rows = data.rows
@@ -383,10 +402,12 @@ class InstructionTask(Task):
     def evaluate_items(
         self, model: nn.Module, data: InstructionData
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """:meth:`evaluate` plus every evaluated item (see
-        :func:`fedfm.eval.llm.evaluate_instruction_items`): ``id, domain, metric, prompt,
-        reference, answer, truncated, score`` and ``zeroshot`` (whether it is of a held-out
-        domain)."""
+        """:meth:`evaluate` plus every evaluated item.
+
+        See :func:`fedfm.eval.llm.evaluate_instruction_items`. Each item has ``id, domain, metric,
+        prompt, reference, answer, truncated, score`` and ``zeroshot`` (whether it is of a held-out
+        domain).
+        """
         out: dict[str, float] = {}
         items: list[dict[str, Any]] = []
         if len(data.rows):
@@ -406,8 +427,11 @@ class InstructionTask(Task):
     def _evaluate_documents(
         self, model: nn.Module, docs: datasets.Dataset, cfg: TextNLLConfig
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """``text_nll/<corpus>`` (NLL per token over every scored token), ``text_tokens`` and
-        ``text_docs``, and one item per document (``nll``, ``nll_tokens``, no score)."""
+        """Per-token NLL of each corpus, token and document counts, and one item per document.
+
+        The metrics are ``text_nll/<corpus>`` (NLL per token over every scored token),
+        ``text_tokens`` and ``text_docs``; each item has ``nll`` and ``nll_tokens``, no score.
+        """
         with self.autocast():
             got = text_nlls(
                 model, self.tokenizer, docs["text"], cfg.max_tokens, self.cfg.eval_batch_size
@@ -441,6 +465,7 @@ class InstructionTask(Task):
             return evaluate_instruction_items(model, self.tokenizer, rows, self.cfg.settings())
 
     def stats(self) -> dict[str, Any]:
+        """Partition statistics plus test sizes, domains and reference budgets."""
         return {
             **self._stats,
             "local_test_sizes": [len(self._local_test[c]) for c in self.client_ids()],

@@ -131,10 +131,11 @@ def public_split(
 
 
 def transfer_split(task: Task, size: int, exclude: np.ndarray, seed: int, label: str) -> Any:
-    """An unlabelled transfer pool: ``size`` source training rows that no client holds, not
-    test rows and not in ``exclude`` (the labelled public set), drawn with a seed derived from
-    ``seed`` and ``label``. The rows keep their labels in memory; a method that treats the pool
-    as unlabelled must not read them (FedRD reads only its inputs).
+    """An unlabelled transfer pool of ``size`` source training rows that no client holds.
+
+    The rows are not test rows and not in ``exclude`` (the labelled public set), drawn with a seed
+    derived from ``seed`` and ``label``. They keep their labels in memory; a method that treats
+    the pool as unlabelled must not read them (FedRD reads only its inputs).
 
     Raises:
         ConfigError: Fewer free rows than ``size`` (field ``algo.transfer_size``), or an
@@ -148,8 +149,9 @@ def transfer_split(task: Task, size: int, exclude: np.ndarray, seed: int, label:
 def _free_rows(
     task: Task, size: int, exclude: np.ndarray | None, seed: int, label: str, option: str, also: str
 ) -> Any:
-    """``size`` source training rows that no client holds, not test rows and not in
-    ``exclude``, drawn with a seed derived from ``seed`` and ``label``.
+    """``size`` source training rows that no client holds, not test rows and not in ``exclude``.
+
+    Drawn with a seed derived from ``seed`` and ``label``.
 
     Raises:
         ConfigError: Fewer free rows than ``size`` (field ``algo.<option>``).

@@ -95,9 +95,11 @@ def no_shift(y: Tensor, cfg: ShiftConfig) -> Tensor:
 
 @SHIFTS.register("label-swap", "the shifted clients swap the labels of each class pair")
 def label_swap(y: Tensor, cfg: ShiftConfig) -> Tensor:
-    """Concept shift by label swap: on a shifted client class a is called b and b is called a
-    (for each pair), so a model that fits the other clients is confidently wrong on exactly
-    those rows."""
+    """Concept shift by label swap: on a shifted client class a is called b and b is called a.
+
+    The swap is per pair, so a model that fits the other clients is confidently wrong on exactly
+    those rows.
+    """
     out = y.clone()
     for a, b in cfg.pairs:
         out[y == a], out[y == b] = b, a
@@ -234,8 +236,10 @@ class SupervisedTask(Task):
         return shifted_classes(self.cfg.shift)
 
     def relabelled(self, cid: str, data: TensorData) -> TensorData | None:
-        """The rows of one of the client's splits in the classes it relabels (its labels after
-        the swap, which stay in the swapped classes)."""
+        """The rows of one of the client's splits in the classes it relabels.
+
+        Their labels are those after the swap, which stay in the swapped classes.
+        """
         classes = self.shifted(cid)
         if not classes:
             return None
@@ -285,12 +289,15 @@ class SupervisedTask(Task):
 
     # ----- Task API -----
     def client_ids(self) -> list[str]:
+        """All client ids, in a stable order."""
         return list(self._clients)
 
     def client_data(self, cid: str) -> TensorData:
+        """Training rows of one client."""
         return self._clients[cid]
 
     def client_test_data(self, cid: str) -> TensorData:
+        """Held-out local rows of one client."""
         return self._local_test[cid]
 
     def client_val_data(self, cid: str) -> TensorData:
@@ -298,9 +305,11 @@ class SupervisedTask(Task):
         return self._local_val[cid]
 
     def test_data(self) -> TensorData:
+        """The global test rows."""
         return self._test
 
     def num_examples(self, data: TensorData) -> int:
+        """Number of rows in ``data``."""
         return len(data)
 
     def input_shape(self) -> tuple[int, ...]:
@@ -308,6 +317,7 @@ class SupervisedTask(Task):
         return tuple(self._test.x.shape[1:])
 
     def build_model(self, seed: int = 0, **overrides: Any) -> nn.Module:
+        """A seeded model from the registry; ``overrides`` replace ``model_args``."""
         args = {**self.cfg.model_args, **overrides}
         name = args.pop("name", self.cfg.model)
         torch.manual_seed(seed)
@@ -324,6 +334,7 @@ class SupervisedTask(Task):
     def batches(
         self, data: TensorData, batch_size: int, seed: int
     ) -> Iterator[tuple[Tensor, Tensor]]:
+        """An endless iterator of seeded shuffled ``(x, y)`` batches."""
         g = torch.Generator().manual_seed(seed)
         n = len(data)
         if n == 0:
@@ -335,6 +346,7 @@ class SupervisedTask(Task):
                 yield data.x[idx], data.y[idx]
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """MSE (regression) or cross-entropy loss and the model outputs for a batch."""
         x, y = to_device(batch, model_device(model))
         out = model(x)
         if self.kind == "regression":
@@ -343,8 +355,10 @@ class SupervisedTask(Task):
 
     @torch.no_grad()
     def predict(self, model: nn.Module, data: TensorData, batch_size: int = 1024) -> Tensor:
-        """Model outputs on ``data`` in eval mode: logits ``[N, C]`` or predictions ``[N]``,
-        on the CPU (computed on the model's device)."""
+        """Model outputs on ``data`` in eval mode: logits ``[N, C]`` or predictions ``[N]``.
+
+        Returned on the CPU (computed on the model's device).
+        """
         was = model.training
         model.eval()
         device = model_device(model)
@@ -357,6 +371,7 @@ class SupervisedTask(Task):
         return out.squeeze(-1) if self.kind == "regression" else out
 
     def evaluate(self, model: nn.Module, data: TensorData) -> dict[str, float]:
+        """RMSE and loss for regression, else classification metrics."""
         if len(data) == 0:
             return {}
         out = self.predict(model, data)
@@ -366,6 +381,7 @@ class SupervisedTask(Task):
         return classification_metrics(out, data.y)
 
     def stats(self) -> dict[str, Any]:
+        """Partition statistics plus test and validation sizes."""
         return {
             **self._stats,
             "local_test_sizes": [len(self._local_test[c]) for c in self.client_ids()],
@@ -381,13 +397,16 @@ class SupervisedTask(Task):
     # ----- optional capabilities -----
     @classmethod
     def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        """Source rows and split inputs, and an image view for an image task."""
         image = isinstance(cfg, SupervisedConfig) and cfg.kind == "image"
         return frozenset({SOURCE_ROWS, SPLIT_INPUTS, *([IMAGE_VIEW] if image else [])})
 
     def pool_ids(self) -> np.ndarray:
+        """Sample ids of the source's training rows (the clients' pool)."""
         return np.asarray(self.src.train["id"])
 
     def rows(self, ids: Sequence[int]) -> TensorData:
+        """The training rows with these sample ids, in the source's order, standardised."""
         positions = np.flatnonzero(np.isin(self.pool_ids(), np.asarray(ids)))
         ds = self.src.train.select(positions.tolist())
         data = _to_tensors(self.src, ds, self.cfg.kind == "image", self.kind == "regression")
@@ -395,6 +414,7 @@ class SupervisedTask(Task):
         return data
 
     def inputs(self, data: TensorData, idx: Sequence[int]) -> Tensor:
+        """Inputs of rows ``idx`` of ``data``."""
         return data.x[list(idx)]
 
     def images(self, data: TensorData) -> Tensor:

@@ -192,15 +192,19 @@ class TextTask(Task):
 
     # ----- Task API -----
     def client_ids(self) -> list[str]:
+        """All client ids, in a stable order."""
         return list(self._clients)
 
     def client_data(self, cid: str) -> TextData:
+        """Training rows of one client."""
         return self._clients[cid]
 
     def client_test_data(self, cid: str) -> TextData:
+        """Held-out local rows of one client."""
         return self._local_test[cid]
 
     def test_data(self) -> TextData:
+        """The global test rows."""
         return self._test
 
     def public_data(self) -> TextData:
@@ -208,9 +212,11 @@ class TextTask(Task):
         return self._public
 
     def num_examples(self, data: TextData) -> int:
+        """Number of rows in ``data``."""
         return len(data)
 
     def build_model(self, seed: int = 0, **overrides: Any) -> nn.Module:
+        """A seeded model from the registry; ``overrides`` replace ``model_args``."""
         args = {**self.cfg.model_args, **overrides}
         name = args.pop("name", self.cfg.model)
         if (name in HASHED_MODELS) != self.hashed:
@@ -230,6 +236,7 @@ class TextTask(Task):
     def batches(
         self, data: TextData, batch_size: int, seed: int
     ) -> Iterator[tuple[Tensor | list[str], Tensor]]:
+        """An endless iterator of seeded shuffled ``(inputs, labels)`` batches."""
         g = torch.Generator().manual_seed(seed)
         n = len(data)
         if n == 0:
@@ -241,6 +248,7 @@ class TextTask(Task):
                 yield data.inputs(idx), data.y[idx]
 
     def loss(self, model: nn.Module, batch: tuple[Any, Tensor]) -> tuple[Tensor, Tensor]:
+        """Cross-entropy loss and the model outputs for a batch."""
         x, y = to_device(batch, model_device(model))  # texts stay a list of strings
         out = model(x)
         return nn.functional.cross_entropy(out, y), out
@@ -259,12 +267,14 @@ class TextTask(Task):
         return torch.cat(outs) if outs else torch.zeros(0, self.num_classes)
 
     def evaluate(self, model: nn.Module, data: TextData) -> dict[str, float]:
+        """Classification metrics of ``model`` on ``data``."""
         if len(data) == 0:
             return {}
         out = self.predict(model, data)
         return classification_metrics(out, data.y)
 
     def stats(self) -> dict[str, Any]:
+        """Partition statistics plus test and public sizes and the class count."""
         return {
             **self._stats,
             "local_test_sizes": [len(self._local_test[c]) for c in self.client_ids()],
@@ -276,22 +286,27 @@ class TextTask(Task):
     # ----- optional capabilities -----
     @classmethod
     def provides(cls, cfg: TaskConfig) -> frozenset[str]:
+        """Source rows, split inputs and a text view; a public split when configured."""
         caps = {SOURCE_ROWS, SPLIT_INPUTS, TEXT_VIEW}
         if isinstance(cfg, TextConfig) and cfg.public_size > 0:
             caps.add(PUBLIC_SPLIT)
         return frozenset(caps)
 
     def pool_ids(self) -> np.ndarray:
+        """Sample ids of the source's training rows (the clients' pool)."""
         return np.asarray(self.src.train["id"])
 
     def rows(self, ids: Sequence[int]) -> TextData:
+        """The training rows with these sample ids, in the source's order."""
         positions = np.flatnonzero(np.isin(self.pool_ids(), np.asarray(ids)))
         return self.to_data(self.src.train.select(positions.tolist()))
 
     def inputs(self, data: TextData, idx: Sequence[int]) -> Tensor | list[str]:
+        """Model inputs of rows ``idx`` of ``data``."""
         return data.inputs(idx)
 
     def texts(self, data: TextData) -> list[str]:
+        """The raw texts of ``data``."""
         return list(data.texts)
 
 
@@ -366,8 +381,10 @@ class EncoderLoraClassifier(nn.Module):
         self.head = nn.Linear(self.feature_dim, num_classes)
 
     def exchanged_tensors(self) -> dict[str, Tensor]:
-        """The adapter (``adapter/<saved key>``) and the head (``head/weight``, ``head/bias``):
-        the live tensors that travel (:class:`fedfm.core.train.ExchangedTensors`)."""
+        """The adapter (``adapter/<saved key>``) and the head (``head/weight``, ``head/bias``).
+
+        These are the live tensors that travel (:class:`fedfm.core.train.ExchangedTensors`).
+        """
         from fedfm.models.lora import adapter_tensors
 
         transformer: Any = self.encoder[0]

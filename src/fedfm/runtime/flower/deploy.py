@@ -157,8 +157,16 @@ def start_superlink(
     """Starts a SuperLink and waits until it listens.
 
     Args:
+        home: Flower's home folder (``FLWR_HOME``) of the process.
+        log_dir: Folder of the SuperLink's log file.
+        host: Address the SuperLink listens on.
+        port: Its port (Fleet and Control APIs for SuperNodes and ``flwr``).
+        tls: Certificates; None runs without TLS.
+        node_auth: Accept only SuperNodes whose public key was registered.
+        env_extra: Environment variables added to the process's (see :func:`process_env`).
         wait_s: How long to wait for it to listen; None: return at once (then call
             :func:`wait_superlink`).
+        die_with_parent: On Linux, end the SuperLink when the calling thread ends.
         isolation: How the SuperLink's ServerApp runs (see :func:`superlink_command`).
 
     Raises:
@@ -193,10 +201,11 @@ def _connect_host(host: str) -> str:
 
 
 def own_host(host: str, tls: TlsFiles | None, field: str = "certificates") -> str:
-    """The name by which ``fedfm serve`` reaches the SuperLink it started (to register the
-    node keys and submit the run): ``host`` itself, or for a SuperLink on every address
-    (``0.0.0.0``) 127.0.0.1, localhost, or an address of this machine. With TLS it must be
-    a name the SuperLink's certificate covers, since the connection checks it.
+    """The name by which ``fedfm serve`` reaches the SuperLink it started.
+
+    It uses the name to register the node keys and submit the run: ``host`` itself, or for a
+    SuperLink on every address (``0.0.0.0``) 127.0.0.1, localhost, or an address of this machine.
+    With TLS it must be a name the SuperLink's certificate covers, since the connection checks it.
 
     Raises:
         ConfigError: The certificate covers none of them (one line naming the host; checked
@@ -236,8 +245,10 @@ def _is_local_address(host: str) -> bool:
 
 
 def node_public_keys(paths: Sequence[Path]) -> list[bytes]:
-    """The SuperNode public keys (OpenSSH EC keys, as ``fedfm flower-certs`` writes them) in
-    the form the SuperLink registers, read before anything starts.
+    """The SuperNode public keys in the form the SuperLink registers.
+
+    The keys are OpenSSH EC keys, as ``fedfm flower-certs`` writes them, read before anything
+    starts.
 
     Raises:
         ConfigError: A file is not such a key (field ``node-key``).
@@ -259,8 +270,10 @@ def node_public_keys(paths: Sequence[Path]) -> list[bytes]:
 
 
 def import_control_client() -> tuple[Any, Any, Any, Any]:
-    """Flower's Control API client and what a registration request needs (about a second
-    of imports: done while the SuperLink starts)."""
+    """Flower's Control API client and what a registration request needs.
+
+    About a second of imports: done while the SuperLink starts.
+    """
     from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
     from flwr.proto.control_pb2 import RegisterNodeRequest
     from flwr.supercore.control import ControlHttpClient
@@ -277,9 +290,10 @@ def import_control_client() -> tuple[Any, Any, Any, Any]:
 def register_nodes(
     address: str, root_certificates: Path | None, public_keys: Sequence[Path]
 ) -> None:
-    """Registers SuperNode public keys with the SuperLink at ``address`` (node
-    authentication), all over one connection from this process: what ``flwr supernode
-    register KEY`` does, without starting the ``flwr`` CLI (about 2 s) for every key.
+    """Registers SuperNode public keys with the SuperLink at ``address`` (node authentication).
+
+    All over one connection from this process: what ``flwr supernode register KEY`` does, without
+    starting the ``flwr`` CLI (about 2 s) for every key.
 
     Raises:
         DeployError: The SuperLink did not register a key.
@@ -318,9 +332,12 @@ def start_submit(
     echo: bool | Callable[[str], None] = False,
     when_up: tuple[str, int, float] | None = None,
 ) -> FlwrCall:
-    """Submits a fedfm run to the SuperLink of ``$FLWR_HOME/config.toml`` with ``flwr run
-    --stream``; returns at once (wait for it with :meth:`FlwrCall.wait`). With ``when_up``
-    the CLI starts now and submits once the SuperLink listens (see :class:`FlwrCall`)."""
+    """Submits a fedfm run with ``flwr run --stream`` and returns at once.
+
+    The run goes to the SuperLink of ``$FLWR_HOME/config.toml``; wait for it with
+    :meth:`FlwrCall.wait`. With ``when_up`` the CLI starts now and submits once the SuperLink
+    listens (see :class:`FlwrCall`).
+    """
     app = write_app(work / "app")
     run_config = write_run_config(work / "run_config.toml", payload)
     env = process_env(home, env_extra)
@@ -372,8 +389,9 @@ LOGS_DIR = "flower_logs"
 
 
 def keep_logs(logs: Path, run_dir: Path, started: float) -> Path | None:
-    """Copies this session's Flower logs (SuperLink, ``flwr run``) into
-    ``run_dir/flower_logs/<start time>/``, when this session wrote the run folder.
+    """Copies this session's Flower logs (SuperLink, ``flwr run``) into the run folder.
+
+    They go to ``run_dir/flower_logs/<start time>/``, when this session wrote the run folder.
 
     Returns:
         The folder they went to, or None.
@@ -543,8 +561,9 @@ def _print_absent(run_dir: Path) -> None:
 
 
 def refuse_deployment(cfg: RunConfig, *args: Any, **kw: Any) -> NoReturn:
-    """The ``flower`` runtime as :func:`fedfm.runtime.run` sees it: it is never started
-    implicitly, since the deployment engine needs machines and certificates.
+    """The ``flower`` runtime as :func:`fedfm.runtime.run` sees it.
+
+    It is never started implicitly, since the deployment engine needs machines and certificates.
 
     Raises:
         ConfigError: Always, naming the commands that run it.

@@ -91,8 +91,10 @@ def supernode_command(
 
 
 def worker_command(runtime_port: int, wake_port: int | None = None) -> list[str]:
-    """The command of the fedfm warm worker serving a SuperNode's runtime API (woken on
-    ``wake_port`` by a paced SuperNode)."""
+    """The command of the fedfm warm worker serving a SuperNode's runtime API.
+
+    A paced SuperNode wakes the worker on ``wake_port``.
+    """
     return startup.worker_command(runtime_port, wake_port)
 
 
@@ -346,8 +348,7 @@ class _ClientNode:
             time.sleep(min(_PROBE_S, max(self.left(), 0.0)))
 
     def follow(self, procs: list[Proc]) -> int | None:
-        """Follows a started SuperNode (and its worker) through its log until it needs a
-        restart.
+        """Follows a started SuperNode (and its worker) through its log until it needs a restart.
 
         Returns:
             2 to stop the client (a refusal retrying cannot fix, or the wait ran out); None
