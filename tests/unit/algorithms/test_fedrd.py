@@ -235,7 +235,7 @@ def test_presets_validate(preset: str) -> None:
 
 
 def test_study_grid_and_job_configs() -> None:
-    from fedfm.reproduce.fedrd import FULL, QUICK, Cell, cells, job_config
+    from fedfm.reproduce.fedrd_paper import FULL, QUICK, Cell, cells, job_config
 
     jobs = cells(FULL)
     assert len(jobs) == 3 * 2 * (7 + 6)  # seeds x alphas x (vision + text methods)

@@ -18,7 +18,7 @@ from fedfm.config import load_config
 from fedfm.engine import build, resolve
 from fedfm.errors import ConfigError
 from fedfm.reproduce import fedekd_skew as study
-from fedfm.reproduce.fedekd import STUDY
+from fedfm.reproduce.fedekd_skew import STUDY
 from fedfm.reproduce.framework import RunView, open_study, reproduce, write_report
 from fedfm.reproduce.stats import Estimate, mean_se, paired, pooled_paired
 from fedfm.runtime import run
@@ -323,20 +323,20 @@ def test_report_from_hand_made_runs_states_differences_with_standard_errors(tmp_
     assert "| 3 | " in text and "| 6 | " in text and "+1.17 ± 0.19 |" in text
     assert "| breast-cancer | α=0.5, 10 clients | 20 / 30 | 5 / 8 | 3 / 4 | 114 |" in text
     for fig in ("negative_transfer.png", "gate_grid.png", "nt_curves.png"):
-        assert (tmp_path / "docs" / "fedekd" / fig).stat().st_size > 1000
+        assert (tmp_path / "docs" / "fedekd_skew" / fig).stat().st_size > 1000
 
 
 def test_quick_study_writes_its_report_and_skips_finished_runs_on_rerun(tmp_path):
     report = reproduce("fedekd_skew", tmp_path, quick=True)
     assert isinstance(report, Path)
     text = report.read_text()
-    assert report == tmp_path / "fedekd-quick" / "fedekd-quick.md"
+    assert report == tmp_path / "fedekd_skew-quick" / "fedekd_skew-quick.md"
     assert "fedfm reproduce fedekd_skew --quick" in text and "did not finish" not in text
     assert "**Chosen: β = " in text and "1 invocation(s) ran jobs" in text
     row = next(x for x in text.splitlines() if x.startswith("| α=0.5, 10 clients | FedeKD (β="))
     assert "—" not in row  # every statistic was computed
     # A second invocation finds every run done: it only rewrites the report.
     reproduce("fedekd_skew", tmp_path, quick=True)
-    record = json.loads((tmp_path / "fedekd-quick" / "study.json").read_text())
+    record = json.loads((tmp_path / "fedekd_skew-quick" / "study.json").read_text())
     assert [i["ran"] for i in record["invocations"]] == [40, 0]  # 28 main, then 12 long runs
     assert {j["status"] for j in record["jobs"].values()} == {"done"} and len(record["jobs"]) == 40

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfm.reproduce.fedrd import STUDY, Cell, Grid, differences, per_seed, read
+from fedfm.reproduce.fedrd_paper import STUDY, Cell, Grid, differences, per_seed, read
 from fedfm.reproduce.framework import open_study, reproduce, write_report
 
 
@@ -54,7 +54,7 @@ def test_paired_differences_and_curves_by_hand(tmp_path: Path) -> None:
 
 def test_quick_study_runs_and_reports_measured_numbers(tmp_path: Path) -> None:
     report = reproduce("fedrd_paper", tmp_path, quick=True)
-    assert report == tmp_path / "fedrd-quick" / "fedrd-quick.md"
+    assert report == tmp_path / "fedrd_paper-quick" / "fedrd_paper-quick.md"
     assert isinstance(report, Path)
     text = report.read_text()
     assert "7 runs; 7 finished" in text
@@ -63,9 +63,9 @@ def test_quick_study_runs_and_reports_measured_numbers(tmp_path: Path) -> None:
     for label in ("student FedAvg + public fine-tuning", "FedRD without φ", "Fed-Hint"):
         assert re.search(rf"\| 0\.5 \| {re.escape(label)}[^|]* \| yes \| 0\.\d{{3}} \|", text)
     assert re.search(r"\| 32 px \| 0\.\d{3} \|", text)  # the probe
-    assert (tmp_path / "fedrd-quick" / "fedrd-quick" / "accuracy_over_rounds.png").exists()
-    record = json.loads((tmp_path / "fedrd-quick" / "study.json").read_text())
+    assert (tmp_path / "fedrd_paper-quick" / "fedrd_paper-quick" / "accuracy_over_rounds.png").exists()
+    record = json.loads((tmp_path / "fedrd_paper-quick" / "study.json").read_text())
     assert {j["status"] for j in record["jobs"].values()} == {"done"}
     assert record["jobs"]["lite0-probe"]["kind"] == "compute" and len(record["jobs"]) == 8
-    probe = json.loads((tmp_path / "fedrd-quick" / "lite0-probe" / "result.json").read_text())
+    probe = json.loads((tmp_path / "fedrd_paper-quick" / "lite0-probe" / "result.json").read_text())
     assert f"| 32 px | {probe['result']['32']['acc']:.3f} |" in text

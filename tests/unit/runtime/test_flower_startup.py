@@ -14,6 +14,7 @@ import time
 import pytest
 
 from fedfm.runtime.flower import deploy as D
+from fedfm.runtime.flower import deploy_client as DC
 from fedfm.runtime.flower import processes as P
 from fedfm.runtime.flower import startup as S
 
@@ -27,7 +28,7 @@ def test_serve_runs_its_superlink_without_a_superexec_of_its_own():
     assert cmd[cmd.index("--isolation") + 1] == "process"
     assert "--isolation" not in D.superlink_command("127.0.0.1", 9092)  # Flower's default
     # One command for the client's worker, started ahead or with its SuperNode.
-    assert D.worker_command(5, 6) == S.worker_command(5, 6)
+    assert DC.worker_command(5, 6) == S.worker_command(5, 6)
 
 
 def test_a_server_worker_that_ended_before_the_run_is_one_error_naming_its_output(tmp_path):
@@ -119,10 +120,10 @@ def test_a_client_starts_its_worker_while_it_waits_for_the_first_session(tmp_pat
 
     monkeypatch.setattr(S, "start_warm_worker", fake_ahead)
     port = P.free_port()  # nothing listens there
-    assert D.client(f"127.0.0.1:{port}", 3, 4, work_dir=tmp_path, wait_s=1.0) == 2
+    assert DC.client(f"127.0.0.1:{port}", 3, 4, work_dir=tmp_path, wait_s=1.0) == 2
     assert started == [("supernode-3", {"die_with_parent": True})]  # once, not per probe
     assert not procs[0].alive()  # stopped when the client gave up
     started.clear()
-    assert D.client(f"127.0.0.1:{port}", 3, 4, work_dir=tmp_path, wait_s=0.5,
+    assert DC.client(f"127.0.0.1:{port}", 3, 4, work_dir=tmp_path, wait_s=0.5,
                     isolation="subprocess") == 2  # fmt: skip
     assert started == []  # no worker in Flower's own isolation

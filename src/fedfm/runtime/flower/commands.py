@@ -101,9 +101,6 @@ def serve(
     # The ServerApp process imports Flower, torch and fedfm while the config is checked.
     with ServerWorker.start() as server:
         cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
-        from fedfm.engine import with_stages  # the algorithms: torch, once the config is read
-
-        cfg = with_stages(cfg)  # rounds from the algorithm's stages, before the config travels
         tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
         if tls is not None:
             folder = certificates is not None  # the option that named the files (for messages)
@@ -115,6 +112,10 @@ def serve(
         keys = [Path(k) for k in node_key or []]
         for key in keys:
             _existing("node-key", key)
+        # The algorithms (torch) only once every argument is checked.
+        from fedfm.engine import with_stages
+
+        cfg = with_stages(cfg)  # rounds from the algorithm's stages, before the config travels
         try:
             summary = deploy.serve(
                 cfg,
