@@ -63,7 +63,9 @@ def test_quick_study_runs_and_reports_measured_numbers(tmp_path: Path) -> None:
     for label in ("student FedAvg + public fine-tuning", "FedRD without φ", "Fed-Hint"):
         assert re.search(rf"\| 0\.5 \| {re.escape(label)}[^|]* \| yes \| 0\.\d{{3}} \|", text)
     assert re.search(r"\| 32 px \| 0\.\d{3} \|", text)  # the probe
-    assert (tmp_path / "fedrd_paper-quick" / "fedrd_paper-quick" / "accuracy_over_rounds.png").exists()
+    assert (
+        tmp_path / "fedrd_paper-quick" / "fedrd_paper-quick" / "accuracy_over_rounds.png"
+    ).exists()
     record = json.loads((tmp_path / "fedrd_paper-quick" / "study.json").read_text())
     assert {j["status"] for j in record["jobs"].values()} == {"done"}
     assert record["jobs"]["lite0-probe"]["kind"] == "compute" and len(record["jobs"]) == 8
