@@ -28,7 +28,7 @@ are ``domain index * 1,000,000 + source id``: stable across seeds and unique acr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,9 +292,27 @@ def _concat(parts: Sequence[dict[str, list]]) -> datasets.Dataset:
     return build_dataset(cols, SUITE_FEATURES)
 
 
+def _test_counts(per_domain_test: int | Mapping[str, int], chosen: list[str]) -> dict[str, int]:
+    """Each chosen domain's test count (one count for all, or a mapping naming each domain)."""
+    field = f"{FIELD}.per_domain_test"
+    if isinstance(per_domain_test, Mapping):
+        named = set(per_domain_test)
+        if named != set(chosen):
+            raise ConfigError(
+                field, f"must name exactly the domains {chosen}, got {sorted(named)}"
+            )
+        counts = {str(k): v for k, v in per_domain_test.items()}
+    else:
+        counts = dict.fromkeys(chosen, per_domain_test)
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(field, f"{name}: must be an integer >= 0, got {n!r}")
+    return counts
+
+
 def build_suite(
     per_domain_train: int = 200,
-    per_domain_test: int = 40,
+    per_domain_test: int | Mapping[str, int] = 40,
     seed: int = 0,
     domains: Sequence[str] | None = None,
     balanced_test: bool = False,
@@ -302,7 +320,10 @@ def build_suite(
     """Builds the suite's train and held-out test sets.
 
     Builds the suite's train and held-out test sets (test is ``None`` when ``per_domain_test``
-    is 0); ``balanced_test``: each labelled domain's test rows hold its labels equally often.
+    is 0 for every domain); ``per_domain_test`` is one count for every domain or a count per
+    chosen domain (e.g. 40 seen items of a trained domain beside 200 of a zero-shot one, whose
+    labels a balanced draw of 200 would exhaust in the other); ``balanced_test``: each
+    labelled domain's test rows hold its labels equally often.
 
     Raises:
         ConfigError: Unknown domain, negative size, or more items than a domain's source holds.
@@ -316,18 +337,17 @@ def build_suite(
         )
     if per_domain_train < 1:
         raise ConfigError(f"{FIELD}.per_domain_train", f"must be >= 1, got {per_domain_train}")
-    if per_domain_test < 0:
-        raise ConfigError(f"{FIELD}.per_domain_test", f"must be >= 0, got {per_domain_test}")
+    n_test = _test_counts(per_domain_test, chosen)
     train_parts, test_parts = [], []
     for name in sorted(chosen, key=DOMAIN_ORDER.index):
         rng = np.random.default_rng([seed, DOMAIN_ORDER.index(name)])
         src = load_source(DOMAINS[name].source)
         train_rows, test_rows = _sample(
-            src, per_domain_train, per_domain_test, rng, name, balanced_test
+            src, per_domain_train, n_test[name], rng, name, balanced_test
         )
         train_parts.append(_items(name, train_rows, rng))
         test_parts.append(_items(name, test_rows, rng))
-    test = _concat(test_parts) if per_domain_test > 0 else None
+    test = _concat(test_parts) if any(n_test.values()) else None
     return _concat(train_parts), test
 
 
@@ -343,7 +363,7 @@ def build_suite(
 )
 def instruct_suite(
     per_domain_train: int = 200,
-    per_domain_test: int = 40,
+    per_domain_test: int | Mapping[str, int] = 40,
     seed: int = 0,
     domains: list[str] | None = None,
     balanced_test: bool = False,

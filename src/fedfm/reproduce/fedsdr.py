@@ -131,11 +131,13 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
     cfg.update(rounds=grid.rounds, plots=False, eval_every=grid.rounds)
     cfg["eval_before"] = method == "fedit"  # its round 0 is the untrained base
     task = cfg["task"]
-    n_test = max(grid.seen_items, grid.zeroshot_items)
-    source = {"per_domain_train": grid.per_domain, "per_domain_test": n_test}
+    heldout = [*grid.zeroshot, *grid.heldout]
+    # Seen items of the trained domains, more of the others: a balanced draw of the zero-shot
+    # count would exhaust a trained label task's rarest label (medical holds 36 of one).
+    n_test = {d: grid.seen_items for d in grid.domains} | dict.fromkeys(heldout, grid.zeroshot_items)
+    source: dict[str, Any] = {"per_domain_train": grid.per_domain, "per_domain_test": n_test}
     if grid.balanced_test:
         source["balanced_test"] = True
-    heldout = [*grid.zeroshot, *grid.heldout]
     task["source_options"].update(source, domains=[*grid.domains, *heldout])
     task.update(train_domains=list(grid.domains), heldout_domains=heldout)
     task.update(zeroshot_items=grid.zeroshot_items, max_eval=grid.seen_items * len(grid.domains))

@@ -357,6 +357,19 @@ def test_suite_bad_options() -> None:
     assert err.value.field == "task.source_options.per_domain_train"
     train, test = build_suite(5, 0, domains=["qtype"])
     assert test is None and len(train) == 5
+    with pytest.raises(ConfigError, match="exactly the domains"):
+        build_suite(5, {"spam": 4}, domains=["spam", "qtype"])
+    with pytest.raises(ConfigError, match="qtype: must be an integer >= 0"):
+        build_suite(5, {"spam": 4, "qtype": -1}, domains=["spam", "qtype"])
+
+
+def test_test_counts_per_domain() -> None:
+    # A count per domain: the same draw as a single count gives that domain.
+    _, test = build_suite(5, {"spam": 6, "qtype": 3}, seed=1, domains=["spam", "qtype"])
+    rows = test.to_pandas()
+    assert rows["domain"].value_counts().to_dict() == {"spam": 6, "qtype": 3}
+    _, spam = build_suite(5, 6, seed=1, domains=["spam"])
+    assert rows[rows["domain"] == "spam"]["id"].tolist() == spam["id"]
 
 
 # --------------------------------------------------------------------------- assets and helpers
