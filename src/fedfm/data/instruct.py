@@ -298,9 +298,7 @@ def _test_counts(per_domain_test: int | Mapping[str, int], chosen: list[str]) ->
     if isinstance(per_domain_test, Mapping):
         named = set(per_domain_test)
         if named != set(chosen):
-            raise ConfigError(
-                field, f"must name exactly the domains {chosen}, got {sorted(named)}"
-            )
+            raise ConfigError(field, f"must name exactly the domains {chosen}, got {sorted(named)}")
         counts = {str(k): v for k, v in per_domain_test.items()}
     else:
         counts = dict.fromkeys(chosen, per_domain_test)
