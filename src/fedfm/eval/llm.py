@@ -137,7 +137,8 @@ def _scored_nlls(
     The summed NLL of its ``labels`` tokens (those not ``-100``, each given its prefix) and their
     count.
     """
-    return [None if r is None else (r[0], r[1]) for r in _scored(model, tokenizer, rows, batch_size)]
+    got = _scored(model, tokenizer, rows, batch_size)
+    return [None if r is None else (r[0], r[1]) for r in got]
 
 
 def _scored(

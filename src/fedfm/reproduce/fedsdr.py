@@ -134,7 +134,8 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
     heldout = [*grid.zeroshot, *grid.heldout]
     # Seen items of the trained domains, more of the others: a balanced draw of the zero-shot
     # count would exhaust a trained label task's rarest label (medical holds 36 of one).
-    n_test = {d: grid.seen_items for d in grid.domains} | dict.fromkeys(heldout, grid.zeroshot_items)
+    n_test = {d: grid.seen_items for d in grid.domains}
+    n_test |= dict.fromkeys(heldout, grid.zeroshot_items)
     source: dict[str, Any] = {"per_domain_train": grid.per_domain, "per_domain_test": n_test}
     if grid.balanced_test:
         source["balanced_test"] = True

@@ -17,8 +17,9 @@ the paper's margin at all.
 
 Classifiers are read by balanced metrics (scikit-learn's ``balanced_accuracy_score`` and
 macro ``f1_score`` over the gold classes, as the evaluator's
-:func:`fedfm.eval.metrics.class_balanced_scores`) where classes are unbalanced: a scorer that answers the majority label
-scores the majority share in accuracy and 1 / C in balanced accuracy. Balanced accuracy is a
+:func:`fedfm.eval.metrics.class_balanced_scores`) where classes are unbalanced: a scorer
+that answers the majority label scores the majority share in accuracy and 1 / C in balanced
+accuracy. Balanced accuracy is a
 weighted mean of the items' correctness (:func:`balanced_weights`), so its paired difference
 and SE come from the same item-level arithmetic as accuracy's.
 """
