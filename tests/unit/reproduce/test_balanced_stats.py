@@ -59,8 +59,12 @@ def test_one_macro_f1_in_the_studies_and_the_evaluator() -> None:
     # ham: tp 1, fp 1, fn 2 -> 2/5; spam: tp 1, fp 1, fn 1 -> 2/4; "(none)" is a ham miss
     assert macro_f1(y, pred) == pytest.approx((2 / 5 + 2 / 4) / 2)
     got = class_balanced_scores(y, pred)
-    assert macro_f1(y, pred) == got["f1_macro"] == pytest.approx(
-        f1_score(y, pred, labels=["ham", "spam"], average="macro", zero_division=0)
+    assert (
+        macro_f1(y, pred)
+        == got["f1_macro"]
+        == pytest.approx(
+            f1_score(y, pred, labels=["ham", "spam"], average="macro", zero_division=0)
+        )
     )
     # recall: ham 1/3, spam 1/2
     assert balanced_accuracy(y, pred) == got["bal_acc"] == pytest.approx((1 / 3 + 1 / 2) / 2)
