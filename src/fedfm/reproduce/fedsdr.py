@@ -902,5 +902,6 @@ STUDY = register(
     __name__,
     "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
     later="+FedSD, FedSDR and the matched-drift control run once the pilot (FedIT) shows"
-    " forgetting; the control's lr once FedIT and +FedSD have measured their update norms",
+    " forgetting; the control's lr once FedIT and +FedSD have measured their update norms;"
+    " FedSDR's personal models (R + S) are scored from its final checkpoint after it",
 )

@@ -532,6 +532,9 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
                 make_config(FEDSDR, tmp_path, name="x", algorithm="fedsdr", algo={"steps_r": 0})
             )
         )
+    bad = {"fedsd": {"keep_reasoning": 0}}
+    with pytest.raises(ConfigError, match=r"algo\.fedsd\.keep_reasoning"):
+        resolve(load_config(make_config(FEDSDR, tmp_path, name="x", algorithm="fedsdr", algo=bad)))
     tabular = {"name": "t", "algorithm": "fedsdr", "task": {"kind": "tabular"}}
     with pytest.raises(ConfigError, match=r"task\.kind"):
         resolve(load_config(tabular))
