@@ -440,7 +440,8 @@ class InstructionTask(Task):
             got = text_scores(
                 model, self.tokenizer, docs["text"], cfg.max_tokens, self.cfg.eval_batch_size
             )
-        nll, n, hits = (sum(g[k] for g in got) for k in (0, 1, 3))
+        nll, n = sum(g.nll for g in got), sum(g.tokens for g in got)
+        hits = sum(g.top1 for g in got)
         c = cfg.corpus
         out = {f"{TEXT_NLL}/{c}": nll / n if n else float("nan")}
         out[f"{TEXT_TOP1}/{c}"] = hits / n if n else float("nan")
