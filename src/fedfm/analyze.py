@@ -38,6 +38,7 @@ REWRITE_KEYS = (
     ("fedsd/fallback_leak", "fallback: leaked prompt", 3),
     ("fedsd/fallback_number", "fallback: final number changed (maths)", 3),
     ("fedsd/fallback_label", "fallback: label changed (classification)", 3),
+    ("fedsd/fallback_reasoning", "fallback: chain of thought dropped (maths; rule of ours)", 3),
     ("fedsd/answer_kept", "checked rewrites keeping the reference's answer", 3),
     ("fedsd/length_ratio", "length ratio Σ words(ỹ) / Σ words(y), kept rewrites", 2),
     ("fedsd/filler_raw", "filler-word rate of the references (kept rows)", 4),

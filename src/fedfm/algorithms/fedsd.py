@@ -36,7 +36,10 @@ Choices of ours (the paper is silent):
   evaluation limit) does not apply to the teacher's prompt.
 * Task checks by the row's ``metric``: ``gsm8k`` rows must keep the reference's final number,
   ``choice`` rows must name the reference's label first (:func:`fedfm.eval.metrics.pick_choice`);
-  free-text (``rouge``) rows have no check. A leak is any of METHODS.md's phrases anywhere in the
+  free-text (``rouge``) rows have no check. With ``fedsd.keep_reasoning`` (off by default), a
+  ``gsm8k`` rewrite must also keep that share of the reference's reasoning words (its chain of
+  thought; a rewrite that states only the number teaches answering without reasoning), else
+  the row falls back (``reasoning``). A leak is any of METHODS.md's phrases anywhere in the
   rewrite (case-insensitive) or a rewrite starting with "Your turn".
 * Greedy decoding, 128 new tokens, by default; a rewrite that reaches the limit without its
   end-of-turn token falls back (``truncated``). The teacher at round 0 has ``B = 0`` in every
@@ -102,6 +105,10 @@ class FedSDConfig(BaseModel):
         cache: Reuse cached rewrites of the same model, data and decoding settings.
         cache_dir: Folder of the cache; ``None``: ``$FEDFM_CACHE/fedsd`` or
             ``~/.cache/fedfm/fedsd``.
+        keep_reasoning: Ours, not the paper's: a GSM8K rewrite is kept only if, beside its
+            right final number, it keeps at least this share of the reference's reasoning
+            words (:func:`~fedfm.algorithms.rewrite.reasoning_words`); otherwise the row
+            falls back to its reference (``reasoning``). ``None``: the paper's filter.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -111,6 +118,7 @@ class FedSDConfig(BaseModel):
     max_prompt_length: int | None = Field(None, ge=1)
     cache: bool = True
     cache_dir: str | None = None
+    keep_reasoning: float | None = Field(None, gt=0, le=10)
 
 
 class FedSDAlways(FedSDConfig):
@@ -291,7 +299,7 @@ class FedSD:
         rows = [dict(r) for r in ctx.data.rows]
         seed = derive_seed(ctx.seed, ctx.cid, "fedsd-rewrite")
         texts, cached = self._texts(fm, rows, adapters, teacher_digest(teacher), seed)
-        kept, stats = refine_rows(rows, texts)
+        kept, stats = refine_rows(rows, texts, self._settings().keep_reasoning)
         stats.cached = cached
         ctx.state.meta[STATE_KEY] = {"outputs": kept}
         return Message("refine", meta=stats.meta())

@@ -49,7 +49,7 @@ LEAK_PHRASES = (
     "now it's your turn",
 )
 LEAK_START = "your turn"
-FALLBACK_REASONS = ("empty", "truncated", "leak", "number", "label", "long_prompt")
+FALLBACK_REASONS = ("empty", "truncated", "leak", "number", "label", "long_prompt", "reasoning")
 FILLER_WORDS = frozenset(
     {
         *("actually", "additionally", "basically", "certainly", "clearly", "definitely"),
@@ -88,17 +88,54 @@ def _same_label(rewrite: str, row: Mapping[str, Any]) -> str | None:
     return None if pick_choice(rewrite, choices) == gold else "label"
 
 
-def fallback_reason(rewrite: str, row: Mapping[str, Any], truncated: bool = False) -> str | None:
+# Ours, not the paper's (FedSD keeps any rewrite whose final number is right): a GSM8K
+# rewrite may drop the chain of thought and keep the number, so that training on it teaches
+# the model to answer without reasoning.
+ReasoningCheck = Callable[[str, Mapping[str, Any], float], bool]
+REASONING_CHECKS: Registry[ReasoningCheck] = Registry("reasoning check", "metric")
+"""Whether a rewrite keeps its reference's reasoning, by a row's ``metric``:
+``(rewrite, row, min_share) -> bool`` (the acceptance rule of ``algo.fedsd.keep_reasoning``)."""
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations: 48/2=<<48/2=24>>24
+
+
+def reasoning_words(text: str) -> list[str]:
+    """The words of a GSM8K solution's reasoning: without its ``#### N`` line and annotations.
+
+    The final-answer line after the last ``####`` is dropped and so are the calculator
+    annotations ``<<…>>`` of GSM8K's references (they restate a step's arithmetic), so that a
+    reference and a rewrite are counted alike.
+    """
+    body = text.rsplit("####", 1)[0] if "####" in text else text
+    return words(_CALCULATOR.sub(" ", body))
+
+
+@REASONING_CHECKS.register("gsm8k", help="the rewrite keeps a share of the reference's reasoning")
+def _keeps_chain_of_thought(rewrite: str, row: Mapping[str, Any], min_share: float) -> bool:
+    """At least ``min_share`` × the reference's reasoning words (:func:`reasoning_words`)."""
+    need = min_share * len(reasoning_words(str(row["output"])))
+    return len(reasoning_words(rewrite)) >= need
+
+
+def fallback_reason(
+    rewrite: str,
+    row: Mapping[str, Any],
+    truncated: bool = False,
+    keep_reasoning: float | None = None,
+) -> str | None:
     """Why ``rewrite`` must not replace the row's answer (one of :data:`FALLBACK_REASONS`).
 
     Args:
         rewrite: The teacher's text.
         row: The instruction row (``output``, ``metric``, ``answer``, ``choices``).
         truncated: The rewrite reached its token limit without ending.
+        keep_reasoning: Ours (``algo.fedsd.keep_reasoning``): a row whose metric has a
+            reasoning check (GSM8K) keeps its rewrite only if the rewrite has at least this
+            share of the reference's reasoning words; ``None``: no such check (the paper's).
 
     Returns:
         ``"empty"``, ``"truncated"``, ``"leak"``, the task check's reason (``"number"``,
-        ``"label"``), or ``None`` when the rewrite is kept.
+        ``"label"``), ``"reasoning"``, or ``None`` when the rewrite is kept.
     """
     text = rewrite.strip()
     if not text:
@@ -109,7 +146,11 @@ def fallback_reason(rewrite: str, row: Mapping[str, Any], truncated: bool = Fals
     if any(p in low for p in LEAK_PHRASES) or low.startswith(LEAK_START):
         return "leak"
     metric = str(row.get("metric") or "")
-    return REWRITE_CHECKS.get(metric)(text, row) if metric in REWRITE_CHECKS else None
+    if metric in REWRITE_CHECKS and (reason := REWRITE_CHECKS.get(metric)(text, row)):
+        return reason
+    if keep_reasoning is not None and metric in REASONING_CHECKS:
+        return None if REASONING_CHECKS.get(metric)(text, row, keep_reasoning) else "reasoning"
+    return None
 
 
 def words(text: str) -> list[str]:
@@ -196,7 +237,9 @@ def _rates(c: Mapping[str, float]) -> dict[str, float]:
 
 
 def refine_rows(
-    rows: Sequence[Mapping[str, Any]], rewrites: Sequence[Reply | str | None]
+    rows: Sequence[Mapping[str, Any]],
+    rewrites: Sequence[Reply | str | None],
+    keep_reasoning: float | None = None,
 ) -> tuple[dict[str, str], RewriteStats]:
     """Filters the rewrites of ``rows``: the kept ones by row id, and the statistics.
 
@@ -204,6 +247,8 @@ def refine_rows(
         rows: Instruction rows with ``id, output, metric`` (and ``answer, choices, domain``).
         rewrites: One teacher reply per row, in order; a plain string is a reply that ended
             by itself, ``None`` a row whose prompt did not fit (``long_prompt``).
+        keep_reasoning: The acceptance rule of ours for reasoning rows (see
+            :func:`fallback_reason`); ``None``: off.
 
     Returns:
         ``({str(id): rewrite}`` of the kept rewrites, statistics).
@@ -220,7 +265,7 @@ def refine_rows(
             continue
         reply = Reply(got, False) if isinstance(got, str) else got
         text = reply.text
-        reason = fallback_reason(text, row, reply.truncated)
+        reason = fallback_reason(text, row, reply.truncated, keep_reasoning)
         metric = str(row.get("metric") or "")
         if metric in REWRITE_CHECKS:
             c["checked"] += 1

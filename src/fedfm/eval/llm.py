@@ -3,7 +3,8 @@
 * :func:`lm_nll` — summed negative log-likelihood of the reference responses (response tokens and
   the end-of-turn token only, as in training) → :func:`fedfm.eval.metrics.perplexity`;
   :func:`reference_nlls` per row (paired comparisons of fidelity to the references).
-* :func:`text_nlls` — NLL per token of plain documents (held-out general text, no template).
+* :func:`text_nlls` — NLL per token of plain documents (held-out general text, no template);
+  :func:`text_scores` also the top-1 token accuracy from the same forward pass.
 * :func:`multiple_choice_loglik` — picks the choice whose continuation (the label, then the
   end-of-turn token) is most likely after the prompt: the summed log-likelihood of the LM
   Evaluation Harness's ``acc`` (Gao et al., 2023), or divided by the continuation's UTF-8 byte
@@ -28,7 +29,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -76,11 +77,36 @@ def _token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
     Returns:
         ``(batch, seq - 1)`` float32 tensor aligned with ``labels[:, 1:]``.
     """
+    return _picked(*_logits_labels(model, batch))
+
+
+def _token_scores(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_token_logprobs`, and whether each label token is the model's top-1 prediction.
+
+    Returns:
+        ``(logprobs, hits)``, both ``(batch, seq - 1)`` aligned with ``labels[:, 1:]``; a hit
+        is a label token that is the argmax of its position's logits (ties: the first index,
+        as ``torch.argmax``), False where the label is ``-100``.
+    """
+    logits, labels = _logits_labels(model, batch)
+    hits = (logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)
+    return _picked(logits, labels), hits
+
+
+def _logits_labels(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, T-1, V)`` logits (position t predicts token t+1) and the ``(B, T-1)`` labels."""
     device = model_device(model)
     logits = model(
         input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
-    ).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
-    labels = batch["labels"][:, 1:].to(device)
+    ).logits[:, :-1]
+    return logits, batch["labels"][:, 1:].to(device)
+
+
+def _picked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     keep = labels != IGNORE_INDEX
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
@@ -111,18 +137,28 @@ def _scored_nlls(
     The summed NLL of its ``labels`` tokens (those not ``-100``, each given its prefix) and their
     count.
     """
+    got = _scored(model, tokenizer, rows, batch_size)
+    return [None if r is None else (r[0], r[1]) for r in got]
+
+
+def _scored(
+    model: nn.Module, tokenizer: Any, rows: Sequence[dict | None], batch_size: int
+) -> list[tuple[float, int, int] | None]:
+    """:func:`_scored_nlls` with the count of label tokens that are the top-1 prediction."""
     kept = [(i, r) for i, r in enumerate(rows) if r is not None]
     kept.sort(key=lambda ir: len(ir[1]["input_ids"]))  # similar lengths together: less padding
     pad = pad_id_of(tokenizer)
-    out: list[tuple[float, int] | None] = [None] * len(rows)
+    out: list[tuple[float, int, int] | None] = [None] * len(rows)
     with eval_mode(model), torch.inference_mode():
         for start in range(0, len(kept), batch_size):
             chunk = kept[start : start + batch_size]
             batch = collate([r for _, r in chunk], pad)
-            sums = _token_logprobs(model, batch).sum(-1, dtype=torch.float64)
+            logp, hits = _token_scores(model, batch)
+            sums = logp.sum(-1, dtype=torch.float64)
             counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1)
-            for (i, _), s, c in zip(chunk, sums.tolist(), counts.tolist(), strict=True):
-                out[i] = (-float(s), int(c))
+            got = zip(chunk, sums.tolist(), counts.tolist(), hits.sum(-1).tolist(), strict=True)
+            for (i, _), s, c, h in got:
+                out[i] = (-float(s), int(c), int(h))
     return out
 
 
@@ -172,19 +208,46 @@ def text_nlls(
     """Per plain document, in order.
 
     The summed NLL (natural log) of its first ``max_tokens`` tokens after the first, their count,
-    and the scored text.
+    and the scored text (:func:`text_scores` without the top-1 count).
+    """
+    got = text_scores(model, tokenizer, texts, max_tokens, batch_size)
+    return [(g.nll, g.tokens, g.text) for g in got]
+
+
+class TextScore(NamedTuple):
+    """One plain document scored by :func:`text_scores`.
+
+    Attributes:
+        nll: Summed NLL (natural log) of its scored tokens.
+        tokens: Their count (its first ``max_tokens`` tokens after the first).
+        text: The scored text.
+        top1: How many of the scored tokens are the model's top-1 prediction given their prefix
+            (``top1 / tokens`` is the top-1 token accuracy).
+    """
+
+    nll: float
+    tokens: int
+    text: str
+    top1: int
+
+
+def text_scores(
+    model: nn.Module, tokenizer: Any, texts: Sequence[str], max_tokens: int, batch_size: int = 8
+) -> list[TextScore]:
+    """Per plain document, in order: NLL, token count, scored text and top-1 hits.
 
     A document is read as a language model reads text in pretraining: no chat template and
     no special tokens; its first token has no prefix to be predicted from and is not counted
-    (a document of one token scores ``(0.0, 0)``).
+    (a document of one token scores ``(0.0, 0, text, 0)``). Top-1 token accuracy and NLL come
+    from the same forward pass.
     """
     ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"])[:max_tokens] for t in texts]
     rows = [{"input_ids": x, "labels": x} for x in ids]
-    scored = _scored_nlls(model, tokenizer, rows, batch_size)
+    scored = _scored(model, tokenizer, rows, batch_size)
     out = []
     for got, x in zip(scored, ids, strict=True):
-        nll, n = got if got is not None else (0.0, 0)
-        out.append((nll, n, str(tokenizer.decode(x))))
+        nll, n, hits = got if got is not None else (0.0, 0, 0)
+        out.append(TextScore(nll, n, str(tokenizer.decode(x)), hits))
     return out
 
 

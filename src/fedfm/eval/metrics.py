@@ -217,6 +217,11 @@ def class_balanced_scores(y_true: Sequence, y_pred: Sequence) -> dict[str, float
     ``bal_acc_se``: its standard error, ``sqrt(sum_c r_c (1 - r_c) / n_c) / C`` with ``r_c``
     the recall of class ``c`` over its ``n_c`` items (ours: each class's recall a binomial
     proportion, the classes independent).
+
+    The one definition of both for answers that may fall outside the gold labels: the
+    reproduction studies' ``balanced_accuracy`` and ``macro_f1`` call this function. (The
+    registered ``macro_f1`` and :func:`tensor_macro_f1` score closed-set classifiers, whose
+    every prediction is a class, over the classes of either input.)
     """
     _check_pairs(y_true, y_pred)
     classes = sorted({str(y) for y in y_true})

@@ -11,13 +11,20 @@ Zero-shot label tasks are read by balanced accuracy (a majority answer scores 1 
 FedIT, +FedSD (trained on the global model's rewrites of the clients' answers), FedSDR (adds
 a LoRA-R on the raw answers, aggregated alone) and a matched-drift FedIT (lr rescaled once to
 +FedSD's update norm), scored by likelihood only: zero-shot label accuracy on domains no
-client trains on and the NLL of held-out C4 text (kept ability), the references' NLL of the
-trained domains (fidelity), each difference paired over items.
+client trains on and the NLL and top-1 token accuracy of held-out C4 text (kept ability), the
+references' NLL of the trained domains (fidelity), each difference paired over items.
+
+FedSDR is scored as its global model (base + R, the run's own evaluation) and as each client's
+personalised model (base + R + S_k, :func:`score_personal`, from the run's final checkpoint).
+Choices of ours: maths rewrites must keep their chain of thought (``Grid.keep_reasoning``,
+:func:`fedfm.algorithms.rewrite.reasoning_words`) beside their final number, else the row trains
+on its reference; a personal model's value on a held-out unit is the mean over the clients.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from fedfm.analyze import REWRITE_KEYS, distribution_analysis, update_cosine_rows
+from fedfm.core.runfolder import read_jsonl, write_jsonl
 from fedfm.reproduce.framework import (
     Compute,
     Context,
@@ -56,14 +64,18 @@ from fedfm.reproduce.tables import DASH, Text, joined, marked, num, table
 
 TEXT = Text("fedsdr")
 METHODS = ("fedit", "fedsd", "fedsdr", "matched")
+PERSONAL = "personal"  # FedSDR's personalised models base + R + S_k (a computation)
 LABELS = {
     "base": "base (round 0)",
     "fedit": "FedIT",
     "fedsd": "+FedSD",
-    "fedsdr": "FedSDR",
+    "fedsdr": "FedSDR R (global)",
+    PERSONAL: "FedSDR R + S (personal)",
     "matched": "matched-drift FedIT",
 }
 BASE = "base"  # FedIT's round-0 evaluation: the untrained model
+MODELS = ("base", "fedit", "fedsd", "fedsdr", PERSONAL, "matched")  # the rows of the tables
+PERSONAL_ITEMS = "items.jsonl"  # the personal models' items, one line per client
 CORPUS = "c4_demo"
 PAPER_JS = (0.4074, 0.3611)
 PAPER_TFIDF = (0.6362, 0.7064)
@@ -83,6 +95,9 @@ class Grid:
         heldout: Held-out instruction domains scored by their references' NLL (no client
             trains on them; e.g. general chat prose, far from the clients' tasks).
         optimizer: The server optimizer; ``rewrite_tokens``: new tokens of a FedSD rewrite.
+        keep_reasoning: The acceptance rule of ours for maths rewrites (+FedSD and FedSDR,
+            ``algo.fedsd.keep_reasoning``): a GSM8K rewrite is kept only with its final number
+            and at least this share of the reference's reasoning words; ``None``: off.
         balanced_test: Labelled test sets with every label equally often (the source allows).
         gated: Whether +FedSD, FedSDR and the control wait for the pilot to show forgetting
             (False: they run whatever it shows, e.g. to time the grid at a tiny size).
@@ -105,6 +120,7 @@ class Grid:
     heldout: tuple[str, ...] = ("general",)
     optimizer: str = "fedavg"
     rewrite_tokens: int = 384
+    keep_reasoning: float | None = 0.5
     balanced_test: bool = True
     gated: bool = True
     task: Mapping[str, Any] = field(default_factory=dict)
@@ -134,9 +150,8 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
     heldout = [*grid.zeroshot, *grid.heldout]
     # Seen items of the trained domains, more of the others: a balanced draw of the zero-shot
     # count would exhaust a trained label task's rarest label (medical holds 36 of one).
-    n_test = {d: grid.seen_items for d in grid.domains} | dict.fromkeys(
-        heldout, grid.zeroshot_items
-    )
+    n_test = {d: grid.seen_items for d in grid.domains}
+    n_test |= dict.fromkeys(heldout, grid.zeroshot_items)
     source: dict[str, Any] = {"per_domain_train": grid.per_domain, "per_domain_test": n_test}
     if grid.balanced_test:
         source["balanced_test"] = True
@@ -153,6 +168,8 @@ def job_config(grid: Grid, method: str, lr: float | None = None) -> dict[str, An
     refine["decoding"]["max_new_tokens"] = grid.rewrite_tokens
     if grid.cache_dir is not None:
         refine["cache_dir"] = grid.cache_dir
+    if method in ("fedsd", "fedsdr") and grid.keep_reasoning is not None:
+        refine["keep_reasoning"] = grid.keep_reasoning  # FedIT's config stays without it
     server = {"name": grid.optimizer}
     if method == "fedsdr":
         steps = {"steps_s": grid.steps_s, "steps_r": grid.steps}
@@ -176,7 +193,8 @@ def matched_lr(grid: Grid, fedit: RunView, fedsd: RunView) -> tuple[float, float
     return grid.lr * b / a, b / a
 
 
-PILOT_MEASURES = ("text", "heldout", "bacc")  # forgetting on what no client trains on
+PILOT_MEASURES = ("text", "heldout", "bacc", "top1")  # forgetting on what no client trains on
+FORGETTING = {"text": +1, "heldout": +1, "bacc": -1, "top1": -1}  # the direction of forgetting
 
 
 def forgetting(grid: Grid, fedit: RunView) -> dict[str, Estimate]:
@@ -191,12 +209,12 @@ def forgetting(grid: Grid, fedit: RunView) -> dict[str, Estimate]:
 def pilot_holds(grid: Grid, fedit: RunView) -> bool:
     """Whether a readout shows forgetting.
 
-    Forgetting shown: an NLL on held-out text rises, or the balanced accuracy falls, by
-    more than 2 SE.
+    Forgetting shown: an NLL on held-out text rises, or the balanced accuracy or C4's top-1
+    token accuracy falls, by more than 2 SE (a measure the run did not record, e.g. top-1
+    before the evaluator had it, shows nothing).
     """
     got = forgetting(grid, fedit)
-    signs = {"text": +1, "heldout": +1, "bacc": -1}
-    return any(verdict(got[m], signs[m]) == IN_DIRECTION for m in PILOT_MEASURES)
+    return any(verdict(got[m], FORGETTING[m]) == IN_DIRECTION for m in PILOT_MEASURES)
 
 
 def _after_pilot(grid: Grid, method: str, needs: Mapping[str, RunView]) -> dict[str, Any]:
@@ -228,12 +246,65 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     def after(method: str) -> Callable[[Mapping[str, RunView]], dict[str, Any]]:
         return lambda needs: _after_pilot(grid, method, needs)
 
+    personal = {"config": job_config(grid, "fedsdr"), "rounds": grid.rounds}
     return [
         *pilot,
         Run("fedsd", after("fedsd"), needs=("fedit",), group="train"),
         Run("fedsdr", after("fedsdr"), needs=("fedit", "fedsd"), group="fedsdr"),
+        Compute(PERSONAL, score_personal, personal, needs=("fedsdr",)),
         Run("matched", after("matched"), needs=("fedit", "fedsd"), group="train"),
     ]
+
+
+def score_personal(
+    inputs: Mapping[str, Path], folder: Path, config: Mapping[str, Any], rounds: int
+) -> dict[str, Any]:
+    """FedSDR's personalised models, base + R + S_k, scored from the run's final checkpoint.
+
+    The run scores its global model (base + R) alone; each client's LoRA-S never leaves it and
+    is in the client's state of the checkpoint after the last round (with R, the server's
+    ``params``). Each client's model is scored on its own domains' seen test items and on every
+    held-out readout (zero-shot labels, held-out instructions, C4 text): the same items, by the
+    same evaluator, as the global model's last evaluation. Nothing is trained again.
+
+    Returns:
+        Per client, its domains and its metrics; the items go to ``items.jsonl`` in ``folder``.
+    """
+    from fedfm.algorithms.fedsdr import S_GROUP, R, S
+    from fedfm.core.checkpoint import latest_checkpoint, load_checkpoint
+    from fedfm.core.groups import get_group
+    from fedfm.errors import FedfmError
+    from fedfm.tasks.base import HasFoundationModel, capable
+    from fedfm.tasks.lm import InstructionData, InstructionTask
+
+    path = latest_checkpoint(inputs["fedsdr"] / "checkpoints")
+    ck = None if path is None else load_checkpoint(path)
+    if ck is None or ck.rnd != rounds:
+        raise FedfmError(f"FedSDR's checkpoint of round {rounds} is missing ({path})")
+    task = task_of(config)
+    if not isinstance(task, InstructionTask):
+        raise TypeError(f"the study's task is an instruction task, not {type(task).__name__}")
+    fm = capable(task, HasFoundationModel).foundation_model()
+    lora_r, test = get_group(ck.server_arrays, "params"), task.test_data()
+    out: dict[str, Any] = {"round": ck.rnd, "clients": {}}
+    lines = []
+    for cid in task.client_ids():
+        p = f"{cid}::"
+        mine = {k.removeprefix(p): v for k, v in ck.client_arrays.items() if k.startswith(p)}
+        lora_s = get_group(mine, S_GROUP)
+        if not lora_s:
+            raise FedfmError(f"client {cid} has no LoRA-S in FedSDR's checkpoint ({path})")
+        domains = sorted(set(task.client_data(cid).rows["domain"]))
+        keep = [i for i, d in enumerate(test.rows["domain"]) if d in domains]
+        data = InstructionData(test.rows.select(keep), test.heldout, test.documents)
+        with fm.slot(R, lora_r), fm.slot(S, lora_s), fm.use([R, S]) as model:
+            metrics, items = task.evaluate_items(model, data)
+        out["clients"][cid] = {"domains": domains, "metrics": metrics}
+        lines.append({"client": cid, "items": items})
+    folder.mkdir(parents=True, exist_ok=True)
+    # JSON round trip, as the engine keeps items: fields may be numpy scalars.
+    write_jsonl(folder / PERSONAL_ITEMS, json.loads(json.dumps(lines, default=str)))
+    return dict(json.loads(json.dumps(out, default=str)))
 
 
 def _quantiles(values: Sequence[int]) -> dict[str, float]:
@@ -273,15 +344,23 @@ def measure_lengths(inputs: Mapping[str, Path], folder: Path, config: Mapping[st
 
 @dataclass
 class Results:
-    """The finished runs by method, and the reference-length measurement."""
+    """The finished runs by method, the reference-length measurement, the personal models.
+
+    ``personal``: each FedSDR client's items of base + R + S_k (:func:`score_personal`), by
+    client; ``personal_rows`` their metrics.
+    """
 
     runs: dict[str, RunView]
     lengths: dict[str, Any] | None
+    personal: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    personal_rows: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def items(self, method: str) -> list[dict[str, Any]]:
-        """A method's evaluated items (the base: FedIT's round 0)."""
+        """A method's evaluated items (the base: FedIT's round 0; personal: every client's)."""
         if method == BASE:
             return self.runs["fedit"].items(0) if "fedit" in self.runs else []
+        if method == PERSONAL:
+            return [it for its in self.personal.values() for it in its]
         return self.runs[method].items() if method in self.runs else []
 
     def has(self, method: str) -> bool:
@@ -289,24 +368,41 @@ class Results:
         return bool(self.items(method))
 
     def row(self, method: str) -> dict[str, Any]:
-        """The metrics row of a method's evaluation (the base: FedIT's round 0)."""
+        """The metrics row of a method's evaluation (the base: FedIT's round 0).
+
+        The personal models': each metric's mean over the clients that report it.
+        """
         if method == BASE:
             return self.runs["fedit"].rounds.get(0, {}) if "fedit" in self.runs else {}
+        if method == PERSONAL:
+            keys = {k for r in self.personal_rows.values() for k in r}
+            got = {k: [r[k] for r in self.personal_rows.values() if k in r] for k in keys}
+            return {k: float(np.mean(v)) for k, v in got.items() if _numbers(v)}
         return self.runs[method].final if method in self.runs else {}
 
     def shown(self) -> list[str]:
-        """The base and the methods whose items are there."""
-        return [m for m in (BASE, *METHODS) if self.has(m)]
+        """The base and the models whose items are there."""
+        return [m for m in MODELS if self.has(m)]
 
     def ran(self) -> list[tuple[str, RunView]]:
         """The finished runs, in the order of :data:`METHODS`."""
         return [(m, self.runs[m]) for m in METHODS if m in self.runs]
 
 
+def _numbers(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+
+
 def read(ctx: Context[Grid]) -> Results:
-    """The finished runs and the length measurement."""
+    """The finished runs, the length measurement and the personal models' items."""
     runs = {m: ctx.run(m) for m in METHODS if ctx.run(m).finished}
-    return Results(runs, ctx.run("lengths").result)
+    res = Results(runs, ctx.run("lengths").result)
+    done = ctx.run(PERSONAL)
+    if done.result is not None and (done.folder / PERSONAL_ITEMS).exists():
+        for line in read_jsonl(done.folder / PERSONAL_ITEMS, need_round=False):
+            res.personal[str(line["client"])] = list(line["items"])
+        res.personal_rows = {c: dict(v["metrics"]) for c, v in done.result["clients"].items()}
+    return res
 
 
 def _per_token(it: Mapping[str, Any]) -> float:
@@ -379,46 +475,73 @@ def text_nll(items: Sequence[Mapping[str, Any]]) -> dict[Any, float]:
     return {it["id"]: _per_token(it) for it in items if it.get("metric") == "text_nll"}
 
 
-# A measure of one method: {domain or corpus: {unit: value}}.
-Measure = Callable[[Results, str, Grid], "dict[str, dict[Any, float]]"]
+def text_top1(items: Sequence[Mapping[str, Any]]) -> dict[Any, float]:
+    """``{document id: top-1 token accuracy}`` of the held-out general text (where scored)."""
+    return {
+        it["id"]: int(it["top1"]) / int(it["nll_tokens"])
+        for it in items
+        if it.get("metric") == "text_nll" and "top1" in it and int(it.get("nll_tokens") or 0)
+    }
+
+
+# A measure of a model's items: {domain or corpus: {unit: value}}.
+Measure = Callable[[Sequence[Mapping[str, Any]], Grid], "dict[str, dict[Any, float]]"]
 
 MEASURES: dict[str, tuple[str, Measure]] = {
     "bacc": (
         "zero-shot balanced accuracy (movie, spam)",
-        lambda res, m, grid: balanced(res.items(m), grid.zeroshot),
+        lambda items, grid: balanced(items, grid.zeroshot),
     ),
     "acc": (
         "zero-shot label accuracy (movie, spam)",
-        lambda res, m, grid: per_domain(res.items(m), grid.zeroshot, True),
+        lambda items, grid: per_domain(items, grid.zeroshot, True),
     ),
-    "text": ("NLL per token, held-out C4 text", lambda res, m, _: {CORPUS: text_nll(res.items(m))}),
+    "text": ("NLL per token, held-out C4 text", lambda items, _: {CORPUS: text_nll(items)}),
+    "top1": ("top-1 token accuracy, held-out C4 text", lambda its, _: {CORPUS: text_top1(its)}),
     "heldout": (
         "reference NLL per token, held-out instructions",
-        lambda res, m, grid: heldout_nll(res.items(m), grid.heldout),
+        lambda items, grid: heldout_nll(items, grid.heldout),
     ),
     "fidelity": (
         "reference NLL per token, trained domains",
-        lambda res, m, grid: per_domain(res.items(m), grid.domains, False),
+        lambda items, grid: per_domain(items, grid.domains, False),
     ),
 }
+
+
+def values(res: Results, m: str, measure: str, grid: Grid) -> dict[str, dict[Any, float]]:
+    """A model's values on a measure, ``{domain or corpus: {unit: value}}``.
+
+    The personal models' value of a unit is its mean over the clients that scored it (every
+    client a held-out unit, one client a seen item of its own domain), so a difference with
+    another model stays paired over the same units.
+    """
+    fn = MEASURES[measure][1]
+    if m != PERSONAL:
+        return fn(res.items(m), grid)
+    per = [fn(items, grid) for items in res.personal.values()]
+    out: dict[str, dict[Any, float]] = {}
+    for d in {d for got in per for d in got}:
+        units = {u for got in per for u in got.get(d, {})}
+        out[d] = {u: float(np.mean([g[d][u] for g in per if u in g.get(d, {})])) for u in units}
+    return out
 
 
 def diff(res: Results, a: str, b: str, measure: str, grid: Grid) -> Estimate:
     """``a − b`` on a measure: paired over units per domain, the mean over domains."""
     if not (res.has(a) and res.has(b)):
         return NONE
-    fn = MEASURES[measure][1]
-    va, vb = fn(res, a, grid), fn(res, b, grid)
-    parts = [paired(va[d], vb.get(d, {})) for d in va]
+    va, vb = values(res, a, measure, grid), values(res, b, measure, grid)
+    parts = [paired(va[d], vb.get(d, {})) for d in sorted(va)]
     parts = [p for p in parts if p.n]
     return parts[0] if len(parts) == 1 else mean_of(parts)
 
 
 def level(res: Results, m: str, measure: str, grid: Grid) -> dict[str, float]:
-    """A method's mean per domain (and ``mean``, over domains) on a measure."""
+    """A model's mean per domain (and ``mean``, over domains) on a measure."""
     if not res.has(m):
         return {}
-    got = MEASURES[measure][1](res, m, grid)
+    got = values(res, m, measure, grid)
     per = {d: float(np.mean(list(v.values()))) for d, v in got.items() if v}
     return {**per, **({"mean": float(np.mean(list(per.values())))} if per else {})}
 
@@ -440,7 +563,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
     values = {**vars(grid), "domains": ", ".join(grid.domains)}
     values["zeroshot"] = " and ".join(grid.zeroshot)
     values["heldout"] = ", ".join(grid.heldout)
-    kinds = ("kept", "fidelity", "matched", "premise", "benchmarks")
+    kinds = ("kept", "fidelity", "matched", "premise", "benchmarks", "personal")
     sc = {k: TEXT(f"scope-{k}", values) for k in kinds}  # what each kind of readout measures
     held = ", ".join(grid.heldout)
     pilot = (  # name, statistic, the premise, direction, measure
@@ -450,6 +573,8 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
          "the budget causes forgetting: FedIT's NLL above the base's", +1, "heldout"),
         ("pilot: FedIT − base, zero-shot balanced accuracy (movie, spam)", items,
          "the budget causes forgetting: FedIT below the base", -1, "bacc"),
+        ("pilot: FedIT − base, top-1 token accuracy of held-out C4 text", docs,
+         "the budget causes forgetting: FedIT below the base", -1, "top1"),
     )  # fmt: skip
     rows = (  # name, statistic, the paper, direction, a, b, measure, scope, the paper's margin
         ("+FedSD − FedIT, zero-shot balanced accuracy (movie, spam)", items,
@@ -465,7 +590,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
          "the rewrite paradox: rewrites (≈47% not entailing the reference) move the model away"
          " from the clients' references (higher NLL)", +1, "fedsd", "fedit", "fidelity",
          "fidelity", None),
-        ("FedSDR − +FedSD, reference NLL of the trained domains (fidelity)", items,
+        ("FedSDR R (global) − +FedSD, reference NLL of the trained domains (fidelity)", items,
          "LoRA-R on the raw answers rectifies: FedSDR closer to the references (lower NLL)", -1,
          "fedsdr", "fedsd", "fidelity", "fidelity", None),
         ("+FedSD − matched-drift FedIT, zero-shot balanced accuracy", items,
@@ -474,6 +599,21 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
         ("+FedSD − matched-drift FedIT, NLL per token of held-out C4 text", docs,
          "the gain is the refinery's (+FedSD lower)", -1, "fedsd", "matched", "text", "matched",
          None),
+        ("FedSDR R (global) − FedIT, zero-shot balanced accuracy", items,
+         "FedSDR keeps more general ability than FedIT", +1, "fedsdr", "fedit", "bacc",
+         "personal", None),
+        ("FedSDR R + S (personal) − FedIT, zero-shot balanced accuracy", items,
+         "FedSDR keeps more general ability than FedIT", +1, PERSONAL, "fedit", "bacc",
+         "personal", None),
+        ("FedSDR R + S (personal) − FedIT, NLL per token of held-out C4 text", docs,
+         "FedSDR keeps more general ability (lower NLL)", -1, PERSONAL, "fedit", "text",
+         "personal", None),
+        (f"FedSDR R + S (personal) − FedIT, reference NLL of held-out instructions ({held})",
+         items, "FedSDR keeps more general ability (lower NLL)", -1, PERSONAL, "fedit",
+         "heldout", "personal", None),
+        ("FedSDR R + S (personal) − +FedSD, reference NLL of each client's own domain"
+         " (fidelity)", items, "LoRA-R on the raw answers rectifies: closer to the references"
+         " (lower NLL)", -1, PERSONAL, "fedsd", "fidelity", "personal", None),
     )  # fmt: skip
     return [
         *(
@@ -562,19 +702,21 @@ def _doc_tokens(grid: Grid, res: Results) -> str | None:
 def _levels_table(grid: Grid, res: Results) -> list[str]:
     rows = []
     for m in res.shown():
-        acc, bacc, text, held, fid = (
-            level(res, m, k, grid) for k in ("acc", "bacc", "text", "heldout", "fidelity")
+        acc, bacc, text, top1, held, fid = (
+            level(res, m, k, grid) for k in ("acc", "bacc", "text", "top1", "heldout", "fidelity")
         )
         cells = [num(acc.get(d)) for d in [*grid.zeroshot, "mean"]] + [num(bacc.get("mean"))]
-        cells += [num(text.get(CORPUS)), *(num(held.get(d)) for d in grid.heldout)]
+        cells += [num(text.get(CORPUS)), num(top1.get(CORPUS))]
+        cells += [num(held.get(d)) for d in grid.heldout]
         rows.append([LABELS[m], *cells, *(num(fid.get(d)) for d in [*grid.domains, "mean"])])
     header = ["model", *(f"acc {d}" for d in grid.zeroshot), "acc mean", "balanced acc mean"]
-    header += ["C4 NLL/token", *(f"held-out NLL {d}" for d in grid.heldout)]
+    header += ["C4 NLL/token", "C4 top-1", *(f"held-out NLL {d}" for d in grid.heldout)]
     return table([*header, *(f"ref. NLL {d}" for d in grid.domains), "ref. NLL mean"], rows)
 
 
 PAIRS: tuple[tuple[str, str], ...] = (("fedit", BASE), ("fedsd", BASE), ("fedsd", "fedit"))
 PAIRS += (("fedsdr", "fedit"), ("fedsdr", "fedsd"), ("matched", "fedit"), ("fedsd", "matched"))
+PAIRS += ((PERSONAL, "fedsdr"), (PERSONAL, "fedit"), (PERSONAL, "fedsd"))
 
 
 def _diff_table(
@@ -586,7 +728,7 @@ def _diff_table(
         if measure is None:
             cells = [marked(diff(res, a, b, k, grid)) for k in MEASURES]
         else:
-            va, vb = (MEASURES[measure][1](res, m, grid) for m in (a, b))
+            va, vb = (values(res, m, measure, grid) for m in (a, b))
             cells = [marked(paired(va.get(d, {}), vb.get(d, {}))) for d in keys]
         rows.append([f"{LABELS[a]} − {LABELS[b]}", *cells])
     header = [MEASURES[k][0] for k in MEASURES] if measure is None else keys
@@ -638,17 +780,19 @@ def _rewrites(res: Results, grid: Grid) -> str:
             n = float(zero.get(f"fedsd/rows{sfx}", 0))
             shares = [f"fedsd/kept_share{sfx}", *(f"{fall}{x}{sfx}" for x in reasons)]
             cells = [f"{n * float(zero.get(k, 0)):.0f}" for k in shares]
-            rows.append(
-                [d or "all", f"{n:.0f}", *cells, num(zero.get(f"fedsd/length_ratio{sfx}"), 2)]
-            )
-        header = ["domain", "rows", "kept", *(f"fallback {x}" for x in reasons), "length ratio"]
+            share = num(zero.get(f"fedsd/kept_share{sfx}"))
+            ratio = num(zero.get(f"fedsd/length_ratio{sfx}"), 2)
+            rows.append([d or "all", f"{n:.0f}", *cells[:1], share, *cells[1:], ratio])
+        header = ["domain", "rows", "kept", "kept share", *(f"fallback {x}" for x in reasons)]
+        header.append("length ratio")
         cached = int(zero.get("fedsd/cached_clients", 0))
         values = {"method": m, "cached": cached, "clients": len(grid.domains)}
         parts.append(TEXT("rewrite-counts", values, vars(grid), table=table(header, rows)))
         if m == "fedsd":
             stats = [[label, num(float(zero[k]), dg)] for k, label, dg in REWRITE_KEYS if k in zero]
             parts.append(table(["statistic", "value"], stats))
-    return joined(*parts, TEXT("fallbacks") if parts else TEXT("no-rewrites"))
+    rule = {"keep_reasoning": "off" if grid.keep_reasoning is None else f"{grid.keep_reasoning:g}"}
+    return joined(*parts, TEXT("fallbacks", rule) if parts else TEXT("no-rewrites"))
 
 
 def _distributions(ctx: Context[Grid], res: Results) -> str | None:
@@ -678,6 +822,20 @@ def _cosines(grid: Grid, res: Results) -> list[str]:
         cells = [f"{cos[k][0]:.3f} / {cos[k][1]:.3f}" if k in cos else DASH for k in rounds]
         rows.append([LABELS[m], *cells, ", ".join(f"{u:,}" for u in up)])
     return table(["method", *(f"round {k}" for k in rounds), "uplink array bytes / round"], rows)
+
+
+def _personal(res: Results) -> str | None:
+    """What the personal models are and which items each client scored on its own domain."""
+    if "fedsdr" not in res.runs:
+        return None
+    if not res.personal:
+        return TEXT("no-personal")
+    seen = {
+        c: sorted({it["domain"] for it in its if not it.get("zeroshot")})
+        for c, its in res.personal.items()
+    }
+    own = "; ".join(f"client {c}: {', '.join(d) or DASH}" for c, d in sorted(seen.items()))
+    return TEXT("personal", clients=len(res.personal), own=own)
 
 
 def _pilot_verdict(grid: Grid, res: Results) -> str:
@@ -718,6 +876,7 @@ def body(ctx: Context[Grid], res: Results) -> str:
         setup,
         pilot_verdict=_pilot_verdict(grid, res),
         pilot_table=_pilot_table(grid, res),
+        personal=_personal(res),
         main_missing=TEXT("no-main", command=ctx.command) if only_pilot else None,
         n_domains=len(grid.domains),
         domains=", ".join(grid.domains),
@@ -743,5 +902,6 @@ STUDY = register(
     __name__,
     "FedSDR: kept ability and fidelity of FedIT, +FedSD, FedSDR, matched-drift FedIT",
     later="+FedSD, FedSDR and the matched-drift control run once the pilot (FedIT) shows"
-    " forgetting; the control's lr once FedIT and +FedSD have measured their update norms",
+    " forgetting; the control's lr once FedIT and +FedSD have measured their update norms;"
+    " FedSDR's personal models (R + S) are scored from its final checkpoint after it",
 )

@@ -16,8 +16,10 @@ per-unit SD of its differences (:func:`mde`), so a reader sees whether the grid 
 the paper's margin at all.
 
 Classifiers are read by balanced metrics (scikit-learn's ``balanced_accuracy_score`` and
-macro ``f1_score``) where classes are unbalanced: a scorer that answers the majority label
-scores the majority share in accuracy and 1 / C in balanced accuracy. Balanced accuracy is a
+macro ``f1_score`` over the gold classes, as the evaluator's
+:func:`fedfm.eval.metrics.class_balanced_scores`) where classes are unbalanced: a scorer
+that answers the majority label scores the majority share in accuracy and 1 / C in balanced
+accuracy. Balanced accuracy is a
 weighted mean of the items' correctness (:func:`balanced_weights`), so its paired difference
 and SE come from the same item-level arithmetic as accuracy's.
 """
@@ -102,36 +104,34 @@ def mde_of(est: Estimate, k: float = 2.0) -> float:
 
 
 def balanced_accuracy(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
-    """Balanced accuracy: mean per-class recall of ``pred`` against ``y``.
+    """Balanced accuracy: mean per-class recall of ``pred`` over ``y``'s classes.
 
-    Mean per-class recall of ``pred`` against ``y`` over ``y``'s classes (scikit-learn's;
-    an off-label answer is a miss of its item's class; NaN for no rows).
+    :func:`fedfm.eval.metrics.class_balanced_scores`'s ``bal_acc`` (scikit-learn's; an
+    off-label answer is a miss of its item's class; NaN for no rows).
     """
-    import warnings
-
-    from sklearn.metrics import balanced_accuracy_score
-
-    if not len(y):
-        return math.nan
-    with warnings.catch_warnings():  # "y_pred contains classes not in y_true": off-label
-        warnings.simplefilter("ignore", UserWarning)
-        return float(balanced_accuracy_score(list(map(str, y)), list(map(str, pred))))
+    return _gold_scores(y, pred)["bal_acc"]
 
 
 def macro_f1(y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray) -> float:
-    """Macro-F1 over the classes of ``y`` and ``pred``.
+    """Macro-F1 over the gold classes (the classes of ``y``).
 
-    Macro-F1 over the classes of ``y`` and ``pred`` (scikit-learn's; a class never
-    predicted scores 0; NaN for no rows). A predicted label outside ``y``'s classes counts
-    as a class of its own (an off-label answer).
+    :func:`fedfm.eval.metrics.class_balanced_scores`'s ``f1_macro``, the one definition of the
+    studies and the evaluator: scikit-learn's ``f1_score(average="macro", labels=<classes of
+    y>, zero_division=0)``. An off-label answer (another label, no label) is an error of its
+    item's class (a lost recall), never a class of its own; a gold class never predicted
+    scores 0. NaN for no rows.
     """
-    from sklearn.metrics import f1_score
+    return _gold_scores(y, pred)["f1_macro"]
+
+
+def _gold_scores(
+    y: Sequence[Any] | np.ndarray, pred: Sequence[Any] | np.ndarray
+) -> dict[str, float]:
+    from fedfm.eval.metrics import class_balanced_scores
 
     if not len(y):
-        return math.nan
-    return float(
-        f1_score(list(map(str, y)), list(map(str, pred)), average="macro", zero_division=0)
-    )
+        return {"bal_acc": math.nan, "f1_macro": math.nan}
+    return class_balanced_scores([str(v) for v in y], [str(v) for v in pred])
 
 
 def balanced_weights(y: Sequence[Any]) -> np.ndarray:

@@ -24,6 +24,7 @@ log = logging.getLogger("fedfm")
 
 ZEROSHOT = "zeroshot/"
 TEXT_NLL = "text_nll"
+TEXT_TOP1 = "text_top1"  # share of a corpus's scored tokens that are the top-1 prediction
 REF_NLL = "ref_nll"  # mean over items of the reference NLL per token (lower is better)
 BUDGET_PERCENTILE = 90
 """A generation budget below this percentile of a domain's reference lengths is warned about."""
@@ -88,7 +89,8 @@ class InstructionConfig(TaskConfig):
         likelihood_only: Generate nothing at evaluation: classification items are scored by
             log-likelihood (needs ``choice_mode: loglik``), the others only by their
             reference's NLL (needs ``eval_ppl``).
-        text_nll: Also score held-out general text by its NLL per token (``text_nll/<corpus>``).
+        text_nll: Also score held-out general text by its NLL per token (``text_nll/<corpus>``)
+            and its top-1 token accuracy (``text_top1/<corpus>``).
         train_domains: The only domains clients train on and that are scored as seen
             (``None``: every domain not held out).
         heldout_domains: Domains kept out of every client's data and evaluated zero-shot.

@@ -18,9 +18,9 @@ scored by its own metric (ROUGE-L, GSM8K final-number accuracy, label accuracy) 
 Any set of domains can be held out of training entirely (``heldout_domains``, with their own
 item count ``zeroshot_items``): they are scored per item like the rest and reported as
 ``zeroshot/...`` (``zeroshot/score`` can be the run's primary metric). Held-out general text
-(``text_nll``: plain documents such as C4's) is scored by its NLL per token, and
-``likelihood_only`` scores without generating anything (labels by log-likelihood, the other
-items by their reference's NLL, kept per item). Beside the scores, each
+(``text_nll``: plain documents such as C4's) is scored by its NLL per token and its top-1
+token accuracy, and ``likelihood_only`` scores without generating anything (labels by
+log-likelihood, the other items by their reference's NLL, kept per item). Beside the scores, each
 classification domain logs its predicted-label histogram with the majority-class and uniform
 baselines, and each domain the share of generations cut by its token budget
 (:func:`fedfm.eval.llm.instrument_readouts`); a budget below the 90th percentile of a domain's
@@ -62,7 +62,7 @@ from fedfm.devices import model_device, to_device
 from fedfm.errors import ConfigError, FedfmError
 from fedfm.eval.llm import (
     evaluate_instruction_items,
-    text_nlls,
+    text_scores,
 )
 from fedfm.fm import FoundationModel
 from fedfm.models.causal_lm import LMBundle, check_lm_setup
@@ -72,6 +72,7 @@ from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, TASKS, Task, TaskCo
 from fedfm.tasks.instructions import (
     REF_NLL,
     TEXT_NLL,
+    TEXT_TOP1,
     ZEROSHOT,
     InstructionConfig,
     TextNLLConfig,
@@ -395,7 +396,8 @@ class InstructionTask(Task):
             ``n``, the instrument readouts (``truncated/<domain>``, ``pred/<domain>/<label>``,
             ``majority/<domain>``, ``uniform/<domain>``); every such key under
             ``zeroshot/`` for the held-out domains (``zeroshot/score``, ...); and with
-            ``text_nll``, ``text_nll/<corpus>``, ``text_tokens/<corpus>``, ``text_docs/<corpus>``.
+            ``text_nll``, ``text_nll/<corpus>``, ``text_top1/<corpus>``, ``text_tokens/<corpus>``,
+            ``text_docs/<corpus>``.
         """
         return self.evaluate_items(model, data)[0]
 
@@ -427,18 +429,22 @@ class InstructionTask(Task):
     def _evaluate_documents(
         self, model: nn.Module, docs: datasets.Dataset, cfg: TextNLLConfig
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Per-token NLL of each corpus, token and document counts, and one item per document.
+        """Per-token NLL and top-1 token accuracy of each corpus, counts, one item per document.
 
         The metrics are ``text_nll/<corpus>`` (NLL per token over every scored token),
-        ``text_tokens`` and ``text_docs``; each item has ``nll`` and ``nll_tokens``, no score.
+        ``text_top1/<corpus>`` (the share of scored tokens that are the model's top-1
+        prediction, from the same forward pass), ``text_tokens`` and ``text_docs``; each item
+        has ``nll``, ``nll_tokens`` and ``top1`` (its top-1 hits), no score.
         """
         with self.autocast():
-            got = text_nlls(
+            got = text_scores(
                 model, self.tokenizer, docs["text"], cfg.max_tokens, self.cfg.eval_batch_size
             )
-        nll, n = sum(g[0] for g in got), sum(g[1] for g in got)
+        nll, n = sum(g.nll for g in got), sum(g.tokens for g in got)
+        hits = sum(g.top1 for g in got)
         c = cfg.corpus
         out = {f"{TEXT_NLL}/{c}": nll / n if n else float("nan")}
+        out[f"{TEXT_TOP1}/{c}"] = hits / n if n else float("nan")
         out.update({f"text_tokens/{c}": float(n), f"text_docs/{c}": float(len(got))})
         items = [
             {
@@ -446,15 +452,16 @@ class InstructionTask(Task):
                 "domain": c,
                 "metric": TEXT_NLL,
                 "prompt": "",
-                "reference": text,
+                "reference": g.text,
                 "answer": "",
                 "truncated": False,
                 "score": None,
-                "nll": s,
-                "nll_tokens": k,
+                "nll": g.nll,
+                "nll_tokens": g.tokens,
+                "top1": g.top1,
                 "zeroshot": True,
             }
-            for i, (s, k, text) in zip(docs["id"], got, strict=True)
+            for i, g in zip(docs["id"], got, strict=True)
         ]
         return out, items
 

@@ -21,6 +21,7 @@ from fedfm.algorithms.rewrite import (
     RewriteCache,
     cache_key,
     fallback_reason,
+    reasoning_words,
     refine_rows,
     rewrite_prompts,
     summarise_rewrites,
@@ -122,6 +123,61 @@ def test_a_rewrite_cut_by_its_token_limit_falls_back() -> None:
     assert fallback_reason("", MATH, truncated=True) == "empty"
 
 
+JANET = {
+    "id": 7,
+    "domain": "math",
+    "metric": "gsm8k",
+    "output": "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\n"
+    "She makes 9 * 2 = $18 every day at the farmer’s market.\n#### 18",
+    "answer": "18",
+    "choices": [],
+}
+# Its reasoning words: janet sells 16 3 4 9 duck eggs a day she makes 9 2 18 every day at the
+# farmer s market (22; the "#### 18" line is not reasoning); at a share of 0.5 a rewrite keeps
+# its chain of thought with at least 11.
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("#### 18", "reasoning"),  # the number alone
+        ("The answer is 18.", "reasoning"),  # 4 words
+        ("She sells 9 eggs and makes $18.\n#### 18", "reasoning"),  # 8 words
+        # 18 words: janet has 16 3 4 9 eggs left each day at 2 each she makes 9 2 18 (18 ≥ 11)
+        ("Janet has 16 - 3 - 4 = 9 eggs left each day. At $2 each she makes 9 * 2 = $18.\n"
+         "#### 18", None),
+        # the number check comes first: a long rewrite with the wrong number
+        ("Janet has 16 - 3 - 4 = 9 eggs left each day. At $2 each she makes 9 * 3 = $27.\n"
+         "#### 27", "number"),
+    ],
+)  # fmt: skip
+def test_math_rewrites_keep_their_reasoning_by_hand(text: str, reason: str | None) -> None:
+    """The acceptance rule of ours (``algo.fedsd.keep_reasoning``): a GSM8K rewrite with the
+    right number but without the reference's chain of thought falls back; off, it is kept."""
+    assert len(reasoning_words(JANET["output"])) == 22
+    assert fallback_reason(text, JANET, keep_reasoning=0.5) == reason
+    assert fallback_reason(text, JANET) == (None if reason == "reasoning" else reason)
+    # GSM8K's calculator annotations restate a step and are not counted
+    assert reasoning_words("48/2 = <<48/2=24>>24 clips\n#### 24") == ["48", "2", "24", "clips"]
+    # only maths has a reasoning check
+    assert fallback_reason("Paris.", FREE, keep_reasoning=5.0) is None
+
+
+def test_refine_rows_counts_the_reasoning_fallbacks() -> None:
+    texts: list[Reply | str | None] = [
+        "The answer is 18.",
+        "Janet has 16 - 3 - 4 = 9 eggs left each day. At $2 each she makes 9 * 2 = $18.",
+    ]
+    rows = [JANET, {**JANET, "id": 8}]
+    kept, stats = refine_rows(rows, texts, keep_reasoning=0.5)
+    assert kept == {"8": texts[1]} and stats.fallbacks["reasoning"] == 1
+    # both kept the answer: the rule is about the reasoning, not the number
+    assert stats.total("checked") == stats.total("answer_kept") == 2
+    pooled = summarise_rewrites([stats.meta()])
+    assert pooled["fallback_reasoning/math"] == pooled["kept_share/math"] == 0.5
+    assert refine_rows(rows, texts)[1].fallbacks["reasoning"] == 0  # off: the paper's filter
+
+
 def test_refine_rows_statistics_by_hand() -> None:
     rows = [
         {**MATH, "domain": "math"},
@@ -144,7 +200,7 @@ def test_refine_rows_statistics_by_hand() -> None:
     assert (stats.n, stats.kept) == (6, 2)
     assert stats.fallbacks == {
         **{"empty": 1, "truncated": 1, "leak": 0, "number": 0, "label": 1},
-        "long_prompt": 1,
+        **{"long_prompt": 1, "reasoning": 0},
     }
     total = {k: stats.total(k) for k in ("checked", "answer_kept")}
     assert total == {"checked": 2, "answer_kept": 1}  # maths kept its number, movie did not
@@ -476,6 +532,9 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
                 make_config(FEDSDR, tmp_path, name="x", algorithm="fedsdr", algo={"steps_r": 0})
             )
         )
+    bad = {"fedsd": {"keep_reasoning": 0}}
+    with pytest.raises(ConfigError, match=r"algo\.fedsd\.keep_reasoning"):
+        resolve(load_config(make_config(FEDSDR, tmp_path, name="x", algorithm="fedsdr", algo=bad)))
     tabular = {"name": "t", "algorithm": "fedsdr", "task": {"kind": "tabular"}}
     with pytest.raises(ConfigError, match=r"task\.kind"):
         resolve(load_config(tabular))
@@ -558,7 +617,7 @@ def test_the_study_runs_and_reports_what_it_measured(
     ctx = open_study(study.STUDY, runs, quick=True, grid=grid, command="cmd")
     report = run_study(study.STUDY, ctx, tmp_path / "r.md")
     record = json.loads((runs / "study.json").read_text())
-    assert set(record["jobs"]) == {*study.METHODS, "lengths"}
+    assert set(record["jobs"]) == {*study.METHODS, "lengths", study.PERSONAL}
     assert {j["status"] for j in record["jobs"].values()} == {"done"}
     assert record["jobs"]["matched"]["needs"] == ["fedit", "fedsd"]
     text = report.read_text()
@@ -599,8 +658,8 @@ def test_the_study_runs_and_reports_what_it_measured(
         ) and study.balanced_accuracy(labels, answers) == pytest.approx(recall(rows["fedsd"]))
     got = study.diff(res, "fedsd", "fedit", "bacc", grid)
     assert got.mean == pytest.approx(sum(per) / len(per)) and got.n == 2 * grid.zeroshot_items
-    r4 = next(x for x in text.splitlines() if x.startswith("| R4 |"))
-    assert got.fmt(3, signed=True) in r4 and "balanced accuracy" in r4
+    r5 = next(x for x in text.splitlines() if x.startswith("| R5 |"))
+    assert got.fmt(3, signed=True) in r5 and "balanced accuracy" in r5
     # The pilot's held-out instruction NLL: general items, never trained, scored by NLL only.
     held = study.diff(res, "fedit", study.BASE, "heldout", grid)
     assert held.n == grid.zeroshot_items and math.isfinite(held.mean)
@@ -610,7 +669,42 @@ def test_the_study_runs_and_reports_what_it_measured(
     r1 = next(x for x in text.splitlines() if x.startswith("| R1 |"))
     assert c4.fmt(3, signed=True) in r1
     holds = study.pilot_holds(grid, views["fedit"])
-    assert text.count("**cannot be tested by this grid") == (1 if holds else 8)
+    assert text.count("**cannot be tested by this grid") == (1 if holds else 13)
+    # C4's top-1 token accuracy per document, beside its NLL (the pilot's fourth readout).
+    top1 = study.diff(res, "fedit", study.BASE, "top1", grid)
+    assert top1.n == grid.docs and "| R4 | pilot: FedIT − base, top-1 token accuracy" in text
+    docs = [it for it in views["fedit"].items() if it.get("metric") == "text_nll"]
+    want = sum(it["top1"] for it in docs) / sum(it["nll_tokens"] for it in docs)
+    assert views["fedit"].final["text_top1/c4_demo"] == pytest.approx(want)
+    # FedSDR scored as R + S: every client's own LoRA-S with the global LoRA-R, from the
+    # final checkpoint, on its own domain's seen items and on every held-out unit.
+    assert sorted(res.personal) == ["0", "1", "2"]
+    own = set()
+    for its in res.personal.values():
+        seen = {it["domain"] for it in its if not it["zeroshot"]}
+        assert len(seen) == 1 and len([it for it in its if not it["zeroshot"]]) == 2
+        own |= seen
+        assert sum(it.get("metric") == "text_nll" for it in its) == grid.docs
+        assert sum(it["domain"] in grid.zeroshot for it in its) == 2 * grid.zeroshot_items
+    assert own == set(grid.domains)
+    # A held-out unit's personal value is the mean over the clients' models, by hand.
+    doc = docs[0]["id"]
+    by_client = [
+        next(it["nll"] / it["nll_tokens"] for it in its if it["id"] == doc)
+        for its in res.personal.values()
+    ]
+    assert study.values(res, study.PERSONAL, "text", grid)[study.CORPUS][doc] == pytest.approx(
+        sum(by_client) / 3
+    )
+    # LoRA-S changes the model: R + S is not R on the documents.
+    r_alone = study.values(res, "fedsdr", "text", grid)[study.CORPUS]
+    assert any(abs(v - r_alone[doc]) > 1e-7 for v in by_client)
+    rs = study.diff(res, study.PERSONAL, "fedit", "bacc", grid)
+    assert rs.n == 2 * grid.zeroshot_items
+    line = next(x for x in text.splitlines() if "| FedSDR R + S (personal) − FedIT, zero" in x)
+    assert rs.fmt(3, signed=True) in line and "FedSDR R + S (personal) |" in text
+    fid = study.diff(res, study.PERSONAL, "fedsd", "fidelity", grid)
+    assert fid.n == grid.seen_items * len(grid.domains)
     # The instrument: label histograms with their baselines, reference lengths, fallbacks.
     assert "| base (round 0) |" in text and "answered ham" in text and "majority" in text
     assert "| train | math |" in text and "fallback truncated" in text
@@ -627,6 +721,22 @@ def test_the_study_runs_and_reports_what_it_measured(
         study._after_pilot(
             dataclasses.replace(grid, gated=True), "fedsd", {"fedit": views["fedit"]}
         )
+
+
+def test_the_pilots_config_does_not_depend_on_the_main_grids_options() -> None:
+    """FedIT (the pilot) and the control run without the rewrite acceptance rule; +FedSD and
+    FedSDR get it, so a pilot run stays valid whatever the main grid's rule is."""
+    import dataclasses
+
+    from fedfm.reproduce import fedsdr as study
+
+    off = dataclasses.replace(study.FULL, keep_reasoning=None)
+    for method in ("fedit", "matched"):
+        assert study.job_config(study.FULL, method) == study.job_config(off, method)
+        assert "keep_reasoning" not in study.job_config(study.FULL, method)["algo"]["fedsd"]
+    assert study.job_config(study.FULL, "fedsd")["algo"]["fedsd"]["keep_reasoning"] == 0.5
+    assert study.job_config(study.FULL, "fedsdr")["algo"]["fedsd"]["keep_reasoning"] == 0.5
+    assert "keep_reasoning" not in study.job_config(off, "fedsdr")["algo"]["fedsd"]
 
 
 def test_fedsd_has_one_key_and_fedsdr_reads_its_old_name(tmp_path: Path) -> None:

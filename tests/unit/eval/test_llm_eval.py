@@ -23,6 +23,7 @@ from fedfm.eval.llm import (
     reference_nlls,
     split_held_out_domain,
     text_nlls,
+    text_scores,
 )
 from fedfm.models.generation import Reply, generate, generate_replies
 from helpers.models import bigram_llama, chatml_tokenizer, constant_llama, tiny_llama
@@ -215,6 +216,28 @@ def test_text_nll_of_uniform_logits_is_log_vocab_per_token_after_the_first(tok):
         assert nll == pytest.approx(n * math.log(len(tok)), rel=1e-5)
         assert scored == tok.decode(x[:4])
     assert len(ids[0]) > 4 and got[0][1] == 3  # a long text is scored on its first tokens
+
+
+def test_top1_token_accuracy_of_a_text_by_hand(tok):
+    """A model that always predicts one token: a scored token is a top-1 hit iff it is that
+    token; the NLL comes from the same pass (one log-probability per scored token)."""
+    text = "the capital of the country of the river"
+    x = _ids(tok, text)
+    scored = x[1:]  # the first token is not predicted
+    the = max(set(scored), key=scored.count)
+    assert scored.count(the) >= 2 and len(set(scored)) > 2
+    logprobs = torch.log_softmax(torch.linspace(0.0, 1.0, len(tok)), -1)
+    top = int(torch.argmax(logprobs))
+    logprobs[[top, the]] = logprobs[[the, top]]  # ``the`` is the one top-1 prediction
+    model = constant_llama(len(tok), logprobs)
+    got = text_scores(model, tok, [text, "France"], max_tokens=64, batch_size=2)
+    assert got[0].tokens == len(scored) and got[0].top1 == scored.count(the)
+    assert got[0].nll == pytest.approx(-sum(float(logprobs[t]) for t in scored), rel=1e-4)
+    assert got[0].text == text
+    # text_nlls is the same pass without the hits
+    assert text_nlls(model, tok, [text], max_tokens=64)[0] == pytest.approx(got[0][:3])
+    one = _ids(tok, "France")
+    assert got[1].tokens == len(one) - 1 and got[1].top1 == one[1:].count(the)
 
 
 def test_unknown_metric_is_refused_before_generation(tok, yes7):

@@ -43,8 +43,32 @@ def test_an_off_label_answer_is_a_miss_of_its_true_class() -> None:
     pred = ["ham", "ham", "unsure", "spam"]
     # recall over the true classes only: ham 2/3, spam 1
     assert balanced_accuracy(Y, pred) == pytest.approx(5 / 6)
-    # F1: ham 4/5, spam 1, "unsure" (never true) 0
-    assert macro_f1(Y, pred) == pytest.approx((4 / 5 + 1 + 0) / 3)
+    # F1 over the gold classes only: ham (tp 2, fp 0, fn 1) 4/5, spam (tp 1) 1; "unsure" is
+    # an error of its ham item, not a class of its own (that would add an F1 of 0: 0.6)
+    assert macro_f1(Y, pred) == pytest.approx((4 / 5 + 1) / 2)
+
+
+def test_one_macro_f1_in_the_studies_and_the_evaluator() -> None:
+    """The studies' metrics are the evaluator's: scikit-learn's with labels = the gold classes."""
+    from sklearn.metrics import f1_score
+
+    from fedfm.eval.metrics import class_balanced_scores
+
+    y = ["ham", "spam", "spam", "ham", "ham"]
+    pred = ["(none)", "spam", "ham", "ham", "spam"]
+    # ham: tp 1, fp 1, fn 2 -> 2/5; spam: tp 1, fp 1, fn 1 -> 2/4; "(none)" is a ham miss
+    assert macro_f1(y, pred) == pytest.approx((2 / 5 + 2 / 4) / 2)
+    got = class_balanced_scores(y, pred)
+    assert (
+        macro_f1(y, pred)
+        == got["f1_macro"]
+        == pytest.approx(
+            f1_score(y, pred, labels=["ham", "spam"], average="macro", zero_division=0)
+        )
+    )
+    # recall: ham 1/3, spam 1/2
+    assert balanced_accuracy(y, pred) == got["bal_acc"] == pytest.approx((1 / 3 + 1 / 2) / 2)
+    assert math.isnan(macro_f1([], [])) and math.isnan(balanced_accuracy([], []))
 
 
 def test_balanced_accuracy_is_the_weighted_mean_of_the_items_correctness() -> None:

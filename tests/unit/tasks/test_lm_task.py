@@ -178,6 +178,10 @@ def test_likelihood_only_scores_labels_references_and_held_out_text(tmp_path, mo
     nll = sum(it["nll"] for it in docs) / sum(it["nll_tokens"] for it in docs)
     assert out["text_nll/c4_demo"] == pytest.approx(nll)
     assert out["text_docs/c4_demo"] == 5 and out["text_tokens/c4_demo"] == 75
+    # Top-1 token accuracy beside it: the documents' hits over every scored token.
+    hits = sum(it["top1"] for it in docs)
+    assert all(0 <= it["top1"] <= it["nll_tokens"] for it in docs)
+    assert out["text_top1/c4_demo"] == pytest.approx(hits / 75)
     assert task.stats()["text_docs"] == 5
     # A client's local split holds no documents.
     local = task.evaluate(task.build_model(seed=0), task.client_test_data("0"))
