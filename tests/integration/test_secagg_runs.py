@@ -167,8 +167,9 @@ def test_bad_secagg_input_exits_2_with_one_line(
 
 
 def test_tabular_dpfedavg_epsilon_under_secagg_is_recomputed(tmp_path: Path) -> None:
-    """The preset's ε against the server under SecAgg+, recomputed with dp-accounting: per
-    client, a Gaussian of multiplier z (the sum's) for each round it took part in."""
+    """The preset's ε against the server under SecAgg+ with continuous noise shares,
+    recomputed with dp-accounting: per client, a Gaussian of multiplier z (the sum's) for
+    each round it took part in."""
     from fedfm.algorithms.base import ALGORITHMS
     from fedfm.core.fake import FakeFederation
     from fedfm.core.privacy import PrivacyLedger
@@ -176,7 +177,11 @@ def test_tabular_dpfedavg_epsilon_under_secagg_is_recomputed(tmp_path: Path) -> 
     from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
-    over = [f"out_dir={tmp_path}", "privacy.secure_aggregation=secagg+"]
+    over = [
+        f"out_dir={tmp_path}",
+        "privacy.secure_aggregation=secagg+",
+        "privacy.secagg.dp_noise=continuous",
+    ]
     cfg = load_config("tabular-dpfedavg", over)
     algo_cfg, task_cfg = resolve(cfg)
     task = TASKS.get(task_cfg.kind)(task_cfg, cfg)

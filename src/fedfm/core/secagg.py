@@ -64,13 +64,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
+from fedfm.core import ddg as _ddg
 from fedfm.core.aggregate import ReplySum, RunningMean
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.messages import Arrays, Message, MessageKind, MetaSpec
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.secret import noise_seed
 from fedfm.core.seeding import derive_seed
 from fedfm.core.settings import SecAggConfig
-from fedfm.core.userdp import BIT, DPSum
+from fedfm.core.userdp import BIT, DPSum, UserDP
 from fedfm.errors import ConfigError, FedfmError, TooFewClientsError
 
 log = logging.getLogger("fedfm")
@@ -124,12 +126,15 @@ class SecAgg:
         shares: Shares of each secret when every sampled client answers.
         threshold: ``t``.
         weighted: Example weights travel inside the vector (else public and equal: DP).
+        ddg: Client-side DP-FedAvg's distributed discrete Gaussian (:mod:`fedfm.core.ddg`):
+            vectors are its encodings, decoded after unmasking; None: :func:`quantise`.
     """
 
     cfg: SecAggConfig
     shares: int
     threshold: int
     weighted: bool
+    ddg: _ddg.DDG | None = None
 
     @property
     def step(self) -> float:
@@ -158,7 +163,9 @@ class SecAgg:
         return got
 
 
-def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAgg:
+def resolve(
+    cfg: SecAggConfig, sampled: int, most: int, weighted: bool, ddg: bool = False
+) -> SecAgg:
     """The run's SecAgg+ parameters.
 
     Args:
@@ -166,6 +173,8 @@ def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAg
         sampled: Clients a round samples (expected, under Poisson sampling).
         most: The most clients a round can sum.
         weighted: Weights travel inside the masked vector.
+        ddg: The vectors are the distributed discrete Gaussian's (its plan checks the
+            modulus once the update's size is known: :meth:`UserDP.ddg_plan`).
 
     Raises:
         ConfigError: A threshold above the shares or below half of them, or a modulus too
@@ -187,7 +196,7 @@ def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAg
             " rebuild both secrets of one client",
         )
     need = most * (cfg.quantization_range - 1)
-    if cfg.modulus_range <= need:
+    if not ddg and cfg.modulus_range <= need:
         raise ConfigError(
             f"{FIELD}.modulus_range",
             f"{cfg.modulus_range} does not hold the sum of {most} clients' vectors quantised"
@@ -348,10 +357,16 @@ class ClientSecAgg:
 
     Args:
         sa: The run's parameters (the client's own config: it checks the server's threshold).
+        dp: Client-side DP-FedAvg whose noise is the distributed discrete Gaussian: the
+            client then encodes its raw update with :meth:`UserDP.ddg_plan` (clip, rotate,
+            round, noise) instead of :func:`quantise`; None: no DP, or ``continuous`` noise
+            already added by :class:`~fedfm.core.userdp.ClientDP`.
     """
 
-    def __init__(self, sa: SecAgg) -> None:
+    def __init__(self, sa: SecAgg, dp: UserDP | None = None) -> None:
         self.sa = sa
+        self.dp = dp
+        self._plans: dict[int, _ddg.DDG] = {}
 
     def handlers(
         self, inner: Mapping[str, Handler], kinds: Mapping[str, MessageKind]
@@ -418,14 +433,16 @@ class ClientSecAgg:
                 msg.kind, {k: v for k, v in msg.arrays.items() if k != FORWARDED}, dict(msg.meta)
             )
             reply = inner(ctx, plain)
-            vec = self._vector(reply, plain.arrays[field], field)
             rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
             modulus = self.sa.cfg.modulus_range
-            y = quantise(vec, self.sa, rng)
-            y += prg(bytes.fromhex(st["b"]), vec.size, modulus)
+            if self.dp is not None:
+                y = self._ddg(ctx, flat_update(reply.arrays[field], plain.arrays[field]), rng)
+            else:
+                y = quantise(self._vector(reply, plain.arrays[field], field), self.sa, rng)
+            y += prg(bytes.fromhex(st["b"]), y.size, modulus)
             own = bytes.fromhex(st["s"])
             for j in sorted(forwarded):  # uint64 wraps modulo 2**64, a multiple of M
-                m = prg(_agree(own, bytes.fromhex(st["peers_s"][j])), vec.size, modulus)
+                m = prg(_agree(own, bytes.fromhex(st["peers_s"][j])), y.size, modulus)
                 (np.add if ctx.cid < j else np.subtract)(y, m, out=y)
             y &= np.uint64(modulus - 1)
             st["sent"] = True
@@ -433,6 +450,14 @@ class ClientSecAgg:
             return Message(msg.kind, {MASKED: {"y": to_wire(y, modulus)}})
 
         return handle
+
+    def _ddg(self, ctx: ClientContext, u: np.ndarray, rounding: np.random.Generator) -> np.ndarray:
+        """The distributed discrete Gaussian's encoding of the raw update ``u``."""
+        assert self.dp is not None
+        if u.size not in self._plans:
+            self._plans[u.size] = self.dp.ddg_plan(u.size)
+        noise = np.random.default_rng(noise_seed(ctx, "user-dp", self.dp.noise))
+        return self._plans[u.size].encode(u, rotation_seed(ctx.seed, ctx.rnd), noise, rounding)
 
     def _vector(self, reply: Message, sent: Arrays, field: str) -> np.ndarray:
         u = flat_update(reply.arrays[field], sent)
@@ -593,7 +618,7 @@ def secure_sum(
     for c, r in shared.items():
         if set(r.arrays["shares"]) != set(graph[c]):
             raise _fail(fed, f"client {c} sent shares for other clients than its neighbours")
-    d = sum(v.numel() for v in base.values()) + 1
+    d = sa.ddg.rotated if sa.ddg is not None else sum(v.numel() for v in base.values()) + 1
     total = np.zeros(d, dtype=np.uint64)
     sent: list[str] = []
     masked = {c: _with_shares(messages[c], c, graph[c], shared) for c in shared}
@@ -615,9 +640,17 @@ def secure_sum(
         raise _fail(fed, f"{len(sent)} clients sent masked vectors, fewer than t={t}")
     dropped = sorted(set(shared) - set(sent))
     total = _unmask(fed, sa, graph, keys, sent, dropped, total)
+    if sa.ddg is not None:  # no last coordinate: DP weights are public, the bound fixed
+        got = sa.ddg.decode(total, rotation_seed(fed.seed, fed.rnd))
+        return SecureSum(unflatten(got, base), 0.0, len(sent), sent, dropped, t)
     vec = total.astype(np.float64) * sa.step - len(sent) * sa.cfg.clipping_range
     total_arrays = unflatten(vec[:-1], base)
     return SecureSum(total_arrays, float(vec[-1]), len(sent), sent, dropped, t)
+
+
+def rotation_seed(seed: int, rnd: int) -> int:
+    """The discrete Gaussian's rotation in round ``rnd``: public randomness of the run."""
+    return derive_seed(seed, rnd, "ddg-rotation")
 
 
 def _stage(fed: Federation, t: int, what: str, got: dict[str, Message]) -> dict[str, Message]:
