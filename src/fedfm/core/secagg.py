@@ -52,7 +52,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ from fedfm.core.robust import AggregatorConfig
 from fedfm.core.secret import noise_seed
 from fedfm.core.seeding import derive_seed
 from fedfm.core.settings import SecAggConfig
-from fedfm.core.userdp import BIT, DPSum, UserDP
+from fedfm.core.userdp import BIT, DPSum
 from fedfm.errors import ConfigError, FedfmError, TooFewClientsError
 
 log = logging.getLogger("fedfm")
@@ -174,7 +174,8 @@ def resolve(
         most: The most clients a round can sum.
         weighted: Weights travel inside the masked vector.
         ddg: The vectors are the distributed discrete Gaussian's (its plan checks the
-            modulus once the update's size is known: :meth:`UserDP.ddg_plan`).
+            modulus once the update's size is known:
+            :meth:`fedfm.core.userdp.UserDP.ddg_plan`).
 
     Raises:
         ConfigError: A threshold above the shares or below half of them, or a modulus too
@@ -352,18 +353,29 @@ def _keys(ctx: ClientContext, msg: Message) -> Message:
     return Message(KEYS, {"keys": {"c": _u8(_raw_public(c)), "s": _u8(_raw_public(s))}})
 
 
+class NoisePlan(Protocol):
+    """What a client needs to encode with the distributed discrete Gaussian
+    (:class:`~fedfm.core.userdp.UserDP`)."""
+
+    noise: Any  # where the noise comes from: "secret" or "seeded"
+
+    def ddg_plan(self, dim: int) -> _ddg.DDG:
+        """The plan for updates of ``dim`` coordinates."""
+        ...
+
+
 class ClientSecAgg:
     """The client half of SecAgg+ around an algorithm's handlers.
 
     Args:
         sa: The run's parameters (the client's own config: it checks the server's threshold).
         dp: Client-side DP-FedAvg whose noise is the distributed discrete Gaussian: the
-            client then encodes its raw update with :meth:`UserDP.ddg_plan` (clip, rotate,
+            client then encodes its raw update with its ``ddg_plan`` (clip, rotate,
             round, noise) instead of :func:`quantise`; None: no DP, or ``continuous`` noise
             already added by :class:`~fedfm.core.userdp.ClientDP`.
     """
 
-    def __init__(self, sa: SecAgg, dp: UserDP | None = None) -> None:
+    def __init__(self, sa: SecAgg, dp: NoisePlan | None = None) -> None:
         self.sa = sa
         self.dp = dp
         self._plans: dict[int, _ddg.DDG] = {}
