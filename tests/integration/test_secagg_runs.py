@@ -254,7 +254,9 @@ def test_tabular_dpfedavg_epsilon_under_the_discrete_gaussian_is_recomputed_by_h
     from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
-    cfg = load_config("tabular-dpfedavg", [f"out_dir={tmp_path}", "privacy.secure_aggregation=secagg+"])
+    cfg = load_config(
+        "tabular-dpfedavg", [f"out_dir={tmp_path}", "privacy.secure_aggregation=secagg+"]
+    )
     algo_cfg, task_cfg = resolve(cfg)
     task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
     algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)

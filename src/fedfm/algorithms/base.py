@@ -15,8 +15,8 @@ A variant that only sets part of another algorithm's config is a preset of it
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections.abc import Callable, Mapping, Sized
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -362,8 +362,10 @@ class Algorithm:
         """Restores what :meth:`state_dict` returned."""
 
     def secure_base(self) -> Mapping[str, Tensor] | None:
-        """The tensors whose update SecAgg+ sums under DP (their size sizes the distributed
-        discrete Gaussian); None: the algorithm does not state them."""
+        """The tensors whose update SecAgg+ sums under DP; None: not stated.
+
+        Their size is the distributed discrete Gaussian's dimension.
+        """
         return None
 
     def bind_secure(self) -> None:

@@ -142,9 +142,7 @@ def unrotate(y: np.ndarray, seed: int, d: int) -> np.ndarray:
 
 def tau(sigma_int: float, n: int) -> float:
     """``τ = 10·Σ_{k=1}^{n−1} exp(−2π²σ²·k/(k+1))`` of Theorem 1 (``σ`` in grid units)."""
-    return 10 * sum(
-        math.exp(-2 * math.pi**2 * sigma_int**2 * k / (k + 1)) for k in range(1, n)
-    )
+    return 10 * sum(math.exp(-2 * math.pi**2 * sigma_int**2 * k / (k + 1)) for k in range(1, n))
 
 
 def smallest_gamma(clip: float, sigma: float, modulus: int, dim: int, most: int) -> float:
@@ -188,7 +186,9 @@ class DDG:
         """``c̃``, the conditional rounding's bound on the integer vector's norm."""
         c, d = self.clip / self.gamma, self.rotated
         loose = c + math.sqrt(d)
-        tight = math.sqrt(c**2 + d / 4 + math.sqrt(2 * math.log(1 / self.beta)) * (c + math.sqrt(d) / 2))
+        tight = math.sqrt(
+            c**2 + d / 4 + math.sqrt(2 * math.log(1 / self.beta)) * (c + math.sqrt(d) / 2)
+        )
         return min(loose, tight)
 
     @property
@@ -223,7 +223,9 @@ class DDG:
         """The parameters and the bound, for ``privacy.json``."""
         return {
             "mechanism": "distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021)",
-            "theorem": "Theorem 1 (second form): rho-zCDP, sqrt(2 rho) = D2/(sqrt(n) sigma) + tau sqrt(D)",
+            "theorem": (
+                "Theorem 1 (second form): rho-zCDP, sqrt(2 rho) = D2/(sqrt(n) sigma) + tau sqrt(D)"
+            ),
             "gamma": self.gamma,
             "beta": self.beta,
             "dimension": self.dim,

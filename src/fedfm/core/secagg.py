@@ -33,7 +33,10 @@ every runtime runs it unchanged. One round over the sampled clients ``U0``:
 
 What a vector carries: ``x = r_k·u_k`` and ``r_k`` (``r_k = min(1, n_k/max_weight)``, the
 weight inside the masked vector, as Flower's SecAgg+), or, for DP clients whose weights are
-public, the noised update itself and its noisy clip bit. ``u_k`` is the update the
+public, the noised update itself and its noisy clip bit (``privacy.secagg.dp_noise:
+continuous``), or the distributed discrete Gaussian's encoding of the raw update
+(:mod:`fedfm.core.ddg`, the default under DP: clipped, rotated, rounded and noised on the
+integer grid; the server decodes the unmasked sum). ``u_k`` is the update the
 algorithm's reply carries, less the vector the server sent in the same field. Per
 coordinate, the unmasked sum of ``n`` vectors within ``±clipping_range`` differs from the
 plain sum by less than ``n·2·clipping_range/(Q−1)`` (stochastic rounding moves a value by
@@ -354,8 +357,10 @@ def _keys(ctx: ClientContext, msg: Message) -> Message:
 
 
 class NoisePlan(Protocol):
-    """What a client needs to encode with the distributed discrete Gaussian
-    (:class:`~fedfm.core.userdp.UserDP`)."""
+    """What a client needs to encode with the distributed discrete Gaussian.
+
+    :class:`~fedfm.core.userdp.UserDP` is one.
+    """
 
     noise: Any  # where the noise comes from: "secret" or "seeded"
 

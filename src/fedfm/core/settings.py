@@ -206,6 +206,12 @@ class _PrivacyView(Protocol):
     @property
     def noise(self) -> Literal["secret", "seeded"]: ...
 
+    @property
+    def secure_aggregation(self) -> Literal["none", "secagg+"]: ...
+
+    @property
+    def secagg(self) -> SecAggConfig: ...
+
 
 class RunView(Protocol):
     """What the core reads of a run's config (:class:`fedfm.config.RunConfig` provides it).

@@ -15,8 +15,16 @@ from fedfm.core import ddg as G
 from fedfm.core.fake import FakeFederation
 from fedfm.core.federation import ClientContext, dispatch
 from fedfm.core.messages import Message, MessageKind
-from fedfm.core.secagg import KEYS, SHARES, UNMASK, ClientSecAgg, SecAgg, resolve, secure_kinds
-from fedfm.core.secagg import secure_sum
+from fedfm.core.secagg import (
+    KEYS,
+    SHARES,
+    UNMASK,
+    ClientSecAgg,
+    SecAgg,
+    resolve,
+    secure_kinds,
+    secure_sum,
+)
 from fedfm.core.settings import SecAggConfig
 from fedfm.core.state import ClientState
 from fedfm.errors import ConfigError
@@ -170,8 +178,7 @@ class DDGClients:
     def __init__(self, drop: dict[str, str], sigma: float) -> None:
         gen = torch.Generator().manual_seed(0)
         self.vectors = {
-            c: {k: 0.3 * torch.randn(v.shape, generator=gen) for k, v in BASE.items()}
-            for c in CIDS
+            c: {k: 0.3 * torch.randn(v.shape, generator=gen) for k, v in BASE.items()} for c in CIDS
         }
         self.kinds = secure_kinds({"train": UPDATE.as_private()}, {"train": "params"}, dp=True)
         self.ddg = G.plan(1.0, sigma, CFG.modulus_range, 170, 3, 7)
