@@ -234,17 +234,27 @@ def _hkdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def prg(seed: bytes, d: int, modulus: int) -> np.ndarray:
-    """``d`` values in ``[0, modulus)`` from AES-256-CTR keyed by HKDF(seed), as uint64.
+def word(modulus: int) -> type[np.unsignedinteger[Any]]:
+    """The unsigned dtype masked sums run in: uint32 up to a modulus of 2**32, else uint64.
 
-    Four keystream bytes per value up to a modulus of 2**32, eight above.
+    Its wrap-around (2**32 or 2**64) is a multiple of the power-of-two modulus, so sums
+    and differences in it are right modulo the modulus.
+    """
+    return np.uint32 if modulus <= 2**32 else np.uint64
+
+
+def prg(seed: bytes, d: int, modulus: int) -> np.ndarray:
+    """``d`` values in ``[0, modulus)`` from AES-256-CTR keyed by HKDF(seed), as :func:`word`.
+
+    Four keystream bytes per value up to a modulus of 2**32, eight above. At a modulus of
+    2**32 (2**64) the keystream is used as it is, read-only.
     """
     key = _hkdf(seed, b"fedfm secagg+ mask")
-    word = np.uint32 if modulus <= 2**32 else np.uint64
-    size = np.dtype(word).itemsize
+    w = word(modulus)
+    size = np.dtype(w).itemsize
     encrypt = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-    stream = np.frombuffer(encrypt.update(bytes(size * d)), dtype=word)
-    return stream.astype(np.uint64) & np.uint64(modulus - 1)
+    stream = np.frombuffer(encrypt.update(bytes(size * d)), dtype=w)
+    return stream if modulus == 2 ** (8 * size) else stream & w(modulus - 1)
 
 
 def _split(secret: bytes, t: int, n: int) -> list[bytes]:
@@ -281,30 +291,35 @@ def _aad(sender: str, receiver: str, rnd: int) -> bytes:
 # ----------------------------------------------------------------------------- vectors
 
 
-def flat_update(reply: Arrays, sent: Arrays) -> np.ndarray:
-    """``reply − sent`` in sorted name order, as float64.
+def flat_update(reply: Arrays, sent: Arrays, extra: int = 0) -> np.ndarray:
+    """``reply − sent`` in sorted name order, as float64, with ``extra`` zeros after it.
 
     Subtracted in each tensor's compute dtype (float32, float64 for float64), as the plain
     mean subtracts, so both sum the same differences.
     """
-    parts = []
+    out = np.zeros(sum(sent[k].numel() for k in sent) + extra)
+    start = 0
     for k in sorted(sent):
         cd = torch.promote_types(sent[k].dtype, torch.float32)
-        parts.append((reply[k].detach().to(cd) - sent[k].detach().to(cd)).flatten().numpy())
-    return np.concatenate(parts).astype(np.float64)
+        n = sent[k].numel()
+        diff = reply[k].detach().to(cd) - sent[k].detach().to(cd)
+        out[start : start + n] = diff.flatten().numpy()
+        start += n
+    return out
 
 
 def quantise(x: np.ndarray, sa: SecAgg, rng: np.random.Generator) -> np.ndarray:
-    """Clip to ``±clipping_range``, stochastic rounding to ``[0, Q−1]`` (uint64)."""
+    """Clip to ``±clipping_range``, stochastic rounding to ``[0, Q−1]`` (as :func:`word`)."""
     c = sa.cfg.clipping_range
+    w = word(sa.cfg.modulus_range)
     y = np.clip(x, -c, c)
     y += c
     y /= sa.step
     low = np.floor(y)
     y -= low  # the fraction: rounded up with that probability
-    q = low.astype(np.uint64)
+    q = low.astype(w)
     q += rng.random(y.shape) < y
-    return np.minimum(q, np.uint64(sa.cfg.quantization_range - 1), out=q)
+    return np.minimum(q, w(sa.cfg.quantization_range - 1), out=q)
 
 
 def wire_dtype(modulus: int) -> torch.dtype:
@@ -315,7 +330,7 @@ def wire_dtype(modulus: int) -> torch.dtype:
 def to_wire(y: np.ndarray, modulus: int) -> Tensor:
     """Values in ``[0, modulus)`` as a signed tensor of the same bits (no signed overflow)."""
     if modulus <= 2**32:
-        return torch.from_numpy(y.astype(np.uint32).view(np.int32))
+        return torch.from_numpy(y.astype(np.uint32, copy=False).view(np.int32))
     return torch.from_numpy(y.view(np.int64))
 
 
@@ -453,15 +468,17 @@ class ClientSecAgg:
             rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
             modulus = self.sa.cfg.modulus_range
             if self.dp is not None:
-                y = self._ddg(ctx, flat_update(reply.arrays[field], plain.arrays[field]), rng)
+                u = flat_update(reply.arrays[field], plain.arrays[field])
+                y = self._ddg(ctx, u, rng).astype(word(modulus))
             else:
-                y = quantise(self._vector(reply, plain.arrays[field], field), self.sa, rng)
+                vec = self._vector(reply, plain.arrays[field], field)
+                y = quantise(vec, self.sa, rng)
             y += prg(bytes.fromhex(st["b"]), y.size, modulus)
             own = bytes.fromhex(st["s"])
-            for j in sorted(forwarded):  # uint64 wraps modulo 2**64, a multiple of M
+            for j in sorted(forwarded):  # the word wraps at a multiple of the modulus
                 m = prg(_agree(own, bytes.fromhex(st["peers_s"][j])), y.size, modulus)
                 (np.add if ctx.cid < j else np.subtract)(y, m, out=y)
-            y &= np.uint64(modulus - 1)
+            y &= word(modulus)(modulus - 1)
             st["sent"] = True
             st["masked_with"] = sorted(forwarded)
             return Message(msg.kind, {MASKED: {"y": to_wire(y, modulus)}})
@@ -477,13 +494,15 @@ class ClientSecAgg:
         return self._plans[u.size].encode(u, rotation_seed(ctx.seed, ctx.rnd), noise, rounding)
 
     def _vector(self, reply: Message, sent: Arrays, field: str) -> np.ndarray:
-        u = flat_update(reply.arrays[field], sent)
+        u = flat_update(reply.arrays[field], sent, extra=1)  # the last: weight or clip bit
         if self.sa.weighted:
             n = float(reply.meta["num_examples"])  # type: ignore[arg-type]
             r = min(1.0, n / self.sa.cfg.max_weight)
-            return np.append(r * u, r)
-        bit = reply.meta.get(BIT, 0.0)
-        return np.append(u, float(bit))  # type: ignore[arg-type]
+            u *= r
+            u[-1] = r
+            return u
+        u[-1] = float(reply.meta.get(BIT, 0.0))  # type: ignore[arg-type]
+        return u
 
     def _unmask(self, ctx: ClientContext, msg: Message) -> Message:
         st = _state(ctx)
@@ -636,7 +655,7 @@ def secure_sum(
         if set(r.arrays["shares"]) != set(graph[c]):
             raise _fail(fed, f"client {c} sent shares for other clients than its neighbours")
     d = sa.ddg.rotated if sa.ddg is not None else sum(v.numel() for v in base.values()) + 1
-    total = np.zeros(d, dtype=np.uint64)
+    total = np.zeros(d, dtype=word(sa.cfg.modulus_range))
     sent: list[str] = []
     masked = {c: _with_shares(messages[c], c, graph[c], shared) for c in shared}
     for c, r in fed.stream(masked):
@@ -651,7 +670,7 @@ def secure_sum(
                 }
             )
             continue
-        total += from_wire(y)
+        total += y.numpy().view(total.dtype)  # the same bits, unsigned
         sent.append(c)
     if len(sent) < t:
         raise _fail(fed, f"{len(sent)} clients sent masked vectors, fewer than t={t}")
@@ -727,7 +746,7 @@ def _unmask(
         for j in sorted(set(graph[x]) & alive):
             m = prg(_agree(sk, _bytes(keys[j].arrays["keys"]["s"])), d, modulus)
             (np.subtract if j < x else np.add)(total, m, out=total)  # j added +m when j < x
-    return total & np.uint64(sa.cfg.modulus_range - 1)
+    return total & word(modulus)(modulus - 1)
 
 
 # ----------------------------------------------------------------------------- folding
