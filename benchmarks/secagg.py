@@ -6,11 +6,13 @@ prints ``uptime``'s load beside its lines; a clean figure needs a quiet machine.
 
 ``round``: a round **with training** on the embedded runtime. The quickstart preset
 (FedIT: SmolLM2-135M-Instruct, LoRA r = 8 on q, k, v, o: 921,600 parameters) with
-``--clients`` clients (``partition: iid``, 12 training items each, 6 local AdamW steps),
-run for 2 rounds plain and under SecAgg+; the figure is round 1's ``time_s`` (training,
-the exchange, aggregation; no evaluation: only the last round evaluates), its uplink bytes
-and the ratios. ``privacy.secagg.max_weight`` is 1, so every client weighs 1 inside the
-masked vector as in the plain mean (the shards are equal). The largest error of round 1's
+``--clients`` clients (``partition: iid``, 12 training items each, ``--steps`` local AdamW
+steps, the quickstart's 6 by default), built by the engine plain and under SecAgg+; each
+of ``--repeats`` rounds is ``algo.round`` on the embedded federation (sampling, local
+training, the exchange, aggregation, the server step; no evaluation, no run folder), timed;
+printed: the median round, round 1's uplink bytes and the ratios.
+``privacy.secagg.max_weight`` is 1, so every client weighs 1 inside the masked vector as in
+the plain mean (the shards are equal). The largest error of round 1's
 global adapter against the plain run's is printed beside its bound ``(b + c·b)/(n − b)``,
 ``b = n·2c/(Q−1)`` (the sum's and the weight's error; ``|Δ| ≤ c`` within range).
 
@@ -62,8 +64,7 @@ from fedfm.core.secagg import (
     secure_sum,
 )
 from fedfm.core.settings import SecAggConfig
-from fedfm.core.state import ClientState
-from fedfm.runtime import run
+from fedfm.core.state import ClientState, ClientStateStore
 
 TRAIN = MessageKind(
     "train", down_arrays=("params",), up_arrays=("params",), up_meta=("num_examples", "loss")
@@ -248,8 +249,10 @@ def replace_ddg(sa: SecAgg, plan: G.DDG) -> SecAgg:
 # ----------------------------------------------------------------------------- rounds
 
 
-def round_overrides(out: Path, name: str, n: int, secure: bool, cfg: SecAggConfig) -> list[str]:
-    """The quickstart with ``n`` iid clients of 12 items, 2 rounds, evaluation at the end."""
+def round_overrides(
+    out: Path, name: str, n: int, secure: bool, cfg: SecAggConfig, steps: int = 6
+) -> list[str]:
+    """The quickstart with ``n`` iid clients of 12 items each."""
     over = [
         f"name={name}",
         f"out_dir={out}",
@@ -260,6 +263,7 @@ def round_overrides(out: Path, name: str, n: int, secure: bool, cfg: SecAggConfi
         "partition.scheme=iid",
         f"partition.num_clients={n}",
         f"task.source_options.per_domain_train={3 * n}",
+        f"train.steps={steps}",
         "clients.min_clients=1",
         "plots=false",
         "log.html=false",
@@ -279,41 +283,57 @@ def round_row(folder: Path, rnd: int = 1) -> dict[str, Any]:
     return next(r for r in rows if r["round"] == rnd)
 
 
-def adapter_after(folder: Path, rnd: int = 1) -> np.ndarray:
-    """The global adapter of round ``rnd``'s checkpoint, flat (float64)."""
-    from safetensors.torch import load_file
+def timed_rounds(over: list[str], repeats: int, tmp: Path) -> tuple[list[float], int, np.ndarray]:
+    """Rounds 1..``repeats`` of a built run, each timed; round 1's uplink and adapter.
 
-    arrays = load_file(folder / "checkpoints" / f"round_{rnd:04d}" / "server.safetensors")
-    keep = sorted(k for k in arrays if k.startswith("params/"))
-    return np.concatenate([arrays[k].double().flatten().numpy() for k in keep])
+    The engine's own steps (the run's build, its federation, ``algo.round``) without the
+    run folder's logs and evaluation, so that each time is one round with training.
+    """
+    from fedfm.core.audit import AuditLedger
+    from fedfm.engine import build
+    from fedfm.runtime.embedded import embedded_federation
+
+    setup = build(load_config("quickstart", over))
+    ledger = AuditLedger(None)
+    fed = embedded_federation(setup, ClientStateStore(tmp / "states"), ledger)
+    fed.rnd = 0
+    setup.algo.setup(fed)
+    times, adapter1, up = [], np.zeros(0), 0
+    for rnd in range(1, repeats + 1):
+        fed.rnd = rnd
+        t0 = time.perf_counter()
+        setup.algo.round(fed)
+        times.append(time.perf_counter() - t0)
+        if rnd == 1:
+            up = int(ledger.round_bytes(1)["bytes_up"])
+            adapter1 = flat(setup.algo.secure_base() or {})
+    close = getattr(fed, "close", None)
+    if close is not None:
+        close()
+    return times, up, adapter1
 
 
-def training_round(n: int, shares: float, threshold: float, repeats: int) -> None:
-    """Prints round 1 of the quickstart with ``n`` clients, plain and under SecAgg+."""
+def training_round(n: int, shares: float, threshold: float, repeats: int, steps: int) -> None:
+    """Prints rounds with training of the quickstart with ``n`` clients, plain and SecAgg+."""
     cfg = secagg_config(shares, threshold, max_weight=1.0)
     sa = resolve(cfg, n, n, weighted=True)
+    got = {}
     with tempfile.TemporaryDirectory(prefix="fedfm-secagg-round-") as tmp:
-        out = Path(tmp)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        rows: dict[bool, dict[str, Any]] = {}
-        for rep in range(repeats):
-            for secure in (False, True):
-                name = f"{'secure' if secure else 'plain'}{rep}"
-                run(load_config("quickstart", round_overrides(out, name, n, secure, cfg)),
-                    progress=False)  # fmt: skip
-                rows[secure] = round_row(out / name)
-                times[secure].append(float(rows[secure]["time_s"]))
-        p, s = statistics.median(times[False]), statistics.median(times[True])
-        plain_ad, secure_ad = adapter_after(out / "plain0"), adapter_after(out / "secure0")
+        for secure in (False, True):
+            name = "secure" if secure else "plain"
+            over = round_overrides(Path(tmp), name, n, secure, cfg, steps)
+            got[secure] = timed_rounds(over, repeats, Path(tmp) / name)
+    (pt, up_p, plain_ad), (st, up_s, secure_ad) = got[False], got[True]
+    p, s = statistics.median(pt), statistics.median(st)
     b = sa.bound(n)  # |Δ| ≤ clipping_range for a sum within the bound
     bound = (b + cfg.clipping_range * b) / (n - b)
-    up_p, up_s = rows[False]["bytes_up"], rows[True]["bytes_up"]
     print(
-        f"round: {n} clients, quickstart LoRA (921,600 parameters), shares={sa.shares}"
-        f" t={sa.threshold}: round 1 plain {p:.2f} s, secagg+ {s:.2f} s (x{s / p:.3f});"
+        f"round: {n} clients, quickstart LoRA ({plain_ad.size:,} parameters), {steps} local"
+        f" steps, shares={sa.shares} t={sa.threshold}: round plain {p:.2f} s, secagg+"
+        f" {s:.2f} s (x{s / p:.3f}; median of {repeats}: plain {pt}, secagg+ {st});"
         f" uplink plain {up_p:,} B, secagg+ {up_s:,} B (x{up_s / up_p:.4f});"
-        f" max |adapter_secagg - adapter_plain| = {np.abs(secure_ad - plain_ad).max():.3g}"
-        f" (bound {bound:.3g}) [{load()}]"
+        f" max |adapter_secagg - adapter_plain| after round 1 ="
+        f" {np.abs(secure_ad - plain_ad).max():.3g} (bound {bound:.3g}) [{load()}]"
     )
 
 
@@ -370,15 +390,18 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, nargs="+", default=[0.6, 7])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help="local steps (the quickstart's 6)")
     args = ap.parse_args()
     print(f"start [{load()}]")
     for part in args.parts:
         if part == "deploy":
             deploy_round(args.nodes, 1.0, 0.6)
             continue
-        fn = {"round": training_round, "exchange": exchange, "ddg": ddg}[part]
         for n, k, t in zip(args.clients, args.shares, args.threshold, strict=True):
-            fn(n, k, t, args.repeats)
+            if part == "round":
+                training_round(n, k, t, args.repeats, args.steps)
+            else:
+                {"exchange": exchange, "ddg": ddg}[part](n, k, t, args.repeats)
 
 
 if __name__ == "__main__":
