@@ -168,6 +168,7 @@ def build(cfg: RunConfig) -> Setup:
     kinds = algo.message_kinds()
     for kind in kinds.values():
         kind.check_declaration()  # nothing unnoised may leave a DP client
+    algo.bind_secure()  # the distributed discrete Gaussian needs the update's size
     n = len(task.client_ids())
     if cfg.clients.min_clients > n:
         raise ConfigError(

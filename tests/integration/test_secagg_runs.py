@@ -125,6 +125,36 @@ def test_a_flower_node_dropping_at_each_stage_leaves_the_sum_exact(tmp_path: Pat
         (["privacy.secagg.reconstruction_threshold=11"], "privacy.secagg.reconstruction_threshold"),
         (["privacy.secagg.reconstruction_threshold=4"], "privacy.secagg.reconstruction_threshold"),
         (["privacy.secagg.modulus_range=1048576"], "privacy.secagg.modulus_range"),
+        (  # the distributed discrete Gaussian's sum cannot fit 16 levels
+            [
+                "privacy.user_level.mode=client",
+                "privacy.user_level.clip=1",
+                "privacy.user_level.noise_multiplier=1",
+                "privacy.user_level.min_clients=3",
+                "privacy.secagg.modulus_range=16",
+            ],
+            "privacy.secagg.modulus_range",
+        ),
+        (  # a grid step so fine that the sum wraps around the modulus
+            [
+                "privacy.user_level.mode=client",
+                "privacy.user_level.clip=1",
+                "privacy.user_level.noise_multiplier=1",
+                "privacy.user_level.min_clients=3",
+                "privacy.secagg.gamma=1e-15",
+            ],
+            "privacy.secagg.gamma",
+        ),
+        (
+            [
+                "privacy.user_level.mode=client",
+                "privacy.user_level.clip=1",
+                "privacy.user_level.noise_multiplier=1",
+                "privacy.user_level.min_clients=3",
+                "privacy.user_level.adaptive.target_quantile=0.5",
+            ],
+            "privacy.user_level.adaptive",
+        ),
         (["algorithm=scaffold"], "privacy.secure_aggregation"),
         (["algo.aggregator.name=median"], "algo.aggregator"),
         (["algo.update_cosines=true"], "algo.update_cosines"),
@@ -167,8 +197,9 @@ def test_bad_secagg_input_exits_2_with_one_line(
 
 
 def test_tabular_dpfedavg_epsilon_under_secagg_is_recomputed(tmp_path: Path) -> None:
-    """The preset's ε against the server under SecAgg+, recomputed with dp-accounting: per
-    client, a Gaussian of multiplier z (the sum's) for each round it took part in."""
+    """The preset's ε against the server under SecAgg+ with continuous noise shares,
+    recomputed with dp-accounting: per client, a Gaussian of multiplier z (the sum's) for
+    each round it took part in."""
     from fedfm.algorithms.base import ALGORITHMS
     from fedfm.core.fake import FakeFederation
     from fedfm.core.privacy import PrivacyLedger
@@ -176,7 +207,11 @@ def test_tabular_dpfedavg_epsilon_under_secagg_is_recomputed(tmp_path: Path) -> 
     from fedfm.engine import resolve
     from fedfm.tasks.base import TASKS
 
-    over = [f"out_dir={tmp_path}", "privacy.secure_aggregation=secagg+"]
+    over = [
+        f"out_dir={tmp_path}",
+        "privacy.secure_aggregation=secagg+",
+        "privacy.secagg.dp_noise=continuous",
+    ]
     cfg = load_config("tabular-dpfedavg", over)
     algo_cfg, task_cfg = resolve(cfg)
     task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
@@ -203,6 +238,65 @@ def test_tabular_dpfedavg_epsilon_under_secagg_is_recomputed(tmp_path: Path) -> 
     assert bare.epsilon() > 3 * ledger.epsilon()
     note = algo.privacy.notes["user_level"]["secure_aggregation"]
     assert note["threshold"] == 36 and "honest-but-curious" in note["assumptions"]
+
+
+def test_tabular_dpfedavg_epsilon_under_the_discrete_gaussian_is_recomputed_by_hand(
+    tmp_path: Path,
+) -> None:
+    """The preset's ε against the server under SecAgg+ with the distributed discrete Gaussian
+    (the default noise), recomputed by hand: γ from the modular-clipping condition, Δ₂ and τ
+    of Kairouz et al.'s Theorem 1, ρ-zCDP per participation, and the RDP → (ε, δ) conversion
+    written out over the ledger's orders (no dp-accounting)."""
+    from fedfm.algorithms.base import ALGORITHMS
+    from fedfm.core.fake import FakeFederation
+    from fedfm.core.privacy import RDP_ORDERS
+    from fedfm.core.userdp import aggregate_epsilon
+    from fedfm.engine import resolve
+    from fedfm.tasks.base import TASKS
+
+    cfg = load_config(
+        "tabular-dpfedavg", [f"out_dir={tmp_path}", "privacy.secure_aggregation=secagg+"]
+    )
+    algo_cfg, task_cfg = resolve(cfg)
+    task = TASKS.get(task_cfg.kind)(task_cfg, cfg)
+    algo = ALGORITHMS.get(cfg.algorithm)(algo_cfg, task, cfg)
+    algo.bind_secure()
+    dp, delta, n_max, m, c = algo.user_dp, 1e-4, 300, 20, 0.5
+    assert dp is not None and dp.ddg is not None
+    d = sum(t.numel() for t in algo.params.values())
+    big_d = 1 << math.ceil(math.log2(d))
+    sigma = dp.z * c / math.sqrt(m)
+    # m_mod·γ = 2·8·√((300·c)²/D + 300·(γ²/4 + σ²)), solved for γ
+    mod = 2**32
+    gamma = math.sqrt(((n_max * c) ** 2 / big_d + n_max * sigma**2) / ((mod / 16) ** 2 - n_max / 4))
+    assert dp.ddg.gamma == pytest.approx(gamma, rel=1e-9)
+    d2 = min(
+        (c + gamma * math.sqrt(big_d)) ** 2,
+        c**2 + gamma**2 * big_d / 4 + gamma * (c + gamma * math.sqrt(big_d) / 2),  # √(2·½) = 1
+    )
+    s = (sigma / gamma) ** 2
+    tau = 10 * sum(math.exp(-2 * math.pi**2 * s * k / (k + 1)) for k in range(1, n_max))
+    rho = 0.5 * (math.sqrt(d2) / (math.sqrt(m) * sigma) + tau * math.sqrt(big_d)) ** 2
+    fed = FakeFederation([str(i) for i in range(n_max)], {})
+    taken: dict[str, int] = {}
+    for rnd in (1, 2, 3):
+        fed.rnd = rnd
+        for cid in dp.sample(fed):
+            taken[cid] = taken.get(cid, 0) + 1
+    k = max(taken.values())
+
+    def eps(a: float) -> float:  # RDP a·ρ·k → (ε, δ) (Canonne, Kamath & Steinke 2020, Prop. 12)
+        return a * rho * k + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1)
+
+    by_hand = min(eps(a) for a in RDP_ORDERS)
+    assert algo.privacy.epsilon() == pytest.approx(by_hand, rel=1e-6)
+    assert by_hand <= rho * k + 2 * math.sqrt(rho * k * math.log(1 / delta))  # Bun & Steinke
+    # Rounding costs a little: above the continuous sum's ε, within 1% of it.
+    cont = aggregate_epsilon(1.0, dp.z, k, delta, "rdp")
+    assert cont < by_hand < 1.01 * cont
+    note = algo.privacy.notes["user_level"]["secure_aggregation"]
+    assert note["discrete_gaussian"]["gamma"] == pytest.approx(gamma, rel=1e-9)
+    assert "Theorem 1" in note["discrete_gaussian"]["theorem"]
 
 
 def _server_tensors(folder: Path) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sized
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -168,7 +169,8 @@ def secagg_of(algo: type[Algorithm], run: RunConfig, num_clients: int) -> SecAgg
     else:
         sampled = min(num_clients, max(c.min_clients, round(c.fraction * num_clients)))
         most = sampled
-    return resolve(run.privacy.secagg, sampled, most, weighted=level is None)
+    ddg = level is not None and run.privacy.secagg.dp_noise == "discrete_gaussian"
+    return resolve(run.privacy.secagg, sampled, most, weighted=level is None, ddg=ddg)
 
 
 def client_handlers(half: ClientHalf, kinds: dict[str, MessageKind]) -> dict[str, Handler]:
@@ -181,13 +183,14 @@ def client_handlers(half: ClientHalf, kinds: dict[str, MessageKind]) -> dict[str
     inner = half.handlers()
     run = half.run
     dp = client_user_dp(half.task, run)
-    if dp is not None:
+    ddg = dp is not None and dp.wants_ddg  # then SecAgg+'s encoding clips and noises
+    if dp is not None and not ddg:
         inner = ClientDP(dp).handlers(inner, kinds)
     if run.privacy.secure_aggregation == "none":
         return inner
     # The client checks the server's threshold against its own config, share by share.
     sa = SecAgg(run.privacy.secagg, 0, 0, weighted=run.privacy.user_level is None)
-    return ClientSecAgg(sa).handlers(inner, kinds)
+    return ClientSecAgg(sa, dp if ddg else None).handlers(inner, kinds)
 
 
 class Algorithm:
@@ -358,6 +361,36 @@ class Algorithm:
     def load_state_dict(self, arrays: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned."""
 
+    def secure_base(self) -> Mapping[str, Tensor] | None:
+        """The tensors whose update SecAgg+ sums under DP; None: not stated.
+
+        Their size is the distributed discrete Gaussian's dimension.
+        """
+        return None
+
+    def bind_secure(self) -> None:
+        """Plans the distributed discrete Gaussian once the update's size is known.
+
+        Called when the run is built (:func:`fedfm.engine.build`), and at the first sample.
+
+        Raises:
+            ConfigError: The algorithm does not state its update's tensors, or the plan does
+                not fit (:meth:`fedfm.core.userdp.UserDP.ddg_plan`).
+        """
+        dp, sa = self.user_dp, self.secagg
+        if dp is None or sa is None or sa.ddg is not None or not dp.wants_ddg:
+            return
+        base = self.secure_base()
+        if base is None:
+            raise ConfigError(
+                "privacy.secagg.dp_noise",
+                f"algorithm '{self.run.algorithm}' does not run the distributed discrete"
+                " Gaussian; use privacy.secagg.dp_noise=continuous",
+            )
+        plan = dp.ddg_plan(sum(t.numel() for t in base.values()))
+        self.secagg = replace(sa, ddg=plan)
+        dp.use_ddg(plan)
+
     # ----- helpers for subclasses -----
     def sample(self, fed: Federation, role: str | None = None) -> list[str]:
         """Clients for this round, by the run's sampling fraction.
@@ -366,6 +399,7 @@ class Algorithm:
         (:meth:`fedfm.core.userdp.UserDP.sample`).
         """
         if self.user_dp is not None:
+            self.bind_secure()
             return self.user_dp.sample(fed)
         c = self.run.clients
         return fed.sample(c.fraction, role=role, min_clients=c.min_clients)

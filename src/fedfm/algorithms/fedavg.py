@@ -403,6 +403,10 @@ class FedAvg(Algorithm):
         return self.lora.full(self.params) if self.lora is not None else self.params
 
     @override
+    def secure_base(self) -> dict[str, Tensor]:
+        return self.params
+
+    @override
     def evaluate(self, fed: Federation) -> dict[str, Any]:
         params = self.full_params()
         return evaluate_global(self.task, fed, self._model, params, self.cfg.personal_eval)

@@ -213,6 +213,10 @@ class FedSDR(Algorithm):
         return self.fedsd.setup(self, fed, self.params)
 
     @override
+    def secure_base(self) -> dict[str, Tensor]:
+        return self.params
+
+    @override
     def round(self, fed: Federation) -> dict[str, float]:
         self.params, metrics = fedavg_round(
             self, fed, self.params, self.opt, self.cfg.update_cosines, self.origin

@@ -18,6 +18,12 @@ Mechanisms (each with its parameters, on the data of one client or of every clie
 * ``dp-fedavg``: one round of client-level DP-FedAvg (:mod:`fedfm.core.userdp`): clients
   Poisson-sampled at rate ``q``, Gaussian noise of multiplier ``σ / Δ`` on the sum of their
   clipped updates, ``count`` rounds.
+* ``ddg``: the distributed discrete Gaussian's sum under SecAgg+ (:mod:`fedfm.core.ddg`):
+  ``ρ``-zCDP, registered as the Gaussian of multiplier ``σ / Δ = 1/√(2ρ)`` with the same
+  Rényi curve (``σ`` the sum's noise std, ``Δ`` the rounded sensitivity inflated by the
+  ``τ`` term). A composition that holds one is always accounted by RDP, whatever
+  ``privacy.accountant`` says: zCDP bounds the Rényi divergences, not the whole privacy
+  profile a PLD accountant would read off a Gaussian.
 
 Neighbouring relation. Every guarantee is for add/remove: ``example`` mechanisms (DP-SGD,
 counts, votes, centroids) for one record added to or removed from one client's data, their
@@ -61,7 +67,7 @@ from fedfm.errors import ConfigError
 
 Accountant = Literal["rdp", "pld"]
 Relation = Literal["example", "client"]
-KINDS = ("dp-sgd", "gaussian", "analytic-gaussian", "dp-fedavg")
+KINDS = ("dp-sgd", "gaussian", "analytic-gaussian", "dp-fedavg", "ddg")
 ALL = "*"  # the client field of mechanisms that touch every client's records
 RELATIONS: dict[str, str] = {
     "example": "add or remove one record at one client",
@@ -150,6 +156,8 @@ def epsilon_of(mechanisms: list[Mechanism], delta: float, accountant: Accountant
     if any(m.sigma == 0 for m in mechanisms):
         return math.inf
     event = dp_accounting.ComposedDpEvent([m.event() for m in mechanisms])
+    if any(m.kind == "ddg" for m in mechanisms):
+        accountant = "rdp"  # a zCDP bound: its Rényi curve, not a Gaussian's privacy profile
     acc = rdp.RdpAccountant(RDP_ORDERS) if accountant == "rdp" else pld.PLDAccountant()
     with quiet_accounting():
         return float(acc.compose(event).get_epsilon(delta))

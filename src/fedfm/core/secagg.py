@@ -33,7 +33,10 @@ every runtime runs it unchanged. One round over the sampled clients ``U0``:
 
 What a vector carries: ``x = r_k·u_k`` and ``r_k`` (``r_k = min(1, n_k/max_weight)``, the
 weight inside the masked vector, as Flower's SecAgg+), or, for DP clients whose weights are
-public, the noised update itself and its noisy clip bit. ``u_k`` is the update the
+public, the noised update itself and its noisy clip bit (``privacy.secagg.dp_noise:
+continuous``), or the distributed discrete Gaussian's encoding of the raw update
+(:mod:`fedfm.core.ddg`, the default under DP: clipped, rotated, rounded and noised on the
+integer grid; the server decodes the unmasked sum). ``u_k`` is the update the
 algorithm's reply carries, less the vector the server sent in the same field. Per
 coordinate, the unmasked sum of ``n`` vectors within ``±clipping_range`` differs from the
 plain sum by less than ``n·2·clipping_range/(Q−1)`` (stochastic rounding moves a value by
@@ -52,7 +55,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -64,10 +67,12 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
+from fedfm.core import ddg as _ddg
 from fedfm.core.aggregate import ReplySum, RunningMean
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.messages import Arrays, Message, MessageKind, MetaSpec
 from fedfm.core.robust import AggregatorConfig
+from fedfm.core.secret import noise_seed
 from fedfm.core.seeding import derive_seed
 from fedfm.core.settings import SecAggConfig
 from fedfm.core.userdp import BIT, DPSum
@@ -124,12 +129,15 @@ class SecAgg:
         shares: Shares of each secret when every sampled client answers.
         threshold: ``t``.
         weighted: Example weights travel inside the vector (else public and equal: DP).
+        ddg: Client-side DP-FedAvg's distributed discrete Gaussian (:mod:`fedfm.core.ddg`):
+            vectors are its encodings, decoded after unmasking; None: :func:`quantise`.
     """
 
     cfg: SecAggConfig
     shares: int
     threshold: int
     weighted: bool
+    ddg: _ddg.DDG | None = None
 
     @property
     def step(self) -> float:
@@ -158,7 +166,9 @@ class SecAgg:
         return got
 
 
-def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAgg:
+def resolve(
+    cfg: SecAggConfig, sampled: int, most: int, weighted: bool, ddg: bool = False
+) -> SecAgg:
     """The run's SecAgg+ parameters.
 
     Args:
@@ -166,6 +176,9 @@ def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAg
         sampled: Clients a round samples (expected, under Poisson sampling).
         most: The most clients a round can sum.
         weighted: Weights travel inside the masked vector.
+        ddg: The vectors are the distributed discrete Gaussian's (its plan checks the
+            modulus once the update's size is known:
+            :meth:`fedfm.core.userdp.UserDP.ddg_plan`).
 
     Raises:
         ConfigError: A threshold above the shares or below half of them, or a modulus too
@@ -187,7 +200,7 @@ def resolve(cfg: SecAggConfig, sampled: int, most: int, weighted: bool) -> SecAg
             " rebuild both secrets of one client",
         )
     need = most * (cfg.quantization_range - 1)
-    if cfg.modulus_range <= need:
+    if not ddg and cfg.modulus_range <= need:
         raise ConfigError(
             f"{FIELD}.modulus_range",
             f"{cfg.modulus_range} does not hold the sum of {most} clients' vectors quantised"
@@ -221,17 +234,27 @@ def _hkdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def prg(seed: bytes, d: int, modulus: int) -> np.ndarray:
-    """``d`` values in ``[0, modulus)`` from AES-256-CTR keyed by HKDF(seed), as uint64.
+def word(modulus: int) -> type[np.unsignedinteger[Any]]:
+    """The unsigned dtype masked sums run in: uint32 up to a modulus of 2**32, else uint64.
 
-    Four keystream bytes per value up to a modulus of 2**32, eight above.
+    Its wrap-around (2**32 or 2**64) is a multiple of the power-of-two modulus, so sums
+    and differences in it are right modulo the modulus.
+    """
+    return np.uint32 if modulus <= 2**32 else np.uint64
+
+
+def prg(seed: bytes, d: int, modulus: int) -> np.ndarray:
+    """``d`` values in ``[0, modulus)`` from AES-256-CTR keyed by HKDF(seed), as :func:`word`.
+
+    Four keystream bytes per value up to a modulus of 2**32, eight above. At a modulus of
+    2**32 (2**64) the keystream is used as it is, read-only.
     """
     key = _hkdf(seed, b"fedfm secagg+ mask")
-    word = np.uint32 if modulus <= 2**32 else np.uint64
-    size = np.dtype(word).itemsize
+    w = word(modulus)
+    size = np.dtype(w).itemsize
     encrypt = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-    stream = np.frombuffer(encrypt.update(bytes(size * d)), dtype=word)
-    return stream.astype(np.uint64) & np.uint64(modulus - 1)
+    stream = np.frombuffer(encrypt.update(bytes(size * d)), dtype=w)
+    return stream if modulus == 2 ** (8 * size) else stream & w(modulus - 1)
 
 
 def _split(secret: bytes, t: int, n: int) -> list[bytes]:
@@ -268,30 +291,35 @@ def _aad(sender: str, receiver: str, rnd: int) -> bytes:
 # ----------------------------------------------------------------------------- vectors
 
 
-def flat_update(reply: Arrays, sent: Arrays) -> np.ndarray:
-    """``reply − sent`` in sorted name order, as float64.
+def flat_update(reply: Arrays, sent: Arrays, extra: int = 0) -> np.ndarray:
+    """``reply − sent`` in sorted name order, as float64, with ``extra`` zeros after it.
 
     Subtracted in each tensor's compute dtype (float32, float64 for float64), as the plain
     mean subtracts, so both sum the same differences.
     """
-    parts = []
+    out = np.zeros(sum(sent[k].numel() for k in sent) + extra)
+    start = 0
     for k in sorted(sent):
         cd = torch.promote_types(sent[k].dtype, torch.float32)
-        parts.append((reply[k].detach().to(cd) - sent[k].detach().to(cd)).flatten().numpy())
-    return np.concatenate(parts).astype(np.float64)
+        n = sent[k].numel()
+        diff = reply[k].detach().to(cd) - sent[k].detach().to(cd)
+        out[start : start + n] = diff.flatten().numpy()
+        start += n
+    return out
 
 
 def quantise(x: np.ndarray, sa: SecAgg, rng: np.random.Generator) -> np.ndarray:
-    """Clip to ``±clipping_range``, stochastic rounding to ``[0, Q−1]`` (uint64)."""
+    """Clip to ``±clipping_range``, stochastic rounding to ``[0, Q−1]`` (as :func:`word`)."""
     c = sa.cfg.clipping_range
+    w = word(sa.cfg.modulus_range)
     y = np.clip(x, -c, c)
     y += c
     y /= sa.step
     low = np.floor(y)
     y -= low  # the fraction: rounded up with that probability
-    q = low.astype(np.uint64)
+    q = low.astype(w)
     q += rng.random(y.shape) < y
-    return np.minimum(q, np.uint64(sa.cfg.quantization_range - 1), out=q)
+    return np.minimum(q, w(sa.cfg.quantization_range - 1), out=q)
 
 
 def wire_dtype(modulus: int) -> torch.dtype:
@@ -302,7 +330,7 @@ def wire_dtype(modulus: int) -> torch.dtype:
 def to_wire(y: np.ndarray, modulus: int) -> Tensor:
     """Values in ``[0, modulus)`` as a signed tensor of the same bits (no signed overflow)."""
     if modulus <= 2**32:
-        return torch.from_numpy(y.astype(np.uint32).view(np.int32))
+        return torch.from_numpy(y.astype(np.uint32, copy=False).view(np.int32))
     return torch.from_numpy(y.view(np.int64))
 
 
@@ -343,15 +371,34 @@ def _keys(ctx: ClientContext, msg: Message) -> Message:
     return Message(KEYS, {"keys": {"c": _u8(_raw_public(c)), "s": _u8(_raw_public(s))}})
 
 
+class NoisePlan(Protocol):
+    """What a client needs to encode with the distributed discrete Gaussian.
+
+    :class:`~fedfm.core.userdp.UserDP` is one.
+    """
+
+    noise: Any  # where the noise comes from: "secret" or "seeded"
+
+    def ddg_plan(self, dim: int) -> _ddg.DDG:
+        """The plan for updates of ``dim`` coordinates."""
+        ...
+
+
 class ClientSecAgg:
     """The client half of SecAgg+ around an algorithm's handlers.
 
     Args:
         sa: The run's parameters (the client's own config: it checks the server's threshold).
+        dp: Client-side DP-FedAvg whose noise is the distributed discrete Gaussian: the
+            client then encodes its raw update with its ``ddg_plan`` (clip, rotate,
+            round, noise) instead of :func:`quantise`; None: no DP, or ``continuous`` noise
+            already added by :class:`~fedfm.core.userdp.ClientDP`.
     """
 
-    def __init__(self, sa: SecAgg) -> None:
+    def __init__(self, sa: SecAgg, dp: NoisePlan | None = None) -> None:
         self.sa = sa
+        self.dp = dp
+        self._plans: dict[int, _ddg.DDG] = {}
 
     def handlers(
         self, inner: Mapping[str, Handler], kinds: Mapping[str, MessageKind]
@@ -418,30 +465,44 @@ class ClientSecAgg:
                 msg.kind, {k: v for k, v in msg.arrays.items() if k != FORWARDED}, dict(msg.meta)
             )
             reply = inner(ctx, plain)
-            vec = self._vector(reply, plain.arrays[field], field)
             rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
             modulus = self.sa.cfg.modulus_range
-            y = quantise(vec, self.sa, rng)
-            y += prg(bytes.fromhex(st["b"]), vec.size, modulus)
+            if self.dp is not None:
+                u = flat_update(reply.arrays[field], plain.arrays[field])
+                y = self._ddg(ctx, u, rng).astype(word(modulus))
+            else:
+                vec = self._vector(reply, plain.arrays[field], field)
+                y = quantise(vec, self.sa, rng)
+            y += prg(bytes.fromhex(st["b"]), y.size, modulus)
             own = bytes.fromhex(st["s"])
-            for j in sorted(forwarded):  # uint64 wraps modulo 2**64, a multiple of M
-                m = prg(_agree(own, bytes.fromhex(st["peers_s"][j])), vec.size, modulus)
+            for j in sorted(forwarded):  # the word wraps at a multiple of the modulus
+                m = prg(_agree(own, bytes.fromhex(st["peers_s"][j])), y.size, modulus)
                 (np.add if ctx.cid < j else np.subtract)(y, m, out=y)
-            y &= np.uint64(modulus - 1)
+            y &= word(modulus)(modulus - 1)
             st["sent"] = True
             st["masked_with"] = sorted(forwarded)
             return Message(msg.kind, {MASKED: {"y": to_wire(y, modulus)}})
 
         return handle
 
+    def _ddg(self, ctx: ClientContext, u: np.ndarray, rounding: np.random.Generator) -> np.ndarray:
+        """The distributed discrete Gaussian's encoding of the raw update ``u``."""
+        assert self.dp is not None
+        if u.size not in self._plans:
+            self._plans[u.size] = self.dp.ddg_plan(u.size)
+        noise = np.random.default_rng(noise_seed(ctx, "user-dp", self.dp.noise))
+        return self._plans[u.size].encode(u, rotation_seed(ctx.seed, ctx.rnd), noise, rounding)
+
     def _vector(self, reply: Message, sent: Arrays, field: str) -> np.ndarray:
-        u = flat_update(reply.arrays[field], sent)
+        u = flat_update(reply.arrays[field], sent, extra=1)  # the last: weight or clip bit
         if self.sa.weighted:
             n = float(reply.meta["num_examples"])  # type: ignore[arg-type]
             r = min(1.0, n / self.sa.cfg.max_weight)
-            return np.append(r * u, r)
-        bit = reply.meta.get(BIT, 0.0)
-        return np.append(u, float(bit))  # type: ignore[arg-type]
+            u *= r
+            u[-1] = r
+            return u
+        u[-1] = float(reply.meta.get(BIT, 0.0))  # type: ignore[arg-type]
+        return u
 
     def _unmask(self, ctx: ClientContext, msg: Message) -> Message:
         st = _state(ctx)
@@ -593,8 +654,8 @@ def secure_sum(
     for c, r in shared.items():
         if set(r.arrays["shares"]) != set(graph[c]):
             raise _fail(fed, f"client {c} sent shares for other clients than its neighbours")
-    d = sum(v.numel() for v in base.values()) + 1
-    total = np.zeros(d, dtype=np.uint64)
+    d = sa.ddg.rotated if sa.ddg is not None else sum(v.numel() for v in base.values()) + 1
+    total = np.zeros(d, dtype=word(sa.cfg.modulus_range))
     sent: list[str] = []
     masked = {c: _with_shares(messages[c], c, graph[c], shared) for c in shared}
     for c, r in fed.stream(masked):
@@ -609,15 +670,23 @@ def secure_sum(
                 }
             )
             continue
-        total += from_wire(y)
+        total += y.numpy().view(total.dtype)  # the same bits, unsigned
         sent.append(c)
     if len(sent) < t:
         raise _fail(fed, f"{len(sent)} clients sent masked vectors, fewer than t={t}")
     dropped = sorted(set(shared) - set(sent))
     total = _unmask(fed, sa, graph, keys, sent, dropped, total)
+    if sa.ddg is not None:  # no last coordinate: DP weights are public, the bound fixed
+        got = sa.ddg.decode(total, rotation_seed(fed.seed, fed.rnd))
+        return SecureSum(unflatten(got, base), 0.0, len(sent), sent, dropped, t)
     vec = total.astype(np.float64) * sa.step - len(sent) * sa.cfg.clipping_range
     total_arrays = unflatten(vec[:-1], base)
     return SecureSum(total_arrays, float(vec[-1]), len(sent), sent, dropped, t)
+
+
+def rotation_seed(seed: int, rnd: int) -> int:
+    """The discrete Gaussian's rotation in round ``rnd``: public randomness of the run."""
+    return derive_seed(seed, rnd, "ddg-rotation")
 
 
 def _stage(fed: Federation, t: int, what: str, got: dict[str, Message]) -> dict[str, Message]:
@@ -677,7 +746,7 @@ def _unmask(
         for j in sorted(set(graph[x]) & alive):
             m = prg(_agree(sk, _bytes(keys[j].arrays["keys"]["s"])), d, modulus)
             (np.subtract if j < x else np.add)(total, m, out=total)  # j added +m when j < x
-    return total & np.uint64(sa.cfg.modulus_range - 1)
+    return total & word(modulus)(modulus - 1)
 
 
 # ----------------------------------------------------------------------------- folding

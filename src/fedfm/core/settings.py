@@ -148,6 +148,13 @@ class SecAggConfig(Strict):
         quantization_range: Levels of the quantisation, ``[0, quantization_range − 1]``.
         modulus_range: The modulus of the masked sum, a power of two up to 2**62 above the
             round's clients times ``quantization_range``.
+        dp_noise: Client-side DP-FedAvg's noise under SecAgg+: ``discrete_gaussian`` (the
+            distributed discrete Gaussian, :mod:`fedfm.core.ddg`, whose ε covers what is
+            sent) or ``continuous`` (each client's Gaussian share, then clipped to
+            ``clipping_range`` and rounded: ε is the continuous sum's, which does not
+            strictly cover the rounding).
+        gamma: The discrete Gaussian's grid step; None: the smallest the modulus allows.
+        beta: The discrete Gaussian's conditional rounding parameter (the paper's e^(-1/2)).
     """
 
     num_shares: int | float = Field(1.0, gt=0)
@@ -156,6 +163,9 @@ class SecAggConfig(Strict):
     clipping_range: float = Field(8.0, gt=0)
     quantization_range: int = Field(4194304, ge=2)
     modulus_range: int = Field(4294967296, ge=4)
+    dp_noise: Literal["discrete_gaussian", "continuous"] = "discrete_gaussian"
+    gamma: float | None = Field(None, gt=0)
+    beta: float = Field(0.6065306597126334, gt=0, lt=1)
 
     @field_validator("num_shares")
     @classmethod
@@ -195,6 +205,12 @@ class _PrivacyView(Protocol):
 
     @property
     def noise(self) -> Literal["secret", "seeded"]: ...
+
+    @property
+    def secure_aggregation(self) -> Literal["none", "secagg+"]: ...
+
+    @property
+    def secagg(self) -> SecAggConfig: ...
 
 
 class RunView(Protocol):

@@ -77,6 +77,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedfm.core import ddg as _ddg
 from fedfm.core.aggregate import compute_dtype
 from fedfm.core.federation import ClientContext, Federation, Handler
 from fedfm.core.messages import Arrays, Message, MessageKind, MetaSpec
@@ -253,6 +254,7 @@ class UserDP:
             self.z_update = split_noise(self.z, self.count_stddev)
         self.share = 1.0 / math.sqrt(cfg.min_clients) if self.client_side else 1.0  # type: ignore[arg-type]
         self.secure_threshold = 0  # SecAgg+'s t when the server sees only the sum (secure())
+        self.ddg: _ddg.DDG | None = None  # the distributed discrete Gaussian (use_ddg())
         self.state: dict[str, Any] = {"clip": cfg.clip, "rounds": 0}
         self.last: dict[str, float] = {}
         self._noise_seed = 0  # of this round's server noise, drawn with the sample
@@ -276,6 +278,44 @@ class UserDP:
                 " shares than the full noise could be unmasked",
             )
         self.secure_threshold = threshold
+        self._note()
+
+    @property
+    def wants_ddg(self) -> bool:
+        """Client mode under SecAgg+ with the distributed discrete Gaussian as its noise."""
+        p = self.run.privacy
+        return (
+            self.client_side
+            and p.secure_aggregation == "secagg+"
+            and p.secagg.dp_noise == "discrete_gaussian"
+        )
+
+    def ddg_plan(self, dim: int) -> _ddg.DDG:
+        """The distributed discrete Gaussian for updates of ``dim`` coordinates.
+
+        Each client's noise std is the continuous share's, ``z_Δ·C/√M``; every process of
+        the run computes the same plan from the config.
+
+        Raises:
+            ConfigError: Adaptive clipping (the grid and the bound would move every round),
+                or a modulus or ``γ`` that does not fit (:func:`fedfm.core.ddg.plan`).
+        """
+        if self.cfg.adaptive is not None:
+            raise ConfigError(
+                f"{FIELD}.adaptive",
+                "the distributed discrete Gaussian (privacy.secagg.dp_noise) needs a fixed"
+                " bound; use privacy.secagg.dp_noise=continuous or a fixed clip",
+            )
+        sa = self.run.privacy.secagg
+        clip = float(self.cfg.clip)
+        return _ddg.plan(
+            clip, self.z_update * clip * self.share, sa.modulus_range, dim,
+            int(self.cfg.min_clients or 1), self.num_clients, sa.gamma, sa.beta,
+        )  # fmt: skip
+
+    def use_ddg(self, ddg: _ddg.DDG) -> None:
+        """The run's noise is ``ddg``: the ledger composes its zCDP bound from now on."""
+        self.ddg = ddg
         self._note()
 
     # ----- checks and calibration -----
@@ -334,6 +374,8 @@ class UserDP:
         return cids
 
     def _register(self, cids: list[str]) -> None:
+        if self.wants_ddg and self.secure_threshold and self.ddg is None:
+            raise RuntimeError("the distributed discrete Gaussian is not planned (use_ddg)")
         # Noise in units of C when the bound moves, so that every round merges into one entry.
         fixed = self.cfg.adaptive is None
         sens = self.clip if fixed else 1.0
@@ -342,6 +384,16 @@ class UserDP:
             self.ledger.add(
                 _Mechanism("dp-fedavg", name, "*", self.z * sens, sens, self.q, 1, "client")
             )
+            return
+        if self.ddg is not None:  # Theorem 1's ρ as the Gaussian of the same Rényi curve
+            agg, z_eff = self.ddg.sigma * math.sqrt(self.ddg.least), self.ddg.multiplier()
+            for cid in cids:
+                self.ledger.add(
+                    _Mechanism(
+                        _ddg.KIND, "sum seen by the server (SecAgg+, discrete Gaussian)", cid,
+                        agg, agg / z_eff if z_eff else 1.0, 1.0, 1, "client",
+                    )
+                )  # fmt: skip
             return
         if self.secure_threshold:  # the server sees the sum of at least t ≥ M shares
             for cid in cids:
@@ -467,35 +519,47 @@ class UserDP:
         m, t = int(self.cfg.min_clients or 0), self.secure_threshold
         # c clients that collude with the server take their own noise out of the sum.
         c = t - 1
-        z_left = self.z * math.sqrt((m - c) / m) if m > c else 0.0
-        return {
+        z, z_left = self.z, self.z * math.sqrt((m - c) / m) if m > c else 0.0
+        if self.ddg is not None:  # Theorem 1's bound as a Gaussian's Rényi curve: RDP only
+            z, acc = self.ddg.multiplier(), "rdp"
+            z_left = self.ddg.multiplier(m - c) if m > c else 0.0
+        note = {
             "protocol": "SecAgg+ (Bell et al. 2020)",
             "threshold": t,
             "assumptions": (
                 f"honest-but-curious server; fewer than t={t} clients collude with it; at"
                 f" least min_clients={m} noise shares in every unmasked sum (t ≥ min_clients)"
             ),
-            "epsilon_server_every_round": _finite(
-                aggregate_epsilon(1.0, self.z, rounds, delta, acc)
-            ),
+            "epsilon_server_every_round": _finite(aggregate_epsilon(1.0, z, rounds, delta, acc)),
             "epsilon_server_note": (
                 "the ledger's run ε composes, per client, the rounds it took part in: the"
                 " server drew the sample, so no amplification by sampling against it"
             ),
-            "epsilon_if_sample_hidden": _finite(
-                aggregate_epsilon(self.q, self.z, rounds, delta, acc)
+            "epsilon_if_sample_hidden": (
+                None  # amplification by sampling is proven for the Gaussian, not zCDP
+                if self.ddg is not None
+                else _finite(aggregate_epsilon(self.q, z, rounds, delta, acc))
             ),
             "epsilon_every_round_with_colluders": _finite(
                 aggregate_epsilon(1.0, z_left, rounds, delta, acc)
             ),
             "colluders": c,
-            "quantisation": (
-                "each client adds its continuous Gaussian share, then clips to ±clipping_range"
-                " and rounds stochastically before masking; ε is that of the continuous sum"
-                " (the distributed discrete Gaussian of Kairouz et al. 2021, which accounts for"
-                " the rounding, is not implemented)"
-            ),
         }
+        if self.ddg is not None:
+            note["quantisation"] = (
+                "distributed discrete Gaussian: each client clips, rotates, scales by 1/γ,"
+                " rounds conditionally and adds discrete Gaussian noise on the integer grid"
+                " before masking; ε is Theorem 1's zCDP bound for what is sent (RDP accountant)"
+            )
+            note["discrete_gaussian"] = self.ddg.note()
+        else:
+            note["quantisation"] = (
+                "privacy.secagg.dp_noise=continuous: each client adds its continuous Gaussian"
+                " share, then clips to ±clipping_range and rounds stochastically before"
+                " masking; ε is that of the continuous sum, which does not strictly cover the"
+                " rounding"
+            )
+        return note
 
     def state_dict(self) -> dict[str, Any]:
         """Bound, rounds and the server's secret stream, for the checkpoint."""
