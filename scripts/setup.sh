@@ -75,7 +75,8 @@ TORCH=$(torch_requirement)
 # both into ~/.cache/fedfm, so that the first run starts from the converted model.
 .venv/bin/python -m fedfm.data.assets &
 fetch=$!
-.venv/bin/python -c 'from fedfm.models.causal_lm import smollm2_dir; smollm2_dir()'
+HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
+  .venv/bin/python -c 'from fedfm.models.causal_lm import smollm2_dir; smollm2_dir()'
 wait "$fetch"
 
 if [ "$TEST" = 1 ]; then
