@@ -72,8 +72,12 @@ TORCH=$(torch_requirement)
 
 # At the same time: the instruction data that ships only in a source archive (llamafactory's
 # data/ folder, a download) and SmolLM2 converted once from its GGUF file (about 20 s of CPU),
-# both into ~/.cache/fedfm, so that the first run starts from the converted model.
-.venv/bin/python -m fedfm.data.assets &
+# both into ~/.cache/fedfm, so that the first run starts from the converted model; and
+# matplotlib's font cache, which the first run's figures would otherwise build with a warning.
+(
+  .venv/bin/python -m fedfm.data.assets
+  .venv/bin/python -c 'import logging; logging.disable(logging.WARNING); import matplotlib.font_manager'
+) &
 fetch=$!
 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
   .venv/bin/python -c 'from fedfm.models.causal_lm import smollm2_dir; smollm2_dir()'
