@@ -23,6 +23,10 @@ fi
 [ -n "$PY" ] || { echo "setup: Python 3.11 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# The set-up's own imports below (SmolLM2's conversion, the data fetch) leave the bytecode of
+# what a run imports in .venv, as pip's compile-everything step used to: the run then reads it
+# even where PYTHONDONTWRITEBYTECODE is set.
+unset PYTHONDONTWRITEBYTECODE
 # Debian packages only the tests use: Fashion-MNIST (the vision runs) and headless Chromium
 # (the run report's browser test; skipped where it is absent).
 test_assets() {
@@ -46,9 +50,9 @@ test_assets() {
 }
 
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
-# uv installs (parallel downloads, Rust unpacking, no byte-compilation of every module of torch
-# and transformers: Python compiles what a run imports when it first imports it). Pinned to
-# the version fedfm's own dependencies get (flwr asks for uv<0.14).
+# uv installs (parallel downloads, Rust unpacking, and no byte-compilation of every module of
+# torch and transformers: the set-up's imports below compile what a run uses). Pinned to the
+# version fedfm's own dependencies get (flwr asks for uv<0.14).
 UV_VERSION=0.13.9
 if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
   "${PIP[@]}" install -q --no-compile "uv==$UV_VERSION"
