@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfm.core.dp import DPSGDConfig, calibrate_noise, per_sample_loss, sample_rate
 from fedfm.core.batching import collate
+from fedfm.core.dp import DPSGDConfig, calibrate_noise, per_sample_loss, sample_rate
 from fedfm.core.settings import TrainConfig
 from fedfm.core.state import ClientState
 from fedfm.fm.training import Adapters
@@ -46,7 +46,7 @@ ADAPTER = "probe"
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def build(lora: dict[str, Any], rows_per_client: int) -> tuple[Any, Any, Grid]:
+def build(lora: dict[str, Any]) -> tuple[Any, Any, Grid]:
     """The study's task (its data, prompt and LM) with ``lora`` as ``task.lora``."""
     grid = Grid()
     cfg = generator_config(grid, grid.many)
@@ -62,7 +62,7 @@ def strong_ids(grid: Grid) -> list[str]:
 
 
 def encoded(task: Any, fm: Any, grid: Grid, data: Any) -> list[dict[str, list[int]]]:
-    """"code → text" rows as dpsyn's client encodes them."""
+    """The "code → text" rows of ``data`` as dpsyn's client encodes them."""
     codes = task.codes()
     ids = task.code_ids(data).tolist()
     texts = task.texts(data)
@@ -74,7 +74,7 @@ def encoded(task: Any, fm: Any, grid: Grid, data: Any) -> list[dict[str, list[in
 
 def grads(args: argparse.Namespace) -> None:
     lora = {"r": 8, "alpha": 16, "dropout": 0.0, "freeze_a": True, "target_modules": list(MODULES)}
-    task, fm, grid = build(lora, 0)
+    task, fm, grid = build(lora)
     cid = strong_ids(grid)[0]
     rows = encoded(task, fm, grid, task.client_data(cid))[: args.examples]
     fm.add_adapter(ADAPTER, seed=0)
@@ -135,8 +135,10 @@ def snr(args: argparse.Namespace) -> None:
         ("r2 v first 15 layers", 2, ("v_proj",), layers_all[:15]),
     ]
     plans = [(32, 15), (64, 30), (128, 15), (128, 30), (256, 8), (32, 60)]
-    print("candidate | d | median ‖g_i‖ | C | ‖E clip g‖ | coherence | " + " | ".join(
-        f"B{b} T{t}: σ, noise/step, SNR√T" for b, t in plans))
+    print(
+        "candidate | d | median ‖g_i‖ | C | ‖E clip g‖ | coherence | "
+        + " | ".join(f"B{b} T{t}: σ, noise/step, SNR√T" for b, t in plans)
+    )
     for label, r, mods, layers in cands:
         g = candidate(arrays, r, mods, layers)
         n, d = g.shape
@@ -153,8 +155,10 @@ def snr(args: argparse.Namespace) -> None:
             sigma = calibrate_noise(eps, delta, q, t)
             noise = sigma * c * math.sqrt(d) / b
             cells.append(f"{sigma:.2f}, {noise:.3g}, {math.sqrt(t) * signal / noise:.2f}")
-        print(f"{label} | {d} | {np.median(norms):.3g} | {c:.3g} | {signal:.3g} | {coh:.3f} | "
-              + " | ".join(cells))
+        print(
+            f"{label} | {d} | {np.median(norms):.3g} | {c:.3g} | {signal:.3g} | {coh:.3f} | "
+            + " | ".join(cells)
+        )
 
 
 def probe(args: argparse.Namespace) -> None:
@@ -164,7 +168,7 @@ def probe(args: argparse.Namespace) -> None:
     how far plain gradient steps can move the loss, before any noise (it sizes the lr).
     """
     lora = json.loads(args.lora)
-    task, fm, grid = build(lora, 0)
+    task, fm, grid = build(lora)
     rows = encoded(task, fm, grid, task.client_data(strong_ids(grid)[0]))
     fit, held = rows[: args.examples], rows[args.examples : 2 * args.examples]
     fm.add_adapter(ADAPTER, seed=1)
@@ -191,23 +195,28 @@ def probe(args: argparse.Namespace) -> None:
                 total[k] += g[k] * min(1.0, args.clip / n)
         model.zero_grad(set_to_none=True)
     mean = {k: v / len(fit) for k, v in total.items()}
-    print(f"d={sum(v.numel() for v in mean.values())} median ‖g_i‖ {np.median(norms):.3f}"
-          f" ‖mean clip g‖ {math.sqrt(sum(float((v**2).sum()) for v in mean.values())):.4f}"
-          f" ({time.process_time() - t0:.0f} CPU s)")
+    print(
+        f"d={sum(v.numel() for v in mean.values())} median ‖g_i‖ {np.median(norms):.3f}"
+        f" ‖mean clip g‖ {math.sqrt(sum(float((v**2).sum()) for v in mean.values())):.4f}"
+        f" ({time.process_time() - t0:.0f} CPU s)"
+    )
     base = None
     for eta in (float(x) for x in args.steps.split(",")):
         state = {k: (start[k] - eta * mean[k]) if k in mean else start[k] for k in start}
         got = nll(fm, held, state)
         base = got if base is None else base
-        print(f"η {eta:g}: held-out rows NLL {got.mean():.4f} (− η 0: {paired(got, base)})"
-              f" [{time.process_time() - t0:.0f} CPU s]")
+        print(
+            f"η {eta:g}: held-out rows NLL {got.mean():.4f} (− η 0: {paired(got, base)})"
+            f" [{time.process_time() - t0:.0f} CPU s]"
+        )
 
 
-def nll(fm: Any, rows: list[dict[str, list[int]]], adapter: dict[str, torch.Tensor] | None) -> np.ndarray:
+def nll(
+    fm: Any, rows: list[dict[str, list[int]]], adapter: dict[str, torch.Tensor] | None
+) -> np.ndarray:
     """Each row's mean response-token NLL under the base plus ``adapter`` (None: the base)."""
     pad = pad_id_of(fm.tokenizer)
     out = []
-    ctx = fm.use([]) if adapter is None else None
     with torch.no_grad():
         if adapter is None:
             with fm.use([]) as model:
@@ -219,7 +228,6 @@ def nll(fm: Any, rows: list[dict[str, list[int]]], adapter: dict[str, torch.Tens
                 for i in range(0, len(rows), 16):
                     with fm.autocast():
                         out.append(per_sample_loss(model, collate(rows[i : i + 16], pad)).float())
-    del ctx
     return torch.cat(out).numpy().astype(np.float64)
 
 
@@ -231,51 +239,84 @@ def paired(a: np.ndarray, b: np.ndarray) -> str:
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     lora = json.loads(args.lora)
-    task, fm, grid = build(lora, 0)
+    task, fm, grid = build(lora)
     cids = strong_ids(grid)[: args.clients]
     test = encoded(task, fm, grid, task.test_data())
     rng = np.random.default_rng(0)
     test = [test[i] for i in sorted(rng.choice(len(test), args.test, replace=False))]
     fm.add_adapter(ADAPTER, seed=1)
     start = fm.get_adapter(ADAPTER)
-    frozen = frozenset(k for k in start if k.endswith("lora_A.weight")) if lora.get("freeze_a") else frozenset()
-    t_cfg = TrainConfig(steps=args.steps, batch_size=args.batch, optimizer=args.optimizer,
-                        lr=args.lr, momentum=args.momentum)
+    frozen = (
+        frozenset(k for k in start if k.endswith("lora_A.weight"))
+        if lora.get("freeze_a")
+        else frozenset()
+    )
+    t_cfg = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        momentum=args.momentum,
+    )
     rate = sample_rate(args.batch, 500)
     sigma = calibrate_noise(args.epsilon, 1e-4, rate, args.planned or args.steps)
     if args.sigma is not None:  # a given σ (e.g. another plan's noise per averaged gradient)
         sigma = args.sigma
-    dp = DPSGDConfig(epsilon=args.epsilon, max_grad_norm=args.clip, noise_multiplier=sigma,
-                     physical_batch_size=args.batch)
+    dp = DPSGDConfig(
+        epsilon=args.epsilon,
+        max_grad_norm=args.clip,
+        noise_multiplier=sigma,
+        physical_batch_size=args.batch,
+    )
     d = sum(v.numel() for k, v in start.items() if k not in frozen)
-    print(f"d={d} σ={sigma:.3f} q={rate:.3f} clients={cids} load={open('/proc/loadavg').read().split()[:3]}")
-    updates = []
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"d={d} σ={sigma:.3f} q={rate:.3f} clients={cids} load={load}")
     t0 = time.process_time()
-    for i, cid in enumerate(cids):
+    only = [int(x) for x in args.only.split(",")] if args.only else list(range(len(cids)))
+    for i in only if not args.score else []:
+        cid = cids[i]
         rows = encoded(task, fm, grid, task.client_data(cid))
         with fm.slot(ADAPTER, start):
-            res, out = fm.dp_train(rows, ClientState(), Adapters([ADAPTER], [ADAPTER], frozen),
-                                   train=t_cfg, dp=dp, delta=1e-4, steps=args.steps,
-                                   planned_steps=args.planned or args.steps, seed=1000 + i)
+            res, out = fm.dp_train(
+                rows,
+                ClientState(),
+                Adapters([ADAPTER], [ADAPTER], frozen),
+                train=t_cfg,
+                dp=dp,
+                delta=1e-4,
+                steps=args.steps,
+                planned_steps=args.planned or args.steps,
+                seed=1000 + i,
+            )
         u = {k: out[k] - start[k] for k in start if k not in frozen}
-        updates.append(u)
+        torch.save(u, args.save / f"update-{i}.pt")
         norm = math.sqrt(sum(float((v.float() ** 2).sum()) for v in u.values()))
-        print(f"client {cid}: loss {res.loss:.4f} ε {res.epsilon:.2f} update norm {norm:.4f}"
-              f" ({time.process_time() - t0:.0f} CPU s)")
+        print(
+            f"client {cid}: loss {res.loss:.4f} ε {res.epsilon:.2f} update norm {norm:.4f}"
+            f" ({time.process_time() - t0:.0f} CPU s)",
+            flush=True,
+        )
+    if args.only and not args.score:
+        return  # one process per group of clients; `--score` reads their updates
+    updates = [torch.load(args.save / f"update-{i}.pt") for i in range(len(cids))]
     mean = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
     norm_mean = math.sqrt(sum(float((v.float() ** 2).sum()) for v in mean.values()))
     singles = [math.sqrt(sum(float((v.float() ** 2).sum()) for v in u.values())) for u in updates]
-    print(f"update norm: 1 strong (each) {', '.join(f'{x:.4f}' for x in singles)};"
-          f" {len(updates)} strong (mean) {norm_mean:.4f}; ratio 1/{len(updates)} ="
-          f" {np.mean(singles) / norm_mean:.3f} (pure noise: {math.sqrt(len(updates)):.2f},"
-          " shared signal: 1)")
+    print(
+        f"update norm: 1 strong (each) {', '.join(f'{x:.4f}' for x in singles)};"
+        f" {len(updates)} strong (mean) {norm_mean:.4f}; ratio 1/{len(updates)} ="
+        f" {np.mean(singles) / norm_mean:.3f} (pure noise: {math.sqrt(len(updates)):.2f},"
+        " shared signal: 1)"
+    )
     base = nll(fm, test, None)
     print(f"held-out reference NLL over {len(test)} test rows: base {base.mean():.4f}")
-    one = nll(fm, test, {**start, **updates[0]} if False else {k: start[k] + updates[0].get(k, 0) for k in start})
+    one = nll(fm, test, {k: start[k] + updates[0].get(k, 0) for k in start})
     many = nll(fm, test, {k: start[k] + mean.get(k, 0) for k in start})
-    print(f"  1 strong {one.mean():.4f} (− base {paired(one, base)});"
-          f" {len(updates)} strong {many.mean():.4f} (− base {paired(many, base)};"
-          f" − 1 strong {paired(many, one)}) [{time.process_time() - t0:.0f} CPU s]")
+    print(
+        f"  1 strong {one.mean():.4f} (− base {paired(one, base)});"
+        f" {len(updates)} strong {many.mean():.4f} (− base {paired(many, base)};"
+        f" − 1 strong {paired(many, one)}) [{time.process_time() - t0:.0f} CPU s]"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -287,8 +328,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     s = sub.add_parser("snr")
     s.add_argument("--grads", type=Path, default=Path("/tmp/dpsyn_grads.npz"))
     t = sub.add_parser("train")
-    t.add_argument("--lora", default='{"r": 1, "alpha": 2, "dropout": 0.0, "freeze_a": true,'
-                   ' "target_modules": ["v_proj"]}')
+    t.add_argument(
+        "--lora",
+        default='{"r": 1, "alpha": 2, "dropout": 0.0, "freeze_a": true,'
+        ' "target_modules": ["v_proj"]}',
+    )
     t.add_argument("--clients", type=int, default=4)
     t.add_argument("--steps", type=int, default=5)
     t.add_argument("--planned", type=int, default=0)
@@ -300,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     t.add_argument("--epsilon", type=float, default=8.0)
     t.add_argument("--test", type=int, default=200)
     t.add_argument("--sigma", type=float, default=None)
+    t.add_argument("--only", default="", help="train only these strong clients (indices)")
+    t.add_argument("--save", type=Path, default=Path("/tmp/dpsyn_updates"))
+    t.add_argument("--score", action="store_true", help="score the saved updates only")
     pr = sub.add_parser("probe")
     pr.add_argument("--lora", default=t.get_default("lora"))
     pr.add_argument("--examples", type=int, default=32)
