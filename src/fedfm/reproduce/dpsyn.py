@@ -76,20 +76,22 @@ VOTED = ("votes", "top")  # the selections that read the votes (one per ε)
 # The main grid's DP-SGD at ε_train 8 (the pilot keeps the earlier AdamW lr 2e-3 on LoRA r 8 of
 # q, k, v, o: its configs must not change under a running pilot). Chosen by
 # benchmarks/dpsyn_dp_signal.py on SmolLM2 and the study's rows (32 examples, at init):
-# - The earlier DP-SGD learnt nothing: 0.92 M LoRA coordinates (A gets no gradient while B = 0,
-#   only noise) against a clipped mean of norm 0.38 per step; σ·C/B·√d is 16.7, so signal over
-#   noise after its 15 steps (√T·‖E clip g‖ / (σ·C·√d/B)) is 0.09, and AdamW turns each
-#   coordinate's noise into a step of size lr.
-# - FFA-LoRA rank 1 on v_proj (A frozen, d = 5,760 B coordinates) keeps most of the signal: median
-#   per-example norm 0.43, coherence ‖E clip g‖ / E‖clip g‖ 0.29 (0.27 for rank 8 of q, k, v, o).
-#   At expected batch 128 of 500 rows and 15 steps the planner gives σ 0.93, and signal over
-#   noise 1.86 for one client (3.7 averaged over four) against 0.09 before; batch 64 for 30
-#   steps (the same compute) gives 1.54, rank 1 of q, k, v, o 0.61.
+# - The earlier DP-SGD learnt nothing: on 0.92 M LoRA coordinates (A gets no gradient while
+#   B = 0, only noise) a step's noise σ·C/B·√d is 0.57 · 1/32 · 960 ≈ 17, against a clipped mean
+#   gradient of about 0.25 (B's, at C 1); signal over noise after its 15 steps,
+#   √T·‖E clip g‖ / (σ·C·√d/B), is about 0.06 (0.09 with B's coordinates alone, clipped at their
+#   median norm 1.54), and AdamW turns each coordinate's noise into a step of size lr.
+# - FFA-LoRA rank 1 on v_proj (A frozen, d = 5,760 B coordinates) keeps most of the signal:
+#   median per-example norm 0.43, coherence ‖E clip g‖ / E‖clip g‖ 0.29 (0.27 for rank 8 of q,
+#   k, v, o). At expected batch 64 of 500 rows and 15 steps the planner gives σ 0.70 and signal
+#   over noise 1.24 for one client (2.5 averaged over four); batch 128 would give 1.86 at four
+#   times the earlier compute (the 4-strong generator alone would pass 90 minutes), batch 32
+#   0.76, rank 1 of q, k, v, o at batch 64 0.40.
 # - Along the clipped mean gradient alone, B = −η·ḡ lowers the NLL of 32 other rows by 0.21 ±
 #   0.04 nats at η 30 (‖ḡ‖ 0.13 at C 0.43), so rank 1 can move the LM; SGD with momentum 0.9 at
 #   lr 0.5 moves about 13·lr·ḡ per round of 5 steps, 39·lr in three.
 DP_FINETUNE: dict[str, Any] = {
-    "train": {"steps": 5, "batch_size": 128, "optimizer": "sgd", "momentum": 0.9, "lr": 0.5},
+    "train": {"steps": 5, "batch_size": 64, "optimizer": "sgd", "momentum": 0.9, "lr": 0.5},
     "algo": {"max_grad_norm": 0.4},
     "task": {
         "lora": {
@@ -182,9 +184,14 @@ class Grid:
         return max(self.strong)
 
 
-# Sized from a measured run on this machine (docs/dpsyn.md, "Reproduction"): about 19 CPU
-# seconds per DP-SGD step of batch 32 and 0.85 per generated sample on one thread, so the grid
-# is about 40 CPU minutes, most of it the 4-strong generator (60 client steps, 300 samples).
+# Sized from measured runs on this machine (docs/dpsyn.md, "Reproduction"): 0.85 CPU seconds
+# per generated sample on one thread; the earlier DP-SGD (r 8 on q, k, v, o) cost 19 to 40 CPU
+# seconds per step of batch 32 (the 4-strong generator 43.9 CPU minutes in all). The main grid's
+# DP-SGD passes each client's examples twice as often (15 steps of 64, 3,840 per-example passes
+# for 4 strong), at about 0.6 CPU seconds a pass (benchmarks/dpsyn_dp_signal.py: one forward
+# and backward of a row through SmolLM2, load 7 to 11): about 40 CPU minutes of DP-SGD and 4 of
+# generation on one worker, the rest of the main grid on the other; the pilot (`--pilot`) is a
+# command of its own.
 FULL = Grid()
 QUICK = Grid(
     rows=250,

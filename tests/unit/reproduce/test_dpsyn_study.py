@@ -295,7 +295,7 @@ def test_every_generator_of_the_default_grids_is_a_valid_config() -> None:
             assert (main.train.optimizer, main.train.momentum, main.train.batch_size) == (
                 "sgd",
                 0.9,
-                128,
+                64,
             )
             assert main.task["lora"]["freeze_a"] and main.task["lora"]["r"] == 1
             pilot = load_config(study.pilot_config(grid, strong))
