@@ -194,10 +194,10 @@ class Grid:
 # per generated sample on one thread; the earlier DP-SGD (r 8 on q, k, v, o) cost 19 to 40 CPU
 # seconds per step of batch 32 (the 4-strong generator 43.9 CPU minutes in all). The main grid's
 # DP-SGD passes each client's examples twice as often (15 steps of 64, 3,840 per-example passes
-# for 4 strong), at about 0.6 CPU seconds a pass (benchmarks/dpsyn_dp_signal.py: one forward
-# and backward of a row through SmolLM2, load 7 to 11): about 40 CPU minutes of DP-SGD and 4 of
+# for 4 strong), at 0.50 and 0.63 CPU seconds a pass (benchmarks/dpsyn_dp_signal.py train, 80
+# DP-SGD passes of each of two clients, load 17 to 36): 32 to 40 CPU minutes of DP-SGD and 4 of
 # generation on one worker, the rest of the main grid on the other; the pilot (`--pilot`) is a
-# command of its own.
+# command of its own. Not yet timed as a whole grid.
 FULL = Grid()
 QUICK = Grid(
     rows=250,
