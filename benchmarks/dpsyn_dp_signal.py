@@ -97,7 +97,7 @@ def grads(args: argparse.Namespace) -> None:
                 assert g is not None
                 out.setdefault(k, []).append(g.detach().float().numpy().copy())
     cpu = time.process_time() - t0
-    arrays = {k: np.stack(v) for k, v in out.items()}  # (n, out, 8)
+    arrays: dict[str, Any] = {k: np.stack(v) for k, v in out.items()}  # (n, out, 8)
     np.savez_compressed(args.out, **arrays)
     print(f"{len(rows)} examples of client {cid}, {len(keys)} B tensors, {cpu:.0f} CPU s")
 
@@ -188,7 +188,7 @@ def probe(args: argparse.Namespace) -> None:
             with fm.dp_autocast():
                 loss = per_sample_loss(model, collate([row], pad)).mean()
             loss.backward()
-            g = {k: live[names[k]].grad.detach().float().clone() for k in keys}  # type: ignore[union-attr]
+            g = {k: live[names[k]].grad.detach().float().clone() for k in keys}
             n = math.sqrt(sum(float((v**2).sum()) for v in g.values()))
             norms.append(n)
             for k in keys:
