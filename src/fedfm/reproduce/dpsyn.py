@@ -12,6 +12,7 @@ quota (not ``rank``'s ``keep_fraction``), so all four selections share size and 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -72,6 +73,44 @@ SELECTIONS = (
 VOTED = ("votes", "top")  # the selections that read the votes (one per ε)
 
 
+# The main grid's DP-SGD at ε_train 8 (the pilot keeps the earlier AdamW lr 2e-3 on LoRA r 8 of
+# q, k, v, o: its configs must not change under a running pilot). Chosen by
+# benchmarks/dpsyn_dp_signal.py on SmolLM2 and the study's rows (32 examples, at init):
+# - The earlier DP-SGD learnt nothing: on 0.92 M LoRA coordinates (A gets no gradient while
+#   B = 0, only noise) a step's noise σ·C/B·√d is 0.57 · 1/32 · 960 ≈ 17, against a clipped mean
+#   gradient of about 0.25 (B's, at C 1); signal over noise after its 15 steps,
+#   √T·‖E clip g‖ / (σ·C·√d/B), is about 0.06 (0.09 with B's coordinates alone, clipped at their
+#   median norm 1.54), and AdamW turns each coordinate's noise into a step of size lr.
+# - FFA-LoRA rank 1 on v_proj (A frozen, d = 5,760 B coordinates) keeps most of the signal:
+#   median per-example norm 0.43, coherence ‖E clip g‖ / E‖clip g‖ 0.29 (0.27 for rank 8 of q,
+#   k, v, o). At expected batch 64 of 500 rows and 15 steps the planner gives σ 0.70 and signal
+#   over noise 1.24 for one client (2.5 averaged over four); batch 128 would give 1.86 at four
+#   times the earlier compute (the 4-strong generator alone would pass 90 minutes), batch 32
+#   0.76, rank 1 of q, k, v, o at batch 64 0.40.
+# - Along the clipped mean gradient alone, B = −η·ḡ lowers the NLL of 32 other rows by 0.21 ±
+#   0.04 nats at η 30 (‖ḡ‖ 0.13 at C 0.43), so rank 1 can move the LM; SGD with momentum 0.9 at
+#   lr 0.5 moves about 13·lr·ḡ per round of 5 steps, 39·lr in three.
+# - A first round in real DP-SGD (fedfm's dp_train, 5 steps, two strong clients, expected batch
+#   16 with σ 0.175: the noise per averaged gradient, σ·C/B, of this plan's σ 0.70 at batch 64;
+#   its own ε is not 8) moved each client's B by 1.29 and 1.43, their mean by 1.11: 1-strong ÷
+#   2-strong 1.22 (noise alone √2 = 1.41, a shared signal 1). Held-out reference NLL (60 real
+#   test reviews, the study's prompt): 1 strong − base −0.082 ± 0.005, 2 strong − 1 strong
+#   −0.007 ± 0.002 (paired over reviews; one draw of the DP noise).
+DP_FINETUNE: dict[str, Any] = {
+    "train": {"steps": 5, "batch_size": 64, "optimizer": "sgd", "momentum": 0.9, "lr": 0.5},
+    "algo": {"max_grad_norm": 0.4},
+    "task": {
+        "lora": {
+            "r": 1,
+            "alpha": 2.0,
+            "dropout": 0.0,
+            "freeze_a": True,
+            "target_modules": ["v_proj"],
+        }
+    },
+}
+
+
 @dataclass(frozen=True)
 class Grid:
     """The study's sizes.
@@ -79,8 +118,11 @@ class Grid:
     Attributes:
         clients, rows: Clients (IID over Rotten Tomatoes) and rows of each.
         strong: Strong clients of the fine-tuned generators (the base model is the third).
-        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' DP-SGD: its ε,
-            rounds, steps per round, expected Poisson batch and AdamW learning rate.
+        epsilon_train, train_rounds, steps, batch_size, lr: The strong clients' fine-tuning as
+            the premise pilot runs it (at ε_train = ∞): its ε in the main grid, rounds, steps
+            per round, expected Poisson batch and AdamW learning rate on ``task.lora``.
+        dp_finetune: Config fields the main grid's fine-tuned generators take over the pilot's
+            (:func:`main_config`): the DP-SGD that can learn at ε_train (:data:`DP_FINETUNE`).
         pool, size: Samples each generator generates, and each selection keeps.
         max_new_tokens, max_length, max_prompt_length: Tokens per review, per training row
             and of the prompt (its chat template included).
@@ -105,6 +147,7 @@ class Grid:
     steps: int = 5
     batch_size: int = 32
     lr: float = 2e-3
+    dp_finetune: Mapping[str, Any] = field(default_factory=lambda: copy.deepcopy(DP_FINETUNE))
     pool: int = 300
     size: int = 150
     max_new_tokens: int = 40
@@ -147,9 +190,14 @@ class Grid:
         return max(self.strong)
 
 
-# Sized from a measured run on this machine (docs/dpsyn.md, "Reproduction"): about 19 CPU
-# seconds per DP-SGD step of batch 32 and 0.85 per generated sample on one thread, so the grid
-# is about 40 CPU minutes, most of it the 4-strong generator (60 client steps, 300 samples).
+# Sized from measured runs on this machine (docs/dpsyn.md, "Reproduction"): 0.85 CPU seconds
+# per generated sample on one thread; the earlier DP-SGD (r 8 on q, k, v, o) cost 19 to 40 CPU
+# seconds per step of batch 32 (the 4-strong generator 43.9 CPU minutes in all). The main grid's
+# DP-SGD passes each client's examples twice as often (15 steps of 64, 3,840 per-example passes
+# for 4 strong), at 0.50 and 0.63 CPU seconds a pass (benchmarks/dpsyn_dp_signal.py train, 80
+# DP-SGD passes of each of two clients, load 17 to 36): 32 to 40 CPU minutes of DP-SGD and 4 of
+# generation on one worker, the rest of the main grid on the other; the pilot (`--pilot`) is a
+# command of its own. Not yet timed as a whole grid.
 FULL = Grid()
 QUICK = Grid(
     rows=250,
@@ -216,6 +264,15 @@ def generator_config(grid: Grid, strong: int) -> dict[str, Any]:
     cfg["train"].update(steps=grid.steps, batch_size=grid.batch_size, lr=grid.lr)
     cfg["task"], cfg["algo"] = merge(task, grid.task), merge(algo, grid.algo)
     return cfg
+
+
+def main_config(grid: Grid, strong: int) -> dict[str, Any]:
+    """A main-grid generator: :func:`generator_config` with ``grid.dp_finetune`` over it.
+
+    The base model (``strong = 0``) trains nothing and keeps :func:`generator_config`.
+    """
+    cfg = generator_config(grid, strong)
+    return merge(cfg, grid.dp_finetune) if strong else cfg
 
 
 def pilot_name(strong: int) -> str:
@@ -307,7 +364,7 @@ def _pilot_holds(grid: Grid, strong: int, needs: Mapping[str, RunView]) -> dict[
             f"the pilot (ε_train = ∞) does not show {grid.many} strong clients above"
             f" {grid.few} without voting ({est}): the claim cannot be tested at this scale"
         )
-    return generator_config(grid, strong)
+    return main_config(grid, strong)
 
 
 def jobs(ctx: Context[Grid]) -> list[Job]:
@@ -856,15 +913,20 @@ def _eps(x: Any) -> str:
 def body(ctx: Context[Grid], res: Results) -> str:
     """Setup, the instrument, the votes' signal, scores, differences, privacy, time, scope."""
     grid = ctx.grid
-    cfg = generator_config(grid, grid.few)
-    _, algo, task = resolved(cfg)
+    cfg = main_config(grid, grid.few)
+    run, algo, task = resolved(cfg)
     a, t = algo.model_dump(), task.model_dump()
     values: dict[str, Any] = {k: f"{v:g}" for k, v in vars(grid).items() if isinstance(v, float)}
     values.update(dataset=t["dataset"], lm=t["lm"], autocast=t["autocast_bf16"])
     values.update(lora_r=t["lora"]["r"], targets=", ".join(t["lora"]["target_modules"]))
+    values["lora"] = "FFA-LoRA (A frozen, B trained)" if t["lora"]["freeze_a"] else "LoRA"
     values.update({k: f"{a['generation'][k]:g}" for k in ("temperature", "top_p")})
     values.update({k: f"{a[k]:g}" for k in ("max_grad_norm", "epsilon_profile")})
-    values.update(embedder=a["embedder"], optimizer=cfg["train"]["optimizer"])
+    tr = run.train
+    momentum = f" (momentum {tr.momentum:g})" if tr.optimizer == "sgd" and tr.momentum else ""
+    values.update(embedder=a["embedder"], optimizer=f"{tr.optimizer}{momentum}")
+    values.update(steps=tr.steps, batch_size=tr.batch_size, lr=f"{tr.lr:g}")
+    values.update(signal_check=_signal_check(res))
     values.update(delta=f"{cfg['privacy']['delta']:g}", few=grid.few)
     # The voting readouts' SEs (R1 to Rn): the smallest difference they resolve.
     ses = [r.value(res).se for r in readouts(grid)[1 : 1 + 2 * len(grid.epsilon_votes)]]
@@ -896,6 +958,26 @@ def body(ctx: Context[Grid], res: Results) -> str:
         voters=len(voters(grid, grid.few)),
         resolution=f" {TEXT('resolution', resolution)}" if ses else "",
     )
+
+
+def first_norm(view: RunView) -> float | None:
+    """The update norm after a run's first training round (None before it)."""
+    got = view.rounds.get(1, {}).get("update_norm")
+    return None if got is None else float(got)
+
+
+def _signal_check(res: Results) -> str:
+    """The main grid's 1-strong ÷ many-strong first-round update norm, in words."""
+    few, many = res.grid.few, res.grid.many
+    views = [res.runs.get(s) for s in (few, many)]
+    norms = [first_norm(v) if v is not None else None for v in views]
+    if not all(norms):
+        return TEXT("no-signal-check", few=few, many=many)
+    ratio = float(norms[0]) / float(norms[1])  # type: ignore[arg-type]
+    noise = math.sqrt(many / few)
+    values = {"ratio": num(ratio), "noise": num(noise, 2), "few": few, "many": many}
+    shared = ratio < (1 + noise) / 2  # ours: nearer a shared signal (1) than noise alone
+    return TEXT("signal-check", values, reading=TEXT("shared" if shared else "noise-only"))
 
 
 def _pilot(res: Results) -> str:

@@ -103,6 +103,46 @@ def test_one_step_clips_each_sample_and_averages_over_the_expected_batch(fm) -> 
     assert fm.active == [] and fm.trainable == []  # restored
 
 
+def test_momentum_sgd_steps_on_the_clipped_mean_by_hand(fm) -> None:
+    """DP-SGD with momentum SGD (``v ← μ·v + g; θ ← θ − lr·v``) over two steps, by hand."""
+    rows = fm.encode(ROWS)
+    clip, lr, mu = 0.05, 0.5, 0.9
+    start = fm.get_adapter("private")
+
+    def clipped_mean(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        fm.set_adapter("private", state)
+        total = {k: torch.zeros_like(v) for k, v in state.items()}
+        with fm.use(["private"], ["private"]) as model:
+            live = dict(model.named_parameters())
+            names = fm.param_names("private")
+            for row in rows:
+                model.zero_grad()
+                per_sample_loss(model, collate([row], 0)).sum().backward()
+                g = {k: live[names[k]].grad.detach().clone() for k in state}
+                norm = math.sqrt(sum(float((v**2).sum()) for v in g.values()))
+                assert norm > clip  # each one is scaled to norm `clip`
+                for k in state:
+                    total[k] += g[k] * (clip / (norm + 1e-6))
+            model.zero_grad(set_to_none=True)
+        return {k: v / len(rows) for k, v in total.items()}
+
+    g1 = clipped_mean(start)
+    first = {k: start[k] - lr * g1[k] for k in start}
+    g2 = clipped_mean(first)
+    second = {k: first[k] - lr * (mu * g1[k] + g2[k]) for k in start}
+    fm.set_adapter("private", start)
+    train = TrainConfig(optimizer="sgd", lr=lr, momentum=mu, batch_size=4)
+    dp = DPSGDConfig(noise_multiplier=0.0, max_grad_norm=clip)
+    fm.dp_train(
+        rows, ClientState(), Adapters(["private"], ["private"]), train=train, dp=dp, delta=1e-5,
+        steps=2, planned_steps=2, seed=0,
+    )  # fmt: skip
+    got = fm.get_adapter("private")
+    assert torch.allclose(_flat(got), _flat(second), atol=1e-6)
+    plain = {k: first[k] - lr * g2[k] for k in start}  # without momentum: another point
+    assert not torch.allclose(_flat(got), _flat(plain), atol=1e-4)
+
+
 def test_noise_is_gaussian_with_std_sigma_c_over_b_and_seeded(fm) -> None:
     rows = fm.encode(ROWS)
     start = fm.get_adapter("private")

@@ -18,7 +18,7 @@ from fedfm.core.privacy import analytic_gaussian_sigma
 from fedfm.reproduce import STUDIES, load_studies
 from fedfm.reproduce import dpsyn as study
 from fedfm.reproduce.dpsyn import FULL, QUICK, Grid
-from fedfm.reproduce.framework import open_study, run_study
+from fedfm.reproduce.framework import RunView, open_study, run_study
 from fedfm.runtime import run
 from helpers.runfiles import jsonl_rows
 
@@ -49,6 +49,10 @@ TINY = Grid(
         "autocast_bf16": False,
     },
     algo={"embedder": "hashed-ngrams", "generation": {"batch_size": 8}},
+    dp_finetune={
+        "train": {"batch_size": 8, "optimizer": "sgd", "momentum": 0.9, "lr": 0.1},
+        "task": {"lora": {"r": 1, "alpha": 2, "freeze_a": True, "target_modules": ["v_proj"]}},
+    },
     label="test grid",
     gated=False,
 )
@@ -98,6 +102,11 @@ def test_the_grid_runs_through_the_framework_and_a_second_call_runs_nothing(done
     tried = probe["templates"]["Write a {code} review."]
     assert tried["prompt_whole"] and tried["on_code"]["n"] == 2 * TINY.probe_samples
     assert "`Write a {code} review.`" in report.read_text()
+    main = RunView(out / "strong1").config  # the main grid's DP-SGD, not the pilot's
+    assert main["train"]["optimizer"] == "sgd" and main["task"]["lora"]["freeze_a"]
+    assert "Signal check (main grid): the first-round update norm of 1 strong over 2" in (
+        report.read_text()
+    )
 
 
 def test_each_generator_stops_once_its_pool_is_generated_and_saved(done: Any) -> None:
@@ -256,7 +265,7 @@ def test_the_main_generators_wait_for_the_pilot_to_hold() -> None:
         study._pilot_holds(gated, 1, {study.PILOT: View(None)})  # type: ignore[dict-item]
     holds = {**fails, "holds": True}
     cfg = study._pilot_holds(gated, 1, {study.PILOT: View(holds)})  # type: ignore[dict-item]
-    assert cfg == study.generator_config(gated, 1)
+    assert cfg == study.main_config(gated, 1)
 
 
 def test_privacy_composes_the_runs_ledger_with_the_offline_vote(done: Any) -> None:
@@ -281,6 +290,17 @@ def test_every_generator_of_the_default_grids_is_a_valid_config() -> None:
             assert cfg.algo["num_samples"] == grid.pool > grid.size
         assert len(study.voters(grid, grid.few)) == grid.clients - grid.few
         assert len(study.voters(grid, 0)) == grid.clients - grid.few  # base: the same voters
+        for strong in grid.strong:  # the main grid's DP-SGD; the pilot keeps the earlier one
+            main = load_config(study.main_config(grid, strong))
+            assert (main.train.optimizer, main.train.momentum, main.train.batch_size) == (
+                "sgd",
+                0.9,
+                64,
+            )
+            assert main.task["lora"]["freeze_a"] and main.task["lora"]["r"] == 1
+            pilot = load_config(study.pilot_config(grid, strong))
+            assert (pilot.train.optimizer, pilot.train.batch_size) == ("adamw", grid.batch_size)
+        assert study.main_config(grid, 0) == study.generator_config(grid, 0)
 
 
 def test_the_study_is_registered() -> None:
