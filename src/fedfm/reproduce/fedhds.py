@@ -120,17 +120,19 @@ QUICK = Grid(60, 60, 20, 2, seeds=(0,), **BASE_LM)
 # found 0.4 clusters per client and no global cluster: nothing was selected. A pilot of one
 # round (base model): 10 clients of about 60 rows, 5 per round: 32 centroids, 6 global
 # clusters, 2.1% of the rows; 20 of about 30 rows, 10 per round: 47 centroids, 2 global
-# clusters, 0.7%. FedIT's cost grows with the rows per round, so 3 rounds.
+# clusters, 0.7%. FedIT's cost grows with the rows per round (that grid ran 3 rounds).
 # The held-out item count: in the earlier default grid the per-item SD of FedHDS - FedIT was
 # 0.140, and (0.140 / TARGET_SE)^2 = 87 items. Their references' 90th percentile is 351 tokens.
 # Rounds: FedHDS kept 3.7 global clusters a round at 10 clients (1.22% of the rows), one row
-# each, so 3 rounds trained it on about 11 rows in all; 12 rounds add up to about 45. FedIT's
-# cost is its row-steps (rounds x 5 clients x rows each, about 1.45 CPU s each at batch 1 in
-# the earlier grid: 2,001 CPU s for 900 row-steps and two evaluations), so the clients are
-# smaller: 234 rows (78 of each trained domain), about 23 a client, 1,404 row-steps in the
-# pilot, about 2,040 CPU s, and two evaluations of about 380 each: about 47 CPU min. Seen items
-# of the Alpaca domains are generated to the GSM8K budget (secondary scores).
-FULL = Grid(78, 90, 30, 12, clients=10, fraction=0.5, seen_tokens=160, **BASE_LM)
+# each, so 3 rounds trained it on about 11 rows in all; 10 rounds add up to about 37. The pilot
+# (FedIT's first seed) costs its row-steps: rounds x 5 clients x rows each. In the earlier grid
+# (5 domains of 120 rows) FedIT took 2,001 CPU s with two evaluations and 1,669 with one: an
+# evaluation about 330 s, and about 1.43 CPU s a row-step at batch 1. These rows are 1.44x as
+# long in tokens (166.5 against 115.6, capped at 256), so about 2.06 s a row-step. 198 rows
+# (66 of each trained domain, about 20 a client) give 990 row-steps, about 2,040 CPU s, and two
+# evaluations of about 380 s (16 more seen items generated): about 47 CPU min. Seen items of
+# the Alpaca domains are generated to the GSM8K budget (secondary scores).
+FULL = Grid(66, 90, 30, 10, clients=10, fraction=0.5, seen_tokens=160, **BASE_LM)
 
 
 @dataclass(frozen=True)

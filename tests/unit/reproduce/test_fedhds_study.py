@@ -98,7 +98,8 @@ def test_grid_holds_out_a_category_and_reports_the_measured_readouts(tmp_path: P
     held = {i["domain"] for r in items for i in r["items"] if i["zeroshot"]}
     assert held == {GRID.heldout} and len(_heldout(tmp_path / "fedit")) == GRID.heldout_items
     part = json.loads((tmp_path / "fedit" / "partition.json").read_text())
-    assert part["labels"] == list(study.OPEN) and part["heldout_domains"] == [GRID.heldout]
+    assert sorted(part["labels"]) == sorted(study.OPEN)
+    assert part["heldout_domains"] == [GRID.heldout]
     assert all(c["task"]["prompt"]["use_chat_template"] is False for c in cfgs.values())
     held_nll = study.heldout_nll(study.RunView(tmp_path / "fedit"))
     assert len(held_nll) == GRID.heldout_items  # the held-out references' NLL beside Rouge-L
@@ -165,8 +166,8 @@ def test_the_full_grid_tunes_a_base_lm_on_open_ended_data_and_waits_for_its_pilo
         "math": 11, "alpaca_qa": 11, "alpaca_task": 11, "alpaca_creative": 90
     }  # fmt: skip
     assert task["domain_max_new_tokens"] == {"math": 160, "alpaca_qa": 160, "alpaca_task": 160}
-    # Rounds enough for the coresets: 12 rounds of 5 of 10 clients.
-    assert (cfg.rounds, cfg.partition["num_clients"], cfg.clients.fraction) == (12, 10, 0.5)
+    # Rounds enough for the coresets: 10 rounds of 5 of 10 clients.
+    assert (cfg.rounds, cfg.partition["num_clients"], cfg.clients.fraction) == (10, 10, 0.5)
 
     class View:  # FedIT's items: round 0 (the base) and after training
         def __init__(self, gain: float) -> None:
