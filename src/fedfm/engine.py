@@ -108,8 +108,9 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
         ``(algo_config, task_config)``.
 
     Raises:
-        ConfigError: Unknown algorithm or task kind, a bad value in their sections, or a task
-            without a capability the algorithm needs.
+        ConfigError: Unknown algorithm or task kind, a bad value in their sections, a task
+            without a capability the algorithm needs, or a ``comm`` wire the algorithm's
+            messages cannot travel in.
     """
     algo_cls = ALGORITHMS.get(cfg.algorithm)
     task_kind = cfg.task.get("kind", "tabular")
@@ -119,6 +120,10 @@ def resolve(cfg: RunConfig) -> tuple[Any, Any]:
     task_cls.check_run(task_cfg, cfg)  # what the task needs of the run (the device)
     validate_section(PartitionConfig, {"seed": cfg.seed, **cfg.partition}, "partition")
     algo_cls.check_task(algo_cfg, task_cls, task_cfg)  # optional task capabilities
+    # The fields a codec would code, from the kinds' declarations, before any message.
+    Wire.of(cfg.comm.uplink, cfg.comm.downlink, cfg.comm.fields).check(
+        algo_cls.kinds_for(algo_cfg, cfg)
+    )
     return algo_cfg, task_cfg
 
 

@@ -117,3 +117,68 @@ def chatml_tokenizer(corpus: list[str], template: bool = True) -> PreTrainedToke
         pad_token="<|im_end|>",
         chat_template=CHATML if template else None,
     )
+
+
+# A BERT-style encoder small enough to compute by hand: words "a" and "b", hidden width 2.
+TINY_BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]
+# Embedding of each token (position and segment embeddings are zero): after the embedding
+# LayerNorm, (1, 0) becomes (1, -1) and (0, 1) becomes (-1, 1).
+TINY_BERT_EMBEDDING = {"[PAD]": (0, 1), "[CLS]": (1, 0), "[SEP]": (1, 0), "a": (1, 0), "b": (0, 1)}
+
+
+class TinySentenceEncoder:
+    """A sentence-transformers-shaped wrapper (``encoder[0].auto_model``, ``.tokenizer``,
+    ``[0].max_seq_length``) around a one-layer, 2-wide random ``BertModel`` whose embedding
+    output is known by hand (:data:`TINY_BERT_EMBEDDING`)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        from tokenizers import processors
+        from transformers import BertConfig, BertModel
+
+        vocab = {t: i for i, t in enumerate(TINY_BERT_VOCAB)}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        )
+        self.tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+            sep_token="[SEP]", mask_token="[MASK]",
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        config = BertConfig(
+            vocab_size=len(vocab), hidden_size=2, num_hidden_layers=1, num_attention_heads=1,
+            intermediate_size=4, max_position_embeddings=32, layer_norm_eps=1e-12,
+        )  # fmt: skip
+        self.auto_model = BertModel(config, add_pooling_layer=False).eval()
+        emb = self.auto_model.embeddings
+        with torch.no_grad():
+            emb.position_embeddings.weight.zero_()
+            emb.token_type_embeddings.weight.zero_()
+            emb.LayerNorm.weight.fill_(1.0)
+            emb.LayerNorm.bias.zero_()
+            for token, vec in TINY_BERT_EMBEDDING.items():
+                emb.word_embeddings.weight[vocab[token]] = torch.tensor(vec, dtype=torch.float)
+        self.max_seq_length = 32
+
+    def __getitem__(self, index: int) -> TinySentenceEncoder:
+        assert index == 0  # the Transformer module: this object plays it too
+        return self
+
+
+TINY_BERT = "test-tiny-bert"
+
+
+def register_tiny_bert() -> str:
+    """Registers :class:`TinySentenceEncoder` as the text encoder ``test-tiny-bert``."""
+    from fedfm.models.encoders import ENCODERS, Encoder, register_encoder
+    from fedfm.models.features import sentence_encoder_layers
+
+    def build() -> Encoder:
+        st = TinySentenceEncoder()
+        stack = sentence_encoder_layers(st)
+        return Encoder(TINY_BERT, 2, lambda t: stack.features(t, [-1])[:, 0], st.auto_model, stack)
+
+    if TINY_BERT not in ENCODERS:
+        register_encoder(TINY_BERT, "texts", "a 2-wide BERT computable by hand")(build)
+    return TINY_BERT

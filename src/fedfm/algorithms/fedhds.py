@@ -88,6 +88,12 @@ Choices of ours (the paper does not make them; each is a config option or stated
       response, ``task.prompt`` limits), in batches (``feature_batch_size``) rather than one
       at a time (equal up to float error); FedHDS-Turbo's model reads the raw
       ``instruction``, ``input`` and ``output`` joined by newlines.
+    * Pooling per layer (``feature_pool: auto``) follows the feature model: a causal LM's
+      last token (the paper's text), a BERT-style encoder's mean over its non-padding tokens,
+      special tokens included (its last token is the ``[SEP]`` that closes every text). The
+      official code averages every token by default (``feature_token="avg"``, one sample a
+      batch, so no padding) for either kind; its paper's Turbo model is GPT-2, which is not
+      among the offline assets here, so fedfm's Turbo preset uses all-MiniLM-L6-v2.
     * t-SNE is seeded per (run seed, round, client) with ``init="pca"`` (sklearn's default);
       ``perplexity`` caps the paper's ``min(30, n − 1)`` (30).
     * A client with fewer samples than ``max(2, min_cluster_size)`` cannot form a cluster:
@@ -150,6 +156,7 @@ from fedfm.errors import ConfigError, config_fields
 from fedfm.eval.metrics import rouge_l
 from fedfm.fm import FoundationModel
 from fedfm.models.encoders import Encoder, load_encoder
+from fedfm.models.features import Pool
 from fedfm.tasks.base import (
     FOUNDATION_MODEL,
     ITEM_RESULTS,
@@ -222,7 +229,11 @@ class FedHDSConfig(AlgoConfig):
     )
     feature_model_args: dict[str, Any] = Field(default_factory=dict)
     feature_batch_size: int = Field(8, ge=1, description="texts per feature pass (ours)")
-    feature_pool: Literal["last", "mean"] = "last"
+    feature_pool: Literal["auto", "last", "mean"] = Field(
+        "auto",
+        description="token pooling per layer; auto: the feature model's own (a causal LM's last"
+        " token, a BERT-style encoder's mean over its non-padding tokens)",
+    )
     dp_sigma: float = Field(0.0, ge=0, description="Gaussian noise std on tanh'd centroids")
     dp_scale: float = Field(1.0, gt=0, description="coordinates are divided by it before tanh")
     random_budget: float = Field(
@@ -354,16 +365,21 @@ class Features:
             feats = self.feature_model().layer_features(
                 [_raw_text(rows.rows[i]) for i in positions],
                 batch_size=self.cfg.feature_batch_size,
-                pool=self.cfg.feature_pool,
+                pool=self.pool,
             )
         else:
             feats = self.fm.features(
                 tokens,
                 [ADAPTER],
                 batch_size=self.cfg.feature_batch_size,
-                pool=self.cfg.feature_pool,
+                pool=self.pool,
             )
         return flatten_features(feats)
+
+    @property
+    def pool(self) -> Pool | None:
+        """``algo.feature_pool``; None (``auto``): the feature model's own pooling."""
+        return None if self.cfg.feature_pool == "auto" else self.cfg.feature_pool
 
     def usable(self, cid: str, rows: InstructionData) -> tuple[list[int], list[list[int]]]:
         """Positions and token ids of the client's trainable rows, as training encodes them.

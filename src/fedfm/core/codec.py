@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from fedfm.core.messages import Message
+from fedfm.core.messages import Message, MessageKind
 from fedfm.core.settings import CODEC_NAMES
 from fedfm.errors import ConfigError
 from fedfm.registry import Registry
@@ -226,6 +226,42 @@ class Wire:
         if self.fields is not None and f"{kind}.{field}" not in self.fields:
             return None
         return self.up if direction == "up" else self.down
+
+    def check(self, kinds: Mapping[str, MessageKind]) -> None:
+        """Refuses, at config load, a wire that a run's messages could not travel in.
+
+        Which fields a codec will code is known from the message kinds' declarations before
+        any message is sent: each declared array field of a coded direction, or those of
+        them that ``comm.fields`` names.
+
+        Args:
+            kinds: The run's message kinds by name (the algorithm's ``kinds_for``).
+
+        Raises:
+            ConfigError: A ``comm.fields`` entry that no kind declares as an array field
+                (``comm.fields``), or a coded field that a kind declares as holding integer
+                tensors (``comm.uplink`` / ``comm.downlink``).
+        """
+        declared = {f"{k.name}.{f}" for k in kinds.values() for f in k.down_arrays + k.up_arrays}
+        unknown = sorted((self.fields or frozenset()) - declared)
+        if unknown:
+            raise ConfigError(
+                "comm.fields",
+                f"'{unknown[0]}' is no array field of this run's messages"
+                f" (declared: {', '.join(sorted(declared)) or 'none'})",
+            )
+        for kind in kinds.values():
+            for direction, names in (("up", kind.up_arrays), ("down", kind.down_arrays)):
+                for name in names:
+                    if name in kind.integer_arrays and self.codec(kind.name, name, direction):
+                        what = kind.secagg_fields.get(name)
+                        raise ConfigError(
+                            "comm.uplink" if direction == "up" else "comm.downlink",
+                            f"field '{kind.name}.{name}' holds integer tensors"
+                            f"{f' ({what})' if what else ''}: a"
+                            " codec compresses floating-point fields only; name the floating"
+                            " ones in comm.fields",
+                        )
 
     def encode(self, msg: Message, direction: str) -> dict[str, dict[str, Parts]]:
         """The parts that travel for each coded array field: field -> key -> parts.

@@ -153,6 +153,9 @@ class MessageKind:
         secagg_fields: Up fields of the SecAgg+ protocol -> what they are (key material,
             encrypted shares, a masked vector), as the audit ledger marks them.
         secure_field: Under SecAgg+, the field whose update this kind's masked vector sums.
+        integer_arrays: Array fields (either direction) whose tensors are not floating point
+            (key material, ciphertexts, masked integer vectors): no wire codec may code them
+            (:meth:`fedfm.core.codec.Wire.check`, at config load).
     """
 
     name: str
@@ -169,6 +172,7 @@ class MessageKind:
     private: bool = False
     secagg_fields: Mapping[str, str] = field(default_factory=dict, hash=False)
     secure_field: str = ""
+    integer_arrays: tuple[str, ...] = ()
 
     def as_private(self) -> MessageKind:
         """This kind as DP clients send it: only its DP outputs and public fields travel up."""

@@ -91,7 +91,9 @@ SHARE_BYTES = 36  # 4-byte index + two 16-byte Shamir chunks of a 32-byte secret
 KEY_MATERIAL, ENCRYPTED, MASKED_VECTOR = "key material", "encrypted shares", "masked vector"
 
 KINDS = (
-    MessageKind(KEYS, up_arrays=("keys",), secagg_fields={"keys": KEY_MATERIAL}),
+    MessageKind(
+        KEYS, up_arrays=("keys",), secagg_fields={"keys": KEY_MATERIAL}, integer_arrays=("keys",)
+    ),
     MessageKind(
         SHARES,
         down_arrays=("keys",),
@@ -99,6 +101,7 @@ KINDS = (
         up_arrays=("shares",),
         meta_specs={"threshold": MetaSpec("int", ge=1, required=True)},
         secagg_fields={"shares": ENCRYPTED},
+        integer_arrays=("keys", "shares"),
     ),
     MessageKind(
         UNMASK,
@@ -109,6 +112,7 @@ KINDS = (
             "dropped": MetaSpec("any", required=True),
         },
         secagg_fields={"b": KEY_MATERIAL, "sk": KEY_MATERIAL},
+        integer_arrays=("b", "sk"),
     ),
 )
 
@@ -555,6 +559,7 @@ def as_secure(kind: MessageKind, field: str) -> MessageKind:
         public_fields=(),
         secagg_fields={MASKED: MASKED_VECTOR},
         secure_field=field,
+        integer_arrays=(*kind.integer_arrays, FORWARDED, MASKED),
     )
 
 

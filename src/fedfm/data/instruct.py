@@ -16,6 +16,14 @@ qtype     trec                    choice    question -> one of six answer types
 spam      sms_spam                choice    SMS -> ham/spam
 ========  ======================  ========  ===============================================
 
+Three more domains split ``alpaca_demo`` by the kind of instruction (ours: the instruction's
+first word, as the Alpaca paper reads its instructions by their leading verb), open-ended
+categories in the manner of Dolly-15k's: ``alpaca_creative`` (generate, create, write, design,
+suggest ...: 323 rows), ``alpaca_qa`` (describe, what, explain, how, compare, list, name ...:
+295) and ``alpaca_task`` (every other row, mostly work on a given input: rewrite, summarize,
+identify, classify ...: 381). They partition ``general``'s rows, so ``general`` is not
+combined with them.
+
 For ``choice`` domains the instruction names the allowed answers and ``output`` is exactly the
 label word (also in ``answer``; ``choices`` lists the label words in label order). The wording of
 each instruction is drawn from a few paraphrases so that clients do not all see one template.
@@ -78,6 +86,7 @@ class Domain:
             lists the label words in an order drawn per item (see :func:`listed_choices`).
         make: Turns the sampled source rows into ``instruction``-less items
             (``input``, ``output``, ``answer``) given the choices.
+        keep: The source rows this domain draws from (a boolean mask); None: all of them.
     """
 
     source: str
@@ -85,6 +94,7 @@ class Domain:
     choices: tuple[str, ...]
     templates: tuple[str, ...]
     make: Callable[[pd.DataFrame, tuple[str, ...]], Items]
+    keep: Callable[[pd.DataFrame], np.ndarray] | None = None
 
 
 def _general(rows: pd.DataFrame, _: tuple[str, ...]) -> Items:
@@ -94,6 +104,40 @@ def _general(rows: pd.DataFrame, _: tuple[str, ...]) -> Items:
         "output": rows["output"].tolist(),
         "answer": [""] * len(rows),
     }
+
+
+# Alpaca's instructions by their first word (ours): what a Dolly-like category would hold.
+ALPACA_CATEGORIES: dict[str, frozenset[str]] = {
+    "creative": frozenset((
+        "generate", "create", "write", "design", "compose", "construct", "imagine", "come",
+        "make", "develop", "brainstorm", "suggest", "formulate", "invent", "produce", "draft",
+        "think", "propose", "plan", "devise", "build", "tell",
+    )),
+    "qa": frozenset((
+        "describe", "what", "explain", "how", "why", "who", "when", "where", "which", "compare",
+        "name", "list", "give", "provide", "define", "outline", "discuss", "is", "are", "do",
+        "does", "can", "state", "research", "evaluate", "predict", "estimate",
+    )),
+}  # fmt: skip
+TASK = "task"  # every other instruction
+
+
+def alpaca_category(instruction: str) -> str:
+    """An Alpaca instruction's category: ``creative``, ``qa`` or ``task`` (the rest)."""
+    words = instruction.split()
+    first = words[0].lower().strip(",.:?!") if words else ""
+    return next((c for c, verbs in ALPACA_CATEGORIES.items() if first in verbs), TASK)
+
+
+def _in_category(category: str) -> Callable[[pd.DataFrame], np.ndarray]:
+    def keep(rows: pd.DataFrame) -> np.ndarray:
+        return np.asarray([alpaca_category(str(i)) == category for i in rows["instruction"]])
+
+    return keep
+
+
+def _alpaca(category: str) -> Domain:
+    return Domain("alpaca_demo", "rouge", (), (), _general, _in_category(category))
 
 
 def _math(rows: pd.DataFrame, _: tuple[str, ...]) -> Items:
@@ -180,7 +224,13 @@ DOMAINS: dict[str, Domain] = {
         _labelled(lambda r: str(r["text"])),
     ),
 }
-DOMAIN_ORDER = tuple(DOMAINS)
+"""The suite's six domains (its default)."""
+CATEGORIES: dict[str, Domain] = {f"alpaca_{c}": _alpaca(c) for c in (*ALPACA_CATEGORIES, TASK)}
+"""Alpaca's rows by category, chosen by name (``domains``) instead of ``general``."""
+# The categories come after the six, so that their indices (ids, generators) stay as they were.
+ALL_DOMAINS = {**DOMAINS, **CATEGORIES}
+DOMAIN_ORDER = tuple(ALL_DOMAINS)
+ALPACA_DOMAINS = tuple(CATEGORIES)
 
 
 def _frame(ds: datasets.Dataset) -> pd.DataFrame:
@@ -200,7 +250,10 @@ def _sample(
     ``balanced``: a labelled domain's test rows hold each label equally often.
     """
     train_pool = _frame(src.train)
-    even = balanced and bool(DOMAINS[name].choices)
+    keep = ALL_DOMAINS[name].keep
+    if keep is not None:
+        train_pool = train_pool[keep(train_pool)].reset_index(drop=True)
+    even = balanced and bool(ALL_DOMAINS[name].choices)
     if src.test is not None:
         test_pool = _frame(src.test)
         _check_size(name, "per_domain_test", n_test, len(test_pool))
@@ -255,14 +308,14 @@ def listed_choices(domain: str, source_id: int) -> str:
     for 56 of 60 questions; in a drawn order its answers spread over the types
     (docs/evaluation.md).
     """
-    words = DOMAINS[domain].choices
+    words = ALL_DOMAINS[domain].choices
     order = np.random.default_rng([DOMAIN_ORDER.index(domain), source_id]).permutation(len(words))
     listed = [words[i] for i in order]
     return ", ".join(listed[:-1]) + " or " + listed[-1] if len(listed) > 1 else "".join(listed)
 
 
 def _items(name: str, rows: pd.DataFrame, rng: np.random.Generator) -> dict[str, list]:
-    dom = DOMAINS[name]
+    dom = ALL_DOMAINS[name]
     items = dom.make(rows, dom.choices)
     n = len(rows)
     source_ids = rows["id"].to_numpy(dtype=np.int64)
@@ -326,12 +379,18 @@ def build_suite(
     Raises:
         ConfigError: Unknown domain, negative size, or more items than a domain's source holds.
     """
-    chosen = list(DOMAIN_ORDER if domains is None else domains)
-    unknown = [d for d in chosen if d not in DOMAINS]
+    chosen = list(DOMAINS if domains is None else domains)
+    unknown = [d for d in chosen if d not in ALL_DOMAINS]
     if unknown or not chosen or len(set(chosen)) != len(chosen):
         raise ConfigError(
             f"{FIELD}.domains",
             f"{chosen} must be distinct names among {', '.join(DOMAIN_ORDER)}",
+        )
+    if "general" in chosen and set(chosen) & set(ALPACA_DOMAINS):
+        raise ConfigError(
+            f"{FIELD}.domains",
+            f"general and {', '.join(ALPACA_DOMAINS)} draw from the same Alpaca rows: choose"
+            " general or its categories",
         )
     if per_domain_train < 1:
         raise ConfigError(f"{FIELD}.per_domain_train", f"must be >= 1, got {per_domain_train}")
@@ -339,7 +398,7 @@ def build_suite(
     train_parts, test_parts = [], []
     for name in sorted(chosen, key=DOMAIN_ORDER.index):
         rng = np.random.default_rng([seed, DOMAIN_ORDER.index(name)])
-        src = load_source(DOMAINS[name].source)
+        src = load_source(ALL_DOMAINS[name].source)
         train_rows, test_rows = _sample(
             src, per_domain_train, n_test[name], rng, name, balanced_test
         )

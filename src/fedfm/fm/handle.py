@@ -347,7 +347,7 @@ class FoundationModel:
         *,
         layers: Sequence[int] | None = None,
         batch_size: int = 16,
-        pool: Pool = "last",
+        pool: Pool | None = None,
         max_length: int | None = None,
     ) -> Tensor:
         """Hidden states of every layer (embedding output first) with ``adapters`` active.
@@ -358,7 +358,8 @@ class FoundationModel:
             layers: Hidden states to keep, ``0..num_layers`` (negative from the end); all
                 ``num_layers + 1`` when ``None``.
             batch_size: Texts per forward pass (right-padded; results equal batch size 1).
-            pool: ``"last"`` non-padding token (FedHDS) or ``"mean"`` over tokens.
+            pool: ``"last"`` non-padding token (FedHDS) or ``"mean"`` over tokens; ``None``:
+                the causal LM's own, the last token.
             max_length: Keep only each text's last ``max_length`` tokens.
 
         Returns:

@@ -109,11 +109,13 @@ class Encoder:
         texts: Texts,
         layers: Sequence[int] | None = None,
         batch_size: int = 16,
-        pool: Pool = "last",
+        pool: Pool | None = None,
     ) -> Tensor:
         """``(n, len(layers), hidden)`` hidden states of every text.
 
-        All layers when ``None`` (:meth:`fedfm.models.features.LayerStack.features`).
+        All layers when ``None`` (:meth:`fedfm.models.features.LayerStack.features`); pooled
+        by ``pool``, or by the encoder's own pooling when ``None`` (a causal LM's last token,
+        a BERT-style encoder's mean over its non-padding tokens).
 
         Raises:
             ConfigError: The encoder has no layers (field ``encoder``), or a bad layer index.

@@ -18,6 +18,13 @@ Only the backbone runs (``model.model`` of a ``LlamaForCausalLM``, the ``auto_mo
 sentence encoder): the LM head is never computed. Texts are right-padded in batches of
 similar length; ``pool="last"`` takes each row's last non-padding token, ``"mean"`` the mean
 over its non-padding tokens. Results do not depend on the batch size beyond float error.
+
+Each stack has its own pooling (:attr:`LayerStack.pool`, used when a call names none): a
+causal LM's last token, the only position that has attended to the whole text (what the
+FedHDS paper describes); a bidirectional BERT-style encoder's mean over its non-padding
+tokens, special tokens included, as sentence-transformers pools all-MiniLM-L6-v2 and as the
+FedHDS reference code averages tokens by default (its ``feature_token="avg"``). A BERT-style
+encoder's last token is its ``[SEP]``, the same token closing every text.
 """
 
 from __future__ import annotations
@@ -170,6 +177,8 @@ class LayerStack:
         pad_id: Padding id (masked, so its value does not matter).
         autocast: Context for each forward pass.
         scope: Context around a whole call (e.g. a foundation model's active adapters).
+        pool: The pooling of this kind of model, used when a call names none: ``"last"`` for
+            a causal LM, ``"mean"`` for a bidirectional encoder (see the module doc).
     """
 
     backbone: nn.Module
@@ -177,6 +186,7 @@ class LayerStack:
     pad_id: int
     autocast: Scope = contextlib.nullcontext
     scope: Scope = contextlib.nullcontext
+    pool: Pool = "last"
 
     @property
     def num_layers(self) -> int:
@@ -195,17 +205,18 @@ class LayerStack:
         texts: Texts,
         layers: Sequence[int] | None = None,
         batch_size: int = 16,
-        pool: Pool = "last",
+        pool: Pool | None = None,
     ) -> Tensor:
         """``(n, len(layers), hidden)`` float32 CPU features.
 
-        Every layer when ``None`` (see :func:`layer_features`).
+        Every layer when ``None`` (see :func:`layer_features`); pooled by ``pool``, or by
+        this stack's own :attr:`pool` when ``None``.
         """
         with self.scope():
             rows = self.tokenize(texts)
             return layer_features(
-                self.backbone, rows, self.num_layers, self.pad_id, layers, batch_size, pool,
-                self.autocast,
+                self.backbone, rows, self.num_layers, self.pad_id, layers, batch_size,
+                pool or self.pool, self.autocast,
             )  # fmt: skip
 
 
@@ -243,8 +254,9 @@ def sentence_encoder_layers(encoder: Any) -> LayerStack:
     """The all-layer features of a sentence-transformers encoder (e.g. all-MiniLM-L6-v2).
 
     Texts are tokenised by the encoder's tokenizer with its special tokens (``[CLS] ... [SEP]``
-    for BERT-like models) and cut to its ``max_seq_length``; ``pool="last"`` therefore reads
-    the ``[SEP]`` token, ``pool="mean"`` averages every token as sentence-transformers does.
+    for BERT-like models) and cut to its ``max_seq_length``. The stack pools by the mean over
+    each text's non-padding tokens, as sentence-transformers does (``pool="last"`` would read
+    the ``[SEP]`` token).
 
     Args:
         encoder: A loaded ``SentenceTransformer`` whose first module is a Transformer.
@@ -261,4 +273,4 @@ def sentence_encoder_layers(encoder: Any) -> LayerStack:
             for t in texts
         ]
 
-    return LayerStack(first.auto_model, tokenize, pad_id_of(tokenizer))
+    return LayerStack(first.auto_model, tokenize, pad_id_of(tokenizer), pool="mean")

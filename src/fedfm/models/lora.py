@@ -112,11 +112,11 @@ class LoraConfigSpec(pydantic.BaseModel):
     @pydantic.field_validator("freeze_a")
     @classmethod
     def _one_rank(cls, v: bool, info: pydantic.ValidationInfo) -> bool:
-        ranks = info.data.get("client_ranks")
-        if v and ranks is not None and len(set(ranks)) > 1:
+        ranks, r = info.data.get("client_ranks"), info.data.get("r")
+        if v and ranks is not None and r is not None and set(ranks) != {r}:
             raise ValueError(
-                f"needs one rank on every client (client_ranks {ranks} differ): a frozen A is"
-                " shared, so every client's B has its rank"
+                f"needs every client at the global rank r={r} (client_ranks {ranks}): one"
+                " frozen A is shared by the server and every client, so every B has its rank"
             )
         if v and info.data.get("use_dora"):
             raise ValueError("FFA-LoRA freezes A of plain LoRA; use_dora adds a trained magnitude")

@@ -9,9 +9,13 @@ prompt) on open-ended data only, and FedIT's first seed is the pilot (``fedfm re
 --pilot``): FedIT − base on the held-out task must be resolved above zero, or the other
 methods do not run (their configs wait for it).
 
-The paper scores only tasks no client trained on, where FedIT's overfitting of each client's
-few tasks can show: the study holds out ``general`` and trains on the suite's other five
-domains. Every method is :mod:`fedfm.algorithms.fedhds` (FedIT is ``selection: all``), so each
+The paper scores only categories no client trained on (Dolly-15k's, one held out), where
+FedIT's overfitting of each client's few categories can show: the full grid holds out the
+suite's creative-writing Alpaca instructions (``alpaca_creative``) and trains on its
+question-answering and given-input ones and on GSM8K solutions; the older grids held out
+``general`` (all of Alpaca) and trained on the suite's other domains.
+
+Every method is :mod:`fedfm.algorithms.fedhds` (FedIT is ``selection: all``), so each
 difference is paired over the same held-out items; the report's setup gives the rest.
 """
 
@@ -40,7 +44,7 @@ from fedfm.reproduce.stats import IN_DIRECTION, Estimate, mean_se, paired, units
 from fedfm.reproduce.tables import DASH, Text, marked, num, ratio, table
 
 TEXT = Text("fedhds")
-HELDOUT = "general"
+HELDOUT = "general"  # the held-out domain of a grid that names none
 TRAINED = ("math", "medical", "movie", "qtype", "spam")
 TARGET_SE = 0.015
 """The SE that resolves a held-out difference of 0.03 at 2 SE: the grid's item count is
@@ -57,11 +61,14 @@ class Grid:
             of the trained ones.
         heldout_tokens, math_tokens: Generation budget of a held-out item (at least the
             references' 90th percentile) and of a GSM8K item.
+        seen_tokens: Generation budget of a seen item of another open-ended trained domain
+            (None: ``heldout_tokens``); its score is secondary.
         seeds: Seeds of FedIT and FedHDS; the other methods run the first.
         clients: Clients (Dirichlet 0.5 over domains); ``fraction``: sampled per round.
         turbo_model: FedHDS-Turbo's feature model, with ``turbo_args``.
         methods: Keys of :data:`METHODS` the grid runs (None: all).
-        trained: The trained domains (the held-out one is ``general``).
+        trained: The trained domains.
+        heldout: The held-out domain, scored zero-shot (no client trains on it).
         base_lm: Prompt without the chat template (the Alpaca prompt): the model as a base LM.
         eval_ppl: Score every item's reference NLL too (held-out NLL beside Rouge-L).
         gated: Whether the other methods wait for the pilot (FedIT's first seed) to resolve
@@ -76,6 +83,7 @@ class Grid:
     rounds: int
     heldout_tokens: int = 352
     math_tokens: int = 160
+    seen_tokens: int | None = None
     seeds: tuple[int, ...] = (0, 1)
     clients: int = 20
     fraction: float = 0.25
@@ -83,6 +91,7 @@ class Grid:
     turbo_args: Mapping[str, Any] = field(default_factory=dict)
     methods: tuple[str, ...] | None = None
     trained: tuple[str, ...] = TRAINED
+    heldout: str = HELDOUT
     base_lm: bool = False
     eval_ppl: bool = False
     gated: bool = True
@@ -93,12 +102,17 @@ class Grid:
 
 # The base-LM premise (the paper tunes a pretrained LM; SmolLM2-Instruct already follows
 # instructions, and in the earlier grid FedIT - base was -0.080 on the held-out task): no chat
-# template, open-ended data only (GSM8K worked solutions; general held out), Dirichlet over one
-# domain replaced by IID clients, and rounds enough that FedHDS's small per-round coresets add
-# up to training (6 rounds of 5 clients of 40 rows).
-OPEN = ("math",)
+# template, open-ended data only, as Dolly's categories with one held out (Alpaca's creative
+# instructions held out; its question-answering and given-input ones and GSM8K worked
+# solutions trained on), IID clients, and rounds enough that FedHDS's small per-round coresets
+# add up to training.
+OPEN = ("math", "alpaca_qa", "alpaca_task")
 BASE_LM: dict[str, Any] = dict(
-    trained=OPEN, base_lm=True, eval_ppl=True, partition={"scheme": "iid"}
+    trained=OPEN,
+    heldout="alpaca_creative",
+    base_lm=True,
+    eval_ppl=True,
+    partition={"scheme": "iid"},
 )
 QUICK = Grid(60, 60, 20, 2, seeds=(0,), **BASE_LM)
 # Client size: the paper's clients hold about 75 rows (Dolly's 15,000 over 200). With 15
@@ -106,10 +120,19 @@ QUICK = Grid(60, 60, 20, 2, seeds=(0,), **BASE_LM)
 # found 0.4 clusters per client and no global cluster: nothing was selected. A pilot of one
 # round (base model): 10 clients of about 60 rows, 5 per round: 32 centroids, 6 global
 # clusters, 2.1% of the rows; 20 of about 30 rows, 10 per round: 47 centroids, 2 global
-# clusters, 0.7%. FedIT's cost grows with the rows per round, so 3 rounds.
+# clusters, 0.7%. FedIT's cost grows with the rows per round (that grid ran 3 rounds).
 # The held-out item count: in the earlier default grid the per-item SD of FedHDS - FedIT was
 # 0.140, and (0.140 / TARGET_SE)^2 = 87 items. Their references' 90th percentile is 351 tokens.
-FULL = Grid(400, 90, 30, 6, clients=10, fraction=0.5, **BASE_LM)
+# Rounds: FedHDS kept 3.7 global clusters a round at 10 clients (1.22% of the rows), one row
+# each, so 3 rounds trained it on about 11 rows in all; 10 rounds add up to about 37. The pilot
+# (FedIT's first seed) costs its row-steps: rounds x 5 clients x rows each. In the earlier grid
+# (5 domains of 120 rows) FedIT took 2,001 CPU s with two evaluations and 1,669 with one: an
+# evaluation about 330 s, and about 1.43 CPU s a row-step at batch 1. These rows are 1.44x as
+# long in tokens (166.5 against 115.6, capped at 256), so about 2.06 s a row-step. 198 rows
+# (66 of each trained domain, about 20 a client) give 990 row-steps, about 2,040 CPU s, and two
+# evaluations of about 380 s (16 more seen items generated): about 47 CPU min. Seen items of
+# the Alpaca domains are generated to the GSM8K budget (secondary scores).
+FULL = Grid(66, 90, 30, 10, clients=10, fraction=0.5, seen_tokens=160, **BASE_LM)
 
 
 @dataclass(frozen=True)
@@ -166,15 +189,17 @@ def runs_of(method: Method, grid: Grid) -> list[tuple[int, str]]:
 
 def job_config(method: Method, grid: Grid, seed: int) -> dict[str, Any]:
     """The run config of one method and seed (Random's budget: :func:`_at_fedhds_fraction`)."""
-    per_domain_test = max(grid.heldout_items, grid.seen_items // len(grid.trained) + 1)
+    seen = grid.seen_items // len(grid.trained) + 1
+    per_domain_test = {**dict.fromkeys(grid.trained, seen), grid.heldout: grid.heldout_items}
     source: dict[str, Any] = {"per_domain_train": grid.per_domain_train}
-    source.update(per_domain_test=per_domain_test, domains=[*grid.trained, HELDOUT])
-    task: dict[str, Any] = {"heldout_domain": None, "heldout_domains": [HELDOUT]}
+    source.update(per_domain_test=per_domain_test, domains=[*grid.trained, grid.heldout])
+    task: dict[str, Any] = {"heldout_domain": None, "heldout_domains": [grid.heldout]}
     task.update(train_domains=list(grid.trained), source_options=source, primary="zeroshot/score")
     task.update(eval_ppl=grid.eval_ppl)
     task.update(zeroshot_items=grid.heldout_items, max_eval=grid.seen_items)
     task.update(max_new_tokens=grid.heldout_tokens, choice_mode="loglik", choice_norm="none")
-    task["domain_max_new_tokens"] = {"math": grid.math_tokens}
+    budgets = dict.fromkeys(grid.trained, grid.seen_tokens) if grid.seen_tokens else {}
+    task["domain_max_new_tokens"] = {**budgets, "math": grid.math_tokens}
     if not method.scored:
         task.update(zeroshot_items=1, max_eval=len(grid.trained))
     cfg = merge(preset("fedhds"), {"task": task, "partition": {"num_clients": grid.clients}})
@@ -377,7 +402,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
 
     return [
         Readout(
-            "pilot: FedIT − base (round 0), Rouge-L of the held-out task (general)",
+            f"pilot: FedIT − base (round 0), Rouge-L of the held-out task ({grid.heldout})",
             "paired over items (first seed)",
             "the base LM needs instruction data: FedIT above the base (the paper's premise)",
             +1,
@@ -393,7 +418,7 @@ def readouts(grid: Grid) -> list[Readout[Results]]:
             scope=TEXT("scope-pilot"),
         ),
         Readout(
-            "FedHDS − FedIT, Rouge-L of the held-out task (general)",
+            f"FedHDS − FedIT, Rouge-L of the held-out task ({grid.heldout})",
             f"paired over items ({seeds}, averaged per item)",
             "FedHDS ≥ FedIT on held-out tasks (Dolly α = 0.5, 1.3B: 31.82 vs 30.55)",
             +1,
@@ -455,7 +480,7 @@ def _rows(res: Results) -> list[tuple[str, str, list[RunView]]]:
 
 def _heldout_rows(res: Results) -> list[list[str]]:
     base, fedit, r0 = base_scores(res), seed_mean(res.of(REFERENCE)), res.round0
-    cut = f"zeroshot/truncated/{HELDOUT}"
+    cut = f"zeroshot/truncated/{res.grid.heldout}"
     rows = [["untrained base (round 0)", _avg(base), marked(paired(base, fedit)), DASH]]
     rows[0] += [num(r0.get(cut), 2), num(r0.get("score"), 3)]
     for label, key, views in _rows(res):
@@ -552,7 +577,7 @@ def _pilot(res: Results) -> str:
         rows.append([label, *cells])
     holds = pilot_holds(grid, fedit)
     mode = "without its chat template (a base LM)" if grid.base_lm else "with its chat template"
-    values = {"mode": mode, "trained": ", ".join(grid.trained), "heldout": HELDOUT}
+    values = {"mode": mode, "trained": ", ".join(grid.trained), "heldout": grid.heldout}
     gate = TEXT("pilot-holds" if holds else "pilot-fails")
     return TEXT("pilot", vars(grid), values, rows=rows, gate=gate)
 
@@ -563,8 +588,12 @@ def _instrument(res: Results) -> str:
     if b is None:
         return TEXT("no-base")
     p90 = dict(b.partition.get("reference_tokens_p90", {}))
-    budget = {HELDOUT: grid.heldout_tokens, "math": grid.math_tokens}
-    cut = {d: f"{'zeroshot/' if d == HELDOUT else ''}truncated/{d}" for d in p90}
+    budget = {
+        **(dict.fromkeys(grid.trained, grid.seen_tokens) if grid.seen_tokens else {}),
+        grid.heldout: grid.heldout_tokens,
+        "math": grid.math_tokens,
+    }
+    cut = {d: f"{'zeroshot/' if d == grid.heldout else ''}truncated/{d}" for d in p90}
     rows = [
         [d, p90.get(d, DASH), budget.get(d, DASH), *(num(x.get(cut[d]), 2) for x in (r0, b.final))]
         for d in sorted(p90)
@@ -606,8 +635,8 @@ def body(ctx: Context[Grid], res: Results) -> str:
     return TEXT(
         "body",
         vars(grid),
-        heldout=HELDOUT,
         trained=", ".join(grid.trained),
+        partition_scheme=grid.partition.get("scheme", "Dirichlet(0.5) over domains"),
         train_rows=grid.per_domain_train * len(grid.trained),
         client_rows=grid.per_domain_train * len(grid.trained) // grid.clients,
         pilot=_pilot(res),

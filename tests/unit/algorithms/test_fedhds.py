@@ -372,6 +372,26 @@ def test_turbo_client_keeps_its_features_in_its_state(
     assert state.get_group("turbo")["features"].shape == (8, 2 * 16)
 
 
+def test_turbo_pools_a_bert_style_encoder_by_its_token_mean_and_an_llm_by_its_last_token(
+    tmp_path: Path,
+) -> None:
+    from fedfm.algorithms.fedhds import _raw_text
+    from helpers.models import register_tiny_bert
+
+    _, client = _halves(tmp_path / "bert", feature_model=register_tiny_bert())
+    assert client.cfg.feature_pool == "auto"
+    data = client.task.client_data("0")
+    texts = [_raw_text(data.rows[i]) for i in client.features.usable("0", data)[0]]
+    stack = client.features.feature_model().stack()
+    got = client.features.raw_features(data, "0")
+    assert np.array_equal(got, flatten_features(stack.features(texts, pool="mean")))
+    assert not np.allclose(got, flatten_features(stack.features(texts, pool="last")))
+    _, llm = _halves(tmp_path / "llm", feature_model="tiny-llama", feature_model_args=TURBO)
+    small = llm.features.feature_model().stack()
+    got = llm.features.raw_features(data, "0")
+    assert np.array_equal(got, flatten_features(small.features(texts, pool="last")))
+
+
 # ----------------------------------------------------------------------------- DP
 
 

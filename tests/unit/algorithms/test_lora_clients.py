@@ -111,12 +111,20 @@ def test_bad_lora_options_name_their_field(tmp_path, lora, field):
         fedfm_build(_cfg(tmp_path, "bad", **lora))
 
 
-def test_bad_rank_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    cfg = _cfg(tmp_path / "runs", "bad", client_ranks=[2, 8])
+@pytest.mark.parametrize(
+    ("lora", "field"),
+    [
+        ({"client_ranks": [2, 8]}, "task.lora.client_ranks"),  # above r=4 under re-projection
+        ({"client_ranks": [2, 4], "freeze_a": True}, "task.lora.freeze_a"),
+        ({"client_ranks": [2], "freeze_a": True}, "task.lora.freeze_a"),  # one rank, not r
+    ],
+)
+def test_bad_rank_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys, lora, field):
+    cfg = _cfg(tmp_path / "runs", "bad", **lora)
     path = write_yaml(tmp_path, cfg)
-    code, _, err = run_cli(["run", str(path)], monkeypatch, capsys)
-    assert code == 2 and "task.lora.client_ranks" in err
-    assert len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(["run", str(path)], monkeypatch, capsys)
+    assert code == 2 and field in err, err
+    assert len((out + err).strip().splitlines()) == 1, out + err
     assert not (tmp_path / "runs").exists()
 
 

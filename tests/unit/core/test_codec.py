@@ -11,9 +11,10 @@ import torch
 from fedfm.config import load_config
 from fedfm.core.audit import AuditLedger
 from fedfm.core.codec import BLOCK, CODECS, NF4_CODE, NF4_HALF_GAP, Wire, parts_bytes
-from fedfm.core.messages import Message
+from fedfm.core.messages import Message, MessageKind
 from fedfm.errors import ConfigError
 from fedfm.runtime import run
+from helpers.cli import run_cli
 from helpers.config import toy_config
 
 # Bytes of n values: tensor data plus one float32 scale per block for the blockwise codecs.
@@ -81,6 +82,35 @@ def test_a_codec_on_a_non_floating_field_names_the_field() -> None:
     msg = Message("train", {"ids": {"tok": torch.arange(4)}})
     with pytest.raises(ConfigError, match=r"comm\.uplink.*'train\.ids'.*int64"):
         Wire.of("nf4", None, None).round_trip(msg, "up")
+
+
+@pytest.mark.parametrize(
+    ("over", "field", "why"),
+    [
+        # SecAgg+'s key material and ciphertexts travel down as bytes.
+        (["privacy.secure_aggregation=secagg+", "comm.downlink=int8"], "comm.downlink", "integer"),
+        (["privacy.secure_aggregation=secagg+", "comm.uplink=nf4"], "comm.uplink", "integer"),
+        (["comm.uplink=int8", "comm.fields=[train.parms]"], "comm.fields", "train.parms"),
+    ],
+)
+def test_a_wire_the_messages_cannot_travel_in_exits_2_before_the_disk(
+    tmp_path, monkeypatch, capsys, over: list[str], field: str, why: str
+) -> None:
+    argv = ["run", "tabular-fedavg", f"out_dir={tmp_path}", "name=bad", "rounds=1", *over]
+    code, out, err = run_cli(argv, monkeypatch, capsys)
+    assert code == 2, out + err
+    assert len((out + err).strip().splitlines()) == 1 and field in err and why in err, out + err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_wire_check_names_integer_fields_only_where_a_codec_codes_them() -> None:
+    kinds = {
+        "k": MessageKind("k", down_arrays=("ids", "w"), up_arrays=("w",), integer_arrays=("ids",))
+    }
+    Wire.of("int8", None, None).check(kinds)  # ids goes down only
+    Wire.of(None, "nf4", ["k.w"]).check(kinds)  # ids not among the coded fields
+    with pytest.raises(ConfigError, match=r"comm\.downlink.*'k\.ids'"):
+        Wire.of(None, "nf4", None).check(kinds)
 
 
 def test_unknown_codec_is_refused_at_load() -> None:

@@ -349,6 +349,30 @@ def test_a_balanced_test_set_holds_each_label_equally_often() -> None:
         build_suite(5, 2_000, domains=["spam"], balanced_test=True)  # ~650 spam rows
 
 
+@needs_alpaca
+def test_alpaca_categories_partition_general_by_the_first_word() -> None:
+    from fedfm.data.instruct import ALPACA_DOMAINS, alpaca_category
+
+    assert alpaca_category("Write a poem about the sea.") == "creative"
+    assert alpaca_category("Explain, briefly, photosynthesis") == "qa"
+    assert alpaca_category("Rewrite the sentence in passive voice.") == "task"
+    alpaca = load_source("alpaca_demo").train.to_pandas()
+    counts = alpaca["instruction"].map(alpaca_category).value_counts().to_dict()
+    assert counts == {"task": 381, "creative": 323, "qa": 295}  # all 999 rows, each once
+    train, test = build_suite(100, {d: 20 for d in ALPACA_DOMAINS}, domains=list(ALPACA_DOMAINS))
+    tr, te = train.to_pandas(), test.to_pandas()
+    for domain in ALPACA_DOMAINS:
+        rows = pd.concat([tr[tr["domain"] == domain], te[te["domain"] == domain]])
+        assert len(rows) == 120 and (rows["metric"] == "rouge").all()
+        want = domain.removeprefix("alpaca_")
+        assert (rows["instruction"].map(alpaca_category) == want).all()
+    assert not set(tr["id"]) & set(te["id"])
+    # The six domains and their draws are as before the categories existed.
+    assert sorted(set(build_suite(2, 1)[0]["domain"])) == sorted(DOMAINS)
+    with pytest.raises(ConfigError, match="same Alpaca rows"):
+        build_suite(5, 2, domains=["general", "alpaca_qa"])
+
+
 def test_suite_bad_options() -> None:
     with pytest.raises(ConfigError, match="domains"):
         build_suite(domains=["cooking"])

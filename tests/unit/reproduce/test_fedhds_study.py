@@ -23,7 +23,7 @@ TINY_TASK = {
 }
 TURBO = {"vocab": "small", "hidden": 16, "layers": 1, "heads": 2, "seed": 3}
 GRID = study.Grid(
-    120,  # one domain: as many rows as five of 24 held, so that FedHDS finds clusters
+    40,  # three domains: 120 rows, as many as five of 24 held, so that FedHDS finds clusters
     4,
     5,
     1,
@@ -33,6 +33,7 @@ GRID = study.Grid(
     fraction=1.0,
     task=TINY_TASK,
     trained=study.OPEN,
+    heldout=study.BASE_LM["heldout"],
     base_lm=True,
     eval_ppl=True,
     partition={"scheme": "iid", "min_size": 2},
@@ -61,7 +62,7 @@ def _summary(path: Path) -> dict[str, Any]:
     return data
 
 
-def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path) -> None:
+def test_grid_holds_out_a_category_and_reports_the_measured_readouts(tmp_path: Path) -> None:
     # The pilot alone first: FedIT's first seed, its round 0 the base; its page says so.
     ctx = open_study(study.STUDY, tmp_path, grid=GRID, command="pilot", pilot=True)
     page = run_study(study.STUDY, ctx, tmp_path / "pilot.md").read_text()
@@ -80,7 +81,7 @@ def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path
     errors = {n: j.get("error") for n, j in record["jobs"].items() if j["status"] != "done"}
     assert not errors
     cfgs = {n: yaml.safe_load((tmp_path / n / "config.yaml").read_text()) for n in names}
-    assert all(c["task"]["heldout_domains"] == ["general"] for c in cfgs.values())
+    assert all(c["task"]["heldout_domains"] == [GRID.heldout] for c in cfgs.values())
     assert cfgs["fedit-s1"]["seed"] == 1 and cfgs["fedit"]["seed"] == 0
     assert [n for n in names if cfgs[n]["eval_before"]] == ["fedit"]  # the base, once
     assert cfgs["turbo"]["algo"]["feature_model"] == "tiny-llama"
@@ -95,9 +96,10 @@ def test_grid_holds_out_general_and_reports_the_measured_readouts(tmp_path: Path
     ]
     assert [r["round"] for r in items] == [0, 1]
     held = {i["domain"] for r in items for i in r["items"] if i["zeroshot"]}
-    assert held == {"general"} and len(_heldout(tmp_path / "fedit")) == GRID.heldout_items
+    assert held == {GRID.heldout} and len(_heldout(tmp_path / "fedit")) == GRID.heldout_items
     part = json.loads((tmp_path / "fedit" / "partition.json").read_text())
-    assert part["labels"] == list(study.OPEN) and part["heldout_domains"] == ["general"]
+    assert sorted(part["labels"]) == sorted(study.OPEN)
+    assert part["heldout_domains"] == [GRID.heldout]
     assert all(c["task"]["prompt"]["use_chat_template"] is False for c in cfgs.values())
     held_nll = study.heldout_nll(study.RunView(tmp_path / "fedit"))
     assert len(held_nll) == GRID.heldout_items  # the held-out references' NLL beside Rouge-L
@@ -156,7 +158,16 @@ def test_the_full_grid_tunes_a_base_lm_on_open_ended_data_and_waits_for_its_pilo
     cfg = load_config(study.job_config(study.METHODS[1], study.FULL, 0))
     task = cfg.task if isinstance(cfg.task, dict) else cfg.task.model_dump()
     assert task["prompt"]["use_chat_template"] is False and task["eval_ppl"] is True
-    assert task["train_domains"] == ["math"] and task["heldout_domains"] == ["general"]
+    # Open-ended categories only, one held out: GSM8K and two Alpaca categories trained.
+    assert task["train_domains"] == ["math", "alpaca_qa", "alpaca_task"]
+    assert task["heldout_domains"] == ["alpaca_creative"]
+    source = task["source_options"]
+    assert source["per_domain_test"] == {
+        "math": 11, "alpaca_qa": 11, "alpaca_task": 11, "alpaca_creative": 90
+    }  # fmt: skip
+    assert task["domain_max_new_tokens"] == {"math": 160, "alpaca_qa": 160, "alpaca_task": 160}
+    # Rounds enough for the coresets: 10 rounds of 5 of 10 clients.
+    assert (cfg.rounds, cfg.partition["num_clients"], cfg.clients.fraction) == (10, 10, 0.5)
 
     class View:  # FedIT's items: round 0 (the base) and after training
         def __init__(self, gain: float) -> None:
