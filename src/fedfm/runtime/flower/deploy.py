@@ -487,8 +487,8 @@ def serve(
     source, overrides = named or (None, ())
     config = None if named else cfg.model_dump(mode="json")
     request = check_request(source, overrides, resume, opts.model_dump(), config)
-    # Says where a run stopped before the check answered (then replaced).
-    watch = RunWatch(cfg, run_dir, resume, "", enabled=False)
+    # Only says where a run stopped before the check answered (then replaced).
+    watch = RunWatch(cfg, run_dir, False, "", enabled=False)
     worker = server or ServerWorker.start()
     worker.check(request)
     try:
