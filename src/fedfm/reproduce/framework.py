@@ -138,19 +138,22 @@ def run_status(cfg: Mapping[str, Any]) -> str:
 
     ``new`` (no run), ``changed`` (a run of another config), ``partial`` (an unfinished run
     of this config) or ``done``; the output folder is not compared (a moved study keeps its
-    runs).
+    runs). The run's saved config is read by today's schema, so a field added since, which
+    the saved config lacks, compares at its default rather than as a change.
     """
     from fedfm.config import load_config
+    from fedfm.errors import ConfigError
 
     root = Path(cfg["out_dir"]) / cfg["name"]
     if not (root / "config.yaml").exists():
         return "new"
     try:
-        old = yaml.safe_load((root / "config.yaml").read_text())
-    except yaml.YAMLError:
+        saved = yaml.safe_load((root / "config.yaml").read_text())
+        old = load_config(dict(saved)).model_dump(mode="json")
+    except (yaml.YAMLError, ConfigError, TypeError, ValueError):
         return "changed"
     new = load_config(dict(cfg)).model_dump(mode="json")
-    if not isinstance(old, dict) or {**old, "out_dir": 0} != {**new, "out_dir": 0}:
+    if {**old, "out_dir": 0} != {**new, "out_dir": 0}:
         return "changed"
     try:
         summary = json.loads((root / "summary.json").read_text())
