@@ -162,6 +162,20 @@ def test_jobs_run_in_dependency_order_record_study_json_and_skip_when_done(tmp_p
     assert [i["ran"] for i in record["invocations"]] == [3, 0]
 
 
+def test_a_saved_config_without_a_field_added_since_is_still_done(tmp_path):
+    run_jobs(TOY, open_study(TOY, tmp_path, grid={"rounds": 2}))
+    cfg = {**make_config(STUDY_RUN, rounds=2), "name": "a", "out_dir": str(tmp_path), "threads": 1}
+    assert run_status(cfg) == "done"
+    saved = tmp_path / "a" / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    del old["privacy"]["secagg"]["dp_noise"]  # as a run written before the field existed
+    saved.write_text(yaml.safe_dump(old))
+    assert run_status(cfg) == "done"  # read at its default
+    old["privacy"]["secagg"]["dp_noise"] = "continuous"  # not the default: another config
+    saved.write_text(yaml.safe_dump(old))
+    assert run_status(cfg) == "changed"
+
+
 def test_a_changed_need_reruns_its_dependents_and_an_unmet_need_skips(tmp_path):
     run_jobs(TOY, open_study(TOY, tmp_path, grid={"rounds": 2}))
     # One more round for every run: A and B are other configs (run afresh), C's inputs changed.
