@@ -19,14 +19,16 @@ backward pass through a frozen base with LoRA; ``N`` tokens of ``batch x max_len
 * weights: every base parameter in its dtype (4-bit NF4: 4.13 bits per quantised weight with
   its double-quantised scales; 8-bit: 1 byte plus a float scale per row; the layers left
   unquantised in float32, as QLoRA's preparation leaves them);
-* autocast copies: under autocast, each frozen linear layer's bfloat16 copy of its weight is
-  saved for the backward pass of its input (2 bytes per linear weight while training);
+* autocast copies: under autocast, each frozen linear layer's weight is also kept in bfloat16,
+  cast once and shared like the weights (2 bytes per linear weight;
+  :mod:`fedfm.models.cast_once`);
 * adapters (float32), their gradients and the optimizer state (Adam: 2 tensors, SGD with
   momentum: 1, 8-bit Adam: 2 bytes per weight);
 * training activations per layer: the two norms' float32 inputs (``8 N h``), the attention's
   query, key, value and output (``4 N h s``), the MLP's gate, up and activation (``3 N m s``),
   and each adapted linear layer's input (``N d_in s``, plus its dropout mask); then the logits
-  (``N V`` in ``s``, their float32 copy, the saved log-softmax and its gradient) and, while one
+  (``N V`` in ``s``, their float32 copy, the saved log-softmax and its gradient: an upper
+  bound, as only the scored positions get logits, :mod:`fedfm.models.lm_loss`) and, while one
   layer's backward runs, the float32 gradients of its activations (``N (2h + 3m) 4``);
 * evaluation: scoring (perplexity, log-likelihood choices) keeps the logits of one batch of
   ``eval_batch_size x max_length`` (in ``s``, float32, log-softmax); generation keeps the key /
@@ -226,9 +228,13 @@ def make_plan(cfg: RunConfig) -> Plan:
     )
 
 
+_SHARED_PARTS = ("weights", "autocast copies", "task data (measured)")
+"""A client's parts that workers forked from the server share with it."""
+
+
 def _training(client: Side) -> int:
     """A client's own training memory: its peak less the weights and data it shares."""
-    shared = client.parts.get("weights", 0) + client.parts.get("task data (measured)", 0)
+    shared = sum(client.parts.get(k, 0) for k in _SHARED_PARTS)
     return max(0, client.peak - shared)
 
 

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import peft
@@ -40,10 +40,13 @@ class SharedLM:
         bundle: The frozen base model and its tokenizer.
         adapted: The ``PeftModel`` around the base once an adapter exists, else ``None``
             (its LoRA layers sit inside ``bundle.model``).
+        cast: The autocast dtypes its frozen linear weights are also kept in
+            (:func:`fedfm.models.cast_once.cast_frozen_linears`).
     """
 
     bundle: LMBundle
     adapted: peft.PeftModel | None = None
+    cast: set[torch.dtype] = field(default_factory=set)
 
 
 _SHARED: dict[str, SharedLM] = {}

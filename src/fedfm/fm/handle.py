@@ -22,11 +22,12 @@ from fedfm.data.prompt import (
     fit_prompt,
     fit_template,
 )
-from fedfm.devices import autocast, model_device
+from fedfm.devices import autocast, autocast_in_effect, model_device
 from fedfm.fm import training
 from fedfm.fm.adapters import AdapterSlots
 from fedfm.fm.bases import SharedLM, base_key, shared_lm
 from fedfm.fm.training import Adapters, FullWeights
+from fedfm.models.cast_once import cast_frozen_linears
 from fedfm.models.causal_lm import LMBundle
 from fedfm.models.encoders import Encoder, lm_encoder
 from fedfm.models.features import Pool
@@ -95,8 +96,17 @@ class FoundationModel:
         return self._entry().bundle
 
     def _entry(self) -> SharedLM:
-        """This handle's entry of the process cache (loaded on first use)."""
-        return shared_lm(self.name, self.dtype, self.args, self.quantization, self.device)
+        """This handle's entry of the process cache (loaded on first use).
+
+        Under autocast its frozen linear weights are also kept cast to the autocast dtype
+        (:mod:`fedfm.models.cast_once`), once per base and dtype.
+        """
+        entry = shared_lm(self.name, self.dtype, self.args, self.quantization, self.device)
+        dtype = autocast_in_effect(self.device, self.autocast_bf16)
+        if dtype is not None and self.quantization is None and dtype not in entry.cast:
+            cast_frozen_linears(entry.bundle.model, dtype)
+            entry.cast.add(dtype)
+        return entry
 
     @property
     def tokenizer(self) -> Any:

@@ -67,6 +67,7 @@ from fedfm.eval.llm import (
 from fedfm.fm import FoundationModel
 from fedfm.models.causal_lm import LMBundle, check_lm_setup
 from fedfm.models.generation import pad_id_of
+from fedfm.models.lm_loss import response_loss
 from fedfm.models.lora import LoraConfigSpec
 from fedfm.tasks.base import FOUNDATION_MODEL, ITEM_RESULTS, TASKS, Task, TaskConfig
 from fedfm.tasks.instructions import (
@@ -382,10 +383,12 @@ class InstructionTask(Task):
             yield from epochs  # each pass is the next epoch, reshuffled
 
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Any]:
-        """Mean cross-entropy over response tokens (labels are -100 elsewhere)."""
+        """Mean cross-entropy over response tokens (labels are -100 elsewhere).
+
+        The head is applied to the scored positions only (:func:`response_loss`).
+        """
         with self.autocast():
-            out = model(**to_device(batch, model_device(model)))
-        return out.loss, out
+            return response_loss(model, to_device(batch, model_device(model)))
 
     def evaluate(self, model: nn.Module, data: InstructionData) -> dict[str, float]:
         """Per-domain and overall metrics on ``data``; ``zeroshot/...`` for held-out domains.

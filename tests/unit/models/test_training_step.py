@@ -1,0 +1,104 @@
+"""The training step's two savings change no number: the head on scored positions only
+(:mod:`fedfm.models.lm_loss`) and frozen linear weights cast once (:mod:`fedfm.models.cast_once`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import peft
+import pytest
+import torch
+from torch import nn
+
+from fedfm.models.cast_once import CAST_ATTR, cast_frozen_linears
+from fedfm.models.causal_lm import tiny_causal_lm
+from fedfm.models.lm_loss import response_loss
+
+
+def _lora(arch: str) -> peft.PeftModel:
+    torch.manual_seed(0)
+    base = tiny_causal_lm(arch, layers=2).model  # type: ignore[arg-type]
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return peft.get_peft_model(base, cfg)
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 9:] = 0  # a padded row
+    labels = ids.clone()
+    labels[:, :5] = -100  # the prompt
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _grads(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_the_head_on_scored_positions_gives_the_models_own_loss_and_gradients(arch: str) -> None:
+    model = _lora(arch)
+    batch = _batch(model.config.vocab_size)
+    ours, out = response_loss(model, batch)
+    assert out.logits is None  # the fast path ran
+    theirs = model(**batch).loss
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    g_ours, g_theirs = _grads(model, ours), _grads(model, model(**batch).loss)
+    assert set(g_ours) == set(g_theirs) and g_ours
+    for name in g_ours:
+        torch.testing.assert_close(g_ours[name], g_theirs[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_without_a_plain_head_gets_its_own_forward() -> None:
+    model = _lora("llama")
+    base: Any = model.get_base_model()
+    base.config.model_type = "unknown"
+    loss, out = response_loss(model, _batch(model.config.vocab_size))
+    assert out.logits is not None and torch.isfinite(loss)
+
+
+def _train_steps(model: peft.PeftModel, batch: dict[str, torch.Tensor]) -> list[float]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = response_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_frozen_weights_cast_once_train_to_the_bit_as_autocast_casting_each_step() -> None:
+    plain = _lora("llama")
+    cast = copy.deepcopy(plain)
+    made = cast_frozen_linears(cast, torch.bfloat16)
+    frozen = [m for m in cast.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+    assert made > 0 and all(hasattr(m, CAST_ATTR) for m in frozen)
+    batch = _batch(plain.config.vocab_size)
+    assert _train_steps(cast, batch) == _train_steps(plain, batch)
+    for (n, a), (_, b) in zip(plain.named_parameters(), cast.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    assert cast_frozen_linears(cast, torch.bfloat16) == 0  # nothing missing or stale
+
+
+def test_a_cast_copy_is_unused_outside_autocast_and_once_its_weight_changed() -> None:
+    lin = nn.Linear(8, 4).requires_grad_(False)
+    cast_frozen_linears(lin, torch.bfloat16)
+    x = torch.randn(2, 8)
+    assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))  # float32
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # the copy is now stale
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lin(x)
+        want = nn.functional.linear(x, lin.weight, lin.bias)
+    assert torch.equal(got, want)
+    assert cast_frozen_linears(lin, torch.bfloat16) > 0  # recast
