@@ -653,14 +653,34 @@ def test_a_sessions_start_and_its_rounds_are_timed_apart(tmp_path):
     assert summary["wall_s_this_session"] < 60  # from the first round, as on every runtime
 
 
-def test_serve_refuses_a_bad_algorithm_value_before_a_superlink_starts(monkeypatch, tmp_path):
-    started = []
-    monkeypatch.setattr(D, "start_superlink", lambda *a, **kw: started.append(a))
-    res = runner.invoke(app, ["serve", "tabular-fedavg", "algo.nope=1", "--insecure",
-                              f"out_dir={tmp_path}"])  # fmt: skip
-    assert isinstance(res.exception, ConfigError) and not started
-    assert str(res.exception) == "config error: algo.nope: unknown key"
-    assert not any(tmp_path.iterdir())
+def _cmdlines() -> list[list[str]]:
+    """The command lines of the processes running now (from ``/proc``)."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            out.append(p.read_bytes().decode(errors="replace").split("\0"))
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_serve_refuses_a_bad_algorithm_value_in_one_line_and_stops_its_early_superlink(tmp_path):
+    """The algorithm's section is checked by the ServerApp process while the SuperLink
+    starts: a refusal is still one line and exit 2, with no run folder, no temporary folder
+    and no process left (the SuperLink and the `flwr run` CLI started ahead are stopped)."""
+    port = str(P.free_port())
+    (tmp_path / "tmp").mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "fedfm", "serve", "tabular-fedavg", "algo.nope=1", "--insecure",
+         "--host", "127.0.0.1", "--port", port, f"out_dir={tmp_path / 'runs'}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == "error: config error: algo.nope: unknown key\n" and not out.stdout
+    assert not (tmp_path / "runs").exists()
+    assert not list((tmp_path / "tmp").glob("fedfm-*"))
+    left = [c for c in _cmdlines() if port in c and ("--port" in c or any("flwr" in a for a in c))]
+    assert not left, left
 
 
 def test_the_documented_certificate_covers_the_name_serve_reaches_its_superlink_by(tmp_path):

@@ -98,9 +98,12 @@ def serve(
     Shows each round and the final table as `fedfm run` does. SIGTERM or Ctrl-C stops every
     process it started and says the round to resume from (exit 143 or 130).
     """
-    # The ServerApp process imports Flower, torch and fedfm while the config is checked.
+    # The ServerApp process imports Flower, torch and fedfm, then checks the config in full
+    # (the algorithms' keys, stages and sections) while the SuperLink starts: this process
+    # loads it without the algorithms (torch) for its run folder and Flower section.
     with ServerWorker.start() as server:
-        cfg = load_run_config(config, [*(overrides or []), "runtime=flower"], resume, algo_keys)
+        overrides = [*(overrides or []), "runtime=flower"]
+        cfg = load_run_config(config, overrides, resume)
         tls = tls_files(certificates, ssl_ca_certfile, ssl_certfile, ssl_keyfile, insecure)
         if tls is not None:
             folder = certificates is not None  # the option that named the files (for messages)
@@ -112,10 +115,6 @@ def serve(
         keys = [Path(k) for k in node_key or []]
         for key in keys:
             _existing("node-key", key)
-        # The algorithms (torch) only once every argument is checked.
-        from fedfm.engine import with_stages
-
-        cfg = with_stages(cfg)  # rounds from the algorithm's stages, before the config travels
         try:
             summary = deploy.serve(
                 cfg,
@@ -128,6 +127,7 @@ def serve(
                 node_keys=keys,
                 progress=not quiet,
                 server=server,
+                named=(config, overrides),
             )
         except Stopped as e:  # deploy.serve has stopped everything and said where it stopped
             raise typer.Exit(e.exit_code) from None

@@ -28,9 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from fedfm.config import RunConfig
+from fedfm.config import RunConfig, load_config
 from fedfm.errors import ConfigError
-from fedfm.runtime.flower.options import FlowerOptions, import_plugins, run_options
+from fedfm.runtime.flower.options import FlowerOptions, run_options
 from fedfm.runtime.flower.payload import PAYLOAD_KEY, SESSIONS_FILE, Payload
 from fedfm.runtime.flower.processes import (
     DeployError,
@@ -47,8 +47,9 @@ from fedfm.runtime.flower.processes import (
     wait_port,
     with_pythonpath,
 )
-from fedfm.runtime.flower.startup import ServerWorker, wait_run
+from fedfm.runtime.flower.startup import ServerWorker, check_request, wait_run
 from fedfm.runtime.flower.tls import LOOPBACK_HOSTS, TlsFiles, certificate_hosts, covers
+from fedfm.runtime.flower.watch import RunWatch
 
 APP_NAME = "fedfm-flower-app"
 
@@ -102,8 +103,13 @@ def write_connection(home: Path, address: str, root_certificates: Path | None) -
 
 
 def write_run_config(path: Path, payload: Payload) -> Path:
-    """Writes the TOML file passed to ``flwr run --run-config`` (it carries the payload)."""
-    path.write_text(f'{PAYLOAD_KEY} = "{payload.encode()}"\n')
+    """Writes the TOML file passed to ``flwr run --run-config`` (it carries the payload).
+
+    Whole or not at all (a ``flwr run`` started ahead may be waiting for it).
+    """
+    part = path.with_name(path.name + ".part")
+    part.write_text(f'{PAYLOAD_KEY} = "{payload.encode()}"\n')
+    part.replace(path)
     return path
 
 
@@ -326,7 +332,7 @@ def register_nodes(
 def start_submit(
     home: Path,
     work: Path,
-    payload: Payload,
+    payload: Payload | None,
     env_extra: Mapping[str, str] | None = None,
     log_path: Path | None = None,
     echo: bool | Callable[[str], None] = False,
@@ -336,13 +342,17 @@ def start_submit(
 
     The run goes to the SuperLink of ``$FLWR_HOME/config.toml``; wait for it with
     :meth:`FlwrCall.wait`. With ``when_up`` the CLI starts now and submits once the SuperLink
-    listens (see :class:`FlwrCall`).
+    listens (see :class:`FlwrCall`). Without ``payload`` it submits once the run config is
+    written too (:func:`write_run_config` to ``work / "run_config.toml"``; needs ``when_up``).
     """
     app = write_app(work / "app")
-    run_config = write_run_config(work / "run_config.toml", payload)
+    run_config = work / "run_config.toml"
+    if payload is not None:
+        write_run_config(run_config, payload)
     env = process_env(home, env_extra)
     args = ["run", str(app), CONNECTION, "--run-config", str(run_config), "--stream"]
-    return FlwrCall(args, env, work, log_path, echo, when_up)
+    after = None if payload is not None else run_config
+    return FlwrCall(args, env, work, log_path, echo, when_up, after)
 
 
 def submit(
@@ -421,6 +431,7 @@ def serve(
     work_dir: Path | None = None,
     progress: bool = True,
     server: ServerWorker | None = None,
+    named: tuple[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Runs an experiment on the deployment engine: SuperLink here, SuperNodes elsewhere.
 
@@ -429,8 +440,13 @@ def serve(
     SuperNodes (``fedfm client``) may start before or after: the server waits up to
     ``options.node_wait_s`` for them.
 
+    The ServerApp process checks the config in full (the algorithms and tasks, with torch;
+    :func:`fedfm.runtime.flower.startup.check_run`) while the SuperLink starts; a refused
+    config stops the SuperLink again and raises, with nothing written.
+
     Args:
-        cfg: Validated run config.
+        cfg: Validated run config; with ``named``, the config loaded without the algorithms
+            (its run folder and Flower section are used until the full check answers).
         resume: Continue from the run folder's last checkpoint.
         overwrite: Replace an existing run folder.
         options: Flower options.
@@ -447,11 +463,15 @@ def serve(
             ``fedfm run`` does), and the clients that took no part.
         server: The ServerApp process, started ahead (see
             :mod:`fedfm.runtime.flower.startup`); None: started here.
+        named: ``(source, overrides)`` as ``fedfm serve`` was given them: the ServerApp
+            process loads the config from them with the algorithms' keys and stages (and
+            the run goes with that config); None: ``cfg`` is the run's config.
 
     Returns:
         The run summary.
 
     Raises:
+        ConfigError: The config, an option or an argument is refused (one line).
         DeployError: A process failed, or the run ended without a summary.
         Stopped: SIGTERM or SIGINT: every process this started is stopped, the temporary
             folder removed, and one line says the round the run can resume from.
@@ -462,34 +482,21 @@ def serve(
         raise ConfigError("node-key", "node authentication needs TLS (Flower refuses it without)")
     own = own_host(host, tls)
     node_public_keys(node_keys)  # a bad key file is one line before anything starts
-    import_plugins(opts.imports)
-    from fedfm.engine import resolve  # the algorithms and tasks: torch
-
-    # The algorithm's and the task's own sections are checked by the ServerApp too; a bad
-    # value is one line here, before a SuperLink starts.
-    resolve(cfg)
     run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
-    # The ServerApp runs in another process: give it an absolute run folder.
-    cfg = cfg.model_copy(update={"out_dir": str(run_dir.parent)})
-    payload = Payload(
-        config=cfg.model_dump(mode="json"),
-        options=opts.model_dump(),
-        resume=resume,
-        overwrite=overwrite,
-        started_at=started,
-    )
     env_extra = with_pythonpath({}, plugin_pythonpath(opts.imports))
-    from fedfm.runtime.flower.watch import RunWatch  # the run display: torch, rich
-
-    watch = RunWatch(cfg, run_dir, resume, _task_primary(cfg), enabled=progress)
-    if resume:
-        print(watch.resume_line(), file=sys.stderr, flush=True)
+    source, overrides = named or (None, ())
+    config = None if named else cfg.model_dump(mode="json")
+    request = check_request(source, overrides, resume, opts.model_dump(), config)
+    # Only says where a run stopped before the check answered (then replaced).
+    watch = RunWatch(cfg, run_dir, False, "", enabled=False)
     worker = server or ServerWorker.start()
+    worker.check(request)
     try:
         with stop_on_signals(), tempfile.TemporaryDirectory(prefix="fedfm-serve-") as tmp:
             work = work_dir or Path(tmp)
             home = work / "flwr-home"
             logs = work / "logs"
+            # The SuperLink starts at once, while the ServerApp process imports and checks.
             link = start_superlink(
                 home, logs, host, port, tls, bool(node_keys), env_extra, None, True, "process"
             )
@@ -499,32 +506,56 @@ def serve(
                 address = f"{own}:{port}"
                 ca = tls.ca_cert if tls else None
                 write_connection(home, address, ca)
-                # The ServerApp process takes the run as soon as `flwr run` submits it.
                 env = process_env(home, env_extra)
-                running.append(worker.go(address, ca, env, plugin_pythonpath(opts.imports), logs))
-                with watch:
-                    # Started together: the SuperLink; the `flwr run` CLI, which submits once
-                    # the SuperLink listens; and the key registration, ready to go then. The
-                    # ServerApp waits for the SuperNodes anyway.
-                    flwr_run = start_submit(
-                        home, work, payload, env_extra, logs / "flwr-run.log",
-                        show_warnings if echo else False, (own, port, 60.0),
-                    )  # fmt: skip
+                # Started together: the SuperLink; the `flwr run` CLI, which submits once
+                # the SuperLink listens and the run config is written; and the key
+                # registration, ready to go then. The ServerApp waits for the SuperNodes.
+                flwr_run = start_submit(
+                    home, work, None, env_extra, logs / "flwr-run.log",
+                    show_warnings if echo else False, (own, port, 60.0),
+                )  # fmt: skip
+                try:
+                    if node_keys:
+                        import_control_client()
                     try:
-                        if node_keys:
-                            import_control_client()
                         wait_superlink(link, host, port)
                         if node_keys:
                             register_nodes(address, ca, node_keys)
-                        out = wait_run(flwr_run, running[-1], timeout_s)
-                        finished = True
-                    except BaseException:
-                        flwr_run.kill()
+                    except DeployError:
+                        worker.verdict()  # a refused config is said first
                         raise
+                    checked = worker.verdict()
+                    config = checked["config"] if named else config
+                    assert config is not None
+                    cfg = load_config(config)
+                    run_dir = (Path(cfg.out_dir) / cfg.name).resolve()
+                    # The ServerApp runs in another process: give it an absolute run folder.
+                    payload = Payload(
+                        config={**config, "out_dir": str(run_dir.parent)},
+                        options=opts.model_dump(),
+                        resume=resume,
+                        overwrite=overwrite,
+                        started_at=started,
+                    )
+                    write_run_config(work / "run_config.toml", payload)
+                    watch = RunWatch(cfg, run_dir, resume, checked["primary"], enabled=progress)
+                    if resume:
+                        print(watch.resume_line(), file=sys.stderr, flush=True)
+                    # The ServerApp process takes the run as soon as `flwr run` submits it.
+                    running.append(
+                        worker.go(address, ca, env, plugin_pythonpath(opts.imports), logs)
+                    )
+                    with watch:
+                        out = wait_run(flwr_run, running[-1], timeout_s)
+                    finished = True
+                except BaseException:
+                    flwr_run.kill()
+                    raise
             finally:
-                # A finished run leaves the SuperLink nothing to keep: a short grace. A
-                # stopped one gives the ServerApp time to end its round's writes.
-                stop(running, grace_s=1.0 if finished else 5.0)
+                # A finished run, or one the ServerApp never had, leaves the SuperLink nothing
+                # to keep: a short grace. A stopped run gives the ServerApp time to end its
+                # round's writes.
+                stop(running, grace_s=1.0 if finished or len(running) == 1 else 5.0)
                 keep_logs(logs, run_dir, started)
     except Stopped as e:
         # Everything this command started is stopped and its temporary folder is gone.
@@ -539,14 +570,6 @@ def serve(
     watch.final_table(result)
     _print_absent(run_dir)
     return dict(result)
-
-
-def _task_primary(cfg: RunConfig) -> str:
-    """The headline metric the config's task declares (a task may refine it once built)."""
-    import fedfm.tasks  # noqa: F401  (registers the tasks)
-    from fedfm.tasks.base import TASKS
-
-    return str(TASKS.get(str(cfg.task.get("kind", "tabular"))).primary)
 
 
 def _print_absent(run_dir: Path) -> None:

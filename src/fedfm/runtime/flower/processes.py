@@ -301,6 +301,7 @@ class FlwrCall:
             terminal), or, given a callable, hand it each line to print what it chooses.
         when_up: ``(host, port, wait_s)``: start the CLI now but run the command once
             ``host:port`` listens (:mod:`fedfm.runtime.flower.flwr_when_up`).
+        after: With ``when_up``, also wait until this file exists.
     """
 
     def __init__(
@@ -311,6 +312,7 @@ class FlwrCall:
         log_path: Path | None = None,
         echo: bool | Callable[[str], None] = False,
         when_up: tuple[str, int, float] | None = None,
+        after: Path | None = None,
     ) -> None:
         self.args = list(args)
         exe = [bin_path("flwr")]
@@ -318,6 +320,7 @@ class FlwrCall:
             host, port, wait_s = when_up
             exe = [sys.executable, "-m", "fedfm.runtime.flower.flwr_when_up"]
             exe += [host, str(port), str(wait_s)]
+            exe += [] if after is None else ["--after", str(after)]
         self.popen = subprocess.Popen(
             [*exe, *args],
             env=dict(env),

@@ -5,8 +5,11 @@
 Flower starts the ServerApp only once the run is submitted: the SuperLink's SuperExec polls
 for it and starts a ``flwr-serverapp`` process, which then imports Flower, torch and fedfm
 (seconds, one after the other). ``fedfm serve`` starts a ServerApp process of its own
-(:mod:`fedfm.runtime.flower_app.server_worker`) before it checks the config, so that these
-imports run beside its own; once the SuperLink is started (``--isolation process``: no
+(:mod:`fedfm.runtime.flower_app.server_worker`) first thing, so that these imports run
+beside the SuperLink's start. The same process checks the run config in full once it has
+imported them (:meth:`ServerWorker.check`, :func:`check_run`: the algorithms and tasks
+live there), so that ``fedfm serve`` itself imports neither torch nor the algorithms and
+starts its SuperLink at once; once the SuperLink is started (``--isolation process``: no
 SuperExec), :meth:`ServerWorker.go` tells the process where the SuperLink is, and it runs
 the run's ServerApp task with Flower's own ServerApp runtime.
 
@@ -51,37 +54,85 @@ AFTER_SERVERAPP_S = 10.0
 class ServerWorker:
     """A started, waiting ServerApp process (see the module's docstring).
 
-    Use :meth:`start`, then :meth:`go` once the SuperLink is started, or :meth:`cancel`
-    (also on leaving it as a context manager).
+    Use :meth:`start`; then :meth:`check` and :meth:`verdict` (the full config check);
+    then :meth:`go` once the SuperLink is started, or :meth:`cancel` (also on leaving it as
+    a context manager).
     """
 
-    def __init__(self, popen: subprocess.Popen, early: IO[bytes]) -> None:
+    def __init__(self, popen: subprocess.Popen, early: IO[bytes], reply: int | None = None) -> None:
         self.popen = popen
         self.early = early  # its output until :meth:`go` (import errors)
+        self.reply = reply  # the read end of its verdict pipe
         self.proc: Proc | None = None
 
     @classmethod
     def start(cls, die_with_parent: bool = True) -> ServerWorker:
-        """Starts the process (it imports, then waits for :meth:`go`)."""
+        """Starts the process (it imports, then waits for :meth:`check` or :meth:`go`)."""
         from fedfm.runtime.flower.processes import _die_with_parent
 
         early = tempfile.TemporaryFile()  # noqa: SIM115 (closed by cancel)
         hook = _die_with_parent if die_with_parent and sys.platform == "linux" else None
-        popen = subprocess.Popen(
-            [sys.executable, "-m", SERVER_WORKER_MODULE],
-            stdin=subprocess.PIPE,
-            stdout=early,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=hook,
-        )
-        return cls(popen, early)
+        read, write = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", SERVER_WORKER_MODULE, "--reply-fd", str(write)],
+                stdin=subprocess.PIPE,
+                stdout=early,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=hook,
+                pass_fds=(write,),
+            )
+        finally:
+            os.close(write)  # the child's now: its end closes when it exits
+        return cls(popen, early, read)
 
     def __enter__(self) -> ServerWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cancel()
+
+    def _send(self, message: Mapping[str, Any], last: bool) -> None:
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write((json.dumps(message) + "\n").encode())
+            self.popen.stdin.flush()
+            if last:
+                self.popen.stdin.close()
+        except (OSError, ValueError):
+            pass  # it ended (its stdin is gone): said by whoever waits for it
+
+    def check(self, request: Mapping[str, Any]) -> None:
+        """Hands the process a run config to check (:func:`check_run`) once it has imported.
+
+        Returns at once; :meth:`verdict` waits for the answer.
+        """
+        self._send({"check": dict(request)}, last=False)
+
+    def verdict(self) -> dict[str, Any]:
+        """The process's answer to :meth:`check` (see :func:`check_run`).
+
+        Raises:
+            ConfigError: The config is refused (the line the check would print here).
+            FedfmError: Another error fedfm raises on purpose (its message).
+            DeployError: The process ended first (e.g. an import failed).
+        """
+        from fedfm.errors import ConfigError, FedfmError
+
+        assert self.reply is not None
+        with os.fdopen(os.dup(self.reply), "rb") as pipe:
+            line = pipe.readline()
+        if not line.strip():
+            code = self.popen.wait()
+            raise DeployError(f"the ServerApp process exited ({code}):\n{self.output()}")
+        answer: dict[str, Any] = json.loads(line)
+        if "config_error" in answer:
+            field, reason = answer["config_error"]
+            raise ConfigError(field, reason)
+        if "error" in answer:
+            raise FedfmError(answer["error"])
+        return answer
 
     def go(
         self,
@@ -110,12 +161,7 @@ class ServerWorker:
             "path": list(path),
             "log": str(log),
         }
-        assert self.popen.stdin is not None
-        try:
-            self.popen.stdin.write((json.dumps(go) + "\n").encode())
-            self.popen.stdin.close()
-        except (OSError, ValueError):
-            pass  # it ended (its stdin is gone): said below
+        self._send(go, last=True)
         if self.popen.poll() is not None:
             code = self.popen.returncode
             raise DeployError(f"the ServerApp process exited ({code}):\n{self.output()}")
@@ -134,6 +180,68 @@ class ServerWorker:
                 self.popen.kill()
             self.popen.wait()
         self.early.close()
+        if self.reply is not None:
+            os.close(self.reply)
+            self.reply = None
+
+
+def check_request(
+    source: str | None,
+    overrides: Sequence[str],
+    resume: bool,
+    options: Mapping[str, Any],
+    config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What :meth:`ServerWorker.check` sends.
+
+    A config to load as ``fedfm serve`` names it (``source`` and ``overrides``), or one
+    already loaded (``config``, as JSON), with the Flower options and this process's
+    ``sys.path`` (where plugins are found).
+    """
+    return {
+        "source": source,
+        "overrides": list(overrides),
+        "resume": resume,
+        "options": dict(options),
+        "config": None if config is None else dict(config),
+        "sys_path": list(sys.path),
+    }
+
+
+def check_run(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The full check of a run to serve, in the ServerApp process (see :func:`check_request`).
+
+    What ``fedfm serve`` checked before the SuperLink started, one after the other: the
+    config loaded with the algorithms' keys, the rounds from the algorithm's stages, the
+    plugins imported, the algorithm's and the task's own sections (:func:`fedfm.engine.resolve`).
+
+    Returns:
+        ``{"config": the run config as JSON, "primary": the task's headline metric}``, or
+        ``{"config_error": [field, reason]}``, or ``{"error": message}`` (another error
+        fedfm raises on purpose).
+    """
+    from fedfm.algorithms import algo_keys
+    from fedfm.config import load_config, load_run_config
+    from fedfm.engine import resolve, with_stages
+    from fedfm.errors import ConfigError, FedfmError
+    from fedfm.runtime.flower.options import import_plugins, run_options
+    from fedfm.tasks.base import TASKS
+
+    sys.path[:0] = [p for p in request["sys_path"] if p not in sys.path]
+    try:
+        if request["config"] is None:
+            source, overrides = request["source"], list(request["overrides"])
+            cfg = with_stages(load_run_config(source, overrides, request["resume"], algo_keys))
+        else:
+            cfg = load_config(dict(request["config"]))
+        import_plugins(run_options(cfg, request["options"]).imports)
+        resolve(cfg)
+        primary = TASKS.get(str(cfg.task.get("kind", "tabular"))).primary
+        return {"config": cfg.model_dump(mode="json"), "primary": str(primary)}
+    except ConfigError as e:
+        return {"config_error": [e.field, e.reason]}
+    except FedfmError as e:
+        return {"error": str(e)}
 
 
 def wait_run(call: FlwrCall, server: Proc, timeout_s: float | None) -> str:

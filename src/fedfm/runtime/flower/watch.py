@@ -15,14 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from fedfm.config import RunConfig
-from fedfm.core.checkpoint import latest_checkpoint
 from fedfm.core.runfolder import RunFolderError, read_json, read_jsonl
 from fedfm.progress import RoundDisplay
 
 
 def checkpoint_round(run_dir: Path) -> int:
     """Round of the run folder's newest checkpoint (where ``--resume`` continues), or -1."""
-    ck = latest_checkpoint(run_dir / "checkpoints") if run_dir.exists() else None
+    if not (run_dir / "checkpoints").is_dir():
+        return -1
+    # Only here: the checkpoint module imports torch, which `fedfm serve` has no other use for.
+    from fedfm.core.checkpoint import latest_checkpoint
+
+    ck = latest_checkpoint(run_dir / "checkpoints")
     if ck is None:
         return -1
     try:

@@ -7,7 +7,10 @@ after the run was submitted. ``fedfm serve`` starts this process instead, first 
 so that these imports run while the serve command checks the config and the SuperLink
 starts; the SuperLink runs with ``--isolation process`` (no SuperExec of its own).
 
-Protocol (ours): the process imports, then reads one JSON line on stdin, ``{"address":
+Protocol (ours): the process imports, then reads JSON lines on stdin. First, optionally,
+``{"check": request}``: it checks the run config of ``request``
+(:func:`fedfm.runtime.flower.startup.check_run`) and writes the verdict as one JSON line
+to the file descriptor given as ``--reply-fd N``. Then ``{"address":
 host:port of the SuperLink's runtime API, "root_certificates": CA file or null, "env":
 variables to set, "path": folders to put first on sys.path (plugins), "log": file for
 its output}``. It acquires the run's ``flwr-serverapp`` task and runs it in this process
@@ -97,8 +100,10 @@ def run(go: dict[str, Any], parent_pid: int) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (see the module's docstring)."""
+    args = sys.argv[1:] if argv is None else argv
+    reply_fd = int(args[args.index("--reply-fd") + 1]) if "--reply-fd" in args else None
     parent_pid = os.getppid()
     # The imports of a ServerApp process, done before the run exists.
     import flwr.superlink.runtime  # noqa: F401
@@ -106,6 +111,14 @@ def main() -> None:
     import fedfm.runtime.flower_app  # noqa: F401
 
     line = sys.stdin.readline()
+    if line.strip() and "check" in (message := json.loads(line)):
+        from fedfm.runtime.flower.startup import check_run
+
+        verdict = check_run(message["check"])
+        if reply_fd is not None:
+            with os.fdopen(reply_fd, "w") as reply:
+                reply.write(json.dumps(verdict) + "\n")
+        line = sys.stdin.readline()
     if not line.strip():
         return
     run(json.loads(line), parent_pid)

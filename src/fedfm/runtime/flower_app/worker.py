@@ -101,9 +101,16 @@ def run_task(address: str, token: str, insecure: bool, root_certificates: bytes 
             if reply is not None and context is not None:
                 push_message(client, reply, context)
         finally:
-            push_task_output(client, context, status, details)
-            heartbeat.stop()
-            client.close()
+            # The heartbeats end before the output goes: pushing it revokes the task's token,
+            # and a heartbeat the SuperNode handles after that is refused, on which Flower
+            # sends SIGINT to this whole process (it ends a ``flwr-clientapp`` process of one
+            # task; here it would end the worker mid-run, with code 0).
+            if heartbeat.is_running:
+                heartbeat.stop()  # waits for a heartbeat in flight
+            try:
+                push_task_output(client, context, status, details)
+            finally:
+                client.close()
 
 
 def serve(
