@@ -285,7 +285,7 @@ def test_all_layer_features_match_the_full_model_and_batch_size_one() -> None:
     base = fm.features(TEXTS, [])
     assert torch.allclose(base[:, 0], feats[:, 0])  # embeddings carry no LoRA here
     assert not torch.allclose(base[:, 2], feats[:, 2], atol=1e-4)
-    picked = fm.features(TEXTS, ["global"], layers=[0, -1])
+    picked = fm.features(TEXTS, ["global"], layers=[0, -1], batch_size=3)  # the same batches
     assert torch.allclose(picked, feats[:, [0, 2]], atol=1e-6)
     mean = fm.features(TEXTS[1:2], [], layers=[1], pool="mean")
     with torch.no_grad():
