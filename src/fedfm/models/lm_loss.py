@@ -49,7 +49,7 @@ def response_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     keep = targets != IGNORE
     logits = hf.get_output_embeddings()(hidden[:, :-1][keep])  # [N, V], N scored tokens
-    loss = F.cross_entropy(logits.float(), targets[keep], ignore_index=IGNORE)
+    loss = F.cross_entropy(logits.float(), targets[keep])  # every kept target is scored
     return loss, CausalLMOutputWithPast(loss=loss)
 
 
