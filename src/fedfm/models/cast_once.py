@@ -12,12 +12,18 @@ place since, the float32 weight is used as before. Made before clients are forke
 (:mod:`fedfm.runtime.workers`), the copy is shared page by page by every worker.
 
 The copy is ours (no paper): it costs the cast weights once (half the float32 linear
-weights in bfloat16), where autocast paid them per step and per process.
+weights in bfloat16), where autocast paid them per step and per process. Once cast, the
+float32 weights are read only outside autocast; where they are pages of the model's file
+(safetensors are mapped, not copied), :func:`page_out_file_weights` asks the kernel to
+reclaim them (``MADV_PAGEOUT``, which never changes what a page holds: a later read maps
+the file's page again), so the run does not keep two copies of the base resident.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -96,3 +102,64 @@ def cast_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
         setattr(module, CAST_ATTR, copy)
         module.forward = functools.partial(_forward, module)  # type: ignore[method-assign]
     return added
+
+
+MADV_PAGEOUT = 21
+"""Linux's ``madvise`` advice to reclaim pages now (5.4 and later; content-preserving)."""
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's mappings of regular files (``/proc/self/maps``)."""
+    spans = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    spans.append((start, end))
+    except OSError:  # not Linux
+        return []
+    return spans
+
+
+def page_out_file_weights(model: nn.Module) -> int:
+    """Asks the kernel to reclaim the float32 pages of the cast weights mapped from a file.
+
+    Only the pages inside a mapping of a file (a safetensors checkpoint loaded without a
+    copy), whole pages within each weight, of weights whose cast copy is current: their
+    reads go to the copy under autocast, and any other read maps the page from the file
+    again. Nothing happens where ``madvise`` cannot (not Linux, an older kernel) or where
+    the weights live in anonymous memory (which ``MADV_PAGEOUT`` would swap out).
+
+    Args:
+        model: A model after :func:`cast_frozen_linears`.
+
+    Returns:
+        The bytes advised (0 where nothing could be).
+    """
+    spans = _file_mappings()
+    if not spans:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    done: set[int] = set()
+    advised = 0
+    for module in model.modules():
+        copy: CastCopy | None = getattr(module, CAST_ATTR, None)
+        if copy is None or not isinstance(module, nn.Linear):
+            continue
+        w = module.weight
+        if w.data_ptr() in done or not copy.current(w, copy.weight.dtype):
+            continue
+        done.add(w.data_ptr())
+        a, b = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+        if not any(s <= a and b <= e for s, e in spans):
+            continue
+        lo, hi = -(-a // page) * page, b // page * page  # whole pages inside the weight
+        if hi > lo:
+            if libc.madvise(lo, hi - lo, MADV_PAGEOUT) != 0:
+                return advised  # EINVAL: a kernel without MADV_PAGEOUT
+            advised += hi - lo
+    return advised

@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 import copy
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import peft
@@ -12,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfm.models.cast_once import CAST_ATTR, cast_frozen_linears
+from fedfm.models.cast_once import CAST_ATTR, cast_frozen_linears, page_out_file_weights
 from fedfm.models.causal_lm import tiny_causal_lm
 from fedfm.models.lm_loss import response_loss
 
@@ -102,3 +105,52 @@ def test_a_cast_copy_is_unused_outside_autocast_and_once_its_weight_changed() ->
         want = nn.functional.linear(x, lin.weight, lin.bias)
     assert torch.equal(got, want)
     assert cast_frozen_linears(lin, torch.bfloat16) > 0  # recast
+
+
+def _resident_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (``/proc/self/smaps``)."""
+    kib, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            inside = len(head) == 6 and head[5] == str(path)
+        elif inside and line.startswith("Rss:"):
+            kib += int(head[1])
+    return kib
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_PAGEOUT) is Linux's")
+def test_file_mapped_float32_weights_are_paged_out_after_the_cast_and_read_back_equal(
+    tmp_path: Path,
+) -> None:
+    out_f, in_f = 256, 1024  # 1 MiB of float32: whole pages inside the weight
+    values = torch.randn(out_f * in_f, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "weight.bin"
+    values.numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=values.numel())  # MAP_PRIVATE
+    lin = nn.Linear(in_f, out_f).requires_grad_(False)
+    lin.weight = nn.Parameter(mapped.view(out_f, in_f), requires_grad=False)
+    x = torch.randn(3, in_f)
+    want_fp32 = lin(x)  # reads every page of the file
+    before = _resident_kib(path)
+    cast_frozen_linears(lin, torch.bfloat16)
+    advised = page_out_file_weights(lin)
+    assert advised >= (1 << 20) - 2 * 4096  # all but the partial pages at both ends
+    for _ in range(20):  # pages still in a CPU's LRU batch are skipped: advise again
+        if _resident_kib(path) < before - 512:
+            break
+        time.sleep(0.05)
+        page_out_file_weights(lin)
+    assert _resident_kib(path) < before - 512, (before, _resident_kib(path))  # reclaimed
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lin(x)
+        want = nn.functional.linear(x, values.view(out_f, in_f), lin.bias)
+    assert torch.equal(got, want)  # the copy serves autocast
+    assert _resident_kib(path) < before - 512  # without reading the float32 pages
+    assert torch.equal(lin(x), want_fp32)  # a float32 read maps the file's pages again
+
+
+def test_weights_in_anonymous_memory_are_not_paged_out() -> None:
+    lin = nn.Linear(1024, 256).requires_grad_(False)
+    cast_frozen_linears(lin, torch.bfloat16)
+    assert page_out_file_weights(lin) == 0
