@@ -9,7 +9,11 @@ hidden states of the positions whose next token is scored, and applies the head 
 cross-entropy to those alone: the same mean over the same tokens as the model's own loss
 (its float32 logits, ``ignore_index`` -100), in a fraction of the time and memory. Only for
 architectures whose logits are the head of the last hidden state (no scaling or soft cap)
-and plain LoRA adapters; any other model gets its own forward pass and loss.
+and plain LoRA adapters; any other model gets its own forward pass and loss. The head's
+rows are padded with zeros to a multiple of :data:`ROWS` (their logits dropped before the
+loss): the scored count changes batch by batch, and under autocast each new matmul shape
+leaves a kernel in torch's CPU backend, which grew a 100-client round's memory (padding
+changes no number: tested to the bit).
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 IGNORE = -100
 """The label of a position that is not scored (Hugging Face's ``ignore_index``)."""
+
+ROWS = 32
+"""The head's row count is a multiple of this (padding rows of zeros, whose logits are dropped)."""
 
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"})
 """``config.model_type`` of architectures whose logits are ``lm_head(last hidden state)``."""
@@ -48,7 +56,12 @@ def response_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor
     hidden = hf.get_decoder()(**inputs, use_cache=False).last_hidden_state  # [B, T, H]
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     keep = targets != IGNORE
-    logits = hf.get_output_embeddings()(hidden[:, :-1][keep])  # [N, V], N scored tokens
+    rows = hidden[:, :-1][keep]  # [N, H], N scored tokens
+    n = rows.shape[0]
+    # The head sees N rounded up to a multiple of ROWS: every distinct matmul shape under
+    # autocast leaves a kernel behind in torch's CPU backend, and N differs batch by batch.
+    rows = torch.cat([rows, rows.new_zeros(-n % ROWS, rows.shape[1])])
+    logits = hf.get_output_embeddings()(rows)[:n]  # [N, V]
     loss = F.cross_entropy(logits.float(), targets[keep])  # every kept target is scored
     return loss, CausalLMOutputWithPast(loss=loss)
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedfm.models import lm_loss
 from fedfm.models.cast_once import CAST_ATTR, cast_frozen_linears, page_out_file_weights
 from fedfm.models.causal_lm import tiny_causal_lm
 from fedfm.models.lm_loss import response_loss
@@ -56,6 +58,22 @@ def test_the_head_on_scored_positions_gives_the_models_own_loss_and_gradients(ar
     assert set(g_ours) == set(g_theirs) and g_ours
     for name in g_ours:
         torch.testing.assert_close(g_ours[name], g_theirs[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_heads_padding_rows_change_no_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _lora("llama")
+    batch = _batch(model.config.vocab_size)
+
+    def step(rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        monkeypatch.setattr(lm_loss, "ROWS", rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = response_loss(model, batch)
+        return loss.detach(), _grads(model, loss)
+
+    (padded, g_padded), (exact, g_exact) = step(32), step(1)  # 17 scored rows: 15 of padding
+    assert int((batch["labels"][:, 1:] != -100).sum()) % 32 != 0
+    assert torch.equal(padded, exact)
+    assert all(torch.equal(g_padded[n], g_exact[n]) for n in g_exact)
 
 
 def test_a_model_without_a_plain_head_gets_its_own_forward() -> None:
@@ -126,7 +144,10 @@ def test_file_mapped_float32_weights_are_paged_out_after_the_cast_and_read_back_
     out_f, in_f = 256, 1024  # 1 MiB of float32: whole pages inside the weight
     values = torch.randn(out_f * in_f, generator=torch.Generator().manual_seed(0))
     path = tmp_path / "weight.bin"
-    values.numpy().tofile(path)
+    with path.open("wb") as f:  # written back to disk: the kernel reclaims only clean pages
+        f.write(values.numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
     mapped = torch.from_file(str(path), shared=False, size=values.numel())  # MAP_PRIVATE
     lin = nn.Linear(in_f, out_f).requires_grad_(False)
     lin.weight = nn.Parameter(mapped.view(out_f, in_f), requires_grad=False)
