@@ -27,7 +27,7 @@ from fedfm.fm import training
 from fedfm.fm.adapters import AdapterSlots
 from fedfm.fm.bases import SharedLM, base_key, shared_lm
 from fedfm.fm.training import Adapters, FullWeights
-from fedfm.models.cast_once import cast_frozen_linears, page_out_file_weights
+from fedfm.models.cast_once import cast_frozen_linears, release_file_weights
 from fedfm.models.causal_lm import LMBundle
 from fedfm.models.encoders import Encoder, lm_encoder
 from fedfm.models.features import Pool
@@ -105,7 +105,7 @@ class FoundationModel:
         dtype = autocast_in_effect(self.device, self.autocast_bf16)
         if dtype is not None and self.quantization is None and dtype not in entry.cast:
             cast_frozen_linears(entry.bundle.model, dtype)
-            page_out_file_weights(entry.bundle.model)  # the float32 pages stay in the file
+            release_file_weights(entry.bundle.model)  # float32 pages: read from the file if needed
             entry.cast.add(dtype)
         return entry
 

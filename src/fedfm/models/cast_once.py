@@ -14,9 +14,9 @@ place since, the float32 weight is used as before. Made before clients are forke
 The copy is ours (no paper): it costs the cast weights once (half the float32 linear
 weights in bfloat16), where autocast paid them per step and per process. Once cast, the
 float32 weights are read only outside autocast; where they are pages of the model's file
-(safetensors are mapped, not copied), :func:`page_out_file_weights` asks the kernel to
-reclaim them (``MADV_PAGEOUT``, which never changes what a page holds: a later read maps
-the file's page again), so the run does not keep two copies of the base resident.
+(safetensors are mapped, not copied) and hold its bytes, :func:`release_file_weights` drops
+them from the process (they stay in the page cache; a later read maps the file's page
+again), so the run does not keep two copies of the base resident.
 """
 
 from __future__ import annotations
@@ -104,12 +104,27 @@ def cast_frozen_linears(model: nn.Module, dtype: torch.dtype) -> int:
     return added
 
 
-MADV_PAGEOUT = 21
-"""Linux's ``madvise`` advice to reclaim pages now (5.4 and later; content-preserving)."""
+MADV_DONTNEED = 4
+"""Linux's ``madvise`` advice to drop a range's pages from this process (not from the page
+cache): a later read of a private file mapping maps the file's page again."""
+
+CHUNK = 16 << 20
+"""Bytes compared with the file at a time."""
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """``(start, end)`` of this process's mappings of regular files (``/proc/self/maps``)."""
+@dataclass(frozen=True)
+class _Mapping:
+    """A mapping of a regular file: ``[start, end)`` in memory from ``offset`` in ``path``."""
+
+    start: int
+    end: int
+    offset: int
+    inode: int
+    path: str
+
+
+def _file_mappings() -> list[_Mapping]:
+    """This process's mappings of regular files (``/proc/self/maps``; none off Linux)."""
     spans = []
     try:
         with open("/proc/self/maps") as f:
@@ -117,26 +132,47 @@ def _file_mappings() -> list[tuple[int, int]]:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
                     start, end = (int(x, 16) for x in fields[0].split("-"))
-                    spans.append((start, end))
-    except OSError:  # not Linux
+                    where = (int(fields[2], 16), int(fields[4]), fields[5].rstrip("\n"))
+                    spans.append(_Mapping(start, end, *where))
+    except OSError:
         return []
     return spans
 
 
-def page_out_file_weights(model: nn.Module) -> int:
-    """Asks the kernel to reclaim the float32 pages of the cast weights mapped from a file.
+def _same_as_file(lo: int, hi: int, where: _Mapping) -> bool:
+    """Whether memory ``[lo, hi)`` holds the bytes its file has there (read in chunks)."""
+    try:
+        fd = os.open(where.path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_ino != where.inode:  # the path names another file now
+            return False
+        for at in range(lo, hi, CHUNK):
+            n = min(CHUNK, hi - at)
+            if os.pread(fd, n, where.offset + at - where.start) != ctypes.string_at(at, n):
+                return False
+    finally:
+        os.close(fd)
+    return True
 
-    Only the pages inside a mapping of a file (a safetensors checkpoint loaded without a
-    copy), whole pages within each weight, of weights whose cast copy is current: their
-    reads go to the copy under autocast, and any other read maps the page from the file
-    again. Nothing happens where ``madvise`` cannot (not Linux, an older kernel) or where
-    the weights live in anonymous memory (which ``MADV_PAGEOUT`` would swap out).
+
+def release_file_weights(model: nn.Module) -> int:
+    """Drops from this process the float32 pages of cast weights that are their file's bytes.
+
+    A safetensors checkpoint is mapped, not copied: after :func:`cast_frozen_linears` the
+    float32 weights are read only outside autocast, so their pages need not stay resident.
+    For each cast weight whose copy is current, the whole pages inside it that lie in a
+    private mapping of a file and hold exactly the file's bytes (compared first: a weight
+    changed in place is left alone) are dropped with ``MADV_DONTNEED``. They stay in the
+    page cache, and a later read maps the file's page again, with the same bytes. Nothing
+    happens off Linux or for weights in anonymous memory.
 
     Args:
         model: A model after :func:`cast_frozen_linears`.
 
     Returns:
-        The bytes advised (0 where nothing could be).
+        The bytes dropped (0 where nothing could be).
     """
     spans = _file_mappings()
     if not spans:
@@ -144,22 +180,21 @@ def page_out_file_weights(model: nn.Module) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
-    done: set[int] = set()
-    advised = 0
+    seen: set[int] = set()
+    dropped = 0
     for module in model.modules():
         copy: CastCopy | None = getattr(module, CAST_ATTR, None)
         if copy is None or not isinstance(module, nn.Linear):
             continue
         w = module.weight
-        if w.data_ptr() in done or not copy.current(w, copy.weight.dtype):
+        if w.data_ptr() in seen or not copy.current(w, copy.weight.dtype):
             continue
-        done.add(w.data_ptr())
+        seen.add(w.data_ptr())
         a, b = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
-        if not any(s <= a and b <= e for s, e in spans):
-            continue
         lo, hi = -(-a // page) * page, b // page * page  # whole pages inside the weight
-        if hi > lo:
-            if libc.madvise(lo, hi - lo, MADV_PAGEOUT) != 0:
-                return advised  # EINVAL: a kernel without MADV_PAGEOUT
-            advised += hi - lo
-    return advised
+        where = next((m for m in spans if m.start <= a and b <= m.end), None)
+        if where is None or hi <= lo or not _same_as_file(lo, hi, where):
+            continue
+        if libc.madvise(lo, hi - lo, MADV_DONTNEED) == 0:
+            dropped += hi - lo
+    return dropped
