@@ -28,7 +28,8 @@ backward pass through a frozen base with LoRA; ``N`` tokens of ``batch x max_len
   query, key, value and output (``4 N h s``), the MLP's gate, up and activation (``3 N m s``),
   and each adapted linear layer's input (``N d_in s``, plus its dropout mask); then the logits
   (``N V`` in ``s``, their float32 copy, the saved log-softmax and its gradient: an upper
-  bound, as only the scored positions get logits, :mod:`fedfm.models.lm_loss`) and, while one
+  bound, as only the scored positions get logits; for the architectures whose loss
+  :mod:`fedfm.models.lm_loss` computes, ``N`` is at most its chunk of rows) and, while one
   layer's backward runs, the float32 gradients of its activations (``N (2h + 3m) 4``);
 * evaluation: scoring (perplexity, log-likelihood choices) keeps the logits of one batch of
   ``eval_batch_size x max_length`` (in ``s``, float32, log-softmax); generation keeps the key /
@@ -322,6 +323,7 @@ class _Shape:
     trainable: int
     adapted_inputs: int  # sum of the input widths of the adapted linear layers, all layers
     rank: int
+    logit_rows: int | None  # rows whose logits a training step holds at once (None: all)
 
 
 def _llm_shape(task_cfg: Any) -> _Shape:
@@ -329,6 +331,7 @@ def _llm_shape(task_cfg: Any) -> _Shape:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from fedfm.models import lm_loss
     from fedfm.models.causal_lm import causal_lm_config
     from fedfm.models.lora import add_adapters
 
@@ -362,6 +365,7 @@ def _llm_shape(task_cfg: Any) -> _Shape:
         trainable=trainable,
         adapted_inputs=adapted,
         rank=task_cfg.lora.r,
+        logit_rows=lm_loss.CHUNK if lm_loss.plain_head(config) else None,
     )
 
 
@@ -395,7 +399,7 @@ def _llm_sides(cfg: RunConfig, task_cfg: Any, n_clients: int) -> tuple[Side, Sid
     dropout_mask = 1 if task_cfg.lora.dropout > 0 else 0
     per_layer = n_tok * (8 * h + 4 * h * s + 3 * m * s)
     lora_inputs = n_tok * (shape.adapted_inputs * (s + dropout_mask) + 2 * shape.rank * s)
-    logits = n_tok * v * (s + 4 + 4 + 4)
+    logits = min(n_tok, shape.logit_rows or n_tok) * v * (s + 4 + 4 + 4)
     # The backward pass of one layer holds the gradients of its activations (float32).
     backward = n_tok * (2 * h + 3 * m) * 4
     train_act = layers * per_layer + lora_inputs + logits + backward

@@ -13,7 +13,11 @@ and plain LoRA adapters; any other model gets its own forward pass and loss. The
 rows are padded with zeros to a multiple of :data:`ROWS` (their logits dropped before the
 loss): the scored count changes batch by batch, and under autocast each new matmul shape
 leaves a kernel in torch's CPU backend, which grew a 100-client round's memory (padding
-changes no number: tested to the bit).
+changes no number: tested to the bit). The head and its loss run :data:`CHUNK` rows at a
+time, each chunk's gradient taken as it is computed (:class:`_ChunkedHeadLoss`): the logits of a
+whole batch (and their float32 copy, log-probabilities and gradients, about 250 MB for 450
+scored tokens of SmolLM2) were the largest memory of a training step; a chunk's are a seventh
+of that, for the same loss and gradients to the bit (tested).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ IGNORE = -100
 
 ROWS = 32
 """The head's row count is a multiple of this (padding rows of zeros, whose logits are dropped)."""
+
+CHUNK = 64
+"""Scored rows whose logits exist at a time (a multiple of :data:`ROWS`)."""
 
 PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"})
 """``config.model_type`` of architectures whose logits are ``lm_head(last hidden state)``."""
@@ -57,13 +64,59 @@ def response_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor
     targets = batch["labels"][:, 1:]  # position t predicts token t + 1
     keep = targets != IGNORE
     rows = hidden[:, :-1][keep]  # [N, H], N scored tokens
-    n = rows.shape[0]
-    # The head sees N rounded up to a multiple of ROWS: every distinct matmul shape under
-    # autocast leaves a kernel behind in torch's CPU backend, and N differs batch by batch.
-    rows = torch.cat([rows, rows.new_zeros(-n % ROWS, rows.shape[1])])
-    logits = hf.get_output_embeddings()(rows)[:n]  # [N, V]
-    loss = F.cross_entropy(logits.float(), targets[keep])  # every kept target is scored
+    head = hf.get_output_embeddings()
+    loss = _ChunkedHeadLoss.apply(rows, targets[keep], head)  # every kept target is scored
     return loss, CausalLMOutputWithPast(loss=loss)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """``cross_entropy(head(rows).float(), targets)``, its gradient taken chunk by chunk.
+
+    The loss is the last operation of a training step, so each chunk's gradient can be taken
+    in the forward pass, as ``cross_entropy``'s backward would give it for an output gradient
+    of 1, and only the rows' gradient (``[N, H]``) kept: no ``[N, V]`` tensor outlives its
+    chunk. The backward multiplies it by the output gradient it gets (exact for 1, the
+    plain ``loss.backward()``; a scaled loss rounds once more than the unchunked loss did).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, targets: Tensor, head: nn.Module) -> Tensor:
+        """The mean cross-entropy of ``rows`` (``[N, H]``) against ``targets`` (``[N]``)."""
+        n = rows.shape[0]
+        train = rows.requires_grad
+        # what nll_loss's mean backward writes at each target for an output gradient of 1
+        grad_at_target = -(torch.ones((), device=rows.device) / n)
+        picked, grads = [], []
+        for start in range(0, n, CHUNK):
+            part = rows[start : start + CHUNK].detach().requires_grad_(train)
+            with torch.enable_grad():
+                logp = _log_probs(head, part)  # [k, V]
+                pick = logp.gather(1, targets[start : start + CHUNK, None])  # [k, 1]
+                if train:
+                    grads += torch.autograd.grad(pick, part, grad_at_target.expand_as(pick))
+            picked.append(pick.detach())
+        if train:
+            ctx.save_for_backward(torch.cat(grads))
+        # nll_loss over the picked log-probabilities sums them as it would over the full rows
+        return F.nll_loss(torch.cat(picked), targets.new_zeros(n))
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor, None, None]:
+        """The rows' gradient, scaled by the loss's gradient."""
+        (grad_rows,) = ctx.saved_tensors
+        return grad_rows * grad_loss, None, None
+
+
+def _log_probs(head: nn.Module, rows: Tensor) -> Tensor:
+    """float32 log-softmax of ``head(rows)`` (``[k, V]``), the head fed ROWS-padded rows.
+
+    Every distinct matmul shape under autocast leaves a kernel behind in torch's CPU backend,
+    and the last chunk's row count differs batch by batch: rounding it up to a multiple of
+    :data:`ROWS` keeps the shapes few.
+    """
+    k = rows.shape[0]
+    padded = torch.cat([rows, rows.new_zeros(-k % ROWS, rows.shape[1])])
+    return F.log_softmax(head(padded)[:k].float(), dim=-1)
 
 
 def _plain_head_model(model: nn.Module) -> Any:
@@ -74,9 +127,11 @@ def _plain_head_model(model: nn.Module) -> Any:
         if peft_cfg is None or peft_cfg.is_prompt_learning:
             return None
         hf = hf.get_base_model()
-    config = getattr(hf, "config", None)
+    return hf if plain_head(getattr(hf, "config", None)) else None
+
+
+def plain_head(config: Any) -> bool:
+    """Whether a model of this config gets its loss here (logits = head(last hidden state))."""
     if getattr(config, "model_type", None) not in PLAIN_HEAD_TYPES:
-        return None
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        return None
-    return hf
+        return False
+    return getattr(config, "final_logit_softcapping", None) is None

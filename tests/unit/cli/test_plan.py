@@ -60,7 +60,9 @@ def test_activations_grow_with_the_batch_and_quantisation_shrinks_the_weights(tm
     big = make_config(PLAN, tmp_path)
     big["train"]["batch_size"] = 4
     double = make_plan(load_config(big))
-    assert double.client.parts["activations"] == 2 * small.client.parts["activations"]
+    # the layers' activations double; the head's logits exist a chunk of rows at a time
+    assert small.client.parts["activations"] < double.client.parts["activations"]
+    assert double.client.parts["activations"] < 2 * small.client.parts["activations"]
     assert double.client.parts["weights"] == small.client.parts["weights"]
     from fedfm.plan import _llm_shape, _weight_bytes
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,52 @@ def test_the_heads_padding_rows_change_no_number(monkeypatch: pytest.MonkeyPatch
     assert int((batch["labels"][:, 1:] != -100).sum()) % 32 != 0
     assert torch.equal(padded, exact)
     assert all(torch.equal(g_padded[n], g_exact[n]) for n in g_exact)
+
+
+def test_the_head_in_chunks_changes_no_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _lora("llama")
+    batch = _batch(model.config.vocab_size)
+
+    def step(chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        monkeypatch.setattr(lm_loss, "CHUNK", chunk)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = response_loss(model, batch)
+        return loss.detach(), _grads(model, loss)
+
+    (chunked, g_chunked), (whole, g_whole) = step(5), step(10**6)  # 18 rows: 4 chunks, 1
+    assert torch.equal(chunked, whole)
+    assert all(torch.equal(g_chunked[n], g_whole[n]) for n in g_whole) and g_whole
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        scored, _ = response_loss(model, batch)  # evaluation: no gradient taken
+    assert torch.equal(scored, whole)
+
+
+def test_a_scaled_loss_scales_the_chunked_heads_gradients() -> None:
+    model = _lora("llama")
+    batch = _batch(model.config.vocab_size)
+    g_one = _grads(model, response_loss(model, batch)[0])
+    g_half = _grads(model, response_loss(model, batch)[0] * 0.5)
+    for name in g_one:
+        torch.testing.assert_close(g_half[name], g_one[name] * 0.5, rtol=1e-6, atol=1e-9)
+
+
+def test_no_logits_are_kept_for_the_backward_pass() -> None:
+    model = _lora("llama")
+    vocab = model.config.vocab_size
+    batch = _batch(vocab)
+    saved: list[weakref.ref[torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = response_loss(model, batch)
+    alive = [r() for r in saved]
+    wide = [t for t in alive if t is not None and t.dim() == 2 and t.shape[-1] == vocab]
+    assert not wide  # the unchunked loss keeps its [N, V] log-softmax until the backward
+    assert any(t is not None and t.shape[-1] == model.config.hidden_size for t in alive)
+    loss.backward()
 
 
 def test_a_model_without_a_plain_head_gets_its_own_forward() -> None:
