@@ -25,6 +25,7 @@ import torch
 from fedfm.errors import ConfigError
 from fedfm.models.causal_lm import TINY_MODELS, LMBundle
 from fedfm.models.encoders import Encoder, lm_encoder, register_encoder
+from fedfm.models.gated_mlp import fuse_gated_mlps
 from fedfm.models.lora import active_adapters, set_active, trainable_adapters
 from fedfm.models.registry import build_model
 
@@ -106,6 +107,7 @@ def shared_lm(
         if quantization is None:  # a quantised model keeps the dtypes bitsandbytes chose
             # Built on the CPU; in place (transformers types .to narrowly).
             torch.nn.Module.to(bundle.model, device=device, dtype=getattr(torch, dtype))
+        fuse_gated_mlps(bundle.model)  # the same gradients, a third less MLP memory
         _SHARED[key] = SharedLM(bundle)
     return _SHARED[key]
 

@@ -18,6 +18,7 @@ from torch import nn
 from fedfm.models import lm_loss
 from fedfm.models.cast_once import CAST_ATTR, cast_frozen_linears, release_file_weights
 from fedfm.models.causal_lm import tiny_causal_lm
+from fedfm.models.gated_mlp import fuse_gated_mlps
 from fedfm.models.lm_loss import response_loss
 
 
@@ -119,6 +120,41 @@ def test_no_logits_are_kept_for_the_backward_pass() -> None:
     assert not wide  # the unchunked loss keeps its [N, V] log-softmax until the backward
     assert any(t is not None and t.shape[-1] == model.config.hidden_size for t in alive)
     loss.backward()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_gated_mlp_keeping_two_activations_changes_no_number(arch: str, autocast: bool) -> None:
+    plain = _lora(arch)
+    fused = copy.deepcopy(plain)
+    assert fuse_gated_mlps(fused) == 2 and fuse_gated_mlps(fused) == 0  # once per layer
+    batch = _batch(plain.config.vocab_size)
+
+    def step(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, _ = response_loss(model, batch)
+        return loss.detach(), _grads(model, loss)
+
+    (a, g_a), (b, g_b) = step(plain), step(fused)
+    assert torch.equal(a, b)
+    assert set(g_a) == set(g_b) and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
+
+
+def test_the_fused_mlp_keeps_no_activation_of_the_gate() -> None:
+    fused = _lora("llama")
+    fuse_gated_mlps(fused)
+    ids = torch.randint(0, fused.config.vocab_size, (2, 8))
+    kept: list[torch.Size] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fused(input_ids=ids).logits.sum()
+    out.backward()
+    wide = [s for s in kept if s == (2, 8, fused.config.intermediate_size)]
+    assert len(wide) == 2 * 2  # gate(x) and up(x) per layer: the activation is recomputed
 
 
 def test_a_model_without_a_plain_head_gets_its_own_forward() -> None:
