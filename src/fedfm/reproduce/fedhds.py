@@ -128,11 +128,18 @@ QUICK = Grid(60, 60, 20, 2, seeds=(0,), **BASE_LM)
 # (FedIT's first seed) costs its row-steps: rounds x 5 clients x rows each. In the earlier grid
 # (5 domains of 120 rows) FedIT took 2,001 CPU s with two evaluations and 1,669 with one: an
 # evaluation about 330 s, and about 1.43 CPU s a row-step at batch 1. These rows are 1.44x as
-# long in tokens (166.5 against 115.6, capped at 256), so about 2.06 s a row-step. 198 rows
-# (66 of each trained domain, about 20 a client) give 990 row-steps, about 2,040 CPU s, and two
-# evaluations of about 380 s (16 more seen items generated): about 47 CPU min. Seen items of
-# the Alpaca domains are generated to the GSM8K budget (secondary scores).
-FULL = Grid(66, 90, 30, 10, clients=10, fraction=0.5, seen_tokens=160, **BASE_LM)
+# long in tokens (166.5 against 115.6, capped at 256), so about 2.06 s a row-step. Seen items
+# of the Alpaca domains are generated to the GSM8K budget (secondary scores).
+# The grid of 66 rows a domain (about 20 a client, 10 rounds) selected nothing in any round:
+# 0.7 clusters a client, 3.5 centroids a round, no global cluster (docs/fedhds.md). The server's
+# HDBSCAN (min_cluster_size 2) over m centroids finds a global cluster with probability 0.32 at
+# m = 9, 0.86 at 16, 0.98 at 24 (Gaussian clouds, 200 draws each); the one-round pilot above
+# with clients of about 60 rows had 32 centroids and 6 global clusters (2.1% of the rows, about
+# 6 a round). So 200 rows a domain (about 60 a client) for 5 rounds: about 30 selected rows in
+# all, and the probe (FedHDS's first round, in the pilot) stops the main grid below
+# MIN_CORESET. FedIT: 5 rounds x 5 clients x 60 rows = 1,500 row-steps, about 3,090 CPU s, plus
+# two evaluations: about 64 CPU min, the pilot command's length.
+FULL = Grid(200, 90, 30, 5, clients=10, fraction=0.5, seen_tokens=160, **BASE_LM)
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,8 @@ class Method:
 
     One method: its job name ``key`` (``<key>-s<seed>`` after the first seed), its ``algo``
     overrides; whether it runs every seed (else the first), uses the Turbo feature model, and
-    is ``scored`` (else one item per domain: a run kept for its data fraction only).
+    is ``scored`` (else one item per domain: a run kept for its data fraction only), and its
+    ``rounds`` (None: the grid's).
     """
 
     key: str
@@ -150,6 +158,7 @@ class Method:
     seeds: bool = False
     turbo: bool = False
     scored: bool = True
+    rounds: int | None = None
 
 
 # sklearn's HDBSCAN counted the point itself in min_samples (= min_cluster_size 2): one
@@ -163,6 +172,11 @@ METHODS = (
     Method("count", "FedHDS, min_samples as before the fix", BEFORE, scored=False),
 )
 REFERENCE = "fedit"
+PROBE = Method("probe", "FedHDS's first round", {"selection": "hierarchical"}, scored=False, rounds=1)
+"""Part of the pilot: FedHDS's first round alone (its selection; one item a domain scored)."""
+MIN_CORESET = 20
+"""Rows FedHDS must be on course to train on over the grid's rounds (the probe's first round's
+coreset times the rounds) for its claims to be testable: fewer, and FedHDS is nearly the base."""
 PAPER_MARGIN = 0.3182 - 0.3141
 """The paper's FedHDS − Random margin (Table 2, Rouge-L as a fraction): what R2 must resolve."""
 
@@ -211,7 +225,8 @@ def job_config(method: Method, grid: Grid, seed: int) -> dict[str, Any]:
     if method.turbo:
         algo.update(feature_model=grid.turbo_model, feature_model_args=dict(grid.turbo_args))
     cfg = merge(cfg, {"clients": {"fraction": grid.fraction}, "algo": algo})
-    cfg.update(seed=seed, rounds=grid.rounds, eval_every=grid.rounds, plots=False)
+    rounds = method.rounds or grid.rounds
+    cfg.update(seed=seed, rounds=rounds, eval_every=rounds, plots=False)
     # Round 0, the untrained base, once.
     cfg["eval_before"] = method.key == REFERENCE and seed == grid.seeds[0]
     return cfg
@@ -242,13 +257,31 @@ def pilot_holds(grid: Grid, fedit: RunView) -> bool:
     return verdict(premise(grid, fedit), +1) == IN_DIRECTION
 
 
+def on_course(grid: Grid, probe: RunView) -> float:
+    """Rows FedHDS is on course to select over the grid's rounds (the probe's round x rounds)."""
+    return float(probe.finish.get("total_coreset", 0.0)) * grid.rounds
+
+
 def _after_pilot(build: Any, grid: Grid, needs: Mapping[str, RunView]) -> Mapping[str, Any]:
-    """A main run's config (``build`` of the needs), once the pilot holds (else Unmet)."""
+    """A main run's config (``build`` of the needs), once the pilot holds (else Unmet).
+
+    FedHDS's runs (and Random, Turbo) also need the probe to be on course for
+    :data:`MIN_CORESET` rows.
+    """
     if grid.gated and not pilot_holds(grid, needs[REFERENCE]):
         est = premise(grid, needs[REFERENCE]).fmt(signed=True)
         raise Unmet(
             f"the pilot does not resolve FedIT above the base on the held-out task ({est}):"
             " the base does not need this instruction data, and selecting it tests nothing"
+        )
+    probe = needs.get(PROBE.key)
+    if grid.gated and probe is not None and on_course(grid, probe) < MIN_CORESET:
+        stats = _selection_stats(probe)
+        raise Unmet(
+            f"FedHDS's selection is on course for {on_course(grid, probe):.0f} rows over"
+            f" {grid.rounds} rounds (its first round: {stats.get('centroids per round', 0):.0f}"
+            f" centroids, {stats.get('global clusters per round', 0):.0f} global clusters),"
+            f" fewer than {MIN_CORESET}: its claims cannot be tested on clients this small"
         )
     return dict(build(needs) if callable(build) else build)
 
@@ -261,18 +294,19 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
     """
     grid = ctx.grid
     pilot = Run(REFERENCE, job_config(METHODS[0], grid, grid.seeds[0]), group=REFERENCE)
+    probe = Run(PROBE.key, job_config(PROBE, grid, grid.seeds[0]), group=PROBE.key)
     if ctx.pilot:
-        return [pilot]
-    out = [pilot]
+        return [pilot, probe]
+    out = [pilot, probe]
     for m in methods(grid):
+        selects = m.key not in (REFERENCE, "count")  # FedHDS, Turbo, Random need the probe
         for seed, name in runs_of(m, grid):
             if name == REFERENCE:
                 continue
+            needs: tuple[str, ...] = (REFERENCE, PROBE.key) if selects else (REFERENCE,)
+            build: Any = job_config(m, grid, seed)
             if m.key == "random":
-                build: Any = partial(_at_fedhds_fraction, m, grid, seed)
-                needs: tuple[str, ...] = (REFERENCE, "fedhds")
-            else:
-                build, needs = job_config(m, grid, seed), (REFERENCE,)
+                build, needs = partial(_at_fedhds_fraction, m, grid, seed), (*needs, "fedhds")
             out.append(Run(name, partial(_after_pilot, build, grid), needs, m.key))
     # Every scored method's first seed first: a study stopped early still has each readout.
     first = {n for m in methods(grid) if m.scored for _, n in runs_of(m, grid)[:1]}
@@ -285,6 +319,7 @@ class Results:
 
     runs: dict[str, RunView]
     grid: Grid
+    probe: RunView | None = None
 
     def of(self, key: str) -> list[RunView]:
         """The finished runs of a method, first seed first."""
@@ -306,7 +341,10 @@ def read(ctx: Context[Grid]) -> Results:
     """The finished runs of the grid."""
     names = [n for m in methods(ctx.grid) for _, n in runs_of(m, ctx.grid)]
     rounds = {n: (ctx.run(n).summary or {}).get("rounds") for n in names}
-    return Results({n: ctx.run(n) for n in names if rounds[n] == ctx.grid.rounds}, ctx.grid)
+    probe = ctx.run(PROBE.key)
+    done = (probe.summary or {}).get("rounds") == PROBE.rounds
+    runs = {n: ctx.run(n) for n in names if rounds[n] == ctx.grid.rounds}
+    return Results(runs, ctx.grid, probe if done else None)
 
 
 def heldout_nll(view: RunView, rnd: int | None = None) -> dict[str, float]:
@@ -579,7 +617,29 @@ def _pilot(res: Results) -> str:
     mode = "without its chat template (a base LM)" if grid.base_lm else "with its chat template"
     values = {"mode": mode, "trained": ", ".join(grid.trained), "heldout": grid.heldout}
     gate = TEXT("pilot-holds" if holds else "pilot-fails")
-    return TEXT("pilot", vars(grid), values, rows=rows, gate=gate)
+    return TEXT("pilot", vars(grid), values, rows=rows, gate=gate, probe=_probe(res))
+
+
+def _probe(res: Results) -> str:
+    """The pilot's second part: FedHDS's first round, what its selection found."""
+    probe, grid = res.probe, res.grid
+    if probe is None:
+        return TEXT("no-probe")
+    stats = _selection_stats(probe)
+    keys = ["rows per client", "clusters per client", "centroids per round"]
+    keys.append("global clusters per round")
+    coreset = float(probe.finish.get("total_coreset", 0.0))
+    cells = [num(stats.get(k), 1) for k in keys]
+    cells += [f"{coreset:.0f}", f"{on_course(grid, probe):.0f}"]
+    header = [*keys, "rows selected", f"on course for ({grid.rounds} rounds)"]
+    holds = on_course(grid, probe) >= MIN_CORESET
+    return TEXT(
+        "probe",
+        vars(grid),
+        min_coreset=MIN_CORESET,
+        table=table(header, [cells]),
+        gate=TEXT("probe-holds" if holds else "probe-fails", min_coreset=MIN_CORESET),
+    )
 
 
 def _instrument(res: Results) -> str:

@@ -75,7 +75,7 @@ def test_grid_holds_out_a_category_and_reports_the_measured_readouts(tmp_path: P
     assert f"| {_mean_se(d_pilot)} |" in r1
     ctx = open_study(study.STUDY, tmp_path, grid=GRID, command="cmd")
     text = run_study(study.STUDY, ctx, tmp_path / "r.md").read_text()
-    names = ["fedit", "fedit-s1", "fedhds", "fedhds-s1", "turbo", "random", "count"]
+    names = ["fedit", "probe", "fedit-s1", "fedhds", "fedhds-s1", "turbo", "random", "count"]
     record = json.loads((tmp_path / "study.json").read_text())
     assert sorted(record["jobs"]) == sorted(names)
     errors = {n: j.get("error") for n, j in record["jobs"].items() if j["status"] != "done"}
@@ -89,7 +89,13 @@ def test_grid_holds_out_a_category_and_reports_the_measured_readouts(tmp_path: P
     # Random ran after FedHDS, at the data fraction FedHDS measured.
     hds = _summary(tmp_path / "fedhds")
     assert cfgs["random"]["algo"]["random_budget"] == round(hds["finish"]["data_fraction"], 6)
-    assert record["jobs"]["random"]["needs"] == ["fedit", "fedhds"]
+    assert record["jobs"]["random"]["needs"] == ["fedit", "probe", "fedhds"]
+    assert record["jobs"]["fedit-s1"]["needs"] == ["fedit"]  # FedIT selects nothing
+    assert cfgs["probe"]["rounds"] == 1 and cfgs["fedhds"]["rounds"] == GRID.rounds
+    probe = study.RunView(tmp_path / "probe")
+    stats = study._selection_stats(probe)
+    row = f"| {stats['rows per client']:.1f} | {stats['clusters per client']:.1f} |"
+    assert row in page  # the probe's selection, in the pilot's page
     # Only the held-out domain is scored zero-shot, and no client trained on it.
     items = [
         json.loads(x) for x in (tmp_path / "fedit" / "eval_items.jsonl").read_text().splitlines()
@@ -134,7 +140,7 @@ def test_grid_holds_out_a_category_and_reports_the_measured_readouts(tmp_path: P
     again = open_study(study.STUDY, tmp_path, grid=GRID, command="cmd")
     run_study(study.STUDY, again, tmp_path / "r.md")
     record = json.loads((tmp_path / "study.json").read_text())
-    assert [i["ran"] for i in record["invocations"]] == [1, 6, 0]
+    assert [i["ran"] for i in record["invocations"]] == [2, 6, 0]
 
 
 def test_readouts_cannot_be_tested_when_fedhds_selected_no_row() -> None:
@@ -166,8 +172,9 @@ def test_the_full_grid_tunes_a_base_lm_on_open_ended_data_and_waits_for_its_pilo
         "math": 11, "alpaca_qa": 11, "alpaca_task": 11, "alpaca_creative": 90
     }  # fmt: skip
     assert task["domain_max_new_tokens"] == {"math": 160, "alpaca_qa": 160, "alpaca_task": 160}
-    # Rounds enough for the coresets: 10 rounds of 5 of 10 clients.
-    assert (cfg.rounds, cfg.partition["num_clients"], cfg.clients.fraction) == (10, 10, 0.5)
+    # Clients of about 60 rows, for HDBSCAN to find clusters: 5 rounds of 5 of 10 clients.
+    assert (cfg.rounds, cfg.partition["num_clients"], cfg.clients.fraction) == (5, 10, 0.5)
+    assert source["per_domain_train"] * 3 // 10 == 60
 
     class View:  # FedIT's items: round 0 (the base) and after training
         def __init__(self, gain: float) -> None:
@@ -185,3 +192,13 @@ def test_the_full_grid_tunes_a_base_lm_on_open_ended_data_and_waits_for_its_pilo
         study._after_pilot(build, study.FULL, needs)  # type: ignore[arg-type]
     got = study._after_pilot(build, study.FULL, {"fedit": View(0.05)})  # type: ignore[arg-type]
     assert got == build
+
+    class Probe:  # FedHDS's first round: its coreset, no selection log
+        def __init__(self, coreset: float) -> None:
+            self.finish, self.folder = {"total_coreset": coreset}, tmp_path
+
+    few = {"fedit": View(0.05), "probe": Probe(3.0)}  # 3 rows x 5 rounds = 15 < 20
+    with pytest.raises(study.Unmet, match="on course for 15 rows over 5 rounds"):
+        study._after_pilot(build, study.FULL, few)  # type: ignore[arg-type]
+    enough = {"fedit": View(0.05), "probe": Probe(4.0)}  # 20 rows
+    assert study._after_pilot(build, study.FULL, enough) == build  # type: ignore[arg-type]
