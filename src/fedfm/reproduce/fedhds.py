@@ -172,7 +172,7 @@ METHODS = (
     Method("count", "FedHDS, min_samples as before the fix", BEFORE, scored=False),
 )
 REFERENCE = "fedit"
-PROBE = Method("probe", "FedHDS's first round", {"selection": "hierarchical"}, scored=False, rounds=1)
+PROBE = Method("probe", "FedHDS's first round", METHODS[1].algo, scored=False, rounds=1)
 """Part of the pilot: FedHDS's first round alone (its selection; one item a domain scored)."""
 MIN_CORESET = 20
 """Rows FedHDS must be on course to train on over the grid's rounds (the probe's first round's
