@@ -60,24 +60,26 @@ class _GatedProduct(torch.autograd.Function):
         return grad_gate, grad_up, None
 
 
-def _forward(module: nn.Module, x: Tensor) -> Tensor:
+def _forward(module: Any, x: Tensor) -> Tensor:
     """``down(act(gate(x)) * up(x))`` with :class:`_GatedProduct` when a gradient is taken."""
     gate, up = module.gate_proj(x), module.up_proj(x)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return module.down_proj(_GatedProduct.apply(gate, up, module.act_fn))
-    return module.down_proj(module.act_fn(gate) * up)
+        out: Tensor = module.down_proj(_GatedProduct.apply(gate, up, module.act_fn))
+    else:
+        out = module.down_proj(module.act_fn(gate) * up)
+    return out
 
 
 def _expected_forward(self: Any, x: Tensor) -> Tensor:
     """The forward a class must have, to the bytecode (transformers' own expression)."""
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-    return down_proj  # type: ignore[no-any-return]
+    return down_proj
 
 
 def _gated_classes() -> tuple[type, ...]:
     """The classes of :data:`_CLASSES` this transformers has, with the expected forward."""
     want = _expected_forward.__code__
-    found = []
+    found: list[type] = []
     for name, cls_name in _CLASSES:
         try:
             module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -86,7 +88,7 @@ def _gated_classes() -> tuple[type, ...]:
         cls = getattr(module, cls_name, None)
         code = getattr(getattr(cls, "forward", None), "__code__", None)
         if code is not None and (code.co_code, code.co_names) == (want.co_code, want.co_names):
-            found.append(cls)
+            found.append(cls)  # type: ignore[arg-type]
     return tuple(found)
 
 

@@ -86,7 +86,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         train = rows.requires_grad
         # what nll_loss's mean backward writes at each target for an output gradient of 1
         grad_at_target = -(torch.ones((), device=rows.device) / n)
-        picked, grads = [], []
+        picked: list[Tensor] = []
+        grads: list[Tensor] = []
         for start in range(0, n, CHUNK):
             part = rows[start : start + CHUNK].detach().requires_grad_(train)
             with torch.enable_grad():
