@@ -23,7 +23,7 @@ from fedfm.core.messages import Message
 from fedfm.core.secret import SECRET
 from fedfm.errors import ConfigError
 from fedfm.runtime import run
-from fedfm.runtime.workers import WorkerFailed, side_by_side
+from fedfm.runtime.workers import MMAP_THRESHOLD, WorkerFailed, side_by_side
 from helpers import flower  # registers the toy task, test-two-phase, test-crashy
 from helpers.config import TINY_LLAMA, toy_config
 from helpers.runfiles import jsonl_rows, untimed_rows
@@ -168,6 +168,37 @@ def test_side_by_side_hands_results_on_in_order_and_kills_the_rest_when_closed()
     it = side_by_side([lambda: 0, lambda: os.kill(os.getpid(), signal.SIGSTOP)], 2, 1)
     assert next(it) == 0
     it.close()  # the stopped worker is killed and reaped, not left behind
+
+
+def _mapped_after_a_large_free() -> bool:
+    """Whether a 3 MiB block is mapped after a 20 MiB one was freed (glibc's mallinfo2)."""
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in ["a", "b", "c", "hblks", "hblkhd", "e", "f", "g", "h", "i"]
+        ]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Info
+    torch.empty(20 << 20, dtype=torch.uint8)  # freed at once: glibc raises its threshold to it
+    before = libc.mallinfo2().hblkhd
+    block = torch.empty(3 << 20, dtype=torch.uint8)
+    mapped = libc.mallinfo2().hblkhd - before >= 3 << 20
+    del block
+    return bool(mapped)
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="glibc")
+def test_a_worker_maps_its_large_allocations_where_the_server_takes_them_from_the_heap() -> None:
+    assert MMAP_THRESHOLD < 3 << 20
+    (in_worker,) = side_by_side([_mapped_after_a_large_free], workers=1, threads=1)
+    assert in_worker is True  # activations of a few MiB leave no holes in a worker's heap
+    pid = os.fork()  # a plain fork keeps glibc's own (dynamic) threshold
+    if pid == 0:
+        os._exit(0 if _mapped_after_a_large_free() is False else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 @pytest.mark.parametrize(
