@@ -25,7 +25,8 @@ backward pass through a frozen base with LoRA; ``N`` tokens of ``batch x max_len
 * adapters (float32), their gradients and the optimizer state (Adam: 2 tensors, SGD with
   momentum: 1, 8-bit Adam: 2 bytes per weight);
 * training activations per layer: the two norms' float32 inputs (``8 N h``), the attention's
-  query, key, value and output (``4 N h s``), the MLP's gate, up and activation (``3 N m s``),
+  query, key, value and output (``4 N h s``), the MLP's gate, up and activation (``3 N m s``;
+  ``2 N m s`` where :mod:`fedfm.models.gated_mlp` recomputes the activation),
   and each adapted linear layer's input (``N d_in s``, plus its dropout mask); then the logits
   (``N V`` in ``s``, their float32 copy, the saved log-softmax and its gradient: an upper
   bound, as only the scored positions get logits; for the architectures whose loss
@@ -324,6 +325,7 @@ class _Shape:
     adapted_inputs: int  # sum of the input widths of the adapted linear layers, all layers
     rank: int
     logit_rows: int | None  # rows whose logits a training step holds at once (None: all)
+    mlp_kept: int  # [N, intermediate] activations an MLP keeps for its backward pass
 
 
 def _llm_shape(task_cfg: Any) -> _Shape:
@@ -331,7 +333,7 @@ def _llm_shape(task_cfg: Any) -> _Shape:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from fedfm.models import lm_loss
+    from fedfm.models import gated_mlp, lm_loss
     from fedfm.models.causal_lm import causal_lm_config
     from fedfm.models.lora import add_adapters
 
@@ -366,6 +368,7 @@ def _llm_shape(task_cfg: Any) -> _Shape:
         adapted_inputs=adapted,
         rank=task_cfg.lora.r,
         logit_rows=lm_loss.CHUNK if lm_loss.plain_head(config) else None,
+        mlp_kept=2 if any(isinstance(m, gated_mlp.gated_classes()) for m in model.modules()) else 3,
     )
 
 
@@ -397,7 +400,7 @@ def _llm_sides(cfg: RunConfig, task_cfg: Any, n_clients: int) -> tuple[Side, Sid
     h, m, layers, v = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     n_tok = cfg.train.batch_size * task_cfg.prompt.max_length
     dropout_mask = 1 if task_cfg.lora.dropout > 0 else 0
-    per_layer = n_tok * (8 * h + 4 * h * s + 3 * m * s)
+    per_layer = n_tok * (8 * h + 4 * h * s + shape.mlp_kept * m * s)
     lora_inputs = n_tok * (shape.adapted_inputs * (s + dropout_mask) + 2 * shape.rank * s)
     logits = min(n_tok, shape.logit_rows or n_tok) * v * (s + 4 + 4 + 4)
     # The backward pass of one layer holds the gradients of its activations (float32).

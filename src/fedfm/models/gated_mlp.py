@@ -76,7 +76,7 @@ def _expected_forward(self: Any, x: Tensor) -> Tensor:
     return down_proj
 
 
-def _gated_classes() -> tuple[type, ...]:
+def gated_classes() -> tuple[type, ...]:
     """The classes of :data:`_CLASSES` this transformers has, with the expected forward."""
     want = _expected_forward.__code__
     found: list[type] = []
@@ -95,10 +95,10 @@ def _gated_classes() -> tuple[type, ...]:
 def fuse_gated_mlps(model: nn.Module) -> int:
     """Gives every gated MLP of ``model`` the forward of this module; returns how many.
 
-    Only modules of a checked class (:func:`_gated_classes`); calling it again changes
+    Only modules of a checked class (:func:`gated_classes`); calling it again changes
     nothing. The modules keep their class and parameters (state dicts are unchanged).
     """
-    classes = _gated_classes()
+    classes = gated_classes()
     count = 0
     for module in model.modules():
         if isinstance(module, classes) and not getattr(module, FUSED_ATTR, False):

@@ -232,8 +232,12 @@ def test_the_plan_counts_each_workers_training_memory_and_auto_fits_them(
     assert plan.fit_workers(8, 100, 350) == 3 and plan.fit_workers(2, 100, 10**6) == 2
     assert plan.fit_workers(8, 100, 50) == 1  # one client at a time always runs
     monkeypatch.setattr(plan, "_rss", lambda: 0)  # no measured data: equal plans
+    # batches of 16: three workers' training memory above one evaluation's (the branch tested)
+    big = {"train": {"batch_size": 16}}
     made = {
-        p: plan.make_plan(load_config(make_config(INSTRUCTION, tmp_path, clients={"parallel": p})))
+        p: plan.make_plan(
+            load_config(make_config(INSTRUCTION, tmp_path, clients={"parallel": p}, **big))
+        )
         for p in (1, 3)
     }
     one, three = made[1], made[3]
@@ -246,7 +250,7 @@ def test_the_plan_counts_each_workers_training_memory_and_auto_fits_them(
     assert "3 trained at once in worker processes" in three.summary()
     # auto: as many workers as cores and sampled clients, no more than the memory holds.
     monkeypatch.setattr(devices, "cores", lambda: 16)
-    auto = load_config(make_config(INSTRUCTION, tmp_path, clients={"parallel": "auto"}))
+    auto = load_config(make_config(INSTRUCTION, tmp_path, clients={"parallel": "auto"}, **big))
     assert plan.make_plan(auto).workers == 3  # three sampled clients (one per domain)
     free = base + 2 * training + training // 2
     monkeypatch.setattr(devices, "memory_available", lambda device: free)
