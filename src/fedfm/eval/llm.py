@@ -60,6 +60,7 @@ from fedfm.models.generation import (
     pad_id_of,
     unwrap_bundle,
 )
+from fedfm.models.lm_loss import label_scores
 from fedfm.registry import Registry
 
 ChoiceNorm = Literal["none", "bytes", "token_mean"]
@@ -77,7 +78,7 @@ def _token_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
     Returns:
         ``(batch, seq - 1)`` float32 tensor aligned with ``labels[:, 1:]``.
     """
-    return _picked(*_logits_labels(model, batch))
+    return _token_scores(model, batch)[0]
 
 
 def _token_scores(
@@ -90,9 +91,16 @@ def _token_scores(
         is a label token that is the argmax of its position's logits (ties: the first index,
         as ``torch.argmax``), False where the label is ``-100``.
     """
+    device = model_device(model)
+    fast = label_scores(model, {k: v.to(device) for k, v in batch.items() if k in _FIELDS})
+    if fast is not None:  # the head on the labelled positions only
+        return fast
     logits, labels = _logits_labels(model, batch)
     hits = (logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)
     return _picked(logits, labels), hits
+
+
+_FIELDS = ("input_ids", "attention_mask", "labels")
 
 
 def _logits_labels(

@@ -108,6 +108,54 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_rows * grad_loss, None, None
 
 
+def label_scores(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+    """Each label token's log-probability and whether it is the top-1 prediction; or None.
+
+    The head is applied to the labelled positions only, :data:`CHUNK` rows at a time (scoring
+    needs no logits elsewhere): the same numbers as the full logits' ``log_softmax`` and
+    ``argmax`` (tested), without a ``[B, T, V]`` tensor. None where :func:`response_loss`
+    would take the model's own forward pass (the caller then does too).
+
+    Args:
+        model: A causal LM, bare or a ``PeftModel`` with LoRA adapters.
+        batch: ``input_ids``, ``attention_mask`` and ``labels`` (``[B, T]``, on the model's
+            device), labels -100 where nothing is scored.
+
+    Returns:
+        ``(logprobs, hits)``, each ``[B, T - 1]`` aligned with ``labels[:, 1:]``: float32 (0
+        where unlabelled) and bool (False where unlabelled; ties: the first index).
+    """
+    hf = _plain_head_model(model)
+    if hf is None:
+        return None
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    hidden = hf.get_decoder()(**inputs, use_cache=False).last_hidden_state  # [B, T, H]
+    targets = batch["labels"][:, 1:]
+    keep = targets != IGNORE
+    rows, wanted = hidden[:, :-1][keep], targets[keep]  # [N, H], [N]
+    head = hf.get_output_embeddings()
+    picked: list[Tensor] = []
+    hits: list[Tensor] = []
+    for start in range(0, rows.shape[0], CHUNK):
+        part, want = rows[start : start + CHUNK], wanted[start : start + CHUNK, None]
+        logits = _logits(head, part)  # [k, V]
+        hits.append(logits.argmax(-1) == want[:, 0])
+        picked.append(F.log_softmax(logits.float(), dim=-1).gather(1, want)[:, 0])
+    logp = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+    hit = torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
+    if picked:
+        logp[keep], hit[keep] = torch.cat(picked), torch.cat(hits)
+    return logp, hit
+
+
+def _logits(head: nn.Module, rows: Tensor) -> Tensor:
+    """``head(rows)`` (``[k, V]``), the head fed ROWS-padded rows (see :func:`_log_probs`)."""
+    k = rows.shape[0]
+    padded = torch.cat([rows, rows.new_zeros(-k % ROWS, rows.shape[1])])
+    out: Tensor = head(padded)[:k]
+    return out
+
+
 def _log_probs(head: nn.Module, rows: Tensor) -> Tensor:
     """float32 log-softmax of ``head(rows)`` (``[k, V]``), the head fed ROWS-padded rows.
 
@@ -115,9 +163,7 @@ def _log_probs(head: nn.Module, rows: Tensor) -> Tensor:
     and the last chunk's row count differs batch by batch: rounding it up to a multiple of
     :data:`ROWS` keeps the shapes few.
     """
-    k = rows.shape[0]
-    padded = torch.cat([rows, rows.new_zeros(-k % ROWS, rows.shape[1])])
-    return F.log_softmax(head(padded)[:k].float(), dim=-1)
+    return F.log_softmax(_logits(head, rows).float(), dim=-1)
 
 
 def _plain_head_model(model: nn.Module) -> Any:

@@ -157,6 +157,28 @@ def test_the_fused_mlp_keeps_no_activation_of_the_gate() -> None:
     assert len(wide) == 2 * 2  # gate(x) and up(x) per layer: the activation is recomputed
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_label_scores_equal_the_full_logits_log_softmax_and_argmax(arch: str) -> None:
+    model = _lora(arch)
+    batch = _batch(model.config.vocab_size)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"].clone()
+        top = logits[:, :-1].argmax(-1)
+        labels[:, 1:][:, ::2] = torch.where(labels[:, 1:][:, ::2] == -100, -100, top[:, ::2])
+        batch["labels"] = labels  # every other label is the model's own top-1: hits to find
+        got = lm_loss.label_scores(model, batch)
+    assert got is not None
+    targets = labels[:, 1:]
+    keep = targets != -100
+    full = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, targets.clamp_min(0)[..., None])
+    assert torch.equal(got[0], torch.where(keep, full[..., 0], 0.0))
+    assert torch.equal(got[1], (top == targets) & keep) and got[1].any() and not got[1].all()
+    base: Any = model.get_base_model()
+    base.config.model_type = "unknown"
+    assert lm_loss.label_scores(model, batch) is None  # the caller takes the full logits
+
+
 def test_a_model_without_a_plain_head_gets_its_own_forward() -> None:
     model = _lora("llama")
     base: Any = model.get_base_model()
