@@ -33,7 +33,8 @@ backward pass through a frozen base with LoRA; ``N`` tokens of ``batch x max_len
   :mod:`fedfm.models.lm_loss` computes, ``N`` is at most its chunk of rows) and, while one
   layer's backward runs, the float32 gradients of its activations (``N (2h + 3m) 4``);
 * evaluation: scoring (perplexity, log-likelihood choices) keeps the logits of one batch of
-  ``eval_batch_size x max_length`` (in ``s``, float32, log-softmax); generation keeps the key /
+  ``eval_batch_size x max_length`` (in ``s``, float32, log-softmax; at most a chunk of rows
+  where :mod:`fedfm.models.lm_loss` scores the labels); generation keeps the key /
   value cache of ``eval_batch_size x (max_prompt_length + max_new_tokens)`` tokens;
 * the server: the global adapter, the running mean of the replies and the server optimizer's
   state; the client-state store: adapters kept per client (FedSDR's LoRA-S);
@@ -450,7 +451,8 @@ def _eval_bytes(task_cfg: Any, shape: _Shape, s: int) -> int:
     b = task_cfg.eval_batch_size
     t = task_cfg.prompt.max_length
     scoring = task_cfg.eval_ppl or task_cfg.choice_mode == "loglik"
-    logits = b * t * shape.vocab * (s + 4 + 4) if scoring else 0
+    rows = min(b * t, shape.logit_rows or b * t)  # the labelled positions, a chunk at a time
+    logits = rows * shape.vocab * (s + 4 + 4) if scoring else 0
     tokens = task_cfg.prompt.max_prompt_length + task_cfg.max_new_tokens
     kv = b * tokens * shape.layers * 2 * shape.kv_dim * s
     layer = b * t * (6 * shape.hidden + 3 * shape.intermediate) * s  # one layer's transients
