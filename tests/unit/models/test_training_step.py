@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import weakref
 from pathlib import Path
@@ -60,16 +61,20 @@ def test_the_head_on_scored_positions_gives_the_models_own_loss_and_gradients(ar
         torch.testing.assert_close(g_ours[name], g_theirs[name], rtol=1e-5, atol=1e-7)
 
 
+def _step_with(
+    monkeypatch: pytest.MonkeyPatch, setting: str, value: int, model: nn.Module, batch: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A bfloat16 step's loss and gradients with ``lm_loss.<setting>`` set to ``value``."""
+    monkeypatch.setattr(lm_loss, setting, value)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = response_loss(model, batch)
+    return loss.detach(), _grads(model, loss)
+
+
 def test_the_heads_padding_rows_change_no_number(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _lora("llama")
     batch = _batch(model.config.vocab_size)
-
-    def step(rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        monkeypatch.setattr(lm_loss, "ROWS", rows)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = response_loss(model, batch)
-        return loss.detach(), _grads(model, loss)
-
+    step = functools.partial(_step_with, monkeypatch, "ROWS", model=model, batch=batch)
     (padded, g_padded), (exact, g_exact) = step(32), step(1)  # 18 scored rows: 14 of padding
     assert int((batch["labels"][:, 1:] != -100).sum()) % 32 != 0
     assert torch.equal(padded, exact)
@@ -79,13 +84,7 @@ def test_the_heads_padding_rows_change_no_number(monkeypatch: pytest.MonkeyPatch
 def test_the_head_in_chunks_changes_no_number(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _lora("llama")
     batch = _batch(model.config.vocab_size)
-
-    def step(chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        monkeypatch.setattr(lm_loss, "CHUNK", chunk)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = response_loss(model, batch)
-        return loss.detach(), _grads(model, loss)
-
+    step = functools.partial(_step_with, monkeypatch, "CHUNK", model=model, batch=batch)
     (chunked, g_chunked), (whole, g_whole) = step(5), step(10**6)  # 18 rows: 4 chunks, 1
     assert torch.equal(chunked, whole)
     assert all(torch.equal(g_chunked[n], g_whole[n]) for n in g_whole) and g_whole
