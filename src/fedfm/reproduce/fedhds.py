@@ -265,8 +265,7 @@ def on_course(grid: Grid, probe: RunView) -> float:
 def _after_pilot(build: Any, grid: Grid, needs: Mapping[str, RunView]) -> Mapping[str, Any]:
     """A main run's config (``build`` of the needs), once the pilot holds (else Unmet).
 
-    FedHDS's runs (and Random, Turbo) also need the probe to be on course for
-    :data:`MIN_CORESET` rows.
+    Every main run also needs the probe to be on course for :data:`MIN_CORESET` rows.
     """
     if grid.gated and not pilot_holds(grid, needs[REFERENCE]):
         est = premise(grid, needs[REFERENCE]).fmt(signed=True)
@@ -299,11 +298,12 @@ def jobs(ctx: Context[Grid]) -> list[Run]:
         return [pilot, probe]
     out = [pilot, probe]
     for m in methods(grid):
-        selects = m.key not in (REFERENCE, "count")  # FedHDS, Turbo, Random need the probe
         for seed, name in runs_of(m, grid):
             if name == REFERENCE:
                 continue
-            needs: tuple[str, ...] = (REFERENCE, PROBE.key) if selects else (REFERENCE,)
+            # every main run waits for both parts of the pilot: where FedHDS selects too
+            # little, FedIT's second seed and the count serve no readout either
+            needs: tuple[str, ...] = (REFERENCE, PROBE.key)
             build: Any = job_config(m, grid, seed)
             if m.key == "random":
                 build, needs = partial(_at_fedhds_fraction, m, grid, seed), (*needs, "fedhds")

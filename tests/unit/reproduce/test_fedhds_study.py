@@ -90,7 +90,7 @@ def test_grid_holds_out_a_category_and_reports_the_measured_readouts(tmp_path: P
     hds = _summary(tmp_path / "fedhds")
     assert cfgs["random"]["algo"]["random_budget"] == round(hds["finish"]["data_fraction"], 6)
     assert record["jobs"]["random"]["needs"] == ["fedit", "probe", "fedhds"]
-    assert record["jobs"]["fedit-s1"]["needs"] == ["fedit"]  # FedIT selects nothing
+    assert record["jobs"]["fedit-s1"]["needs"] == ["fedit", "probe"]  # the whole pilot
     assert cfgs["probe"]["rounds"] == 1 and cfgs["fedhds"]["rounds"] == GRID.rounds
     probe = study.RunView(tmp_path / "probe")
     stats = study._selection_stats(probe)
