@@ -65,14 +65,18 @@ def response_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor
     keep = targets != IGNORE
     rows = hidden[:, :-1][keep]  # [N, H], N scored tokens
     head = hf.get_output_embeddings()
-    loss = _ChunkedHeadLoss.apply(rows, targets[keep], head)  # every kept target is scored
+    if any(p.requires_grad for p in head.parameters()):  # a head that trains (LoRA on it)
+        loss = F.cross_entropy(_logits(head, rows).float(), targets[keep])  # autograd through it
+    else:
+        loss = _ChunkedHeadLoss.apply(rows, targets[keep], head)  # every kept target is scored
     return loss, CausalLMOutputWithPast(loss=loss)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """``cross_entropy(head(rows).float(), targets)``, its gradient taken chunk by chunk.
 
-    The loss is the last operation of a training step, so each chunk's gradient can be taken
+    For a frozen head only (its weights get no gradient here). The loss is the last
+    operation of a training step, so each chunk's gradient can be taken
     in the forward pass, as ``cross_entropy``'s backward would give it for an output gradient
     of 1, and only the rows' gradient (``[N, H]``) kept: no ``[N, V]`` tensor outlives its
     chunk. The backward multiplies it by the output gradient it gets (exact for 1, the

@@ -211,5 +211,5 @@ def test_reproduce_pilot_lists_only_the_studys_premise_pilot(tmp_path, monkeypat
     )
     assert code == 0, err
     jobs = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
-    assert jobs[1:] == ["fedit"]  # the header, then FedIT's first seed alone
+    assert jobs[1:] == ["fedit", "probe"]  # the header, FedIT's first seed, FedHDS's round
     assert not (tmp_path / "fedhds").exists()  # a dry run writes nothing

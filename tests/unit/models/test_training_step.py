@@ -23,10 +23,10 @@ from fedfm.models.gated_mlp import fuse_gated_mlps
 from fedfm.models.lm_loss import response_loss
 
 
-def _lora(arch: str) -> peft.PeftModel:
+def _lora(arch: str, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> peft.PeftModel:
     torch.manual_seed(0)
     base = tiny_causal_lm(arch, layers=2).model  # type: ignore[arg-type]
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets))
     return peft.get_peft_model(base, cfg)
 
 
@@ -47,9 +47,19 @@ def _grads(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
-def test_the_head_on_scored_positions_gives_the_models_own_loss_and_gradients(arch: str) -> None:
-    model = _lora(arch)
+@pytest.mark.parametrize(
+    ("arch", "targets"),
+    [
+        ("llama", ("q_proj", "v_proj")),
+        ("qwen2", ("q_proj", "v_proj")),
+        ("gemma", ("q_proj", "v_proj")),
+        ("llama", ("q_proj", "lm_head")),  # a head that trains gets its gradient too
+    ],
+)
+def test_the_head_on_scored_positions_gives_the_models_own_loss_and_gradients(
+    arch: str, targets: tuple[str, ...]
+) -> None:
+    model = _lora(arch, targets)
     batch = _batch(model.config.vocab_size)
     ours, out = response_loss(model, batch)
     assert out.logits is None  # the fast path ran
@@ -57,6 +67,7 @@ def test_the_head_on_scored_positions_gives_the_models_own_loss_and_gradients(ar
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     g_ours, g_theirs = _grads(model, ours), _grads(model, model(**batch).loss)
     assert set(g_ours) == set(g_theirs) and g_ours
+    assert all(any(t in name for name in g_ours) for t in targets)
     for name in g_ours:
         torch.testing.assert_close(g_ours[name], g_theirs[name], rtol=1e-5, atol=1e-7)
 

@@ -235,9 +235,9 @@ def test_dry_run_lists_the_jobs_and_estimates_from_measured_times(tmp_path, monk
     # Through the command line: the FedHDS quick grid, listed, nothing written.
     argv = ["reproduce", "fedhds", "--quick", "--dry-run", "--out", str(tmp_path / "r")]
     code, out, err = run_cli(argv, monkeypatch, capsys)
-    # The pilot (FedIT) first: every other job waits for it.
-    assert code == 0 and "| random | run | fedit, fedhds | after fedit" in out, err
-    assert "5 jobs, 0 done or skipped, 5 to run" in out and not (tmp_path / "r").exists()
+    # The pilot (FedIT and FedHDS's first round) first: every other job waits for it.
+    assert code == 0 and "| random | run | fedit, probe, fedhds | after fedit" in out, err
+    assert "6 jobs, 0 done or skipped, 6 to run" in out and not (tmp_path / "r").exists()
     assert run_cli(["reproduce", "fedhds", "--jobs", "0"], monkeypatch, capsys)[0] == 2
 
 
