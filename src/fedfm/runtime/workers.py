@@ -52,17 +52,26 @@ from fedfm.errors import FedfmError
 MMAP_THRESHOLD = 2 << 20
 """Bytes from which a worker's allocations are mapped, not taken from the heap."""
 
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
 def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fixes this process's ``mallopt`` mmap threshold; False where the C library has none."""
+    """Fixes this process's mmap threshold; False where the C library has none.
+
+    glibc serves a large block from the heap's free top before it maps one, and the server's
+    top may be tens of MiB (its trim threshold grows with the mmap threshold): the trim
+    threshold is fixed at twice the mmap threshold (glibc's own ratio) and the top trimmed.
+    """
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        mallopt, trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):  # not the GNU C library
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    trim.argtypes = [ctypes.c_size_t]
+    fixed = mallopt(_M_TRIM_THRESHOLD, 2 * threshold) and mallopt(_M_MMAP_THRESHOLD, threshold)
+    trim(0)
+    return bool(fixed)
 
 
 class WorkerFailed(FedfmError):
