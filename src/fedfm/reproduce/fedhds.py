@@ -131,9 +131,10 @@ QUICK = Grid(60, 60, 20, 2, seeds=(0,), **BASE_LM)
 # long in tokens (166.5 against 115.6, capped at 256), so about 2.06 s a row-step. Seen items
 # of the Alpaca domains are generated to the GSM8K budget (secondary scores).
 # The grid of 66 rows a domain (about 20 a client, 10 rounds) selected nothing in any round:
-# 0.7 clusters a client, 3.5 centroids a round, no global cluster (docs/fedhds-20-rows.md). The server's
-# HDBSCAN (min_cluster_size 2) over m centroids finds a global cluster with probability 0.32 at
-# m = 9, 0.86 at 16, 0.98 at 24 (Gaussian clouds, 200 draws each); the one-round pilot above
+# 0.7 clusters a client, 3.5 centroids a round, no global cluster (docs/fedhds-20-rows.md).
+# The server's HDBSCAN (min_cluster_size 2) over m centroids finds a global cluster with
+# probability 0.32 at m = 9, 0.86 at 16, 0.98 at 24 (Gaussian clouds, 200 draws each); the
+# one-round pilot above
 # with clients of about 60 rows had 32 centroids and 6 global clusters (2.1% of the rows, about
 # 6 a round). So 200 rows a domain (about 60 a client) for 5 rounds: about 30 selected rows in
 # all, and the probe (FedHDS's first round, in the pilot) stops the main grid below
