@@ -171,22 +171,21 @@ def test_side_by_side_hands_results_on_in_order_and_kills_the_rest_when_closed()
 
 
 def _mapped_after_a_large_free() -> bool:
-    """Whether a 3 MiB block is mapped after a 20 MiB one was freed (glibc's mallinfo2)."""
+    """Whether glibc maps a 3 MiB block after a 20 MiB one was freed (mallinfo2's count)."""
     import ctypes
 
     class Info(ctypes.Structure):
-        _fields_ = [
-            (n, ctypes.c_size_t)
-            for n in ["a", "b", "c", "hblks", "hblkhd", "e", "f", "g", "h", "i"]
-        ]
+        _fields_ = [(n, ctypes.c_size_t) for n in ["a", "b", "c", "d", "mapped", *"efghi"]]
 
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = Info
-    torch.empty(20 << 20, dtype=torch.uint8)  # freed at once: glibc raises its threshold to it
-    before = libc.mallinfo2().hblkhd
-    block = torch.empty(3 << 20, dtype=torch.uint8)
-    mapped = libc.mallinfo2().hblkhd - before >= 3 << 20
-    del block
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free(libc.malloc(20 << 20))  # glibc's own rule raises its threshold to this size
+    before = libc.mallinfo2().mapped
+    block = libc.malloc(3 << 20)
+    mapped = libc.mallinfo2().mapped - before >= 3 << 20
+    libc.free(block)
     return bool(mapped)
 
 
