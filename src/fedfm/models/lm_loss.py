@@ -153,7 +153,12 @@ def label_scores(model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor,
 
 
 def _logits(head: nn.Module, rows: Tensor) -> Tensor:
-    """``head(rows)`` (``[k, V]``), the head fed ROWS-padded rows (see :func:`_log_probs`)."""
+    """``head(rows)`` (``[k, V]``), the head fed ROWS-padded rows.
+
+    Every distinct matmul shape under autocast leaves a kernel behind in torch's CPU backend,
+    and the last chunk's row count differs batch by batch: rounding it up to a multiple of
+    :data:`ROWS` keeps the shapes few.
+    """
     k = rows.shape[0]
     padded = torch.cat([rows, rows.new_zeros(-k % ROWS, rows.shape[1])])
     out: Tensor = head(padded)[:k]
@@ -161,12 +166,7 @@ def _logits(head: nn.Module, rows: Tensor) -> Tensor:
 
 
 def _log_probs(head: nn.Module, rows: Tensor) -> Tensor:
-    """float32 log-softmax of ``head(rows)`` (``[k, V]``), the head fed ROWS-padded rows.
-
-    Every distinct matmul shape under autocast leaves a kernel behind in torch's CPU backend,
-    and the last chunk's row count differs batch by batch: rounding it up to a multiple of
-    :data:`ROWS` keeps the shapes few.
-    """
+    """float32 log-softmax of ``head(rows)`` (``[k, V]``, :func:`_logits`)."""
     return F.log_softmax(_logits(head, rows).float(), dim=-1)
 
 
