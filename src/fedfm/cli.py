@@ -187,11 +187,15 @@ def reproduce(
     pilot: Annotated[
         bool, typer.Option("--pilot", help="only the study's premise pilot (its first readout)")
     ] = False,
+    part: Annotated[
+        str | None,
+        typer.Option(help="only this part's jobs (a study too long for one command has parts)"),
+    ] = None,
 ) -> None:
     """Run a reproduction study and write its markdown report (readouts first)."""
     from fedfm.reproduce.framework import reproduce as run_study
 
-    result = run_study(study, out, quick, jobs, dry_run, report_dir, pilot)
+    result = run_study(study, out, quick, jobs, dry_run, report_dir, pilot, part)
     if isinstance(result, list):
         print("\n".join(result))
     else:

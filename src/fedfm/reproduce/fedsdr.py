@@ -75,6 +75,11 @@ LABELS = {
 }
 BASE = "base"  # FedIT's round-0 evaluation: the untrained model
 MODELS = ("base", "fedit", "fedsd", "fedsdr", PERSONAL, "matched")  # the rows of the tables
+# The study's commands: the pilot, then three parts (each under the 90-minute rule on 2 cores;
+# in one command the main grid's critical path, +FedSD, FedSDR, the personal scoring, is not).
+PARTS = ("pilot", "fedsd", "fedsdr", PERSONAL)
+PART_OF = {"fedit": "pilot", "fedsd": "fedsd", "fedsdr": "fedsdr", "matched": "fedsdr"}
+PART_OF[PERSONAL] = PERSONAL
 PERSONAL_ITEMS = "items.jsonl"  # the personal models' items, one line per client
 CORPUS = "c4_demo"
 PAPER_JS = (0.4074, 0.3611)
@@ -237,8 +242,8 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     """
     grid = ctx.grid
     pilot: list[Job] = [
-        Run("fedit", job_config(grid, "fedit"), group="train"),
-        Compute("lengths", measure_lengths, {"config": job_config(grid, "fedit")}),
+        Run("fedit", job_config(grid, "fedit"), group="train", part=PART_OF["fedit"]),
+        Compute("lengths", measure_lengths, {"config": job_config(grid, "fedit")}, part="pilot"),
     ]
     if ctx.pilot:
         return pilot
@@ -249,10 +254,10 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
     personal = {"config": job_config(grid, "fedsdr"), "rounds": grid.rounds}
     return [
         *pilot,
-        Run("fedsd", after("fedsd"), needs=("fedit",), group="train"),
-        Run("fedsdr", after("fedsdr"), needs=("fedit", "fedsd"), group="fedsdr"),
-        Compute(PERSONAL, score_personal, personal, needs=("fedsdr",)),
-        Run("matched", after("matched"), needs=("fedit", "fedsd"), group="train"),
+        Run("fedsd", after("fedsd"), needs=("fedit",), group="train", part=PART_OF["fedsd"]),
+        Run("fedsdr", after("fedsdr"), ("fedit", "fedsd"), "fedsdr", PART_OF["fedsdr"]),
+        Compute(PERSONAL, score_personal, personal, ("fedsdr",), part=PART_OF[PERSONAL]),
+        Run("matched", after("matched"), ("fedit", "fedsd"), "train", PART_OF["matched"]),
     ]
 
 
@@ -838,6 +843,13 @@ def _personal(res: Results) -> str | None:
     return TEXT("personal", clients=len(res.personal), own=own)
 
 
+def finish_commands(left: Sequence[str]) -> str:
+    """The commands that run the jobs ``left``, one per part, in the order they must run."""
+    parts = [p for p in PARTS if any(PART_OF[m] == p for m in left)]
+    flags = ["--pilot" if p == "pilot" else f"--part {p}" for p in parts]
+    return ", then ".join(f"`fedfm reproduce fedsdr {f}`" for f in flags)
+
+
 def _pilot_verdict(grid: Grid, res: Results) -> str:
     if "fedit" not in res.runs or not res.has(BASE):
         return TEXT("pilot-missing")
@@ -867,8 +879,10 @@ def body(ctx: Context[Grid], res: Results) -> str:
     computed = sorted({v.computed or "not recorded" for _, v in res.ran()})
     setup.update(local_optimizer=tr["optimizer"], lr=f"{grid.lr:g}")
     setup.update(computed=" and ".join(computed) or DASH)
-    missing = [f"`{m}`" for m in METHODS if m not in res.runs]
-    not_finished = TEXT("not-finished", missing=", ".join(missing), command=ctx.command)
+    left = [m for m in METHODS if m not in res.runs]
+    left += [PERSONAL] if "fedsdr" in res.runs and not res.personal else []
+    missing = [f"`{m}`" for m in left]
+    not_finished = TEXT("not-finished", missing=", ".join(missing), command=finish_commands(left))
     only_pilot = set(res.runs) <= {"fedit"}
     return TEXT(
         "body",

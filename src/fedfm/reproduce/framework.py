@@ -58,13 +58,15 @@ class Run:
 
     ``config`` is its config, or a function of the views of ``needs`` (by name) that builds it
     (raising :class:`Unmet`); the framework sets ``name``, ``out_dir`` and ``threads: 1``. Jobs of
-    one ``group`` cost about the same (``--dry-run`` estimates from them).
+    one ``group`` cost about the same (``--dry-run`` estimates from them); ``part``: the command
+    that runs it (``fedfm reproduce STUDY --part PART``), :data:`MAIN` by default.
     """
 
     name: str
     config: Mapping[str, Any] | ConfigFn
     needs: tuple[str, ...] = ()
     group: str = ""
+    part: str = ""
     kind: ClassVar[str] = "run"
 
 
@@ -82,10 +84,19 @@ class Compute:
     params: Mapping[str, Any] = field(default_factory=dict)
     needs: tuple[str, ...] = ()
     group: str = ""
+    part: str = ""
     kind: ClassVar[str] = "compute"
 
 
 Job = Run | Compute
+MAIN = "main"
+"""The part of a job that names none: a study too long for one command splits its main jobs
+into parts, each run by its own ``--part`` invocation (each under the 90-minute rule)."""
+
+
+def part_of(job: Job) -> str:
+    """The part a job belongs to (:data:`MAIN` where it names none)."""
+    return job.part or MAIN
 
 
 @cache
@@ -350,6 +361,7 @@ class Context(Generic[G]):
     command: str
     workers: int = 1
     pilot: bool = False  # only the study's premise pilot (its jobs list nothing else)
+    part: str | None = None  # only this part's jobs start (None: every job)
     report: Path | None = None
     done: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
@@ -565,6 +577,8 @@ def _ready(
         if job.name in ctx.done or job.name in ctx.failed or job.name in busy:
             continue
         step = _prepare(job, ctx)
+        if ctx.part is not None and part_of(job) != ctx.part and step.what != "done":
+            continue  # another part's job: its own command runs it
         if step.what == "done":
             ctx.done.add(job.name)
             if rec.jobs.get(job.name, {}).get("status") != "done":
@@ -710,7 +724,8 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
         if j.name in ctx.done and (wall := _wall_of(j.name, ctx)):
             groups.setdefault(j.group or j.kind, []).append(wall)
     every = [w for ws in groups.values() for w in ws]
-    lines = head(["job", "kind", "needs", "status", "estimate s"])
+    parted = len({part_of(j) for j in jobs}) > 1
+    lines = head(["job", "kind", "needs", *(["part"] if parted else []), "status", "estimate s"])
     left: list[float | None] = []
     for job in jobs:
         step = steps[job.name]
@@ -729,13 +744,17 @@ def dry_run(study: Study[Any, Any], ctx: Context[Any]) -> list[str]:
                 est = float(mine["wall_s"]) / int(mine["attempts"])
             elif same:
                 est = sum(same) / len(same)
-            left.append(est)
+            if ctx.part is None or part_of(job) == ctx.part:  # what this command runs
+                left.append(est)
         needs = ", ".join(job.needs) or DASH
-        lines.append(row([job.name, job.kind, needs, status, num(est, 0)]))
+        part = [part_of(job)] if parted else []
+        lines.append(row([job.name, job.kind, needs, *part, status, num(est, 0)]))
     known = [x for x in left if x is not None]
     total = sum(known) / max(1, min(ctx.workers, len(left)))
     unknown = len(left) - len(known)
     summary = f"{len(jobs)} jobs, {len(jobs) - len(left)} done or skipped, {len(left)} to run"
+    if ctx.part is not None:
+        summary = f"{len(jobs)} jobs, {len(left)} to run in part {ctx.part}"
     if known:
         summary += (
             f" with {ctx.workers} worker(s): about {total / 60:.1f} min from the times of the"
@@ -829,12 +848,15 @@ def open_study(
     workers: int | None = None,
     command: str | None = None,
     pilot: bool = False,
+    part: str | None = None,
 ) -> Context[Any]:
-    """The context of one invocation: ``out`` is the study folder itself; ``pilot``.
+    """The context of one invocation: ``out`` is the study folder itself.
 
-    Only the study's premise pilot runs (its main jobs are listed but not started).
+    ``pilot``: only the study's premise pilot runs (its main jobs are listed but not started);
+    ``part``: only the jobs of this part start.
     """
     flags = (" --quick" if quick else "") + (" --pilot" if pilot else "")
+    flags += f" --part {part}" if part is not None else ""
     return Context(
         study=study.name,
         grid=grid if grid is not None else (study.quick if quick else study.full),
@@ -843,7 +865,34 @@ def open_study(
         command=command or f"fedfm reproduce {study.name}{flags}",
         workers=workers or min(study.workers[1 if quick else 0], os.cpu_count() or 1),
         pilot=pilot,
+        part=part,
     )
+
+
+def check_part(study: Study[Any, Any], ctx: Context[Any]) -> None:
+    """Refuses a part the study does not have, or whose jobs need another part not yet run.
+
+    Raises:
+        ConfigError: naming the study's parts, or the command to run first.
+    """
+    if ctx.part is None:
+        return
+    jobs = _plan(study, ctx)
+    parts = list(dict.fromkeys(part_of(j) for j in jobs))
+    if ctx.pilot or ctx.part not in parts:
+        got = "--pilot with --part" if ctx.pilot else f"no part {ctx.part!r}"
+        raise ConfigError("part", f"study {study.name} has {got} (its parts: {', '.join(parts)})")
+    mine = [j for j in jobs if part_of(j) == ctx.part]
+    by_name = {j.name: j for j in jobs}
+    for job in mine:
+        for n in job.needs:
+            other = by_name[n]
+            if part_of(other) != ctx.part and _prepare(other, ctx).what != "done":
+                raise ConfigError(
+                    "part",
+                    f"{job.name} needs {n}, not finished: run `fedfm reproduce {study.name}"
+                    f" --part {part_of(other)}` first",
+                )
 
 
 def run_study(study: Study[Any, Any], ctx: Context[Any], report: Path | None = None) -> Path:
@@ -860,11 +909,13 @@ def reproduce(
     dry_run_only: bool = False,
     report_dir: Path | None = None,
     pilot: bool = False,
+    part: str | None = None,
 ) -> Path | list[str]:
     """``fedfm reproduce``: the study ``name`` in ``out/<name>[-quick]``.
 
     The report written or, with ``dry_run_only``, the job list; ``pilot``: only the study's premise
-    pilot. ConfigError: an unknown study, no worker.
+    pilot; ``part``: only the jobs of this part. ConfigError: an unknown study or part, a part
+    whose needs have not run, no worker.
     """
     load_studies()
     study = STUDIES.get(name)
@@ -872,7 +923,8 @@ def reproduce(
         raise ConfigError("jobs", f"must be at least 1, got {workers}")
     _offline()
     folder = Path(out) / (f"{name}-quick" if quick else name)
-    ctx = open_study(study, folder, quick, None, workers, pilot=pilot)
+    ctx = open_study(study, folder, quick, None, workers, pilot=pilot, part=part)
     if dry_run_only:
         return dry_run(study, ctx)
+    check_part(study, ctx)
     return run_study(study, ctx, report_path(study, ctx, report_dir))

@@ -759,3 +759,18 @@ def test_fedsd_has_one_key_and_fedsdr_reads_its_old_name(tmp_path: Path) -> None
             algo_of("fedsdr", bad)
     with pytest.raises(ConfigError, match="algo"):
         algo_of("fedavg", {"refinery": fedsd})  # the old name is FedSDR's only
+
+
+def test_the_commands_that_finish_the_study_follow_its_parts() -> None:
+    """One command per part still to run, in the order the parts must run."""
+    from fedfm.reproduce import fedsdr as study
+    from fedfm.reproduce.framework import open_study
+
+    assert study.finish_commands(["matched", study.PERSONAL]) == (
+        "`fedfm reproduce fedsdr --part fedsdr`, then `fedfm reproduce fedsdr --part personal`"
+    )
+    assert study.finish_commands(["fedit"]) == "`fedfm reproduce fedsdr --pilot`"
+    jobs = study.jobs(open_study(study.STUDY, Path("unused"), quick=True))
+    assert {j.name: study.PART_OF[j.name] for j in jobs if j.name in study.PART_OF} == {
+        j.name: j.part for j in jobs if j.name in study.PART_OF
+    }

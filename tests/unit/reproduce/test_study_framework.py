@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 
+from fedfm.errors import ConfigError
 from fedfm.reproduce import stats
 from fedfm.reproduce.framework import (
     Compute,
@@ -31,6 +32,7 @@ from fedfm.reproduce.framework import (
     RunView,
     Study,
     Unmet,
+    check_part,
     dry_run,
     merge,
     open_study,
@@ -359,6 +361,47 @@ def test_an_invocation_killed_by_sigkill_keeps_the_time_it_had_measured(tmp_path
 
 
 # ----------------------------------------------------------------------------- statistics
+
+
+def _parted_jobs(ctx: Context[Any]) -> list[Any]:
+    quiet = {"seconds": 0.0, "die": False}
+    return [
+        Compute("p", sleep_then, quiet, part="first"),
+        Compute("q", sleep_then, quiet, needs=("p",), part="second"),
+        Compute("r", sleep_then, quiet),  # no part: the main one
+    ]
+
+
+def test_a_part_runs_its_own_jobs_only_after_the_parts_it_needs(tmp_path, monkeypatch, capsys):
+    study = dataclasses.replace(TOY, name="parted", jobs=_parted_jobs, body=lambda c, r: [])
+    folder = tmp_path / "parted"
+
+    def ctx(part: str | None) -> Context[Any]:
+        return open_study(study, folder, grid={}, part=part)
+
+    with pytest.raises(ConfigError, match=r"no part 'third' \(its parts: first, second, main\)"):
+        check_part(study, ctx("third"))
+    with pytest.raises(ConfigError, match=r"q needs p, not finished: run .* --part first` first"):
+        check_part(study, ctx("second"))
+    lines = dry_run(study, ctx("first"))
+    assert lines[0].startswith("| job | kind | needs | part | status")
+    assert lines[-1].startswith("3 jobs, 1 to run in part first")
+    run_jobs(study, ctx("first"))
+    assert (folder / "p").is_dir() and not (folder / "q").exists() and not (folder / "r").exists()
+    check_part(study, ctx("second"))  # p is done now
+    run_jobs(study, ctx("second"))
+    assert (folder / "q").is_dir() and not (folder / "r").exists()
+    record = json.loads((folder / "study.json").read_text())
+    assert [i["command"] for i in record["invocations"]] == [
+        "fedfm reproduce parted --part first",
+        "fedfm reproduce parted --part second",
+    ]
+    assert {n: e["status"] for n, e in record["jobs"].items()} == {"p": "done", "q": "done"}
+    # A refusal on the command line is one line: FedSDR's parts, asked for one it lacks.
+    argv = ["reproduce", "fedsdr", "--quick", "--part", "nope", "--out", str(tmp_path / "f")]
+    code, out, err = run_cli(argv, monkeypatch, capsys)
+    assert code == 2 and len((out + err).strip().splitlines()) == 1
+    assert "its parts: pilot, fedsd, fedsdr, personal" in out + err
 
 
 def test_paired_statistics_by_hand():
