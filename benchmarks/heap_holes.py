@@ -12,11 +12,10 @@ process per allocator, the way a forked worker trains (:func:`map_large_allocati
 
 Each child prints the peak RSS of its training (``VmHWM`` reset once the model is loaded; one
 warm-up step, then the measured ones) above the RSS before it, and the mean time of a measured
-step. The system child also probes the cause once its model is loaded: a tensor freed and one
-of the same size allocated next (with a tensor allocated between, as autograd does): how often
-the new one reuses the freed block (glibc before 2.38 serves
-``posix_memalign``, which torch uses for 64-byte alignment, from a block larger than the size
-asked, so a freed block of the same size does not fit).
+step. Why glibc leaves holes (a reading, not measured here): torch asks for 64-byte aligned
+blocks (``posix_memalign``), for which glibc looks for a free block 96 bytes larger than the
+size; a freed activation's block fits the next request of its size only where the alignment
+remainder beside it was merged back, which glibc's caches of small blocks often prevent.
 
 Usage: .venv/bin/python benchmarks/heap_holes.py [--steps 8] [--jemalloc PATH]
 """
@@ -51,28 +50,11 @@ def _status_mib(key: str) -> int:
     raise KeyError(key)
 
 
-def reuse_probe(n: int = 50) -> int:
-    """How many of ``n`` same-size allocations reuse the block freed just before them."""
-    import torch
-
-    size, keep, reused = 512 * 576, [], 0  # a [4, 128, 576] bfloat16 activation
-    for _ in range(n):
-        a = torch.empty(size, dtype=torch.bfloat16)
-        freed = a.data_ptr()
-        keep.append(torch.empty(size, dtype=torch.bfloat16))  # allocated between, kept
-        del a
-        b = torch.empty(size, dtype=torch.bfloat16)
-        reused += b.data_ptr() == freed
-        keep.append(b)
-    return reused
-
-
 def child(steps: int) -> dict[str, Any]:
     """Trains one client for ``steps`` steps after a warm-up one; its memory and time."""
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import vs_flower
+    import vs_flower  # this folder: the script's own
     from fedfm.config import load_config
     from fedfm.core.train import local_train
     from fedfm.engine import build
@@ -80,16 +62,14 @@ def child(steps: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     glibc = "jemalloc" not in os.environ.get("LD_PRELOAD", "")
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as folder:
         size = vs_flower.LlmSize(steps=steps, clients=1, rounds=1)
-        task = build(load_config(vs_flower.llm_config(out, size, "heap"))).task
+        task = build(load_config(vs_flower.llm_config(folder, size, "heap"))).task
     model = task.build_model(seed=0)
     data, bs = task.client_data("0"), vs_flower.LLM_BATCH
     mallinfo2 = None
-    reused = None
     if glibc:
         map_large_allocations()  # as a worker: blocks under 2 MiB come from the heap
-        reused = reuse_probe()
         mallinfo2 = ctypes.CDLL(None).mallinfo2
         mallinfo2.restype = _MallInfo2
     at_forward_end: list[tuple[int, int]] = []
@@ -108,11 +88,11 @@ def child(steps: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     local_train(model, task.batches(data, bs, seed=1000), task.loss, task.run.train, steps)
     secs = (time.perf_counter() - t0) / steps
-    out = {"allocator": "system" if glibc else "jemalloc", "rss_before": before}
+    out: dict[str, Any] = {"allocator": "system" if glibc else "jemalloc", "rss_before": before}
     out.update(peak_rss=_status_mib("VmHWM"), step_s=secs)
     if at_forward_end:
         used, free = max(at_forward_end, key=lambda x: x[0] + x[1])
-        out.update(heap_used=used, heap_free=free, reused=reused, probes=50)
+        out.update(heap_used=used, heap_free=free)
     return out
 
 
@@ -129,7 +109,7 @@ def find_jemalloc() -> str | None:
     return ctypes.util.find_library("jemalloc")
 
 
-def run_child(steps: int, preload: str | None) -> dict[str, Any]:
+def run_child(steps: int, preload: str | None) -> Any:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     if preload:
         env["LD_PRELOAD"] = preload
@@ -141,8 +121,7 @@ def run_child(steps: int, preload: str | None) -> dict[str, Any]:
         raise SystemExit(
             f"heap_holes: the {'jemalloc' if preload else 'system'} child failed: {tail}"
         )
-    result: dict[str, Any] = json.loads(lines[-1][len(RESULT) :])
-    return result
+    return json.loads(lines[-1][len(RESULT) :])
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
@@ -167,8 +146,7 @@ def main() -> None:
     if "heap_used" in system:
         print(
             f"  glibc heap at a forward pass's end: {system['heap_used']} MiB in use,"
-            f" {system['heap_free']} MiB free in holes; a freed [4, 128, 576] block reused"
-            f" by the next allocation of its size {system['reused']} of {system['probes']} times"
+            f" {system['heap_free']} MiB free in holes"
         )
     lib = args.jemalloc or find_jemalloc()
     if lib is None:
