@@ -17,12 +17,16 @@ The job's last state of torch's default generator comes back with its result and
 the server when the result is handed on, so the server draws after an exchange exactly what
 it draws after running the same jobs one after the other.
 
-Memory: a worker maps every allocation of :data:`MMAP_THRESHOLD` bytes or more (``mallopt``,
-GNU C library only). glibc's default threshold grows to the largest block freed (up to 32 MiB),
-after which a training step's activations (1-3 MiB each for SmolLM2 at 4 x 128 tokens) come
-from the heap, whose holes between steps stay resident: with the fixed threshold, the two
-workers' summed peak of ``benchmarks/vs_flower.py --llm``'s fedfm side was about 0.12 GiB lower
-at no measured cost in wall time; 1 MiB saved 0.3 GiB but cost 5% (page faults).
+Memory: a worker maps every allocation of :data:`MMAP_THRESHOLD` bytes or more that no free
+block of its heap fits (``mallopt``, GNU C library only; glibc looks in its free blocks first,
+and a worker inherits the server's). glibc's default threshold grows to the largest block
+freed (up to 32 MiB), after which a training step's activations (1-3 MiB each for SmolLM2 at
+4 x 128 tokens) come from the heap, whose holes between steps stay resident: with the fixed
+threshold, the two workers' summed peak of ``benchmarks/vs_flower.py --llm``'s fedfm side was
+about 0.12 GiB lower at no measured cost in wall time; 1 MiB saved 0.3 GiB but cost 5% (page
+faults). Below the threshold, a worker's heap still holds about 0.3 GiB of free holes at a
+forward pass's end (``benchmarks/heap_holes.py``): glibc's, which only settings made when the
+server's process starts reduce.
 
 Threads: a worker gets its share of the threads. GNU OpenMP (torch's CPU thread pool on
 Linux) hangs in a forked child that starts a pool of more than one thread when the parent
