@@ -256,7 +256,7 @@ def jobs(ctx: Context[Grid]) -> list[Job]:
         *pilot,
         Run("fedsd", after("fedsd"), needs=("fedit",), group="train", part=PART_OF["fedsd"]),
         Run("fedsdr", after("fedsdr"), ("fedit", "fedsd"), "fedsdr", PART_OF["fedsdr"]),
-        Compute(PERSONAL, score_personal, personal, ("fedsdr",), part=PART_OF[PERSONAL]),
+        Compute(PERSONAL, score_personal, personal, ("fedsdr",), PERSONAL, PART_OF[PERSONAL]),
         Run("matched", after("matched"), ("fedit", "fedsd"), "train", PART_OF["matched"]),
     ]
 

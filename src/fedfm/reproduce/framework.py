@@ -869,6 +869,20 @@ def open_study(
     )
 
 
+def _done_in(jobs: Sequence[Job], ctx: Context[Any]) -> set[str]:
+    """The jobs whose folders hold their finished work (a job is judged once its needs are)."""
+    before, done = set(ctx.done), set(ctx.done)
+    try:
+        while True:
+            ctx.done = set(done)
+            new = {j.name for j in jobs if j.name not in done and _prepare(j, ctx).what == "done"}
+            if not new:
+                return done
+            done |= new
+    finally:
+        ctx.done = before
+
+
 def check_part(study: Study[Any, Any], ctx: Context[Any]) -> None:
     """Refuses a part the study does not have, or whose jobs need another part not yet run.
 
@@ -882,12 +896,12 @@ def check_part(study: Study[Any, Any], ctx: Context[Any]) -> None:
     if ctx.pilot or ctx.part not in parts:
         got = "--pilot with --part" if ctx.pilot else f"no part {ctx.part!r}"
         raise ConfigError("part", f"study {study.name} has {got} (its parts: {', '.join(parts)})")
-    mine = [j for j in jobs if part_of(j) == ctx.part]
+    done = _done_in(jobs, ctx)
     by_name = {j.name: j for j in jobs}
-    for job in mine:
+    for job in (j for j in jobs if part_of(j) == ctx.part):
         for n in job.needs:
             other = by_name[n]
-            if part_of(other) != ctx.part and _prepare(other, ctx).what != "done":
+            if part_of(other) != ctx.part and n not in done:
                 raise ConfigError(
                     "part",
                     f"{job.name} needs {n}, not finished: run `fedfm reproduce {study.name}"

@@ -367,7 +367,8 @@ def _parted_jobs(ctx: Context[Any]) -> list[Any]:
     quiet = {"seconds": 0.0, "die": False}
     return [
         Compute("p", sleep_then, quiet, part="first"),
-        Compute("q", sleep_then, quiet, needs=("p",), part="second"),
+        Compute("p2", sleep_then, quiet, needs=("p",), part="first"),  # done once p is
+        Compute("q", sleep_then, quiet, needs=("p2",), part="second"),
         Compute("r", sleep_then, quiet),  # no part: the main one
     ]
 
@@ -381,14 +382,15 @@ def test_a_part_runs_its_own_jobs_only_after_the_parts_it_needs(tmp_path, monkey
 
     with pytest.raises(ConfigError, match=r"no part 'third' \(its parts: first, second, main\)"):
         check_part(study, ctx("third"))
-    with pytest.raises(ConfigError, match=r"q needs p, not finished: run .* --part first` first"):
+    with pytest.raises(ConfigError, match=r"q needs p2, not finished: run .* --part first` first"):
         check_part(study, ctx("second"))
     lines = dry_run(study, ctx("first"))
     assert lines[0].startswith("| job | kind | needs | part | status")
-    assert lines[-1].startswith("3 jobs, 1 to run in part first")
+    assert lines[-1].startswith("4 jobs, 2 to run in part first")
     run_jobs(study, ctx("first"))
-    assert (folder / "p").is_dir() and not (folder / "q").exists() and not (folder / "r").exists()
-    check_part(study, ctx("second"))  # p is done now
+    assert (folder / "p2").is_dir() and not (folder / "q").exists()
+    assert not (folder / "r").exists()
+    check_part(study, ctx("second"))  # p and p2 are done now
     run_jobs(study, ctx("second"))
     assert (folder / "q").is_dir() and not (folder / "r").exists()
     record = json.loads((folder / "study.json").read_text())
@@ -396,7 +398,9 @@ def test_a_part_runs_its_own_jobs_only_after_the_parts_it_needs(tmp_path, monkey
         "fedfm reproduce parted --part first",
         "fedfm reproduce parted --part second",
     ]
-    assert {n: e["status"] for n, e in record["jobs"].items()} == {"p": "done", "q": "done"}
+    assert {n: e["status"] for n, e in record["jobs"].items()} == dict.fromkeys(
+        ("p", "p2", "q"), "done"
+    )
     # A refusal on the command line is one line: FedSDR's parts, asked for one it lacks.
     argv = ["reproduce", "fedsdr", "--quick", "--part", "nope", "--out", str(tmp_path / "f")]
     code, out, err = run_cli(argv, monkeypatch, capsys)
