@@ -778,6 +778,7 @@ def time_lines(ctx: Context[Any], jobs: Sequence[Job]) -> list[str]:
         v = {k: f"{float(i.get(f'{k}_s', 0.0)) / 60:.1f}" for k in ("wall", "cpu")}
         v.update({k: num((i.get(k) or [math.nan])[0], 1) for k in ("load_start", "load_end")})
         v.update(started=i.get("started", "?"), ran=i["ran"], workers=i.get("workers", 1))
+        v.update(command=i.get("command", "?"))
         each.append(TEXT("invocation", v))
     wall, cpu = (f"{sum(float(i.get(k, 0.0)) for i in ran) / 60:.1f}" for k in ("wall_s", "cpu_s"))
     invocations = TEXT("invocations", values, wall=wall, cpu=cpu, each=each)
