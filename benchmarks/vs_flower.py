@@ -28,7 +28,11 @@ Ray actor of one thread per core (each client its own process), fedfm ``--llm-th
 threads shared by its clients trained side by side in worker processes forked from the server
 (``clients.parallel``, ``--llm-parallel``: auto, from the cores and the memory plan), which
 share the one base. The ratios flower/fedfm of wall time and of peak memory are printed last
-(targets: fedfm wall <= 0.75x Flower's, fedfm peak <= 0.5x Flower's summed peak).
+(targets: fedfm wall <= 0.75x Flower's, fedfm peak <= 0.5x Flower's summed peak). Each side
+runs under the C allocator its own command would: fedfm's child under the one ``fedfm run``
+starts with (jemalloc where installed, on glibc: :mod:`fedfm.allocator`), Flower's under this
+script's; ``LD_PRELOAD`` of jemalloc puts both on jemalloc, ``FEDFM_ALLOCATOR=system`` both
+on the C library's. Each side's line names its allocator.
 
 The final global adapters of the two sides are compared tensor by tensor: Flower's arrays are
 keyed by the peft model's parameter names (``...q_proj.lora_A.default.weight``), fedfm's by
@@ -447,6 +451,24 @@ def llm_child(side: str, out: str, size: LlmSize, threads: int, parallel: str) -
         )
 
 
+def side_env(env: dict[str, str]) -> dict[str, str]:
+    """fedfm's side runs under the C allocator that ``fedfm run`` would start with (jemalloc
+    where installed, on glibc; ``FEDFM_ALLOCATOR``); Flower's under this process's."""
+    import platform
+
+    from fedfm.allocator import find_jemalloc, relaunch_env
+
+    glibc = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+    return relaunch_env(["fedfm", "run"], env, find_jemalloc(), glibc) or env
+
+
+def allocator_of(env: dict[str, str]) -> str:
+    """The allocator a side's environment preloads: jemalloc or the C library's."""
+    from fedfm.allocator import preloaded
+
+    return "jemalloc" if preloaded(env) else "system malloc"
+
+
 def llm_side(
     side: str, out: str, size: LlmSize, threads: int, parallel: str = "1"
 ) -> tuple[float, int, int]:
@@ -455,6 +477,8 @@ def llm_side(
     cmd = [sys.executable, __file__, "--llm-child", side, "--out", out, *size.args()]
     cmd += ["--llm-threads", str(threads), "--llm-parallel", parallel]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    if side == "fedfm":
+        env = side_env(env)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with PeakRss({side: [proc.pid]}, every_s=0.25) as mem:
@@ -476,15 +500,17 @@ def llm_case(size: LlmSize, threads: int, parallel: str, tolerance: float) -> bo
     with tempfile.TemporaryDirectory() as out:
         llm_prepare(out, size)
         emb_wall, emb_rss, emb_mem = llm_side("fedfm", out, size, threads, parallel)
+        mine = allocator_of(side_env(dict(os.environ)))
         print(
-            f"fedfm embedded ({threads} torch threads, clients.parallel={parallel}):"
+            f"fedfm embedded ({threads} torch threads, clients.parallel={parallel}, {mine}):"
             f" {emb_wall:.1f} s, peak summed over processes: PSS {emb_mem / 2**30:.2f} GiB,"
             f" RSS {emb_rss / 2**30:.2f} GiB",
             flush=True,
         )
         fl_wall, fl_rss, fl_mem = llm_side("flower", out, size, 1)
         print(
-            f"Flower simulation (FlowerTune layout, {os.cpu_count()} Ray actors of 1 thread):"
+            f"Flower simulation (FlowerTune layout, {os.cpu_count()} Ray actors of 1 thread,"
+            f" {allocator_of(dict(os.environ))}):"
             f" {fl_wall:.1f} s, peak summed over processes: PSS {fl_mem / 2**30:.2f} GiB,"
             f" RSS {fl_rss / 2**30:.2f} GiB",
             flush=True,

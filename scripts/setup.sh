@@ -87,6 +87,14 @@ HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
   .venv/bin/python -c 'from fedfm.models.causal_lm import smollm2_dir; smollm2_dir()'
 wait "$fetch"
 
+# jemalloc, which `fedfm run` preloads where it is installed (src/fedfm/allocator.py: glibc keeps
+# a training worker's freed activations as resident holes); optional, installed where root can.
+if ! .venv/bin/python -c 'import sys; from fedfm.allocator import find_jemalloc; sys.exit(find_jemalloc() is None)' \
+  && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2) >/dev/null \
+    || echo "setup: could not install libjemalloc2; runs use the C library's allocator" >&2
+fi
+
 if [ "$TEST" = 1 ]; then
   "${UV[@]}" "$TORCH" -e ".[dev]"
   test_assets

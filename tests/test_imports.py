@@ -26,6 +26,7 @@ LAYERS = (
     "errors",
     "registry",
     "devices",
+    "allocator",
     "tblog",
     "core",
     "config",

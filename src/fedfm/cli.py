@@ -222,6 +222,13 @@ app.command("flower-certs")(flower_commands.flower_certs)
 
 def main() -> None:
     """Entry point: run the app, turning fedfm errors into one line and an exit code."""
+    from fedfm.allocator import AllocatorError, relaunch_if_wanted
+
+    try:
+        relaunch_if_wanted()  # a training command starts again with jemalloc, where found
+    except AllocatorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     _offline_defaults()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -513,12 +514,15 @@ def _compute(cfg: RunConfig, task: Task) -> dict[str, Any]:
     tell what its numbers were computed in. (DP-SGD keeps no float16 autocast: see
     :func:`fedfm.devices.autocast`.)
     """
+    from fedfm.allocator import preloaded
     from fedfm.devices import autocast_in_effect
 
     device = cfg.torch_device()
     wanted = bool(getattr(getattr(task, "cfg", None), "autocast_bf16", False))
     dtype = autocast_in_effect(device, wanted)
-    return {"device": str(device), "autocast": str(dtype).removeprefix("torch.") if dtype else None}
+    autocast = str(dtype).removeprefix("torch.") if dtype else None
+    allocator = "jemalloc" if preloaded(os.environ) else "system"  # memory, not numbers
+    return {"device": str(device), "autocast": autocast, "allocator": allocator}
 
 
 def _change(folder: RunFolder, primary: str) -> dict[str, Any]:
