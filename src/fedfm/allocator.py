@@ -7,9 +7,9 @@ worker of ``benchmarks/vs_flower.py --llm`` holds about 0.3 GiB of free heap at 
 pass's end (``benchmarks/heap_holes.py``). jemalloc reuses them; an allocator is chosen when
 a process starts, and the embedded runtime's workers are forked from the command's process
 (so that they share the base model), so ``fedfm run`` and ``fedfm reproduce`` start again
-with jemalloc preloaded (``LD_PRELOAD``) where the library is found. Measured on the LLM
-workload, both sides under the same allocator: fedfm's summed peak PSS 2.35-2.39 GiB with
-glibc, 1.81 GiB with jemalloc, at 104-112 s against 97 s.
+with jemalloc preloaded (``LD_PRELOAD``) where the library is found. Measured on that
+workload: fedfm's summed peak PSS 2.35 and 2.39 GiB with glibc (104.2 and 111.6 s), 1.81 GiB
+with jemalloc (97.1 and 100.9 s).
 
 ``FEDFM_ALLOCATOR``: ``auto`` (the default: jemalloc where found), ``system`` (never), or
 ``jemalloc`` (required: a one-line error where it is not found). Numbers do not depend on the
