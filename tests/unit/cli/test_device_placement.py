@@ -69,9 +69,14 @@ def test_the_summary_records_the_precision_the_run_computed_in(monkeypatch, nati
     from fedfm.engine import _compute
 
     monkeypatch.setattr(devices, "cpu_bf16_native", lambda: native)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     cfg = load_config({"device": "cpu"})
     on, off = (SimpleNamespace(cfg=SimpleNamespace(autocast_bf16=b)) for b in (True, False))
-    assert _compute(cfg, on) == {"device": "cpu", "autocast": "bfloat16" if native else None}
+    dtype = "bfloat16" if native else None
+    assert _compute(cfg, on) == {"device": "cpu", "autocast": dtype, "allocator": "system"}
+    # The C allocator too: memory, not numbers, but a run folder read elsewhere says which.
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert _compute(cfg, on)["allocator"] == "jemalloc"
     assert _compute(cfg, off)["autocast"] is None
     assert _compute(cfg, SimpleNamespace(cfg=SimpleNamespace()))["autocast"] is None
 
