@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import ctypes.util
-import glob
 import json
 import os
 import subprocess
@@ -33,6 +31,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from fedfm.allocator import find_jemalloc
 
 RESULT = "RESULT "  # the child's one line of JSON
 
@@ -96,19 +96,6 @@ def child(steps: int) -> dict[str, Any]:
     return out
 
 
-def find_jemalloc() -> str | None:
-    """The path of jemalloc's shared library on this machine, if any."""
-    for pattern in (
-        "/usr/lib/*/libjemalloc.so.2",
-        "/usr/lib/libjemalloc.so.2",
-        "/usr/lib64/libjemalloc.so.2",
-    ):
-        hits = sorted(glob.glob(pattern))
-        if hits:
-            return hits[0]
-    return ctypes.util.find_library("jemalloc")
-
-
 def run_child(steps: int, preload: str | None) -> Any:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     if preload:
@@ -148,7 +135,7 @@ def main() -> None:
             f"  glibc heap at a forward pass's end: {system['heap_used']} MiB in use,"
             f" {system['heap_free']} MiB free in holes"
         )
-    lib = args.jemalloc or find_jemalloc()
+    lib = args.jemalloc or find_jemalloc()  # where `fedfm run` looks
     if lib is None:
         print("jemalloc: not found on this machine (--jemalloc PATH to name it)")
         return
