@@ -894,9 +894,12 @@ def check_part(study: Study[Any, Any], ctx: Context[Any]) -> None:
         return
     jobs = _plan(study, ctx)
     parts = list(dict.fromkeys(part_of(j) for j in jobs))
-    if ctx.pilot or ctx.part not in parts:
-        got = "--pilot with --part" if ctx.pilot else f"no part {ctx.part!r}"
-        raise ConfigError("part", f"study {study.name} has {got} (its parts: {', '.join(parts)})")
+    if ctx.pilot:
+        raise ConfigError("part", "--pilot and --part together: name one of them")
+    if ctx.part not in parts:
+        raise ConfigError(
+            "part", f"study {study.name} has no part {ctx.part!r} (its parts: {', '.join(parts)})"
+        )
     done = _done_in(jobs, ctx)
     by_name = {j.name: j for j in jobs}
     for job in (j for j in jobs if part_of(j) == ctx.part):
